@@ -1,0 +1,45 @@
+# One-command developer loop. Every target creates .venv itself (idempotently).
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+# torch is pinned to the CPU build that lies on disk in the dev environment; a looser pin pulls a
+# multi-GB CUDA build. Override with TORCH_SPEC='torch' on machines that want the default wheel.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: venv deps test test-slow lint demo proto bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/system-deps.sh
+	@test -x $(VPY) || $(PY) -m venv $(VENV)
+	@$(VPY) -m pip install -q --upgrade pip
+	@$(VPY) -m pip install -q "$(TORCH_SPEC)" numpy
+	@$(VPY) -m pip install -q -e '.[dev,gpu]'
+	@bash scripts/system-deps.sh $(VENV)
+	@touch $(STAMP)
+
+deps: venv
+
+test: venv
+	@$(VPY) -m ruff check .
+	@$(VPY) -m pytest -q -m "not slow"
+
+test-slow: venv
+	@$(VPY) -m pytest -q -m slow
+
+lint: venv
+	@$(VPY) -m ruff check .
+	@$(VPY) -m ruff format --check .
+
+proto: venv
+	@$(VPY) scripts/gen_proto.py
+
+demo: venv
+	@$(VPY) -m kspeed.demo
+
+bench: venv
+	@$(VPY) bench/rails.py --json bench/results/rails.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

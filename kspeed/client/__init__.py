@@ -1,0 +1,1 @@
+"""KSpeedClient: the training-side library (epoch plans, receive ring, delivery)."""

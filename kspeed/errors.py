@@ -1,0 +1,144 @@
+"""The one exception hierarchy of KSpeed.
+
+Every error KSpeed raises to its users derives from :class:`KSpeedError`; errors of gRPC, the
+operating system and the transports are converted at the boundary (``raise ... from``)::
+
+    KSpeedError
+    ├── ConfigError              a configuration value is missing or invalid
+    ├── ProtocolError            a peer sent something this side cannot accept
+    │   └── VersionMismatchError no protocol version in common
+    ├── AuthError                missing or wrong credentials
+    ├── UnavailableError         a daemon cannot be reached
+    ├── NotFoundError            a named thing (server, dataset, sample) does not exist
+    ├── StateError               an operation in the wrong lifecycle state
+    ├── CapacityError            not enough memory, ring space or regions
+    ├── DatasetError             a dataset cannot be listed, loaded or served
+    │   ├── BackendError         the backend storage refused or failed a read
+    │   ├── AccessDeniedError    a URI outside the operator's allow-list
+    │   └── IntegrityError       a checksum mismatch
+    └── TransportError           the data plane failed
+        ├── RailUnavailableError a rail is unknown or unusable on this host
+        ├── RangeError           a write outside the granted range
+        └── PeerLostError        the peer died or the link was cut
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AccessDeniedError",
+    "AuthError",
+    "BackendError",
+    "CapacityError",
+    "ConfigError",
+    "DatasetError",
+    "IntegrityError",
+    "KSpeedError",
+    "NotFoundError",
+    "PeerLostError",
+    "ProtocolError",
+    "RailUnavailableError",
+    "RangeError",
+    "StateError",
+    "TransportError",
+    "UnavailableError",
+    "VersionMismatchError",
+]
+
+
+class KSpeedError(Exception):
+    """Base of every error KSpeed raises."""
+
+
+class ConfigError(KSpeedError):
+    """A configuration value is missing or invalid.
+
+    Args:
+        message: what is wrong.
+        field: the configuration field, e.g. ``"server.memory"``.
+        value: the offending value as given.
+        source: where the value came from (file, environment variable, flag).
+    """
+
+    def __init__(
+        self, message: str, *, field: str | None = None, value: object = None, source: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.field = field
+        self.value = value
+        self.source = source
+
+
+class ProtocolError(KSpeedError):
+    """A peer sent a message this side cannot accept."""
+
+
+class VersionMismatchError(ProtocolError):
+    """The two sides share no protocol version."""
+
+    def __init__(self, message: str, *, local: tuple[int, ...] = (), remote: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.local = tuple(local)
+        self.remote = tuple(remote)
+
+
+class AuthError(KSpeedError):
+    """Missing or wrong credentials (token, TLS, data-plane handshake)."""
+
+
+class UnavailableError(KSpeedError):
+    """A daemon cannot be reached (down, wrong address, network)."""
+
+
+class NotFoundError(KSpeedError):
+    """A named object (server, dataset, sample) does not exist."""
+
+
+class StateError(KSpeedError):
+    """An operation was attempted in a lifecycle state that does not allow it."""
+
+
+class CapacityError(KSpeedError):
+    """Not enough of a bounded resource: memory, regions, ring space."""
+
+
+class DatasetError(KSpeedError):
+    """A dataset cannot be listed, loaded or served.
+
+    Args:
+        message: what is wrong.
+        dataset: the dataset's name, when known.
+        sample: the sample id or key concerned, when known.
+    """
+
+    def __init__(self, message: str, *, dataset: str | None = None, sample: object = None) -> None:
+        super().__init__(message)
+        self.dataset = dataset
+        self.sample = sample
+
+
+class BackendError(DatasetError):
+    """The backend storage refused or failed a listing or a read."""
+
+
+class AccessDeniedError(DatasetError):
+    """A backend URI lies outside the operator's allow-list."""
+
+
+class IntegrityError(DatasetError):
+    """A sample's bytes do not match their checksum."""
+
+
+class TransportError(KSpeedError):
+    """The data plane failed."""
+
+
+class RailUnavailableError(TransportError):
+    """A rail is unknown or cannot be used on this host."""
+
+
+class RangeError(TransportError):
+    """A write would land outside the region or range it was granted."""
+
+
+class PeerLostError(TransportError):
+    """The peer of a data-plane connection died or the link was cut."""

@@ -1,0 +1,1 @@
+"""ServiceManager: registry, allocation, health (the `kspeed-manager` daemon)."""

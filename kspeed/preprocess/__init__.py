@@ -1,0 +1,1 @@
+"""Preprocessing pipelines and their placement between servers and clients."""

@@ -1,0 +1,1 @@
+"""Data plane: the transport seam and its rails (shm, tcp; verbs later)."""

@@ -1,0 +1,1 @@
+"""KSpeedServer: memory pool, sample index, preload and feeding (the `kspeed-server` daemon)."""

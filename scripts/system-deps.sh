@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Install the Debian packages KSpeed's tests and benchmarks use, when missing and possible, and
+# link the distribution's pyverbs (rdma-core) into the virtual environment. PyPI's pyverbs does
+# not work; the RDMA rail needs the distribution's build.
+set -u
+venv=${1:-.venv}
+want=()
+dpkg -s python3-pyverbs >/dev/null 2>&1 || want+=(python3-pyverbs)
+command -v redis-server >/dev/null 2>&1 || want+=(redis-server)
+command -v ip >/dev/null 2>&1 || want+=(iproute2)
+if [ ${#want[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing Debian packages: ${want[*]}"
+    apt-get update -qq >/dev/null 2>&1 || true
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${want[@]}" >/dev/null 2>&1 \
+      || echo "warning: could not install ${want[*]}; tests that need them will skip"
+  else
+    echo "note: install these Debian packages for the full test suite: ${want[*]} (tests that need them skip)"
+  fi
+fi
+# Make the distribution's pyverbs importable from the venv (a .pth line, not a copy).
+site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+if [ -d /usr/lib/python3/dist-packages/pyverbs ]; then
+  mkdir -p "$site/kspeed_pyverbs"
+  ln -sfn /usr/lib/python3/dist-packages/pyverbs "$site/kspeed_pyverbs/pyverbs"
+  echo "$site/kspeed_pyverbs" > "$site/kspeed-pyverbs.pth"
+fi
+exit 0
