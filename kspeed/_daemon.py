@@ -1,0 +1,58 @@
+"""Start-up plumbing shared by the daemons: logging, state directory, ready file, fatal errors."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+
+from kspeed.errors import ConfigError, KSpeedError
+
+
+def setup_logging(level: str) -> None:
+    """One log format for every daemon, on stderr."""
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def ensure_state_dir(path: str, field: str) -> str:
+    """Create ``path`` if needed and check that it is writable.
+
+    Raises:
+        ConfigError: naming the field and the directory when it cannot be used.
+    """
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".probe-"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{field}: cannot use {path!r} as a state directory: {exc.strerror}",
+                          field=field, value=path) from exc
+    return os.path.abspath(path)
+
+
+def write_ready_file(path: str, payload: dict) -> None:
+    """Atomically write the daemon's bound addresses for supervisors (``kspeed up``, tests)."""
+    if not path:
+        return
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(payload, fh)
+    os.replace(tmp, path)
+
+
+def run_main(prog: str, body: Callable[[], int | None]) -> int:
+    """Run a daemon's body, turning KSpeed errors into one line on stderr and exit status 2."""
+    try:
+        return body() or 0
+    except KSpeedError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

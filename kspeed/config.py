@@ -1,0 +1,425 @@
+"""Typed configuration of every KSpeed process, read in this one module.
+
+Each process has a dataclass whose fields carry their own help text, environment variable, parser
+and check. Values are merged in a fixed order: defaults, then the YAML file (``--config`` or
+``KSPEED_CONFIG``; the section named after the component plus a shared ``security`` section), then
+``KSPEED_*`` environment variables, then command-line flags. A bad value raises
+:class:`~kspeed.errors.ConfigError` naming the field, the value and where it came from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import yaml
+
+from kspeed.errors import ConfigError
+
+__all__ = [
+    "ClientConfig",
+    "ManagerConfig",
+    "SecurityConfig",
+    "ServerConfig",
+    "load_config",
+    "parse_address",
+    "parse_bytes",
+    "parse_duration",
+]
+
+C = TypeVar("C")
+
+_BYTE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "ki": 1024, "kib": 1024,
+    "m": 1000**2, "mb": 1000**2, "mi": 1024**2, "mib": 1024**2,
+    "g": 1000**3, "gb": 1000**3, "gi": 1024**3, "gib": 1024**3,
+    "t": 1000**4, "tb": 1000**4, "ti": 1024**4, "tib": 1024**4,
+}  # fmt: skip
+_DURATION_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "m": 60.0, "min": 60.0, "h": 3600.0}
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsers: each takes the raw value (a string from env/flags, or a YAML scalar) and returns the
+# typed value or raises ValueError with a short reason.
+
+
+def parse_bytes(raw: object) -> int:
+    """Parse a byte size such as ``134217728``, ``128MiB`` or ``64G`` (SI and IEC units)."""
+    if isinstance(raw, bool):
+        raise ValueError("expected a byte size")
+    if isinstance(raw, int):
+        value = raw
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(raw))
+        if not match or match.group(2).lower() not in _BYTE_UNITS:
+            raise ValueError("expected a byte size like 512MiB, 64G or 1048576")
+        value = int(float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()])
+    if value < 0:
+        raise ValueError("must not be negative")
+    return value
+
+
+def parse_duration(raw: object) -> float:
+    """Parse a duration such as ``2.5``, ``500ms``, ``10s`` or ``1m`` into seconds."""
+    if isinstance(raw, bool):
+        raise ValueError("expected a duration")
+    if isinstance(raw, (int, float)):
+        value = float(raw)
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", str(raw))
+        if not match or match.group(2) not in _DURATION_UNITS:
+            raise ValueError("expected a duration like 500ms, 10s or 2m")
+        value = float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+    if value <= 0:
+        raise ValueError("must be positive")
+    return value
+
+
+def parse_address(raw: object) -> str:
+    """Check a ``host:port`` address (port 0 means any free port) and return it normalized."""
+    text = str(raw).strip()
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError("expected host:port with a port between 0 and 65535")
+    return f"{host}:{int(port)}"
+
+
+def _parse_optional_address(raw: object) -> str:
+    return "" if raw in (None, "") else parse_address(raw)
+
+
+def _parse_bool(raw: object) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected true or false")
+
+
+def _parse_int(raw: object) -> int:
+    if isinstance(raw, bool):
+        raise ValueError("expected an integer")
+    try:
+        value = int(str(raw).strip())
+    except ValueError:
+        raise ValueError("expected an integer") from None
+    if value < 0:
+        raise ValueError("must not be negative")
+    return value
+
+
+def _parse_str(raw: object) -> str:
+    return "" if raw is None else str(raw)
+
+
+def _parse_list(raw: object) -> tuple[str, ...]:
+    if isinstance(raw, (list, tuple)):
+        items = [str(item).strip() for item in raw]
+    else:
+        items = [item.strip() for item in str(raw).split(",")]
+    return tuple(item for item in items if item)
+
+
+def _choice(*choices: str) -> Callable[[object], str]:
+    def parse(raw: object) -> str:
+        text = str(raw).strip().lower()
+        if text not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}")
+        return text
+
+    return parse
+
+
+def option(default: Any, help: str, *, parse: Callable[[object], Any] = _parse_str, env: str = "") -> Any:
+    """Declare a configuration field with its help text, parser and environment variable."""
+    kwargs: dict[str, Any] = {"metadata": {"help": help, "parse": parse, "env": env}}
+    if isinstance(default, (list, dict, set)):
+        kwargs["default_factory"] = lambda: type(default)(default)
+    else:
+        kwargs["default"] = default
+    return dataclasses.field(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# The configurations
+
+
+@dataclasses.dataclass
+class SecurityConfig:
+    """Credentials shared by every process: bearer token and optional TLS."""
+
+    auth: str = option("token", "token: every RPC must carry the bearer token; none: no auth "
+                       "(only for loopback-only clusters)", parse=_choice("token", "none"), env="KSPEED_AUTH")
+    token_file: str = option("", "file holding the bearer token", env="KSPEED_TOKEN_FILE")
+    token: str = option("", "the bearer token itself (prefer token_file)", env="KSPEED_TOKEN")
+    tls_cert: str = option("", "PEM certificate of this daemon's gRPC server", env="KSPEED_TLS_CERT")
+    tls_key: str = option("", "PEM private key of this daemon's gRPC server", env="KSPEED_TLS_KEY")
+    tls_ca: str = option("", "PEM CA bundle to verify daemons with (enables TLS on channels)",
+                         env="KSPEED_TLS_CA")
+
+    def validate(self) -> None:
+        """Resolve the token from its file and check that the settings fit together."""
+        if self.token_file:
+            try:
+                with open(self.token_file, encoding="utf-8") as fh:
+                    self.token = fh.read().strip()
+            except OSError as exc:
+                raise ConfigError(
+                    f"security.token_file: cannot read {self.token_file!r}: {exc.strerror}",
+                    field="security.token_file", value=self.token_file,
+                ) from exc
+            if not self.token:
+                raise ConfigError(f"security.token_file: {self.token_file!r} is empty",
+                                  field="security.token_file", value=self.token_file)
+        if self.auth == "token" and not self.token:
+            raise ConfigError(
+                "security.auth is 'token' but no token is configured: set token_file (KSPEED_TOKEN_FILE) "
+                "or KSPEED_TOKEN, or run with auth none explicitly (loopback-only clusters)",
+                field="security.auth", value=self.auth,
+            )
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("security.tls_cert and security.tls_key must be given together",
+                              field="security.tls_cert", value=self.tls_cert or self.tls_key)
+        for name in ("tls_cert", "tls_key", "tls_ca"):
+            path = getattr(self, name)
+            if path and not os.access(path, os.R_OK):
+                raise ConfigError(f"security.{name}: cannot read {path!r}", field=f"security.{name}", value=path)
+
+    def read_pem(self, name: str) -> bytes | None:
+        """The bytes of one of the TLS files (``tls_cert``, ``tls_key``, ``tls_ca``), or None."""
+        path = getattr(self, name)
+        if not path:
+            return None
+        with open(path, "rb") as fh:
+            return fh.read()
+
+
+@dataclasses.dataclass
+class ManagerConfig:
+    """Configuration of ``kspeed-manager``."""
+
+    listen: str = option("127.0.0.1:7070", "gRPC listen address", parse=parse_address,
+                         env="KSPEED_MANAGER_LISTEN")
+    http_listen: str = option("127.0.0.1:7080", "HTTP listen address (/healthz, /readyz, /metrics, /v1/status)",
+                              parse=parse_address, env="KSPEED_MANAGER_HTTP_LISTEN")
+    state_dir: str = option("/var/lib/kspeed/manager", "directory of the registry database",
+                            env="KSPEED_MANAGER_STATE_DIR")
+    heartbeat_interval: float = option(1.0, "how often servers heartbeat", parse=parse_duration,
+                                       env="KSPEED_HEARTBEAT_INTERVAL")
+    suspect_after: float = option(3.0, "silence after which a server is suspect", parse=parse_duration,
+                                  env="KSPEED_SUSPECT_AFTER")
+    fail_after: float = option(10.0, "silence after which a server is failed", parse=parse_duration,
+                               env="KSPEED_FAIL_AFTER")
+    probe_interval: float = option(2.0, "period of the manager's active health probes", parse=parse_duration,
+                                   env="KSPEED_PROBE_INTERVAL")
+    probe_timeout: float = option(1.0, "deadline of one health probe", parse=parse_duration,
+                                  env="KSPEED_PROBE_TIMEOUT")
+    max_request_bytes: int = option(4 * 1024**2, "largest accepted gRPC request", parse=parse_bytes,
+                                    env="KSPEED_MAX_REQUEST_BYTES")
+    log_level: str = option("info", "log level", parse=_choice("debug", "info", "warning", "error"),
+                            env="KSPEED_LOG_LEVEL")
+    ready_file: str = option("", "write the bound addresses as JSON to this file once ready",
+                             env="KSPEED_MANAGER_READY_FILE")
+    security: SecurityConfig = dataclasses.field(default_factory=SecurityConfig)
+
+    def validate(self) -> None:
+        """Check cross-field rules."""
+        if not self.suspect_after < self.fail_after:
+            raise ConfigError(
+                f"manager.suspect_after ({self.suspect_after}s) must be shorter than "
+                f"manager.fail_after ({self.fail_after}s)", field="manager.suspect_after", value=self.suspect_after)
+        if not self.heartbeat_interval < self.suspect_after:
+            raise ConfigError(
+                f"manager.heartbeat_interval ({self.heartbeat_interval}s) must be shorter than "
+                f"manager.suspect_after ({self.suspect_after}s)",
+                field="manager.heartbeat_interval", value=self.heartbeat_interval)
+        self.security.validate()
+
+
+@dataclasses.dataclass
+class ServerConfig:
+    """Configuration of ``kspeed-server``."""
+
+    manager: str = option("127.0.0.1:7070", "the manager's gRPC address", parse=parse_address,
+                          env="KSPEED_MANAGER")
+    listen: str = option("0.0.0.0:7071", "gRPC listen address", parse=parse_address, env="KSPEED_SERVER_LISTEN")
+    advertise: str = option("", "address announced to the manager and clients (default: listen, with "
+                            "the hostname for a wildcard host)", parse=_parse_optional_address,
+                            env="KSPEED_SERVER_ADVERTISE")
+    http_listen: str = option("0.0.0.0:7081", "HTTP listen address (/healthz, /metrics)", parse=parse_address,
+                              env="KSPEED_SERVER_HTTP_LISTEN")
+    state_dir: str = option("/var/lib/kspeed/server", "directory of the server's identity and state",
+                            env="KSPEED_SERVER_STATE_DIR")
+    server_id: str = option("", "stable server id (default: generated once and kept in state_dir)",
+                            env="KSPEED_SERVER_ID")
+    memory: int = option(1024**3, "memory this server may pool", parse=parse_bytes, env="KSPEED_SERVER_MEMORY")
+    region_size: int = option(128 * 1024**2, "bytes per registered region", parse=parse_bytes,
+                              env="KSPEED_REGION_SIZE")
+    cores: int = option(0, "CPU cores this server may use (0: all it is allowed to run on)", parse=_parse_int,
+                        env="KSPEED_SERVER_CORES")
+    transports: tuple[str, ...] = option(("shm", "tcp"), "data-plane rails to offer", parse=_parse_list,
+                                         env="KSPEED_SERVER_TRANSPORTS")
+    drain_timeout: float = option(10.0, "longest wait for in-flight work on SIGTERM", parse=parse_duration,
+                                  env="KSPEED_DRAIN_TIMEOUT")
+    max_request_bytes: int = option(64 * 1024**2, "largest accepted gRPC request", parse=parse_bytes,
+                                    env="KSPEED_MAX_REQUEST_BYTES")
+    log_level: str = option("info", "log level", parse=_choice("debug", "info", "warning", "error"),
+                            env="KSPEED_LOG_LEVEL")
+    ready_file: str = option("", "write the bound addresses as JSON to this file once ready",
+                             env="KSPEED_SERVER_READY_FILE")
+    security: SecurityConfig = dataclasses.field(default_factory=SecurityConfig)
+
+    def validate(self) -> None:
+        """Check cross-field rules."""
+        page = os.sysconf("SC_PAGE_SIZE")
+        if self.region_size < page or self.region_size % page:
+            raise ConfigError(f"server.region_size: {self.region_size} is not a positive multiple of the "
+                              f"page size ({page})", field="server.region_size", value=self.region_size)
+        if self.memory and self.memory < self.region_size:
+            raise ConfigError(f"server.memory: {self.memory} bytes is less than one region ({self.region_size})",
+                              field="server.memory", value=self.memory)
+        if self.server_id and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", self.server_id):
+            raise ConfigError(f"server.server_id: {self.server_id!r} must be 1-63 letters, digits, '.', '_' "
+                              "or '-'", field="server.server_id", value=self.server_id)
+        self.security.validate()
+
+
+@dataclasses.dataclass
+class ClientConfig:
+    """Configuration of the client library and the ``kspeed`` command."""
+
+    manager: str = option("127.0.0.1:7070", "the manager's gRPC address", parse=parse_address,
+                          env="KSPEED_MANAGER")
+    timeout: float = option(5.0, "deadline of control-plane calls", parse=parse_duration, env="KSPEED_TIMEOUT")
+    security: SecurityConfig = dataclasses.field(default_factory=SecurityConfig)
+
+    def validate(self) -> None:
+        """Check cross-field rules. Clients send no token when none is configured."""
+        if self.security.auth == "token" and not (self.security.token or self.security.token_file):
+            self.security.auth = "none"
+        self.security.validate()
+
+
+_SECTIONS = {ManagerConfig: "manager", ServerConfig: "server", ClientConfig: "client"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def _set(obj: Any, field: dataclasses.Field, raw: object, section: str, source: str) -> None:
+    name = f"{section}.{field.name}"
+    try:
+        value = field.metadata["parse"](raw)
+    except ValueError as exc:
+        raise ConfigError(f"{name}: invalid value {raw!r} (from {source}): {exc}",
+                          field=name, value=raw, source=source) from None
+    setattr(obj, field.name, value)
+
+
+def _leaf_fields(cls: type) -> list[tuple[str, dataclasses.Field]]:
+    """Fields of a config, with nested sections flattened as (section attribute, field)."""
+    out = []
+    for field in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(field.type) or field.name == "security":
+            out.extend(("security", sub) for sub in dataclasses.fields(SecurityConfig))
+        else:
+            out.append(("", field))
+    return out
+
+
+def _read_yaml(path: str) -> Mapping[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh) or {}
+    except OSError as exc:
+        raise ConfigError(f"config file {path!r}: cannot read: {exc.strerror}", field="config", value=path) from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path!r}: not valid YAML: {exc}", field="config", value=path) from exc
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"config file {path!r}: expected a mapping of sections", field="config", value=path)
+    return data
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Add one ``--flag`` per config field (dashes for underscores) plus ``--config``."""
+    parser.add_argument("--config", help="YAML configuration file (env KSPEED_CONFIG)")
+    for holder, field in _leaf_fields(cls):
+        flag = "--" + field.name.replace("_", "-")
+        default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+        shown = ",".join(default) if isinstance(default, tuple) else default
+        env = field.metadata["env"]
+        parser.add_argument(flag, dest=f"cfg_{holder}_{field.name}", default=None,
+                            help=f"{field.metadata['help']} (env {env}; default {shown!r})")
+
+
+def load_config(
+    cls: type[C],
+    args: argparse.Namespace | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, object] | None = None,
+) -> C:
+    """Build and validate a config: defaults, YAML file, environment, then flags.
+
+    Args:
+        cls: one of the config dataclasses.
+        args: parsed flags from a parser prepared with :func:`add_arguments`.
+        environ: the environment to read (default ``os.environ``).
+        overrides: field values set last (``"security.auth"`` style names for nested fields).
+
+    Raises:
+        ConfigError: naming the field, the value and where it came from.
+    """
+    environ = os.environ if environ is None else environ
+    section = _SECTIONS[cls]
+    config = cls()
+    targets = {"": config, "security": config.security}
+    path = (getattr(args, "config", None) if args is not None else None) or environ.get("KSPEED_CONFIG", "")
+    if path:
+        data = _read_yaml(path)
+        known = {section, "security"}
+        for key in data:
+            if key not in known | set(_SECTIONS.values()):
+                raise ConfigError(f"config file {path!r}: unknown section {key!r} (expected {sorted(known)})",
+                                  field=str(key), value=path)
+        for holder, field in _leaf_fields(cls):
+            block = data.get(holder or section) or {}
+            if not isinstance(block, Mapping):
+                raise ConfigError(f"config file {path!r}: section {holder or section!r} must be a mapping",
+                                  field=holder or section, value=path)
+            if field.name in block:
+                _set(targets[holder], field, block[field.name], holder or section, f"{path}")
+        for holder in {section, "security"}:
+            block = data.get(holder) or {}
+            names = {f.name for h, f in _leaf_fields(cls) if (h or section) == holder}
+            unknown = sorted(set(block) - names)
+            if unknown:
+                raise ConfigError(f"config file {path!r}: unknown field(s) {', '.join(unknown)} in section "
+                                  f"{holder!r}", field=f"{holder}.{unknown[0]}", value=path)
+    for holder, field in _leaf_fields(cls):
+        env = field.metadata["env"]
+        if env and env in environ:
+            _set(targets[holder], field, environ[env], holder or section, f"environment {env}")
+    if args is not None:
+        for holder, field in _leaf_fields(cls):
+            raw = getattr(args, f"cfg_{holder}_{field.name}", None)
+            if raw is not None:
+                _set(targets[holder], field, raw, holder or section, "--" + field.name.replace("_", "-"))
+    for name, raw in (overrides or {}).items():
+        holder, _, leaf = name.rpartition(".")
+        field = next((f for h, f in _leaf_fields(cls) if h == holder and f.name == leaf), None)
+        if field is None:
+            raise ConfigError(f"unknown configuration field {name!r}", field=name, value=raw)
+        _set(targets[holder], field, raw, holder or section, "override")
+    config.validate()
+    return config
+

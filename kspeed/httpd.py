@@ -1,0 +1,86 @@
+"""A small HTTP endpoint for daemons: health, readiness, Prometheus metrics and JSON status.
+
+It runs a ``ThreadingHTTPServer`` on a daemon thread so scrapes never wait on the daemon's own
+event loop; route handlers read snapshots and must not block.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from kspeed.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# A route returns (status, content type, body).
+Response = tuple[int, str, bytes]
+Route = Callable[[], Response]
+
+
+def json_response(payload: object, status: int = 200) -> Response:
+    """A JSON response."""
+    return status, "application/json", (json.dumps(payload, indent=2, sort_keys=True) + "\n").encode()
+
+
+def text_response(text: str, status: int = 200) -> Response:
+    """A plain-text response."""
+    return status, "text/plain; charset=utf-8", (text + "\n").encode()
+
+
+def metrics_route(registry: CollectorRegistry) -> Route:
+    """A route serving ``registry`` in the Prometheus text format."""
+    return lambda: (200, CONTENT_TYPE_LATEST, generate_latest(registry))
+
+
+class HttpEndpoint:
+    """Serves fixed GET routes on ``address`` until :meth:`close`.
+
+    Raises:
+        ConfigError: when the address cannot be bound.
+    """
+
+    def __init__(self, address: str, routes: Mapping[str, Route]) -> None:
+        host, _, port = address.rpartition(":")
+        table = dict(routes)
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                route = table.get(self.path.split("?", 1)[0])
+                if route is None:
+                    status, ctype, body = text_response(f"no route {self.path}; try {', '.join(sorted(table))}", 404)
+                else:
+                    try:
+                        status, ctype, body = route()
+                    except Exception:
+                        log.exception("HTTP route %s failed", self.path)
+                        status, ctype, body = text_response("internal error", 500)
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:
+                log.debug("http %s " + format, self.address_string(), *args)
+
+        try:
+            self._server = ThreadingHTTPServer((host, int(port)), Handler)
+        except OSError as exc:
+            raise ConfigError(f"cannot listen for HTTP on {address}: {exc.strerror}", field="http_listen",
+                              value=address) from exc
+        self._server.daemon_threads = True
+        self.address = f"{host}:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, name="kspeed-http", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop serving and release the socket."""
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)

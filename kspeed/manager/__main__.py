@@ -1,0 +1,5 @@
+import sys
+
+from kspeed.manager.daemon import main
+
+sys.exit(main())

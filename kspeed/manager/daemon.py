@@ -1,0 +1,173 @@
+"""``kspeed-manager``: the daemon that owns membership (and later allocation) of a KSpeed cluster.
+
+It serves ``kspeed.v1.Manager`` and ``grpc.health.v1.Health`` on one asyncio gRPC server, probes
+every live server's health, applies the liveness timers, keeps its registry in SQLite and answers
+``/healthz``, ``/readyz``, ``/metrics`` and ``/v1/status`` over HTTP. SIGTERM or SIGINT stops it
+cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+
+from kspeed import rpc
+from kspeed._daemon import ensure_state_dir, run_main, setup_logging, write_ready_file
+from kspeed.config import ManagerConfig, add_arguments, load_config
+from kspeed.httpd import HttpEndpoint, json_response, metrics_route, text_response
+from kspeed.manager.metrics import ManagerMetrics
+from kspeed.manager.registry import Registry, Timers
+from kspeed.manager.service import ManagerService
+from kspeed.manager.store import Store
+from kspeed.status import status_dict
+
+log = logging.getLogger(__name__)
+
+TICK_FRACTION = 0.25  # the timers are evaluated at this fraction of the heartbeat interval
+
+
+class Manager:
+    """One running manager: its registry, gRPC server, HTTP endpoint and background tasks."""
+
+    def __init__(self, config: ManagerConfig) -> None:
+        self.config = config
+        state_dir = ensure_state_dir(config.state_dir, "manager.state_dir")
+        self.store = Store(state_dir)
+        self.registry = Registry(self.store, Timers(config.heartbeat_interval, config.suspect_after,
+                                                    config.fail_after))
+        self.service = ManagerService(self.registry, self.store.cluster_id, config.heartbeat_interval)
+        self.metrics = ManagerMetrics(self.registry)
+        self.health = HealthServicer()
+        self._stopping = asyncio.Event()
+        self._ready = False
+        self._server: grpc.aio.Server | None = None
+        self._http: HttpEndpoint | None = None
+        self._probe_channels: dict[str, grpc.aio.Channel] = {}
+
+    async def start(self) -> None:
+        """Bind gRPC and HTTP, start the timers and the prober."""
+        cfg = self.config
+        self._server = grpc.aio.server(interceptors=rpc.server_interceptors(cfg.security, aio=True),
+                                       options=rpc.server_options(cfg.max_request_bytes))
+        self._server.add_generic_rpc_handlers(
+            (rpc.service_handler("Manager", self.service, max_request_bytes=cfg.max_request_bytes),))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        grpc_address = rpc.bind(self._server, cfg.listen, cfg.security)
+        self._http = HttpEndpoint(cfg.http_listen, {
+            "/healthz": lambda: text_response("ok"),
+            "/readyz": self._readyz,
+            "/metrics": metrics_route(self.metrics.registry),
+            "/v1/status": lambda: json_response(status_dict(self.service.status())),
+        })
+        await self._server.start()
+        self._tasks = [asyncio.create_task(self._tick_loop(), name="tick"),
+                       asyncio.create_task(self._probe_loop(), name="probe")]
+        self._ready = True
+        self.grpc_address, self.http_address = grpc_address, self._http.address
+        log.info("kspeed-manager %s listening: grpc %s, http %s, state %s, auth %s, tls %s",
+                 self.store.cluster_id, grpc_address, self._http.address, self.store.path,
+                 cfg.security.auth, "on" if cfg.security.tls_cert else "off")
+        write_ready_file(cfg.ready_file, {"grpc": grpc_address, "http": self._http.address, "pid": os.getpid()})
+
+    def _readyz(self) -> tuple[int, str, bytes]:
+        if self._ready and not self._stopping.is_set():
+            return text_response("ready")
+        return text_response("not ready", 503)
+
+    async def _tick_loop(self) -> None:
+        period = self.config.heartbeat_interval * TICK_FRACTION
+        while not self._stopping.is_set():
+            self.registry.tick()
+            self.metrics.watchers.set(self.service.watchers)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), timeout=period)
+
+    async def _probe_loop(self) -> None:
+        """Check ``grpc.health.v1`` of every live server, in parallel, every probe interval."""
+        metadata = rpc.call_metadata(self.config.security)
+        while not self._stopping.is_set():
+            targets = self.registry.probe_targets()
+            live = {address for _, address, _ in targets}
+            for address in set(self._probe_channels) - live:
+                await self._probe_channels.pop(address).close()
+            await asyncio.gather(*(self._probe(sid, address, inc, metadata) for sid, address, inc in targets))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), timeout=self.config.probe_interval)
+
+    async def _probe(self, server_id: str, address: str, incarnation: int, metadata: tuple) -> None:
+        channel = self._probe_channels.get(address)
+        if channel is None:
+            channel = self._probe_channels[address] = rpc.open_channel(address, self.config.security, aio=True)
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=self.config.probe_timeout,
+                                     metadata=metadata)
+            ok = reply.status == health_pb2.HealthCheckResponse.SERVING
+            detail = "" if ok else health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status).lower()
+        except grpc.aio.AioRpcError as exc:
+            ok, detail = False, f"{exc.code().name.lower()}: {exc.details()}"
+        self.metrics.probes.labels("ok" if ok else "failed").inc()
+        self.registry.probe_result(server_id, incarnation, ok, detail)
+
+    async def run_until_stopped(self) -> None:
+        """Serve until SIGTERM/SIGINT, then shut down cleanly."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stopping.set)
+        await self._stopping.wait()
+        log.info("kspeed-manager stopping")
+        await self.stop()
+
+    async def stop(self) -> None:
+        """Stop serving, finish background tasks, close the store."""
+        self._stopping.set()
+        await self.health.enter_graceful_shutdown()
+        for task in getattr(self, "_tasks", []):
+            await task
+        if self._server is not None:
+            await self._server.stop(grace=1.0)
+        for channel in self._probe_channels.values():
+            await channel.close()
+        if self._http is not None:
+            self._http.close()
+        self.store.close()
+        if self.config.ready_file:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.config.ready_file)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``kspeed-manager``."""
+    parser = argparse.ArgumentParser(prog="kspeed-manager", description=__doc__.split("\n\n")[0])
+    add_arguments(parser, ManagerConfig)
+    args = parser.parse_args(argv)
+
+    def body() -> None:
+        config = load_config(ManagerConfig, args)
+        setup_logging(config.log_level)
+
+        async def serve() -> None:
+            manager = Manager(config)
+            try:
+                await manager.start()
+            except BaseException:
+                await manager.stop()
+                raise
+            await manager.run_until_stopped()
+
+        asyncio.run(serve())
+
+    return run_main("kspeed-manager", body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,260 @@
+"""The server registry: membership and the lifecycle of every server.
+
+Lifecycle (``kspeed.v1.ServerState``)::
+
+    JOINING --probe ok--> READY --silent suspect_after / probes failing--> SUSPECT
+       |                    ^                                                 |
+       |                    +------------- heard again ------------------------+
+       +--silent fail_after--> FAILED <--silent fail_after-- SUSPECT
+    any --deregister--> LEFT          FAILED/LEFT --register--> JOINING (new incarnation)
+
+A server in FAILED or LEFT must register again: its heartbeats are refused with NotFoundError so
+that it does. The registry is driven by the manager's event loop (RPCs, the ticker, the prober);
+a lock lets the HTTP thread read snapshots. Every change bumps ``revision`` and is announced to
+listeners (the membership watch streams).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kspeed.errors import NotFoundError, ProtocolError
+from kspeed.manager.store import Store
+from kspeed.proto import kspeed_pb2
+
+log = logging.getLogger(__name__)
+
+State = kspeed_pb2.ServerState
+JOINING, READY, SUSPECT, FAILED, LEFT = (
+    State.SERVER_STATE_JOINING, State.SERVER_STATE_READY, State.SERVER_STATE_SUSPECT,
+    State.SERVER_STATE_FAILED, State.SERVER_STATE_LEFT,
+)
+LIVE = (JOINING, READY, SUSPECT)
+PROBE_FAILURES_SUSPECT = 2  # consecutive failed probes that make a server suspect
+
+
+def state_name(state: int) -> str:
+    """``"ready"`` for ``SERVER_STATE_READY`` and so on."""
+    return State.Name(state).removeprefix("SERVER_STATE_").lower()
+
+
+@dataclass
+class Timers:
+    """Liveness thresholds in seconds."""
+
+    heartbeat_interval: float
+    suspect_after: float
+    fail_after: float
+
+
+@dataclass
+class _Entry:
+    record: kspeed_pb2.ServerRecord
+    heard_at: float  # monotonic time of the last heartbeat (or of the manager's start)
+    probe_failures: int = 0
+    probed_ok: bool = False
+    dirty: bool = field(default=False)
+
+
+Listener = Callable[[kspeed_pb2.ServerRecord, int], None]
+
+
+class Registry:
+    """Membership of the cluster, persisted through a :class:`Store`."""
+
+    def __init__(self, store: Store, timers: Timers, clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
+        self._store = store
+        self._timers = timers
+        self._clock = clock
+        self._wall = wall
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Entry] = {}
+        self._listeners: list[Listener] = []
+        self.revision = 0
+        now = clock()
+        for record in store.servers():
+            entry = _Entry(record=record, heard_at=now)
+            if record.state in LIVE:
+                # Soft state is gone: the server must prove itself again; its heartbeats will.
+                record.state = SUSPECT
+                record.state_reason = "manager restarted; awaiting heartbeat"
+            self._entries[record.id] = entry
+        if self._entries:
+            log.info("registry restored %d server(s) from %s", len(self._entries), store.path)
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def snapshot(self, include_left: bool = False) -> list[kspeed_pb2.ServerRecord]:
+        """Copies of the records, sorted by id."""
+        with self._lock:
+            out = []
+            for entry in sorted(self._entries.values(), key=lambda e: e.record.id):
+                if include_left or entry.record.state != LEFT:
+                    copy = kspeed_pb2.ServerRecord()
+                    copy.CopyFrom(entry.record)
+                    out.append(copy)
+            return out
+
+    def counts(self) -> dict[str, int]:
+        """Number of servers per state name."""
+        with self._lock:
+            counts = {state_name(s): 0 for s in (JOINING, READY, SUSPECT, FAILED, LEFT)}
+            for entry in self._entries.values():
+                counts[state_name(entry.record.state)] += 1
+            return counts
+
+    def get(self, server_id: str) -> kspeed_pb2.ServerRecord:
+        """A copy of one record.
+
+        Raises:
+            NotFoundError: for an unknown id.
+        """
+        with self._lock:
+            entry = self._entries.get(server_id)
+            if entry is None:
+                raise NotFoundError(f"unknown server {server_id!r}")
+            copy = kspeed_pb2.ServerRecord()
+            copy.CopyFrom(entry.record)
+            return copy
+
+    def subscribe(self, listener: Listener) -> Callable[[], None]:
+        """Call ``listener(record, revision)`` after every change; returns the unsubscribe function."""
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener) if listener in self._listeners else None
+
+    # -- changes -------------------------------------------------------------------------------
+
+    def register(self, request: kspeed_pb2.RegisterServerRequest, protocol_version: int) -> kspeed_pb2.ServerRecord:
+        """Add a server, or re-admit one with a new incarnation."""
+        with self._lock:
+            previous = self._entries.get(request.id)
+            record = kspeed_pb2.ServerRecord(
+                id=request.id, address=request.address, http_address=request.http_address,
+                state=JOINING, inventory=request.inventory, registered_unix=self._wall(),
+                last_heartbeat_unix=self._wall(),
+                incarnation=(previous.record.incarnation + 1) if previous else 1,
+                protocol_version=protocol_version, software_version=request.version.software_version,
+                state_reason="registered; awaiting health probe",
+            )
+            self._entries[request.id] = _Entry(record=record, heard_at=self._clock())
+            self._commit(record)
+        log.info("server %s registered at %s (incarnation %d)", request.id, request.address, record.incarnation)
+        return record
+
+    def heartbeat(self, request: kspeed_pb2.HeartbeatRequest) -> kspeed_pb2.ServerRecord:
+        """Record a heartbeat.
+
+        Raises:
+            NotFoundError: the manager does not know this server (or this incarnation of it), or it
+                was declared failed or left: the server must register again.
+        """
+        with self._lock:
+            entry = self._entries.get(request.id)
+            if entry is None or entry.record.state in (FAILED, LEFT):
+                why = "unknown" if entry is None else state_name(entry.record.state)
+                raise NotFoundError(f"server {request.id!r} is {why} here; register again")
+            if request.incarnation and request.incarnation != entry.record.incarnation:
+                raise NotFoundError(f"server {request.id!r}: incarnation {request.incarnation} is stale "
+                                    f"(current {entry.record.incarnation}); register again")
+            entry.heard_at = self._clock()
+            record = entry.record
+            record.last_heartbeat_unix = self._wall()
+            changed = False
+            if request.HasField("inventory") and request.inventory != record.inventory:
+                record.inventory.CopyFrom(request.inventory)
+                changed = True
+            changed |= self._evaluate(entry)
+            if changed:
+                self._commit(record)
+            else:
+                entry.dirty = True
+            copy = kspeed_pb2.ServerRecord()
+            copy.CopyFrom(record)
+            return copy
+
+    def deregister(self, request: kspeed_pb2.DeregisterServerRequest) -> None:
+        """Mark a server as having left cleanly.
+
+        Raises:
+            NotFoundError: for an unknown id.
+            ProtocolError: for an incarnation that is not the current one.
+        """
+        with self._lock:
+            entry = self._entries.get(request.id)
+            if entry is None:
+                raise NotFoundError(f"unknown server {request.id!r}")
+            if request.incarnation and request.incarnation != entry.record.incarnation:
+                raise ProtocolError(f"server {request.id!r}: incarnation {request.incarnation} is not the "
+                                    f"current one ({entry.record.incarnation})")
+            self._set_state(entry, LEFT, request.reason or "deregistered")
+
+    def probe_result(self, server_id: str, incarnation: int, ok: bool, detail: str = "") -> None:
+        """Record the outcome of an active health probe."""
+        with self._lock:
+            entry = self._entries.get(server_id)
+            if entry is None or entry.record.incarnation != incarnation or entry.record.state not in LIVE:
+                return
+            if ok:
+                entry.probe_failures = 0
+                entry.probed_ok = True
+            else:
+                entry.probe_failures += 1
+                entry.record.state_reason = f"health probe failed: {detail}" if detail else "health probe failed"
+            self._evaluate(entry)
+
+    def tick(self) -> None:
+        """Apply the timers to every live server; persist heartbeat times in one transaction."""
+        with self._lock:
+            dirty = []
+            for entry in self._entries.values():
+                if entry.record.state in LIVE and not self._evaluate(entry) and entry.dirty:
+                    dirty.append(entry.record)
+                entry.dirty = False
+            if dirty:
+                self._store.save_servers(dirty)
+
+    def probe_targets(self) -> list[tuple[str, str, int]]:
+        """``(id, address, incarnation)`` of every live server."""
+        with self._lock:
+            return [(e.record.id, e.record.address, e.record.incarnation)
+                    for e in self._entries.values() if e.record.state in LIVE]
+
+    # -- internals (lock held) -----------------------------------------------------------------
+
+    def _evaluate(self, entry: _Entry) -> bool:
+        """Move a live server to the state its timers and probes say; True when it changed."""
+        record = entry.record
+        silent = self._clock() - entry.heard_at
+        if silent >= self._timers.fail_after:
+            return self._set_state(entry, FAILED, f"no heartbeat for {silent:.1f}s")
+        if silent >= self._timers.suspect_after:
+            return self._set_state(entry, SUSPECT, f"no heartbeat for {silent:.1f}s")
+        if entry.probe_failures >= PROBE_FAILURES_SUSPECT:
+            return self._set_state(entry, SUSPECT, record.state_reason)
+        if record.state == JOINING and not entry.probed_ok:
+            return False
+        return self._set_state(entry, READY, "heartbeating and healthy")
+
+    def _set_state(self, entry: _Entry, state: int, reason: str) -> bool:
+        record = entry.record
+        if record.state == state:
+            return False
+        log.log(logging.WARNING if state in (SUSPECT, FAILED) else logging.INFO,
+                "server %s: %s -> %s (%s)", record.id, state_name(record.state), state_name(state), reason)
+        record.state = state
+        record.state_reason = reason
+        self._commit(record)
+        return True
+
+    def _commit(self, record: kspeed_pb2.ServerRecord) -> None:
+        self._store.save_server(record)
+        self.revision += 1
+        copy = kspeed_pb2.ServerRecord()
+        copy.CopyFrom(record)
+        for listener in list(self._listeners):
+            listener(copy, self.revision)

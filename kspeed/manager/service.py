@@ -1,0 +1,136 @@
+"""The ``kspeed.v1.Manager`` gRPC service (asyncio: watch streams hold no thread each)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from kspeed._version import __version__
+from kspeed.errors import ProtocolError
+from kspeed.manager.registry import Registry
+from kspeed.proto import kspeed_pb2
+from kspeed.rpc import negotiate
+
+log = logging.getLogger(__name__)
+
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+_ADDRESS = re.compile(r"[A-Za-z0-9._:\[\]-]{1,253}:\d{1,5}")
+_KNOWN_TRANSPORTS = {"shm", "tcp", "verbs", "ucx"}
+_MAX_NICS = 64
+_MAX_TEXT = 256
+WATCH_QUEUE = 1024  # events buffered per watcher before it is resent a snapshot
+
+
+def validate_registration(request: kspeed_pb2.RegisterServerRequest) -> None:
+    """Check a registration's fields.
+
+    Raises:
+        ProtocolError: naming the field and the value.
+    """
+    if not _ID.fullmatch(request.id):
+        raise ProtocolError(f"server id {request.id[:80]!r} must be 1-63 letters, digits, '.', '_' or '-'")
+    for name in ("address", "http_address"):
+        value = getattr(request, name)
+        if not _ADDRESS.fullmatch(value) or not 0 < int(value.rpartition(":")[2]) < 65536:
+            raise ProtocolError(f"{name} {value[:80]!r} is not host:port")
+    inv = request.inventory
+    if len(inv.hostname) > _MAX_TEXT or len(inv.nics) > _MAX_NICS:
+        raise ProtocolError(f"inventory too large (hostname {len(inv.hostname)} chars, {len(inv.nics)} NICs)")
+    unknown = set(inv.transports) - _KNOWN_TRANSPORTS
+    if unknown:
+        raise ProtocolError(f"unknown transport(s) {sorted(unknown)}; known: {sorted(_KNOWN_TRANSPORTS)}")
+    if inv.region_size == 0 or inv.memory_bytes < inv.region_size:
+        raise ProtocolError(f"inventory: memory_bytes {inv.memory_bytes} must hold at least one region of "
+                            f"{inv.region_size} bytes")
+
+
+class ManagerService:
+    """Implements every RPC of ``kspeed.v1.Manager`` over a :class:`Registry`."""
+
+    def __init__(self, registry: Registry, cluster_id: str, heartbeat_interval: float) -> None:
+        self._registry = registry
+        self._cluster_id = cluster_id
+        self._heartbeat_interval = heartbeat_interval
+        self._started = time.monotonic()
+        self.watchers = 0
+
+    async def Hello(self, request: kspeed_pb2.HelloRequest, context: grpc.aio.ServicerContext) -> kspeed_pb2.HelloReply:
+        from kspeed._version import FEATURES
+
+        version = negotiate(request.version.protocol_versions)
+        return kspeed_pb2.HelloReply(protocol_version=version,
+                                     features=sorted(set(FEATURES) & set(request.version.features)),
+                                     manager_version=__version__, cluster_id=self._cluster_id)
+
+    async def RegisterServer(self, request: kspeed_pb2.RegisterServerRequest,
+                             context: grpc.aio.ServicerContext) -> kspeed_pb2.RegisterServerReply:
+        validate_registration(request)
+        version = negotiate(request.version.protocol_versions)
+        record = self._registry.register(request, version)
+        return kspeed_pb2.RegisterServerReply(incarnation=record.incarnation, protocol_version=version,
+                                              heartbeat_interval_s=self._heartbeat_interval,
+                                              cluster_id=self._cluster_id)
+
+    async def Heartbeat(self, request: kspeed_pb2.HeartbeatRequest,
+                        context: grpc.aio.ServicerContext) -> kspeed_pb2.HeartbeatReply:
+        record = self._registry.heartbeat(request)
+        return kspeed_pb2.HeartbeatReply(state=record.state, heartbeat_interval_s=self._heartbeat_interval)
+
+    async def DeregisterServer(self, request: kspeed_pb2.DeregisterServerRequest,
+                               context: grpc.aio.ServicerContext) -> kspeed_pb2.DeregisterServerReply:
+        if len(request.reason) > _MAX_TEXT:
+            raise ProtocolError(f"deregistration reason of {len(request.reason)} chars exceeds {_MAX_TEXT}")
+        self._registry.deregister(request)
+        return kspeed_pb2.DeregisterServerReply()
+
+    async def ListServers(self, request: kspeed_pb2.ListServersRequest,
+                          context: grpc.aio.ServicerContext) -> kspeed_pb2.ListServersReply:
+        return kspeed_pb2.ListServersReply(servers=self._registry.snapshot(request.include_left),
+                                           revision=self._registry.revision)
+
+    async def WatchMembership(self, request: kspeed_pb2.WatchMembershipRequest,
+                              context: grpc.aio.ServicerContext) -> AsyncIterator[kspeed_pb2.MembershipEvent]:
+        queue: asyncio.Queue[tuple[kspeed_pb2.ServerRecord, int] | None] = asyncio.Queue(WATCH_QUEUE)
+
+        def on_change(record: kspeed_pb2.ServerRecord, revision: int) -> None:
+            try:
+                queue.put_nowait((record, revision))
+            except asyncio.QueueFull:
+                # A slow watcher gets a fresh snapshot instead of an unbounded backlog.
+                while not queue.empty():
+                    queue.get_nowait()
+                queue.put_nowait(None)
+
+        unsubscribe = self._registry.subscribe(on_change)
+        self.watchers += 1
+        try:
+            send_snapshot = request.since_revision == 0 or request.since_revision != self._registry.revision
+            while True:
+                if send_snapshot:
+                    yield kspeed_pb2.MembershipEvent(revision=self._registry.revision, snapshot=True,
+                                                     servers=self._registry.snapshot(include_left=True))
+                    send_snapshot = False
+                item = await queue.get()
+                if item is None:
+                    send_snapshot = True
+                    continue
+                record, revision = item
+                yield kspeed_pb2.MembershipEvent(revision=revision, servers=[record])
+        finally:
+            self.watchers -= 1
+            unsubscribe()
+
+    async def GetStatus(self, request: kspeed_pb2.GetStatusRequest,
+                        context: grpc.aio.ServicerContext) -> kspeed_pb2.ClusterStatus:
+        return self.status()
+
+    def status(self) -> kspeed_pb2.ClusterStatus:
+        """The cluster as one message (also rendered as JSON by /v1/status)."""
+        return kspeed_pb2.ClusterStatus(cluster_id=self._cluster_id, manager_version=__version__,
+                                        uptime_s=time.monotonic() - self._started,
+                                        servers=self._registry.snapshot(), revision=self._registry.revision)

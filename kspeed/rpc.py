@@ -1,0 +1,366 @@
+"""gRPC plumbing shared by the daemons, the client and the CLI.
+
+One place for: the bearer-token interceptor, TLS credentials, binding listeners, building service
+handlers straight from the protobuf descriptors (so a malformed or oversized request is answered
+``INVALID_ARGUMENT`` before any servicer code runs), the mapping between :mod:`kspeed.errors` and
+gRPC status codes in both directions, and the protocol-version negotiation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import inspect
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import grpc
+from google.protobuf import message as pb_message
+
+from kspeed import errors
+from kspeed._version import PROTOCOL_VERSIONS
+from kspeed.config import SecurityConfig
+from kspeed.proto import kspeed_pb2
+
+log = logging.getLogger(__name__)
+
+AUTH_HEADER = "authorization"
+ERROR_HEADER = "kspeed-error"  # trailing metadata naming the kspeed.errors class of a failure
+
+# kspeed.errors class -> gRPC status, most specific first.
+_STATUS_OF: list[tuple[type[Exception], grpc.StatusCode]] = [
+    (errors.VersionMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.ProtocolError, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.AuthError, grpc.StatusCode.UNAUTHENTICATED),
+    (errors.AccessDeniedError, grpc.StatusCode.PERMISSION_DENIED),
+    (errors.NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (errors.StateError, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.UnavailableError, grpc.StatusCode.UNAVAILABLE),
+    (errors.DatasetError, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.TransportError, grpc.StatusCode.UNAVAILABLE),
+    (errors.KSpeedError, grpc.StatusCode.INTERNAL),
+]
+
+# gRPC status -> kspeed.errors class, for failures that carry no ERROR_HEADER.
+_ERROR_OF: dict[grpc.StatusCode, type[errors.KSpeedError]] = {
+    grpc.StatusCode.UNAUTHENTICATED: errors.AuthError,
+    grpc.StatusCode.PERMISSION_DENIED: errors.AuthError,
+    grpc.StatusCode.NOT_FOUND: errors.NotFoundError,
+    grpc.StatusCode.INVALID_ARGUMENT: errors.ProtocolError,
+    grpc.StatusCode.FAILED_PRECONDITION: errors.StateError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.CapacityError,
+    grpc.StatusCode.UNAVAILABLE: errors.UnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.UnavailableError,
+}
+
+
+def status_of(exc: BaseException) -> grpc.StatusCode:
+    """The gRPC status code that reports ``exc`` to a caller."""
+    for cls, code in _STATUS_OF:
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def negotiate(remote: Sequence[int], local: Sequence[int] = PROTOCOL_VERSIONS) -> int:
+    """The highest protocol version both sides speak.
+
+    Raises:
+        VersionMismatchError: naming the versions of each side.
+    """
+    common = set(local) & set(remote)
+    if not common:
+        raise errors.VersionMismatchError(
+            f"no common protocol version: this side speaks {sorted(local)}, the peer speaks {sorted(remote)}",
+            local=tuple(local), remote=tuple(remote),
+        )
+    return max(common)
+
+
+def peer_version() -> kspeed_pb2.PeerVersion:
+    """This build's version announcement."""
+    from kspeed._version import FEATURES, __version__
+
+    return kspeed_pb2.PeerVersion(protocol_versions=PROTOCOL_VERSIONS, features=FEATURES,
+                                  software_version=__version__)
+
+
+# ---------------------------------------------------------------------------------------------
+# Authentication
+
+
+def _token_ok(metadata: Sequence[tuple[str, Any]] | None, token: str) -> bool:
+    expected = f"Bearer {token}".encode()
+    for key, value in metadata or ():
+        if key == AUTH_HEADER:
+            given = value.encode() if isinstance(value, str) else bytes(value)
+            return hmac.compare_digest(given, expected)
+    return False
+
+
+def _deny(handler: grpc.RpcMethodHandler | None, aio: bool) -> grpc.RpcMethodHandler | None:
+    if handler is None:
+        return None
+    message = "missing or wrong bearer token"
+    if aio:
+        async def abort_async(request: Any, context: grpc.aio.ServicerContext) -> None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+        deny = abort_async
+    else:
+        def abort_sync(request: Any, context: grpc.ServicerContext) -> None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+        deny = abort_sync
+    kind = ("stream" if handler.request_streaming else "unary") + "_" + (
+        "stream" if handler.response_streaming else "unary")
+    # The denial answers before reading the body: deserialization is left to the identity.
+    return getattr(grpc, f"{kind}_rpc_method_handler")(deny)
+
+
+class TokenInterceptor(grpc.ServerInterceptor):
+    """Refuses every call of a sync server whose bearer token is missing or wrong."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails) -> Any:
+        handler = continuation(handler_call_details)
+        if _token_ok(handler_call_details.invocation_metadata, self._token):
+            return handler
+        return _deny(handler, aio=False)
+
+
+class AioTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every call of an asyncio server whose bearer token is missing or wrong."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    async def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(handler_call_details)
+        if _token_ok(handler_call_details.invocation_metadata, self._token):
+            return handler
+        return _deny(handler, aio=True)
+
+
+def server_interceptors(security: SecurityConfig, *, aio: bool) -> list[Any]:
+    """The interceptors a daemon's gRPC server needs for ``security``."""
+    if security.auth != "token":
+        return []
+    return [AioTokenInterceptor(security.token) if aio else TokenInterceptor(security.token)]
+
+
+def call_metadata(security: SecurityConfig) -> tuple[tuple[str, str], ...]:
+    """Metadata to send on every call to a daemon."""
+    if security.auth == "token" and security.token:
+        return ((AUTH_HEADER, f"Bearer {security.token}"),)
+    return ()
+
+
+# ---------------------------------------------------------------------------------------------
+# Listeners and channels
+
+
+def bind(server: grpc.Server | grpc.aio.Server, address: str, security: SecurityConfig) -> str:
+    """Bind ``server`` to ``address`` (TLS if configured) and return the bound ``host:port``.
+
+    Raises:
+        ConfigError: when the address cannot be bound (in use, not local, no permission).
+    """
+    host = address.rpartition(":")[0]
+    try:
+        if security.tls_cert:
+            creds = grpc.ssl_server_credentials([(security.read_pem("tls_key"), security.read_pem("tls_cert"))])
+            port = server.add_secure_port(address, creds)
+        else:
+            port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise errors.ConfigError(f"cannot listen on {address}: {exc} (address in use or not local?)",
+                                 field="listen", value=address) from exc
+    if not port:
+        raise errors.ConfigError(f"cannot listen on {address}: address in use or not local", field="listen",
+                                 value=address)
+    return f"{host}:{port}"
+
+
+def channel_options(max_message_bytes: int = 64 * 1024**2) -> list[tuple[str, Any]]:
+    """Options of every channel: bounded messages, keepalive so a dead peer is noticed."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+def server_options(max_request_bytes: int) -> list[tuple[str, Any]]:
+    """Options of every daemon's gRPC server.
+
+    gRPC's own limit is set above ``max_request_bytes`` so that oversized requests reach the
+    descriptor-built handlers and get a precise ``INVALID_ARGUMENT``; far larger ones are cut by
+    gRPC itself with ``RESOURCE_EXHAUSTED``.
+    """
+    return [
+        ("grpc.max_receive_message_length", 2 * max_request_bytes + 1024),
+        ("grpc.max_send_message_length", 256 * 1024**2),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def open_channel(address: str, security: SecurityConfig, *, aio: bool = False) -> Any:
+    """A channel to a daemon, secure when a CA bundle is configured."""
+    module = grpc.aio if aio else grpc
+    if security.tls_ca:
+        creds = grpc.ssl_channel_credentials(root_certificates=security.read_pem("tls_ca"))
+        return module.secure_channel(address, creds, options=channel_options())
+    return module.insecure_channel(address, options=channel_options())
+
+
+# ---------------------------------------------------------------------------------------------
+# Error mapping
+
+
+@contextlib.contextmanager
+def map_rpc_errors(what: str) -> Iterator[None]:
+    """Convert a failed call into the matching :class:`~kspeed.errors.KSpeedError`.
+
+    Args:
+        what: the call's target for messages, e.g. ``"manager at 127.0.0.1:7070"``.
+    """
+    try:
+        yield
+    except grpc.RpcError as exc:
+        raise error_from_rpc(exc, what) from exc
+
+
+def error_from_rpc(exc: grpc.RpcError, what: str) -> errors.KSpeedError:
+    """The :class:`~kspeed.errors.KSpeedError` that stands for a failed call."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    name = ""
+    trailing = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+    for key, value in trailing or ():
+        if key == ERROR_HEADER:
+            name = value
+    cls = getattr(errors, name, None) if name in errors.__all__ else None
+    if cls is None:
+        cls = _ERROR_OF.get(code, errors.KSpeedError)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and not name:
+        return cls(f"{what} is unreachable ({code.name.lower()}: {details})")
+    return cls(f"{what}: {details}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Service handlers built from descriptors
+
+
+def _parse(cls: type[pb_message.Message], data: bytes, limit: int, method: str) -> pb_message.Message | str:
+    """The parsed request, or a message saying why it was refused."""
+    if len(data) > limit:
+        return f"{method}: request of {len(data)} bytes exceeds the limit of {limit} bytes"
+    try:
+        return cls.FromString(data)
+    except pb_message.DecodeError as exc:
+        return f"{method}: malformed request: {exc}"
+
+
+def _abort_args(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
+    return status_of(exc), str(exc), ((ERROR_HEADER, type(exc).__name__),)
+
+
+def _sync_behavior(fn: Callable, cls: type, limit: int, method: str, streaming_in: bool, streaming_out: bool):
+    def convert(context: grpc.ServicerContext, exc: errors.KSpeedError) -> None:
+        code, details, trailing = _abort_args(exc)
+        context.set_trailing_metadata(trailing)
+        context.abort(code, details)
+
+    def parse_one(data: bytes, context: grpc.ServicerContext) -> Any:
+        parsed = _parse(cls, data, limit, method)
+        if isinstance(parsed, str):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, parsed)
+        return parsed
+
+    if streaming_out:
+        def behavior(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            req = (parse_one(d, context) for d in request) if streaming_in else parse_one(request, context)
+            try:
+                yield from fn(req, context)
+            except errors.KSpeedError as exc:
+                convert(context, exc)
+    else:
+        def behavior(request: Any, context: grpc.ServicerContext) -> Any:
+            req = (parse_one(d, context) for d in request) if streaming_in else parse_one(request, context)
+            try:
+                return fn(req, context)
+            except errors.KSpeedError as exc:
+                convert(context, exc)
+    return behavior
+
+
+def _aio_behavior(fn: Callable, cls: type, limit: int, method: str, streaming_in: bool, streaming_out: bool):
+    async def convert(context: grpc.aio.ServicerContext, exc: errors.KSpeedError) -> None:
+        code, details, trailing = _abort_args(exc)
+        context.set_trailing_metadata(trailing)
+        await context.abort(code, details)
+
+    async def parse_one(data: bytes, context: grpc.aio.ServicerContext) -> Any:
+        parsed = _parse(cls, data, limit, method)
+        if isinstance(parsed, str):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, parsed)
+        return parsed
+
+    async def parse_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async for data in request:
+            yield await parse_one(data, context)
+
+    async def prepare(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return parse_stream(request, context) if streaming_in else await parse_one(request, context)
+
+    if streaming_out:
+        async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            req = await prepare(request, context)
+            try:
+                async for item in fn(req, context):
+                    yield item
+            except errors.KSpeedError as exc:
+                await convert(context, exc)
+    else:
+        async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            req = await prepare(request, context)
+            try:
+                return await fn(req, context)
+            except errors.KSpeedError as exc:
+                await convert(context, exc)
+    return behavior
+
+
+def service_handler(service: str, servicer: object, *, max_request_bytes: int) -> grpc.GenericRpcHandler:
+    """Handlers for every method of ``kspeed.v1.<service>``, implemented by ``servicer``.
+
+    The servicer has one method per RPC, named as in the .proto, taking ``(request, context)``:
+    plain functions for a sync server, coroutines / async generators for ``grpc.aio``. Requests
+    arrive parsed; a malformed or oversized one is answered ``INVALID_ARGUMENT`` and never reaches
+    the servicer; a :class:`~kspeed.errors.KSpeedError` raised by the servicer becomes the
+    matching status with the error's class in trailing metadata.
+    """
+    descriptor = kspeed_pb2.DESCRIPTOR.services_by_name[service]
+    handlers = {}
+    for method in descriptor.methods:
+        fn = getattr(servicer, method.name)
+        cls = getattr(kspeed_pb2, method.input_type.name)
+        aio = inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn)
+        make = _aio_behavior if aio else _sync_behavior
+        behavior = make(fn, cls, max_request_bytes, method.full_name, method.client_streaming,
+                        method.server_streaming)
+        kind = ("stream" if method.client_streaming else "unary") + "_" + (
+            "stream" if method.server_streaming else "unary")
+        handlers[method.name] = getattr(grpc, f"{kind}_rpc_method_handler")(
+            behavior, request_deserializer=None, response_serializer=lambda msg: msg.SerializeToString())
+    return grpc.method_handlers_generic_handler(descriptor.full_name, handlers)

@@ -1,0 +1,5 @@
+import sys
+
+from kspeed.server.daemon import main
+
+sys.exit(main())

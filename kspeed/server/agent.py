@@ -1,0 +1,119 @@
+"""The server's link to the manager: register, heartbeat, re-register, deregister.
+
+The agent runs on its own thread. While the manager is unreachable the server keeps serving and
+the agent retries with capped backoff; when the manager answers a heartbeat with NOT_FOUND (it
+lost or failed this server) the agent registers again. A version mismatch or a refused token is
+fatal: retrying cannot fix it, so the agent reports it and the daemon stops.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from kspeed import rpc
+from kspeed.config import SecurityConfig
+from kspeed.errors import AuthError, KSpeedError, NotFoundError, ProtocolError
+from kspeed.proto import kspeed_pb2, kspeed_pb2_grpc
+from kspeed.server.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+CALL_TIMEOUT = 5.0
+MAX_BACKOFF = 5.0
+
+
+class ManagerAgent:
+    """Keeps one server registered with the manager at ``manager_address``."""
+
+    def __init__(self, *, manager_address: str, security: SecurityConfig, server_id: str, address: str,
+                 http_address: str, inventory: Callable[[], kspeed_pb2.ServerInventory],
+                 metrics: ServerMetrics, on_fatal: Callable[[KSpeedError], None]) -> None:
+        self._manager = manager_address
+        self._metadata = rpc.call_metadata(security)
+        self._channel = rpc.open_channel(manager_address, security)
+        self._stub = kspeed_pb2_grpc.ManagerStub(self._channel)
+        self._id = server_id
+        self._address = address
+        self._http_address = http_address
+        self._inventory = inventory
+        self._metrics = metrics
+        self._on_fatal = on_fatal
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kspeed-agent", daemon=True)
+        self.incarnation = 0
+        self.interval = 1.0
+        self.registered = threading.Event()
+
+    def start(self) -> None:
+        """Start registering and heartbeating in the background."""
+        self._thread.start()
+
+    def _call(self, method: str, request: object) -> object:
+        with rpc.map_rpc_errors(f"manager at {self._manager}"):
+            return getattr(self._stub, method)(request, timeout=CALL_TIMEOUT, metadata=self._metadata)
+
+    def _register(self) -> None:
+        reply = self._call("RegisterServer", kspeed_pb2.RegisterServerRequest(
+            id=self._id, address=self._address, http_address=self._http_address,
+            inventory=self._inventory(), version=rpc.peer_version()))
+        self.incarnation = reply.incarnation
+        self.interval = reply.heartbeat_interval_s or self.interval
+        self.registered.set()
+        self._metrics.registered.set(1)
+        self._metrics.registrations.inc()
+        log.info("registered with manager %s as %s (incarnation %d, protocol v%d)", self._manager, self._id,
+                 reply.incarnation, reply.protocol_version)
+
+    def _heartbeat(self) -> None:
+        self._call("Heartbeat", kspeed_pb2.HeartbeatRequest(id=self._id, incarnation=self.incarnation,
+                                                            inventory=self._inventory()))
+
+    def _run(self) -> None:
+        backoff = 0.2
+        unreachable_logged = False
+        while not self._stop.is_set():
+            try:
+                if not self.registered.is_set():
+                    self._register()
+                else:
+                    self._heartbeat()
+                    self._metrics.heartbeats.labels("ok").inc()
+                backoff = 0.2
+                if unreachable_logged:
+                    log.info("manager %s reachable again", self._manager)
+                    unreachable_logged = False
+                self._stop.wait(self.interval)
+            except NotFoundError as exc:
+                log.warning("manager does not know this server (%s); registering again", exc)
+                self._metrics.heartbeats.labels("not_found").inc()
+                self.registered.clear()
+                self._metrics.registered.set(0)
+            except (AuthError, ProtocolError) as exc:
+                log.error("manager refused this server: %s", exc)
+                self._on_fatal(exc)
+                return
+            except KSpeedError as exc:
+                self._metrics.heartbeats.labels("failed").inc()
+                if not unreachable_logged:
+                    log.warning("%s; retrying", exc)
+                    unreachable_logged = True
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF)
+
+    def stop(self, deregister: bool, reason: str = "shutdown") -> None:
+        """Stop the loop and, if asked and registered, deregister (best effort, bounded)."""
+        self._stop.set()
+        self._thread.join(timeout=CALL_TIMEOUT + 1)
+        if deregister and self.registered.is_set():
+            try:
+                self._call("DeregisterServer", kspeed_pb2.DeregisterServerRequest(
+                    id=self._id, incarnation=self.incarnation, reason=reason))
+                log.info("deregistered from manager %s", self._manager)
+            except KSpeedError as exc:
+                log.warning("could not deregister: %s", exc)
+        self.registered.clear()
+        self._metrics.registered.set(0)
+        self._channel.close()
+

@@ -1,0 +1,150 @@
+"""``kspeed-server``: a KSpeedServer daemon.
+
+It starts empty, registers with the manager and reports its inventory, heartbeats, serves
+``kspeed.v1.Server`` and ``grpc.health.v1.Health`` over gRPC and ``/healthz``, ``/readyz`` and
+``/metrics`` over HTTP. On SIGTERM or SIGINT it reports NOT_SERVING, drains, deregisters and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kspeed import rpc
+from kspeed._daemon import ensure_state_dir, run_main, setup_logging, write_ready_file
+from kspeed._version import __version__
+from kspeed.config import ServerConfig, add_arguments, load_config
+from kspeed.errors import KSpeedError
+from kspeed.httpd import HttpEndpoint, metrics_route, text_response
+from kspeed.proto import kspeed_pb2
+from kspeed.server import inventory as inv
+from kspeed.server.agent import ManagerAgent
+from kspeed.server.metrics import ServerMetrics
+from kspeed.server.service import ServerService
+
+log = logging.getLogger(__name__)
+
+GRPC_THREADS = 16
+
+
+class Server:
+    """One running KSpeedServer."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.state_dir = ensure_state_dir(config.state_dir, "server.state_dir")
+        self.id = inv.server_id(config, self.state_dir)
+        self.metrics = ServerMetrics()
+        self.health = health.HealthServicer()
+        self._stopped = threading.Event()
+        self.fatal: KSpeedError | None = None
+        self._grpc: grpc.Server | None = None
+        self._http: HttpEndpoint | None = None
+        self.agent: ManagerAgent | None = None
+
+    def inventory(self) -> kspeed_pb2.ServerInventory:
+        """Current inventory (memory in use changes once datasets are allocated)."""
+        return inv.inventory(self.config)
+
+    def start(self) -> None:
+        """Bind gRPC and HTTP, then start registering with the manager."""
+        cfg = self.config
+        self._grpc = grpc.server(futures.ThreadPoolExecutor(GRPC_THREADS, thread_name_prefix="kspeed-rpc"),
+                                 interceptors=rpc.server_interceptors(cfg.security, aio=False),
+                                 options=rpc.server_options(cfg.max_request_bytes))
+        service = ServerService(self.id, cfg.manager, self.inventory, self._registration)
+        self._grpc.add_generic_rpc_handlers(
+            (rpc.service_handler("Server", service, max_request_bytes=cfg.max_request_bytes),))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
+        bound = rpc.bind(self._grpc, cfg.listen, cfg.security)
+        self.address = inv.advertised(cfg.listen, bound, cfg.advertise)
+        self._http = HttpEndpoint(cfg.http_listen, {
+            "/healthz": lambda: text_response("ok"),
+            "/readyz": self._readyz,
+            "/metrics": metrics_route(self.metrics.registry),
+        })
+        http_address = inv.advertised(cfg.http_listen, self._http.address, "")
+        self._grpc.start()
+        self.metrics.info.info({"id": self.id, "version": __version__, "address": self.address})
+        self.metrics.memory.set(cfg.memory)
+        self.agent = ManagerAgent(manager_address=cfg.manager, security=cfg.security, server_id=self.id,
+                                  address=self.address, http_address=http_address, inventory=self.inventory,
+                                  metrics=self.metrics, on_fatal=self._fatal)
+        self.agent.start()
+        log.info("kspeed-server %s listening: grpc %s (advertised %s), http %s; manager %s; pooling %d bytes",
+                 self.id, bound, self.address, self._http.address, cfg.manager, cfg.memory)
+        write_ready_file(cfg.ready_file, {"grpc": bound, "http": self._http.address, "id": self.id,
+                                          "pid": os.getpid()})
+
+    def _registration(self) -> tuple[bool, int]:
+        agent = self.agent
+        return (agent is not None and agent.registered.is_set(), agent.incarnation if agent else 0)
+
+    def _readyz(self) -> tuple[int, str, bytes]:
+        if self._registration()[0] and not self._stopped.is_set():
+            return text_response("ready")
+        return text_response("not registered with the manager", 503)
+
+    def _fatal(self, exc: KSpeedError) -> None:
+        self.fatal = exc
+        self._stopped.set()
+
+    def run_until_stopped(self) -> None:
+        """Serve until SIGTERM/SIGINT (or a fatal refusal by the manager), then shut down."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self._stopped.set())
+        while not self._stopped.wait(0.5):
+            pass
+        self.stop()
+        if self.fatal is not None:
+            raise self.fatal
+
+    def stop(self) -> None:
+        """Report NOT_SERVING, drain, deregister (unless the manager refused us) and release everything."""
+        self._stopped.set()
+        self.health.enter_graceful_shutdown()
+        self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.agent is not None:
+            self.agent.stop(deregister=self.fatal is None, reason="shutdown")
+        if self._grpc is not None:
+            self._grpc.stop(grace=self.config.drain_timeout).wait()
+        if self._http is not None:
+            self._http.close()
+        if self.config.ready_file:
+            try:
+                os.unlink(self.config.ready_file)
+            except FileNotFoundError:
+                pass
+        log.info("kspeed-server %s stopped", self.id)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``kspeed-server``."""
+    parser = argparse.ArgumentParser(prog="kspeed-server", description=__doc__.split("\n\n")[0])
+    add_arguments(parser, ServerConfig)
+    args = parser.parse_args(argv)
+
+    def body() -> None:
+        config = load_config(ServerConfig, args)
+        setup_logging(config.log_level)
+        server = Server(config)
+        try:
+            server.start()
+        except BaseException:
+            server.stop()
+            raise
+        server.run_until_stopped()
+
+    return run_main("kspeed-server", body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""What a server reports about itself: identity, memory it may pool, cores, NICs, rails."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+
+from kspeed.config import ServerConfig
+from kspeed.errors import ConfigError
+from kspeed.proto import kspeed_pb2
+
+ID_FILE = "server_id"
+
+
+def server_id(config: ServerConfig, state_dir: str) -> str:
+    """The configured id, else the one kept in ``state_dir``, else a new one kept there.
+
+    A stable id lets a restarted server be recognized by the manager and re-adopt its regions.
+    """
+    path = os.path.join(state_dir, ID_FILE)
+    if config.server_id:
+        return config.server_id
+    try:
+        with open(path, encoding="utf-8") as fh:
+            value = fh.read().strip()
+        if value:
+            return value
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise ConfigError(f"server.state_dir: cannot read {path!r}: {exc.strerror}", field="server.state_dir",
+                          value=state_dir) from exc
+    value = f"srv-{secrets.token_hex(4)}"
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(value + "\n")
+    os.replace(tmp, path)
+    return value
+
+
+def usable_cores(configured: int) -> int:
+    """Cores this process may run on, capped by the operator's setting."""
+    allowed = len(os.sched_getaffinity(0))
+    return min(configured, allowed) if configured else allowed
+
+
+def rdma_nics(sysfs: str = "/sys") -> list[kspeed_pb2.Nic]:
+    """RDMA devices under ``<sysfs>/class/infiniband`` with their PCI address and NUMA node."""
+    root = os.path.join(sysfs, "class", "infiniband")
+    nics = []
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        device = os.path.realpath(os.path.join(root, name, "device"))
+        try:
+            with open(os.path.join(device, "numa_node"), encoding="ascii") as fh:
+                numa = int(fh.read().strip())
+        except (OSError, ValueError):
+            numa = -1
+        nics.append(kspeed_pb2.Nic(name=name, pci_bus_id=os.path.basename(device), numa_node=numa))
+    return nics
+
+
+def inventory(config: ServerConfig, memory_used: int = 0) -> kspeed_pb2.ServerInventory:
+    """This server's inventory as reported at registration and in heartbeats."""
+    return kspeed_pb2.ServerInventory(
+        hostname=socket.gethostname(), memory_bytes=config.memory, region_size=config.region_size,
+        cores=usable_cores(config.cores), transports=list(config.transports), nics=rdma_nics(),
+        memory_used_bytes=memory_used,
+    )
+
+
+def advertised(listen: str, bound: str, configured: str) -> str:
+    """The address peers should dial: the configured one, else the bound one with a real host."""
+    if configured:
+        return configured
+    host, _, port = bound.rpartition(":")
+    if host in ("0.0.0.0", "::", "[::]", ""):
+        host = socket.gethostname()
+    return f"{host}:{port}"
