@@ -8,6 +8,7 @@ It starts empty, registers with the manager and reports its inventory, heartbeat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -119,10 +120,8 @@ class Server:
         if self._http is not None:
             self._http.close()
         if self.config.ready_file:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.config.ready_file)
-            except FileNotFoundError:
-                pass
         log.info("kspeed-server %s stopped", self.id)
 
 
