@@ -1,0 +1,122 @@
+"""Framing shared by the rails' Unix and TCP control sockets, and conversion of socket errors.
+
+A frame is ``<type: u32><length: u32><payload>``. Readers pull whatever the socket has into one
+buffer and split all complete frames at once, so many completions cost one syscall.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from collections import deque
+from collections.abc import Iterator
+
+from kspeed.errors import PeerLostError, TransportError
+
+from .base import MAX_MESSAGE
+
+__all__ = ["HEADER", "FrameReader", "check_peer_uid", "frame", "lost", "peer_uid"]
+
+HEADER = struct.Struct("<II")
+#: Largest frame accepted: a message, or a batch of completions.
+MAX_FRAME = max(MAX_MESSAGE + 64, 8 << 20)
+
+# Frame types.
+IMMS = 1  # payload: u32 immediates (shm writer -> receiver) or (u32 conn, u32 imm) pairs (tcp)
+MSG = 2  # payload: message bytes (prefixed with a u32 conn where several writers share a socket)
+BYE = 3  # orderly close
+REGION = 4  # payload: json region description; one descriptor attached where the rail passes fds
+WELCOME = 5  # payload: json with the connection id and limits
+LOST = 6  # payload: u32 conn + utf-8 reason
+ERROR = 7  # payload: utf-8 reason
+CALL = 8  # payload: json request on a control socket
+REPLY = 9  # payload: json reply on a control socket
+
+
+def frame(kind: int, payload: bytes = b"") -> bytes:
+    """Encode one frame."""
+    return HEADER.pack(kind, len(payload)) + payload
+
+
+def lost(what: str, exc: BaseException | None = None, conn: int | None = None) -> PeerLostError:
+    """A PeerLostError naming the operation and the cause, with the connection id attached."""
+    if isinstance(exc, TimeoutError):
+        err = PeerLostError(f"{what}: peer made no progress within the I/O timeout")
+    elif exc is not None:
+        err = PeerLostError(f"{what}: {exc}")
+    else:
+        err = PeerLostError(what)
+    err.conn = conn
+    return err
+
+
+def peer_uid(sock: socket.socket) -> tuple[int, int]:
+    """``(pid, uid)`` of the process at the other end of a Unix socket (SO_PEERCRED)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return pid, uid
+
+
+def check_peer_uid(sock: socket.socket, allowed: tuple[int, ...]) -> int:
+    """Refuse a Unix-socket peer run by a user other than ours or ``allowed``; returns its pid."""
+    from kspeed.errors import AuthError
+
+    pid, uid = peer_uid(sock)
+    if uid != os.getuid() and uid not in allowed:
+        raise AuthError(f"Unix-socket peer pid {pid} runs as uid {uid}, not an allowed user")
+    return pid
+
+
+class FrameReader:
+    """Accumulates bytes from a socket and yields complete frames."""
+
+    def __init__(self, size: int = 1 << 20) -> None:
+        self._buf = bytearray(size)
+        self._view = memoryview(self._buf)
+        self._start = 0
+        self._end = 0
+        self.fds: deque[int] = deque()
+
+    def _make_room(self) -> None:
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._end == len(self._buf):
+            pending = self._end - self._start
+            if self._start > 0:
+                self._buf[:pending] = self._buf[self._start : self._end]
+                self._start, self._end = 0, pending
+            if self._end == len(self._buf):
+                self._buf.extend(bytes(len(self._buf)))
+                self._view.release()
+                self._view = memoryview(self._buf)
+
+    def recv(self, sock: socket.socket, flags: int = 0) -> int:
+        """One ``recv_into``; returns the bytes read (0 means the peer closed)."""
+        self._make_room()
+        n = sock.recv_into(self._view[self._end :], 0, flags)
+        self._end += n
+        return n
+
+    def recv_with_fds(self, sock: socket.socket, maxfds: int = 4, flags: int = 0) -> int:
+        """Like :meth:`recv`, keeping descriptors passed with SCM_RIGHTS in :attr:`fds`."""
+        self._make_room()
+        room = len(self._buf) - self._end
+        data, fds, _flags, _addr = socket.recv_fds(sock, room, maxfds, flags)
+        self._buf[self._end : self._end + len(data)] = data
+        self._end += len(data)
+        self.fds.extend(fds)
+        return len(data)
+
+    def frames(self) -> Iterator[tuple[int, bytes]]:
+        """Complete frames read so far, as ``(type, payload)``."""
+        buf = self._buf
+        while self._end - self._start >= HEADER.size:
+            kind, length = HEADER.unpack_from(buf, self._start)
+            if length > MAX_FRAME:
+                raise TransportError(f"peer sent a frame of {length} bytes, more than the {MAX_FRAME} allowed")
+            begin = self._start + HEADER.size
+            if self._end - begin < length:
+                return
+            self._start = begin + length
+            yield kind, bytes(self._view[begin : begin + length])

@@ -1,0 +1,93 @@
+"""Mutual challenge-response that authenticates a data-plane connection before anything is honoured.
+
+Each side sends a fresh 32-byte nonce; each proves knowledge of the shared key with an HMAC-SHA256
+over a role label, the dialer's hello (which names what it wants to reach) and both nonces. Neither
+side sends anything derived from the key before it has seen the other's nonce, so a recorded
+exchange cannot be replayed, and the listener answers only after the dialer has proved itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import socket
+
+from kspeed.errors import AuthError, PeerLostError
+
+__all__ = ["NONCE_BYTES", "accept", "dial", "recv_exact"]
+
+log = logging.getLogger(__name__)
+
+NONCE_BYTES = 32
+_MAC_BYTES = 32
+_OK = b"\x01"
+_REFUSED = b"\x00"
+
+
+def recv_exact(sock: socket.socket, n: int, what: str) -> bytes:
+    """Read exactly ``n`` bytes from a blocking socket (with its timeout) or raise PeerLostError."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    try:
+        while got < n:
+            k = sock.recv_into(view[got:])
+            if k == 0:
+                raise PeerLostError(f"{what}: peer closed the connection after {got} of {n} bytes")
+            got += k
+    except TimeoutError as exc:
+        raise PeerLostError(f"{what}: no data from peer within {sock.gettimeout()} s") from exc
+    except OSError as exc:
+        raise PeerLostError(f"{what}: {exc}") from exc
+    return bytes(buf)
+
+
+def _send(sock: socket.socket, data: bytes, what: str) -> None:
+    try:
+        sock.sendall(data)
+    except OSError as exc:
+        raise PeerLostError(f"{what}: {exc}") from exc
+
+
+def _mac(key: bytes, label: bytes, hello: bytes, dialer_nonce: bytes, listener_nonce: bytes) -> bytes:
+    return hmac.new(key, label + hello + dialer_nonce + listener_nonce, hashlib.sha256).digest()
+
+
+def dial(sock: socket.socket, key: bytes, hello: bytes) -> None:
+    """Authenticate as the dialer, after ``hello`` was sent in the clear.
+
+    Raises:
+        AuthError: the listener could not prove it knows the key, or refused ours.
+        PeerLostError: the listener vanished or stalled during the exchange.
+    """
+    nonce = os.urandom(NONCE_BYTES)
+    _send(sock, nonce, "handshake")
+    reply = recv_exact(sock, NONCE_BYTES + _MAC_BYTES, "handshake")
+    listener_nonce, listener_mac = reply[:NONCE_BYTES], reply[NONCE_BYTES:]
+    if not hmac.compare_digest(listener_mac, _mac(key, b"kspeed-listener", hello, nonce, listener_nonce)):
+        raise AuthError("data-plane listener failed authentication (wrong token or connection material)")
+    _send(sock, _mac(key, b"kspeed-dialer", hello, nonce, listener_nonce), "handshake")
+    if recv_exact(sock, 1, "handshake") != _OK:
+        raise AuthError("data-plane listener refused our credentials (wrong token or connection material)")
+
+
+def accept(sock: socket.socket, key: bytes, hello: bytes) -> None:
+    """Authenticate a dialer whose ``hello`` has been read.
+
+    Raises:
+        AuthError: the dialer could not prove it knows the key (it is told so, then dropped).
+        PeerLostError: the dialer vanished or stalled during the exchange.
+    """
+    dialer_nonce = recv_exact(sock, NONCE_BYTES, "handshake")
+    nonce = os.urandom(NONCE_BYTES)
+    _send(sock, nonce + _mac(key, b"kspeed-listener", hello, dialer_nonce, nonce), "handshake")
+    dialer_mac = recv_exact(sock, _MAC_BYTES, "handshake")
+    if not hmac.compare_digest(dialer_mac, _mac(key, b"kspeed-dialer", hello, dialer_nonce, nonce)):
+        try:
+            sock.sendall(_REFUSED)
+        except OSError:
+            log.debug("dialer left before hearing it was refused")
+        raise AuthError("data-plane dialer failed authentication (wrong token or connection material)")
+    _send(sock, _OK, "handshake")

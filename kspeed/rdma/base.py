@@ -1,0 +1,350 @@
+"""The data-plane seam: registered regions, one-sided writes with immediates, completions.
+
+A **receiver** owns memory and listens; a **writer** dials it and writes. In KSpeed the training
+process is the receiver (its receive ring) and servers are writers::
+
+    rail = get_rail("shm")                                  # kspeed.rdma.registry
+    rx = rail.listen(options)                               # receiver side
+    ring = rx.register(64 << 20)                            # Region: memfd-backed ring
+    blob = rx.material                                      # -> control plane -> server
+    key = ring.key.slice(offset, length)                    # a grant, sent as key.to_bytes()
+    wr = rail.connect(blob, options)                        # writer side, once per peer
+    wr.write(key, [header, payload], offset=0, imm=7)       # gathered write + one completion
+    wr.write_many(key, [(src, off, imm), ...])              # many writes, one notification syscall
+    done = rx.poll(timeout=1.0)                             # Completions(imm=array, conn=array)
+    rx.send(done.conn[0], b"grant ...") / wr.recv(timeout)  # small messages, both directions
+
+Contract every rail keeps (the conformance suite in ``tests/conformance`` checks it):
+
+* a write lands byte-exact at ``key.addr + offset``; a write outside ``[0, key.length)`` raises
+  :class:`RangeError` on the writer and sends nothing; the receiver also refuses it;
+* an immediate raises exactly one completion, after every byte of its write is visible to the
+  receiver; completions carry the writer's connection id;
+* messages travel beside the bulk path and never wait behind bulk bytes;
+* a dead, hung or unreachable peer becomes :class:`PeerLostError` within ``io_timeout``;
+* connections are authenticated (``kspeed.rdma.auth``) before any region is exposed.
+
+How ``verbs`` fits behind the same classes: :meth:`Rail.register` is ``ibv_reg_mr`` (local
+access for writer pools; ``LOCAL_WRITE|REMOTE_WRITE`` for rings, per connected server so that
+fencing one server deregisters only its MR); the :class:`RegionKey` carries ``handle = rkey`` and
+``addr =`` the virtual address (or GPU IOVA) of the region, and the NIC enforces the range exactly
+as :meth:`RegionKey.slice` narrows it here. :attr:`Receiver.material` is the QPN, GID, PSN and
+MTU of a fresh RC QP plus the handshake nonce; :meth:`Rail.connect` moves the writer's QP through
+INIT/RTR/RTS and returns its own material through the small-message exchange. ``write`` posts
+``IBV_WR_RDMA_WRITE_WITH_IMM`` (``RDMA_WRITE`` without an immediate) with one SGE per source
+slice (lkeys found by address in the registered pools); ``write_many`` chains the work requests
+into one ``ibv_post_send``. :meth:`Receiver.poll` drains the receive CQ (``imm_data`` and the
+QP number mapped to a connection id) after refilling the shared receive queue; messages are
+``SEND``/``RECV`` on the same QP or a second QP. A UCX/NIXL rail maps the same way (``ucp_put``
+plus an active message for the immediate, rkeys packed into the material).
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from kspeed.errors import RangeError, TransportError
+
+from .options import RailOptions
+
+__all__ = [
+    "MAX_MESSAGE",
+    "Buffer",
+    "Completions",
+    "Rail",
+    "Receiver",
+    "Region",
+    "RegionKey",
+    "Sources",
+    "WriteOp",
+    "Writer",
+    "as_bytes_view",
+]
+
+#: Largest small message (grant, credit, reply) in bytes.
+MAX_MESSAGE = 64 * 1024
+
+Buffer = bytes | bytearray | memoryview | np.ndarray
+#: One buffer, or a list of buffers gathered in order into one contiguous destination range.
+Sources = Buffer | Sequence[Buffer]
+#: ``(sources, offset, immediate or None)``.
+WriteOp = tuple[Any, int, int | None]
+
+_U32 = 1 << 32
+
+
+@dataclass(frozen=True)
+class RegionKey:
+    """What a writer needs to address a remote region; serializable, no secret inside.
+
+    Attributes:
+        rail: the rail that registered the region.
+        node: host (or device) that owns the region.
+        handle: the receiver's id of the region (the rkey on ``verbs``).
+        addr: remote address of byte 0 of this key's range (an offset on ``shm``/``tcp``; a
+            virtual address or IOVA on ``verbs``).
+        length: bytes covered by this key, starting at ``addr``.
+    """
+
+    rail: str
+    node: str
+    handle: int
+    addr: int
+    length: int
+
+    def __post_init__(self) -> None:
+        for name in ("handle", "addr", "length"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise TransportError(f"region key field {name} must be a non-negative integer, got {value!r}")
+
+    def slice(self, offset: int, length: int) -> RegionKey:
+        """A narrower key for ``[offset, offset + length)`` of this one (a grant).
+
+        Raises:
+            RangeError: the sub-range does not lie inside this key.
+        """
+        if offset < 0 or length < 0 or offset + length > self.length:
+            raise RangeError(f"sub-range [{offset}, {offset + length}) outside region key of {self.length} bytes")
+        return RegionKey(self.rail, self.node, self.handle, self.addr + offset, length)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RegionKey:
+        """Rebuild a key from :meth:`to_dict` output.
+
+        Raises:
+            TransportError: a field is missing or malformed.
+        """
+        try:
+            return cls(str(data["rail"]), str(data["node"]), data["handle"], data["addr"], data["length"])
+        except (KeyError, TypeError) as exc:
+            raise TransportError(f"malformed region key {data!r}: {exc}") from exc
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(self.to_dict(), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, blob: bytes) -> RegionKey:
+        """Rebuild a key from :meth:`to_bytes` output.
+
+        Raises:
+            TransportError: the blob is not a region key.
+        """
+        try:
+            data = json.loads(blob)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise TransportError(f"malformed region key: {exc}") from exc
+        if not isinstance(data, dict):
+            raise TransportError("malformed region key: not an object")
+        return cls.from_dict(data)
+
+
+class Region:
+    """A registered local buffer and the key that describes it to peers.
+
+    Args:
+        key: the region's key (whole region).
+        memory: the object owning the memory (``HostBuffer``/``MemfdSegment``/...), with ``view``,
+            ``array()`` and ``close()``.
+    """
+
+    def __init__(self, key: RegionKey, memory: Any) -> None:
+        self.key = key
+        self.memory = memory
+
+    @property
+    def view(self) -> memoryview:
+        """The region's bytes (no copy)."""
+        return self.memory.view
+
+    def array(self) -> np.ndarray:
+        """The region as a ``uint8`` array (no copy)."""
+        return self.memory.array()
+
+    def close(self) -> None:
+        self.memory.close()
+
+
+@dataclass(frozen=True)
+class Completions:
+    """Completions gathered by one :meth:`Receiver.poll`, in arrival order per writer.
+
+    Attributes:
+        imm: ``uint32`` immediates.
+        conn: ``uint32`` connection id of the writer of each immediate.
+    """
+
+    imm: np.ndarray
+    conn: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.imm)
+
+    @staticmethod
+    def empty() -> Completions:
+        return Completions(np.empty(0, np.uint32), np.empty(0, np.uint32))
+
+    @staticmethod
+    def concat(parts: list[Completions]) -> Completions:
+        if not parts:
+            return Completions.empty()
+        if len(parts) == 1:
+            return parts[0]
+        return Completions(np.concatenate([p.imm for p in parts]), np.concatenate([p.conn for p in parts]))
+
+
+def as_bytes_view(src: Buffer) -> memoryview:
+    """A flat byte view of a C-contiguous buffer (no copy)."""
+    view = src if type(src) is memoryview else memoryview(src)
+    if view.format != "B" or view.ndim != 1:
+        try:
+            view = view.cast("B")
+        except TypeError as exc:
+            raise TransportError(f"write source must be C-contiguous: {exc}") from exc
+    return view
+
+
+def check_imm(imm: int | None) -> None:
+    """Refuse immediates that do not fit in 32 bits."""
+    if imm is not None and not 0 <= imm < _U32:
+        raise TransportError(f"immediate {imm!r} does not fit in 32 bits")
+
+
+def check_range(key: RegionKey, offset: int, nbytes: int) -> None:
+    """Writer-side guard: ``[offset, offset + nbytes)`` must lie inside ``key``."""
+    if offset < 0 or offset + nbytes > key.length:
+        raise RangeError(
+            f"write of {nbytes} bytes at offset {offset} outside granted range of {key.length} bytes "
+            f"(region {key.handle} on {key.node})"
+        )
+
+
+class Receiver(ABC):
+    """The side that owns regions, listens for writers and collects their completions."""
+
+    rail: str
+
+    @abstractmethod
+    def register(self, nbytes: int) -> Region:
+        """Allocate and register a shared-memory region (a receive ring) writers may write into."""
+
+    @property
+    @abstractmethod
+    def material(self) -> bytes:
+        """Opaque connection material to hand to writers over the control plane."""
+
+    @abstractmethod
+    def poll(self, timeout: float | None = 0.0) -> Completions:
+        """Return the completions that arrived, waiting up to ``timeout`` s for the first one.
+
+        ``timeout=0`` never blocks; ``None`` waits until something arrives. Small messages that
+        arrive meanwhile are kept for :meth:`messages`.
+
+        Raises:
+            PeerLostError: a writer died, stalled mid-write or broke the protocol; the error's
+                ``conn`` attribute names it. Completions gathered before the loss are returned
+                first; the error is raised by the next call.
+        """
+
+    @abstractmethod
+    def messages(self) -> list[tuple[int, bytes]]:
+        """Small messages from writers received so far, as ``(conn, payload)``; drains them."""
+
+    @abstractmethod
+    def send(self, conn: int, message: bytes) -> None:
+        """Send a small message (a grant, a credit) to writer ``conn``."""
+
+    @property
+    @abstractmethod
+    def connections(self) -> frozenset[int]:
+        """Ids of the writers currently connected."""
+
+    @abstractmethod
+    def disconnect(self, conn: int) -> None:
+        """Cut writer ``conn`` off (fencing); its later writes fail and it gets no completions."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Drop every connection and release every region and helper."""
+
+    def __enter__(self) -> Receiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Writer(ABC):
+    """The side that writes into a receiver's regions."""
+
+    rail: str
+    #: The id the receiver sees in completions and messages from this writer.
+    conn: int
+
+    @abstractmethod
+    def write(self, key: RegionKey, srcs: Sources, offset: int = 0, imm: int | None = None) -> None:
+        """Write ``srcs`` (gathered, in order) at ``key.addr + offset``; notify ``imm`` after the bytes.
+
+        Raises:
+            RangeError: the write does not fit the key; nothing was sent.
+            PeerLostError: the receiver is gone or stalled for ``io_timeout``.
+        """
+
+    @abstractmethod
+    def write_many(self, key: RegionKey, ops: Iterable[WriteOp]) -> None:
+        """Issue many writes; their immediates are notified together after all their bytes.
+
+        The whole batch is range-checked before any byte is written.
+        """
+
+    @abstractmethod
+    def send(self, message: bytes) -> None:
+        """Send a small message to the receiver (never queued behind bulk data)."""
+
+    @abstractmethod
+    def recv(self, timeout: float | None = 0.0) -> bytes | None:
+        """Next small message from the receiver, or ``None`` if none came within ``timeout`` s."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Close the connection and unmap whatever was mapped."""
+
+    def __enter__(self) -> Writer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Rail(ABC):
+    """A transport: makes receivers and writers of one kind."""
+
+    name: str
+
+    @abstractmethod
+    def unavailable_reason(self) -> str | None:
+        """Why this rail cannot be used on this host, or ``None`` if it can."""
+
+    @abstractmethod
+    def listen(self, options: RailOptions) -> Receiver:
+        """Start a receiver; publish its :attr:`Receiver.material` to writers."""
+
+    @abstractmethod
+    def connect(self, material: bytes, options: RailOptions) -> Writer:
+        """Dial a receiver described by ``material`` and authenticate."""
+
+    def register(self, nbytes: int) -> Region:
+        """Allocate page-aligned host memory registered as a write source (a server pool)."""
+        from .memory import HostBuffer
+
+        memory = HostBuffer(nbytes)
+        return Region(RegionKey(self.name, "local", 0, 0, nbytes), memory)

@@ -1,0 +1,64 @@
+"""The explicit registry of rails, keyed by name.
+
+Callers (and operators forcing a rail) name a rail; an unknown or unusable name fails loudly with
+what this host offers instead of silently falling back to another rail.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kspeed.errors import RailUnavailableError
+
+from .base import Rail
+from .shm import ShmRail
+from .tcp import TcpRail
+
+__all__ = ["available_rails", "get_rail", "rail_status", "register_rail"]
+
+log = logging.getLogger(__name__)
+
+_RAILS: dict[str, Rail] = {}
+
+
+def register_rail(rail: Rail) -> None:
+    """Add a rail under ``rail.name`` (replacing one of the same name)."""
+    _RAILS[rail.name] = rail
+
+
+def rail_status() -> dict[str, str | None]:
+    """Every registered rail with the reason it is unavailable here (``None`` when usable)."""
+    return {name: rail.unavailable_reason() for name, rail in sorted(_RAILS.items())}
+
+
+def available_rails() -> list[str]:
+    """Names of the rails usable on this host, sorted."""
+    return [name for name, reason in rail_status().items() if reason is None]
+
+
+def _offer() -> str:
+    parts = []
+    for name, reason in rail_status().items():
+        parts.append(name if reason is None else f"{name} (unavailable: {reason})")
+    return ", ".join(parts) or "none"
+
+
+def get_rail(name: str) -> Rail:
+    """The rail called ``name``.
+
+    Raises:
+        RailUnavailableError: no such rail, or it cannot run on this host; the message lists the
+            rails this host offers and why the others are out.
+    """
+    rail = _RAILS.get(name)
+    if rail is None:
+        raise RailUnavailableError(f"unknown rail {name!r}; this host offers: {_offer()}")
+    reason = rail.unavailable_reason()
+    if reason is not None:
+        raise RailUnavailableError(f"rail {name!r} is unavailable: {reason}; this host offers: {_offer()}")
+    log.debug("rail %s selected", name)
+    return rail
+
+
+register_rail(ShmRail())
+register_rail(TcpRail())

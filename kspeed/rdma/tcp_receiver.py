@@ -1,0 +1,432 @@
+"""The ``tcp`` receiver process: TCP payloads straight into consumers' shared rings.
+
+It runs apart from the training process (a receive loop inside a busy Python process loses most
+of its bandwidth to the GIL) and is started by :class:`kspeed.rdma.tcp.TcpReceiver` as
+``python -m kspeed.rdma.tcp_receiver CONFIG_JSON``. Consumers attach over an abstract Unix socket
+(uid checked), hand over their key and their rings' memfds; writers dial its TCP port. One
+single-threaded selector loop ``recv_into``s each payload at its offset in the ring, checks every
+header against the region before a byte lands, and forwards completions (one frame per consumer
+per loop turn), messages and losses to the consumer. Handshakes run in short-lived threads so a
+slow dialer never stalls the data path.
+
+It exits when its consumer goes (parent-death signal and EOF on the control socket), or, when
+shared by name, when the last consumer has gone.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import queue
+import selectors
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+from itertools import count
+
+from kspeed.errors import KSpeedError, TransportError
+
+from . import _wire as w
+from . import auth
+from . import tcp_proto as p
+from .memory import MemfdSegment
+from .options import RailOptions
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+_READ_BUDGET = 16 << 20  # bytes read from one connection before serving the others
+_U32 = struct.Struct("<I")
+
+
+class _Consumer:
+    def __init__(self, cid: int, sock: socket.socket) -> None:
+        self.cid = cid
+        self.sock = sock
+        self.key: bytes | None = None
+        self.reader = w.FrameReader(1 << 16)
+        self.regions: dict[int, MemfdSegment] = {}
+        self.pending = array.array("I")
+        self.out = bytearray()
+        self.stalled_since: float | None = None
+
+
+class _Bulk:
+    def __init__(self, sock: socket.socket, consumer: _Consumer, conn: int) -> None:
+        self.sock = sock
+        self.consumer = consumer
+        self.conn = conn
+        self.hdr = bytearray(p.WRITE_HEADER.size)
+        self.hdr_view = memoryview(self.hdr)
+        self.hdr_got = 0
+        self.dst: memoryview | None = None
+        self.got = 0
+        self.imm: int | None = None
+        self.last = time.monotonic()
+        self.msg_sock: socket.socket | None = None
+        self.msg_reader = w.FrameReader(1 << 16)
+
+
+class ReceiverProcess:
+    """The loop of the receiver process."""
+
+    def __init__(self, config: dict) -> None:
+        self.options = RailOptions(
+            io_timeout=config["io_timeout"],
+            connect_timeout=config["connect_timeout"],
+            keepalive_idle=config["keepalive_idle"],
+            keepalive_interval=config["keepalive_interval"],
+            keepalive_count=config["keepalive_count"],
+            bind_host=config["bind_host"],
+            socket_buffer=config["socket_buffer"],
+            allowed_uids=tuple(config["allowed_uids"]),
+        )
+        self.shared = config["shared"]
+        self.sel = selectors.DefaultSelector()
+        self.control = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        self.control.bind("\0" + config["control"])
+        self.control.listen(64)
+        family = socket.AF_INET6 if ":" in self.options.bind_host else socket.AF_INET
+        self.listener = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind((self.options.bind_host, 0))
+        self.listener.listen(128)
+        self.port = self.listener.getsockname()[1]
+        self.wake_r, self.wake_w = socket.socketpair()
+        self.wake_r.setblocking(False)
+        self.admitted: queue.SimpleQueue = queue.SimpleQueue()
+        self.consumers: dict[int, _Consumer] = {}
+        self.bulks: dict[int, _Bulk] = {}
+        self.cids = count(1)
+        self.conns = count(1)
+        self.ever_attached = False
+        self.started = time.monotonic()
+        for sock, tag in ((self.control, "control"), (self.listener, "listen"), (self.wake_r, "wake")):
+            self.sel.register(sock, selectors.EVENT_READ, tag)
+
+    # ----------------------------------------------------------------------------------- consumers
+
+    def _accept_consumer(self) -> None:
+        sock, _ = self.control.accept()
+        try:
+            w.check_peer_uid(sock, self.options.allowed_uids)
+        except KSpeedError as exc:
+            log.warning("refused consumer: %s", exc)
+            sock.close()
+            return
+        sock.setblocking(False)
+        consumer = _Consumer(next(self.cids), sock)
+        self.consumers[consumer.cid] = consumer
+        self.ever_attached = True
+        self.sel.register(sock, selectors.EVENT_READ, consumer)
+
+    def _consumer_readable(self, c: _Consumer) -> None:
+        try:
+            n = c.reader.recv_with_fds(c.sock, 4, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return
+        except OSError:
+            n = 0
+        try:
+            for kind, payload in c.reader.frames():
+                self._consumer_frame(c, kind, payload)
+        except (KSpeedError, ValueError, KeyError) as exc:
+            log.warning("consumer %d broke the control protocol: %s", c.cid, exc)
+            n = 0
+        if n == 0:
+            self._drop_consumer(c)
+
+    def _consumer_frame(self, c: _Consumer, kind: int, payload: bytes) -> None:
+        if kind == w.CALL:
+            call = json.loads(payload)
+            if call["op"] == "attach":
+                c.key = bytes.fromhex(call["key"])
+                self._to_consumer(c, w.REPLY, json.dumps({"consumer": c.cid, "port": self.port}).encode())
+            elif call["op"] == "disconnect":
+                bulk = self.bulks.get(int(call["conn"]))
+                if bulk is not None and bulk.consumer is c:
+                    self._drop_bulk(bulk, None)
+        elif kind == w.REGION:
+            desc = json.loads(payload)
+            if not c.reader.fds:
+                raise TransportError("region announced without its descriptor")
+            c.regions[int(desc["handle"])] = MemfdSegment.attach(c.reader.fds.popleft(), int(desc["length"]))
+            self._to_consumer(c, w.REPLY, payload)
+        elif kind == w.MSG:
+            conn = _U32.unpack_from(payload)[0]
+            bulk = self.bulks.get(conn)
+            if bulk is None or bulk.consumer is not c or bulk.msg_sock is None:
+                self._to_consumer(c, w.LOST, _U32.pack(conn) + b"no such writer connected")
+                return
+            try:
+                bulk.msg_sock.sendall(w.frame(w.MSG, payload[4:]))
+            except OSError as exc:
+                self._drop_bulk(bulk, f"sending a message failed: {exc}")
+        else:
+            raise TransportError(f"unknown control frame type {kind}")
+
+    def _to_consumer(self, c: _Consumer, kind: int, payload: bytes) -> None:
+        c.out += w.frame(kind, payload)
+        self._flush_consumer(c)
+
+    def _flush_consumer(self, c: _Consumer) -> None:
+        if c.pending:
+            c.out += w.frame(w.IMMS, c.pending.tobytes())
+            c.pending = array.array("I")
+        if not c.out:
+            c.stalled_since = None
+            return
+        try:
+            sent = c.sock.send(c.out, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            self._drop_consumer(c)
+            return
+        del c.out[:sent]
+        if not c.out:
+            c.stalled_since = None
+        elif sent or c.stalled_since is None:
+            c.stalled_since = time.monotonic()
+
+    def _drop_consumer(self, c: _Consumer) -> None:
+        if self.consumers.pop(c.cid, None) is None:
+            return
+        log.info("consumer %d left", c.cid)
+        for bulk in [b for b in self.bulks.values() if b.consumer is c]:
+            self._drop_bulk(bulk, None)
+        self.sel.unregister(c.sock)
+        c.sock.close()
+        for seg in c.regions.values():
+            seg.close()
+        for fd in c.reader.fds:
+            os.close(fd)
+
+    # ------------------------------------------------------------------------------------- writers
+
+    def _accept_writer(self) -> None:
+        sock, addr = self.listener.accept()
+        threading.Thread(target=self._handshake, args=(sock, addr), daemon=True).start()
+
+    def _handshake(self, sock: socket.socket, addr: object) -> None:
+        """Authenticate a dialer (in its own thread); hand it to the loop through the queue."""
+        try:
+            sock.settimeout(self.options.connect_timeout)
+            hello = auth.recv_exact(sock, p.HELLO.size, "tcp hello")
+            magic, role, cid, conn = p.HELLO.unpack(hello)
+            consumer = self.consumers.get(cid)
+            if magic != p.MAGIC or role not in (p.BULK, p.MESSAGES):
+                raise TransportError(f"unknown hello from {addr}")
+            if consumer is None or consumer.key is None:
+                raise TransportError(f"dialer {addr} asked for consumer {cid}, which is not attached")
+            auth.accept(sock, consumer.key, hello)
+            p.tune(sock, self.options, nodelay=role == p.MESSAGES)
+            if role == p.BULK:
+                conn = next(self.conns)
+                self.admitted.put((sock, role, consumer, conn))
+                self.wake_w.send(b"\0")
+                sock.sendall(w.frame(w.WELCOME, json.dumps({"conn": conn}).encode()))
+            else:
+                self.admitted.put((sock, role, consumer, conn))
+                self.wake_w.send(b"\0")
+        except (KSpeedError, OSError, struct.error) as exc:
+            log.warning("refused tcp dialer %s: %s", addr, exc)
+            sock.close()
+
+    def _admit(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            self.wake_r.recv(4096)
+        while not self.admitted.empty():
+            sock, role, consumer, conn = self.admitted.get()
+            if consumer.cid not in self.consumers:
+                sock.close()
+                continue
+            sock.setblocking(False)
+            if role == p.BULK:
+                bulk = _Bulk(sock, consumer, conn)
+                self.bulks[conn] = bulk
+                self.sel.register(sock, selectors.EVENT_READ, bulk)
+                self._to_consumer(consumer, w.WELCOME, _U32.pack(conn))
+            else:
+                bulk = self.bulks.get(conn)
+                if bulk is None or bulk.consumer is not consumer or bulk.msg_sock is not None:
+                    sock.close()
+                    continue
+                bulk.msg_sock = sock
+                self.sel.register(sock, selectors.EVENT_READ, ("msg", bulk))
+
+    def _drop_bulk(self, bulk: _Bulk, reason: str | None) -> None:
+        if self.bulks.pop(bulk.conn, None) is None:
+            return
+        for sock in (bulk.sock, bulk.msg_sock):
+            if sock is not None:
+                self.sel.unregister(sock)
+                sock.close()
+        if bulk.dst is not None:
+            bulk.dst.release()
+        c = bulk.consumer
+        if c.cid in self.consumers:
+            self._flush_consumer(c)
+            if reason is None:
+                self._to_consumer(c, w.BYE, _U32.pack(bulk.conn))
+            else:
+                log.warning("writer %d of consumer %d lost: %s", bulk.conn, c.cid, reason)
+                self._to_consumer(c, w.LOST, _U32.pack(bulk.conn) + reason.encode())
+
+    def _msg_readable(self, bulk: _Bulk) -> None:
+        try:
+            n = bulk.msg_reader.recv(bulk.msg_sock, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self._drop_bulk(bulk, f"message connection failed: {exc}")
+            return
+        try:
+            for kind, payload in bulk.msg_reader.frames():
+                if kind != w.MSG:
+                    raise TransportError(f"unknown message frame type {kind}")
+                self._to_consumer(bulk.consumer, w.MSG, _U32.pack(bulk.conn) + payload)
+        except TransportError as exc:
+            self._drop_bulk(bulk, str(exc))
+            return
+        if n == 0 and bulk.conn in self.bulks:
+            self._drop_bulk(bulk, "writer closed its message connection")
+
+    def _bulk_readable(self, bulk: _Bulk) -> None:
+        sock = bulk.sock
+        budget = _READ_BUDGET
+        try:
+            while budget > 0:
+                if bulk.dst is None:
+                    n = sock.recv_into(bulk.hdr_view[bulk.hdr_got :])
+                    if n == 0:
+                        self._drop_bulk(bulk, "writer closed the connection without saying bye")
+                        return
+                    bulk.hdr_got += n
+                    bulk.last = time.monotonic()
+                    if bulk.hdr_got < p.WRITE_HEADER.size:
+                        continue
+                    if not self._start_write(bulk):
+                        return
+                else:
+                    n = sock.recv_into(bulk.dst[bulk.got :])
+                    if n == 0:
+                        self._drop_bulk(bulk, "writer closed the connection in the middle of a write")
+                        return
+                    bulk.got += n
+                    budget -= n
+                    bulk.last = time.monotonic()
+                    if bulk.got == len(bulk.dst):
+                        self._finish_write(bulk)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self._drop_bulk(bulk, f"bulk connection failed: {exc}")
+
+    def _start_write(self, bulk: _Bulk) -> bool:
+        kind, flags, handle, imm, offset, length = p.WRITE_HEADER.unpack(bulk.hdr)
+        bulk.hdr_got = 0
+        if kind == p.DATA_BYE:
+            self._drop_bulk(bulk, None)
+            return False
+        region = bulk.consumer.regions.get(handle)
+        if kind != p.DATA or region is None or offset + length > region.nbytes:
+            size = None if region is None else region.nbytes
+            self._drop_bulk(
+                bulk, f"refused write of {length} bytes at offset {offset} of region {handle} (size {size})"
+            )
+            return False
+        bulk.imm = imm if flags & p.FLAG_IMM else None
+        bulk.got = 0
+        bulk.dst = region.view[offset : offset + length]
+        if length == 0:
+            self._finish_write(bulk)
+        return True
+
+    def _finish_write(self, bulk: _Bulk) -> None:
+        bulk.dst.release()
+        bulk.dst = None
+        if bulk.imm is not None:
+            bulk.consumer.pending.append(bulk.conn)
+            bulk.consumer.pending.append(bulk.imm)
+
+    # ---------------------------------------------------------------------------------------- loop
+
+    def _check_stalls(self, now: float) -> None:
+        limit = self.options.io_timeout
+        for bulk in list(self.bulks.values()):
+            if (bulk.dst is not None or bulk.hdr_got) and now - bulk.last > limit:
+                self._drop_bulk(bulk, f"writer stalled mid-write for more than {limit} s")
+        for c in list(self.consumers.values()):
+            if c.stalled_since is not None and now - c.stalled_since > limit:
+                log.warning("consumer %d stopped reading completions for %.1f s; dropping it", c.cid, limit)
+                self._drop_consumer(c)
+
+    def _should_exit(self, now: float) -> bool:
+        if self.consumers:
+            return False
+        return self.ever_attached or now - self.started > self.options.connect_timeout * 4
+
+    def run(self) -> None:
+        tick = min(0.5, self.options.io_timeout / 4)
+        while True:
+            for key, _ in self.sel.select(tick):
+                data = key.data
+                if isinstance(data, _Bulk):
+                    if data.conn in self.bulks:
+                        self._bulk_readable(data)
+                elif isinstance(data, _Consumer):
+                    if data.cid in self.consumers:
+                        self._consumer_readable(data)
+                elif isinstance(data, tuple):
+                    if data[1].conn in self.bulks:
+                        self._msg_readable(data[1])
+                elif data == "listen":
+                    self._accept_writer()
+                elif data == "control":
+                    self._accept_consumer()
+                else:
+                    self._admit()
+            for c in list(self.consumers.values()):
+                if c.pending or c.out:
+                    self._flush_consumer(c)
+            now = time.monotonic()
+            self._check_stalls(now)
+            if self._should_exit(now):
+                return
+
+
+def _die_with_parent(parent: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        log.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+    if os.getppid() != parent:
+        os._exit(0)  # the parent died before the signal was armed
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: ``python -m kspeed.rdma.tcp_receiver CONFIG_JSON``; prints ``ready PORT``."""
+    config = json.loads((argv if argv is not None else sys.argv[1:])[0])
+    logging.basicConfig(level=config.get("log_level", "WARNING"), format="kspeed-tcp-receiver: %(message)s")
+    if not config["shared"]:
+        _die_with_parent(config["parent"])
+    try:
+        proc = ReceiverProcess(config)
+    except OSError as exc:
+        print(f"error {exc}", flush=True)
+        return 3
+    print(f"ready {proc.port}", flush=True)
+    sys.stdout.close()
+    proc.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
