@@ -1,0 +1,182 @@
+"""Allocation of a dataset's regions over servers (pure functions, no state).
+
+A dataset occupies whole regions forming one virtual contiguous address space: byte
+``region index x region size + offset``. Samples are packed into regions in ID order without
+straddling (:func:`region_bounds`); the regions are then dealt out to servers in contiguous runs,
+so every server owns a contiguous range of sample IDs and ownership is a pure function of the
+:class:`Allocation`. Counts are balanced: region counts per server differ by at most one where
+the servers' free regions allow, so bytes per server are within about one region of each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from kspeed.errors import CapacityError, DatasetError
+
+__all__ = ["Allocation", "ServerCapacity", "Share", "allocate", "region_bounds"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerCapacity:
+    """A candidate server and how many FREE regions it reports."""
+
+    server_id: str
+    free_regions: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Share:
+    """One server's part of a dataset.
+
+    Attributes:
+        server_id: the server.
+        first_region: its first virtual region index; it holds ``num_regions`` consecutive ones.
+        num_regions: regions allocated on it.
+        lo: first sample ID it owns.
+        hi: one past its last sample ID.
+        bytes: sum of the sizes of its samples.
+    """
+
+    server_id: str
+    first_region: int
+    num_regions: int
+    lo: int
+    hi: int
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Allocation:
+    """Where a dataset lives: its shares in virtual-region and sample-ID order."""
+
+    dataset: str
+    region_size: int
+    num_samples: int
+    total_bytes: int
+    shares: tuple[Share, ...]
+
+    @property
+    def num_regions(self) -> int:
+        """Regions of the whole dataset."""
+        return sum(s.num_regions for s in self.shares)
+
+    def owner(self, ids: np.ndarray) -> np.ndarray:
+        """Index into :attr:`shares` of the server owning each sample ID (vectorized).
+
+        Raises:
+            DatasetError: an ID is outside ``0..num_samples-1``.
+        """
+        ids = np.asarray(ids, dtype=np.int64)
+        bad = (ids < 0) | (ids >= self.num_samples)
+        if bad.any():
+            raise DatasetError(
+                f"dataset {self.dataset!r}: no sample {int(ids[bad][0])} (IDs 0..{self.num_samples - 1})",
+                dataset=self.dataset, sample=int(ids[bad][0]),
+            )
+        his = np.fromiter((s.hi for s in self.shares), dtype=np.int64, count=len(self.shares))
+        return np.searchsorted(his, ids, side="right")
+
+    def share_of(self, server_id: str) -> Share | None:
+        """The share of ``server_id``, or ``None`` if it holds nothing of the dataset."""
+        return next((s for s in self.shares if s.server_id == server_id), None)
+
+
+def region_bounds(sizes: np.ndarray, region_size: int, *, dataset: str) -> np.ndarray:
+    """Pack samples in ID order into regions without straddling; return region start IDs.
+
+    Region ``k`` holds samples ``b[k]..b[k+1]-1``; ``b[-1] == len(sizes)``. The server side
+    (:func:`kspeed.server.index.region_bounds`) applies the same rule to its own range.
+
+    Raises:
+        DatasetError: a sample is larger than a region, named by its ID.
+    """
+    sizes = np.asarray(sizes, dtype=np.int64)
+    if region_size <= 0:
+        raise DatasetError(f"dataset {dataset!r}: region size must be positive, got {region_size}",
+                           dataset=dataset)
+    big = np.flatnonzero(sizes > region_size)
+    if len(big):
+        i = int(big[0])
+        raise DatasetError(
+            f"dataset {dataset!r}: sample {i} is {int(sizes[i])} bytes, larger than a region "
+            f"({region_size} bytes)",
+            dataset=dataset, sample=i,
+        )
+    if (sizes < 0).any():
+        i = int(np.flatnonzero(sizes < 0)[0])
+        raise DatasetError(f"dataset {dataset!r}: sample {i} has negative size", dataset=dataset, sample=i)
+    cum = np.concatenate(([0], np.cumsum(sizes)))
+    bounds = [0]
+    while bounds[-1] < len(sizes):
+        bounds.append(int(np.searchsorted(cum, cum[bounds[-1]] + region_size, side="right")) - 1)
+    return np.asarray(bounds, dtype=np.int64)
+
+
+def _balance(need: int, caps: Sequence[int]) -> list[int]:
+    """Split ``need`` regions over servers with ``caps`` so that counts differ as little as possible."""
+    order = sorted(range(len(caps)), key=lambda i: caps[i])
+    counts = [0] * len(caps)
+    left = need
+    for k, i in enumerate(order):
+        servers_left = len(order) - k
+        counts[i] = min(caps[i], -(-left // servers_left))
+        left -= counts[i]
+    return counts
+
+
+def allocate(
+    dataset: str,
+    sizes: np.ndarray,
+    region_size: int,
+    servers: Sequence[ServerCapacity],
+    *,
+    max_servers: int | None = None,
+    headroom: int = 0,
+) -> Allocation:
+    """Choose servers and whole regions on each for a dataset.
+
+    Args:
+        dataset: the dataset's name, for messages.
+        sizes: int64 size of every sample, indexed by sample ID.
+        region_size: bytes per region.
+        servers: candidates with their free region counts.
+        max_servers: use at most this many servers (those with the most free regions); all by default.
+        headroom: regions to leave free on every server (room for other datasets or streaming).
+
+    Returns:
+        The allocation; servers appear in ``server_id`` order, each with a contiguous run of
+        virtual regions and the matching contiguous range of sample IDs.
+
+    Raises:
+        DatasetError: empty dataset, or a sample larger than a region.
+        CapacityError: the free regions (after headroom) cannot hold the dataset; nothing chosen.
+    """
+    sizes = np.asarray(sizes, dtype=np.int64)
+    if len(sizes) == 0:
+        raise DatasetError(f"dataset {dataset!r}: no samples to allocate", dataset=dataset)
+    bounds = region_bounds(sizes, region_size, dataset=dataset)
+    need = len(bounds) - 1
+    ranked = sorted(servers, key=lambda s: (-s.free_regions, s.server_id))
+    if max_servers is not None:
+        ranked = ranked[: max(max_servers, 0)]
+    caps = [max(s.free_regions - headroom, 0) for s in ranked]
+    available = sum(caps)
+    if available < need:
+        raise CapacityError(
+            f"dataset {dataset!r} needs {need} regions of {region_size} bytes ({int(sizes.sum())} bytes in "
+            f"{len(sizes)} samples); {available} available on {len(ranked)} servers "
+            f"(headroom {headroom} per server)"
+        )
+    counts = _balance(need, caps)
+    chosen = sorted((s.server_id, n) for s, n in zip(ranked, counts, strict=True) if n > 0)
+    cum = np.concatenate(([0], np.cumsum(sizes)))
+    shares, region = [], 0
+    for server_id, n in chosen:
+        lo, hi = int(bounds[region]), int(bounds[region + n])
+        shares.append(Share(server_id, region, n, lo, hi, int(cum[hi] - cum[lo])))
+        region += n
+    return Allocation(dataset, region_size, len(sizes), int(cum[-1]), tuple(shares))
