@@ -341,7 +341,8 @@ def _read_yaml(path: str) -> Mapping[str, Any]:
         with open(path, encoding="utf-8") as fh:
             data = yaml.safe_load(fh) or {}
     except OSError as exc:
-        raise ConfigError(f"config file {path!r}: cannot read: {exc.strerror}", field="config", value=path) from exc
+        raise ConfigError(f"config file {path!r}: cannot read: {exc.strerror}", field="config",
+                          value=path) from exc
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {path!r}: not valid YAML: {exc}", field="config", value=path) from exc
     if not isinstance(data, Mapping):

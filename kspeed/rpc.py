@@ -12,6 +12,7 @@ import contextlib
 import hmac
 import inspect
 import logging
+import socket
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -172,6 +173,7 @@ def bind(server: grpc.Server | grpc.aio.Server, address: str, security: Security
         ConfigError: when the address cannot be bound (in use, not local, no permission).
     """
     host = address.rpartition(":")[0]
+    _check_bindable(address)
     try:
         if security.tls_cert:
             creds = grpc.ssl_server_credentials([(security.read_pem("tls_key"), security.read_pem("tls_cert"))])
@@ -185,6 +187,26 @@ def bind(server: grpc.Server | grpc.aio.Server, address: str, security: Security
         raise errors.ConfigError(f"cannot listen on {address}: address in use or not local", field="listen",
                                  value=address)
     return f"{host}:{port}"
+
+
+def _check_bindable(address: str) -> None:
+    """Try the bind ourselves first: gRPC's own failure is a C-level log line and a vague error."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    if int(port) == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise errors.ConfigError(f"cannot listen on {address}: {exc.strerror}", field="listen", value=address) from exc
+    family, kind, proto, _, sockaddr = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(sockaddr)
+        except OSError as exc:
+            raise errors.ConfigError(f"cannot listen on {address}: {exc.strerror.lower()}", field="listen",
+                                     value=address) from exc
 
 
 def channel_options(max_message_bytes: int = 64 * 1024**2) -> list[tuple[str, Any]]:

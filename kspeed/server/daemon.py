@@ -49,6 +49,7 @@ class Server:
         self.fatal: KSpeedError | None = None
         self._grpc: grpc.Server | None = None
         self._http: HttpEndpoint | None = None
+        self._serving = False
         self.agent: ManagerAgent | None = None
 
     def inventory(self) -> kspeed_pb2.ServerInventory:
@@ -74,6 +75,7 @@ class Server:
         })
         http_address = inv.advertised(cfg.http_listen, self._http.address, "")
         self._grpc.start()
+        self._serving = True
         self.metrics.info.info({"id": self.id, "version": __version__, "address": self.address})
         self.metrics.memory.set(cfg.memory)
         self.agent = ManagerAgent(manager_address=cfg.manager, security=cfg.security, server_id=self.id,
@@ -122,7 +124,8 @@ class Server:
         if self.config.ready_file:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.config.ready_file)
-        log.info("kspeed-server %s stopped", self.id)
+        if self._serving:
+            log.info("kspeed-server %s stopped", self.id)
 
 
 def main(argv: list[str] | None = None) -> int:

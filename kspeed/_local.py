@@ -1,0 +1,218 @@
+"""A local cluster of real daemons (one manager, N servers) as child processes on loopback.
+
+Used by ``kspeed up`` and by the integration-test fixture, so both exercise exactly what an
+operator runs. Each daemon writes its bound addresses to a ready file; ports may be 0 (any free
+port) so nothing races for ports. Children run in their own session (Ctrl-C reaches only the
+supervisor, which stops servers first so they deregister) and die with the supervisor
+(``PR_SET_PDEATHSIG``) if it is killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kspeed.errors import KSpeedError, UnavailableError
+
+PR_SET_PDEATHSIG = 1
+STOP_TIMEOUT = 15.0
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+@dataclass
+class Daemon:
+    """One daemon child process and what it reported when ready."""
+
+    name: str
+    argv: list[str]
+    ready_file: str
+    log_file: str
+    env: dict[str, str]
+    process: subprocess.Popen | None = None
+    ready: dict = field(default_factory=dict)
+
+    def start(self) -> None:
+        """Start the process (its stderr and stdout go to ``log_file``)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.ready_file)
+        with open(self.log_file, "ab") as log:
+            self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            env=self.env, start_new_session=True, preexec_fn=_die_with_parent)
+
+    def wait_ready(self, timeout: float) -> dict:
+        """Wait for the ready file.
+
+        Raises:
+            UnavailableError: the daemon exited or did not get ready in time (with its last log lines).
+        """
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if os.path.exists(self.ready_file):
+                with open(self.ready_file, encoding="utf-8") as fh:
+                    self.ready = json.load(fh)
+                return self.ready
+            if self.process is not None and self.process.poll() is not None:
+                raise UnavailableError(f"{self.name} exited with status {self.process.returncode}: {self.log_tail()}")
+            time.sleep(0.05)
+        raise UnavailableError(f"{self.name} not ready after {timeout:.0f}s: {self.log_tail()}")
+
+    def log_tail(self, lines: int = 5) -> str:
+        """The last lines of the daemon's log, joined on one line."""
+        try:
+            with open(self.log_file, encoding="utf-8", errors="replace") as fh:
+                tail = fh.read().splitlines()[-lines:]
+        except OSError:
+            return "(no log)"
+        return " | ".join(tail) or "(empty log)"
+
+    @property
+    def running(self) -> bool:
+        """True while the process has not exited."""
+        return self.process is not None and self.process.poll() is None
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the process if it still runs."""
+        if self.running:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(sig)
+
+    def stop(self, timeout: float = STOP_TIMEOUT) -> int | None:
+        """SIGTERM, wait, then SIGKILL; returns the exit status."""
+        if self.process is None:
+            return None
+        self.signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.signal(signal.SIGKILL)
+            return self.process.wait()
+
+
+class LocalCluster:
+    """One manager and ``servers`` servers under ``state_dir``.
+
+    Args:
+        state_dir: root of the cluster's state (manager/, server-<i>/, logs/, run/).
+        servers: number of servers.
+        port: manager gRPC port on 127.0.0.1 (0: any free port).
+        http_port: manager HTTP port on 127.0.0.1 (0: any free port).
+        token_file: enables bearer-token auth on every daemon; without it auth is off.
+        manager_args: extra flags for the manager.
+        server_args: extra flags for every server.
+        env: extra environment for the daemons.
+    """
+
+    def __init__(self, state_dir: str, *, servers: int = 2, port: int = 0, http_port: int = 0,
+                 token_file: str = "", manager_args: Sequence[str] = (), server_args: Sequence[str] = (),
+                 env: dict[str, str] | None = None) -> None:
+        self.state_dir = os.path.abspath(state_dir)
+        self.token_file = token_file
+        self._env = {k: v for k, v in os.environ.items() if not k.startswith("KSPEED_")}
+        self._env.update(env or {})
+        for sub in ("logs", "run"):
+            os.makedirs(os.path.join(self.state_dir, sub), exist_ok=True)
+        auth = ["--auth", "token", "--token-file", token_file] if token_file else ["--auth", "none"]
+        self._auth = auth
+        self.manager = self._daemon("manager", "kspeed.manager", [
+            "--listen", f"127.0.0.1:{port}", "--http-listen", f"127.0.0.1:{http_port}",
+            "--state-dir", os.path.join(self.state_dir, "manager"), *manager_args])
+        self._server_args = list(server_args)
+        self._server_count = servers
+        self.servers: list[Daemon] = []
+
+    def _daemon(self, name: str, module: str, args: list[str]) -> Daemon:
+        run = os.path.join(self.state_dir, "run")
+        return Daemon(name=name, argv=[sys.executable, "-m", module, *self._auth, *args,
+                                       "--ready-file", os.path.join(run, f"{name}.json")],
+                      ready_file=os.path.join(run, f"{name}.json"),
+                      log_file=os.path.join(self.state_dir, "logs", f"{name}.log"), env=self._env)
+
+    def _server(self, index: int) -> Daemon:
+        return self._daemon(f"server-{index}", "kspeed.server", [
+            "--manager", self.address, "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0",
+            "--state-dir", os.path.join(self.state_dir, f"server-{index}"), *self._server_args])
+
+    @property
+    def address(self) -> str:
+        """The manager's gRPC address."""
+        return self.manager.ready["grpc"]
+
+    @property
+    def http_address(self) -> str:
+        """The manager's HTTP address."""
+        return self.manager.ready["http"]
+
+    def start(self, timeout: float = 30.0) -> None:
+        """Start the manager, then the servers, and wait until every daemon is ready."""
+        try:
+            self.start_manager(timeout)
+            for _ in range(self._server_count):
+                self.add_server(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def start_manager(self, timeout: float = 30.0) -> None:
+        """(Re)start the manager process; a restart binds the ports of the first start."""
+        self.manager.start()
+        ready = self.manager.wait_ready(timeout)
+        argv = self.manager.argv
+        argv[argv.index("--listen") + 1] = ready["grpc"]
+        argv[argv.index("--http-listen") + 1] = ready["http"]
+
+    def start_server(self, server: Daemon, timeout: float = 30.0) -> None:
+        """(Re)start one server process."""
+        server.start()
+        server.wait_ready(timeout)
+
+    def add_server(self, timeout: float = 30.0) -> Daemon:
+        """Start one more server."""
+        server = self._server(len(self.servers))
+        self.servers.append(server)
+        self.start_server(server, timeout)
+        return server
+
+    def stop(self) -> dict[str, int | None]:
+        """Stop the servers (they deregister), then the manager; returns their exit statuses."""
+        statuses = {}
+        for server in self.servers:
+            server.signal(signal.SIGTERM)
+        for server in self.servers:
+            statuses[server.name] = server.stop()
+        statuses["manager"] = self.manager.stop()
+        return statuses
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
+    """Poll ``predicate`` until it returns a truthy value; raise naming ``what`` on timeout."""
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except KSpeedError as exc:
+            last_error = exc
+        time.sleep(interval)
+    raise UnavailableError(f"timed out after {timeout:.0f}s waiting for {what}"
+                           + (f" (last error: {last_error})" if last_error else ""))

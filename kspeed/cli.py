@@ -1,0 +1,129 @@
+"""The ``kspeed`` command: run a local cluster and look at a running one.
+
+    kspeed up [--servers N] [--port P] [--http-port H] [--state-dir DIR]
+    kspeed status [--manager HOST:PORT] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+
+from kspeed._local import LocalCluster, wait_for
+from kspeed.config import ClientConfig, add_arguments, load_config
+from kspeed.control import ManagerClient
+from kspeed.errors import KSpeedError
+from kspeed.proto import kspeed_pb2
+from kspeed.status import status_dict, status_table
+
+READY = kspeed_pb2.ServerState.SERVER_STATE_READY
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    """Run one manager and N servers on loopback in the foreground until Ctrl-C or SIGTERM."""
+    if args.servers < 0:
+        raise KSpeedError(f"--servers must be 0 or more, not {args.servers}")
+    keep = bool(args.state_dir)
+    state_dir = args.state_dir or tempfile.mkdtemp(prefix="kspeed-up-")
+    server_args = ["--memory", args.memory, "--region-size", args.region_size]
+    cluster = LocalCluster(state_dir, servers=args.servers, port=args.port, http_port=args.http_port,
+                           token_file=args.token_file or "", server_args=server_args)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        cluster.start_manager()
+        _say(f"manager grpc {cluster.address}")
+        _say(f"manager http http://{cluster.http_address}")
+        if args.token_file:
+            _say(f"auth: bearer token from {args.token_file}")
+        else:
+            _say("auth: off (loopback-only cluster; pass --token-file to require a token)")
+        for _ in range(args.servers):
+            server = cluster.add_server()
+            _say(f"server {server.ready['id']} grpc {server.ready['grpc']} http http://{server.ready['http']}")
+        config = load_config(ClientConfig, overrides={"manager": cluster.address, **_token_overrides(args)})
+        with ManagerClient(config, peer_name="kspeed-up") as client:
+            wait_for(lambda: sum(r.state == READY for r in client.servers()) == args.servers, 30,
+                     f"{args.servers} server(s) to be ready")
+        _say(f"state {state_dir}{'' if keep else ' (removed on exit)'}; logs in {state_dir}/logs")
+        _say(f"ready: {args.servers} server(s). Try: kspeed status --manager {cluster.address}. Ctrl-C to stop.")
+        while not stop.wait(0.5):
+            dead = [d.name for d in [cluster.manager, *cluster.servers] if not d.running]
+            if dead:
+                _say(f"stopping: {', '.join(dead)} exited unexpectedly (see {state_dir}/logs)")
+                return 1
+        return 0
+    finally:
+        _say("stopping the local cluster")
+        cluster.stop()
+        if not keep:
+            shutil.rmtree(state_dir, ignore_errors=True)
+        _say("stopped")
+
+
+def _token_overrides(args: argparse.Namespace) -> dict[str, str]:
+    if getattr(args, "token_file", None):
+        return {"security.auth": "token", "security.token_file": args.token_file}
+    return {"security.auth": "none"}
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Print the cluster as a table (or JSON)."""
+    config = load_config(ClientConfig, args)
+    with ManagerClient(config, peer_name="kspeed-cli") as client:
+        status = client.status()
+    if args.json:
+        _say(json.dumps(status_dict(status), indent=2, sort_keys=True))
+    else:
+        _say(status_table(status))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``kspeed``."""
+    parser = argparse.ArgumentParser(prog="kspeed", description="KSpeed data-provisioning service")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="run a local cluster (one manager, N servers) in the foreground")
+    up.add_argument("--servers", type=int, default=2, help="number of servers (default 2)")
+    up.add_argument("--port", type=int, default=7070, help="manager gRPC port on 127.0.0.1 (0: any free port)")
+    up.add_argument("--http-port", type=int, default=7080, help="manager HTTP port on 127.0.0.1 (0: any)")
+    up.add_argument("--state-dir", default="", help="keep state here (default: a temporary directory)")
+    up.add_argument("--token-file", default="", help="require this bearer token on every RPC")
+    up.add_argument("--memory", default="256MiB", help="memory each server may pool (default 256MiB)")
+    up.add_argument("--region-size", default="128MiB", help="bytes per region (default 128MiB)")
+    up.set_defaults(func=cmd_up)
+
+    status = sub.add_parser("status", help="print the cluster as a table")
+    add_arguments(status, ClientConfig)
+    status.add_argument("--json", action="store_true", help="print JSON (the same as /v1/status)")
+    status.set_defaults(func=cmd_status)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``kspeed``."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KSpeedError as exc:
+        print(f"kspeed: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""A synchronous client of the manager's control plane, shared by the CLI and the client library.
+
+The first call performs the version handshake (``Hello``), so an incompatible manager is reported
+with both sides' versions before anything else happens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kspeed import rpc
+from kspeed.config import ClientConfig
+from kspeed.proto import kspeed_pb2, kspeed_pb2_grpc
+
+
+class ManagerClient:
+    """Calls to the manager at ``config.manager`` with the configured token, TLS and deadline."""
+
+    def __init__(self, config: ClientConfig, peer_name: str = "kspeed-client") -> None:
+        self.config = config
+        self.address = config.manager
+        self._peer_name = peer_name
+        self._metadata = rpc.call_metadata(config.security)
+        self._channel = rpc.open_channel(config.manager, config.security)
+        self._stub = kspeed_pb2_grpc.ManagerStub(self._channel)
+        self.hello: kspeed_pb2.HelloReply | None = None
+
+    def call(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
+        """One unary call, with errors mapped to :mod:`kspeed.errors`."""
+        if self.hello is None and method != "Hello":
+            self.handshake()
+        with rpc.map_rpc_errors(f"manager at {self.address}"):
+            return getattr(self._stub, method)(request, timeout=timeout or self.config.timeout,
+                                               metadata=self._metadata)
+
+    def handshake(self) -> kspeed_pb2.HelloReply:
+        """Agree on a protocol version with the manager.
+
+        Raises:
+            VersionMismatchError: naming the versions each side speaks.
+        """
+        self.hello = self.call("Hello", kspeed_pb2.HelloRequest(version=rpc.peer_version(),
+                                                                peer_name=self._peer_name))
+        return self.hello
+
+    def status(self) -> kspeed_pb2.ClusterStatus:
+        """The cluster status."""
+        return self.call("GetStatus", kspeed_pb2.GetStatusRequest())
+
+    def servers(self, include_left: bool = False) -> list[kspeed_pb2.ServerRecord]:
+        """The registered servers."""
+        return list(self.call("ListServers", kspeed_pb2.ListServersRequest(include_left=include_left)).servers)
+
+    def close(self) -> None:
+        """Close the channel."""
+        self._channel.close()
+
+    def __enter__(self) -> ManagerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

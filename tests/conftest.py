@@ -1,0 +1,36 @@
+"""Shared fixtures: the one way tests start real daemons (and always stop them)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kspeed._local import LocalCluster
+
+# Timers short enough that lifecycle transitions happen within a test's patience.
+FAST_MANAGER = ["--heartbeat-interval", "200ms", "--suspect-after", "1s", "--fail-after", "2s",
+                "--probe-interval", "300ms", "--probe-timeout", "500ms", "--max-request-bytes", "64KiB"]
+SERVER_MEMORY = ["--memory", "8MiB", "--region-size", "1MiB"]
+
+
+@pytest.fixture
+def cluster_factory(tmp_path):
+    """``make(servers=2, **kwargs)`` starts a :class:`LocalCluster`; all are stopped at teardown."""
+    clusters: list[LocalCluster] = []
+
+    def make(servers: int = 2, *, manager_args=(), server_args=(), **kwargs) -> LocalCluster:
+        cluster = LocalCluster(str(tmp_path / f"cluster-{len(clusters)}"), servers=servers,
+                               manager_args=[*FAST_MANAGER, *manager_args],
+                               server_args=[*SERVER_MEMORY, *server_args], **kwargs)
+        clusters.append(cluster)
+        cluster.start()
+        return cluster
+
+    yield make
+    for cluster in clusters:
+        cluster.stop()
+
+
+@pytest.fixture
+def cluster(cluster_factory) -> LocalCluster:
+    """A running cluster of one manager and two servers, auth off."""
+    return cluster_factory(2)

@@ -1,0 +1,39 @@
+"""Helpers shared by the tests (fixtures live in conftest.py)."""
+
+from __future__ import annotations
+
+import os
+import urllib.error
+import urllib.request
+
+from kspeed._local import LocalCluster
+from kspeed.config import ClientConfig, load_config
+from kspeed.control import ManagerClient
+
+
+def client_for(cluster: LocalCluster) -> ManagerClient:
+    """A control-plane client with the cluster's credentials."""
+    overrides = {"manager": cluster.address, "security.auth": "none"}
+    if cluster.token_file:
+        overrides.update({"security.auth": "token", "security.token_file": cluster.token_file})
+    return ManagerClient(load_config(ClientConfig, environ={}, overrides=overrides))
+
+
+def http_get(address: str, path: str) -> tuple[int, str]:
+    """GET ``http://address/path`` and return (status, body)."""
+    try:
+        with urllib.request.urlopen(f"http://{address}{path}", timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def pid_alive(pid: int) -> bool:
+    """True if a process with ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+            return fh.read().split(") ", 1)[1][0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    except OSError:
+        return os.path.exists(f"/proc/{pid}")

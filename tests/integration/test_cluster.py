@@ -1,0 +1,187 @@
+"""A real manager and real servers on loopback: membership, lifecycle, restart, status."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from kspeed._local import wait_for
+from kspeed.proto import kspeed_pb2, kspeed_pb2_grpc
+from tests.helpers import client_for, http_get
+
+S = kspeed_pb2.ServerState
+
+
+def states(client) -> dict[str, int]:
+    return {r.id: r.state for r in client.servers(include_left=True)}
+
+
+def test_two_servers_ready_in_status_json_metrics_and_cli(cluster):
+    with client_for(cluster) as client:
+        assert wait_for(lambda: list(states(client).values()) == [S.SERVER_STATE_READY] * 2, 10, "2 ready")
+        ids = sorted(s.ready["id"] for s in cluster.servers)
+        assert sorted(states(client)) == ids
+
+    code, body = http_get(cluster.http_address, "/v1/status")
+    assert code == 200
+    servers = json.loads(body)["servers"]
+    assert sorted(s["id"] for s in servers) == ids
+    assert {s["state"] for s in servers} == {"ready"}
+    assert all(s["address"].startswith("127.0.0.1:") for s in servers)
+
+    code, metrics = http_get(cluster.http_address, "/metrics")
+    assert code == 200 and 'kspeed_manager_servers{state="ready"} 2.0' in metrics
+    assert http_get(cluster.http_address, "/healthz")[0] == 200
+    assert http_get(cluster.http_address, "/readyz")[0] == 200
+    assert http_get(cluster.servers[0].ready["http"], "/readyz")[0] == 200
+    assert "kspeed_server_registered 1.0" in http_get(cluster.servers[0].ready["http"], "/metrics")[1]
+
+    out = subprocess.run([sys.executable, "-m", "kspeed.cli", "status", "--manager", cluster.address, "--auth",
+                          "none"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert "SERVER" in lines[1] and "LAST HEARTBEAT" in lines[1]
+    assert all(any(i in line and "ready" in line for line in lines) for i in ids)
+
+
+def test_sigkill_moves_server_to_failed_within_timeout(cluster):
+    victim = cluster.servers[0]
+    with client_for(cluster) as client:
+        wait_for(lambda: all(s == S.SERVER_STATE_READY for s in states(client).values()), 10, "ready")
+        victim.signal(signal.SIGKILL)
+        killed = time.monotonic()
+        wait_for(lambda: states(client)[victim.ready["id"]] == S.SERVER_STATE_FAILED, 8, "failed")
+        # fail_after is 2s in the fixture; allow for the tick and a loaded machine.
+        assert time.monotonic() - killed < 6
+        assert states(client)[cluster.servers[1].ready["id"]] == S.SERVER_STATE_READY
+    status = json.loads(http_get(cluster.http_address, "/v1/status")[1])
+    assert {s["id"]: s["state"] for s in status["servers"]}[victim.ready["id"]] == "failed"
+    metrics = http_get(cluster.http_address, "/metrics")[1]
+    assert f'kspeed_manager_server_state{{server="{victim.ready["id"]}",state="failed"}} 1.0' in metrics
+
+
+def test_manager_restart_keeps_registry_and_servers_rejoin(cluster):
+    with client_for(cluster) as client:
+        wait_for(lambda: all(s == S.SERVER_STATE_READY for s in states(client).values()), 10, "ready")
+        before = {r.id: r.incarnation for r in client.servers()}
+        cluster_id = client.status().cluster_id
+    assert cluster.manager.stop() == 0
+    cluster.start_manager()
+    with client_for(cluster) as client:
+        assert client.status().cluster_id == cluster_id
+        assert set(states(client)) == set(before)  # restored from SQLite before any server spoke
+        wait_for(lambda: all(s == S.SERVER_STATE_READY for s in states(client).values()), 10, "rejoined")
+        assert {r.id: r.incarnation for r in client.servers()} == before  # heartbeats, not re-registration
+
+
+def test_unknown_server_heartbeat_is_not_found_and_server_reregisters(cluster):
+    with client_for(cluster) as client:
+        wait_for(lambda: all(s == S.SERVER_STATE_READY for s in states(client).values()), 10, "ready")
+        with pytest.raises(Exception) as info:
+            client._stub.Heartbeat(kspeed_pb2.HeartbeatRequest(id="srv-unknown"), timeout=5)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    # The manager loses its state: servers are told NOT_FOUND and register again by themselves.
+    cluster.manager.stop()
+    shutil.rmtree(f"{cluster.state_dir}/manager")
+    cluster.start_manager()
+    with client_for(cluster) as client:
+        wait_for(lambda: len(states(client)) == 2 and all(s == S.SERVER_STATE_READY for s in states(client).values()),
+                 10, "servers to re-register")
+
+
+def test_sigterm_server_deregisters_and_leaves(cluster):
+    leaving = cluster.servers[1]
+    with client_for(cluster) as client:
+        wait_for(lambda: all(s == S.SERVER_STATE_READY for s in states(client).values()), 10, "ready")
+        assert leaving.stop() == 0
+        assert states(client)[leaving.ready["id"]] == S.SERVER_STATE_LEFT
+        assert leaving.ready["id"] not in {r.id for r in client.servers()}
+
+
+def test_membership_watch_streams_snapshot_then_changes(cluster):
+    with client_for(cluster) as client:
+        wait_for(lambda: all(s == S.SERVER_STATE_READY for s in states(client).values()), 10, "ready")
+        stream = client._stub.WatchMembership(kspeed_pb2.WatchMembershipRequest(), timeout=20)
+        first = next(stream)
+        assert first.snapshot and len(first.servers) == 2
+        cluster.servers[0].stop()
+        for event in stream:
+            if any(r.state == S.SERVER_STATE_LEFT for r in event.servers):
+                assert event.revision > first.revision
+                break
+        stream.cancel()
+
+
+def test_auth_refuses_missing_or_wrong_token_and_changes_nothing(cluster_factory, tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token\n")
+    cluster = cluster_factory(1, token_file=str(token_file))
+    with client_for(cluster) as client:  # the right token: probes and heartbeats work
+        wait_for(lambda: list(states(client).values()) == [S.SERVER_STATE_READY], 10, "ready with auth")
+        revision = client.status().revision
+    channel = grpc.insecure_channel(cluster.address)
+    stub = kspeed_pb2_grpc.ManagerStub(channel)
+    register = kspeed_pb2.RegisterServerRequest(id="intruder", address="127.0.0.1:1", http_address="127.0.0.1:2")
+    for metadata in ((), (("authorization", "Bearer wrong"),), (("authorization", "s3cret-token"),)):
+        with pytest.raises(grpc.RpcError) as info:
+            stub.RegisterServer(register, metadata=metadata, timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    server_stub = kspeed_pb2_grpc.ServerStub(grpc.insecure_channel(cluster.servers[0].ready["grpc"]))
+    with pytest.raises(grpc.RpcError) as info:
+        server_stub.GetInfo(kspeed_pb2.GetInfoRequest(), timeout=5)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with client_for(cluster) as client:
+        assert "intruder" not in states(client)
+        assert client.status().revision == revision
+
+
+def _raw(cluster, method: str, payload: bytes):
+    channel = grpc.insecure_channel(cluster.address)
+    return channel.unary_unary(f"/kspeed.v1.Manager/{method}")(payload, timeout=5)
+
+
+def test_malformed_oversized_and_invalid_requests_are_invalid_argument(cluster):
+    with client_for(cluster) as client:
+        wait_for(lambda: all(s == S.SERVER_STATE_READY for s in states(client).values()), 10, "ready")
+        revision = client.status().revision
+        inventory = kspeed_pb2.ServerInventory(memory_bytes=2**20, region_size=2**20)
+        bad = [
+            b"\xff\xff\xff\xff",  # not a protobuf message
+            kspeed_pb2.RegisterServerRequest(id="x", address="127.0.0.1:1", http_address="127.0.0.1:2",
+                                             inventory=kspeed_pb2.ServerInventory(hostname="h" * 100_000)
+                                             ).SerializeToString(),  # 100 kB > the 64 KiB limit
+            kspeed_pb2.RegisterServerRequest(id="../etc", address="127.0.0.1:1", http_address="127.0.0.1:2",
+                                             inventory=inventory).SerializeToString(),
+            kspeed_pb2.RegisterServerRequest(id="ok", address="no-port", http_address="127.0.0.1:2",
+                                             inventory=inventory).SerializeToString(),
+        ]
+        for payload in bad:
+            with pytest.raises(grpc.RpcError) as info:
+                _raw(cluster, "RegisterServer", payload)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        assert client.status().revision == revision
+        assert len(states(client)) == 2
+
+
+def test_incompatible_protocol_version_is_refused_naming_both(cluster):
+    with client_for(cluster) as client:
+        revision = client.status().revision
+        for method, request in (
+            ("Hello", kspeed_pb2.HelloRequest(version=kspeed_pb2.PeerVersion(protocol_versions=[99]))),
+            ("RegisterServer", kspeed_pb2.RegisterServerRequest(
+                id="future", address="127.0.0.1:1", http_address="127.0.0.1:2",
+                inventory=kspeed_pb2.ServerInventory(memory_bytes=2**20, region_size=2**20),
+                version=kspeed_pb2.PeerVersion(protocol_versions=[99]))),
+        ):
+            with pytest.raises(grpc.RpcError) as info:
+                getattr(client._stub, method)(request, timeout=5)
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "[1]" in info.value.details() and "[99]" in info.value.details()
+        assert client.status().revision == revision
