@@ -36,7 +36,7 @@ proto: venv
 	@$(VPY) scripts/gen_proto.py
 
 demo: venv
-	@$(VPY) -m kspeed.demo
+	@$(VENV)/bin/kspeed demo
 
 bench: venv
 	@$(VPY) bench/rails.py --json bench/results/rails.json

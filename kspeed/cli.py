@@ -2,6 +2,7 @@
 
     kspeed up [--servers N] [--port P] [--http-port H] [--state-dir DIR]
     kspeed status [--manager HOST:PORT] [--json]
+    kspeed demo
 """
 
 from __future__ import annotations
@@ -90,6 +91,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    """A short tour of a local cluster."""
+    from kspeed.demo import run
+
+    return run(servers=args.servers)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``kspeed``."""
     parser = argparse.ArgumentParser(prog="kspeed", description="KSpeed data-provisioning service")
@@ -109,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(status, ClientConfig)
     status.add_argument("--json", action="store_true", help="print JSON (the same as /v1/status)")
     status.set_defaults(func=cmd_status)
+
+    demo = sub.add_parser("demo", help="a short tour of a local cluster (make demo)")
+    demo.add_argument("--servers", type=int, default=2, help="number of servers (default 2)")
+    demo.set_defaults(func=cmd_demo)
     return parser
 
 

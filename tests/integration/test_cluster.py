@@ -185,3 +185,54 @@ def test_incompatible_protocol_version_is_refused_naming_both(cluster):
             assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert "[1]" in info.value.details() and "[99]" in info.value.details()
         assert client.status().revision == revision
+
+
+def _self_signed(tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=kspeed",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
+def test_tls_on_both_daemons(cluster_factory, tmp_path):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed (needed to make a test certificate)")
+    cert, key = _self_signed(tmp_path)
+    env = {"KSPEED_TLS_CERT": str(cert), "KSPEED_TLS_KEY": str(key), "KSPEED_TLS_CA": str(cert)}
+    cluster = cluster_factory(1, env=env)  # servers reach the manager, the manager probes them: all over TLS
+    from kspeed.config import ClientConfig, load_config
+    from kspeed.control import ManagerClient
+
+    config = load_config(ClientConfig, environ={}, overrides={
+        "manager": cluster.address, "security.auth": "none", "security.tls_ca": str(cert)})
+    with ManagerClient(config) as client:
+        wait_for(lambda: [r.state for r in client.servers()] == [S.SERVER_STATE_READY], 10, "ready over TLS")
+    plain = kspeed_pb2_grpc.ManagerStub(grpc.insecure_channel(cluster.address))
+    with pytest.raises(grpc.RpcError) as info:
+        plain.GetStatus(kspeed_pb2.GetStatusRequest(), timeout=3)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_many_watch_streams_do_not_hold_the_manager(cluster):
+    import asyncio
+
+    async def watch_all(n: int) -> list[int]:
+        channel = grpc.aio.insecure_channel(cluster.address)
+        stub = kspeed_pb2_grpc.ManagerStub(channel)
+        streams = [stub.WatchMembership(kspeed_pb2.WatchMembershipRequest(), timeout=30) for _ in range(n)]
+        firsts = await asyncio.gather(*(s.read() for s in streams))
+        assert all(f.snapshot for f in firsts)
+        # With n streams open, unary calls are still answered at once.
+        started = time.monotonic()
+        await stub.GetStatus(kspeed_pb2.GetStatusRequest(), timeout=5)
+        assert time.monotonic() - started < 2
+        await asyncio.get_running_loop().run_in_executor(None, cluster.servers[0].stop)
+        seconds = await asyncio.gather(*(s.read() for s in streams))
+        for s in streams:
+            s.cancel()
+        await channel.close()
+        return [len(e.servers) for e in seconds]
+
+    counts = asyncio.run(watch_all(200))  # more streams than the server daemon has threads
+    assert len(counts) == 200 and all(c >= 1 for c in counts)
