@@ -4,8 +4,9 @@ A dataset occupies whole regions forming one virtual contiguous address space: b
 ``region index x region size + offset``. Samples are packed into regions in ID order without
 straddling (:func:`region_bounds`); the regions are then dealt out to servers in contiguous runs,
 so every server owns a contiguous range of sample IDs and ownership is a pure function of the
-:class:`Allocation`. Counts are balanced: region counts per server differ by at most one where
-the servers' free regions allow, so bytes per server are within about one region of each other.
+:class:`Allocation`. Servers are balanced by memory: their region counts (so their allocated bytes)
+differ by at most one region wherever their free regions allow. The sample bytes they hold differ
+by that plus the unfilled tails of their regions (a sample never straddles two regions).
 """
 
 from __future__ import annotations
@@ -117,13 +118,12 @@ def region_bounds(sizes: np.ndarray, region_size: int, *, dataset: str) -> np.nd
 
 
 def _balance(need: int, caps: Sequence[int]) -> list[int]:
-    """Split ``need`` regions over servers with ``caps`` so that counts differ as little as possible."""
-    order = sorted(range(len(caps)), key=lambda i: caps[i])
+    """Split ``need`` regions over servers with ``caps``: counts differ by at most one where the caps
+    allow (water-filling from the smallest cap up)."""
     counts = [0] * len(caps)
     left = need
-    for k, i in enumerate(order):
-        servers_left = len(order) - k
-        counts[i] = min(caps[i], -(-left // servers_left))
+    for k, i in enumerate(sorted(range(len(caps)), key=lambda i: caps[i])):
+        counts[i] = min(caps[i], -(-left // (len(caps) - k)))
         left -= counts[i]
     return counts
 
@@ -171,11 +171,13 @@ def allocate(
             f"{len(sizes)} samples); {available} available on {len(ranked)} servers "
             f"(headroom {headroom} per server)"
         )
-    counts = _balance(need, caps)
-    chosen = sorted((s.server_id, n) for s, n in zip(ranked, counts, strict=True) if n > 0)
+    candidates = sorted((s.server_id, c) for s, c in zip(ranked, caps, strict=True) if c > 0)
     cum = np.concatenate(([0], np.cumsum(sizes)))
+    counts = _balance(need, [c for _, c in candidates])
     shares, region = [], 0
-    for server_id, n in chosen:
+    for (server_id, _), n in zip(candidates, counts, strict=True):
+        if n == 0:
+            continue
         lo, hi = int(bounds[region]), int(bounds[region + n])
         shares.append(Share(server_id, region, n, lo, hi, int(cum[hi] - cum[lo])))
         region += n

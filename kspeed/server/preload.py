@@ -70,7 +70,8 @@ class PreloadResult:
     """Outcome of the last preload job.
 
     Attributes:
-        read_samples: samples this job read from the backend (0 when all were loaded already).
+        read_samples: samples the last job read from the backend; 0 when a call found everything
+            loaded already (so nothing was read twice).
         read_bytes: their bytes.
         loaded: owned samples now loaded.
         total: owned samples.
@@ -174,6 +175,8 @@ class Preloader:
             if self.index.loaded.all() and all(
                 self.pool.region(i).state is RegionState.SEALED for i in self._pool_index
             ):
+                self._read_samples = self._read_bytes = 0
+                self._errors = []
                 return
             self._done.clear()
             self._job_start, self._job_end = time.monotonic(), 0.0

@@ -1,0 +1,67 @@
+"""Allocator: balance, contiguity, ownership, capacity and oversized samples."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kspeed.errors import CapacityError, DatasetError
+from kspeed.manager.allocator import ServerCapacity, allocate, region_bounds
+
+R = 1 << 20
+
+
+def test_balanced_contiguous_and_covering():
+    sizes = np.random.default_rng(0).integers(1, 200_000, 3000)
+    servers = [ServerCapacity(f"s{i}", 100) for i in range(4)]
+    alloc = allocate("ds", sizes, R, servers)
+    assert [s.server_id for s in alloc.shares] == ["s0", "s1", "s2", "s3"]
+    assert alloc.shares[0].lo == 0 and alloc.shares[-1].hi == 3000
+    for a, b in zip(alloc.shares, alloc.shares[1:], strict=False):
+        assert a.hi == b.lo and a.first_region + a.num_regions == b.first_region
+    counts = [s.num_regions for s in alloc.shares]
+    assert max(counts) - min(counts) <= 1  # allocated memory within one region of each other
+    byts = [s.bytes for s in alloc.shares]
+    assert max(byts) - min(byts) <= R + max(counts) * int(sizes.max())
+    assert sum(byts) == alloc.total_bytes == int(sizes.sum())
+    bounds = region_bounds(sizes, R, dataset="ds")
+    assert alloc.num_regions == len(bounds) - 1
+    for s in alloc.shares:
+        assert bounds[s.first_region] == s.lo and bounds[s.first_region + s.num_regions] == s.hi
+
+
+def test_owner_is_a_pure_function_of_the_allocation():
+    sizes = np.full(1000, 100_000)
+    alloc = allocate("ds", sizes, R, [ServerCapacity("a", 50), ServerCapacity("b", 50)])
+    ids = np.random.default_rng(1).permutation(1000)
+    owners = alloc.owner(ids)
+    for sid, o in zip(ids, owners, strict=True):
+        assert alloc.shares[o].lo <= sid < alloc.shares[o].hi
+    with pytest.raises(DatasetError, match="no sample 1000"):
+        alloc.owner(np.array([1000]))
+
+
+def test_respects_free_counts_and_headroom():
+    sizes = np.full(100, R // 2)
+    alloc = allocate("ds", sizes, R, [ServerCapacity("a", 3), ServerCapacity("b", 100)], headroom=1)
+    assert alloc.share_of("a").num_regions == 2 and alloc.share_of("b").num_regions == 48
+    one = allocate("ds", sizes, R, [ServerCapacity("a", 30), ServerCapacity("b", 100)], max_servers=1)
+    assert [s.server_id for s in one.shares] == ["b"]
+
+
+def test_capacity_error_names_need_and_available():
+    sizes = np.full(10, R)
+    with pytest.raises(CapacityError, match=r"'ds' needs 10 regions.*9 available on 2 servers"):
+        allocate("ds", sizes, R, [ServerCapacity("a", 4), ServerCapacity("b", 5)])
+
+
+def test_oversized_sample_and_empty_dataset():
+    with pytest.raises(DatasetError, match="sample 2 is"):
+        allocate("ds", np.array([1, 2, R + 1]), R, [ServerCapacity("a", 10)])
+    with pytest.raises(DatasetError, match="no samples"):
+        allocate("ds", np.array([], dtype=np.int64), R, [ServerCapacity("a", 10)])
+
+
+def test_zero_length_samples_fit():
+    alloc = allocate("ds", np.zeros(5, dtype=np.int64), R, [ServerCapacity("a", 1)])
+    assert alloc.num_regions == 1 and alloc.shares[0].hi == 5

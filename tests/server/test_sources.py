@@ -1,0 +1,187 @@
+"""Dataset sources: each kind, labels, fingerprints, listing speed and every bad input."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+from kspeed.errors import AccessDeniedError, BackendError, DatasetError, NotFoundError
+from kspeed.server.sources import open_source
+from tests.server.datasets import write_tree
+
+
+def test_directory_tree_sorted_ids_and_labels(tmp_path, backend):
+    files = write_tree(tmp_path / "d", [10, 0, 30, 5], classes=("zebra", "ant"))
+    (tmp_path / "d" / "zebra" / ".hidden").write_bytes(b"x")
+    src = open_source(backend, "ds", str(tmp_path / "d"))
+    keys = sorted(files)
+    assert src.kind == "dir" and src.count == 4
+    assert [src.key(i) for i in range(4)] == keys
+    assert src.sizes.tolist() == [len(files[k]) for k in keys]
+    assert src.classes == ("ant", "zebra")
+    assert src.labels.tolist() == [0 if k.startswith("ant") else 1 for k in keys]
+    for i, k in enumerate(keys):
+        assert src.read(i) == files[k]
+    assert src.read(keys.index("ant/00001.bin")) == b""
+
+
+def test_flat_directory_has_no_labels(tmp_path, backend):
+    (tmp_path / "d").mkdir()
+    for n in ("b", "a"):
+        (tmp_path / "d" / n).write_bytes(n.encode())
+    src = open_source(backend, "ds", str(tmp_path / "d"))
+    assert src.labels is None and src.read(0) == b"a"
+
+
+def test_list_file_relative_and_absolute(tmp_path, backend):
+    files = write_tree(tmp_path / "d", [3, 4, 5])
+    keys = sorted(files)
+    lst = tmp_path / "d" / "train.txt"
+    lst.write_text(f"{keys[2]}\n\n# comment\n{tmp_path / 'd' / keys[0]}\n")
+    src = open_source(backend, "ds", str(lst))
+    assert src.kind == "list" and src.count == 2
+    assert src.read(0) == files[keys[2]] and src.read(1) == files[keys[0]]
+
+
+def test_list_file_entry_outside_allow_list(tmp_path, backend):
+    lst = tmp_path / "l.txt"
+    lst.write_text("/etc/hostname\n")
+    with pytest.raises(AccessDeniedError, match="line 1"):
+        open_source(backend, "ds", str(lst))
+
+
+def test_manifest(tmp_path, backend):
+    files = write_tree(tmp_path / "d", [7, 0, 9])
+    keys = sorted(files)
+    man = tmp_path / "d" / "data.manifest"
+    man.write_bytes(b"".join(f"{k} {len(files[k])}\r\n".encode() for k in keys) + b"\n")
+    src = open_source(backend, "ds", str(man))
+    assert src.kind == "manifest" and src.sizes.tolist() == [len(files[k]) for k in keys]
+    assert [src.key(i) for i in range(3)] == keys
+    assert [src.read(i) for i in range(3)] == [files[k] for k in keys]
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [(b"a 1\nb\n", "line 2"), (b"a 1\nb x2\n", "line 2"), (b"a 1\n../x 3\n", r"contains '\.\.'"),
+     (b"/etc/passwd 3\n", "is absolute"), (b"", "no samples")],
+)
+def test_bad_manifests(tmp_path, backend, text, match):
+    man = tmp_path / "bad.manifest"
+    man.write_bytes(text)
+    with pytest.raises(DatasetError, match=match):
+        open_source(backend, "ds", str(man))
+
+
+def test_manifest_of_a_million_keys_parses_fast(tmp_path, backend):
+    n = 1_000_000
+    sizes = np.random.default_rng(1).integers(0, 10**9, n)
+    body = "".join(f"shard{i // 1000:04d}/sample{i:07d}.jpg {s}\n" for i, s in enumerate(sizes.tolist()))
+    man = tmp_path / "big.manifest"
+    man.write_text(body)
+    t = time.perf_counter()
+    src = open_source(backend, "ds", str(man))
+    elapsed = time.perf_counter() - t
+    assert src.count == n and np.array_equal(src.sizes, sizes)
+    assert src.key(123456) == "shard0123/sample0123456.jpg"
+    assert elapsed < 5.0, f"listing a 1M-key manifest took {elapsed:.1f} s"
+
+
+def test_npy_rows(tmp_path, backend):
+    arr = np.arange(5 * 3 * 2, dtype=np.float32).reshape(5, 3, 2)
+    np.save(tmp_path / "x.npy", arr)
+    src = open_source(backend, "ds", str(tmp_path / "x.npy"))
+    assert src.kind == "npy" and src.count == 5 and set(src.sizes.tolist()) == {24}
+    for i in range(5):
+        assert src.read(i) == arr[i].tobytes()
+    assert src.key(2).endswith("x.npy[2]")
+
+
+def test_npy_refuses_object_and_truncated(tmp_path, backend):
+    np.save(tmp_path / "o.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(DatasetError, match="non-object"):
+        open_source(backend, "ds", str(tmp_path / "o.npy"))
+    np.save(tmp_path / "t.npy", np.zeros((100, 8), np.uint8))
+    with open(tmp_path / "t.npy", "r+b") as f:
+        f.truncate(200)
+    with pytest.raises(DatasetError, match="truncated"):
+        open_source(backend, "ds", str(tmp_path / "t.npy"))
+
+
+def test_ten_thousand_files_list_quickly(tmp_path, backend):
+    root = tmp_path / "many"
+    for c in range(10):
+        (root / f"c{c}").mkdir(parents=True)
+        for i in range(1000):
+            (root / f"c{c}" / f"{i:04d}").write_bytes(b"")
+    t = time.perf_counter()
+    src = open_source(backend, "ds", str(root))
+    assert src.count == 10_000 and src.labels[-1] == 9
+    assert time.perf_counter() - t < 5.0
+
+
+def test_fingerprint_notices_changes(tmp_path, backend):
+    write_tree(tmp_path / "d", [10, 20])
+    src = open_source(backend, "ds", str(tmp_path / "d"))
+    assert src.reopen().fingerprint == src.fingerprint
+    path = tmp_path / "d" / src.key(0)
+    path.write_bytes(b"y" * 10)
+    os.utime(path, (1, 1))
+    changed = src.reopen()
+    assert changed.fingerprint.count == 2 and changed.fingerprint != src.fingerprint
+    with pytest.raises(DatasetError, match="changed"):
+        changed.check_fingerprint(src.fingerprint)
+
+
+def test_read_errors_name_dataset_and_sample(tmp_path, backend):
+    files = write_tree(tmp_path / "d", [10, 20, 30])
+    keys = sorted(files)
+    src = open_source(backend, "ds", str(tmp_path / "d"))
+    (tmp_path / "d" / keys[0]).write_bytes(b"short")
+    with pytest.raises(DatasetError, match=r"'ds' sample 0 .*size changed.*10 bytes listed, 5 bytes found"):
+        src.read(0)
+    (tmp_path / "d" / keys[1]).write_bytes(b"z" * (len(files[keys[1]]) + 1))
+    with pytest.raises(DatasetError, match=f"more than {len(files[keys[1]])}"):
+        src.read(1)
+    (tmp_path / "d" / keys[2]).unlink()
+    with pytest.raises(BackendError, match="'ds' sample 2") as err:
+        src.read(2)
+    assert err.value.sample == 2
+    with pytest.raises(NotFoundError, match="no sample 3"):
+        src.read(3)
+    with pytest.raises(NotFoundError, match="no sample -1"):
+        src.read_into(-1, bytearray(10))
+
+
+def test_symlink_planted_after_listing_is_refused_at_read(tmp_path, backend):
+    files = write_tree(tmp_path / "d", [5])
+    src = open_source(backend, "ds", str(tmp_path / "d"))
+    path = tmp_path / "d" / sorted(files)[0]
+    path.unlink()
+    os.symlink("/etc/hostname", path)
+    with pytest.raises(AccessDeniedError, match="sample 0"):
+        src.read(0)
+
+
+def test_symlink_out_of_tree_is_refused_at_listing(tmp_path, backend):
+    write_tree(tmp_path / "d", [5])
+    os.symlink("/etc/hostname", tmp_path / "d" / "cat" / "evil")
+    with pytest.raises(AccessDeniedError, match="refused"):
+        open_source(backend, "ds", str(tmp_path / "d"))
+
+
+def test_uri_outside_allow_list(backend):
+    with pytest.raises(AccessDeniedError, match="/etc"):
+        open_source(backend, "ds", "file:///etc")
+
+
+def test_throttled_filesystem_adds_latency(tmp_path, backend):
+    files = write_tree(tmp_path / "d", [100] * 5)
+    src = open_source(backend, "ds", f"slowfile://{tmp_path}/d")
+    t = time.perf_counter()
+    data = [src.read(i) for i in range(5)]
+    assert time.perf_counter() - t >= 5 * 0.002
+    assert data == [files[k] for k in sorted(files)]
