@@ -55,7 +55,7 @@ def test_preload_is_byte_exact_and_packed(tmp_path, backend, pool):
     same = pre.index.region[1:] == pre.index.region[:-1]
     ends = pre.index.offset + pre.index.length
     assert np.array_equal(pre.index.offset[1:][same], ends[:-1][same])
-    assert (pre.index.offset[1:][~same] == 0).all() and (ends[:-1][~same] + sizes[1:][~same] > REGION).all()
+    assert (pre.index.offset[1:][~same] == 0).all() and (ends[:-1][~same] + pre.index.length[1:][~same] > REGION).all()
     assert all(r.state is RegionState.SEALED for r in pool.regions("ds"))
     p = pre.progress()
     assert (p.samples_done, p.bytes_done, p.eta_s, p.running) == (120, int(sizes.sum()), 0.0, False)
