@@ -112,6 +112,16 @@ class AllowList:
             sample=sample,
         )
 
+    def check_resolved(self, protocol: str, path: str, *, dataset: str | None = None,
+                       sample: object = None) -> None:
+        """Like :meth:`check` for a path already resolved (e.g. read back from an open descriptor).
+
+        Raises:
+            AccessDeniedError: no rule admits it.
+        """
+        if not any(rule.admits(protocol, path) for rule in self.rules):
+            self.check(f"{protocol}://{path}", dataset=dataset, sample=sample)
+
     def admits(self, uri: str) -> bool:
         """True if :meth:`check` would accept ``uri``."""
         try:

@@ -3,9 +3,9 @@
 Samples are written in ID order into the dataset's regions at offsets computed up front from the
 sizes (:func:`kspeed.server.index.layout`), so every worker thread reads its files straight into
 the final place in the region (``readinto`` at a precomputed offset): the region layout itself
-packs many small samples per region, and no staging copy is made. Measured on the 2-core dev box,
-a staging buffer copied into the region in one go was no faster than direct reads and cost one
-extra memcpy per byte, so reads go direct. Reads release the GIL, so a bounded pool of threads
+packs many small samples per region, and no staging copy is made (a staging buffer copied
+into the region in one go would add a memcpy per byte and save no system call, since each file
+is opened and read separately either way). Reads release the GIL, so a bounded pool of threads
 overlaps backend latency; crc32c (google-crc32c) is computed on the region bytes per sample.
 
 Concurrent :meth:`Preloader.preload` calls join the one running job; a sample whose loaded flag
