@@ -14,10 +14,12 @@ granting its range to someone else.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import json
 import logging
 import os
+import select
 import selectors
 import socket
 import threading
@@ -51,7 +53,6 @@ __all__ = ["ShmRail", "ShmReceiver", "ShmWriter"]
 log = logging.getLogger(__name__)
 
 _HELLO = b"KSPEED-SHM-v1\x00\x00\x00"
-_MAX_IMMS_PER_FRAME = 1 << 20
 
 
 def _key_for(options: RailOptions, secret: bytes) -> bytes:
@@ -305,9 +306,10 @@ class ShmWriter(Writer):
 
     def _pump(self, blocking: bool, until_welcome: bool = False) -> dict | None:
         """Read what the receiver sent (regions, messages); returns the welcome when it comes."""
-        flags = 0 if blocking else socket.MSG_DONTWAIT
+        if not blocking and not select.select([self._sock], [], [], 0)[0]:
+            return None  # (a socket with a timeout ignores MSG_DONTWAIT, so ask select)
         try:
-            n = self._reader.recv_with_fds(self._sock, 4, flags)
+            n = self._reader.recv_with_fds(self._sock, 4)
         except BlockingIOError:
             return None
         except OSError as exc:
@@ -373,22 +375,36 @@ class ShmWriter(Writer):
     def write_many(self, key, ops) -> None:
         dst = self._target(key)
         base = key.addr
-        plan = []
-        imms = []
-        for srcs, offset, imm in ops:
-            views = [as_bytes_view(s) for s in srcs] if isinstance(srcs, (list, tuple)) else [as_bytes_view(srcs)]
-            check_range(key, offset, sum(v.nbytes for v in views))
-            plan.append((base + offset, views))
-            if imm is not None:
-                check_imm(imm)
-                imms.append(imm)
-        for pos, views in plan:
-            for v in views:
-                end = pos + v.nbytes
-                dst[pos:end] = v
-                pos = end
-        for i in range(0, len(imms), _MAX_IMMS_PER_FRAME):
-            self._notify(np.asarray(imms[i : i + _MAX_IMMS_PER_FRAME], np.uint32).tobytes())
+        limit = key.length
+        copies: list[tuple[int, memoryview]] = []
+        imms = array.array("I")
+        try:
+            for srcs, offset, imm in ops:
+                kind = type(srcs)
+                if kind is list or kind is tuple:
+                    pos = base + offset
+                    start = pos
+                    for s in srcs:
+                        v = as_bytes_view(s)
+                        copies.append((pos, v))
+                        pos += v.nbytes
+                    nbytes = pos - start
+                else:
+                    v = srcs if kind is memoryview else memoryview(srcs)
+                    if v.ndim != 1 or v.format != "B":
+                        v = as_bytes_view(v)
+                    nbytes = v.nbytes
+                    copies.append((base + offset, v))
+                if offset < 0 or offset + nbytes > limit:
+                    check_range(key, offset, nbytes)
+                if imm is not None:
+                    imms.append(imm)
+        except OverflowError as exc:
+            raise TransportError(f"an immediate does not fit in 32 bits: {exc}") from exc
+        for pos, v in copies:
+            dst[pos : pos + len(v)] = v
+        for i in range(0, len(imms), 1 << 20):  # frames stay under the reader's limit
+            self._notify(imms[i : i + (1 << 20)].tobytes())
 
     def send(self, message: bytes) -> None:
         if len(message) > MAX_MESSAGE:

@@ -1,0 +1,123 @@
+"""Shared helpers of the benchmarks: machine description and the machine's own limits.
+
+Every benchmark reports its figures next to limits measured in the same run (one-core memcpy from
+a pool far larger than the caches, and a raw loopback socket stream between two processes), so a
+result reads as a ratio that survives a change of machine.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import platform
+import socket
+import sys
+import time
+
+import numpy as np
+
+__all__ = ["GIB", "KIB", "MIB", "machine_info", "memcpy_gbps", "random_starts", "socket_gbps", "write_json"]
+
+KIB = 1 << 10
+MIB = 1 << 20
+GIB = 1 << 30
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_info() -> dict:
+    """CPU model, cores, RAM, kernel and Python of this machine."""
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        ram = None
+    return {
+        "cpu_model": _cpu_model(),
+        "cores": os.cpu_count(),
+        "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "ram_bytes": ram,
+        "kernel": platform.release(),
+        "python": sys.version.split()[0],
+        "numpy": np.__version__,
+        "hostname": socket.gethostname(),
+    }
+
+
+def random_starts(pool_bytes: int, size: int, count: int, seed: int = 0, align: int = 4096) -> np.ndarray:
+    """``count`` random, ``align``-aligned start offsets of ``size``-byte slices inside the pool."""
+    rng = np.random.default_rng(seed)
+    slots = max(1, (pool_bytes - size) // align)
+    return rng.integers(0, slots, size=count, dtype=np.int64) * align
+
+
+def memcpy_gbps(pool: np.ndarray, size: int = MIB, seconds: float = 1.0) -> float:
+    """One-core memcpy bandwidth (GB/s) copying ``size``-byte slices drawn at random from ``pool``."""
+    dst = np.empty(size, np.uint8)
+    starts = random_starts(len(pool), size, 4096, seed=1).tolist()
+    done = 0
+    t0 = time.perf_counter()
+    while True:
+        for s in starts[:64]:
+            dst[:] = pool[s : s + size]
+        done += 64 * size
+        starts = starts[64:] + starts[:64]
+        elapsed = time.perf_counter() - t0
+        if elapsed >= seconds:
+            return done / elapsed / 1e9
+
+
+def _sink(port: int, chunk: int, queue) -> None:
+    sock = socket.create_connection(("127.0.0.1", port))
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    total = 0
+    t0 = None
+    while True:
+        n = sock.recv_into(view)
+        if n == 0:
+            break
+        if t0 is None:
+            t0 = time.perf_counter()
+        total += n
+    queue.put((total, time.perf_counter() - (t0 or time.perf_counter())))
+
+
+def socket_gbps(seconds: float = 1.0, chunk: int = MIB) -> float:
+    """Raw loopback TCP stream (GB/s) from this process to a spawned reader process."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    listener = socket.create_server(("127.0.0.1", 0))
+    proc = ctx.Process(target=_sink, args=(listener.getsockname()[1], chunk, queue))
+    proc.start()
+    conn, _ = listener.accept()
+    listener.close()
+    payload = memoryview(bytearray(os.urandom(chunk)))
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(16):
+            conn.sendall(payload)
+    conn.close()
+    total, elapsed = queue.get()
+    proc.join()
+    return total / elapsed / 1e9
+
+
+def write_json(path: str | None, doc: dict) -> None:
+    """Write ``doc`` as indented JSON to ``path`` (stdout when ``None``)."""
+    text = json.dumps(doc, indent=2)
+    if path is None:
+        print(text)
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text + "\n")

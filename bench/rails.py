@@ -1,0 +1,190 @@
+"""Benchmark of the data-plane rails against the machine's own limits, measured in the same run.
+
+    python bench/rails.py --json bench/results/rails.json [--quick] [--sizes 32K,1M] [--seconds 1]
+
+Each case starts a receiver in this process, registers a ring, and spawns 1 or 4 writer processes
+that write payloads drawn at random from a shared 1 GiB pool (so copies come from RAM, not from
+cache) with one immediate per write, batched with ``write_many``. Throughput is measured at the
+receiver: all completions of every write counted, from the start signal to the last completion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _common import GIB, KIB, MIB, machine_info, memcpy_gbps, random_starts, socket_gbps, write_json  # noqa: E402
+
+from kspeed.rdma.base import RegionKey  # noqa: E402
+from kspeed.rdma.memory import MemfdSegment  # noqa: E402
+from kspeed.rdma.options import RailOptions  # noqa: E402
+from kspeed.rdma.registry import available_rails, get_rail  # noqa: E402
+
+SIZES = [4 * KIB, 32 * KIB, 256 * KIB, MIB, 4 * MIB, 16 * MIB]
+RING = 256 * MIB
+OPTIONS = RailOptions(io_timeout=30.0)
+
+
+def _parse_size(text: str) -> int:
+    text = text.strip().upper()
+    for suffix, mult in (("K", KIB), ("M", MIB), ("G", GIB)):
+        if text.endswith(suffix):
+            return int(float(text[:-1]) * mult)
+    return int(text)
+
+
+def _writer(rail_name, material, key_blob, pool_path, pool_bytes, size, seconds, seed, start, results):
+    """One writer process: attach the pool, dial, write random slices until time is up."""
+    pool = MemfdSegment.attach(os.open(pool_path, os.O_RDWR), pool_bytes)
+    key = RegionKey.from_bytes(key_blob)
+    writer = get_rail(rail_name).connect(material, OPTIONS)
+    view = pool.view
+    starts = random_starts(pool_bytes, size, 8192, seed=seed).tolist()
+    batch = max(1, min(64, (4 * MIB) // size))
+    slots = max(1, key.length // size)
+    srcs = [view[s : s + size] for s in starts]
+    writes = 0
+    start.wait()
+    t0 = time.perf_counter()
+    i = 0
+    while time.perf_counter() - t0 < seconds:
+        ops = []
+        for _ in range(batch):
+            ops.append((srcs[i % len(srcs)], (i % slots) * size, i & 0xFFFFFFFF))
+            i += 1
+        writer.write_many(key, ops)
+        writes += batch
+    results.put((writer.conn, writes))
+    writer.close()
+    del srcs, view
+    pool.close()
+
+
+def run_case(rail_name: str, pool: MemfdSegment, size: int, writers: int, seconds: float) -> dict:
+    """Throughput of ``writers`` processes writing ``size``-byte payloads into one receiver."""
+    ctx = mp.get_context("spawn")
+    rail = get_rail(rail_name)
+    receiver = rail.listen(OPTIONS)
+    ring = receiver.register(RING)
+    start = ctx.Event()
+    results = ctx.Queue()
+    share = RING // writers // size * size
+    procs = []
+    for n in range(writers):
+        key = ring.key.slice(n * share, share)
+        procs.append(ctx.Process(target=_writer, args=(
+            rail_name, receiver.material, key.to_bytes(), f"/proc/{os.getpid()}/fd/{pool.fd}", pool.nbytes,
+            size, seconds, n + 7, start, results,
+        )))
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + 60
+    while len(receiver.connections) < writers and time.monotonic() < deadline:
+        receiver.poll(0.05)
+    counted = 0
+    t0 = time.perf_counter()
+    start.set()
+    t_last = t0
+    expected = None
+    reported = []
+    while expected is None or counted < expected:
+        done = receiver.poll(0.2)
+        if len(done):
+            counted += len(done)
+            t_last = time.perf_counter()
+        while not results.empty():
+            reported.append(results.get())
+        if len(reported) == writers:
+            expected = sum(n for _, n in reported)
+        if time.perf_counter() - t0 > seconds + 120:
+            raise SystemExit(f"{rail_name} {size} x{writers}: lost completions ({counted} of {expected})")
+    for proc in procs:
+        proc.join(30)
+    receiver.close()
+    elapsed = t_last - t0
+    return {"rail": rail_name, "size": size, "writers": writers, "writes": counted,
+            "seconds": round(elapsed, 4), "gbps": counted * size / elapsed / 1e9,
+            "writes_per_s": counted / elapsed}
+
+
+def seam_overhead_us(rail_name: str, n: int = 20000) -> dict:
+    """Fixed cost per write (µs) for 64-byte writes from the calling thread: write() and write_many()."""
+    rail = get_rail(rail_name)
+    receiver = rail.listen(OPTIONS)
+    ring = receiver.register(16 * MIB)
+    writer = rail.connect(receiver.material, OPTIONS)
+    src = np.ones(64, np.uint8)
+    key = ring.key
+    t0 = time.perf_counter()
+    for i in range(n):
+        writer.write(key, src, (i % 1024) * 64)
+    single = (time.perf_counter() - t0) / n * 1e6
+    ops = [(src, (i % 1024) * 64, i) for i in range(256)]
+    t0 = time.perf_counter()
+    for _ in range(n // 256):
+        writer.write_many(key, ops)
+        receiver.poll(0)
+    many = (time.perf_counter() - t0) / (n // 256 * 256) * 1e6
+    writer.close()
+    receiver.close()
+    return {"write_us": round(single, 3), "write_many_us_per_write": round(many, 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", default=None, help="output path (stdout when omitted)")
+    parser.add_argument("--quick", action="store_true", help="short runs (0.3 s per case)")
+    parser.add_argument("--seconds", type=float, default=1.0, help="seconds per case")
+    parser.add_argument("--sizes", default=None, help="comma list, e.g. 4K,32K,1M")
+    parser.add_argument("--writers", default="1,4", help="comma list of writer counts")
+    parser.add_argument("--rails", default=None, help="comma list (default: every available rail)")
+    args = parser.parse_args()
+    seconds = 0.3 if args.quick else args.seconds
+    sizes = [_parse_size(s) for s in args.sizes.split(",")] if args.sizes else SIZES
+    rails = args.rails.split(",") if args.rails else available_rails()
+    writer_counts = [int(x) for x in args.writers.split(",")]
+
+    pool = MemfdSegment.create(GIB, "bench-pool")
+    arr = pool.array()
+    arr[:] = 0x5A  # touch every page so the pool is resident
+    limits = {
+        "memcpy_gbps": memcpy_gbps(arr, MIB, max(seconds, 0.5)),
+        "memcpy_32k_gbps": memcpy_gbps(arr, 32 * KIB, max(seconds, 0.5)),
+        "socket_gbps": socket_gbps(max(seconds, 0.5)),
+    }
+    del arr
+    print(f"limits: {limits}", file=sys.stderr)
+    results = []
+    for rail in rails:
+        for size in sizes:
+            for writers in writer_counts:
+                res = run_case(rail, pool, size, writers, seconds)
+                limit = limits["socket_gbps"] if rail == "tcp" else limits["memcpy_gbps"]
+                res["vs_limit"] = res["gbps"] / limit
+                res["limit"] = "socket_gbps" if rail == "tcp" else "memcpy_gbps"
+                print(f"{rail:4s} {size:>9d} B x{writers}: {res['gbps']:.2f} GB/s "
+                      f"{res['writes_per_s']:.0f} writes/s ({res['vs_limit']:.2f} of limit)", file=sys.stderr)
+                results.append(res)
+    overhead = {rail: seam_overhead_us(rail) for rail in rails}
+    pool.close()
+    doc = {
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "machine": machine_info(),
+        "limits": limits,
+        "results": results,
+        "seam_overhead_us": overhead.get("shm", next(iter(overhead.values())))["write_many_us_per_write"],
+        "seam_overhead_detail_us": overhead,
+    }
+    write_json(args.json, doc)
+
+
+if __name__ == "__main__":
+    main()
