@@ -21,15 +21,15 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _common import GIB, KIB, MIB, machine_info, memcpy_gbps, random_starts, socket_gbps, write_json  # noqa: E402
+from _common import GIB, KIB, MIB, machine_info, memcpy_gbps, random_starts, socket_gbps, write_json
 
-from kspeed.rdma.base import RegionKey  # noqa: E402
-from kspeed.rdma.memory import MemfdSegment  # noqa: E402
-from kspeed.rdma.options import RailOptions  # noqa: E402
-from kspeed.rdma.registry import available_rails, get_rail  # noqa: E402
+from kspeed.rdma.base import RegionKey
+from kspeed.rdma.memory import MemfdSegment
+from kspeed.rdma.options import RailOptions
+from kspeed.rdma.registry import available_rails, get_rail
 
 SIZES = [4 * KIB, 32 * KIB, 256 * KIB, MIB, 4 * MIB, 16 * MIB]
-RING = 256 * MIB
+MIN_RING = 32 * MIB  # a realistic receive ring: a few batches in flight
 OPTIONS = RailOptions(io_timeout=30.0)
 
 
@@ -73,10 +73,11 @@ def run_case(rail_name: str, pool: MemfdSegment, size: int, writers: int, second
     ctx = mp.get_context("spawn")
     rail = get_rail(rail_name)
     receiver = rail.listen(OPTIONS)
-    ring = receiver.register(RING)
+    ring_bytes = max(MIN_RING, 2 * writers * size)
+    ring = receiver.register(ring_bytes)
     start = ctx.Event()
     results = ctx.Queue()
-    share = RING // writers // size * size
+    share = ring_bytes // writers // size * size
     procs = []
     for n in range(writers):
         key = ring.key.slice(n * share, share)
@@ -112,7 +113,7 @@ def run_case(rail_name: str, pool: MemfdSegment, size: int, writers: int, second
     elapsed = t_last - t0
     return {"rail": rail_name, "size": size, "writers": writers, "writes": counted,
             "seconds": round(elapsed, 4), "gbps": counted * size / elapsed / 1e9,
-            "writes_per_s": counted / elapsed}
+            "writes_per_s": counted / elapsed, "ring_bytes": ring_bytes}
 
 
 def seam_overhead_us(rail_name: str, n: int = 20000) -> dict:

@@ -87,8 +87,8 @@ class FrameReader:
                 self._buf[:pending] = self._buf[self._start : self._end]
                 self._start, self._end = 0, pending
             if self._end == len(self._buf):
-                self._buf.extend(bytes(len(self._buf)))
                 self._view.release()
+                self._buf.extend(bytes(len(self._buf)))
                 self._view = memoryview(self._buf)
 
     def recv(self, sock: socket.socket, flags: int = 0) -> int:

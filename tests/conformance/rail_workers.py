@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -57,9 +58,7 @@ def serve_ring(rail, options: RailOptions, nbytes, queue, poll):
     queue.put((receiver.material, ring.key.to_bytes(), os.getpid()))
     while True:
         if poll:
-            try:
+            with contextlib.suppress(KSpeedError):
                 receiver.poll(0.1)
-            except KSpeedError:
-                pass
         else:
             time.sleep(0.1)

@@ -1,0 +1,184 @@
+"""Unit tests of the data-plane building blocks: options, region keys, auth, memory, registry, tcp guards."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kspeed.errors import AuthError, ConfigError, PeerLostError, RailUnavailableError, RangeError, TransportError
+from kspeed.rdma import auth
+from kspeed.rdma import tcp_proto as p
+from kspeed.rdma._wire import IMMS, MSG, FrameReader, frame
+from kspeed.rdma.base import RegionKey
+from kspeed.rdma.memory import PAGE_SIZE, HostBuffer, MemfdSegment
+from kspeed.rdma.options import RailOptions
+from kspeed.rdma.registry import get_rail, rail_status, register_rail
+from kspeed.rdma.tcp import TcpRail
+
+TOKEN = b"unit-test-token-0123456789"
+
+
+@pytest.mark.parametrize(("field", "value"), [("io_timeout", 0), ("token", b"short"), ("keepalive_count", 0),
+                                              ("receiver_name", "bad name!"), ("socket_buffer", 10)])
+def test_options_name_the_bad_field(field, value):
+    with pytest.raises(ConfigError) as err:
+        RailOptions(**{field: value})
+    assert err.value.field == f"rdma.{field}"
+
+
+def test_region_key_round_trips_and_slices():
+    key = RegionKey("tcp", "host-a", 3, 0, 1 << 20)
+    assert RegionKey.from_bytes(key.to_bytes()) == key
+    assert RegionKey.from_dict(key.to_dict()) == key
+    sub = key.slice(4096, 8192)
+    assert (sub.addr, sub.length, sub.handle) == (4096, 8192, 3)
+    with pytest.raises(RangeError):
+        sub.slice(8000, 400)
+    with pytest.raises(TransportError):
+        RegionKey.from_bytes(b"not json")
+    with pytest.raises(TransportError):
+        RegionKey.from_dict({"rail": "tcp"})
+
+
+def _handshake(dial_key: bytes, accept_key: bytes):
+    a, b = socket.socketpair()
+    a.settimeout(2)
+    b.settimeout(2)
+    result = {}
+
+    def listener():
+        try:
+            auth.accept(b, accept_key, b"hello")
+            result["accept"] = "ok"
+        except (AuthError, PeerLostError) as exc:
+            result["accept"] = exc
+
+    t = threading.Thread(target=listener)
+    t.start()
+    try:
+        auth.dial(a, dial_key, b"hello")
+        result["dial"] = "ok"
+    except AuthError as exc:
+        result["dial"] = exc
+        a.close()  # a dialer that refuses the listener hangs up; the listener must not wait
+    t.join()
+    a.close()
+    b.close()
+    return result
+
+
+def test_auth_accepts_same_key_and_refuses_other():
+    assert _handshake(TOKEN, TOKEN) == {"accept": "ok", "dial": "ok"}
+    result = _handshake(TOKEN, b"x" * 26)
+    assert isinstance(result["dial"], AuthError)
+    assert isinstance(result["accept"], (AuthError, PeerLostError))
+
+
+def test_auth_times_out_on_silent_peer():
+    a, b = socket.socketpair()
+    a.settimeout(0.3)
+    t0 = time.monotonic()
+    with pytest.raises(PeerLostError):
+        auth.dial(a, TOKEN, b"hello")
+    assert time.monotonic() - t0 < 2
+    a.close()
+    b.close()
+
+
+def test_memfd_is_sealed_page_aligned_and_attachable():
+    with MemfdSegment.create(10_000) as seg:
+        assert len(seg.view) == 10_000
+        assert os.fstat(seg.fd).st_size % PAGE_SIZE == 0
+        seg.array()[:5] = [1, 2, 3, 4, 5]
+        with pytest.raises(OSError):
+            os.ftruncate(seg.fd, 0)  # sealed: a receiver cannot shrink the ring under a writer
+        other = MemfdSegment.attach(os.dup(seg.fd), 10_000)
+        assert bytes(other.view[:5]) == bytes([1, 2, 3, 4, 5])
+        other.close()
+        with pytest.raises(TransportError):
+            MemfdSegment.attach(os.dup(seg.fd), 1 << 30)  # announces more than it holds
+
+
+def test_attach_refuses_unsealed_segment():
+    fd = os.memfd_create("unsealed")
+    os.ftruncate(fd, 4096)
+    assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK == 0
+    with pytest.raises(TransportError):
+        MemfdSegment.attach(fd, 4096)
+
+
+def test_host_buffer_close_tolerates_live_views():
+    buf = HostBuffer(5000)
+    arr = buf.array()
+    arr[:] = 7
+    buf.close()  # deferred while arr lives
+    assert int(arr[-1]) == 7
+    del arr
+
+
+def test_frame_reader_splits_partial_frames():
+    a, b = socket.socketpair()
+    data = frame(IMMS, np.arange(3, dtype=np.uint32).tobytes()) + frame(MSG, b"hi")
+    reader = FrameReader(16)
+    a.sendall(data[:5])
+    reader.recv(b)
+    assert list(reader.frames()) == []
+    a.sendall(data[5:])
+    frames = []
+    while len(frames) < 2:
+        assert reader.recv(b) > 0
+        frames += list(reader.frames())
+    assert frames[0][0] == IMMS and np.frombuffer(frames[0][1], np.uint32).tolist() == [0, 1, 2]
+    assert frames[1] == (MSG, b"hi")
+    a.close()
+    b.close()
+
+
+def test_registry_reports_unavailable_rail_with_reason():
+    class Broken(TcpRail):
+        name = "broken-test-rail"
+
+        def unavailable_reason(self):
+            return "no such hardware"
+
+    register_rail(Broken())
+    assert rail_status()["broken-test-rail"] == "no such hardware"
+    with pytest.raises(RailUnavailableError) as err:
+        get_rail("broken-test-rail")
+    assert "no such hardware" in str(err.value) and "shm" in str(err.value)
+
+
+def test_tcp_receiver_drops_writer_stalled_mid_write_and_refuses_out_of_range():
+    opts = RailOptions(token=TOKEN, io_timeout=0.5)
+    rail = get_rail("tcp")
+    with rail.listen(opts) as rx:
+        ring = rx.register(1 << 16)
+        arr = ring.array()
+        arr[:] = 0
+        wr = rail.connect(rx.material, opts)
+        # Header promises 4096 bytes, only 100 arrive: the receiver gives up after io_timeout.
+        wr._sendmsg([p.WRITE_HEADER.pack(p.DATA, p.FLAG_IMM, ring.key.handle, 1, 0, 4096), b"z" * 100])
+        t0 = time.monotonic()
+        with pytest.raises(PeerLostError) as err:
+            while time.monotonic() - t0 < 5:
+                rx.poll(0.1)
+        assert time.monotonic() - t0 < 3
+        assert "stalled" in str(err.value)
+        wr.close()
+        # A header outside the region (crafted past the writer's own check) never lands.
+        wr = rail.connect(rx.material, opts)
+        wr._sendmsg([p.WRITE_HEADER.pack(p.DATA, p.FLAG_IMM, ring.key.handle, 2, (1 << 16) - 10, 64), b"q" * 64])
+        with pytest.raises(PeerLostError) as err:
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 5:
+                rx.poll(0.1)
+        assert "refused" in str(err.value)
+        assert int(arr[100:].max()) == 0
+        wr.close()
+        del arr
