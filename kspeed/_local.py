@@ -140,9 +140,10 @@ class LocalCluster:
                       log_file=os.path.join(self.state_dir, "logs", f"{name}.log"), env=self._env)
 
     def _server(self, index: int) -> Daemon:
+        state = os.path.join(self.state_dir, f"server-{index}")
         return self._daemon(f"server-{index}", "kspeed.server", [
             "--manager", self.address, "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0",
-            "--state-dir", os.path.join(self.state_dir, f"server-{index}"), *self._server_args])
+            "--state-dir", state, "--pool-dir", os.path.join(state, "pool"), *self._server_args])
 
     @property
     def address(self) -> str:

@@ -2,6 +2,9 @@
 
     kspeed up [--servers N] [--port P] [--http-port H] [--state-dir DIR]
     kspeed status [--manager HOST:PORT] [--json]
+    kspeed dataset add NAME URI [--kind K] [--labels dirname] [--quota BYTES]
+    kspeed dataset list | show NAME | rm NAME
+    kspeed preload NAME
     kspeed demo
 """
 
@@ -17,11 +20,12 @@ import tempfile
 import threading
 
 from kspeed._local import LocalCluster, wait_for
-from kspeed.config import ClientConfig, add_arguments, load_config
+from kspeed.config import ClientConfig, add_arguments, load_config, parse_bytes
 from kspeed.control import ManagerClient
 from kspeed.errors import KSpeedError
+from kspeed.progress import follow_preload
 from kspeed.proto import kspeed_pb2
-from kspeed.status import status_dict, status_table
+from kspeed.status import dataset_dict, dataset_table, status_dict, status_table
 
 READY = kspeed_pb2.ServerState.SERVER_STATE_READY
 
@@ -35,8 +39,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.servers < 0:
         raise KSpeedError(f"--servers must be 0 or more, not {args.servers}")
     keep = bool(args.state_dir)
-    state_dir = args.state_dir or tempfile.mkdtemp(prefix="kspeed-up-")
-    server_args = ["--memory", args.memory, "--region-size", args.region_size]
+    # A temporary cluster keeps its pools in memory (tmpfs) when it can, and removes them on exit.
+    state_dir = args.state_dir or tempfile.mkdtemp(prefix="kspeed-up-", dir="/dev/shm" if os.path.isdir(
+        "/dev/shm") else None)
+    allow = args.backend_allow or f"{os.getcwd()},{tempfile.gettempdir()}"
+    server_args = ["--memory", args.memory, "--region-size", args.region_size, "--backend-allow", allow]
     cluster = LocalCluster(state_dir, servers=args.servers, port=args.port, http_port=args.http_port,
                            token_file=args.token_file or "", server_args=server_args)
     stop = threading.Event()
@@ -46,6 +53,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         cluster.start_manager()
         _say(f"manager grpc {cluster.address}")
         _say(f"manager http http://{cluster.http_address}")
+        _say(f"backends allowed: {allow}")
         if args.token_file:
             _say(f"auth: bearer token from {args.token_file}")
         else:
@@ -91,6 +99,48 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _client(args: argparse.Namespace) -> ManagerClient:
+    return ManagerClient(load_config(ClientConfig, args), peer_name="kspeed-cli")
+
+
+def cmd_dataset(args: argparse.Namespace) -> int:
+    """Manage datasets: add (operator-owned), list, show, rm."""
+    with _client(args) as client:
+        if args.action == "add":
+            if not args.name or not args.uri:
+                raise KSpeedError("usage: kspeed dataset add NAME URI")
+            quota = parse_bytes(args.quota) if args.quota else 0
+            spec = kspeed_pb2.DatasetSpec(name=args.name, uri=args.uri, kind=args.kind, labels=args.labels,
+                                          quota_bytes=quota)
+            reply = client.create_dataset(spec, operator=True)
+            verb = "registered" if reply.created else "already registered"
+            info = reply.dataset
+            _say(f"{verb} {info.spec.name}: {info.fingerprint.count} samples, {info.fingerprint.total_bytes} bytes "
+                 f"on {len(info.shares)} server(s)")
+        elif args.action == "list":
+            datasets = client.datasets()
+            _say(json.dumps([dataset_dict(d) for d in datasets], indent=2) if args.json else dataset_table(datasets))
+        elif args.action == "show":
+            _say(json.dumps(dataset_dict(client.dataset(_need_name(args))), indent=2, sort_keys=True))
+        elif args.action == "rm":
+            client.remove_dataset(_need_name(args))
+            _say(f"removed {args.name}")
+    return 0
+
+
+def _need_name(args: argparse.Namespace) -> str:
+    if not args.name:
+        raise KSpeedError(f"usage: kspeed dataset {args.action} NAME")
+    return args.name
+
+
+def cmd_preload(args: argparse.Namespace) -> int:
+    """Preload a dataset with a progress bar."""
+    with _client(args) as client:
+        follow_preload(client, args.name, out=sys.stdout)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """A short tour of a local cluster."""
     from kspeed.demo import run
@@ -111,12 +161,30 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--token-file", default="", help="require this bearer token on every RPC")
     up.add_argument("--memory", default="256MiB", help="memory each server may pool (default 256MiB)")
     up.add_argument("--region-size", default="128MiB", help="bytes per region (default 128MiB)")
+    up.add_argument("--backend-allow", default="", help="backend prefixes the servers may read, comma-separated "
+                    "(default: the current directory and the system temporary directory)")
     up.set_defaults(func=cmd_up)
 
     status = sub.add_parser("status", help="print the cluster as a table")
     add_arguments(status, ClientConfig)
     status.add_argument("--json", action="store_true", help="print JSON (the same as /v1/status)")
     status.set_defaults(func=cmd_status)
+
+    dataset = sub.add_parser("dataset", help="manage datasets (add, list, show, rm)")
+    dataset.add_argument("action", choices=("add", "list", "show", "rm"))
+    dataset.add_argument("name", nargs="?", default="")
+    dataset.add_argument("uri", nargs="?", default="", help="backend URI (add): directory, list, manifest, .npy")
+    dataset.add_argument("--kind", default="auto", choices=("auto", "dir", "list", "manifest", "npy"))
+    dataset.add_argument("--labels", default="", choices=("", "dirname"), help="dirname: class of the parent dir")
+    dataset.add_argument("--quota", default="", help="most pooled memory the dataset may take (e.g. 20GiB)")
+    dataset.add_argument("--json", action="store_true", help="list as JSON")
+    add_arguments(dataset, ClientConfig)
+    dataset.set_defaults(func=cmd_dataset)
+
+    preload = sub.add_parser("preload", help="load a dataset into the servers' memory, with a progress bar")
+    preload.add_argument("name")
+    add_arguments(preload, ClientConfig)
+    preload.set_defaults(func=cmd_preload)
 
     demo = sub.add_parser("demo", help="a short tour of a local cluster (make demo)")
     demo.add_argument("--servers", type=int, default=2, help="number of servers (default 2)")
@@ -134,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # e.g. `kspeed dataset show x | head`
+        return 0
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -128,6 +129,17 @@ def _parse_list(raw: object) -> tuple[str, ...]:
     return tuple(item for item in items if item)
 
 
+def _parse_mapping(raw: object) -> dict[str, dict[str, Any]]:
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw) if raw.strip() else {}
+        except ValueError:
+            raise ValueError("expected a JSON object of protocol -> options") from None
+    if not isinstance(raw, Mapping) or not all(isinstance(v, Mapping) for v in raw.values()):
+        raise ValueError("expected a mapping of protocol -> mapping of options")
+    return {str(k): dict(v) for k, v in raw.items()}
+
+
 def _choice(*choices: str) -> Callable[[object], str]:
     def parse(raw: object) -> str:
         text = str(raw).strip().lower()
@@ -224,6 +236,10 @@ class ManagerConfig:
                                   env="KSPEED_PROBE_TIMEOUT")
     max_request_bytes: int = option(4 * 1024**2, "largest accepted gRPC request", parse=parse_bytes,
                                     env="KSPEED_MAX_REQUEST_BYTES")
+    lease_ttl: float = option(30.0, "lifetime of a job's dataset lease unless renewed", parse=parse_duration,
+                              env="KSPEED_LEASE_TTL")
+    server_call_timeout: float = option(120.0, "deadline of the manager's calls to servers (listing a large "
+                                        "backend takes time)", parse=parse_duration, env="KSPEED_SERVER_CALL_TIMEOUT")
     log_level: str = option("info", "log level", parse=_choice("debug", "info", "warning", "error"),
                             env="KSPEED_LOG_LEVEL")
     ready_file: str = option("", "write the bound addresses as JSON to this file once ready",
@@ -267,6 +283,21 @@ class ServerConfig:
                         env="KSPEED_SERVER_CORES")
     transports: tuple[str, ...] = option(("shm", "tcp"), "data-plane rails to offer", parse=_parse_list,
                                          env="KSPEED_SERVER_TRANSPORTS")
+    pool_dir: str = option("", "directory of the pool's region files (default: /dev/shm/kspeed-pool-<id> if "
+                           "/dev/shm exists, else <state_dir>/pool); re-adopted after a restart",
+                           env="KSPEED_SERVER_POOL_DIR")
+    keep_pool_on_exit: bool = option(True, "keep the pool's files on a clean exit so a restart re-adopts the "
+                                     "loaded data (false: remove them)", parse=_parse_bool,
+                                     env="KSPEED_SERVER_KEEP_POOL")
+    backend_allow: tuple[str, ...] = option((), "backend URIs this server may open: protocols and path "
+                                            "prefixes such as /data,s3://bucket/prefix (default: none)",
+                                            parse=_parse_list, env="KSPEED_BACKEND_ALLOW")
+    backend_options: dict = option({}, "per protocol, options (credentials) of its fsspec file system; YAML "
+                                   "mapping or JSON", parse=_parse_mapping, env="KSPEED_BACKEND_OPTIONS")
+    preload_threads: int = option(16, "backend reads in flight per preload", parse=_parse_int,
+                                  env="KSPEED_PRELOAD_THREADS")
+    scrub_interval: float = option(3600.0, "seconds between integrity scrubs of loaded data", parse=parse_duration,
+                                   env="KSPEED_SCRUB_INTERVAL")
     drain_timeout: float = option(10.0, "longest wait for in-flight work on SIGTERM", parse=parse_duration,
                                   env="KSPEED_DRAIN_TIMEOUT")
     max_request_bytes: int = option(64 * 1024**2, "largest accepted gRPC request", parse=parse_bytes,

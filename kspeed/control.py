@@ -51,6 +51,39 @@ class ManagerClient:
         """The registered servers."""
         return list(self.call("ListServers", kspeed_pb2.ListServersRequest(include_left=include_left)).servers)
 
+    def create_dataset(self, spec: kspeed_pb2.DatasetSpec, *, operator: bool = False, holder: str = "",
+                       lease_ttl: float = 0.0) -> kspeed_pb2.CreateDatasetReply:
+        """Register ``spec`` (or attach to it); a job (``operator=False``) gets a lease."""
+        owners = kspeed_pb2.DatasetOwner
+        owner = owners.DATASET_OWNER_OPERATOR if operator else owners.DATASET_OWNER_JOB
+        request = kspeed_pb2.CreateDatasetRequest(spec=spec, owner=owner, holder=holder, lease_ttl_s=lease_ttl)
+        # Listing a large backend takes time: allow the manager's own deadline for server calls.
+        return self.call("CreateDataset", request, timeout=max(self.config.timeout, 180.0))
+
+    def dataset(self, name: str) -> kspeed_pb2.DatasetInfo:
+        """One dataset with its progress."""
+        return self.call("GetDataset", kspeed_pb2.DatasetRequest(name=name))
+
+    def datasets(self) -> list[kspeed_pb2.DatasetInfo]:
+        """Every dataset."""
+        return list(self.call("ListDatasets", kspeed_pb2.ListDatasetsRequest()).datasets)
+
+    def remove_dataset(self, name: str) -> None:
+        """Remove a dataset and free its memory on the servers."""
+        self.call("RemoveDataset", kspeed_pb2.DatasetRequest(name=name), timeout=max(self.config.timeout, 60.0))
+
+    def preload(self, name: str) -> kspeed_pb2.DatasetInfo:
+        """Start (or join) the preload; returns at once."""
+        return self.call("PreloadDataset", kspeed_pb2.DatasetRequest(name=name))
+
+    def renew_lease(self, lease_id: str) -> kspeed_pb2.Lease:
+        """Extend a lease by its TTL."""
+        return self.call("RenewLease", kspeed_pb2.LeaseRequest(lease_id=lease_id))
+
+    def release_lease(self, lease_id: str) -> None:
+        """End a lease now."""
+        self.call("ReleaseLease", kspeed_pb2.LeaseRequest(lease_id=lease_id))
+
     def close(self) -> None:
         """Close the channel."""
         self._channel.close()

@@ -10,6 +10,7 @@ operating system and the transports are converted at the boundary (``raise ... f
     ├── AuthError                missing or wrong credentials
     ├── UnavailableError         a daemon cannot be reached
     ├── NotFoundError            a named thing (server, dataset, sample) does not exist
+    ├── ConflictError            a name is taken by something defined otherwise
     ├── StateError               an operation in the wrong lifecycle state
     ├── CapacityError            not enough memory, ring space or regions
     ├── DatasetError             a dataset cannot be listed, loaded or served
@@ -30,6 +31,7 @@ __all__ = [
     "BackendError",
     "CapacityError",
     "ConfigError",
+    "ConflictError",
     "DatasetError",
     "IntegrityError",
     "KSpeedError",
@@ -91,6 +93,10 @@ class UnavailableError(KSpeedError):
 
 class NotFoundError(KSpeedError):
     """A named object (server, dataset, sample) does not exist."""
+
+
+class ConflictError(KSpeedError):
+    """A name is already taken by an object defined differently."""
 
 
 class StateError(KSpeedError):

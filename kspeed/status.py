@@ -34,6 +34,8 @@ def server_dict(record: kspeed_pb2.ServerRecord) -> dict:
         "hostname": inv.hostname,
         "memory_bytes": inv.memory_bytes,
         "memory_used_bytes": inv.memory_used_bytes,
+        "regions": {"total": inv.regions_total, "free": inv.regions_free, "allocated": inv.regions_allocated,
+                    "filling": inv.regions_filling, "sealed": inv.regions_sealed},
         "region_size": inv.region_size,
         "cores": inv.cores,
         "transports": list(inv.transports),
@@ -45,6 +47,59 @@ def server_dict(record: kspeed_pb2.ServerRecord) -> dict:
     }
 
 
+def _dataset_state(state: int) -> str:
+    return kspeed_pb2.DatasetState.Name(state).removeprefix("DATASET_STATE_").lower()
+
+
+def dataset_dict(info: kspeed_pb2.DatasetInfo) -> dict:
+    """One dataset as plain JSON-able data, with its preload progress."""
+    p = info.progress
+    return {
+        "name": info.spec.name,
+        "uri": info.spec.uri,
+        "kind": info.spec.kind or "auto",
+        "labels": info.spec.labels,
+        "quota_bytes": info.spec.quota_bytes,
+        "owner": kspeed_pb2.DatasetOwner.Name(info.owner).removeprefix("DATASET_OWNER_").lower(),
+        "state": _dataset_state(info.state),
+        "samples": info.fingerprint.count,
+        "bytes": info.fingerprint.total_bytes,
+        "fingerprint": info.fingerprint.digest,
+        "region_size": info.region_size,
+        "leases": info.leases,
+        "classes": list(info.class_names),
+        "progress": {
+            "samples_loaded": p.samples_loaded, "samples_total": p.samples_total, "bytes_loaded": p.bytes_loaded,
+            "bytes_total": p.bytes_total, "bytes_per_s": p.bytes_per_s, "running": p.running,
+            "error_count": p.error_count, "errors": list(p.errors),
+        },
+        "shares": [
+            {"server_id": s.server_id, "address": info.server_addresses.get(s.server_id, ""),
+             "first_id": s.first_id, "end_id": s.end_id, "first_region": s.first_region,
+             "num_regions": s.num_regions, "bytes": s.bytes,
+             "samples_loaded": st.progress.samples_loaded, "regions_sealed": st.regions_sealed}
+            for s, st in zip(info.shares, info.share_status)
+        ],
+    }
+
+
+def dataset_table(datasets: list[kspeed_pb2.DatasetInfo]) -> str:
+    """Datasets as a fixed-width table."""
+    header = ("DATASET", "STATE", "OWNER", "SAMPLES", "SIZE", "LOADED", "SERVERS", "LEASES")
+    rows = []
+    for info in datasets:
+        d = dataset_dict(info)
+        total = d["progress"]["samples_total"] or 1
+        rows.append((d["name"], d["state"], d["owner"], str(d["samples"]), human_bytes(d["bytes"]),
+                     f"{100 * d['progress']['samples_loaded'] / total:.0f}%", str(len(d["shares"])), str(d["leases"])))
+    return _table(header, rows)
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows])
+
+
 def status_dict(status: kspeed_pb2.ClusterStatus) -> dict:
     """The whole cluster status as plain JSON-able data."""
     return {
@@ -53,21 +108,23 @@ def status_dict(status: kspeed_pb2.ClusterStatus) -> dict:
         "uptime_s": round(status.uptime_s, 3),
         "revision": status.revision,
         "servers": [server_dict(r) for r in status.servers],
+        "datasets": [dataset_dict(d) for d in status.datasets],
     }
 
 
 def status_table(status: kspeed_pb2.ClusterStatus, now: float | None = None) -> str:
     """The cluster as a fixed-width table, one server per row."""
     now = time.time() if now is None else now
-    header = ("SERVER", "ADDRESS", "STATE", "MEMORY (USED/POOL)", "LAST HEARTBEAT")
+    header = ("SERVER", "ADDRESS", "STATE", "MEMORY (USED/POOL)", "REGIONS FREE/ALLOC/FILL/SEAL", "LAST HEARTBEAT")
     rows = []
     for record in status.servers:
         inv = record.inventory
         age = f"{max(0.0, now - record.last_heartbeat_unix):.1f}s ago" if record.last_heartbeat_unix else "never"
         memory = f"{human_bytes(inv.memory_used_bytes)} / {human_bytes(inv.memory_bytes)}"
-        rows.append((record.id, record.address, _state(record.state), memory, age))
-    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
-    lines = [f"cluster {status.cluster_id}  manager {status.manager_version}  {len(rows)} server(s)"]
-    for row in [header, *rows]:
-        lines.append("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip())
-    return "\n".join(lines)
+        regions = f"{inv.regions_free}/{inv.regions_allocated}/{inv.regions_filling}/{inv.regions_sealed}"
+        rows.append((record.id, record.address, _state(record.state), memory, regions, age))
+    text = f"cluster {status.cluster_id}  manager {status.manager_version}  {len(rows)} server(s)\n"
+    text += _table(header, rows)
+    if status.datasets:
+        text += "\n\n" + dataset_table(list(status.datasets))
+    return text

@@ -17,13 +17,15 @@ import signal
 import sys
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from kspeed import rpc
 from kspeed._daemon import ensure_state_dir, run_main, setup_logging, write_ready_file
 from kspeed.config import ManagerConfig, add_arguments, load_config
 from kspeed.httpd import HttpEndpoint, json_response, metrics_route, text_response
+from kspeed.manager.calls import ServerCalls
+from kspeed.manager.datasets import DatasetCatalog
 from kspeed.manager.metrics import ManagerMetrics
 from kspeed.manager.registry import Registry, Timers
 from kspeed.manager.service import ManagerService
@@ -44,14 +46,15 @@ class Manager:
         self.store = Store(state_dir)
         self.registry = Registry(self.store, Timers(config.heartbeat_interval, config.suspect_after,
                                                     config.fail_after))
-        self.service = ManagerService(self.registry, self.store.cluster_id, config.heartbeat_interval)
+        self.calls = ServerCalls(config.security, config.server_call_timeout)
+        self.catalog = DatasetCatalog(self.store, self.registry, self.calls, lease_ttl=config.lease_ttl)
+        self.service = ManagerService(self.registry, self.catalog, self.store.cluster_id, config.heartbeat_interval)
         self.metrics = ManagerMetrics(self.registry)
         self.health = HealthServicer()
         self._stopping = asyncio.Event()
         self._ready = False
         self._server: grpc.aio.Server | None = None
         self._http: HttpEndpoint | None = None
-        self._probe_channels: dict[str, grpc.aio.Channel] = {}
 
     async def start(self) -> None:
         """Bind gRPC and HTTP, start the timers and the prober."""
@@ -87,34 +90,22 @@ class Manager:
         period = self.config.heartbeat_interval * TICK_FRACTION
         while not self._stopping.is_set():
             self.registry.tick()
+            await self.catalog.expire()
             self.metrics.watchers.set(self.service.watchers)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), timeout=period)
 
     async def _probe_loop(self) -> None:
         """Check ``grpc.health.v1`` of every live server, in parallel, every probe interval."""
-        metadata = rpc.call_metadata(self.config.security)
         while not self._stopping.is_set():
             targets = self.registry.probe_targets()
-            live = {address for _, address, _ in targets}
-            for address in set(self._probe_channels) - live:
-                await self._probe_channels.pop(address).close()
-            await asyncio.gather(*(self._probe(sid, address, inc, metadata) for sid, address, inc in targets))
+            await self.calls.forget({address for _, address, _ in targets})
+            await asyncio.gather(*(self._probe(sid, address, inc) for sid, address, inc in targets))
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), timeout=self.config.probe_interval)
 
-    async def _probe(self, server_id: str, address: str, incarnation: int, metadata: tuple) -> None:
-        channel = self._probe_channels.get(address)
-        if channel is None:
-            channel = self._probe_channels[address] = rpc.open_channel(address, self.config.security, aio=True)
-        stub = health_pb2_grpc.HealthStub(channel)
-        try:
-            reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=self.config.probe_timeout,
-                                     metadata=metadata)
-            ok = reply.status == health_pb2.HealthCheckResponse.SERVING
-            detail = "" if ok else health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status).lower()
-        except grpc.aio.AioRpcError as exc:
-            ok, detail = False, f"{exc.code().name.lower()}: {exc.details()}"
+    async def _probe(self, server_id: str, address: str, incarnation: int) -> None:
+        ok, detail = await self.calls.probe(address, self.config.probe_timeout)
         self.metrics.probes.labels("ok" if ok else "failed").inc()
         self.registry.probe_result(server_id, incarnation, ok, detail)
 
@@ -135,8 +126,7 @@ class Manager:
             await task
         if self._server is not None:
             await self._server.stop(grace=1.0)
-        for channel in self._probe_channels.values():
-            await channel.close()
+        await self.calls.close()
         if self._http is not None:
             self._http.close()
         self.store.close()

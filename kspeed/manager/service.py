@@ -12,6 +12,7 @@ import grpc
 
 from kspeed._version import __version__
 from kspeed.errors import ProtocolError
+from kspeed.manager.datasets import DatasetCatalog
 from kspeed.manager.registry import Registry
 from kspeed.proto import kspeed_pb2
 from kspeed.rpc import negotiate
@@ -52,8 +53,10 @@ def validate_registration(request: kspeed_pb2.RegisterServerRequest) -> None:
 class ManagerService:
     """Implements every RPC of ``kspeed.v1.Manager`` over a :class:`Registry`."""
 
-    def __init__(self, registry: Registry, cluster_id: str, heartbeat_interval: float) -> None:
+    def __init__(self, registry: Registry, catalog: DatasetCatalog, cluster_id: str,
+                 heartbeat_interval: float) -> None:
         self._registry = registry
+        self._catalog = catalog
         self._cluster_id = cluster_id
         self._heartbeat_interval = heartbeat_interval
         self._started = time.monotonic()
@@ -74,11 +77,13 @@ class ManagerService:
         record = self._registry.register(request, version)
         return kspeed_pb2.RegisterServerReply(incarnation=record.incarnation, protocol_version=version,
                                               heartbeat_interval_s=self._heartbeat_interval,
-                                              cluster_id=self._cluster_id)
+                                              cluster_id=self._cluster_id,
+                                              assignments=self._catalog.assignments_for(request.id))
 
     async def Heartbeat(self, request: kspeed_pb2.HeartbeatRequest,
                         context: grpc.aio.ServicerContext) -> kspeed_pb2.HeartbeatReply:
         record = self._registry.heartbeat(request)
+        self._catalog.on_heartbeat(request.id, list(request.shares))
         return kspeed_pb2.HeartbeatReply(state=record.state, heartbeat_interval_s=self._heartbeat_interval)
 
     async def DeregisterServer(self, request: kspeed_pb2.DeregisterServerRequest,
@@ -133,4 +138,35 @@ class ManagerService:
         """The cluster as one message (also rendered as JSON by /v1/status)."""
         return kspeed_pb2.ClusterStatus(cluster_id=self._cluster_id, manager_version=__version__,
                                         uptime_s=time.monotonic() - self._started,
-                                        servers=self._registry.snapshot(), revision=self._registry.revision)
+                                        servers=self._registry.snapshot(), revision=self._registry.revision,
+                                        datasets=self._catalog.list())
+
+    async def CreateDataset(self, request: kspeed_pb2.CreateDatasetRequest,
+                            context: grpc.aio.ServicerContext) -> kspeed_pb2.CreateDatasetReply:
+        return await self._catalog.create(request)
+
+    async def GetDataset(self, request: kspeed_pb2.DatasetRequest,
+                         context: grpc.aio.ServicerContext) -> kspeed_pb2.DatasetInfo:
+        return self._catalog.get(request.name)
+
+    async def ListDatasets(self, request: kspeed_pb2.ListDatasetsRequest,
+                           context: grpc.aio.ServicerContext) -> kspeed_pb2.ListDatasetsReply:
+        return kspeed_pb2.ListDatasetsReply(datasets=self._catalog.list())
+
+    async def RemoveDataset(self, request: kspeed_pb2.DatasetRequest,
+                            context: grpc.aio.ServicerContext) -> kspeed_pb2.RemoveDatasetReply:
+        await self._catalog.remove(request.name)
+        return kspeed_pb2.RemoveDatasetReply()
+
+    async def PreloadDataset(self, request: kspeed_pb2.DatasetRequest,
+                             context: grpc.aio.ServicerContext) -> kspeed_pb2.DatasetInfo:
+        return await self._catalog.preload(request.name)
+
+    async def RenewLease(self, request: kspeed_pb2.LeaseRequest,
+                         context: grpc.aio.ServicerContext) -> kspeed_pb2.Lease:
+        return self._catalog.renew(request.lease_id)
+
+    async def ReleaseLease(self, request: kspeed_pb2.LeaseRequest,
+                           context: grpc.aio.ServicerContext) -> kspeed_pb2.ReleaseLeaseReply:
+        self._catalog.release(request.lease_id)
+        return kspeed_pb2.ReleaseLeaseReply()

@@ -20,6 +20,14 @@ CREATE TABLE IF NOT EXISTS servers (
     id TEXT PRIMARY KEY,
     record BLOB NOT NULL          -- a serialized kspeed.v1.ServerRecord
 );
+CREATE TABLE IF NOT EXISTS datasets (
+    name TEXT PRIMARY KEY,
+    info BLOB NOT NULL            -- a serialized kspeed.v1.DatasetInfo (spec, owner, fingerprint, shares)
+);
+CREATE TABLE IF NOT EXISTS leases (
+    id TEXT PRIMARY KEY,
+    lease BLOB NOT NULL           -- a serialized kspeed.v1.Lease
+);
 """
 SCHEMA_VERSION = "1"
 
@@ -69,6 +77,37 @@ class Store:
             self._db.execute("BEGIN")
             self._db.executemany("INSERT OR REPLACE INTO servers (id, record) VALUES (?, ?)",
                                  [(r.id, r.SerializeToString()) for r in records])
+
+    def datasets(self) -> Iterator[kspeed_pb2.DatasetInfo]:
+        """Every stored dataset."""
+        for (blob,) in self._db.execute("SELECT info FROM datasets ORDER BY name"):
+            yield kspeed_pb2.DatasetInfo.FromString(blob)
+
+    def save_dataset(self, info: kspeed_pb2.DatasetInfo) -> None:
+        """Insert or replace one dataset."""
+        self._db.execute("INSERT OR REPLACE INTO datasets (name, info) VALUES (?, ?)",
+                         (info.spec.name, info.SerializeToString()))
+
+    def delete_dataset(self, name: str) -> None:
+        """Forget a dataset and its leases."""
+        with self._db:
+            self._db.execute("BEGIN")
+            self._db.execute("DELETE FROM datasets WHERE name = ?", (name,))
+            self._db.execute("DELETE FROM leases WHERE id LIKE ?", (f"{name}/%",))
+
+    def leases(self) -> Iterator[kspeed_pb2.Lease]:
+        """Every stored lease."""
+        for (blob,) in self._db.execute("SELECT lease FROM leases ORDER BY id"):
+            yield kspeed_pb2.Lease.FromString(blob)
+
+    def save_lease(self, lease: kspeed_pb2.Lease) -> None:
+        """Insert or replace one lease."""
+        self._db.execute("INSERT OR REPLACE INTO leases (id, lease) VALUES (?, ?)",
+                         (lease.id, lease.SerializeToString()))
+
+    def delete_lease(self, lease_id: str) -> None:
+        """Forget one lease."""
+        self._db.execute("DELETE FROM leases WHERE id = ?", (lease_id,))
 
     def close(self) -> None:
         """Checkpoint and close the database."""

@@ -15,12 +15,34 @@ class ServerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SERVER_STATE_SUSPECT: _ClassVar[ServerState]
     SERVER_STATE_FAILED: _ClassVar[ServerState]
     SERVER_STATE_LEFT: _ClassVar[ServerState]
+
+class DatasetOwner(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DATASET_OWNER_UNSPECIFIED: _ClassVar[DatasetOwner]
+    DATASET_OWNER_JOB: _ClassVar[DatasetOwner]
+    DATASET_OWNER_OPERATOR: _ClassVar[DatasetOwner]
+
+class DatasetState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DATASET_STATE_UNSPECIFIED: _ClassVar[DatasetState]
+    DATASET_STATE_ALLOCATED: _ClassVar[DatasetState]
+    DATASET_STATE_LOADING: _ClassVar[DatasetState]
+    DATASET_STATE_READY: _ClassVar[DatasetState]
+    DATASET_STATE_DEGRADED: _ClassVar[DatasetState]
 SERVER_STATE_UNSPECIFIED: ServerState
 SERVER_STATE_JOINING: ServerState
 SERVER_STATE_READY: ServerState
 SERVER_STATE_SUSPECT: ServerState
 SERVER_STATE_FAILED: ServerState
 SERVER_STATE_LEFT: ServerState
+DATASET_OWNER_UNSPECIFIED: DatasetOwner
+DATASET_OWNER_JOB: DatasetOwner
+DATASET_OWNER_OPERATOR: DatasetOwner
+DATASET_STATE_UNSPECIFIED: DatasetState
+DATASET_STATE_ALLOCATED: DatasetState
+DATASET_STATE_LOADING: DatasetState
+DATASET_STATE_READY: DatasetState
+DATASET_STATE_DEGRADED: DatasetState
 
 class PeerVersion(_message.Message):
     __slots__ = ("protocol_versions", "features", "software_version")
@@ -63,7 +85,7 @@ class Nic(_message.Message):
     def __init__(self, name: _Optional[str] = ..., pci_bus_id: _Optional[str] = ..., numa_node: _Optional[int] = ...) -> None: ...
 
 class ServerInventory(_message.Message):
-    __slots__ = ("hostname", "memory_bytes", "region_size", "cores", "transports", "nics", "memory_used_bytes")
+    __slots__ = ("hostname", "memory_bytes", "region_size", "cores", "transports", "nics", "memory_used_bytes", "regions_total", "regions_free", "regions_allocated", "regions_filling", "regions_sealed")
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     REGION_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +93,11 @@ class ServerInventory(_message.Message):
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     NICS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FREE_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_ALLOCATED_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FILLING_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_SEALED_FIELD_NUMBER: _ClassVar[int]
     hostname: str
     memory_bytes: int
     region_size: int
@@ -78,7 +105,12 @@ class ServerInventory(_message.Message):
     transports: _containers.RepeatedScalarFieldContainer[str]
     nics: _containers.RepeatedCompositeFieldContainer[Nic]
     memory_used_bytes: int
-    def __init__(self, hostname: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., region_size: _Optional[int] = ..., cores: _Optional[int] = ..., transports: _Optional[_Iterable[str]] = ..., nics: _Optional[_Iterable[_Union[Nic, _Mapping]]] = ..., memory_used_bytes: _Optional[int] = ...) -> None: ...
+    regions_total: int
+    regions_free: int
+    regions_allocated: int
+    regions_filling: int
+    regions_sealed: int
+    def __init__(self, hostname: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., region_size: _Optional[int] = ..., cores: _Optional[int] = ..., transports: _Optional[_Iterable[str]] = ..., nics: _Optional[_Iterable[_Union[Nic, _Mapping]]] = ..., memory_used_bytes: _Optional[int] = ..., regions_total: _Optional[int] = ..., regions_free: _Optional[int] = ..., regions_allocated: _Optional[int] = ..., regions_filling: _Optional[int] = ..., regions_sealed: _Optional[int] = ...) -> None: ...
 
 class ServerRecord(_message.Message):
     __slots__ = ("id", "address", "http_address", "state", "inventory", "registered_unix", "last_heartbeat_unix", "incarnation", "protocol_version", "software_version", "state_reason")
@@ -121,26 +153,30 @@ class RegisterServerRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., http_address: _Optional[str] = ..., inventory: _Optional[_Union[ServerInventory, _Mapping]] = ..., version: _Optional[_Union[PeerVersion, _Mapping]] = ...) -> None: ...
 
 class RegisterServerReply(_message.Message):
-    __slots__ = ("incarnation", "protocol_version", "heartbeat_interval_s", "cluster_id")
+    __slots__ = ("incarnation", "protocol_version", "heartbeat_interval_s", "cluster_id", "assignments")
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNMENTS_FIELD_NUMBER: _ClassVar[int]
     incarnation: int
     protocol_version: int
     heartbeat_interval_s: float
     cluster_id: str
-    def __init__(self, incarnation: _Optional[int] = ..., protocol_version: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., cluster_id: _Optional[str] = ...) -> None: ...
+    assignments: _containers.RepeatedCompositeFieldContainer[AssignShareRequest]
+    def __init__(self, incarnation: _Optional[int] = ..., protocol_version: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., cluster_id: _Optional[str] = ..., assignments: _Optional[_Iterable[_Union[AssignShareRequest, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("id", "incarnation", "inventory")
+    __slots__ = ("id", "incarnation", "inventory", "shares")
     ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     INVENTORY_FIELD_NUMBER: _ClassVar[int]
+    SHARES_FIELD_NUMBER: _ClassVar[int]
     id: str
     incarnation: int
     inventory: ServerInventory
-    def __init__(self, id: _Optional[str] = ..., incarnation: _Optional[int] = ..., inventory: _Optional[_Union[ServerInventory, _Mapping]] = ...) -> None: ...
+    shares: _containers.RepeatedCompositeFieldContainer[ShareStatus]
+    def __init__(self, id: _Optional[str] = ..., incarnation: _Optional[int] = ..., inventory: _Optional[_Union[ServerInventory, _Mapping]] = ..., shares: _Optional[_Iterable[_Union[ShareStatus, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("state", "heartbeat_interval_s")
@@ -194,23 +230,260 @@ class MembershipEvent(_message.Message):
     servers: _containers.RepeatedCompositeFieldContainer[ServerRecord]
     def __init__(self, revision: _Optional[int] = ..., snapshot: _Optional[bool] = ..., servers: _Optional[_Iterable[_Union[ServerRecord, _Mapping]]] = ...) -> None: ...
 
+class DatasetSpec(_message.Message):
+    __slots__ = ("name", "uri", "kind", "labels", "quota_bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    URI_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    uri: str
+    kind: str
+    labels: str
+    quota_bytes: int
+    def __init__(self, name: _Optional[str] = ..., uri: _Optional[str] = ..., kind: _Optional[str] = ..., labels: _Optional[str] = ..., quota_bytes: _Optional[int] = ...) -> None: ...
+
+class Fingerprint(_message.Message):
+    __slots__ = ("count", "total_bytes", "digest")
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    total_bytes: int
+    digest: str
+    def __init__(self, count: _Optional[int] = ..., total_bytes: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
+
+class Share(_message.Message):
+    __slots__ = ("server_id", "first_id", "end_id", "first_region", "num_regions", "bytes")
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_ID_FIELD_NUMBER: _ClassVar[int]
+    END_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_REGION_FIELD_NUMBER: _ClassVar[int]
+    NUM_REGIONS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    server_id: str
+    first_id: int
+    end_id: int
+    first_region: int
+    num_regions: int
+    bytes: int
+    def __init__(self, server_id: _Optional[str] = ..., first_id: _Optional[int] = ..., end_id: _Optional[int] = ..., first_region: _Optional[int] = ..., num_regions: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class PreloadProgress(_message.Message):
+    __slots__ = ("samples_loaded", "samples_total", "bytes_loaded", "bytes_total", "bytes_per_s", "running", "error_count", "errors", "samples_read")
+    SAMPLES_LOADED_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BYTES_LOADED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    ERROR_COUNT_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_READ_FIELD_NUMBER: _ClassVar[int]
+    samples_loaded: int
+    samples_total: int
+    bytes_loaded: int
+    bytes_total: int
+    bytes_per_s: float
+    running: bool
+    error_count: int
+    errors: _containers.RepeatedScalarFieldContainer[str]
+    samples_read: int
+    def __init__(self, samples_loaded: _Optional[int] = ..., samples_total: _Optional[int] = ..., bytes_loaded: _Optional[int] = ..., bytes_total: _Optional[int] = ..., bytes_per_s: _Optional[float] = ..., running: _Optional[bool] = ..., error_count: _Optional[int] = ..., errors: _Optional[_Iterable[str]] = ..., samples_read: _Optional[int] = ...) -> None: ...
+
+class ShareStatus(_message.Message):
+    __slots__ = ("dataset", "progress", "regions_sealed", "integrity_repairs")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_SEALED_FIELD_NUMBER: _ClassVar[int]
+    INTEGRITY_REPAIRS_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    progress: PreloadProgress
+    regions_sealed: int
+    integrity_repairs: int
+    def __init__(self, dataset: _Optional[str] = ..., progress: _Optional[_Union[PreloadProgress, _Mapping]] = ..., regions_sealed: _Optional[int] = ..., integrity_repairs: _Optional[int] = ...) -> None: ...
+
+class Lease(_message.Message):
+    __slots__ = ("id", "dataset", "holder", "ttl_s", "expires_unix")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    dataset: str
+    holder: str
+    ttl_s: float
+    expires_unix: float
+    def __init__(self, id: _Optional[str] = ..., dataset: _Optional[str] = ..., holder: _Optional[str] = ..., ttl_s: _Optional[float] = ..., expires_unix: _Optional[float] = ...) -> None: ...
+
+class DatasetInfo(_message.Message):
+    __slots__ = ("spec", "owner", "state", "fingerprint", "region_size", "shares", "progress", "share_status", "class_names", "leases", "created_unix", "server_addresses")
+    class ServerAddressesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    REGION_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHARES_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    SHARE_STATUS_FIELD_NUMBER: _ClassVar[int]
+    CLASS_NAMES_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    SERVER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    spec: DatasetSpec
+    owner: DatasetOwner
+    state: DatasetState
+    fingerprint: Fingerprint
+    region_size: int
+    shares: _containers.RepeatedCompositeFieldContainer[Share]
+    progress: PreloadProgress
+    share_status: _containers.RepeatedCompositeFieldContainer[ShareStatus]
+    class_names: _containers.RepeatedScalarFieldContainer[str]
+    leases: int
+    created_unix: float
+    server_addresses: _containers.ScalarMap[str, str]
+    def __init__(self, spec: _Optional[_Union[DatasetSpec, _Mapping]] = ..., owner: _Optional[_Union[DatasetOwner, str]] = ..., state: _Optional[_Union[DatasetState, str]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., region_size: _Optional[int] = ..., shares: _Optional[_Iterable[_Union[Share, _Mapping]]] = ..., progress: _Optional[_Union[PreloadProgress, _Mapping]] = ..., share_status: _Optional[_Iterable[_Union[ShareStatus, _Mapping]]] = ..., class_names: _Optional[_Iterable[str]] = ..., leases: _Optional[int] = ..., created_unix: _Optional[float] = ..., server_addresses: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class CreateDatasetRequest(_message.Message):
+    __slots__ = ("spec", "owner", "holder", "lease_ttl_s")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    spec: DatasetSpec
+    owner: DatasetOwner
+    holder: str
+    lease_ttl_s: float
+    def __init__(self, spec: _Optional[_Union[DatasetSpec, _Mapping]] = ..., owner: _Optional[_Union[DatasetOwner, str]] = ..., holder: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+
+class CreateDatasetReply(_message.Message):
+    __slots__ = ("dataset", "created", "lease")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    dataset: DatasetInfo
+    created: bool
+    lease: Lease
+    def __init__(self, dataset: _Optional[_Union[DatasetInfo, _Mapping]] = ..., created: _Optional[bool] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
+
+class DatasetRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class ListDatasetsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListDatasetsReply(_message.Message):
+    __slots__ = ("datasets",)
+    DATASETS_FIELD_NUMBER: _ClassVar[int]
+    datasets: _containers.RepeatedCompositeFieldContainer[DatasetInfo]
+    def __init__(self, datasets: _Optional[_Iterable[_Union[DatasetInfo, _Mapping]]] = ...) -> None: ...
+
+class RemoveDatasetReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LeaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseLeaseReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AssignShareRequest(_message.Message):
+    __slots__ = ("spec", "fingerprint", "region_size", "share")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    REGION_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    spec: DatasetSpec
+    fingerprint: Fingerprint
+    region_size: int
+    share: Share
+    def __init__(self, spec: _Optional[_Union[DatasetSpec, _Mapping]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., region_size: _Optional[int] = ..., share: _Optional[_Union[Share, _Mapping]] = ...) -> None: ...
+
+class DescribeDatasetReply(_message.Message):
+    __slots__ = ("fingerprint", "sizes", "class_names")
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    CLASS_NAMES_FIELD_NUMBER: _ClassVar[int]
+    fingerprint: Fingerprint
+    sizes: bytes
+    class_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., sizes: _Optional[bytes] = ..., class_names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DropDatasetReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("dataset", "ids")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    ids: bytes
+    def __init__(self, dataset: _Optional[str] = ..., ids: _Optional[bytes] = ...) -> None: ...
+
+class LookupReply(_message.Message):
+    __slots__ = ("positions", "lengths", "labels")
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    positions: bytes
+    lengths: bytes
+    labels: bytes
+    def __init__(self, positions: _Optional[bytes] = ..., lengths: _Optional[bytes] = ..., labels: _Optional[bytes] = ...) -> None: ...
+
+class ReadRequest(_message.Message):
+    __slots__ = ("dataset", "ids")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    ids: bytes
+    def __init__(self, dataset: _Optional[str] = ..., ids: _Optional[bytes] = ...) -> None: ...
+
+class ReadReply(_message.Message):
+    __slots__ = ("data", "lengths")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    lengths: bytes
+    def __init__(self, data: _Optional[bytes] = ..., lengths: _Optional[bytes] = ...) -> None: ...
+
 class GetStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("cluster_id", "manager_version", "uptime_s", "servers", "revision")
+    __slots__ = ("cluster_id", "manager_version", "uptime_s", "servers", "revision", "datasets")
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     MANAGER_VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     SERVERS_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
+    DATASETS_FIELD_NUMBER: _ClassVar[int]
     cluster_id: str
     manager_version: str
     uptime_s: float
     servers: _containers.RepeatedCompositeFieldContainer[ServerRecord]
     revision: int
-    def __init__(self, cluster_id: _Optional[str] = ..., manager_version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., servers: _Optional[_Iterable[_Union[ServerRecord, _Mapping]]] = ..., revision: _Optional[int] = ...) -> None: ...
+    datasets: _containers.RepeatedCompositeFieldContainer[DatasetInfo]
+    def __init__(self, cluster_id: _Optional[str] = ..., manager_version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., servers: _Optional[_Iterable[_Union[ServerRecord, _Mapping]]] = ..., revision: _Optional[int] = ..., datasets: _Optional[_Iterable[_Union[DatasetInfo, _Mapping]]] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()

@@ -72,6 +72,41 @@ class ManagerStub:
                 request_serializer=kspeed__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=kspeed__pb2.ClusterStatus.FromString,
                 _registered_method=True)
+        self.CreateDataset = channel.unary_unary(
+                '/kspeed.v1.Manager/CreateDataset',
+                request_serializer=kspeed__pb2.CreateDatasetRequest.SerializeToString,
+                response_deserializer=kspeed__pb2.CreateDatasetReply.FromString,
+                _registered_method=True)
+        self.GetDataset = channel.unary_unary(
+                '/kspeed.v1.Manager/GetDataset',
+                request_serializer=kspeed__pb2.DatasetRequest.SerializeToString,
+                response_deserializer=kspeed__pb2.DatasetInfo.FromString,
+                _registered_method=True)
+        self.ListDatasets = channel.unary_unary(
+                '/kspeed.v1.Manager/ListDatasets',
+                request_serializer=kspeed__pb2.ListDatasetsRequest.SerializeToString,
+                response_deserializer=kspeed__pb2.ListDatasetsReply.FromString,
+                _registered_method=True)
+        self.RemoveDataset = channel.unary_unary(
+                '/kspeed.v1.Manager/RemoveDataset',
+                request_serializer=kspeed__pb2.DatasetRequest.SerializeToString,
+                response_deserializer=kspeed__pb2.RemoveDatasetReply.FromString,
+                _registered_method=True)
+        self.PreloadDataset = channel.unary_unary(
+                '/kspeed.v1.Manager/PreloadDataset',
+                request_serializer=kspeed__pb2.DatasetRequest.SerializeToString,
+                response_deserializer=kspeed__pb2.DatasetInfo.FromString,
+                _registered_method=True)
+        self.RenewLease = channel.unary_unary(
+                '/kspeed.v1.Manager/RenewLease',
+                request_serializer=kspeed__pb2.LeaseRequest.SerializeToString,
+                response_deserializer=kspeed__pb2.Lease.FromString,
+                _registered_method=True)
+        self.ReleaseLease = channel.unary_unary(
+                '/kspeed.v1.Manager/ReleaseLease',
+                request_serializer=kspeed__pb2.LeaseRequest.SerializeToString,
+                response_deserializer=kspeed__pb2.ReleaseLeaseReply.FromString,
+                _registered_method=True)
 
 
 class ManagerServicer:
@@ -124,6 +159,50 @@ class ManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateDataset(self, request, context):
+        """Register a dataset, or attach to the one of that name (ALREADY_EXISTS if defined otherwise).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetDataset(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListDatasets(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveDataset(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PreloadDataset(self, request, context):
+        """Start (or join) the preload of every share; returns at once with the current progress.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RenewLease(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseLease(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -161,6 +240,41 @@ def add_ManagerServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=kspeed__pb2.GetStatusRequest.FromString,
                     response_serializer=kspeed__pb2.ClusterStatus.SerializeToString,
+            ),
+            'CreateDataset': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateDataset,
+                    request_deserializer=kspeed__pb2.CreateDatasetRequest.FromString,
+                    response_serializer=kspeed__pb2.CreateDatasetReply.SerializeToString,
+            ),
+            'GetDataset': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetDataset,
+                    request_deserializer=kspeed__pb2.DatasetRequest.FromString,
+                    response_serializer=kspeed__pb2.DatasetInfo.SerializeToString,
+            ),
+            'ListDatasets': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListDatasets,
+                    request_deserializer=kspeed__pb2.ListDatasetsRequest.FromString,
+                    response_serializer=kspeed__pb2.ListDatasetsReply.SerializeToString,
+            ),
+            'RemoveDataset': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveDataset,
+                    request_deserializer=kspeed__pb2.DatasetRequest.FromString,
+                    response_serializer=kspeed__pb2.RemoveDatasetReply.SerializeToString,
+            ),
+            'PreloadDataset': grpc.unary_unary_rpc_method_handler(
+                    servicer.PreloadDataset,
+                    request_deserializer=kspeed__pb2.DatasetRequest.FromString,
+                    response_serializer=kspeed__pb2.DatasetInfo.SerializeToString,
+            ),
+            'RenewLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewLease,
+                    request_deserializer=kspeed__pb2.LeaseRequest.FromString,
+                    response_serializer=kspeed__pb2.Lease.SerializeToString,
+            ),
+            'ReleaseLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseLease,
+                    request_deserializer=kspeed__pb2.LeaseRequest.FromString,
+                    response_serializer=kspeed__pb2.ReleaseLeaseReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -365,6 +479,195 @@ class Manager:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def CreateDataset(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kspeed.v1.Manager/CreateDataset',
+            kspeed__pb2.CreateDatasetRequest.SerializeToString,
+            kspeed__pb2.CreateDatasetReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetDataset(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kspeed.v1.Manager/GetDataset',
+            kspeed__pb2.DatasetRequest.SerializeToString,
+            kspeed__pb2.DatasetInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListDatasets(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kspeed.v1.Manager/ListDatasets',
+            kspeed__pb2.ListDatasetsRequest.SerializeToString,
+            kspeed__pb2.ListDatasetsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveDataset(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kspeed.v1.Manager/RemoveDataset',
+            kspeed__pb2.DatasetRequest.SerializeToString,
+            kspeed__pb2.RemoveDatasetReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PreloadDataset(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kspeed.v1.Manager/PreloadDataset',
+            kspeed__pb2.DatasetRequest.SerializeToString,
+            kspeed__pb2.DatasetInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kspeed.v1.Manager/RenewLease',
+            kspeed__pb2.LeaseRequest.SerializeToString,
+            kspeed__pb2.Lease.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kspeed.v1.Manager/ReleaseLease',
+            kspeed__pb2.LeaseRequest.SerializeToString,
+            kspeed__pb2.ReleaseLeaseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class ServerStub:
     """Missing associated documentation comment in .proto file."""
@@ -380,6 +683,36 @@ class ServerStub:
                 request_serializer=kspeed__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=kspeed__pb2.ServerInfo.FromString,
                 _registered_method=True)
+        self.DescribeDataset = channel.unary_unary(
+                '/kspeed.v1.Server/DescribeDataset',
+                request_serializer=kspeed__pb2.DatasetSpec.SerializeToString,
+                response_deserializer=kspeed__pb2.DescribeDatasetReply.FromString,
+                _registered_method=True)
+        self.AssignShare = channel.unary_unary(
+                '/kspeed.v1.Server/AssignShare',
+                request_serializer=kspeed__pb2.AssignShareRequest.SerializeToString,
+                response_deserializer=kspeed__pb2.ShareStatus.FromString,
+                _registered_method=True)
+        self.StartPreload = channel.unary_unary(
+                '/kspeed.v1.Server/StartPreload',
+                request_serializer=kspeed__pb2.DatasetRequest.SerializeToString,
+                response_deserializer=kspeed__pb2.ShareStatus.FromString,
+                _registered_method=True)
+        self.DropDataset = channel.unary_unary(
+                '/kspeed.v1.Server/DropDataset',
+                request_serializer=kspeed__pb2.DatasetRequest.SerializeToString,
+                response_deserializer=kspeed__pb2.DropDatasetReply.FromString,
+                _registered_method=True)
+        self.Lookup = channel.stream_stream(
+                '/kspeed.v1.Server/Lookup',
+                request_serializer=kspeed__pb2.LookupRequest.SerializeToString,
+                response_deserializer=kspeed__pb2.LookupReply.FromString,
+                _registered_method=True)
+        self.Read = channel.unary_unary(
+                '/kspeed.v1.Server/Read',
+                request_serializer=kspeed__pb2.ReadRequest.SerializeToString,
+                response_deserializer=kspeed__pb2.ReadReply.FromString,
+                _registered_method=True)
 
 
 class ServerServicer:
@@ -391,6 +724,45 @@ class ServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DescribeDataset(self, request, context):
+        """List a dataset's backend (sizes, classes, fingerprint) for the manager's allocation.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AssignShare(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StartPreload(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DropDataset(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Lookup(self, request_iterator, context):
+        """The broadcast-reply lookup: one reply per chunk of IDs, in order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Read(self, request, context):
+        """Pull samples (tools, tests, and the pull baseline of the benchmarks).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -398,6 +770,36 @@ def add_ServerServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=kspeed__pb2.GetInfoRequest.FromString,
                     response_serializer=kspeed__pb2.ServerInfo.SerializeToString,
+            ),
+            'DescribeDataset': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeDataset,
+                    request_deserializer=kspeed__pb2.DatasetSpec.FromString,
+                    response_serializer=kspeed__pb2.DescribeDatasetReply.SerializeToString,
+            ),
+            'AssignShare': grpc.unary_unary_rpc_method_handler(
+                    servicer.AssignShare,
+                    request_deserializer=kspeed__pb2.AssignShareRequest.FromString,
+                    response_serializer=kspeed__pb2.ShareStatus.SerializeToString,
+            ),
+            'StartPreload': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartPreload,
+                    request_deserializer=kspeed__pb2.DatasetRequest.FromString,
+                    response_serializer=kspeed__pb2.ShareStatus.SerializeToString,
+            ),
+            'DropDataset': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropDataset,
+                    request_deserializer=kspeed__pb2.DatasetRequest.FromString,
+                    response_serializer=kspeed__pb2.DropDatasetReply.SerializeToString,
+            ),
+            'Lookup': grpc.stream_stream_rpc_method_handler(
+                    servicer.Lookup,
+                    request_deserializer=kspeed__pb2.LookupRequest.FromString,
+                    response_serializer=kspeed__pb2.LookupReply.SerializeToString,
+            ),
+            'Read': grpc.unary_unary_rpc_method_handler(
+                    servicer.Read,
+                    request_deserializer=kspeed__pb2.ReadRequest.FromString,
+                    response_serializer=kspeed__pb2.ReadReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -427,6 +829,168 @@ class Server:
             '/kspeed.v1.Server/GetInfo',
             kspeed__pb2.GetInfoRequest.SerializeToString,
             kspeed__pb2.ServerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeDataset(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kspeed.v1.Server/DescribeDataset',
+            kspeed__pb2.DatasetSpec.SerializeToString,
+            kspeed__pb2.DescribeDatasetReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AssignShare(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kspeed.v1.Server/AssignShare',
+            kspeed__pb2.AssignShareRequest.SerializeToString,
+            kspeed__pb2.ShareStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartPreload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kspeed.v1.Server/StartPreload',
+            kspeed__pb2.DatasetRequest.SerializeToString,
+            kspeed__pb2.ShareStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropDataset(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kspeed.v1.Server/DropDataset',
+            kspeed__pb2.DatasetRequest.SerializeToString,
+            kspeed__pb2.DropDatasetReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lookup(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kspeed.v1.Server/Lookup',
+            kspeed__pb2.LookupRequest.SerializeToString,
+            kspeed__pb2.LookupReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Read(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kspeed.v1.Server/Read',
+            kspeed__pb2.ReadRequest.SerializeToString,
+            kspeed__pb2.ReadReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -29,7 +29,9 @@ class ManagerAgent:
 
     def __init__(self, *, manager_address: str, security: SecurityConfig, server_id: str, address: str,
                  http_address: str, inventory: Callable[[], kspeed_pb2.ServerInventory],
-                 metrics: ServerMetrics, on_fatal: Callable[[KSpeedError], None]) -> None:
+                 metrics: ServerMetrics, on_fatal: Callable[[KSpeedError], None],
+                 shares: Callable[[], list[kspeed_pb2.ShareStatus]] = list,
+                 on_registered: Callable[[kspeed_pb2.RegisterServerReply], None] = lambda reply: None) -> None:
         self._manager = manager_address
         self._metadata = rpc.call_metadata(security)
         self._channel = rpc.open_channel(manager_address, security)
@@ -40,6 +42,8 @@ class ManagerAgent:
         self._inventory = inventory
         self._metrics = metrics
         self._on_fatal = on_fatal
+        self._shares = shares
+        self._on_registered = on_registered
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kspeed-agent", daemon=True)
         self.incarnation = 0
@@ -60,6 +64,7 @@ class ManagerAgent:
             inventory=self._inventory(), version=rpc.peer_version()))
         self.incarnation = reply.incarnation
         self.interval = reply.heartbeat_interval_s or self.interval
+        self._on_registered(reply)
         self.registered.set()
         self._metrics.registered.set(1)
         self._metrics.registrations.inc()
@@ -68,7 +73,7 @@ class ManagerAgent:
 
     def _heartbeat(self) -> None:
         self._call("Heartbeat", kspeed_pb2.HeartbeatRequest(id=self._id, incarnation=self.incarnation,
-                                                            inventory=self._inventory()))
+                                                            inventory=self._inventory(), shares=self._shares()))
 
     def _run(self) -> None:
         backoff = 0.2

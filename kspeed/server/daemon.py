@@ -28,7 +28,11 @@ from kspeed.httpd import HttpEndpoint, metrics_route, text_response
 from kspeed.proto import kspeed_pb2
 from kspeed.server import inventory as inv
 from kspeed.server.agent import ManagerAgent
+from kspeed.server.allowlist import AllowList
+from kspeed.server.backend import Backend
+from kspeed.server.datasets import DatasetHost
 from kspeed.server.metrics import ServerMetrics
+from kspeed.server.pool import MemoryPool, RegionState
 from kspeed.server.service import ServerService
 
 log = logging.getLogger(__name__)
@@ -43,7 +47,8 @@ class Server:
         self.config = config
         self.state_dir = ensure_state_dir(config.state_dir, "server.state_dir")
         self.id = inv.server_id(config, self.state_dir)
-        self.metrics = ServerMetrics()
+        self.host: DatasetHost | None = None
+        self.metrics = ServerMetrics(lambda: self.host)
         self.health = health.HealthServicer()
         self._stopped = threading.Event()
         self.fatal: KSpeedError | None = None
@@ -53,16 +58,38 @@ class Server:
         self.agent: ManagerAgent | None = None
 
     def inventory(self) -> kspeed_pb2.ServerInventory:
-        """Current inventory (memory in use changes once datasets are allocated)."""
-        return inv.inventory(self.config)
+        """Current inventory, with the pool's region counts."""
+        if self.host is None:
+            return inv.inventory(self.config)
+        counts = self.host.pool.counts()
+        report = inv.inventory(self.config, memory_used=self.host.memory_used())
+        report.regions_total = self.host.pool.region_count
+        report.regions_free = counts[RegionState.FREE]
+        report.regions_allocated = counts[RegionState.ALLOCATED]
+        report.regions_filling = counts[RegionState.FILLING]
+        report.regions_sealed = counts[RegionState.SEALED]
+        return report
+
+    def pool_dir(self) -> str:
+        """Where the pool's region files live (tmpfs by default, named by server id)."""
+        if self.config.pool_dir:
+            return self.config.pool_dir
+        if os.path.isdir("/dev/shm"):
+            return f"/dev/shm/kspeed-pool-{self.id}"
+        return os.path.join(self.state_dir, "pool")
 
     def start(self) -> None:
-        """Bind gRPC and HTTP, then start registering with the manager."""
+        """Open the pool, bind gRPC and HTTP, then start registering with the manager."""
         cfg = self.config
+        backend = Backend(AllowList(cfg.backend_allow, name="--backend-allow"), cfg.backend_options)
+        pool = MemoryPool.open(self.pool_dir(), cfg.memory, region_size=cfg.region_size)
+        self.host = DatasetHost(pool, backend, self.state_dir, preload_threads=cfg.preload_threads,
+                                scrub_interval=cfg.scrub_interval)
+        self.host.restore()
         self._grpc = grpc.server(futures.ThreadPoolExecutor(GRPC_THREADS, thread_name_prefix="kspeed-rpc"),
                                  interceptors=rpc.server_interceptors(cfg.security, aio=False),
                                  options=rpc.server_options(cfg.max_request_bytes))
-        service = ServerService(self.id, cfg.manager, self.inventory, self._registration)
+        service = ServerService(self.id, cfg.manager, self.host, self.inventory, self._registration)
         self._grpc.add_generic_rpc_handlers(
             (rpc.service_handler("Server", service, max_request_bytes=cfg.max_request_bytes),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
@@ -78,12 +105,15 @@ class Server:
         self._serving = True
         self.metrics.info.info({"id": self.id, "version": __version__, "address": self.address})
         self.metrics.memory.set(cfg.memory)
+        self.metrics.memory_used.set_function(self.host.memory_used)
         self.agent = ManagerAgent(manager_address=cfg.manager, security=cfg.security, server_id=self.id,
                                   address=self.address, http_address=http_address, inventory=self.inventory,
-                                  metrics=self.metrics, on_fatal=self._fatal)
+                                  metrics=self.metrics, on_fatal=self._fatal, shares=self.host.statuses,
+                                  on_registered=lambda reply: self.host.reconcile(list(reply.assignments)))
         self.agent.start()
-        log.info("kspeed-server %s listening: grpc %s (advertised %s), http %s; manager %s; pooling %d bytes",
-                 self.id, bound, self.address, self._http.address, cfg.manager, cfg.memory)
+        log.info("kspeed-server %s listening: grpc %s (advertised %s), http %s; manager %s; pool %s: %d regions "
+                 "of %d bytes; backends allowed: %s", self.id, bound, self.address, self._http.address, cfg.manager,
+                 pool.directory, pool.region_count, cfg.region_size, ", ".join(cfg.backend_allow) or "none")
         write_ready_file(cfg.ready_file, {"grpc": bound, "http": self._http.address, "id": self.id,
                                           "pid": os.getpid()})
 
@@ -121,6 +151,12 @@ class Server:
             self._grpc.stop(grace=self.config.drain_timeout).wait()
         if self._http is not None:
             self._http.close()
+        if self.host is not None:
+            self.host.close()
+            if self.config.keep_pool_on_exit:
+                self.host.pool.close()
+            else:
+                self.host.pool.destroy()
         if self.config.ready_file:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.config.ready_file)

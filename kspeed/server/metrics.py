@@ -2,14 +2,56 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Info
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+
+class _HostCollector(Collector):
+    """Reads the pool and the hosted datasets at scrape time (no stale labels)."""
+
+    def __init__(self, host: Callable[[], object]) -> None:
+        self._host = host
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        host = self._host()
+        if host is None:
+            return
+        regions = GaugeMetricFamily("kspeed_server_regions", "Pool regions per lifecycle state", labels=["state"])
+        for state, count in host.pool.counts().items():
+            regions.add_metric([state.name.lower()], count)
+        yield regions
+        samples = GaugeMetricFamily("kspeed_server_preload_samples", "Samples of each hosted share",
+                                    labels=["dataset", "kind"])
+        nbytes = GaugeMetricFamily("kspeed_server_preload_bytes", "Bytes of each hosted share",
+                                   labels=["dataset", "kind"])
+        rate = GaugeMetricFamily("kspeed_server_preload_rate_bytes", "Preload read rate (bytes/s)",
+                                 labels=["dataset"])
+        errors = GaugeMetricFamily("kspeed_server_preload_errors", "Samples that failed to load",
+                                   labels=["dataset"])
+        integrity = CounterMetricFamily("kspeed_server_integrity_events", "crc32c checks that found trouble",
+                                        labels=["dataset", "event"])
+        for status in host.statuses():
+            p = status.progress
+            samples.add_metric([status.dataset, "loaded"], p.samples_loaded)
+            samples.add_metric([status.dataset, "total"], p.samples_total)
+            nbytes.add_metric([status.dataset, "loaded"], p.bytes_loaded)
+            nbytes.add_metric([status.dataset, "total"], p.bytes_total)
+            rate.add_metric([status.dataset], p.bytes_per_s)
+            errors.add_metric([status.dataset], p.error_count)
+            for event, count in host.get(status.dataset).store.counters.items():
+                integrity.add_metric([status.dataset, event], count)
+        yield from (samples, nbytes, rate, errors, integrity)
 
 
 class ServerMetrics:
     """Every metric the server exports."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: Callable[[], object] = lambda: None) -> None:
         self.registry = CollectorRegistry()
+        self.registry.register(_HostCollector(host))
         self.info = Info("kspeed_server", "Identity of this server", registry=self.registry)
         self.registered = Gauge("kspeed_server_registered", "1 while registered with the manager",
                                 registry=self.registry)

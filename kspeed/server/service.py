@@ -2,22 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import grpc
 
 from kspeed._version import PROTOCOL_VERSIONS, __version__
+from kspeed.errors import ProtocolError
 from kspeed.proto import kspeed_pb2
+from kspeed.server.datasets import DatasetHost, decode_ids
+
+MAX_LOOKUP_CHUNK = 1 << 20  # IDs per Lookup chunk
+MAX_READ_IDS = 1 << 16  # IDs per Read call
 
 
 class ServerService:
-    """Implements every RPC of ``kspeed.v1.Server``."""
+    """Implements every RPC of ``kspeed.v1.Server`` over a :class:`DatasetHost`."""
 
-    def __init__(self, server_id: str, manager_address: str,
-                 inventory: Callable[[], kspeed_pb2.ServerInventory], registration: Callable[[], tuple[bool, int]]
-                 ) -> None:
+    def __init__(self, server_id: str, manager_address: str, host: DatasetHost,
+                 inventory: Callable[[], kspeed_pb2.ServerInventory],
+                 registration: Callable[[], tuple[bool, int]]) -> None:
         self._id = server_id
         self._manager = manager_address
+        self._host = host
         self._inventory = inventory
         self._registration = registration
 
@@ -26,3 +32,37 @@ class ServerService:
         return kspeed_pb2.ServerInfo(id=self._id, inventory=self._inventory(), software_version=__version__,
                                      protocol_versions=PROTOCOL_VERSIONS, manager_address=self._manager,
                                      registered=registered, incarnation=incarnation)
+
+    def DescribeDataset(self, request: kspeed_pb2.DatasetSpec,
+                        context: grpc.ServicerContext) -> kspeed_pb2.DescribeDatasetReply:
+        return self._host.describe(request)
+
+    def AssignShare(self, request: kspeed_pb2.AssignShareRequest,
+                    context: grpc.ServicerContext) -> kspeed_pb2.ShareStatus:
+        return self._host.assign(request)
+
+    def StartPreload(self, request: kspeed_pb2.DatasetRequest, context: grpc.ServicerContext) -> kspeed_pb2.ShareStatus:
+        return self._host.start_preload(request.name)
+
+    def DropDataset(self, request: kspeed_pb2.DatasetRequest,
+                    context: grpc.ServicerContext) -> kspeed_pb2.DropDatasetReply:
+        self._host.drop(request.name)
+        return kspeed_pb2.DropDatasetReply()
+
+    def Lookup(self, requests: Iterator[kspeed_pb2.LookupRequest],
+               context: grpc.ServicerContext) -> Iterator[kspeed_pb2.LookupReply]:
+        name = ""
+        for chunk in requests:
+            name = name or chunk.dataset
+            if not name:
+                raise ProtocolError("Lookup: the first chunk must name the dataset")
+            if len(chunk.ids) > 8 * MAX_LOOKUP_CHUNK:
+                raise ProtocolError(f"Lookup: chunk of {len(chunk.ids) // 8} IDs exceeds {MAX_LOOKUP_CHUNK}")
+            ids = decode_ids(chunk.ids, name, self._host.count(name))
+            yield self._host.lookup(name, ids)
+
+    def Read(self, request: kspeed_pb2.ReadRequest, context: grpc.ServicerContext) -> kspeed_pb2.ReadReply:
+        if len(request.ids) > 8 * MAX_READ_IDS:
+            raise ProtocolError(f"Read: {len(request.ids) // 8} IDs exceed {MAX_READ_IDS} per call")
+        ids = decode_ids(request.ids, request.dataset, self._host.count(request.dataset))
+        return self._host.read(request.dataset, ids)

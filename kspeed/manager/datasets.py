@@ -1,0 +1,315 @@
+"""The dataset catalog: registration, allocation to servers, leases and preload progress.
+
+The manager owns this hard state (SQLite); servers hold the data. Registering a dataset asks one
+ready server to list the backend (the manager has no backend credentials), allocates whole regions
+on servers with :func:`kspeed.manager.allocator.allocate`, and assigns each server its share; a
+failure on any server undoes the assignments already made, so nothing is left half-registered.
+
+A dataset created by a job lives while some lease on it does (leases expire unless renewed, so a
+killed job frees its memory); a dataset added by an operator lives until it is removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import secrets
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from kspeed.errors import CapacityError, ConflictError, KSpeedError, NotFoundError, ProtocolError, UnavailableError
+from kspeed.manager.allocator import ServerCapacity, allocate
+from kspeed.manager.calls import ServerCalls
+from kspeed.manager.registry import READY, Registry
+from kspeed.manager.store import Store
+from kspeed.proto import kspeed_pb2
+
+log = logging.getLogger(__name__)
+
+JOB = kspeed_pb2.DatasetOwner.DATASET_OWNER_JOB
+OPERATOR = kspeed_pb2.DatasetOwner.DATASET_OWNER_OPERATOR
+DState = kspeed_pb2.DatasetState
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_KINDS = ("", "auto", "dir", "list", "manifest", "npy")
+_LABELS = ("", "dirname")
+MAX_URI = 4096
+MAX_HOLDER = 256
+
+
+def validate_spec(spec: kspeed_pb2.DatasetSpec) -> None:
+    """Check a dataset definition.
+
+    Raises:
+        ProtocolError: naming the field and the value.
+    """
+    if not _NAME.fullmatch(spec.name):
+        raise ProtocolError(f"dataset name {spec.name[:80]!r} must be 1-128 letters, digits, '.', '_' or '-', "
+                            "starting with a letter or digit")
+    if not spec.uri or len(spec.uri) > MAX_URI or "\0" in spec.uri:
+        raise ProtocolError(f"dataset {spec.name!r}: uri must be 1-{MAX_URI} characters without NUL")
+    if spec.kind not in _KINDS:
+        raise ProtocolError(f"dataset {spec.name!r}: kind {spec.kind!r} is not one of {', '.join(_KINDS[1:])}")
+    if spec.labels not in _LABELS:
+        raise ProtocolError(f"dataset {spec.name!r}: labels {spec.labels!r} is not one of '', 'dirname'")
+
+
+def _same_definition(a: kspeed_pb2.DatasetSpec, b: kspeed_pb2.DatasetSpec) -> bool:
+    return (a.uri, a.kind or "auto", a.labels, a.quota_bytes) == (b.uri, b.kind or "auto", b.labels, b.quota_bytes)
+
+
+class DatasetCatalog:
+    """Datasets, their allocations and leases."""
+
+    def __init__(self, store: Store, registry: Registry, calls: ServerCalls, *, lease_ttl: float,
+                 wall: Callable[[], float] = time.time) -> None:
+        self._store = store
+        self._registry = registry
+        self._calls = calls
+        self._lease_ttl = lease_ttl
+        self._wall = wall
+        self._datasets: dict[str, kspeed_pb2.DatasetInfo] = {d.spec.name: d for d in store.datasets()}
+        self._leases: dict[str, kspeed_pb2.Lease] = {}
+        now = wall()
+        for lease in store.leases():
+            # The manager was down: give every lease one full period to be renewed.
+            lease.expires_unix = max(lease.expires_unix, now + lease.ttl_s)
+            self._leases[lease.id] = lease
+        self._share_status: dict[tuple[str, str], kspeed_pb2.ShareStatus] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def get(self, name: str) -> kspeed_pb2.DatasetInfo:
+        """The dataset with live progress.
+
+        Raises:
+            NotFoundError: no dataset of that name.
+        """
+        info = self._datasets.get(name)
+        if info is None:
+            known = ", ".join(sorted(self._datasets)) or "none"
+            raise NotFoundError(f"unknown dataset {name!r} (registered: {known})")
+        return self._live(info)
+
+    def list(self) -> list[kspeed_pb2.DatasetInfo]:
+        """Every dataset, by name."""
+        return [self._live(self._datasets[name]) for name in sorted(self._datasets)]
+
+    def _live(self, stored: kspeed_pb2.DatasetInfo) -> kspeed_pb2.DatasetInfo:
+        info = kspeed_pb2.DatasetInfo()
+        info.CopyFrom(stored)
+        name = info.spec.name
+        info.leases = sum(1 for lease in self._leases.values() if lease.dataset == name)
+        total = info.progress
+        total.Clear()
+        states = {r.id: r for r in self._registry.snapshot(include_left=True)}
+        unreachable = False
+        for share in info.shares:
+            status = self._share_status.get((name, share.server_id)) or kspeed_pb2.ShareStatus(dataset=name)
+            info.share_status.append(status)
+            p = status.progress
+            total.samples_loaded += p.samples_loaded
+            total.bytes_loaded += p.bytes_loaded
+            total.bytes_per_s += p.bytes_per_s
+            total.running |= p.running
+            total.error_count += p.error_count
+            total.errors.extend(p.errors[: max(0, 5 - len(total.errors))])
+            record = states.get(share.server_id)
+            unreachable |= record is None or record.state != READY
+            if record is not None:
+                info.server_addresses[share.server_id] = record.address
+        total.samples_total = info.fingerprint.count
+        total.bytes_total = info.fingerprint.total_bytes
+        if total.running:
+            info.state = DState.DATASET_STATE_LOADING
+        elif unreachable or total.error_count:
+            info.state = DState.DATASET_STATE_DEGRADED
+        elif total.samples_loaded == total.samples_total:
+            info.state = DState.DATASET_STATE_READY
+        else:
+            info.state = DState.DATASET_STATE_ALLOCATED
+        return info
+
+    def assignments_for(self, server_id: str) -> list[kspeed_pb2.AssignShareRequest]:
+        """The shares ``server_id`` is responsible for (sent at its registration)."""
+        out = []
+        for info in self._datasets.values():
+            for share in info.shares:
+                if share.server_id == server_id:
+                    out.append(self._assignment(info, share))
+        return out
+
+    @staticmethod
+    def _assignment(info: kspeed_pb2.DatasetInfo, share: kspeed_pb2.Share) -> kspeed_pb2.AssignShareRequest:
+        return kspeed_pb2.AssignShareRequest(spec=info.spec, fingerprint=info.fingerprint,
+                                             region_size=info.region_size, share=share)
+
+    def on_heartbeat(self, server_id: str, shares: list[kspeed_pb2.ShareStatus]) -> None:
+        """Record the progress a server reports."""
+        for status in shares:
+            if status.dataset in self._datasets:
+                self._share_status[(status.dataset, server_id)] = status
+
+    # -- changes ---------------------------------------------------------------------------------
+
+    async def create(self, request: kspeed_pb2.CreateDatasetRequest) -> kspeed_pb2.CreateDatasetReply:
+        """Register a dataset or attach to the existing one of that name."""
+        spec = request.spec
+        validate_spec(spec)
+        owner = request.owner or JOB
+        if len(request.holder) > MAX_HOLDER:
+            raise ProtocolError(f"lease holder of {len(request.holder)} chars exceeds {MAX_HOLDER}")
+        if request.lease_ttl_s < 0 or request.lease_ttl_s > 86400:
+            raise ProtocolError(f"lease_ttl_s {request.lease_ttl_s} must be between 0 and 86400")
+        async with self._locks.setdefault(spec.name, asyncio.Lock()):
+            created = False
+            existing = self._datasets.get(spec.name)
+            if existing is not None:
+                if not _same_definition(existing.spec, spec):
+                    raise ConflictError(
+                        f"dataset {spec.name!r} is already registered as uri={existing.spec.uri!r} "
+                        f"kind={existing.spec.kind or 'auto'!r} labels={existing.spec.labels!r} "
+                        f"quota={existing.spec.quota_bytes}; remove it first or use another name")
+            else:
+                self._datasets[spec.name] = await self._allocate(spec, owner)
+                self._store.save_dataset(self._datasets[spec.name])
+                created = True
+            reply = kspeed_pb2.CreateDatasetReply(created=created)
+            if owner == JOB:
+                reply.lease.CopyFrom(self._new_lease(spec.name, request.holder, request.lease_ttl_s))
+            reply.dataset.CopyFrom(self.get(spec.name))
+            return reply
+
+    async def _allocate(self, spec: kspeed_pb2.DatasetSpec, owner: int) -> kspeed_pb2.DatasetInfo:
+        ready = [r for r in self._registry.snapshot() if r.state == READY]
+        if not ready:
+            raise UnavailableError(f"dataset {spec.name!r}: no ready server to hold it")
+        sizes_of = {r.inventory.region_size for r in ready}
+        region_size = max(sizes_of, key=lambda size: sum(r.inventory.region_size == size for r in ready))
+        ready = [r for r in ready if r.inventory.region_size == region_size]
+        lister = ready[0]
+        described = await self._calls.call(lister.address, lister.id, "DescribeDataset", spec)
+        sizes = np.frombuffer(described.sizes, dtype="<i8")
+        capacities = [ServerCapacity(r.id, self._free_regions(r)) for r in ready]
+        allocation = allocate(spec.name, sizes, region_size, capacities)
+        need = allocation.num_regions * region_size
+        if spec.quota_bytes and need > spec.quota_bytes:
+            raise CapacityError(f"dataset {spec.name!r} needs {allocation.num_regions} regions ({need} bytes) "
+                                f"for {allocation.total_bytes} bytes of samples; its quota is {spec.quota_bytes} "
+                                "bytes")
+        info = kspeed_pb2.DatasetInfo(spec=spec, owner=owner, fingerprint=described.fingerprint,
+                                      region_size=region_size, class_names=described.class_names,
+                                      created_unix=self._wall())
+        for share in allocation.shares:
+            info.shares.append(kspeed_pb2.Share(server_id=share.server_id, first_id=share.lo, end_id=share.hi,
+                                                first_region=share.first_region, num_regions=share.num_regions,
+                                                bytes=share.bytes))
+        addresses = {r.id: r.address for r in ready}
+        done: list[kspeed_pb2.Share] = []
+        try:
+            for share in info.shares:
+                await self._calls.call(addresses[share.server_id], share.server_id, "AssignShare",
+                                       self._assignment(info, share))
+                done.append(share)
+        except KSpeedError:
+            await self._drop_shares(spec.name, done, addresses)
+            raise
+        log.info("dataset %s: %d samples, %d bytes in %d regions on %d server(s)", spec.name, len(sizes),
+                 allocation.total_bytes, allocation.num_regions, len(info.shares))
+        return info
+
+    def _free_regions(self, record: kspeed_pb2.ServerRecord) -> int:
+        """Regions of ``record`` not promised to any dataset (the manager's own bookkeeping)."""
+        promised = sum(s.num_regions for d in self._datasets.values() for s in d.shares if s.server_id == record.id)
+        total = record.inventory.regions_total or record.inventory.memory_bytes // max(record.inventory.region_size, 1)
+        return max(int(total) - promised, 0)
+
+    async def _drop_shares(self, name: str, shares: list[kspeed_pb2.Share], addresses: dict[str, str]) -> None:
+        for share in shares:
+            address = addresses.get(share.server_id)
+            if address is None:
+                continue
+            try:
+                await self._calls.call(address, share.server_id, "DropDataset", kspeed_pb2.DatasetRequest(name=name))
+            except KSpeedError as exc:
+                # The server reconciles at its next registration; the region is not lost for good.
+                log.warning("dataset %s: could not drop share on %s: %s", name, share.server_id, exc)
+
+    async def remove(self, name: str) -> None:
+        """Remove a dataset: drop its shares on the servers and forget it and its leases."""
+        async with self._locks.setdefault(name, asyncio.Lock()):
+            info = self.get(name)
+            addresses = dict(info.server_addresses)
+            await self._drop_shares(name, list(info.shares), addresses)
+            del self._datasets[name]
+            for lease_id in [k for k, v in self._leases.items() if v.dataset == name]:
+                del self._leases[lease_id]
+            for key in [k for k in self._share_status if k[0] == name]:
+                del self._share_status[key]
+            self._store.delete_dataset(name)
+        log.info("dataset %s removed", name)
+
+    async def preload(self, name: str) -> kspeed_pb2.DatasetInfo:
+        """Start (or join) the preload of every share."""
+        info = self.get(name)
+        for share in info.shares:
+            address = info.server_addresses.get(share.server_id)
+            if address is None:
+                raise UnavailableError(f"dataset {name!r}: server {share.server_id} holding samples "
+                                       f"{share.first_id}..{share.end_id - 1} is not registered")
+            status = await self._calls.call(address, share.server_id, "StartPreload",
+                                            kspeed_pb2.DatasetRequest(name=name))
+            self._share_status[(name, share.server_id)] = status
+        return self.get(name)
+
+    # -- leases ----------------------------------------------------------------------------------
+
+    def _new_lease(self, dataset: str, holder: str, ttl: float) -> kspeed_pb2.Lease:
+        ttl = ttl or self._lease_ttl
+        lease = kspeed_pb2.Lease(id=f"{dataset}/{secrets.token_hex(8)}", dataset=dataset, holder=holder, ttl_s=ttl,
+                                 expires_unix=self._wall() + ttl)
+        self._leases[lease.id] = lease
+        self._store.save_lease(lease)
+        return lease
+
+    def _lease(self, lease_id: str) -> kspeed_pb2.Lease:
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            dataset = lease_id.partition("/")[0]
+            why = ("the dataset was removed" if dataset not in self._datasets
+                   else "it expired or was released; attach again")
+            raise NotFoundError(f"lease {lease_id!r} on dataset {dataset!r} is unknown: {why}")
+        return lease
+
+    def renew(self, lease_id: str) -> kspeed_pb2.Lease:
+        """Extend a lease by its TTL."""
+        lease = self._lease(lease_id)
+        lease.expires_unix = self._wall() + lease.ttl_s
+        self._store.save_lease(lease)
+        return lease
+
+    def release(self, lease_id: str) -> None:
+        """End a lease now."""
+        self._lease(lease_id)
+        del self._leases[lease_id]
+        self._store.delete_lease(lease_id)
+
+    async def expire(self) -> None:
+        """Drop expired leases, then remove job datasets that no lease holds any more."""
+        now = self._wall()
+        for lease_id, lease in list(self._leases.items()):
+            if lease.expires_unix <= now:
+                log.info("lease %s of %r expired", lease_id, lease.holder)
+                del self._leases[lease_id]
+                self._store.delete_lease(lease_id)
+        held = {lease.dataset for lease in self._leases.values()}
+        for name, info in list(self._datasets.items()):
+            if info.owner == JOB and name not in held:
+                log.info("dataset %s: no job holds a lease any more; freeing its memory", name)
+                try:
+                    await self.remove(name)
+                except KSpeedError as exc:
+                    log.warning("dataset %s: removal failed: %s", name, exc)

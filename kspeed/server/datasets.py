@@ -1,0 +1,284 @@
+"""The datasets a server hosts: one share each, assigned by the manager.
+
+A share is a contiguous range of sample IDs held in consecutive virtual regions of the pool. The
+host opens the backend listing, checks it against the fingerprint the manager recorded (a changed
+backend is reported, never served stale), allocates the pool regions, loads on request, and
+answers the broadcast-reply lookup and pull reads. The manager's assignments are kept in the state
+directory so that a restarted server re-adopts its sealed regions before the manager speaks again.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import logging
+import os
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from kspeed.errors import ConfigError, DatasetError, KSpeedError, NotFoundError
+from kspeed.proto import kspeed_pb2
+from kspeed.server.backend import Backend
+from kspeed.server.integrity import SampleStore
+from kspeed.server.pool import MemoryPool, RegionState
+from kspeed.server.preload import Preloader
+from kspeed.server.sources import Source, open_source
+
+log = logging.getLogger(__name__)
+
+ASSIGNMENTS_FILE = "assignments.json"
+MAX_REPORTED_ERRORS = 5
+LE_I64, LE_U32 = np.dtype("<i8"), np.dtype("<u4")
+
+
+def fingerprint_pb(source: Source) -> kspeed_pb2.Fingerprint:
+    """A source's fingerprint as a protobuf message."""
+    fp = source.fingerprint
+    return kspeed_pb2.Fingerprint(count=fp.count, total_bytes=fp.total_bytes, digest=fp.digest)
+
+
+def decode_ids(data: bytes, dataset: str, count: int) -> np.ndarray:
+    """Packed little-endian int64 sample IDs, checked against the dataset's size.
+
+    Raises:
+        DatasetError: the bytes are not whole int64 values.
+        NotFoundError: an ID lies outside ``0..count-1`` (the first one is named).
+    """
+    if len(data) % 8:
+        raise DatasetError(f"dataset {dataset!r}: sample IDs must be packed int64 ({len(data)} bytes given)",
+                           dataset=dataset)
+    ids = np.frombuffer(data, dtype=LE_I64)
+    bad = (ids < 0) | (ids >= count)
+    if bad.any():
+        sample = int(ids[bad][0])
+        raise NotFoundError(f"dataset {dataset!r} has {count} samples (IDs 0..{count - 1}); sample {sample} "
+                            "does not exist")
+    return ids
+
+
+@dataclass
+class Hosted:
+    """One dataset share held by this server."""
+
+    request: kspeed_pb2.AssignShareRequest
+    source: Source
+    preloader: Preloader
+    store: SampleStore
+
+    @property
+    def name(self) -> str:
+        return self.request.spec.name
+
+
+class DatasetHost:
+    """All dataset shares of one server.
+
+    Args:
+        pool: the server's memory pool.
+        backend: backend access under the operator's allow-list.
+        state_dir: where assignments are kept across restarts.
+        preload_threads: backend reads in flight per preload.
+        scrub_interval: seconds between background integrity scrubs of a loaded share (0: off).
+    """
+
+    def __init__(self, pool: MemoryPool, backend: Backend, state_dir: str, *, preload_threads: int = 16,
+                 scrub_interval: float = 0.0) -> None:
+        self.pool = pool
+        self.backend = backend
+        self._path = os.path.join(state_dir, ASSIGNMENTS_FILE)
+        self._threads = preload_threads
+        self._scrub_interval = scrub_interval
+        self._lock = threading.RLock()
+        self._hosted: dict[str, Hosted] = {}
+
+    # -- assignments -----------------------------------------------------------------------------
+
+    def restore(self) -> None:
+        """Re-adopt the shares recorded before a restart (errors are logged, not fatal)."""
+        for request in self._load_assignments():
+            try:
+                self.assign(request)
+                log.info("dataset %s: share re-adopted after restart", request.spec.name)
+            except KSpeedError as exc:
+                log.error("dataset %s: cannot re-adopt share: %s", request.spec.name, exc)
+
+    def reconcile(self, assignments: list[kspeed_pb2.AssignShareRequest]) -> None:
+        """Make the hosted shares exactly ``assignments`` (the manager's word at registration)."""
+        wanted = {a.spec.name: a for a in assignments}
+        for name in set(self.names()) - set(wanted):
+            log.info("dataset %s: the manager no longer assigns it here; dropping", name)
+            self.drop(name)
+        for request in wanted.values():
+            try:
+                self.assign(request)
+            except KSpeedError as exc:
+                log.error("dataset %s: cannot take the assigned share: %s", request.spec.name, exc)
+
+    def describe(self, spec: kspeed_pb2.DatasetSpec) -> kspeed_pb2.DescribeDatasetReply:
+        """List a dataset's backend for the manager (sizes in ID order, classes, fingerprint)."""
+        source = open_source(self.backend, spec.name, spec.uri, kind=spec.kind or "auto")
+        if spec.labels == "dirname" and source.labels is None:
+            raise DatasetError(f"dataset {spec.name!r}: labels 'dirname' need every sample in a class directory "
+                               f"under {spec.uri}", dataset=spec.name)
+        return kspeed_pb2.DescribeDatasetReply(fingerprint=fingerprint_pb(source),
+                                               sizes=source.sizes.astype(LE_I64).tobytes(),
+                                               class_names=list(source.classes))
+
+    def assign(self, request: kspeed_pb2.AssignShareRequest) -> kspeed_pb2.ShareStatus:
+        """Hold ``request.share`` of the dataset (idempotent; a different share replaces the old one).
+
+        Raises:
+            DatasetError: the backend changed since the dataset was registered.
+            CapacityError: the pool lacks free regions (nothing is allocated).
+            ConfigError: the manager's region size is not this pool's.
+        """
+        name = request.spec.name
+        with self._lock:
+            current = self._hosted.get(name)
+            if current is not None and current.request == request:
+                return self.status(name)
+            if current is not None:
+                self.drop(name)
+            if request.region_size != self.pool.region_size:
+                raise ConfigError(f"dataset {name!r}: assigned with region size {request.region_size}, this "
+                                  f"server's pool uses {self.pool.region_size}", field="server.region_size")
+            source = open_source(self.backend, name, request.spec.uri, kind=request.spec.kind or "auto")
+            if fingerprint_pb(source) != request.fingerprint:
+                raise DatasetError(
+                    f"dataset {name!r}: the backend changed since registration (registered: "
+                    f"{request.fingerprint.count} samples, {request.fingerprint.total_bytes} bytes; now: "
+                    f"{source.fingerprint}); remove the dataset and register it again", dataset=name)
+            share = request.share
+            held = {r.vindex for r in self.pool.regions(name)}
+            wanted = range(share.first_region, share.first_region + share.num_regions)
+            stale = held - set(wanted)
+            if stale:
+                self.pool.release(name)
+                held = set()
+            missing = [v for v in wanted if v not in held]
+            if missing:
+                self.pool.allocate(name, missing)
+            try:
+                preloader = Preloader(source, self.pool, lo=share.first_id, hi=share.end_id,
+                                      first_region=share.first_region, threads=self._threads)
+            except KSpeedError:
+                self.pool.release(name)
+                raise
+            store = SampleStore(preloader)
+            if self._scrub_interval > 0:
+                store.start_scrub(self._scrub_interval)
+            self._hosted[name] = Hosted(request, source, preloader, store)
+            self._save_assignments()
+            log.info("dataset %s: holding samples %d..%d in %d region(s)", name, share.first_id, share.end_id - 1,
+                     share.num_regions)
+            return self.status(name)
+
+    def drop(self, name: str) -> None:
+        """Stop serving ``name`` and free its regions (waits for a running preload to finish)."""
+        with self._lock:
+            hosted = self._hosted.pop(name, None)
+            if hosted is not None:
+                hosted.store.stop_scrub()
+                hosted.preloader.wait()
+            self.pool.release(name)
+            self._save_assignments()
+        if hosted is not None:
+            log.info("dataset %s: dropped", name)
+
+    # -- serving ---------------------------------------------------------------------------------
+
+    def get(self, name: str) -> Hosted:
+        """The hosted share of ``name``.
+
+        Raises:
+            NotFoundError: this server holds no share of it.
+        """
+        hosted = self._hosted.get(name)
+        if hosted is None:
+            raise NotFoundError(f"dataset {name!r} is not hosted on this server")
+        return hosted
+
+    def names(self) -> list[str]:
+        """Names of the hosted datasets."""
+        with self._lock:
+            return sorted(self._hosted)
+
+    def start_preload(self, name: str) -> kspeed_pb2.ShareStatus:
+        """Start (or join) the preload of ``name``'s share."""
+        self.get(name).preloader.start()
+        return self.status(name)
+
+    def status(self, name: str) -> kspeed_pb2.ShareStatus:
+        """Progress and health of one share."""
+        hosted = self.get(name)
+        p = hosted.preloader.progress()
+        result = hosted.preloader.result()
+        errors = [str(e) for e in result.errors[:MAX_REPORTED_ERRORS]]
+        sealed = sum(1 for r in self.pool.regions(name) if r.state is RegionState.SEALED)
+        return kspeed_pb2.ShareStatus(
+            dataset=name, regions_sealed=sealed, integrity_repairs=hosted.store.counters["repaired"],
+            progress=kspeed_pb2.PreloadProgress(
+                samples_loaded=p.samples_done, samples_total=p.samples_total, bytes_loaded=p.bytes_done,
+                bytes_total=p.bytes_total, bytes_per_s=p.rate_bytes_s, running=p.running, error_count=p.errors,
+                errors=errors, samples_read=result.read_samples))
+
+    def statuses(self) -> list[kspeed_pb2.ShareStatus]:
+        """Status of every hosted share (for heartbeats)."""
+        out = []
+        for name in self.names():
+            with contextlib.suppress(NotFoundError):
+                out.append(self.status(name))
+        return out
+
+    def lookup(self, name: str, ids: np.ndarray) -> kspeed_pb2.LookupReply:
+        """Which of ``ids`` this server owns, with their lengths (and labels)."""
+        hosted = self.get(name)
+        mask, lengths = hosted.preloader.index.lookup(ids)
+        reply = kspeed_pb2.LookupReply(positions=np.flatnonzero(mask).astype(LE_U32).tobytes(),
+                                       lengths=lengths.astype(LE_U32).tobytes())
+        if hosted.source.labels is not None and hosted.request.spec.labels:
+            reply.labels = hosted.source.labels[ids[mask]].astype(LE_I64).tobytes()
+        return reply
+
+    def read(self, name: str, ids: np.ndarray) -> kspeed_pb2.ReadReply:
+        """The verified bytes of ``ids`` (all owned here), back to back."""
+        data, lengths = self.get(name).store.read_many(ids)
+        return kspeed_pb2.ReadReply(data=bytes(data), lengths=lengths.astype(LE_U32).tobytes())
+
+    def count(self, name: str) -> int:
+        """Number of samples of the whole dataset (for ID checks)."""
+        return self.get(name).request.fingerprint.count
+
+    def memory_used(self) -> int:
+        """Pool bytes allocated to datasets."""
+        return (self.pool.region_count - self.pool.counts()[RegionState.FREE]) * self.pool.region_size
+
+    def close(self) -> None:
+        """Stop scrubs and wait for running preloads."""
+        with self._lock:
+            for hosted in self._hosted.values():
+                hosted.store.stop_scrub()
+                hosted.preloader.wait()
+
+    # -- persistence -----------------------------------------------------------------------------
+
+    def _save_assignments(self) -> None:
+        data = {name: base64.b64encode(h.request.SerializeToString()).decode() for name, h in self._hosted.items()}
+        tmp = f"{self._path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(data, fh)
+        os.replace(tmp, self._path)
+
+    def _load_assignments(self) -> list[kspeed_pb2.AssignShareRequest]:
+        try:
+            with open(self._path, encoding="utf-8") as fh:
+                data = json.load(fh)
+        except FileNotFoundError:
+            return []
+        except (OSError, ValueError) as exc:
+            log.error("ignoring unreadable %s: %s", self._path, exc)
+            return []
+        return [kspeed_pb2.AssignShareRequest.FromString(base64.b64decode(v)) for v in data.values()]
