@@ -147,6 +147,11 @@ class DatasetCatalog:
         return kspeed_pb2.AssignShareRequest(spec=info.spec, fingerprint=info.fingerprint,
                                              region_size=info.region_size, share=share)
 
+    def forget_progress(self, server_id: str) -> None:
+        """Drop what a server reported before it (re-)registered: its new incarnation reports afresh."""
+        for key in [k for k in self._share_status if k[1] == server_id]:
+            del self._share_status[key]
+
     def on_heartbeat(self, server_id: str, shares: list[kspeed_pb2.ShareStatus]) -> None:
         """Record the progress a server reports."""
         for status in shares:

@@ -75,6 +75,7 @@ class ManagerService:
         validate_registration(request)
         version = negotiate(request.version.protocol_versions)
         record = self._registry.register(request, version)
+        self._catalog.forget_progress(request.id)
         return kspeed_pb2.RegisterServerReply(incarnation=record.incarnation, protocol_version=version,
                                               heartbeat_interval_s=self._heartbeat_interval,
                                               cluster_id=self._cluster_id,
