@@ -2,11 +2,12 @@
 
 A dataset occupies whole regions forming one virtual contiguous address space: byte
 ``region index x region size + offset``. Samples are packed into regions in ID order without
-straddling (:func:`region_bounds`); the regions are then dealt out to servers in contiguous runs,
-so every server owns a contiguous range of sample IDs and ownership is a pure function of the
-:class:`Allocation`. Servers are balanced by memory: their region counts (so their allocated bytes)
-differ by at most one region wherever their free regions allow. The sample bytes they hold differ
-by that plus the unfilled tails of their regions (a sample never straddles two regions).
+straddling (:func:`kspeed.plan.region_bounds`, the rule servers lay out their own samples with);
+the regions are then dealt out to servers in contiguous runs, so every server owns a contiguous
+range of sample IDs and ownership is a pure function of the :class:`Allocation`. Servers are
+balanced by memory: their region counts (so their allocated bytes) differ by at most one region
+wherever their free regions allow. The sample bytes they hold differ by that plus the unfilled
+tails of their regions (a sample never straddles two regions).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from kspeed.errors import CapacityError, DatasetError
+from kspeed.plan import region_bounds
 
-__all__ = ["Allocation", "ServerCapacity", "Share", "allocate", "region_bounds"]
+__all__ = ["Allocation", "ServerCapacity", "Share", "allocate"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,37 +86,6 @@ class Allocation:
     def share_of(self, server_id: str) -> Share | None:
         """The share of ``server_id``, or ``None`` if it holds nothing of the dataset."""
         return next((s for s in self.shares if s.server_id == server_id), None)
-
-
-def region_bounds(sizes: np.ndarray, region_size: int, *, dataset: str) -> np.ndarray:
-    """Pack samples in ID order into regions without straddling; return region start IDs.
-
-    Region ``k`` holds samples ``b[k]..b[k+1]-1``; ``b[-1] == len(sizes)``. The server side
-    (:func:`kspeed.server.index.region_bounds`) applies the same rule to its own range.
-
-    Raises:
-        DatasetError: a sample is larger than a region, named by its ID.
-    """
-    sizes = np.asarray(sizes, dtype=np.int64)
-    if region_size <= 0:
-        raise DatasetError(f"dataset {dataset!r}: region size must be positive, got {region_size}",
-                           dataset=dataset)
-    big = np.flatnonzero(sizes > region_size)
-    if len(big):
-        i = int(big[0])
-        raise DatasetError(
-            f"dataset {dataset!r}: sample {i} is {int(sizes[i])} bytes, larger than a region "
-            f"({region_size} bytes)",
-            dataset=dataset, sample=i,
-        )
-    if (sizes < 0).any():
-        i = int(np.flatnonzero(sizes < 0)[0])
-        raise DatasetError(f"dataset {dataset!r}: sample {i} has negative size", dataset=dataset, sample=i)
-    cum = np.concatenate(([0], np.cumsum(sizes)))
-    bounds = [0]
-    while bounds[-1] < len(sizes):
-        bounds.append(int(np.searchsorted(cum, cum[bounds[-1]] + region_size, side="right")) - 1)
-    return np.asarray(bounds, dtype=np.int64)
 
 
 def _balance(need: int, caps: Sequence[int]) -> list[int]:

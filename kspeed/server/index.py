@@ -3,7 +3,8 @@
 A server owns a contiguous range of sample IDs ``[lo, hi)`` of a dataset. For those it keeps numpy
 arrays (never a Python object per sample): the virtual region index, the offset inside the region,
 the length, the crc32c and a loaded flag. Region and offset are a pure function of the sizes and
-the region size (:func:`layout`), so the index answers lookups for samples that are not loaded yet.
+the region size (:func:`layout`, by :func:`kspeed.plan.region_bounds`, the rule the manager
+cuts ownership with), so the index answers lookups for samples that are not loaded yet.
 It is saved beside the data, in the pool directory, and reloaded after a restart.
 """
 
@@ -17,42 +18,14 @@ from pathlib import Path
 
 import numpy as np
 
-from kspeed.errors import DatasetError, NotFoundError, StateError
+from kspeed.errors import NotFoundError, StateError
+from kspeed.plan import region_bounds
 
-__all__ = ["SampleIndex", "layout", "region_bounds"]
+__all__ = ["SampleIndex", "layout"]
 
 log = logging.getLogger(__name__)
 
 _FORMAT = 1
-
-
-def region_bounds(sizes: np.ndarray, region_size: int, *, dataset: str, first_id: int = 0) -> np.ndarray:
-    """Pack samples in ID order into regions; return where each region starts.
-
-    Samples are appended in ID order and a sample never straddles two regions: when the next one
-    does not fit, a new region begins. The result ``b`` has one entry per region plus one:
-    region ``k`` holds samples ``b[k]..b[k+1]-1`` (positions in ``sizes``). This is the same rule
-    as :func:`kspeed.manager.allocator.region_bounds`, which the manager uses to cut ownership.
-
-    Raises:
-        DatasetError: a sample is larger than a region (named by ``first_id`` + position).
-    """
-    sizes = np.asarray(sizes, dtype=np.int64)
-    too_big = np.flatnonzero(sizes > region_size)
-    if len(too_big):
-        i = int(too_big[0])
-        raise DatasetError(
-            f"dataset {dataset!r}: sample {first_id + i} is {int(sizes[i])} bytes, larger than a region "
-            f"({region_size} bytes); raise the region size",
-            dataset=dataset, sample=first_id + i,
-        )
-    cum = np.concatenate(([0], np.cumsum(sizes)))
-    bounds = [0]
-    n = len(sizes)
-    while bounds[-1] < n:
-        s = bounds[-1]
-        bounds.append(int(np.searchsorted(cum, cum[s] + region_size, side="right")) - 1)
-    return np.asarray(bounds, dtype=np.int64)
 
 
 def layout(

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 
 from kspeed.errors import DatasetError, NotFoundError, StateError
-from kspeed.manager import allocator
-from kspeed.server.index import SampleIndex, region_bounds
+from kspeed.server.index import SampleIndex
 
 R = 1000
 
@@ -20,11 +19,6 @@ def test_layout_packs_in_order_without_straddling():
     assert idx.bounds.tolist() == [10, 12, 14, 15, 17]
     ends = idx.offset + idx.length
     assert (ends <= R).all()
-
-
-def test_server_and_manager_pack_identically():
-    sizes = np.random.default_rng(3).integers(0, R, 5000)
-    assert np.array_equal(region_bounds(sizes, R, dataset="ds"), allocator.region_bounds(sizes, R, dataset="ds"))
 
 
 def test_sample_larger_than_region_is_named():
