@@ -112,12 +112,14 @@ class LocalCluster:
         manager_args: extra flags for the manager.
         server_args: extra flags for every server.
         env: extra environment for the daemons.
+        pool_root: where the servers' pools live (``<pool_root>/server-<i>``); default: in their state dirs.
     """
 
     def __init__(self, state_dir: str, *, servers: int = 2, port: int = 0, http_port: int = 0,
                  token_file: str = "", manager_args: Sequence[str] = (), server_args: Sequence[str] = (),
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, pool_root: str = "") -> None:
         self.state_dir = os.path.abspath(state_dir)
+        self.pool_root = os.path.abspath(pool_root) if pool_root else ""
         self.token_file = token_file
         self._env = {k: v for k, v in os.environ.items() if not k.startswith("KSPEED_")}
         self._env.update(env or {})
@@ -143,7 +145,8 @@ class LocalCluster:
         state = os.path.join(self.state_dir, f"server-{index}")
         return self._daemon(f"server-{index}", "kspeed.server", [
             "--manager", self.address, "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0",
-            "--state-dir", state, "--pool-dir", os.path.join(state, "pool"), *self._server_args])
+            "--state-dir", state, "--pool-dir", os.path.join(self.pool_root or state, f"server-{index}" if
+                                                             self.pool_root else "pool"), *self._server_args])
 
     @property
     def address(self) -> str:

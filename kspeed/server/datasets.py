@@ -248,6 +248,14 @@ class DatasetHost:
         data, lengths = self.get(name).store.read_many(ids)
         return kspeed_pb2.ReadReply(data=bytes(data), lengths=lengths.astype(LE_U32).tobytes())
 
+    def nbytes(self, name: str, ids: np.ndarray) -> int:
+        """Total length of ``ids`` (every one must be owned here).
+
+        Raises:
+            NotFoundError: an id is not owned by this server.
+        """
+        return int(self.get(name).preloader.index.locate(ids)[2].sum())
+
     def count(self, name: str) -> int:
         """Number of samples of the whole dataset (for ID checks)."""
         return self.get(name).request.fingerprint.count

@@ -13,6 +13,7 @@ from kspeed.server.datasets import DatasetHost, decode_ids
 
 MAX_LOOKUP_CHUNK = 1 << 20  # IDs per Lookup chunk
 MAX_READ_IDS = 1 << 16  # IDs per Read call
+MAX_READ_BYTES = 64 << 20  # bytes per Read reply (the channels' message limit)
 
 
 class ServerService:
@@ -65,4 +66,8 @@ class ServerService:
         if len(request.ids) > 8 * MAX_READ_IDS:
             raise ProtocolError(f"Read: {len(request.ids) // 8} IDs exceed {MAX_READ_IDS} per call")
         ids = decode_ids(request.ids, request.dataset, self._host.count(request.dataset))
+        nbytes = self._host.nbytes(request.dataset, ids)
+        if nbytes > MAX_READ_BYTES:
+            raise ProtocolError(f"Read: {len(ids)} samples of dataset {request.dataset!r} hold {nbytes} bytes, more "
+                                f"than {MAX_READ_BYTES} per call; ask for fewer samples per call")
         return self._host.read(request.dataset, ids)
