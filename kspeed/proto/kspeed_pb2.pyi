@@ -465,6 +465,64 @@ class ReadReply(_message.Message):
     lengths: bytes
     def __init__(self, data: _Optional[bytes] = ..., lengths: _Optional[bytes] = ...) -> None: ...
 
+class OpenFeedRequest(_message.Message):
+    __slots__ = ("dataset", "feed_id", "rail", "material", "ring_key", "generation", "holder")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    FEED_ID_FIELD_NUMBER: _ClassVar[int]
+    RAIL_FIELD_NUMBER: _ClassVar[int]
+    MATERIAL_FIELD_NUMBER: _ClassVar[int]
+    RING_KEY_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    feed_id: str
+    rail: str
+    material: bytes
+    ring_key: bytes
+    generation: int
+    holder: str
+    def __init__(self, dataset: _Optional[str] = ..., feed_id: _Optional[str] = ..., rail: _Optional[str] = ..., material: _Optional[bytes] = ..., ring_key: _Optional[bytes] = ..., generation: _Optional[int] = ..., holder: _Optional[str] = ...) -> None: ...
+
+class OpenFeedReply(_message.Message):
+    __slots__ = ("server_id", "feeder")
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    FEEDER_FIELD_NUMBER: _ClassVar[int]
+    server_id: str
+    feeder: int
+    def __init__(self, server_id: _Optional[str] = ..., feeder: _Optional[int] = ...) -> None: ...
+
+class PlanChunk(_message.Message):
+    __slots__ = ("feed_id", "epoch", "batch_size", "ids", "lengths")
+    FEED_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    feed_id: str
+    epoch: int
+    batch_size: int
+    ids: bytes
+    lengths: bytes
+    def __init__(self, feed_id: _Optional[str] = ..., epoch: _Optional[int] = ..., batch_size: _Optional[int] = ..., ids: _Optional[bytes] = ..., lengths: _Optional[bytes] = ...) -> None: ...
+
+class PlanReply(_message.Message):
+    __slots__ = ("owned", "owned_bytes")
+    OWNED_FIELD_NUMBER: _ClassVar[int]
+    OWNED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    owned: int
+    owned_bytes: int
+    def __init__(self, owned: _Optional[int] = ..., owned_bytes: _Optional[int] = ...) -> None: ...
+
+class CloseFeedRequest(_message.Message):
+    __slots__ = ("feed_id",)
+    FEED_ID_FIELD_NUMBER: _ClassVar[int]
+    feed_id: str
+    def __init__(self, feed_id: _Optional[str] = ...) -> None: ...
+
+class CloseFeedReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class GetStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -713,6 +713,21 @@ class ServerStub:
                 request_serializer=kspeed__pb2.ReadRequest.SerializeToString,
                 response_deserializer=kspeed__pb2.ReadReply.FromString,
                 _registered_method=True)
+        self.OpenFeed = channel.unary_unary(
+                '/kspeed.v1.Server/OpenFeed',
+                request_serializer=kspeed__pb2.OpenFeedRequest.SerializeToString,
+                response_deserializer=kspeed__pb2.OpenFeedReply.FromString,
+                _registered_method=True)
+        self.CommitPlan = channel.stream_unary(
+                '/kspeed.v1.Server/CommitPlan',
+                request_serializer=kspeed__pb2.PlanChunk.SerializeToString,
+                response_deserializer=kspeed__pb2.PlanReply.FromString,
+                _registered_method=True)
+        self.CloseFeed = channel.unary_unary(
+                '/kspeed.v1.Server/CloseFeed',
+                request_serializer=kspeed__pb2.CloseFeedRequest.SerializeToString,
+                response_deserializer=kspeed__pb2.CloseFeedReply.FromString,
+                _registered_method=True)
 
 
 class ServerServicer:
@@ -763,6 +778,26 @@ class ServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenFeed(self, request, context):
+        """Connect a feeder to the client's receive ring (the data-plane path of one feed).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitPlan(self, request_iterator, context):
+        """Hand over an epoch plan; returns once the server holds every sample it owns in the plan.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseFeed(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -800,6 +835,21 @@ def add_ServerServicer_to_server(servicer, server):
                     servicer.Read,
                     request_deserializer=kspeed__pb2.ReadRequest.FromString,
                     response_serializer=kspeed__pb2.ReadReply.SerializeToString,
+            ),
+            'OpenFeed': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenFeed,
+                    request_deserializer=kspeed__pb2.OpenFeedRequest.FromString,
+                    response_serializer=kspeed__pb2.OpenFeedReply.SerializeToString,
+            ),
+            'CommitPlan': grpc.stream_unary_rpc_method_handler(
+                    servicer.CommitPlan,
+                    request_deserializer=kspeed__pb2.PlanChunk.FromString,
+                    response_serializer=kspeed__pb2.PlanReply.SerializeToString,
+            ),
+            'CloseFeed': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseFeed,
+                    request_deserializer=kspeed__pb2.CloseFeedRequest.FromString,
+                    response_serializer=kspeed__pb2.CloseFeedReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -991,6 +1041,87 @@ class Server:
             '/kspeed.v1.Server/Read',
             kspeed__pb2.ReadRequest.SerializeToString,
             kspeed__pb2.ReadReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenFeed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kspeed.v1.Server/OpenFeed',
+            kspeed__pb2.OpenFeedRequest.SerializeToString,
+            kspeed__pb2.OpenFeedReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitPlan(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/kspeed.v1.Server/CommitPlan',
+            kspeed__pb2.PlanChunk.SerializeToString,
+            kspeed__pb2.PlanReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseFeed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kspeed.v1.Server/CloseFeed',
+            kspeed__pb2.CloseFeedRequest.SerializeToString,
+            kspeed__pb2.CloseFeedReply.FromString,
             options,
             channel_credentials,
             insecure,
