@@ -21,8 +21,20 @@ import numpy as np
 
 from kspeed.errors import ProtocolError
 
-__all__ = ["DROP_PLAN", "ERROR", "GRANT_DTYPE", "GRANTS", "HELLO", "decode", "encode_drop_plan", "encode_error",
-           "encode_grants", "encode_hello", "make_tag", "tag_generation"]
+__all__ = [
+    "DROP_PLAN",
+    "ERROR",
+    "GRANTS",
+    "GRANT_DTYPE",
+    "HELLO",
+    "decode",
+    "encode_drop_plan",
+    "encode_error",
+    "encode_grants",
+    "encode_hello",
+    "make_tag",
+    "tag_generation",
+]
 
 HELLO, GRANTS, ERROR, DROP_PLAN = 1, 2, 3, 4
 
