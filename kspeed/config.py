@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -205,6 +206,15 @@ class SecurityConfig:
             if path and not os.access(path, os.R_OK):
                 raise ConfigError(f"security.{name}: cannot read {path!r}", field=f"security.{name}", value=path)
 
+    def data_plane_token(self) -> bytes | None:
+        """The secret of data-plane handshakes, derived from the bearer token (None without auth).
+
+        A separate derived key keeps the bearer token itself off the data plane.
+        """
+        if self.auth != "token" or not self.token:
+            return None
+        return hashlib.sha256(b"kspeed data plane v1\0" + self.token.encode()).digest()
+
     def read_pem(self, name: str) -> bytes | None:
         """The bytes of one of the TLS files (``tls_cert``, ``tls_key``, ``tls_ca``), or None."""
         path = getattr(self, name)
@@ -298,6 +308,12 @@ class ServerConfig:
                                   env="KSPEED_PRELOAD_THREADS")
     scrub_interval: float = option(3600.0, "seconds between integrity scrubs of loaded data", parse=parse_duration,
                                    env="KSPEED_SCRUB_INTERVAL")
+    feeders: int = option(0, "feeder processes that write samples to clients (0: one per usable core, at most 4)",
+                          parse=_parse_int, env="KSPEED_SERVER_FEEDERS")
+    data_io_timeout: float = option(10.0, "seconds without progress after which a client's data-plane path is "
+                                    "declared lost", parse=parse_duration, env="KSPEED_DATA_IO_TIMEOUT")
+    plan_timeout: float = option(600.0, "longest a plan waits for the samples it needs to be preloaded",
+                                 parse=parse_duration, env="KSPEED_PLAN_TIMEOUT")
     drain_timeout: float = option(10.0, "longest wait for in-flight work on SIGTERM", parse=parse_duration,
                                   env="KSPEED_DRAIN_TIMEOUT")
     max_request_bytes: int = option(64 * 1024**2, "largest accepted gRPC request", parse=parse_bytes,

@@ -26,11 +26,13 @@ from kspeed.config import ServerConfig, add_arguments, load_config
 from kspeed.errors import KSpeedError
 from kspeed.httpd import HttpEndpoint, metrics_route, text_response
 from kspeed.proto import kspeed_pb2
+from kspeed.rdma.options import RailOptions
 from kspeed.server import inventory as inv
 from kspeed.server.agent import ManagerAgent
 from kspeed.server.allowlist import AllowList
 from kspeed.server.backend import Backend
 from kspeed.server.datasets import DatasetHost
+from kspeed.server.feeders import FeederPool
 from kspeed.server.metrics import ServerMetrics
 from kspeed.server.pool import MemoryPool, RegionState
 from kspeed.server.service import ServerService
@@ -48,6 +50,7 @@ class Server:
         self.state_dir = ensure_state_dir(config.state_dir, "server.state_dir")
         self.id = inv.server_id(config, self.state_dir)
         self.host: DatasetHost | None = None
+        self.feeders: FeederPool | None = None
         self.metrics = ServerMetrics(lambda: self.host)
         self.health = health.HealthServicer()
         self._stopped = threading.Event()
@@ -86,10 +89,15 @@ class Server:
         self.host = DatasetHost(pool, backend, self.state_dir, preload_threads=cfg.preload_threads,
                                 scrub_interval=cfg.scrub_interval)
         self.host.restore()
+        options = RailOptions(token=cfg.security.data_plane_token(), io_timeout=cfg.data_io_timeout)
+        count = cfg.feeders or min(4, inv.usable_cores(cfg.cores))
+        self.feeders = FeederPool(count, self.id, options, self.host, plan_timeout=cfg.plan_timeout,
+                                  log_level=cfg.log_level)
+        self.host.on_drop = self.feeders.close_dataset
         self._grpc = grpc.server(futures.ThreadPoolExecutor(GRPC_THREADS, thread_name_prefix="kspeed-rpc"),
                                  interceptors=rpc.server_interceptors(cfg.security, aio=False),
                                  options=rpc.server_options(cfg.max_request_bytes))
-        service = ServerService(self.id, cfg.manager, self.host, self.inventory, self._registration)
+        service = ServerService(self.id, cfg.manager, self.host, self.feeders, self.inventory, self._registration)
         self._grpc.add_generic_rpc_handlers(
             (rpc.service_handler("Server", service, max_request_bytes=cfg.max_request_bytes),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
@@ -151,6 +159,8 @@ class Server:
             self._grpc.stop(grace=self.config.drain_timeout).wait()
         if self._http is not None:
             self._http.close()
+        if self.feeders is not None:
+            self.feeders.stop()
         if self.host is not None:
             self.host.close()
             if self.config.keep_pool_on_exit:

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -93,6 +94,7 @@ class DatasetHost:
         self._scrub_interval = scrub_interval
         self._lock = threading.RLock()
         self._hosted: dict[str, Hosted] = {}
+        self.on_drop: Callable[[str], None] = lambda name: None  # e.g. close the dataset's feeds
 
     # -- assignments -----------------------------------------------------------------------------
 
@@ -178,6 +180,7 @@ class DatasetHost:
 
     def drop(self, name: str) -> None:
         """Stop serving ``name`` and free its regions (waits for a running preload to finish)."""
+        self.on_drop(name)
         with self._lock:
             hosted = self._hosted.pop(name, None)
             if hosted is not None:

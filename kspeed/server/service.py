@@ -5,11 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import grpc
+import numpy as np
 
 from kspeed._version import PROTOCOL_VERSIONS, __version__
 from kspeed.errors import ProtocolError
 from kspeed.proto import kspeed_pb2
-from kspeed.server.datasets import DatasetHost, decode_ids
+from kspeed.server.datasets import LE_U32, DatasetHost, decode_ids
+from kspeed.server.feeders import FeederPool
 
 MAX_LOOKUP_CHUNK = 1 << 20  # IDs per Lookup chunk
 MAX_READ_IDS = 1 << 16  # IDs per Read call
@@ -19,10 +21,11 @@ MAX_READ_BYTES = 64 << 20  # bytes per Read reply (the channels' message limit)
 class ServerService:
     """Implements every RPC of ``kspeed.v1.Server`` over a :class:`DatasetHost`."""
 
-    def __init__(self, server_id: str, manager_address: str, host: DatasetHost,
+    def __init__(self, server_id: str, manager_address: str, host: DatasetHost, feeders: FeederPool,
                  inventory: Callable[[], kspeed_pb2.ServerInventory],
                  registration: Callable[[], tuple[bool, int]]) -> None:
         self._id = server_id
+        self._feeders = feeders
         self._manager = manager_address
         self._host = host
         self._inventory = inventory
@@ -47,7 +50,7 @@ class ServerService:
 
     def DropDataset(self, request: kspeed_pb2.DatasetRequest,
                     context: grpc.ServicerContext) -> kspeed_pb2.DropDatasetReply:
-        self._host.drop(request.name)
+        self._host.drop(request.name)  # closes the dataset's feeds first (DatasetHost.on_drop)
         return kspeed_pb2.DropDatasetReply()
 
     def Lookup(self, requests: Iterator[kspeed_pb2.LookupRequest],
@@ -71,3 +74,30 @@ class ServerService:
             raise ProtocolError(f"Read: {len(ids)} samples of dataset {request.dataset!r} hold {nbytes} bytes, more "
                                 f"than {MAX_READ_BYTES} per call; ask for fewer samples per call")
         return self._host.read(request.dataset, ids)
+
+    def OpenFeed(self, request: kspeed_pb2.OpenFeedRequest, context: grpc.ServicerContext) -> kspeed_pb2.OpenFeedReply:
+        reply = self._feeders.open(request)
+        reply.server_id = self._id
+        return reply
+
+    def CommitPlan(self, requests: Iterator[kspeed_pb2.PlanChunk], context: grpc.ServicerContext
+                   ) -> kspeed_pb2.PlanReply:
+        head = None
+        ids, lengths = [], []
+        for chunk in requests:
+            head = head or chunk
+            if len(chunk.ids) % 8 or len(chunk.lengths) % 4 or len(chunk.ids) // 8 != len(chunk.lengths) // 4:
+                raise ProtocolError("CommitPlan: each chunk needs int64 ids and as many uint32 lengths")
+            ids.append(chunk.ids)
+            lengths.append(chunk.lengths)
+        if head is None or not head.feed_id:
+            raise ProtocolError("CommitPlan: the first chunk must name the feed")
+        dataset = self._feeders.dataset_of(head.feed_id)
+        all_ids = decode_ids(b"".join(ids), dataset, self._host.count(dataset))
+        all_lengths = np.frombuffer(b"".join(lengths), dtype=LE_U32).astype(np.int64)
+        return self._feeders.commit_plan(head.feed_id, head.epoch, head.batch_size, all_ids, all_lengths)
+
+    def CloseFeed(self, request: kspeed_pb2.CloseFeedRequest,
+                  context: grpc.ServicerContext) -> kspeed_pb2.CloseFeedReply:
+        self._feeders.close(request.feed_id)
+        return kspeed_pb2.CloseFeedReply()

@@ -1,0 +1,201 @@
+"""A feeder process: writes the samples clients were granted from the shared pool into their rings.
+
+Feeders are started with ``spawn`` by :mod:`kspeed.server.feeders` and map the pool's region
+files by path, so several of them fill several clients at once without one GIL serializing the
+copies. The server's main process sends commands over a pipe (open a feed, install an epoch plan,
+close a feed, stop); each open feed gets one thread that waits for grants on the feed's
+data-plane connection and answers every grant with one vectorized write whose last op carries the
+grant's tag as its immediate (docs/feeding.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import numpy as np
+
+from kspeed import grants
+from kspeed.errors import KSpeedError, PeerLostError
+from kspeed.rdma.base import RegionKey, Writer
+from kspeed.rdma.options import RailOptions
+from kspeed.rdma.registry import get_rail
+from kspeed.server.pool import map_region
+
+log = logging.getLogger(__name__)
+
+RECV_TIMEOUT = 0.5  # how often a feed thread looks up from waiting for grants
+MAX_PLANS = 3  # epoch plans a feed keeps (the current one, the next one, one spare)
+
+
+@dataclass
+class Plan:
+    """The positions of one epoch plan this server owns, with where their bytes are and go.
+
+    Attributes:
+        starts: plan index of each batch's first position, plus the plan's length.
+        positions: sorted plan positions owned by this server.
+        region: per owned position, the pool region index holding the sample.
+        src: per owned position, the sample's offset in that region.
+        length: per owned position, the sample's length.
+        dst: per owned position, the sample's offset within its batch (kspeed.plan.batch_layout).
+    """
+
+    starts: np.ndarray
+    positions: np.ndarray
+    region: np.ndarray
+    src: np.ndarray
+    length: np.ndarray
+    dst: np.ndarray
+
+
+class Regions:
+    """Read-only numpy views of the pool's region files, mapped once when a plan first names them."""
+
+    def __init__(self) -> None:
+        self._arrays: dict[int, np.ndarray] = {}
+
+    def add(self, paths: dict[int, str]) -> None:
+        """Map the regions of ``paths`` (pool index -> file) not mapped yet."""
+        for index, path in paths.items():
+            if index not in self._arrays:
+                self._arrays[index] = np.frombuffer(map_region(path), dtype=np.uint8)
+
+    def get(self, index: int) -> np.ndarray:
+        return self._arrays[index]
+
+
+class Feed:
+    """One client's data-plane path and the thread that serves its grants."""
+
+    def __init__(self, feed_id: str, writer: Writer, key: RegionKey, regions: Regions) -> None:
+        self.feed_id = feed_id
+        self.writer = writer
+        self.key = key
+        self.regions = regions
+        self.plans: dict[int, Plan] = {}
+        self.served = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"feed-{feed_id}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def install(self, epoch: int, plan: Plan) -> None:
+        """Add an epoch plan (dropping the oldest beyond :data:`MAX_PLANS`)."""
+        self.plans[epoch] = plan
+        for old in sorted(self.plans)[:-MAX_PLANS]:
+            self.plans.pop(old, None)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                message = self.writer.recv(RECV_TIMEOUT)
+                if message is None:
+                    continue
+                kind, payload = grants.decode(message)
+                if kind == grants.GRANTS:
+                    for grant in payload:
+                        self._serve(grant)
+                elif kind == grants.DROP_PLAN:
+                    self.plans.pop(int(payload), None)
+        except PeerLostError as exc:
+            log.info("feed %s: client gone (%s)", self.feed_id, exc)
+        except KSpeedError as exc:
+            log.warning("feed %s: closed after error: %s", self.feed_id, exc)
+        finally:
+            with contextlib.suppress(KSpeedError):
+                self.writer.close()
+
+    def _serve(self, grant: np.void) -> None:
+        epoch, batch, tag = int(grant["epoch"]), int(grant["batch"]), int(grant["tag"])
+        plan = self.plans.get(epoch)
+        if plan is None or batch >= len(plan.starts) - 1:
+            why = f"no plan for epoch {epoch}" if plan is None else f"epoch {epoch} has no batch {batch}"
+            self.writer.send(grants.encode_error(epoch, batch, tag, why))
+            return
+        lo = int(plan.starts[batch]) + int(grant["first"])
+        hi = min(int(plan.starts[batch]) + int(grant["end"]), int(plan.starts[batch + 1]))
+        i, j = np.searchsorted(plan.positions, (lo, hi))
+        base = int(grant["ring_offset"])
+        ops = []
+        for k in range(i, j):  # one copy per sample, everything else was computed per plan
+            array = self.regions.get(int(plan.region[k]))
+            start, n = int(plan.src[k]), int(plan.length[k])
+            ops.append((array[start:start + n], base + int(plan.dst[k]), None))
+        if ops:
+            ops[-1] = (ops[-1][0], ops[-1][1], tag)
+            self.writer.write_many(self.key, ops)
+        else:  # nothing of ours in the range: still exactly one completion
+            self.writer.write(self.key, b"", base, imm=tag)
+        self.served += 1
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=RECV_TIMEOUT * 4)
+        with contextlib.suppress(KSpeedError):
+            self.writer.close()
+
+
+def _open(feeds: dict[str, Feed], regions: Regions, options: RailOptions, server_id: str, cmd: dict) -> dict:
+    feed_id = cmd["feed_id"]
+    old = feeds.pop(feed_id, None)
+    if old is not None:
+        old.close()
+    writer = get_rail(cmd["rail"]).connect(cmd["material"], options)
+    try:
+        key = RegionKey.from_bytes(cmd["ring_key"])
+        writer.send(grants.encode_hello(feed_id, server_id, cmd["generation"]))
+    except KSpeedError:
+        writer.close()
+        raise
+    feed = feeds[feed_id] = Feed(feed_id, writer, key, regions)
+    feed.start()
+    return {"ok": True}
+
+
+def serve(conn: Connection, server_id: str, options: RailOptions, log_level: str) -> None:
+    """Entry point of a feeder process: obey commands from the server until told to stop."""
+    logging.basicConfig(level=getattr(logging, log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s[feeder %(process)d]: %(message)s")
+    regions = Regions()
+    feeds: dict[str, Feed] = {}
+    while True:
+        try:
+            cmd = conn.recv()
+        except (EOFError, OSError):
+            break  # the server is gone
+        op = cmd.get("op")
+        if op == "stop":
+            break
+        try:
+            if op == "open":
+                reply = _open(feeds, regions, options, server_id, cmd)
+            elif op == "plan":
+                feed = feeds.get(cmd["feed_id"])
+                if feed is None or not feed.alive:
+                    raise PeerLostError(f"feed {cmd['feed_id']!r} is not connected (the client left?)")
+                regions.add(cmd["paths"])
+                feed.install(cmd["epoch"], Plan(**cmd["plan"]))
+                reply = {"ok": True}
+            elif op == "close":
+                feed = feeds.pop(cmd["feed_id"], None)
+                if feed is not None:
+                    feed.close()
+                reply = {"ok": True}
+            elif op == "stats":
+                reply = {"ok": True, "feeds": {k: {"alive": f.alive, "served": f.served} for k, f in feeds.items()}}
+            else:
+                reply = {"ok": False, "error": "ProtocolError", "message": f"unknown feeder command {op!r}"}
+        except KSpeedError as exc:
+            reply = {"ok": False, "error": type(exc).__name__, "message": str(exc)}
+        conn.send(reply)
+    for feed in feeds.values():
+        feed.close()

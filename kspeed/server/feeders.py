@@ -1,0 +1,226 @@
+"""The server's feeder processes and the feeds they serve (the main process's side).
+
+The main process validates ``OpenFeed`` and ``CommitPlan`` requests, turns an epoch plan into the
+arrays a feeder needs (which plan positions this server owns, where each sample sits in the pool
+and where it goes within its batch), and hands both to the feeder process that owns the feed.
+Feeders then serve grants on their own, without the main process, so one server fills several
+clients at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import re
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from kspeed import errors
+from kspeed.errors import DatasetError, NotFoundError, ProtocolError, UnavailableError
+from kspeed.plan import batch_layout
+from kspeed.proto import kspeed_pb2
+from kspeed.rdma.options import RailOptions
+from kspeed.rdma.registry import available_rails
+from kspeed.server import feeder
+from kspeed.server.datasets import DatasetHost
+
+log = logging.getLogger(__name__)
+
+_FEED_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
+COMMAND_TIMEOUT = 30.0
+MAX_PLAN = 1 << 28  # samples per plan
+
+
+@dataclass
+class _Feeder:
+    process: mp.process.BaseProcess
+    conn: object
+    lock: threading.Lock
+    feeds: int = 0
+
+
+@dataclass
+class _FeedInfo:
+    dataset: str
+    feeder: int
+
+
+class FeederPool:
+    """Feeder processes of one server and the feeds assigned to them.
+
+    Args:
+        count: number of feeder processes.
+        server_id: this server's id (sent to clients in HELLO).
+        options: data-plane options (token, timeouts) for every feed.
+        host: the datasets this server holds.
+        plan_timeout: longest a plan waits for its samples to be preloaded.
+        log_level: log level of the feeder processes.
+    """
+
+    def __init__(self, count: int, server_id: str, options: RailOptions, host: DatasetHost, *,
+                 plan_timeout: float, log_level: str = "info") -> None:
+        self._host = host
+        self._plan_timeout = plan_timeout
+        self._lock = threading.Lock()
+        self._feeds: dict[str, _FeedInfo] = {}
+        ctx = mp.get_context("spawn")  # never fork: the pool is mapped and gRPC threads run
+        self._feeders: list[_Feeder] = []
+        for _ in range(max(count, 1)):
+            ours, theirs = ctx.Pipe()
+            process = ctx.Process(target=feeder.serve, args=(theirs, server_id, options, log_level), daemon=True,
+                                  name="kspeed-feeder")
+            process.start()
+            theirs.close()
+            self._feeders.append(_Feeder(process, ours, threading.Lock()))
+        log.info("started %d feeder process(es)", len(self._feeders))
+
+    def _command(self, index: int, cmd: dict) -> dict:
+        worker = self._feeders[index]
+        with worker.lock:
+            if not worker.process.is_alive():
+                raise UnavailableError(f"feeder process {index} exited (status {worker.process.exitcode})")
+            worker.conn.send(cmd)
+            if not worker.conn.poll(COMMAND_TIMEOUT):
+                raise UnavailableError(f"feeder process {index} did not answer {cmd['op']!r} in {COMMAND_TIMEOUT}s")
+            reply = worker.conn.recv()
+        if not reply.get("ok"):
+            cls = getattr(errors, reply.get("error", ""), None)
+            if not (isinstance(cls, type) and issubclass(cls, errors.KSpeedError)):
+                cls = errors.KSpeedError
+            raise cls(reply.get("message", "feeder failed"))
+        return reply
+
+    def open(self, request: kspeed_pb2.OpenFeedRequest) -> kspeed_pb2.OpenFeedReply:
+        """Connect a feeder to the client's ring.
+
+        Raises:
+            ProtocolError: a malformed request.
+            NotFoundError: the dataset is not hosted here.
+            RailUnavailableError, AuthError, PeerLostError: the data-plane connection failed.
+        """
+        if not _FEED_ID.fullmatch(request.feed_id):
+            raise ProtocolError(f"feed id {request.feed_id[:80]!r} must be 1-64 letters, digits, '.', '_' or '-'")
+        if not 1 <= request.generation <= 255:
+            raise ProtocolError(f"feed {request.feed_id}: generation {request.generation} must be 1..255")
+        if request.rail not in available_rails():
+            raise ProtocolError(f"feed {request.feed_id}: rail {request.rail!r} is not offered here "
+                                f"(available: {', '.join(available_rails())})")
+        self._host.get(request.dataset)
+        with self._lock:
+            current = self._feeds.get(request.feed_id)
+            index = current.feeder if current else min(range(len(self._feeders)), key=lambda i: self._feeders[i].feeds)
+        self._command(index, {"op": "open", "feed_id": request.feed_id, "rail": request.rail,
+                              "material": request.material, "ring_key": request.ring_key,
+                              "generation": request.generation})
+        with self._lock:
+            if current is None:
+                self._feeders[index].feeds += 1
+            self._feeds[request.feed_id] = _FeedInfo(request.dataset, index)
+        log.info("feed %s (%s) open on feeder %d over %s", request.feed_id, request.holder or "unnamed", index,
+                 request.rail)
+        return kspeed_pb2.OpenFeedReply(feeder=index)
+
+    def dataset_of(self, feed_id: str) -> str:
+        """The dataset a feed reads."""
+        return self._feed(feed_id).dataset
+
+    def _feed(self, feed_id: str) -> _FeedInfo:
+        info = self._feeds.get(feed_id)
+        if info is None:
+            raise NotFoundError(f"feed {feed_id!r} is not open on this server (call OpenFeed first)")
+        return info
+
+    def commit_plan(self, feed_id: str, epoch: int, batch_size: int, ids: np.ndarray,
+                    lengths: np.ndarray) -> kspeed_pb2.PlanReply:
+        """Install an epoch plan on the feed's feeder, once every owned sample of it is loaded.
+
+        Raises:
+            ProtocolError: lengths that disagree with this server's index, or a bad batch size.
+            DatasetError: owned samples of the plan failed to load (named).
+        """
+        info = self._feed(feed_id)
+        if batch_size <= 0 or len(ids) != len(lengths) or len(ids) > MAX_PLAN:
+            raise ProtocolError(f"feed {feed_id}: plan of {len(ids)} IDs with {len(lengths)} lengths and batch size "
+                                f"{batch_size} is malformed")
+        hosted = self._host.get(info.dataset)
+        index = hosted.preloader.index
+        owned = np.flatnonzero(index.owns(ids))
+        owned_ids = ids[owned]
+        vregion, src, length, _ = index.locate(owned_ids)
+        wrong = np.flatnonzero(length != lengths[owned])
+        if len(wrong):
+            k = int(wrong[0])
+            raise ProtocolError(f"feed {feed_id}: sample {int(owned_ids[k])} has length {int(length[k])} here, the "
+                                f"plan says {int(lengths[owned][k])}; look it up again")
+        self._wait_loaded(info.dataset, hosted, owned_ids)
+        by_vindex = {r.vindex: r for r in self._host.pool.regions(info.dataset)}
+        needed = np.unique(vregion)
+        missing = [int(v) for v in needed if int(v) not in by_vindex]
+        if missing:
+            raise DatasetError(f"dataset {info.dataset!r}: regions {missing[:4]} of this share are not held",
+                               dataset=info.dataset)
+        pool_index = np.zeros(int(needed.max()) + 1 if len(needed) else 0, dtype=np.int64)
+        for v in needed.tolist():
+            pool_index[v] = by_vindex[v].index
+        layout = batch_layout(lengths, batch_size)
+        plan = {"starts": layout.starts, "positions": owned.astype(np.int64),
+                "region": pool_index[vregion] if len(owned) else np.zeros(0, np.int64),
+                "src": src.astype(np.int64), "length": length.astype(np.int64), "dst": layout.offsets[owned]}
+        paths = {int(by_vindex[v].index): str(by_vindex[v].path) for v in needed.tolist()}
+        self._command(info.feeder, {"op": "plan", "feed_id": feed_id, "epoch": epoch, "plan": plan, "paths": paths})
+        return kspeed_pb2.PlanReply(owned=len(owned), owned_bytes=int(length.sum()))
+
+    def _wait_loaded(self, dataset: str, hosted, ids: np.ndarray) -> None:
+        index = hosted.preloader.index
+        loaded = index.loaded[ids - index.lo]
+        if loaded.all():
+            return
+        log.info("dataset %s: a plan needs %d samples not loaded yet; preloading", dataset, int((~loaded).sum()))
+        hosted.preloader.start()
+        deadline = time.monotonic() + self._plan_timeout
+        while not hosted.preloader.wait(1.0):
+            if time.monotonic() > deadline:
+                raise UnavailableError(f"dataset {dataset!r}: still preloading after {self._plan_timeout:.0f}s")
+        missing = ids[~index.loaded[ids - index.lo]]
+        if len(missing):
+            raise DatasetError(f"dataset {dataset!r}: {len(missing)} sample(s) of the plan failed to load (first: "
+                               f"{missing[:5].tolist()}); see the preload errors", dataset=dataset,
+                               sample=int(missing[0]))
+
+    def close(self, feed_id: str) -> None:
+        """Close a feed (its data-plane connection and plans)."""
+        info = self._feed(feed_id)
+        self._command(info.feeder, {"op": "close", "feed_id": feed_id})
+        with self._lock:
+            self._feeds.pop(feed_id, None)
+            self._feeders[info.feeder].feeds -= 1
+
+    def close_dataset(self, dataset: str) -> None:
+        """Close every feed of a dataset (before its regions are released)."""
+        for feed_id in [k for k, v in self._feeds.items() if v.dataset == dataset]:
+            try:
+                self.close(feed_id)
+            except errors.KSpeedError as exc:
+                log.warning("feed %s: close failed: %s", feed_id, exc)
+
+    def count(self) -> int:
+        """Open feeds."""
+        return len(self._feeds)
+
+    def stop(self) -> None:
+        """Stop every feeder process."""
+        for worker in self._feeders:
+            try:
+                with worker.lock:
+                    worker.conn.send({"op": "stop"})
+            except (OSError, ValueError):
+                pass
+        for worker in self._feeders:
+            worker.process.join(timeout=5)
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join()
+            worker.conn.close()

@@ -1,0 +1,147 @@
+"""The servers' side of feeding, driven by hand through the rails (no client library).
+
+These tests speak docs/feeding.md directly: open a ring, OpenFeed on every server, Lookup,
+CommitPlan, grant batches and check the bytes that land, on every available rail.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from kspeed import grants
+from kspeed._local import wait_for
+from kspeed.plan import batch_layout
+from kspeed.proto import kspeed_pb2
+from kspeed.rdma.options import RailOptions
+from kspeed.rdma.registry import available_rails, get_rail
+from tests.helpers import client_for
+from tests.integration.test_datasets import broadcast_lookup, make_tree, server_stubs
+
+
+@pytest.fixture
+def loaded(cluster_factory, tmp_path):
+    files = make_tree(tmp_path / "feed", max_size=96 * 1024)
+    cluster = cluster_factory(2, server_args=["--backend-allow", str(tmp_path), "--memory", "16MiB",
+                                              "--region-size", "1MiB"])
+    with client_for(cluster) as client:
+        wait_for(lambda: len([r for r in client.servers() if r.state == 2]) == 2, 10, "ready")
+        info = client.create_dataset(kspeed_pb2.DatasetSpec(name="feed", uri=str(tmp_path / "feed")),
+                                     operator=True).dataset
+    return cluster, info, files
+
+
+def commit(stub, feed_id, epoch, batch_size, ids, lengths):
+    chunks = [kspeed_pb2.PlanChunk(feed_id=feed_id, epoch=epoch, batch_size=batch_size,
+                                   ids=ids[:50].astype("<i8").tobytes(), lengths=lengths[:50].astype("<u4").tobytes()),
+              kspeed_pb2.PlanChunk(ids=ids[50:].astype("<i8").tobytes(), lengths=lengths[50:].astype("<u4").tobytes())]
+    return stub.CommitPlan(iter(chunks), timeout=60)
+
+
+@pytest.mark.parametrize("rail", available_rails())
+def test_grants_land_byte_exact(loaded, rail):
+    cluster, info, files = loaded
+    keys = list(files)
+    stubs = server_stubs(cluster, info)
+    receiver = get_rail(rail).listen(RailOptions(io_timeout=5.0))
+    try:
+        ring = receiver.register(8 << 20)
+        for sid, stub in stubs.items():
+            stub.OpenFeed(kspeed_pb2.OpenFeedRequest(dataset="feed", feed_id="rank0", rail=rail,
+                                                     material=receiver.material, ring_key=ring.key.to_bytes(),
+                                                     generation=3, holder="test"), timeout=30)
+        conn_of = {}
+        deadline = time.monotonic() + 10
+        while len(conn_of) < len(stubs) and time.monotonic() < deadline:
+            receiver.poll(0.1)
+            for conn, message in receiver.messages():
+                kind, hello = grants.decode(message)
+                assert kind == grants.HELLO and hello["generation"] == 3 and hello["feed"] == "rank0"
+                conn_of[hello["server"]] = conn
+        assert set(conn_of) == set(stubs)
+
+        ids = np.random.default_rng(5).permutation(len(files))[:100]
+        ids[7] = ids[3]  # a duplicate inside one batch: each position gets its own copy
+        replies = broadcast_lookup(stubs, "feed", ids)
+        lengths = np.zeros(len(ids), dtype=np.int64)
+        owners = {}
+        for sid, (pos, lens, _) in replies.items():
+            lengths[pos] = lens
+            owners[sid] = set(pos.tolist())
+        for sid, stub in stubs.items():
+            reply = commit(stub, "rank0", 0, 16, ids, lengths)
+            assert reply.owned == len(owners[sid])
+
+        layout = batch_layout(lengths, 16)
+        offset, tag = 0, 0
+        expected = {}
+        for b in range(layout.num_batches):
+            lo, hi = layout.positions(b)
+            for sid, conn in conn_of.items():
+                if owners[sid] & set(range(lo, hi)):
+                    tag += 1
+                    grant = np.zeros(1, grants.GRANT_DTYPE)
+                    grant[0] = (0, b, offset, 0, 16, grants.make_tag(3, tag))
+                    receiver.send(conn, grants.encode_grants(grant))
+                    expected[grants.make_tag(3, tag)] = (b, offset)
+            for p in range(lo, hi):
+                expected.setdefault(("pos", p), offset + int(layout.offsets[p]))
+            offset += int(layout.batch_bytes[b])
+        seen = []
+        deadline = time.monotonic() + 20
+        while len(seen) < tag and time.monotonic() < deadline:
+            done = receiver.poll(0.2)
+            seen.extend(done.imm.tolist())
+        assert sorted(seen) == sorted(k for k in expected if isinstance(k, int))  # exactly once each
+        memory = ring.array()
+        for p, sid in enumerate(ids.tolist()):
+            start = expected[("pos", p)]
+            assert memory[start:start + len(files[keys[sid]])].tobytes() == files[keys[sid]]
+        for stub in stubs.values():
+            stub.CloseFeed(kspeed_pb2.CloseFeedRequest(feed_id="rank0"), timeout=10)
+    finally:
+        receiver.close()
+
+
+def test_feed_errors_are_named(loaded):
+    cluster, info, files = loaded
+    share = info.shares[0]
+    stub = server_stubs(cluster, info)[share.server_id]
+    receiver = get_rail("shm").listen(RailOptions(io_timeout=5.0))
+    try:
+        ring = receiver.register(1 << 20)
+        good = dict(dataset="feed", feed_id="r1", rail="shm", material=receiver.material,
+                    ring_key=ring.key.to_bytes(), generation=1)
+        for field, value, code in (("feed_id", "bad id!", grpc.StatusCode.INVALID_ARGUMENT),
+                                   ("generation", 0, grpc.StatusCode.INVALID_ARGUMENT),
+                                   ("rail", "carrier-pigeon", grpc.StatusCode.INVALID_ARGUMENT),
+                                   ("dataset", "nope", grpc.StatusCode.NOT_FOUND)):
+            with pytest.raises(grpc.RpcError) as exc:
+                stub.OpenFeed(kspeed_pb2.OpenFeedRequest(**{**good, field: value}), timeout=10)
+            assert exc.value.code() == code
+        with pytest.raises(grpc.RpcError) as exc:
+            commit(stub, "never-opened", 0, 4, np.arange(4), np.ones(4))
+        assert exc.value.code() == grpc.StatusCode.NOT_FOUND and "never-opened" in exc.value.details()
+        stub.OpenFeed(kspeed_pb2.OpenFeedRequest(**good), timeout=10)
+        wrong = np.full(4, 3)  # lengths that disagree with the server's index
+        with pytest.raises(grpc.RpcError) as exc:
+            commit(stub, "r1", 0, 4, np.arange(share.first_id, share.first_id + 4), wrong)
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "length" in exc.value.details()
+        # A grant for an epoch without a plan is answered with ERROR, not silence.
+        receiver.poll(1.0)
+        conn = next(iter(receiver.connections))
+        receiver.messages()
+        grant = np.zeros(1, grants.GRANT_DTYPE)
+        grant[0] = (9, 0, 0, 0, 4, grants.make_tag(1, 1))
+        receiver.send(conn, grants.encode_grants(grant))
+        got = []
+        deadline = time.monotonic() + 5
+        while not got and time.monotonic() < deadline:
+            receiver.poll(0.1)
+            got = [grants.decode(m) for _, m in receiver.messages()]
+        assert got and got[0][0] == grants.ERROR and "no plan for epoch 9" in got[0][1][3]
+    finally:
+        receiver.close()
