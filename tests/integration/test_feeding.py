@@ -49,7 +49,7 @@ def test_grants_land_byte_exact(loaded, rail):
     receiver = get_rail(rail).listen(RailOptions(io_timeout=5.0))
     try:
         ring = receiver.register(8 << 20)
-        for sid, stub in stubs.items():
+        for stub in stubs.values():
             stub.OpenFeed(kspeed_pb2.OpenFeedRequest(dataset="feed", feed_id="rank0", rail=rail,
                                                      material=receiver.material, ring_key=ring.key.to_bytes(),
                                                      generation=3, holder="test"), timeout=30)
