@@ -107,7 +107,7 @@ def test_grants_land_byte_exact(loaded, rail):
 
 
 def test_feed_errors_are_named(loaded):
-    cluster, info, files = loaded
+    cluster, info, _ = loaded
     share = info.shares[0]
     stub = server_stubs(cluster, info)[share.server_id]
     receiver = get_rail("shm").listen(RailOptions(io_timeout=5.0))
