@@ -119,8 +119,12 @@ class AllowList:
         Raises:
             AccessDeniedError: no rule admits it.
         """
-        if not any(rule.admits(protocol, path) for rule in self.rules):
+        if not self.admits_resolved(protocol, path):
             self.check(f"{protocol}://{path}", dataset=dataset, sample=sample)
+
+    def admits_resolved(self, protocol: str, path: str) -> bool:
+        """True if a rule admits the already resolved ``path``; everything under it is admitted too."""
+        return any(rule.admits(protocol, path) for rule in self.rules)
 
     def admits(self, uri: str) -> bool:
         """True if :meth:`check` would accept ``uri``."""

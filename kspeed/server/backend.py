@@ -107,7 +107,12 @@ class Backend:
         try:
             yield
         except (OSError, ValueError, RuntimeError) as exc:
-            where = f"dataset {dataset!r}" + (f" sample {sample}" if sample is not None else "")
-            raise BackendError(
-                f"{where}: cannot {what}: {type(exc).__name__}: {exc}", dataset=dataset, sample=sample
-            ) from exc
+            raise self.error(exc, what, dataset=dataset, sample=sample) from exc
+
+    @staticmethod
+    def error(exc: BaseException, what: str, *, dataset: str, sample: object = None) -> BackendError:
+        """The :class:`BackendError` for ``exc`` raised while doing ``what`` (see :meth:`errors`)."""
+        where = f"dataset {dataset!r}" + (f" sample {sample}" if sample is not None else "")
+        err = BackendError(f"{where}: cannot {what}: {type(exc).__name__}: {exc}", dataset=dataset, sample=sample)
+        err.__cause__ = exc
+        return err

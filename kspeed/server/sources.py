@@ -1,21 +1,11 @@
-"""Dataset sources: list a backend dataset into stable sample IDs and read single samples.
+"""Dataset sources: a listed backend dataset with stable sample IDs, and reads of its samples.
 
-Four kinds, all giving sample IDs ``0..N-1`` and per-sample sizes as an int64 array:
-
-* ``dir``: a directory tree, listed recursively; IDs follow the sorted relative keys; hidden
-  files (any component starting with ``.``) are skipped. When every file lies in a subdirectory,
-  labels follow the first directory under the root (the ImageFolder convention), classes being
-  those names in sorted order; otherwise there are no labels.
-* ``list``: a text file with one path per line, relative to the list file's directory or
-  absolute; IDs follow the line order; each path is checked against the allow-list.
-* ``manifest``: one ``key size`` line per sample (keys relative to the manifest's directory), for
-  millions of keys without listing; IDs follow the line order. Sizes are trusted at listing and
-  verified when the sample is read. Parsed with numpy, no Python object per line.
-* ``npy``: one ``.npy`` array of fixed-size samples, sample i = row i; only the header is read.
-
-Zero-length samples are allowed everywhere: they occupy no bytes, have crc32c 0 and read back
-as ``b""``. A sample whose size differs from the listing, an unreadable file and an ID outside
-``0..N-1`` raise errors naming the dataset and the sample.
+:func:`open_source` lists a dataset (the kinds are described in :mod:`kspeed.server.listing`)
+into a :class:`Source`. Zero-length samples are allowed everywhere: they occupy no bytes, have
+crc32c 0 and read back as ``b""``. A sample whose size differs from the listing, an unreadable
+file and an ID outside ``0..N-1`` raise errors naming the dataset and the sample. Local files
+are read through :class:`~kspeed.server.localread.LocalReader` (no fsspec object per file); other
+protocols through their fsspec file system.
 """
 
 from __future__ import annotations
@@ -23,24 +13,20 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-import os
 import posixpath
-import re
 from collections.abc import Sequence
 
 import numpy as np
-from numpy.lib import format as npy_format
 
 from kspeed.errors import DatasetError, NotFoundError
 from kspeed.server.backend import Backend
+from kspeed.server.checksum import crc32c
+from kspeed.server.listing import SOURCE_KINDS, Keys, list_dataset
+from kspeed.server.localread import LocalReader, fd_path
 
 __all__ = ["SOURCE_KINDS", "Fingerprint", "Source", "open_source"]
 
 log = logging.getLogger(__name__)
-
-SOURCE_KINDS = ("dir", "list", "manifest", "npy")
-_MAX_SIZE_DIGITS = 18
-_DOTDOT = re.compile(rb"\.\.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,23 +47,6 @@ class Fingerprint:
         return f"{self.count} samples, {self.total_bytes} bytes, sha256 {self.digest[:16]}"
 
 
-class _Keys:
-    """Sample keys stored as one bytes blob plus start/end offsets (no Python object per key)."""
-
-    def __init__(self, blob: bytes, starts: np.ndarray, ends: np.ndarray) -> None:
-        self.blob, self.starts, self.ends = blob, starts.astype(np.int64), ends.astype(np.int64)
-
-    @classmethod
-    def from_strings(cls, keys: Sequence[str]) -> _Keys:
-        encoded = [k.encode() for k in keys]
-        lengths = np.fromiter((len(k) + 1 for k in encoded), dtype=np.int64, count=len(encoded))
-        starts = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
-        return cls(b"\n".join(encoded), starts, starts + lengths - 1)
-
-    def __getitem__(self, i: int) -> str:
-        return self.blob[self.starts[i] : self.ends[i]].decode("utf-8", "replace")
-
-
 class Source:
     """A listed dataset: sizes, labels, fingerprint, and per-sample reads.
 
@@ -91,11 +60,12 @@ class Source:
         labels: int64 array of class indices, or ``None``.
         classes: class names, label i being ``classes[i]``.
         fingerprint: see :class:`Fingerprint`.
+        row_offset: ``npy`` only: byte offset of row 0 in the file.
     """
 
     def __init__(
         self, backend: Backend, dataset: str, uri: str, kind: str, root: str, protocol: str,
-        sizes: np.ndarray, tags: bytes, *, keys: _Keys | None = None, row_offset: int = 0,
+        sizes: np.ndarray, tags: bytes, *, keys: Keys | None = None, row_offset: int = 0,
         labels: np.ndarray | None = None, classes: Sequence[str] = (),
     ) -> None:
         self.backend, self.dataset, self.uri, self.kind = backend, dataset, uri, kind
@@ -106,7 +76,8 @@ class Source:
         self.labels = labels
         self.classes = tuple(classes)
         self._keys = keys
-        self._row_offset = row_offset
+        self.row_offset = row_offset
+        self._local = LocalReader(self) if protocol == "file" else None
         h = hashlib.sha256(kind.encode() + b"\0" + self.sizes.tobytes() + b"\0" + tags)
         self.fingerprint = Fingerprint(len(self.sizes), int(self.sizes.sum()), h.hexdigest())
 
@@ -137,6 +108,19 @@ class Source:
             return key
         return posixpath.join(self.root, key) if self.root else key
 
+    def paths(self, ids: Sequence[int]) -> list[str]:
+        """The backend paths of owned, valid sample IDs (no ID check: for the preload's runs)."""
+        if self._keys is None:
+            return [self.root] * len(ids)
+        idx = np.asarray(ids, dtype=np.int64)
+        blob = self._keys.blob
+        keys = [blob[a:b].decode("utf-8", "replace")
+                for a, b in zip(self._keys.starts[idx].tolist(), self._keys.ends[idx].tolist(), strict=True)]
+        if self.kind == "list" or not self.root:
+            return keys
+        prefix = self.root.rstrip("/") + "/"
+        return [prefix + k for k in keys]
+
     def read(self, sample_id: int) -> bytes:
         """The sample's bytes, read from the backend."""
         buf = bytearray(int(self.sizes[self._check_id(sample_id)]))
@@ -160,32 +144,61 @@ class Source:
                 f"dataset {self.dataset!r} sample {i}: buffer of {len(view)} bytes for a {size}-byte sample",
                 dataset=self.dataset, sample=i,
             )
+        if self._local is not None:
+            _, errors = self._local.read_run([i], np.frombuffer(view, dtype=np.uint8), [0], [size], checksum=False)
+            if errors:
+                raise errors[0]
+            return size
         path = self.path(i)
-        local = self.backend.is_local(self.protocol)
         what = f"read {self.protocol}://{path}"
-        with self.backend.errors(what, dataset=self.dataset, sample=i):
-            # Plain local files skip fsspec's per-open overhead and read unbuffered straight into
-            # ``buf``; other protocols (the throttled one included) go through their file system.
-            plain = self.protocol == "file"
-            with open(path, "rb", buffering=0) if plain else self.fs.open(path, "rb") as f:
-                if local:
-                    # The path the open descriptor really names: no symlink or '..' can escape, and
-                    # no race between checking and opening.
-                    real = os.readlink(f"/proc/self/fd/{f.fileno()}")
-                    self.backend.allow.check_resolved(self.protocol, real, dataset=self.dataset, sample=i)
-                if self.kind == "npy":
-                    f.seek(self._row_offset + i * size)
-                got = _read_full(f, view[:size])
-                extra = b"" if self.kind == "npy" or got < size else f.read(1)
+        with self.backend.errors(what, dataset=self.dataset, sample=i), self.fs.open(path, "rb") as f:
+            if self.backend.is_local(self.protocol):
+                # The path the open descriptor really names: no symlink or '..' can escape, and no
+                # race between checking and opening.
+                real = fd_path(f.fileno())
+                self.backend.allow.check_resolved(self.protocol, real, dataset=self.dataset, sample=i)
+            if self.kind == "npy":
+                f.seek(self.row_offset + i * size)
+            got = _read_full(f, view[:size])
+            extra = b"" if self.kind == "npy" or got < size else f.read(1)
         if got != size or extra:
-            found = f"more than {size}" if extra else str(got)
-            raise DatasetError(
-                f"dataset {self.dataset!r} sample {i} ({self.key(i)}): size changed since listing "
-                f"({size} bytes listed, {found} bytes found); the backend changed: register the dataset "
-                "again",
-                dataset=self.dataset, sample=i,
-            )
+            raise self.size_changed(i, size, got + len(extra))
         return size
+
+    def read_run(
+        self, ids: Sequence[int], out: np.ndarray, offsets: Sequence[int], sizes: Sequence[int]
+    ) -> tuple[list[int], list[DatasetError]]:
+        """Read valid sample IDs into ``out`` at ``offsets`` and checksum them, without raising.
+
+        Local files take the lean path of :class:`~kspeed.server.localread.LocalReader`; other
+        protocols read sample by sample through their file system.
+
+        Returns:
+            The crc32c of each sample (0 for a failed one) and one error per failed sample, each
+            naming the dataset and the sample.
+        """
+        if self._local is not None:
+            return self._local.read_run(ids, out, offsets, sizes)
+        crcs = [0] * len(ids)
+        errors: list[DatasetError] = []
+        for j, i in enumerate(ids):
+            dst = out[offsets[j] : offsets[j] + sizes[j]]
+            try:
+                self.read_into(i, dst)
+            except DatasetError as exc:
+                errors.append(exc)
+                continue
+            crcs[j] = crc32c(dst)
+        return crcs, errors
+
+    def size_changed(self, sample_id: int, listed: int, found: int) -> DatasetError:
+        """The error for a sample whose backend size (``found``) differs from the ``listed`` one."""
+        shown = f"more than {listed}" if found > listed else str(found)
+        return DatasetError(
+            f"dataset {self.dataset!r} sample {sample_id} ({self.key(sample_id)}): size changed since listing "
+            f"({listed} bytes listed, {shown} bytes found); the backend changed: register the dataset again",
+            dataset=self.dataset, sample=sample_id,
+        )
 
     def reopen(self) -> Source:
         """List the backend again (same URI and kind); compare fingerprints to notice a change."""
@@ -226,13 +239,6 @@ def _read_full(f, view: memoryview) -> int:
     return got
 
 
-def _tag(info: dict) -> str:
-    for name in ("mtime", "ETag", "etag", "LastModified", "last_modified", "updated", "md5Hash"):
-        if info.get(name) is not None:
-            return f"{name}={info[name]}"
-    return ""
-
-
 def open_source(backend: Backend, dataset: str, uri: str, *, kind: str = "auto") -> Source:
     """List the dataset at ``uri`` and return its :class:`Source`.
 
@@ -260,169 +266,10 @@ def open_source(backend: Backend, dataset: str, uri: str, *, kind: str = "auto")
                 kind = "manifest"
             else:
                 kind = "list"
-        if kind not in SOURCE_KINDS:
-            raise DatasetError(f"dataset {dataset!r}: unknown source kind {kind!r}; use {SOURCE_KINDS}",
-                               dataset=dataset)
-        source = {"dir": _open_dir, "list": _open_list, "manifest": _open_manifest, "npy": _open_npy}[kind](
-            backend, dataset, uri, fs, root, protocol
-        )
+        found = list_dataset(backend, dataset, uri, fs, root, protocol, kind)
+    source = Source(backend, dataset, uri, found.kind, found.root, protocol, found.sizes, found.tags,
+                    keys=found.keys, row_offset=found.row_offset, labels=found.labels, classes=found.classes)
     if source.count == 0:
         raise DatasetError(f"dataset {dataset!r}: {uri} holds no samples", dataset=dataset)
     log.info("dataset %s: listed %s (%s): %s", dataset, uri, kind, source.fingerprint)
     return source
-
-
-def _open_dir(backend, dataset, uri, fs, root, protocol) -> Source:
-    entries = fs.find(root, detail=True, withdirs=False)
-    prefix = root.rstrip("/") + "/"
-    rel: list[tuple[str, int, str]] = []
-    for name, info in entries.items():
-        key = name[len(prefix) :] if name.startswith(prefix) else name
-        if any(part.startswith(".") for part in key.split("/")):
-            continue
-        if info.get("islink"):
-            backend.allow.check(f"{protocol}://{name}", dataset=dataset, sample=key)
-        elif info.get("type") != "file":
-            continue
-        rel.append((key, int(info.get("size") or 0), _tag(info)))
-    rel.sort()
-    keys = [k for k, _, _ in rel]
-    sizes = np.fromiter((s for _, s, _ in rel), dtype=np.int64, count=len(rel))
-    tags = "\n".join(t for _, _, t in rel).encode()
-    labels, classes = None, ()
-    if keys and all("/" in k for k in keys):
-        tops = [k.split("/", 1)[0] for k in keys]
-        classes = tuple(sorted(set(tops)))
-        lookup = {c: i for i, c in enumerate(classes)}
-        labels = np.fromiter((lookup[t] for t in tops), dtype=np.int64, count=len(tops))
-    return Source(backend, dataset, uri, "dir", root, protocol, sizes, tags,
-                  keys=_Keys.from_strings(keys), labels=labels, classes=classes)
-
-
-def _open_list(backend, dataset, uri, fs, root, protocol) -> Source:
-    base = posixpath.dirname(root)
-    text = fs.cat_file(root).decode("utf-8")
-    paths, sizes, tags = [], [], []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        entry = line if line.startswith("/") or "://" in line else posixpath.join(base, line)
-        entry_protocol, path = backend.allow.check(
-            entry if "://" in entry else f"{protocol}://{entry}", dataset=dataset, sample=f"line {lineno}"
-        )
-        both_local = backend.is_local(entry_protocol) and backend.is_local(protocol)
-        if entry_protocol != protocol and not both_local:
-            raise DatasetError(
-                f"dataset {dataset!r}: list {uri} line {lineno}: {line!r} is on {entry_protocol}, the list "
-                f"on {protocol}; a list file names paths of its own backend",
-                dataset=dataset, sample=f"line {lineno}",
-            )
-        with backend.errors(f"stat {line!r} (list line {lineno})", dataset=dataset, sample=len(paths)):
-            info = fs.info(path)
-        paths.append(path)
-        sizes.append(int(info.get("size") or 0))
-        tags.append(_tag(info))
-    return Source(backend, dataset, uri, "list", base, protocol, np.asarray(sizes, dtype=np.int64),
-                  "\n".join(tags).encode(), keys=_Keys.from_strings(paths))
-
-
-def _open_manifest(backend, dataset, uri, fs, root, protocol) -> Source:
-    data = fs.cat_file(root)
-    starts, ends, sizes = _parse_manifest(data, dataset, uri)
-    if _DOTDOT.search(data) or (len(starts) and (np.frombuffer(data, np.uint8)[starts] == ord("/")).any()):
-        for i in np.flatnonzero(np.frombuffer(data, np.uint8)[starts] == ord("/")):
-            _refuse_key(dataset, uri, data[starts[i] : ends[i]], "is absolute")
-        for m in _DOTDOT.finditer(data):
-            i = int(np.searchsorted(ends, m.start(), side="left"))
-            if i < len(starts) and starts[i] <= m.start() < ends[i]:
-                key = data[starts[i] : ends[i]]
-                if b".." in key.split(b"/"):
-                    _refuse_key(dataset, uri, key, "contains '..'")
-    info = fs.info(root)
-    base = posixpath.dirname(root)
-    return Source(backend, dataset, uri, "manifest", base, protocol, sizes, _tag(info).encode(),
-                  keys=_Keys(data, starts, ends))
-
-
-def _refuse_key(dataset: str, uri: str, key: bytes, why: str) -> None:
-    raise DatasetError(
-        f"dataset {dataset!r}: manifest {uri}: key {key.decode('utf-8', 'replace')!r} {why}; manifest keys "
-        "are relative to the manifest's directory",
-        dataset=dataset, sample=key.decode("utf-8", "replace"),
-    )
-
-
-def _parse_manifest(data: bytes, dataset: str, uri: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Parse ``key size`` lines; returns key start/end offsets into ``data`` and the sizes."""
-    arr = np.frombuffer(data, dtype=np.uint8)
-    if not len(arr):
-        empty = np.zeros(0, dtype=np.int64)
-        return empty, empty, empty
-    nl = np.flatnonzero(arr == ord("\n"))
-    starts = np.concatenate(([0], nl + 1)).astype(np.int64)
-    ends = np.concatenate((nl, [len(arr)])).astype(np.int64)
-    ends -= (ends > starts) & (arr[np.maximum(ends - 1, 0)] == ord("\r"))
-    lineno = np.arange(1, len(starts) + 1)
-    keep = (ends > starts) & (arr[np.minimum(starts, len(arr) - 1)] != ord("#"))
-    starts, ends, lineno = starts[keep], ends[keep], lineno[keep]
-    spaces = np.flatnonzero((arr == ord(" ")) | (arr == ord("\t")))
-    pos = np.searchsorted(spaces, ends, side="left") - 1
-    sep = np.where(pos >= 0, spaces[np.maximum(pos, 0)] if len(spaces) else -1, -1)
-    ndig = ends - sep - 1
-    bad = (sep <= starts) | (ndig < 1) | (ndig > _MAX_SIZE_DIGITS)
-    sizes = np.zeros(len(starts), dtype=np.int64)
-    for j in range(int(ndig[~bad].max()) if (~bad).any() else 0):
-        col = ends - ndig + j
-        use = (j < ndig) & ~bad
-        digit = arr[np.where(use, col, 0)].astype(np.int64) - ord("0")
-        bad |= use & ((digit < 0) | (digit > 9))
-        sizes = np.where(use, sizes * 10 + digit, sizes)
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
-        line = data[starts[i] : ends[i]].decode("utf-8", "replace")
-        raise DatasetError(
-            f"dataset {dataset!r}: manifest {uri} line {lineno[i]}: {line[:200]!r} is not 'key size' "
-            f"({int(bad.sum())} bad lines)",
-            dataset=dataset, sample=f"line {lineno[i]}",
-        )
-    key_ends = sep.copy()
-    while True:
-        trailing = (key_ends > starts) & np.isin(arr[np.maximum(key_ends - 1, 0)], (ord(" "), ord("\t")))
-        if not trailing.any():
-            break
-        key_ends -= trailing
-    return starts, key_ends, sizes
-
-
-def _open_npy(backend, dataset, uri, fs, root, protocol) -> Source:
-    info = fs.info(root)
-    with fs.open(root, "rb") as f:
-        try:
-            version = npy_format.read_magic(f)
-            reader = npy_format.read_array_header_2_0
-            if version == (1, 0):
-                reader = npy_format.read_array_header_1_0
-            shape, fortran, dtype = reader(f)
-        except ValueError as exc:
-            raise DatasetError(f"dataset {dataset!r}: {uri} is not a valid .npy file: {exc}",
-                               dataset=dataset) from exc
-        header = f.tell()
-    if not shape or dtype.hasobject or (fortran and len(shape) > 1):
-        raise DatasetError(
-            f"dataset {dataset!r}: {uri}: need a C-ordered, non-object array of at least one dimension "
-            f"(shape {shape}, dtype {dtype}, fortran_order {fortran})",
-            dataset=dataset,
-        )
-    row = int(dtype.itemsize * int(np.prod(shape[1:], dtype=np.int64)))
-    count = int(shape[0])
-    size = int(info.get("size") or 0)
-    if size < header + count * row:
-        raise DatasetError(
-            f"dataset {dataset!r}: {uri} is truncated: {size} bytes, header says {header + count * row}",
-            dataset=dataset,
-        )
-    tags = f"{_tag(info)} shape={shape} dtype={dtype.str} size={size}".encode()
-    return Source(backend, dataset, uri, "npy", root, protocol, np.full(count, row, dtype=np.int64), tags,
-                  row_offset=header)
-
