@@ -1,12 +1,15 @@
 """The preload engine: read a server's ID range from the backend into its pool regions.
 
 Samples are written in ID order into the dataset's regions at offsets computed up front from the
-sizes (:func:`kspeed.server.index.layout`), so every worker thread reads its files straight into
-the final place in the region (``readinto`` at a precomputed offset): the region layout itself
-packs many small samples per region, and no staging copy is made (a staging buffer copied
-into the region in one go would add a memcpy per byte and save no system call, since each file
-is opened and read separately either way). Reads release the GIL, so a bounded pool of threads
-overlaps backend latency; crc32c (google-crc32c) is computed on the region bytes per sample.
+sizes (:func:`kspeed.server.index.layout`), so every read lands straight in the sample's final
+place in the region, with no staging copy. The samples still to load are handed out as tasks of
+consecutive samples of one region, sized to take about :data:`TASK_S` at the measured time per
+sample (so a slow backend gets one sample per task and many tasks in flight, a warm page cache
+few large tasks); each task reads its samples, checksums them (crc32c, while they are still in
+the CPU cache) and records them in the index under one lock, with numpy, once per task. How
+many threads read is tuned while loading (:class:`~kspeed.server.crew.ThreadTuner`): one from a
+warm page cache, where more would only contend for the GIL, up to ``threads`` for a backend
+whose reads mostly wait.
 
 Concurrent :meth:`Preloader.preload` calls join the one running job; a sample whose loaded flag
 is set is never read again; after a restart, regions the pool re-adopted as SEALED (and whose
@@ -15,16 +18,16 @@ samples the saved index records) are kept and only the rest is reloaded.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
+import functools
 import logging
 import threading
 import time
 
-import google_crc32c
 import numpy as np
 
 from kspeed.errors import DatasetError, StateError
+from kspeed.server.crew import Crew, ThreadTuner
 from kspeed.server.index import SampleIndex
 from kspeed.server.pool import MemoryPool, RegionState
 from kspeed.server.sources import Source
@@ -34,6 +37,14 @@ __all__ = ["PreloadResult", "Preloader", "Progress"]
 log = logging.getLogger(__name__)
 
 INDEX_FILE = "index.npz"
+
+#: A task takes about this long at the measured time per sample (long enough that the per-task
+#: bookkeeping is a few percent of it, short enough that tasks spread over many threads).
+TASK_S = 0.002
+
+#: The tuner weighs a task's work as samples + bytes / this: about the bytes a warm copy and
+#: checksum move in the time a sample's open, read and close calls take.
+_BYTES_PER_UNIT = 64 << 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,8 +112,8 @@ class Preloader:
         lo: first owned sample ID.
         hi: one past the last owned sample ID.
         first_region: virtual index of the first region of this share.
-        threads: backend reads in flight.
-        batch_bytes: a worker task reads consecutive samples up to this many bytes.
+        threads: at most this many backend reads in flight (the job tunes how many it uses).
+        batch_bytes: a task reads consecutive samples up to this many bytes (at least one sample).
         save_interval_s: while loading, save the index at most this often (and at the end).
 
     Raises:
@@ -224,17 +235,15 @@ class Preloader:
 
     def _run(self) -> None:
         try:
-            with concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="preload") as ex:
-                plan = [(k, self._submit(ex, k)) for k in range(len(self._pool_index))]
-                for k, futures in plan:
-                    for fut in futures:
-                        ids, crcs = fut.result()
-                        with self._lock:
-                            self.index.mark_loaded(ids, crcs)
-                    self._maybe_seal(k)
-                    if time.monotonic() - self._last_save > self.save_interval_s:
-                        self._save_index()
+            pending = _Pending(self._prepare(), self.index.bounds, self.index.length, self.index.lo,
+                               self.batch_bytes)
+            tuner = ThreadTuner(self.threads)
+            crew = Crew(pending.claim, functools.partial(self._load, pending), tuner,
+                        name=f"preload-{self.dataset}")
+            crew.run(self._tick, tick_s=min(self.save_interval_s, 0.5))
             self._save_index()
+            log.debug("dataset %s: preload ran up to %d threads, settled on %d", self.dataset,
+                      crew.peak_threads, tuner.target)
         except Exception as exc:  # a bug or a pool failure: report it through the result
             log.exception("dataset %s: preload job failed", self.dataset)
             with self._lock:
@@ -248,42 +257,48 @@ class Preloader:
             log.info("dataset %s: preload read %d samples, %d bytes in %.2f s, %d errors",
                      self.dataset, self._read_samples, self._read_bytes, p.elapsed_s, p.errors)
 
-    def _submit(self, ex: concurrent.futures.Executor, k: int) -> list[concurrent.futures.Future]:
-        pool_index = self._pool_index[k]
-        if self.pool.region(pool_index).state is RegionState.SEALED:
-            return []
-        if self.pool.region(pool_index).state is RegionState.ALLOCATED:
-            self.pool.begin_fill(pool_index)
-        a, b = int(self.index.bounds[k]), int(self.index.bounds[k + 1])
-        todo = np.flatnonzero(~self.index.loaded[a - self.index.lo : b - self.index.lo]) + a
-        if not len(todo):
-            return []
-        # Cut the region's pending samples into tasks of about batch_bytes (at least one sample each).
-        cum = np.cumsum(self.index.length[todo - self.index.lo])
-        cuts = np.searchsorted(cum, np.arange(self.batch_bytes, int(cum[-1]) + 1, self.batch_bytes), "right")
-        cuts = np.unique(np.clip(cuts, 1, len(todo)))
-        return [ex.submit(self._load, k, chunk) for chunk in np.split(todo, cuts) if len(chunk)]
-
-    def _load(self, k: int, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Read ``ids`` into region ``k``; returns the ids that loaded and their crc32c."""
-        arr = self._arrays[k]
-        ok, crcs = [], []
-        for sid in ids.tolist():
-            pos = sid - self.index.lo
-            off, n = int(self.index.offset[pos]), int(self.index.length[pos])
-            dst = arr[off : off + n]
-            try:
-                self.source.read_into(sid, dst)
-            except DatasetError as exc:
-                with self._lock:
-                    self._errors.append(exc)
+    def _prepare(self) -> np.ndarray:
+        """Open the unsealed regions for filling; returns the IDs still to load, in ID order."""
+        todo = []
+        for k, pool_index in enumerate(self._pool_index):
+            state = self.pool.region(pool_index).state
+            if state is RegionState.SEALED:
                 continue
-            ok.append(sid)
-            crcs.append(google_crc32c.value(dst))
-            with self._lock:
-                self._read_samples += 1
-                self._read_bytes += n
-        return np.asarray(ok, dtype=np.int64), np.asarray(crcs, dtype=np.uint32)
+            if state is RegionState.ALLOCATED:
+                self.pool.begin_fill(pool_index)
+            a, b = int(self.index.bounds[k]), int(self.index.bounds[k + 1])
+            ids = np.flatnonzero(~self.index.loaded[a - self.index.lo : b - self.index.lo]) + a
+            if len(ids):
+                todo.append(ids)
+            else:
+                self._maybe_seal(k)
+        return np.concatenate(todo) if todo else np.zeros(0, dtype=np.int64)
+
+    def _tick(self) -> None:
+        if time.monotonic() - self._last_save > self.save_interval_s:
+            self._save_index()
+
+    def _load(self, pending: _Pending, task: tuple[int, int, int]) -> float:
+        """Read one task's samples into their region; returns its work units for the tuner."""
+        k, a, b = task
+        ids = pending.ids[a:b]
+        pos = ids - self.index.lo
+        offsets, sizes = self.index.offset[pos], self.index.length[pos]
+        t0 = time.perf_counter()
+        crcs, errors = self.source.read_run(ids.tolist(), self._arrays[k], offsets.tolist(), sizes.tolist())
+        pending.observe(b - a, time.perf_counter() - t0)
+        ok = np.ones(len(ids), dtype=bool)
+        if errors:
+            ok &= ~np.isin(ids, [e.sample for e in errors])
+        with self._lock:
+            self.index.crc[pos[ok]] = np.asarray(crcs, dtype=np.uint32)[ok]
+            self.index.loaded[pos[ok]] = True
+            self._errors.extend(errors)
+            self._read_samples += int(ok.sum())
+            self._read_bytes += int(sizes[ok].sum())
+        if pending.finish(k, b - a):
+            self._maybe_seal(k)
+        return (b - a) + int(sizes.sum()) / _BYTES_PER_UNIT
 
     def _maybe_seal(self, k: int) -> None:
         a, b = int(self.index.bounds[k]), int(self.index.bounds[k + 1])
@@ -303,3 +318,49 @@ class Preloader:
         if not 0 <= k < len(self._arrays):
             raise StateError(f"dataset {self.dataset!r}: this server holds no virtual region {vindex}")
         return self._arrays[k]
+
+
+class _Pending:
+    """The samples a job still has to load, handed out as tasks ``(region k, start, stop)``.
+
+    A task covers ``ids[start:stop]``: consecutive pending samples of one region, about
+    :data:`TASK_S` worth at the measured time per sample (one sample until a time is measured),
+    at most ``batch_bytes`` (but at least one sample).
+    """
+
+    def __init__(self, ids: np.ndarray, bounds: np.ndarray, lengths: np.ndarray, lo: int, batch_bytes: int) -> None:
+        self.ids = ids
+        self._region = (np.searchsorted(bounds, ids, side="right") - 1).tolist()
+        self._region_end = np.searchsorted(ids, bounds[1:], side="left").tolist()
+        self._cum = np.concatenate(([0], np.cumsum(lengths[ids - lo])))
+        self._left = np.bincount(np.asarray(self._region, dtype=np.int64), minlength=len(bounds) - 1).tolist()
+        self._batch_bytes = max(int(batch_bytes), 1)
+        self._next = 0
+        self._per_sample_s: float | None = None
+        self._lock = threading.Lock()
+
+    def claim(self) -> tuple[int, int, int] | None:
+        """The next task, or ``None`` when every sample has been handed out."""
+        with self._lock:
+            a = self._next
+            if a >= len(self.ids):
+                return None
+            k = self._region[a]
+            count = 1 if self._per_sample_s is None else max(int(TASK_S / self._per_sample_s), 1)
+            limit = int(np.searchsorted(self._cum, self._cum[a] + self._batch_bytes, side="right")) - 1
+            b = max(min(a + count, self._region_end[k], limit), a + 1)
+            self._next = b
+            return k, a, b
+
+    def observe(self, samples: int, seconds: float) -> None:
+        """Account a task's reading time (a moving average of the time per sample)."""
+        per_sample = seconds / max(samples, 1)
+        with self._lock:
+            old = self._per_sample_s
+            self._per_sample_s = per_sample if old is None else 0.7 * old + 0.3 * per_sample
+
+    def finish(self, k: int, samples: int) -> bool:
+        """Count a task of region ``k`` done; True once all of the region's tasks are."""
+        with self._lock:
+            self._left[k] -= samples
+            return self._left[k] == 0

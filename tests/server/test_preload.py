@@ -31,6 +31,11 @@ class CountingSource:
             self.reads[sample_id] += 1
         return self._src.read_into(sample_id, buf)
 
+    def read_run(self, ids, out, offsets, sizes):
+        with self._lock:
+            np.add.at(self.reads, ids, 1)
+        return self._src.read_run(ids, out, offsets, sizes)
+
 
 def make(tmp_path, backend, pool, sizes, *, lo=0, hi=None, first_region=0, uri=None, **kw):
     files = write_tree(tmp_path / "d", sizes)
