@@ -12,7 +12,10 @@ backend it must be at least 8x.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
+import platform
 import shutil
 import sys
 import tempfile
@@ -23,7 +26,6 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import KIB, MIB, machine_info, write_json
 from kspeed.server.allowlist import AllowList
 from kspeed.server.backend import Backend, ThrottledFileSystem
 from kspeed.server.pool import MemoryPool
@@ -31,6 +33,23 @@ from kspeed.server.preload import Preloader
 from kspeed.server.sources import open_source
 
 TARGET_SPEEDUP = 8.0
+KIB, MIB = 1 << 10, 1 << 20
+
+
+def machine_info() -> dict:
+    """Cores, kernel and Python of this machine (figures only compare on the same kind of box)."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cores": os.cpu_count(), "cores_usable": usable, "machine": platform.machine(),
+            "kernel": platform.release(), "python": platform.python_version(), "numpy": np.__version__}
+
+
+def write_json(path: str | None, doc: dict) -> None:
+    """Write ``doc`` as indented JSON to ``path`` (stdout when ``None``)."""
+    text = json.dumps(doc, indent=2)
+    if path is None:
+        print(text)
+        return
+    Path(path).write_text(text + "\n")
 
 
 def write_files(root: Path, count: int, lo: int, hi: int, seed: int) -> int:
