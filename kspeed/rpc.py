@@ -175,7 +175,7 @@ def bind(server: grpc.Server | grpc.aio.Server, address: str, security: Security
         ConfigError: when the address cannot be bound (in use, not local, no permission).
     """
     host = address.rpartition(":")[0]
-    _check_bindable(address)
+    check_bindable(address)
     try:
         if security.tls_cert:
             creds = grpc.ssl_server_credentials([(security.read_pem("tls_key"), security.read_pem("tls_cert"))])
@@ -191,8 +191,12 @@ def bind(server: grpc.Server | grpc.aio.Server, address: str, security: Security
     return f"{host}:{port}"
 
 
-def _check_bindable(address: str) -> None:
-    """Try the bind ourselves first: gRPC's own failure is a C-level log line and a vague error."""
+def check_bindable(address: str) -> None:
+    """Try the bind ourselves first: gRPC's own failure is a C-level log line and a vague error.
+
+    Raises:
+        ConfigError: naming the address and why it cannot be bound.
+    """
     host, _, port = address.rpartition(":")
     host = host.strip("[]")
     if int(port) == 0:

@@ -84,6 +84,8 @@ class Server:
     def start(self) -> None:
         """Open the pool, bind gRPC and HTTP, then start registering with the manager."""
         cfg = self.config
+        for address in (cfg.listen, cfg.http_listen):  # fail before carving memory, not after
+            rpc.check_bindable(address)
         backend = Backend(AllowList(cfg.backend_allow, name="--backend-allow"), cfg.backend_options)
         pool = MemoryPool.open(self.pool_dir(), cfg.memory, region_size=cfg.region_size)
         self.host = DatasetHost(pool, backend, self.state_dir, preload_threads=cfg.preload_threads,

@@ -55,6 +55,7 @@ def test_server_port_in_use(tmp_path, busy_port):
     out = run_daemon("kspeed.server", "--listen", f"127.0.0.1:{busy_port}", "--state-dir", str(tmp_path),
                      "--memory", "8MiB", "--region-size", "1MiB")
     assert_one_line_error(out, "kspeed-server: error:", f"127.0.0.1:{busy_port}")
+    assert not [p for p in os.listdir("/dev/shm") if p.startswith("kspeed-pool-")]  # nothing carved
 
 
 def test_unreadable_config_file(tmp_path):
