@@ -83,15 +83,23 @@ class LocalReader:
             return crcs, errors
         dirs: dict[str, int | None] = {}
         scratch = bytearray(1)
+        readv, close = os.readv, os.close
         try:
             for j, (i, path) in enumerate(zip(ids, self.source.paths(ids), strict=True)):
                 off, size = offsets[j], sizes[j]
                 try:
                     fd = self._open(path, i, dirs)
                     try:
-                        got, crc = _read(fd, out, view, off, size, scratch, checksum)
+                        if size < PIECE:  # the common case, one call: the sample and a byte beyond
+                            got = readv(fd, [view[off : off + size], scratch])
+                            if 0 < got < size:
+                                more, _ = _read(fd, out, view, off + got, size - got, scratch, False)
+                                got += more
+                            crc = crc32c_extend(0, out[off : off + size]) if checksum and got == size else 0
+                        else:
+                            got, crc = _read(fd, out, view, off, size, scratch, checksum)
                     finally:
-                        os.close(fd)
+                        close(fd)
                 except OSError as exc:
                     errors.append(self.backend.error(exc, f"read {self.protocol}://{path}", dataset=self.dataset,
                                                      sample=i))

@@ -40,7 +40,10 @@ INDEX_FILE = "index.npz"
 
 #: A task takes about this long at the measured time per sample (long enough that the per-task
 #: bookkeeping is a few percent of it, short enough that tasks spread over many threads).
-TASK_S = 0.002
+TASK_S = 0.01
+
+#: Tasks of one sample each at the start of a job.
+_FIRST_SINGLE_TASKS = 2
 
 #: The tuner weighs a task's work as samples + bytes / this: about the bytes a warm copy and
 #: checksum move in the time a sample's open, read and close calls take.
@@ -236,7 +239,7 @@ class Preloader:
     def _run(self) -> None:
         try:
             pending = _Pending(self._prepare(), self.index.bounds, self.index.length, self.index.lo,
-                               self.batch_bytes)
+                               self.batch_bytes, self.threads)
             tuner = ThreadTuner(self.threads)
             crew = Crew(pending.claim, functools.partial(self._load, pending), tuner,
                         name=f"preload-{self.dataset}")
@@ -324,19 +327,24 @@ class _Pending:
     """The samples a job still has to load, handed out as tasks ``(region k, start, stop)``.
 
     A task covers ``ids[start:stop]``: consecutive pending samples of one region, about
-    :data:`TASK_S` worth at the measured time per sample (one sample until a time is measured),
-    at most ``batch_bytes`` (but at least one sample).
+    :data:`TASK_S` worth at the measured time per sample or a quarter of a thread's share of
+    what is left, whichever is more, at most ``batch_bytes`` (but at least one sample). The
+    first tasks hold one sample each, so the thread tuner gets its first measurements quickly.
     """
 
-    def __init__(self, ids: np.ndarray, bounds: np.ndarray, lengths: np.ndarray, lo: int, batch_bytes: int) -> None:
+    def __init__(
+        self, ids: np.ndarray, bounds: np.ndarray, lengths: np.ndarray, lo: int, batch_bytes: int, threads: int
+    ) -> None:
         self.ids = ids
         self._region = (np.searchsorted(bounds, ids, side="right") - 1).tolist()
         self._region_end = np.searchsorted(ids, bounds[1:], side="left").tolist()
         self._cum = np.concatenate(([0], np.cumsum(lengths[ids - lo])))
         self._left = np.bincount(np.asarray(self._region, dtype=np.int64), minlength=len(bounds) - 1).tolist()
         self._batch_bytes = max(int(batch_bytes), 1)
+        self._threads = max(int(threads), 1)
         self._next = 0
-        self._per_sample_s: float | None = None
+        self._observed = 0
+        self._per_sample_s = 0.0
         self._lock = threading.Lock()
 
     def claim(self) -> tuple[int, int, int] | None:
@@ -346,7 +354,11 @@ class _Pending:
             if a >= len(self.ids):
                 return None
             k = self._region[a]
-            count = 1 if self._per_sample_s is None else max(int(TASK_S / self._per_sample_s), 1)
+            count = 1
+            if self._observed >= _FIRST_SINGLE_TASKS:
+                # Long enough to amortize the bookkeeping, and no more tasks than a few per thread
+                # (on a slow backend many small tasks only make the threads fight for the GIL).
+                count = max(int(TASK_S / self._per_sample_s), (len(self.ids) - a) // (4 * self._threads), 1)
             limit = int(np.searchsorted(self._cum, self._cum[a] + self._batch_bytes, side="right")) - 1
             b = max(min(a + count, self._region_end[k], limit), a + 1)
             self._next = b
@@ -358,6 +370,7 @@ class _Pending:
         with self._lock:
             old = self._per_sample_s
             self._per_sample_s = per_sample if old is None else 0.7 * old + 0.3 * per_sample
+            self._observed += 1
 
     def finish(self, k: int, samples: int) -> bool:
         """Count a task of region ``k`` done; True once all of the region's tasks are."""
