@@ -308,6 +308,9 @@ class Preloader:
         pool_index = self._pool_index[k]
         complete = bool(self.index.loaded[a - self.index.lo : b - self.index.lo].all())
         if complete and self.pool.region(pool_index).state is RegionState.FILLING:
+            # The index goes to disk before the region is marked sealed: a restart re-adopts a
+            # sealed region only if the saved index records every sample in it.
+            self._save_index()
             self.pool.seal(pool_index)
 
     def _save_index(self) -> None:
