@@ -271,3 +271,25 @@ def test_quota_refuses_without_leaving_anything(data_cluster, tmp_path):
             make_tree(tmp_path / "huge", classes=("a",), per_class=700, max_size=1 << 20, seed=3)  # ~75 MB
             client.create_dataset(kspeed_pb2.DatasetSpec(name="huge", uri=str(tmp_path / "huge")), operator=True)
         assert client.datasets() == []
+
+
+def test_manager_restart_keeps_datasets_and_servers_keep_data(data_cluster, tmp_path):
+    files = make_tree(tmp_path / "keep", per_class=10)
+    keys = list(files)
+    with client_for(data_cluster) as client:
+        wait_for(lambda: len([r for r in client.servers() if r.state == 2]) == 2, 10, "ready")
+        client.create_dataset(kspeed_pb2.DatasetSpec(name="keep", uri=str(tmp_path / "keep")), operator=True)
+        before = follow_preload(client, "keep", out=None, timeout=60)
+    assert data_cluster.manager.stop() == 0
+    data_cluster.start_manager()
+    with client_for(data_cluster) as client:
+        assert [d.spec.name for d in client.datasets()] == ["keep"]
+        info = wait_for(lambda: (lambda d: d if d.state == DS.DATASET_STATE_READY else None)(client.dataset("keep")),
+                        15, "the servers to report their shares again")
+        assert [s.server_id for s in info.shares] == [s.server_id for s in before.shares]
+        # The servers were not told anything new: same shares, no second load job.
+        assert [st.progress.samples_read for st in info.share_status] == [
+            st.progress.samples_read for st in before.share_status]
+        stub = server_stubs(data_cluster, info)[info.shares[0].server_id]
+        got = stub.Read(kspeed_pb2.ReadRequest(dataset="keep", ids=np.array([1], "<i8").tobytes()), timeout=10)
+        assert got.data == files[keys[1]]
