@@ -347,6 +347,15 @@ class ClientConfig:
                           env="KSPEED_MANAGER")
     timeout: float = option(5.0, "deadline of control-plane calls", parse=parse_duration, env="KSPEED_TIMEOUT")
     security: SecurityConfig = dataclasses.field(default_factory=SecurityConfig)
+    rail: str = option("auto", "data-plane rail of the receive ring: auto (shm for co-located servers, else tcp), "
+                       "shm or tcp", parse=_choice("auto", "shm", "tcp"), env="KSPEED_RAIL")
+    ring_bytes: int = option(0, "size of each dataset's receive ring (0: max(256MiB, 4 batches))", parse=parse_bytes,
+                             env="KSPEED_RING_BYTES")
+    completion_timeout: float = option(60.0, "longest a batch waits for a silent server before that server is "
+                                       "named in an error", parse=parse_duration, env="KSPEED_COMPLETION_TIMEOUT")
+    data_host: str = option("", "address the tcp receiver listens on and advertises (default: loopback when every "
+                            "server is local, else the local address that routes to the servers)",
+                            env="KSPEED_DATA_HOST")
 
     def validate(self) -> None:
         """Check cross-field rules. Clients send no token when none is configured."""
