@@ -1,0 +1,94 @@
+"""The client benchmark's targets as ratios of figures from the same run, and its printed table.
+
+Targets (from the issue): at 32 KiB on ``shm``, at least 150,000 samples/s (aim 200,000), at least
+2x the best of the DataLoader variants and Redis, at least 5x the gRPC pull; at 1-16 MiB, ``shm``
+at least 60% of the one-core memcpy bandwidth and ``tcp`` at least 70% of raw loopback TCP.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TextIO
+
+from _common import KIB, MIB
+
+__all__ = ["print_table", "target_ratios"]
+
+SMALL = 32 * KIB
+SMALL_RATE = 150_000
+SMALL_AIM = 200_000
+VS_FILE_AND_CACHE = 2.0
+VS_PULL = 5.0
+LARGE = (MIB, 4 * MIB, 16 * MIB)
+SHM_OF_MEMCPY = 0.6
+TCP_OF_SOCKET = 0.7
+FILE_AND_CACHE = ("dataloader-w0", "dataloader-w1", "dataloader-w2", "redis")
+
+
+def _figure(results: list[dict], system: str, size, key: str) -> float | None:
+    for row in results:
+        if row["system"] == system and row["size"] == size and key in row:
+            return row[key]
+    return None
+
+
+def _target(name: str, size, value: float | None, threshold: float, **extra) -> dict:
+    met = None if value is None else value >= threshold
+    return {"target": name, "size": size, "value": None if value is None else round(value, 3),
+            "threshold": threshold, "met": met, **extra}
+
+
+def target_ratios(results: list[dict], limits: dict) -> list[dict]:
+    """Every target the run has the figures for (``value`` None where a figure is missing)."""
+    out = []
+    shm = _figure(results, "kspeed-shm", SMALL, "samples_per_s")
+    if any(row["size"] == SMALL for row in results):
+        out.append(_target("kspeed-shm samples/s", SMALL, shm, SMALL_RATE, aim=SMALL_AIM))
+        peers = {s: _figure(results, s, SMALL, "samples_per_s") for s in FILE_AND_CACHE}
+        peers = {s: v for s, v in peers.items() if v}
+        best = max(peers, key=peers.get) if peers else None
+        out.append(_target("kspeed-shm / best of DataLoader and Redis", SMALL,
+                           shm / peers[best] if shm and best else None, VS_FILE_AND_CACHE, against=best))
+        pull = _figure(results, "grpc-pull", SMALL, "samples_per_s")
+        out.append(_target("kspeed-shm / grpc-pull", SMALL, shm / pull if shm and pull else None, VS_PULL))
+    for size in LARGE:
+        if not any(row["size"] == size for row in results):
+            continue
+        gbps = _figure(results, "kspeed-shm", size, "gbps")
+        out.append(_target("kspeed-shm GB/s / one-core memcpy", size,
+                           gbps / limits["memcpy_gbps"] if gbps else None, SHM_OF_MEMCPY))
+        gbps = _figure(results, "kspeed-tcp", size, "gbps")
+        out.append(_target("kspeed-tcp GB/s / loopback TCP", size,
+                           gbps / limits["socket_gbps"] if gbps else None, TCP_OF_SOCKET))
+    return out
+
+
+def size_name(size) -> str:
+    """32768 -> "32K", 1048576 -> "1M"; labels such as "24-40K" pass through."""
+    if isinstance(size, str):
+        return size
+    return f"{size // MIB}M" if size % MIB == 0 else f"{size // KIB}K" if size % KIB == 0 else str(size)
+
+
+def print_table(doc: dict, file: TextIO = sys.stdout) -> None:
+    """Samples/s and GB/s per system (rows) and size (columns), then the targets."""
+    results = doc["results"]
+    sizes = list(dict.fromkeys(row["size"] for row in results))
+    systems = list(dict.fromkeys(row["system"] for row in results))
+    lim = doc["limits"]
+    print(f"\nlimits: one-core memcpy {lim['memcpy_gbps']:.2f} GB/s, loopback TCP {lim['socket_gbps']:.2f} GB/s",
+          file=file)
+    print(f"{'system':14s}" + "".join(f"{size_name(s):>22s}" for s in sizes), file=file)
+    for system in systems:
+        cells = []
+        for size in sizes:
+            rate, gbps = _figure(results, system, size, "samples_per_s"), _figure(results, system, size, "gbps")
+            cells.append(f"{rate:>11,.0f} {gbps:6.2f}GB/s" if rate is not None else "-")
+        print(f"{system:14s}" + "".join(f"{c:>22s}" for c in cells), file=file)
+    print("\ntargets:", file=file)
+    for t in doc["targets"]:
+        state = {True: "met", False: "MISSED", None: "pending"}[t["met"]]
+        value = "-" if t["value"] is None else f"{t['value']:,.2f}"
+        against = f" (vs {t['against']})" if t.get("against") else ""
+        print(f"  {size_name(t['size']):>4s} {t['target']}{against}: {value} (target >= {t['threshold']:,}) {state}",
+              file=file)
