@@ -31,7 +31,7 @@ _CLOSENESS = {
     SAME_SWITCH: "shares PCIe switch {anchor} with the GPU",
     SAME_HOST_BRIDGE: "shares host bridge {anchor} with the GPU but no PCIe switch",
     SAME_NODE: "is on the GPU's NUMA node {node} but behind another host bridge",
-    REMOTE: "is on another NUMA node than the GPU (remote; no closer NIC exists)",
+    REMOTE: "is NUMA-remote from the GPU (on another node)",
 }
 _BUS_ID = re.compile(r"(?:([0-9a-f]{1,8}):)?([0-9a-f]{1,2}):([0-9a-f]{1,2})\.([0-7])")
 _HOST_BRIDGE = re.compile(r"pci[0-9a-f]{4,8}:[0-9a-f]{2}")
@@ -111,12 +111,10 @@ def parse_cpulist(text: str) -> frozenset[int]:
         if not part:
             continue
         m = _CPU_RANGE.fullmatch(part)
-        if m is None:
-            raise ConfigError(f"bad cpulist {text.strip()!r} at {part!r}", field="cpulist", value=text)
-        first = int(m.group(1))
-        last = int(m.group(2)) if m.group(2) else first
-        used, group = (int(m.group(3)), int(m.group(4))) if m.group(3) else (1, 1)
-        if last < first or not 0 < used <= group:
+        first = int(m.group(1)) if m else 0
+        last = int(m.group(2)) if m and m.group(2) else first
+        used, group = (int(m.group(3)), int(m.group(4))) if m and m.group(3) else (1, 1)
+        if m is None or last < first or not 0 < used <= group:
             raise ConfigError(f"bad cpulist {text.strip()!r} at {part!r}", field="cpulist", value=text)
         cores.update(c for c in range(first, last + 1) if (c - first) % group < used)
     return frozenset(cores)
@@ -146,12 +144,9 @@ def _chain(root: str, link: str) -> tuple[str, ...]:
 
 
 def _numa(root: str, chain: tuple[str, ...]) -> int | None:
+    """The device's NUMA node; ``None`` when unknown (the kernel writes -1)."""
     text = _read(os.path.join(root, "devices", *chain, "numa_node")) if chain else None
-    try:
-        node = int(text) if text is not None else -1
-    except ValueError:
-        node = -1
-    return node if node >= 0 else None
+    return int(text) if text and text.isdigit() else None
 
 
 def find_nics(root: str = "/sys") -> list[Nic]:
@@ -182,12 +177,6 @@ def _visible_devices(value: str | None) -> list[str] | None:
             break
         visible.append(entry)
     return visible
-
-
-def _load_nvml() -> Any:
-    import pynvml  # imported here: hosts without the NVIDIA stack must still import this module
-
-    return pynvml
 
 
 def _text(value: str | bytes) -> str:
@@ -260,10 +249,11 @@ def resolve_gpu(environ: Mapping[str, str], *, device: int | None = None, nvml: 
     else:
         raise ConfigError(f"device {device} is not among the {len(visible)} of CUDA_VISIBLE_DEVICES",
                           field="CUDA_VISIBLE_DEVICES", value=environ.get("CUDA_VISIBLE_DEVICES"))
-    try:
-        nvml = _load_nvml() if nvml is None else nvml
-    except ImportError:
-        return None, "nvidia-ml-py is not installed"
+    if nvml is None:
+        try:
+            import pynvml as nvml  # imported here: hosts without the NVIDIA stack must still import this module
+        except ImportError:
+            return None, "nvidia-ml-py is not installed"
     nvml_error = getattr(nvml, "NVMLError", OSError)
     try:
         nvml.nvmlInit()
@@ -365,8 +355,7 @@ def place(root: str = "/sys", *, environ: Mapping[str, str] | None = None, devic
         chosen = forced or ranked[0]
         tier, _, anchor = _closeness(gpu_chain, gpu_node, chosen)
         why = f"{chosen.name} {_CLOSENESS[tier].format(anchor=anchor, node=gpu_node)}"
-        if forced is not None:
-            why = f"{why}; forced by the operator (best by topology: {ranked[0].name})"
+        why = f"{why}; forced by the operator (nearest: {ranked[0].name})" if forced else f"nearest NIC {why}"
     elif forced is not None:
         why = f"{forced.name} forced by the operator"
     else:

@@ -147,7 +147,7 @@ def test_forced_nic_is_used_and_the_reason_says_so(tmp_path):
     p = place(host.root, gpu_bus_id=host.gpus[0], nic="mlx5_3", allowed_cores=ALL_CORES)
     assert (p.nic, p.rail, p.numa_node) == ("mlx5_3", "verbs", 0)
     assert p.cores == cpus(NODE0_CORES)  # cores still follow the GPU
-    assert "forced by the operator" in p.reason and "mlx5_0" in p.reason
+    assert "forced by the operator (nearest: mlx5_0)" in p.reason
     p = place(host.root, gpu_bus_id=host.gpus[0], nic="eno1", allowed_cores=ALL_CORES)
     assert (p.nic, p.rail) == ("eno1", None)
 
@@ -176,7 +176,7 @@ def test_only_remote_nics_fall_back_to_the_first_by_name(tmp_path):
     host = two_socket(tmp_path)
     p = place(host.root, gpu_bus_id=host.gpus[0], allowed_cores=range(32))
     assert p.nic == "mlx5_0" and p.rail == "verbs"
-    assert "another NUMA node" in p.reason and "remote" in p.reason
+    assert "nearest NIC mlx5_0 is NUMA-remote" in p.reason
     assert p.cores == tuple(range(16, 32)) and p.numa_node == 1
 
 
