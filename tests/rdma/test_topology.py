@@ -231,9 +231,8 @@ def test_gpu_without_nic_still_gets_its_nodes_cores(tmp_path):
     assert "no NIC under" in p.reason
 
 
-def test_real_host_without_nvml_is_no_preference(caplog):
-    caplog.set_level(logging.INFO, logger="kspeed.rdma.topology")
-    p = place(environ={"LOCAL_RANK": "0"})
+def test_the_real_host_places_without_error():
+    p = place(environ={"LOCAL_RANK": "0"})  # real /sys and real nvidia-ml-py (NVML may be missing)
     if p.gpu_bus_id is None:
         assert p.cores == tuple(sorted(os.sched_getaffinity(0)))
 
@@ -326,6 +325,23 @@ def test_pinned_thread_runs_on_its_cores_only():
     assert seen["mask"] == {allowed[-1]}
     assert sorted(os.sched_getaffinity(0)) == allowed  # the caller's thread is untouched
     pin([])  # no preference: nothing changes
+    assert sorted(os.sched_getaffinity(0)) == allowed
+
+
+def test_pin_all_threads_reaches_threads_already_running():
+    allowed = sorted(os.sched_getaffinity(0))
+    started, done = threading.Event(), threading.Event()
+    worker = threading.Thread(target=lambda: (started.set(), done.wait(5)))
+    worker.start()
+    started.wait(5)
+    try:
+        pin([allowed[0]], all_threads=True)
+        assert os.sched_getaffinity(worker.native_id) == {allowed[0]}
+        assert os.sched_getaffinity(0) == {allowed[0]}
+    finally:
+        pin(allowed, all_threads=True)
+        done.set()
+        worker.join()
     assert sorted(os.sched_getaffinity(0)) == allowed
 
 
