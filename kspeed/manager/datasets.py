@@ -152,11 +152,17 @@ class DatasetCatalog:
         for key in [k for k in self._share_status if k[1] == server_id]:
             del self._share_status[key]
 
-    def on_heartbeat(self, server_id: str, shares: list[kspeed_pb2.ShareStatus]) -> None:
-        """Record the progress a server reports."""
+    def on_heartbeat(self, server_id: str, shares: list[kspeed_pb2.ShareStatus]) -> list[str]:
+        """Record the progress a server reports; return the datasets it holds but should not."""
+        stale = []
         for status in shares:
-            if status.dataset in self._datasets:
-                self._share_status[(status.dataset, server_id)] = status
+            info = self._datasets.get(status.dataset)
+            if info is None or all(s.server_id != server_id for s in info.shares):
+                if status.dataset not in self._locks or not self._locks[status.dataset].locked():
+                    stale.append(status.dataset)  # not while a registration of that name is under way
+                continue
+            self._share_status[(status.dataset, server_id)] = status
+        return stale
 
     # -- changes ---------------------------------------------------------------------------------
 

@@ -84,8 +84,9 @@ class ManagerService:
     async def Heartbeat(self, request: kspeed_pb2.HeartbeatRequest,
                         context: grpc.aio.ServicerContext) -> kspeed_pb2.HeartbeatReply:
         record = self._registry.heartbeat(request)
-        self._catalog.on_heartbeat(request.id, list(request.shares))
-        return kspeed_pb2.HeartbeatReply(state=record.state, heartbeat_interval_s=self._heartbeat_interval)
+        stale = self._catalog.on_heartbeat(request.id, list(request.shares))
+        return kspeed_pb2.HeartbeatReply(state=record.state, heartbeat_interval_s=self._heartbeat_interval,
+                                         drop_datasets=stale)
 
     async def DeregisterServer(self, request: kspeed_pb2.DeregisterServerRequest,
                                context: grpc.aio.ServicerContext) -> kspeed_pb2.DeregisterServerReply:

@@ -179,12 +179,14 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ..., incarnation: _Optional[int] = ..., inventory: _Optional[_Union[ServerInventory, _Mapping]] = ..., shares: _Optional[_Iterable[_Union[ShareStatus, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("state", "heartbeat_interval_s")
+    __slots__ = ("state", "heartbeat_interval_s", "drop_datasets")
     STATE_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    DROP_DATASETS_FIELD_NUMBER: _ClassVar[int]
     state: ServerState
     heartbeat_interval_s: float
-    def __init__(self, state: _Optional[_Union[ServerState, str]] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+    drop_datasets: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, state: _Optional[_Union[ServerState, str]] = ..., heartbeat_interval_s: _Optional[float] = ..., drop_datasets: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DeregisterServerRequest(_message.Message):
     __slots__ = ("id", "incarnation", "reason")

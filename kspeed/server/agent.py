@@ -31,7 +31,8 @@ class ManagerAgent:
                  http_address: str, inventory: Callable[[], kspeed_pb2.ServerInventory],
                  metrics: ServerMetrics, on_fatal: Callable[[KSpeedError], None],
                  shares: Callable[[], list[kspeed_pb2.ShareStatus]] = list,
-                 on_registered: Callable[[kspeed_pb2.RegisterServerReply], None] = lambda reply: None) -> None:
+                 on_registered: Callable[[kspeed_pb2.RegisterServerReply], None] = lambda reply: None,
+                 on_drop: Callable[[str], None] = lambda name: None) -> None:
         self._manager = manager_address
         self._metadata = rpc.call_metadata(security)
         self._channel = rpc.open_channel(manager_address, security)
@@ -44,6 +45,7 @@ class ManagerAgent:
         self._on_fatal = on_fatal
         self._shares = shares
         self._on_registered = on_registered
+        self._on_drop = on_drop
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kspeed-agent", daemon=True)
         self.incarnation = 0
@@ -72,8 +74,11 @@ class ManagerAgent:
                  reply.incarnation, reply.protocol_version)
 
     def _heartbeat(self) -> None:
-        self._call("Heartbeat", kspeed_pb2.HeartbeatRequest(id=self._id, incarnation=self.incarnation,
-                                                            inventory=self._inventory(), shares=self._shares()))
+        reply = self._call("Heartbeat", kspeed_pb2.HeartbeatRequest(
+            id=self._id, incarnation=self.incarnation, inventory=self._inventory(), shares=self._shares()))
+        for name in reply.drop_datasets:
+            log.info("the manager no longer assigns dataset %s here; dropping it", name)
+            self._on_drop(name)
 
     def _run(self) -> None:
         backoff = 0.2

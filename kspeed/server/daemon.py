@@ -119,7 +119,8 @@ class Server:
         self.agent = ManagerAgent(manager_address=cfg.manager, security=cfg.security, server_id=self.id,
                                   address=self.address, http_address=http_address, inventory=self.inventory,
                                   metrics=self.metrics, on_fatal=self._fatal, shares=self.host.statuses,
-                                  on_registered=lambda reply: self.host.reconcile(list(reply.assignments)))
+                                  on_registered=lambda reply: self.host.reconcile(list(reply.assignments)),
+                                  on_drop=self.host.drop)
         self.agent.start()
         log.info("kspeed-server %s listening: grpc %s (advertised %s), http %s; manager %s; pool %s: %d regions "
                  "of %d bytes; backends allowed: %s", self.id, bound, self.address, self._http.address, cfg.manager,

@@ -293,3 +293,25 @@ def test_manager_restart_keeps_datasets_and_servers_keep_data(data_cluster, tmp_
         stub = server_stubs(data_cluster, info)[info.shares[0].server_id]
         got = stub.Read(kspeed_pb2.ReadRequest(dataset="keep", ids=np.array([1], "<i8").tobytes()), timeout=10)
         assert got.data == files[keys[1]]
+
+
+def test_dataset_removed_while_a_server_was_unreachable_is_dropped_when_it_returns(cluster_factory, tmp_path):
+    make_tree(tmp_path / "gone", per_class=30, max_size=128 * 1024)
+    cluster = cluster_factory(2, manager_args=["--server-call-timeout", "1s", "--fail-after", "30s",
+                                               "--suspect-after", "20s"],
+                              server_args=["--backend-allow", str(tmp_path), "--memory", "16MiB",
+                                           "--region-size", "1MiB"])
+    with client_for(cluster) as client:
+        wait_for(lambda: len([r for r in client.servers() if r.state == 2]) == 2, 10, "ready")
+        info = client.create_dataset(kspeed_pb2.DatasetSpec(name="gone", uri=str(tmp_path / "gone")),
+                                     operator=True).dataset
+        assert len(info.shares) == 2
+        frozen = next(s for s in cluster.servers if s.ready["id"] == info.shares[1].server_id)
+        frozen.signal(signal.SIGSTOP)
+        try:
+            client.remove_dataset("gone")  # the frozen server cannot be told
+        finally:
+            frozen.signal(signal.SIGCONT)
+        assert client.datasets() == []
+        wait_for(lambda: all(r.inventory.regions_free == r.inventory.regions_total for r in client.servers()),
+                 15, "the returning server to drop the removed dataset")
