@@ -11,6 +11,7 @@ process is the receiver (its receive ring) and servers are writers::
     wr = rail.connect(blob, options)                        # writer side, once per peer
     wr.write(key, [header, payload], offset=0, imm=7)       # gathered write + one completion
     wr.write_many(key, [(src, off, imm), ...])              # many writes, one notification syscall
+    wr.write_batch(key, pool, src_offs, lens, dst_offs, imms)  # arrays: checked in numpy, copied in C
     done = rx.poll(timeout=1.0)                             # Completions(imm=array, conn=array)
     rx.send(done.conn[0], b"grant ...") / wr.recv(timeout)  # small messages, both directions
 
@@ -33,7 +34,13 @@ MTU of a fresh RC QP plus the handshake nonce; :meth:`Rail.connect` moves the wr
 INIT/RTR/RTS and returns its own material through the small-message exchange. ``write`` posts
 ``IBV_WR_RDMA_WRITE_WITH_IMM`` (``RDMA_WRITE`` without an immediate) with one SGE per source
 slice (lkeys found by address in the registered pools); ``write_many`` chains the work requests
-into one ``ibv_post_send``. :meth:`Receiver.poll` drains the receive CQ (``imm_data`` and the
+into one ``ibv_post_send``. ``write_batch`` is the same chain built straight from its arrays, with
+no Python object per op: WR ``i`` is an ``RDMA_WRITE`` of ``lengths[i]`` bytes from
+``source_addr + src_offsets[i]`` (the source's lkey, found once per batch) to
+``key.addr + dst_offsets[i]`` with ``key.handle`` as rkey; the last WR carries the first immediate
+(``RDMA_WRITE_WITH_IMM``) and each further immediate is a zero-length ``RDMA_WRITE_WITH_IMM``
+chained after it, so RC ordering makes every completion follow every byte of the batch.
+:meth:`Receiver.poll` drains the receive CQ (``imm_data`` and the
 QP number mapped to a connection id) after refilling the shared receive queue; messages are
 ``SEND``/``RECV`` on the same QP or a second QP. A UCX/NIXL rail maps the same way (``ucp_put``
 plus an active message for the immediate, rkeys packed into the material).
@@ -304,6 +311,31 @@ class Writer(ABC):
         """Issue many writes; their immediates are notified together after all their bytes.
 
         The whole batch is range-checked before any byte is written.
+        """
+
+    @abstractmethod
+    def write_batch(self, key: RegionKey, source: Any, src_offsets: Any, lengths: Any, dst_offsets: Any,
+                    imms: Any = None) -> None:
+        """Write many slices of one source into ``key``, described by arrays; the fast path.
+
+        Op ``i`` copies ``lengths[i]`` bytes from ``source[src_offsets[i]:]`` to
+        ``key.addr + dst_offsets[i]``. The whole batch is range-checked with numpy before a byte
+        moves (:func:`kspeed.rdma.batch.plan_batch`); then the immediates are notified in order,
+        each exactly once, after every byte of the batch is visible to the receiver.
+
+        Args:
+            key: the granted destination range.
+            source: a registered region, a ``uint8`` array (e.g. over a server's pool mapping) or
+                any C-contiguous buffer; its base address is taken once per batch.
+            src_offsets: ``int64`` offsets into ``source``, one per op.
+            lengths: ``int64`` byte counts, one per op (or one int for every op).
+            dst_offsets: ``int64`` offsets into ``key``'s range, one per op.
+            imms: ``uint32`` immediates raised after the batch (any number; ``None`` for none).
+
+        Raises:
+            RangeError: an op lies outside ``source`` or ``key`` (the message names the first);
+                nothing was written.
+            PeerLostError: the receiver is gone or stalled for ``io_timeout``.
         """
 
     @abstractmethod

@@ -2,10 +2,9 @@
 
 The receiver listens on an abstract-namespace Unix socket (nothing on disk to leak), checks each
 dialer's uid with SO_PEERCRED, authenticates it (``auth``), then passes its rings' memfds with
-SCM_RIGHTS. The writer maps each ring once and copies source slices straight in (one copy per
-slice); immediates follow as frames on the socket after the copies, so the ``send`` syscall orders
-the bytes before the completion for the receiver on any CPU. ``write_many`` copies a whole batch
-and sends all its immediates in one frame.
+SCM_RIGHTS. The writer (``shm_writer``) maps each ring once and copies source slices straight in
+(one copy per slice); immediates follow as frames on the socket after the copies, so the ``send``
+syscall orders the bytes before the completion for the receiver on any CPU.
 
 Fencing: :meth:`ShmReceiver.disconnect` stops a writer's completions and messages, but a mapping
 cannot be revoked from another process; the owner must retire the ring (register a new one) before
@@ -14,12 +13,10 @@ granting its range to someone else.
 
 from __future__ import annotations
 
-import array
 import contextlib
 import json
 import logging
 import os
-import select
 import selectors
 import socket
 import threading
@@ -29,7 +26,7 @@ from itertools import count
 
 import numpy as np
 
-from kspeed.errors import AuthError, KSpeedError, PeerLostError, RailUnavailableError, RangeError, TransportError
+from kspeed.errors import KSpeedError, TransportError
 
 from . import _wire as w
 from . import auth
@@ -40,20 +37,15 @@ from .base import (
     Receiver,
     Region,
     RegionKey,
-    Writer,
-    as_bytes_view,
-    check_imm,
-    check_range,
 )
 from .memory import MemfdSegment
 from .options import RailOptions
+from .shm_writer import HELLO as _HELLO
+from .shm_writer import ShmWriter
 
 __all__ = ["ShmRail", "ShmReceiver", "ShmWriter"]
 
 log = logging.getLogger(__name__)
-
-_HELLO = b"KSPEED-SHM-v1\x00\x00\x00"
-
 
 def _key_for(options: RailOptions, secret: bytes) -> bytes:
     return options.token if options.token is not None else secret
@@ -257,191 +249,6 @@ class ShmReceiver(Receiver):
         self._sel.close()
         self._wake_r.close()
         self._wake_w.close()
-
-
-class ShmWriter(Writer):
-    """Maps a receiver's rings and copies into them; notifies immediates on the socket."""
-
-    rail = "shm"
-
-    def __init__(self, material: bytes, options: RailOptions) -> None:
-        try:
-            info = json.loads(material)
-            name, node, secret = info["socket"], info["node"], info["secret"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise TransportError(f"malformed shm connection material: {exc}") from exc
-        if info.get("rail") != "shm":
-            raise TransportError(f"connection material is for rail {info.get('rail')!r}, not 'shm'")
-        if node != socket.gethostname():
-            raise RailUnavailableError(f"shm receiver lives on host {node!r}, not this one; use tcp or verbs")
-        if options.token is not None:
-            key = options.token
-        elif secret is not None:
-            key = bytes.fromhex(secret)
-        else:
-            raise AuthError("shm receiver expects the cluster token, but no token was configured")
-        self._options = options
-        self._maps: dict[int, MemfdSegment] = {}
-        self._dst: dict[int, memoryview] = {}
-        self._reader = w.FrameReader(1 << 16)
-        self._messages: deque[bytes] = deque()
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        self._sock.settimeout(options.connect_timeout)
-        try:
-            self._sock.connect("\0" + name)
-            w.check_peer_uid(self._sock, options.allowed_uids)
-            self._sock.sendall(_HELLO)
-            auth.dial(self._sock, key, _HELLO)
-            welcome = None
-            while welcome is None:
-                welcome = self._pump(blocking=True, until_welcome=True)
-        except OSError as exc:
-            self._sock.close()
-            raise w.lost(f"connecting to shm receiver {name}", exc) from exc
-        except KSpeedError:
-            self.close()
-            raise
-        self.conn = int(welcome["conn"])
-        self._sock.settimeout(options.io_timeout)
-
-    def _pump(self, blocking: bool, until_welcome: bool = False) -> dict | None:
-        """Read what the receiver sent (regions, messages); returns the welcome when it comes."""
-        if not blocking and not select.select([self._sock], [], [], 0)[0]:
-            return None  # (a socket with a timeout ignores MSG_DONTWAIT, so ask select)
-        try:
-            n = self._reader.recv_with_fds(self._sock, 4)
-        except BlockingIOError:
-            return None
-        except OSError as exc:
-            raise w.lost("reading from shm receiver", exc, getattr(self, "conn", None)) from exc
-        welcome = None
-        for kind, payload in self._reader.frames():
-            if kind == w.REGION:
-                desc = json.loads(payload)
-                if not self._reader.fds:
-                    raise TransportError("shm receiver announced a region without its descriptor")
-                segment = MemfdSegment.attach(self._reader.fds.popleft(), int(desc["length"]))
-                self._maps[int(desc["handle"])] = segment
-                self._dst[int(desc["handle"])] = segment.view
-            elif kind == w.MSG:
-                self._messages.append(payload)
-            elif kind == w.WELCOME:
-                welcome = json.loads(payload)
-            else:
-                raise TransportError(f"shm receiver sent unknown frame type {kind}")
-        if n == 0 and welcome is None:
-            raise w.lost("shm receiver closed the connection", None, getattr(self, "conn", None))
-        return welcome if until_welcome else None
-
-    def _target(self, key: RegionKey) -> memoryview:
-        dst = self._dst.get(key.handle)
-        if dst is None:
-            self._pump(blocking=False)
-            dst = self._dst.get(key.handle)
-            if dst is None:
-                raise RangeError(f"region {key.handle} is not exposed by this shm receiver")
-        if key.addr + key.length > len(dst):
-            raise RangeError(
-                f"region key [{key.addr}, {key.addr + key.length}) exceeds region {key.handle} "
-                f"of {len(dst)} bytes"
-            )
-        return dst
-
-    def _notify(self, imms: bytes) -> None:
-        try:
-            self._sock.sendall(w.frame(w.IMMS, imms))
-        except OSError as exc:
-            raise w.lost("notifying shm receiver", exc, self.conn) from exc
-
-    def write(self, key, srcs, offset=0, imm=None) -> None:
-        dst = self._target(key)
-        check_imm(imm)
-        if isinstance(srcs, (list, tuple)):
-            views = [as_bytes_view(s) for s in srcs]
-            check_range(key, offset, sum(v.nbytes for v in views))
-            pos = key.addr + offset
-            for v in views:
-                end = pos + v.nbytes
-                dst[pos:end] = v
-                pos = end
-        else:
-            v = as_bytes_view(srcs)
-            check_range(key, offset, v.nbytes)
-            pos = key.addr + offset
-            dst[pos : pos + v.nbytes] = v
-        if imm is not None:
-            self._notify(imm.to_bytes(4, "little"))
-
-    def write_many(self, key, ops) -> None:
-        dst = self._target(key)
-        base = key.addr
-        limit = key.length
-        copies: list[tuple[int, memoryview]] = []
-        imms = array.array("I")
-        try:
-            for srcs, offset, imm in ops:
-                kind = type(srcs)
-                if kind is list or kind is tuple:
-                    pos = base + offset
-                    start = pos
-                    for s in srcs:
-                        v = as_bytes_view(s)
-                        copies.append((pos, v))
-                        pos += v.nbytes
-                    nbytes = pos - start
-                else:
-                    v = srcs if kind is memoryview else memoryview(srcs)
-                    if v.ndim != 1 or v.format != "B":
-                        v = as_bytes_view(v)
-                    nbytes = v.nbytes
-                    copies.append((base + offset, v))
-                if offset < 0 or offset + nbytes > limit:
-                    check_range(key, offset, nbytes)
-                if imm is not None:
-                    imms.append(imm)
-        except OverflowError as exc:
-            raise TransportError(f"an immediate does not fit in 32 bits: {exc}") from exc
-        for pos, v in copies:
-            dst[pos : pos + len(v)] = v
-        for i in range(0, len(imms), 1 << 20):  # frames stay under the reader's limit
-            self._notify(imms[i : i + (1 << 20)].tobytes())
-
-    def send(self, message: bytes) -> None:
-        if len(message) > MAX_MESSAGE:
-            raise TransportError(f"message of {len(message)} bytes exceeds {MAX_MESSAGE}")
-        try:
-            self._sock.sendall(w.frame(w.MSG, message))
-        except OSError as exc:
-            raise w.lost("sending to shm receiver", exc, self.conn) from exc
-
-    def recv(self, timeout: float | None = 0.0) -> bytes | None:
-        if not self._messages:
-            self._pump(blocking=False)
-        if not self._messages and timeout != 0:
-            self._sock.settimeout(timeout)
-            try:
-                self._pump(blocking=True)
-            except PeerLostError as exc:
-                if not isinstance(exc.__cause__, TimeoutError):
-                    raise
-            finally:
-                self._sock.settimeout(self._options.io_timeout)
-        return self._messages.popleft() if self._messages else None
-
-    def close(self) -> None:
-        if self._sock.fileno() >= 0:
-            with contextlib.suppress(OSError):
-                self._sock.send(w.frame(w.BYE), socket.MSG_DONTWAIT)
-            self._sock.close()
-        for v in self._dst.values():
-            v.release()
-        self._dst.clear()
-        for segment in self._maps.values():
-            segment.close()
-        self._maps.clear()
-        for fd in self._reader.fds:
-            os.close(fd)
-        self._reader.fds.clear()
 
 
 class ShmRail(Rail):

@@ -45,6 +45,7 @@ from .base import (
     check_imm,
     check_range,
 )
+from .batch import plan_batch, runs, source_array
 from .memory import MemfdSegment
 from .options import RailOptions
 
@@ -313,7 +314,7 @@ class TcpWriter(Writer):
         except KSpeedError:
             self.close()
             raise
-        self._bulk.settimeout(options.io_timeout)
+        p.blocking_with_timeout(self._bulk, options.io_timeout)
         self._msg.settimeout(options.io_timeout)
 
     def _dial(self, host: str, port: int, key: bytes, role: int, consumer: int, conn: int) -> socket.socket:
@@ -387,6 +388,33 @@ class TcpWriter(Writer):
             bufs.append(pack(p.DATA, flags, key.handle, imm or 0, key.addr + offset, nbytes))
             bufs.extend(views)
         self._sendmsg(bufs)
+
+    def write_batch(self, key, source, src_offsets, lengths, dst_offsets, imms=None) -> None:
+        src = source_array(source)
+        batch = plan_batch(key, src.nbytes, src_offsets, lengths, dst_offsets, imms)
+        view = memoryview(src)
+        pack = p.WRITE_HEADER.pack
+        handle, base = key.handle, key.addr
+        imm_list = batch.imms.tolist()
+        first, dst, nbytes = runs(batch)
+        last = len(first) - 1
+        bounds = [*first.tolist(), len(batch)]
+        starts, ends = batch.src.tolist(), (batch.src + batch.lengths).tolist()
+        bufs: list = []
+        # One header per run of adjacent destinations; the first immediate rides on the last run,
+        # the others on zero-length writes after it, so every completion follows every byte.
+        for r, (at, size) in enumerate(zip(dst.tolist(), nbytes.tolist())):
+            if r == last and imm_list:
+                bufs.append(pack(p.DATA, p.FLAG_IMM, handle, imm_list[0], base + at, size))
+            else:
+                bufs.append(pack(p.DATA, 0, handle, 0, base + at, size))
+            lo, hi = bounds[r], bounds[r + 1]
+            bufs.extend([view[a:b] for a, b in zip(starts[lo:hi], ends[lo:hi])])
+        end = base + (int(dst[-1] + nbytes[-1]) if len(first) else 0)
+        rest = imm_list[1:] if len(first) else imm_list
+        bufs.extend(pack(p.DATA, p.FLAG_IMM, handle, imm, end, 0) for imm in rest)
+        if bufs:
+            self._sendmsg(bufs)
 
     def send(self, message: bytes) -> None:
         if len(message) > MAX_MESSAGE:

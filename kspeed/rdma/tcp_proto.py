@@ -14,7 +14,10 @@ import struct
 
 from .options import RailOptions
 
-__all__ = ["BULK", "DATA", "DATA_BYE", "FLAG_IMM", "HELLO", "MAGIC", "MESSAGES", "WRITE_HEADER", "tune"]
+__all__ = [
+    "BULK", "DATA", "DATA_BYE", "FLAG_IMM", "HELLO", "MAGIC", "MESSAGES", "WRITE_HEADER",
+    "blocking_with_timeout", "tune",
+]
 
 MAGIC = b"KSPEEDTCP1"
 #: magic, role, consumer id, connection id (0 until the bulk connection was welcomed).
@@ -45,3 +48,17 @@ def tune(sock: socket.socket, options: RailOptions, nodelay: bool) -> None:
     if options.socket_buffer is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, options.socket_buffer)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, options.socket_buffer)
+
+
+def blocking_with_timeout(sock: socket.socket, timeout: float) -> None:
+    """Make ``sock`` blocking, with the kernel (not Python) enforcing ``timeout`` on each call.
+
+    A Python socket timeout makes every ``sendmsg`` a ``poll`` plus a non-blocking send that stops
+    whenever the send buffer is full, so a multi-MiB write becomes many partial sends and wake-ups.
+    A blocking send with ``SO_SNDTIMEO`` stays in the kernel until the whole iovec is queued, and
+    still returns (a short count, or ``EAGAIN``) after ``timeout`` seconds without progress.
+    """
+    sock.settimeout(None)
+    tv = struct.pack("ll", int(timeout), int((timeout % 1) * 1_000_000))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)

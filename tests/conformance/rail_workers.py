@@ -62,3 +62,19 @@ def serve_ring(rail, options: RailOptions, nbytes, queue, poll):
                 receiver.poll(0.1)
         else:
             time.sleep(0.1)
+
+
+def write_pattern_batches(rail, material, key_blob, options: RailOptions, batches, per_batch, size):
+    """Write ``batches`` batches with ``write_batch``: batch b fills slots ``b * per_batch ..`` of the key.
+
+    The source holds one pattern per slot (``pattern(slot, size)``); each batch raises one immediate,
+    its batch number, so the receiver can check that every byte of the batch is there.
+    """
+    writer = get_rail(rail).connect(material, options)
+    key = RegionKey.from_bytes(key_blob)
+    source = np.concatenate([pattern(slot, size) for slot in range(batches * per_batch)])
+    for b in range(batches):
+        slots = np.arange(b * per_batch, (b + 1) * per_batch, dtype=np.int64)
+        order = slots[::-1].copy()  # destinations descending: nothing adjacent in issue order
+        writer.write_batch(key, source, order * size, size, order * size, np.array([b], np.uint32))
+    time.sleep(30)  # stay alive until killed or the test ends
