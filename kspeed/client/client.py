@@ -1,0 +1,145 @@
+"""KSpeedClient: the training script's handle on a KSpeed cluster.
+
+It talks to the manager (version handshake, dataset registration with a job lease) and builds a
+:class:`~kspeed.client.dataset.KSpeedDataset` per dataset, which then talks to the servers
+directly; training keeps going while the manager restarts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+from typing import Any
+
+from kspeed.config import ClientConfig, load_config, parse_address
+from kspeed.control import ManagerClient
+from kspeed.errors import ConfigError, KSpeedError, StateError, UnavailableError
+
+from .dataset import KSpeedDataset
+from .lease import LeaseKeeper
+from .links import ServerLink
+from .spec import DatasetSpec
+
+__all__ = ["KSpeedClient"]
+
+log = logging.getLogger(__name__)
+
+
+class KSpeedClient:
+    """A connection to the manager at ``manager`` (``host:port``).
+
+    Args:
+        manager: the manager's address; default ``config.manager`` (env ``KSPEED_MANAGER``).
+        config: the client configuration; default: loaded from ``KSPEED_*`` (token, TLS, rail, ring).
+
+    Raises:
+        ConfigError: a bad address or configuration.
+        UnavailableError: the manager cannot be reached.
+        VersionMismatchError: the manager speaks no common protocol version.
+    """
+
+    def __init__(self, manager: str | None = None, *, config: ClientConfig | None = None) -> None:
+        config = config if config is not None else load_config(ClientConfig)
+        if manager is not None:
+            try:
+                address = parse_address(manager)
+            except ValueError as exc:
+                raise ConfigError(f"manager address {manager!r}: {exc}", field="manager", value=manager) from None
+            config = dataclasses.replace(config, manager=address)
+        self.config = config
+        self._manager = ManagerClient(config, peer_name="kspeed-client")
+        try:
+            self._manager.handshake()
+        except KSpeedError:
+            self._manager.close()
+            raise
+        self._datasets: list[KSpeedDataset] = []
+        self._closed = False
+        log.info("connected to manager %s (cluster %s)", config.manager, self._manager.hello.cluster_id)
+
+    @property
+    def manager(self) -> ManagerClient:
+        """The control-plane client (status, datasets, leases)."""
+        return self._manager
+
+    def dataset(self, spec: DatasetSpec | str, batch_size: int, sampler: Any = None, *, seed: int = 0,
+                shuffle: bool = True, drop_last: bool = False, rank: int | None = None,
+                world_size: int | None = None, rail: str | None = None, ring_bytes: int | None = None,
+                quiet: bool = False) -> KSpeedDataset:
+        """Register (or attach to) a dataset under a job lease and open this rank's feed.
+
+        Args:
+            spec: the dataset's definition, or the name of a dataset already registered.
+            batch_size: samples per batch.
+            sampler: any torch sampler of sample IDs (``DistributedSampler`` for several ranks);
+                ``None``: every sample, shuffled per epoch with ``seed`` when ``shuffle``.
+            seed: seed of the built-in shuffle.
+            shuffle: whether the built-in sampler shuffles.
+            drop_last: drop the last incomplete batch of each epoch.
+            rank: this rank; with ``world_size``, builds a ``DistributedSampler``.
+            world_size: ranks sharing each epoch.
+            rail: ``"auto"`` (default), ``"shm"`` or ``"tcp"``; overrides ``config.rail``.
+            ring_bytes: receive ring size; overrides ``config.ring_bytes``.
+            quiet: no progress bar in ``preload()``.
+
+        Raises:
+            ConfigError: a bad argument (named).
+            NotFoundError: ``spec`` names a dataset that is not registered.
+            DatasetError, AccessDeniedError: the dataset cannot be listed or read by the servers.
+            UnavailableError: the manager or a server cannot be reached (named).
+        """
+        if self._closed:
+            raise StateError("KSpeedClient is closed; create a new one")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+            raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}", field="batch_size",
+                              value=batch_size)
+        if isinstance(spec, str):
+            proto = self._manager.dataset(spec).spec
+        elif isinstance(spec, DatasetSpec):
+            proto = spec.to_proto()
+        else:
+            raise ConfigError(f"spec must be a DatasetSpec or a dataset name, got {type(spec).__name__}",
+                              field="spec", value=spec)
+        holder = f"pid {os.getpid()} on {socket.gethostname()} rank {rank or 0}"
+        reply = self._manager.create_dataset(proto, holder=holder)
+        lease = LeaseKeeper(self._manager, reply.lease.id, reply.lease.ttl_s) if reply.lease.id else None
+        links: list[ServerLink] = []
+        try:
+            info = reply.dataset
+            hostnames = {record.id: record.inventory.hostname for record in self._manager.servers()}
+            for share in info.shares:
+                address = info.server_addresses.get(share.server_id)
+                if not address:
+                    raise UnavailableError(f"dataset {proto.name!r}: server {share.server_id} holds a share but the "
+                                           "manager knows no address for it (is it registered?)")
+                links.append(ServerLink(share.server_id, address, self.config))
+            ds = KSpeedDataset(info, links, config=self.config, batch_size=batch_size, sampler=sampler, seed=seed,
+                               shuffle=shuffle, drop_last=drop_last, rank=rank, world_size=world_size, rail=rail,
+                               ring_bytes=ring_bytes, quiet=quiet, hostnames=hostnames, manager=self._manager,
+                               lease=lease)
+        except BaseException:
+            for link in links:
+                link.close()
+            if lease is not None:
+                lease.close()
+            raise
+        self._datasets.append(ds)
+        return ds
+
+    def close(self) -> None:
+        """Close every dataset (feeds, rings, leases) and the manager channel."""
+        if self._closed:
+            return
+        self._closed = True
+        for ds in self._datasets:
+            ds.close()
+        self._datasets.clear()
+        self._manager.close()
+
+    def __enter__(self) -> KSpeedClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,378 @@
+"""One feed: the receive ring, a data-plane path per server, grants, completions and fencing.
+
+Implements the client side of docs/feeding.md. The ring is registered with one rail; each server
+gets ``OpenFeed`` with the ring's key and the path's generation and answers with ``HELLO`` on the
+message channel. A granted batch (a :class:`Slot`) owes one completion per server that writes
+something in it; the completion's immediate is the grant's tag (generation | sequence number).
+
+Fencing (:meth:`Feed.fence`) cuts a server's path, bumps its generation and quarantines the ring
+ranges of its outstanding grants, since an ``shm`` writer keeps its mapping; completions that
+still arrive under the old generation are ignored and counted. Nothing here runs a thread: the
+owner calls :meth:`Feed.poll` from the training loop (the servers keep writing meanwhile).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kspeed import grants
+from kspeed.errors import (
+    DatasetError,
+    KSpeedError,
+    PeerLostError,
+    ProtocolError,
+    TransportError,
+    UnavailableError,
+)
+from kspeed.proto import kspeed_pb2
+from kspeed.rdma.base import MAX_MESSAGE, Completions
+from kspeed.rdma.options import RailOptions
+from kspeed.rdma.registry import get_rail
+
+from .plans import EpochPlan
+from .ring import RingAllocator
+
+__all__ = ["Feed", "Path", "Slot"]
+
+log = logging.getLogger(__name__)
+
+POLL_TICK = 0.05  # longest single wait for completions, so timeouts and top-ups are checked often
+_SEQ_LIMIT = 1 << 24
+_GRANTS_PER_MESSAGE = (MAX_MESSAGE - 1) // grants.GRANT_DTYPE.itemsize
+
+
+@dataclass(eq=False)
+class Path:
+    """One server's data-plane path into the ring.
+
+    Attributes:
+        index: the server's position in the feed's server list (the plan's owner index).
+        link: its control-plane link.
+        reason: why this rail serves it (logged).
+        generation: stamped into every tag; bumped by fencing.
+        conn: the receiver's connection id of its feeder, once it said HELLO.
+        lost: why the path was fenced ("" while healthy).
+        last_heard: monotonic time of its last completion or message.
+    """
+
+    index: int
+    link: Any
+    reason: str
+    generation: int = 1
+    conn: int | None = None
+    lost: str = ""
+    last_heard: float = 0.0
+
+
+@dataclass(eq=False)
+class Slot:
+    """A granted batch: where it lies in the ring and which completions it still waits for."""
+
+    plan: EpochPlan
+    batch: int
+    offset: int
+    owed: set[int]
+    granted_at: float
+    discarded: bool = False
+    fenced: bool = False
+    error: str = ""
+    errors_from: list[str] = field(default_factory=list)
+    settled: bool = False
+
+    @property
+    def done(self) -> bool:
+        return not self.owed
+
+
+class Feed:
+    """The receive ring of one dataset and its paths to every server.
+
+    Args:
+        dataset: the dataset's name.
+        feed_id: this feed's id (unique per rank and dataset).
+        links: the dataset's servers, in plan-owner order.
+        rail: the ring's rail.
+        reasons: per server id, why that rail (logged once here).
+        ring_bytes: ring size.
+        options: rail options (token, timeouts, tcp bind address).
+        completion_timeout: longest silence of a server that owes a completion.
+        holder: names the job and rank in the servers' logs.
+
+    Raises:
+        RailUnavailableError, CapacityError: the ring cannot be set up.
+        UnavailableError: a server is unreachable or its feeder did not connect (named).
+    """
+
+    def __init__(self, *, dataset: str, feed_id: str, links: Sequence[Any], rail: str, reasons: dict[str, str],
+                 ring_bytes: int, options: RailOptions, completion_timeout: float, holder: str) -> None:
+        self.dataset = dataset
+        self.feed_id = feed_id
+        self.rail = rail
+        self.completion_timeout = completion_timeout
+        self._holder = holder
+        self._receiver = get_rail(rail).listen(options)
+        try:
+            self._region = self._receiver.register(ring_bytes)
+        except KSpeedError:
+            self._receiver.close()
+            raise
+        self.ring = self._region.array()
+        self.allocator = RingAllocator(ring_bytes)
+        self.paths = [Path(i, link, reasons.get(link.server_id, "")) for i, link in enumerate(links)]
+        self._by_conn: dict[int, Path] = {}
+        self._outstanding: dict[int, tuple[Slot, int]] = {}
+        self._queued: dict[int, list[tuple]] = {}
+        self._seq = 0
+        self.counters = {"grants": 0, "completions": 0, "stale_completions": 0, "fenced_grants": 0,
+                         "server_errors": 0}
+        for path in self.paths:
+            log.info("dataset %s: %s fed over %s: %s", dataset, path.link.name, rail, path.reason)
+        try:
+            self._open_all(max(options.connect_timeout, 5.0) * 2)
+        except KSpeedError:
+            self.close()
+            raise
+
+    # -- setup -----------------------------------------------------------------------------------
+
+    def _open_all(self, hello_timeout: float) -> None:
+        for path in self.paths:
+            self._open(path)
+        deadline = time.monotonic() + hello_timeout
+        while any(p.conn is None for p in self.paths):
+            if time.monotonic() > deadline:
+                silent = ", ".join(p.link.name for p in self.paths if p.conn is None)
+                raise UnavailableError(f"dataset {self.dataset!r}: the feeder of {silent} did not connect to the "
+                                       f"{self.rail} ring within {hello_timeout:.0f}s")
+            self.poll(POLL_TICK)
+
+    def _open(self, path: Path) -> None:
+        request = kspeed_pb2.OpenFeedRequest(dataset=self.dataset, feed_id=self.feed_id, rail=self.rail,
+                                             material=self._receiver.material, ring_key=self._region.key.to_bytes(),
+                                             generation=path.generation, holder=self._holder)
+        path.link.open_feed(request)
+        path.last_heard = time.monotonic()
+
+    # -- grants ----------------------------------------------------------------------------------
+
+    def grant(self, plan: EpochPlan, batch: int) -> Slot | None:
+        """Reserve ring room for ``batch`` of ``plan`` and queue its grants; ``None`` when the ring is full.
+
+        Call :meth:`flush` to send the queued grants.
+
+        Raises:
+            PeerLostError: a server that owes part of the batch was fenced (named, with why).
+        """
+        owed = np.flatnonzero(plan.owed[:, batch]).tolist()
+        for index in owed:
+            if self.paths[index].lost:
+                path = self.paths[index]
+                raise PeerLostError(f"dataset {self.dataset!r}: batch {batch} of epoch {plan.epoch} needs "
+                                    f"{path.link.name}, whose path was cut ({path.lost}); reattach the dataset")
+        offset = self.allocator.reserve(int(plan.layout.batch_bytes[batch]))
+        if offset is None:
+            return None
+        now = time.monotonic()
+        slot = Slot(plan, batch, offset, set(owed), now)
+        size = int(plan.layout.starts[batch + 1] - plan.layout.starts[batch])
+        for index in owed:
+            path = self.paths[index]
+            self._seq = self._seq % (_SEQ_LIMIT - 1) + 1
+            tag = grants.make_tag(path.generation, self._seq)
+            self._outstanding[tag] = (slot, index)
+            self._queued.setdefault(index, []).append((plan.feed_epoch, batch, offset, 0, size, tag))
+            if path.last_heard < now - self.completion_timeout:
+                path.last_heard = now  # an idle path's silence started with this grant
+        plan.slots += 1
+        self.counters["grants"] += len(owed)
+        return slot
+
+    def flush(self) -> None:
+        """Send the queued grants, several per message."""
+        queued, self._queued = self._queued, {}
+        for index, rows in queued.items():
+            path = self.paths[index]
+            if path.lost or path.conn is None:
+                continue
+            array = np.array(rows, dtype=grants.GRANT_DTYPE)
+            try:
+                for start in range(0, len(array), _GRANTS_PER_MESSAGE):
+                    self._receiver.send(path.conn, grants.encode_grants(array[start:start + _GRANTS_PER_MESSAGE]))
+            except PeerLostError as exc:
+                self.fence(path.link.server_id, f"sending grants failed: {exc}")
+
+    def discard(self, slot: Slot) -> None:
+        """The batch will not be delivered; its range is released once every owed completion is in."""
+        slot.discarded = True
+        self._settle(slot)
+
+    def drop_plan(self, plan: EpochPlan) -> None:
+        """Tell every server the plan will not be granted again."""
+        message = grants.encode_drop_plan(plan.feed_epoch)
+        for path in self.paths:
+            if path.conn is not None and not path.lost:
+                with contextlib.suppress(PeerLostError):
+                    self._receiver.send(path.conn, message)
+
+    # -- completions -----------------------------------------------------------------------------
+
+    def poll(self, timeout: float = 0.0) -> None:
+        """Take in completions and messages; a lost path is fenced (its batches then fail, named)."""
+        try:
+            done = self._receiver.poll(timeout)
+        except PeerLostError as exc:
+            path = self._by_conn.get(exc.conn) if exc.conn is not None else None
+            if path is None:
+                if exc.conn is not None:
+                    return  # a connection we already cut
+                raise PeerLostError(f"dataset {self.dataset!r}: the {self.rail} receiver failed: {exc}") from exc
+            self.fence(path.link.server_id, str(exc))
+            done = Completions.empty()
+        self.accept(done)
+        self._messages()
+
+    def accept(self, done: Completions) -> None:
+        """Count completions against their grants; old generations and unknown tags are ignored."""
+        if not len(done):
+            return
+        now = time.monotonic()
+        for imm, conn in zip(done.imm.tolist(), done.conn.tolist()):
+            path = self._by_conn.get(conn)
+            entry = self._outstanding.get(imm) if path is not None else None
+            if entry is None or grants.tag_generation(imm) != path.generation or entry[1] != path.index:
+                self.counters["stale_completions"] += 1
+                continue
+            del self._outstanding[imm]
+            slot, index = entry
+            path.last_heard = now
+            self.counters["completions"] += 1
+            slot.owed.discard(index)
+            self._settle(slot)
+
+    def _messages(self) -> None:
+        for conn, message in self._receiver.messages():
+            try:
+                kind, payload = grants.decode(message)
+            except ProtocolError as exc:
+                log.warning("dataset %s: ignoring a malformed feed message: %s", self.dataset, exc)
+                continue
+            if kind == grants.HELLO:
+                self._hello(conn, payload)
+            elif kind == grants.ERROR:
+                self._error(conn, *payload)
+
+    def _hello(self, conn: int, hello: dict) -> None:
+        path = next((p for p in self.paths if p.link.server_id == hello.get("server")), None)
+        if path is None or hello.get("feed") != self.feed_id or hello.get("generation") != path.generation:
+            log.warning("dataset %s: ignoring HELLO %s on connection %d (stale or not ours)", self.dataset, hello, conn)
+            with contextlib.suppress(KSpeedError):
+                self._receiver.disconnect(conn)
+            return
+        path.conn = conn
+        path.last_heard = time.monotonic()
+        self._by_conn[conn] = path
+
+    def _error(self, conn: int, epoch: int, batch: int, tag: int, text: str) -> None:
+        path = self._by_conn.get(conn)
+        entry = self._outstanding.pop(tag, None) if path is not None else None
+        if entry is None:
+            self.counters["stale_completions"] += 1
+            return
+        slot, index = entry
+        self.counters["server_errors"] += 1
+        slot.error = slot.error or text
+        slot.errors_from.append(path.link.name)
+        slot.owed.discard(index)
+        self._settle(slot)
+
+    def _settle(self, slot: Slot) -> None:
+        if slot.discarded and not slot.settled and (slot.done or slot.fenced):
+            if not slot.fenced:  # a fenced range stays quarantined
+                self.allocator.release(slot.offset)
+            slot.plan.slots -= 1
+            slot.settled = True
+
+    def wait(self, slot: Slot, tick: Callable[[], None]) -> None:
+        """Poll until ``slot`` is complete, calling ``tick`` between polls (to top up grants).
+
+        Raises:
+            DatasetError: a server answered a grant of the batch with ERROR (batch and reason named).
+            PeerLostError: a server that owes the batch was cut off.
+            TransportError: a server that owes the batch stayed silent beyond ``completion_timeout``.
+        """
+        while True:
+            if slot.error:
+                self.discard(slot)
+                raise DatasetError(f"dataset {self.dataset!r}: batch {slot.batch} of epoch {slot.plan.epoch} failed "
+                                   f"on {', '.join(slot.errors_from)}: {slot.error}", dataset=self.dataset)
+            if slot.fenced:
+                lost = [p for p in self.paths if p.lost and slot.plan.owed[p.index, slot.batch]]
+                names = "; ".join(f"{p.link.name} ({p.lost})" for p in lost) or "a fenced server"
+                raise PeerLostError(f"dataset {self.dataset!r}: batch {slot.batch} of epoch {slot.plan.epoch} was "
+                                    f"cut off: {names}")
+            if slot.done:
+                return
+            now = time.monotonic()
+            for index in slot.owed:
+                path = self.paths[index]
+                silent = now - max(slot.granted_at, path.last_heard)
+                if silent > self.completion_timeout:
+                    raise TransportError(f"dataset {self.dataset!r}: {path.link.name} sent no completion for batch "
+                                         f"{slot.batch} of epoch {slot.plan.epoch} in {silent:.1f}s "
+                                         f"(completion_timeout {self.completion_timeout:g}s)")
+            self.poll(POLL_TICK)
+            tick()
+
+    # -- fencing ---------------------------------------------------------------------------------
+
+    def fence(self, server_id: str, reason: str = "fenced by the client") -> int:
+        """Cut ``server_id``'s path, bump its generation and quarantine its outstanding ranges.
+
+        Returns:
+            the number of grants that were outstanding on the path.
+
+        Raises:
+            KeyError: no such server in this feed.
+        """
+        path = next(p for p in self.paths if p.link.server_id == server_id)
+        if path.conn is not None:
+            self._by_conn.pop(path.conn, None)
+            with contextlib.suppress(KSpeedError):
+                self._receiver.disconnect(path.conn)
+        path.conn = None
+        path.generation = path.generation % grants.MAX_GENERATION + 1
+        path.lost = reason
+        cut = [tag for tag, (_, index) in self._outstanding.items() if index == path.index]
+        for tag in cut:
+            slot, _ = self._outstanding.pop(tag)
+            if not slot.fenced:
+                self.allocator.quarantine(slot.offset)
+            slot.fenced = True
+            self._settle(slot)
+        self.counters["fenced_grants"] += len(cut)
+        log.warning("dataset %s: fenced %s (%s): generation now %d, %d grant(s) quarantined", self.dataset,
+                    path.link.name, reason, path.generation, len(cut))
+        return len(cut)
+
+    # -- teardown --------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        """Counters of grants, completions, stale completions, fencing and ring use."""
+        return {**self.counters, "ring_bytes": self.allocator.capacity, "ring_used": self.allocator.used,
+                "ring_quarantined": self.allocator.quarantined, "outstanding": len(self._outstanding)}
+
+    def close(self) -> None:
+        """Close the feed on every server (best effort) and release the ring."""
+        for path in self.paths:
+            try:
+                path.link.close_feed(self.feed_id)
+            except KSpeedError as exc:
+                log.debug("dataset %s: closing the feed on %s: %s", self.dataset, path.link.name, exc)
+        self._receiver.close()

@@ -1,0 +1,98 @@
+"""The client's control-plane calls to one server: broadcast lookup, OpenFeed, CommitPlan, CloseFeed.
+
+Every failure is converted to :mod:`kspeed.errors` naming the server and its address, so "server
+s2 at 10.0.0.7:7071 is unreachable" reaches the training script instead of a bare gRPC status.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from kspeed import rpc
+from kspeed.config import ClientConfig
+from kspeed.proto import kspeed_pb2, kspeed_pb2_grpc
+
+__all__ = ["LOOKUP_CHUNK", "PLAN_CHUNK", "ServerLink"]
+
+LOOKUP_CHUNK = 1 << 16  # IDs per Lookup request (the server accepts up to 1 << 20)
+PLAN_CHUNK = 1 << 18  # IDs per PlanChunk (3 MiB per message)
+PLAN_DEADLINE = 900.0  # CommitPlan waits for the preload of the plan's samples (server plan_timeout: 600 s)
+LE_I64, LE_U32 = np.dtype("<i8"), np.dtype("<u4")
+
+
+class ServerLink:
+    """A channel to one server of a dataset.
+
+    Args:
+        server_id: the server's id in the cluster.
+        address: its gRPC ``host:port``.
+        config: credentials and deadlines.
+    """
+
+    def __init__(self, server_id: str, address: str, config: ClientConfig) -> None:
+        self.server_id = server_id
+        self.address = address
+        self._timeout = config.timeout
+        self._metadata = rpc.call_metadata(config.security)
+        self._channel = rpc.open_channel(address, config.security)
+        self._stub = kspeed_pb2_grpc.ServerStub(self._channel)
+
+    @property
+    def name(self) -> str:
+        """``server <id> at <address>``, for messages."""
+        return f"server {self.server_id} at {self.address}"
+
+    def lookup(self, dataset: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Which of ``ids`` this server owns: ``(positions, lengths, labels)`` (labels empty without labels).
+
+        Raises:
+            NotFoundError: the server does not host the dataset or an ID does not exist.
+            UnavailableError: the server is unreachable.
+        """
+        def chunks() -> Iterator[kspeed_pb2.LookupRequest]:
+            for start in range(0, max(len(ids), 1), LOOKUP_CHUNK):
+                yield kspeed_pb2.LookupRequest(dataset=dataset if start == 0 else "",
+                                               ids=ids[start:start + LOOKUP_CHUNK].astype(LE_I64).tobytes())
+
+        positions, lengths, labels = [], [], []
+        deadline = max(self._timeout, 60.0)
+        with rpc.map_rpc_errors(self.name):
+            replies = self._stub.Lookup(chunks(), timeout=deadline, metadata=self._metadata)
+            for start, reply in zip(range(0, max(len(ids), 1), LOOKUP_CHUNK), replies):
+                positions.append(np.frombuffer(reply.positions, LE_U32).astype(np.int64) + start)
+                lengths.append(np.frombuffer(reply.lengths, LE_U32).astype(np.int64))
+                labels.append(np.frombuffer(reply.labels, LE_I64))
+        if not positions:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
+        return np.concatenate(positions), np.concatenate(lengths), np.concatenate(labels).astype(np.int64)
+
+    def open_feed(self, request: kspeed_pb2.OpenFeedRequest) -> kspeed_pb2.OpenFeedReply:
+        """Ask the server to connect a feeder to our ring (docs/feeding.md, step 2)."""
+        with rpc.map_rpc_errors(self.name):
+            return self._stub.OpenFeed(request, timeout=max(self._timeout, 30.0), metadata=self._metadata)
+
+    def commit_plan(self, feed_id: str, epoch: int, batch_size: int, ids: np.ndarray,
+                    lengths: np.ndarray) -> kspeed_pb2.PlanReply:
+        """Hand over an epoch plan; returns once the server holds every sample it owns in it."""
+        def chunks() -> Iterator[kspeed_pb2.PlanChunk]:
+            for start in range(0, max(len(ids), 1), PLAN_CHUNK):
+                chunk = kspeed_pb2.PlanChunk(ids=ids[start:start + PLAN_CHUNK].astype(LE_I64).tobytes(),
+                                             lengths=lengths[start:start + PLAN_CHUNK].astype(LE_U32).tobytes())
+                if start == 0:
+                    chunk.feed_id, chunk.epoch, chunk.batch_size = feed_id, epoch, batch_size
+                yield chunk
+
+        with rpc.map_rpc_errors(self.name):
+            return self._stub.CommitPlan(chunks(), timeout=PLAN_DEADLINE, metadata=self._metadata)
+
+    def close_feed(self, feed_id: str) -> None:
+        """Tell the server the feed is over."""
+        with rpc.map_rpc_errors(self.name):
+            self._stub.CloseFeed(kspeed_pb2.CloseFeedRequest(feed_id=feed_id), timeout=self._timeout,
+                                 metadata=self._metadata)
+
+    def close(self) -> None:
+        """Close the channel."""
+        self._channel.close()

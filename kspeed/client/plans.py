@@ -1,0 +1,156 @@
+"""Epoch plans: broadcast the IDs, learn who owns what and how long it is, commit the plan everywhere.
+
+A plan is this rank's ordered IDs for one pass plus what the lookup replies said about them
+(owner, length, label) and the ring layout both sides derive with :func:`kspeed.plan.batch_layout`.
+Every server sees the whole plan, so a grant only names a batch and a range of positions.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from kspeed.errors import CapacityError, DatasetError, ProtocolError
+from kspeed.plan import BatchLayout, batch_layout
+
+__all__ = ["EpochPlan", "Link", "check_fits", "make_plan"]
+
+log = logging.getLogger(__name__)
+
+
+class Link(Protocol):
+    """What a plan needs of a server (``kspeed.client.links.ServerLink`` or a test double)."""
+
+    server_id: str
+    name: str
+
+    def lookup(self, dataset: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
+
+    def commit_plan(self, feed_id: str, epoch: int, batch_size: int, ids: np.ndarray, lengths: np.ndarray): ...
+
+
+@dataclass(eq=False)
+class EpochPlan:
+    """One committed pass over an epoch's order.
+
+    Attributes:
+        epoch: the user's epoch number.
+        feed_epoch: the number this pass carries in grants (unique per feed, so two passes over one
+            epoch, or a discarded prediction, never collide on the servers).
+        ids: sample IDs in delivery order.
+        lengths: their lengths in bytes.
+        labels: their labels (-1 without labels).
+        owner: per position, the index of the server that writes it.
+        layout: where every sample lands relative to its batch.
+        owed: ``(servers, batches)`` booleans: which servers write something in which batch.
+        deterministic: the order is a function of (seed, epoch), so the plan may be reused.
+    """
+
+    epoch: int
+    feed_epoch: int
+    ids: np.ndarray
+    lengths: np.ndarray
+    labels: np.ndarray
+    owner: np.ndarray
+    layout: BatchLayout
+    owed: np.ndarray
+    deterministic: bool
+    slots: int = field(default=0)
+
+    @property
+    def num_batches(self) -> int:
+        return self.layout.num_batches
+
+
+def _lookup_all(links: Sequence[Link], dataset: str, ids: np.ndarray, pool: ThreadPoolExecutor | None
+                ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    if pool is None or len(links) == 1:
+        return [link.lookup(dataset, ids) for link in links]
+    futures = [pool.submit(link.lookup, dataset, ids) for link in links]
+    return [f.result() for f in futures]
+
+
+def make_plan(links: Sequence[Link], *, dataset: str, feed_id: str, epoch: int, feed_epoch: int, ids: np.ndarray,
+              batch_size: int, labelled: bool, deterministic: bool, ring_bytes: int,
+              pool: ThreadPoolExecutor | None = None) -> EpochPlan:
+    """Look ``ids`` up on every server, check the answers, and commit the plan to every server.
+
+    Args:
+        links: every server of the dataset.
+        dataset: its name.
+        feed_id: this client's feed.
+        epoch: the user's epoch.
+        feed_epoch: the pass number sent to servers.
+        ids: the order.
+        batch_size: samples per batch.
+        labelled: whether lookup replies carry labels.
+        deterministic: whether the order may be reused for the same epoch.
+        ring_bytes: ring capacity (a batch larger than it is refused here).
+        pool: threads to talk to several servers at once.
+
+    Raises:
+        DatasetError: a sample is owned by no server (named).
+        ProtocolError: two servers claim one sample.
+        CapacityError: a batch does not fit in the ring.
+    """
+    n = len(ids)
+    owner = np.full(n, -1, dtype=np.int32)
+    lengths = np.zeros(n, dtype=np.int64)
+    labels = np.full(n, -1, dtype=np.int64)
+    for index, (positions, lens, labs) in enumerate(_lookup_all(links, dataset, ids, pool)):
+        clash = positions[owner[positions] >= 0]
+        if len(clash):
+            p = int(clash[0])
+            raise ProtocolError(f"dataset {dataset!r}: sample {int(ids[p])} is claimed by {links[owner[p]].name} and "
+                                f"{links[index].name}")
+        owner[positions] = index
+        lengths[positions] = lens
+        if labelled and len(labs) == len(positions):
+            labels[positions] = labs
+    orphans = np.flatnonzero(owner < 0)
+    if len(orphans):
+        sample = int(ids[orphans[0]])
+        raise DatasetError(f"dataset {dataset!r}: sample {sample} is owned by no server ({len(orphans)} sample(s) "
+                           "unowned); the dataset's shares do not cover it", dataset=dataset, sample=sample)
+    layout = batch_layout(lengths, batch_size)
+    check_fits(layout, ring_bytes, dataset, epoch)
+    owed = np.zeros((len(links), layout.num_batches), dtype=bool)
+    if n:
+        for index in range(len(links)):
+            owed[index] = np.add.reduceat((owner == index).astype(np.int64), layout.starts[:-1]) > 0
+    plan = EpochPlan(epoch, feed_epoch, ids, lengths, labels, owner, layout, owed, deterministic)
+    _commit_all(links, plan, feed_id, batch_size, pool)
+    log.debug("dataset %s: epoch %d planned as pass %d (%d samples, %d batches)", dataset, epoch, feed_epoch, n,
+              layout.num_batches)
+    return plan
+
+
+def check_fits(layout: BatchLayout, ring_bytes: int, dataset: str, epoch: int) -> None:
+    """Refuse a plan whose largest batch cannot fit in the ring.
+
+    Raises:
+        CapacityError: naming the batch, its size and the ring's.
+    """
+    if not len(layout.batch_bytes):
+        return
+    b = int(np.argmax(layout.batch_bytes))
+    need = int(layout.batch_bytes[b])
+    if need > ring_bytes:
+        raise CapacityError(f"dataset {dataset!r}: batch {b} of epoch {epoch} needs {need} bytes, more than the "
+                            f"receive ring's {ring_bytes}; raise ring_bytes (KSPEED_RING_BYTES) or lower batch_size")
+
+
+def _commit_all(links: Sequence[Link], plan: EpochPlan, feed_id: str, batch_size: int,
+                pool: ThreadPoolExecutor | None) -> None:
+    args = (feed_id, plan.feed_epoch, batch_size, plan.ids, plan.lengths)
+    if pool is None or len(links) == 1:
+        for link in links:
+            link.commit_plan(*args)
+        return
+    for future in [pool.submit(link.commit_plan, *args) for link in links]:
+        future.result()

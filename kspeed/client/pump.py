@@ -1,0 +1,184 @@
+"""The pump: keeps the ring granted ahead of the training loop, across epoch boundaries.
+
+Each request for the next batch first tops up grants while the ring has room (the rest of the
+current epoch, then the next epoch's batches once its plan is committed), then polls completions
+until the wanted batch is complete. The servers keep writing while the model trains, so on ``shm``
+nothing else needs to run in the training process.
+
+One helper thread exists: the next epoch of a sampler deterministic in (seed, epoch) is looked up
+and committed (two RPC rounds to every server, which may wait for a preload) on a planner thread
+while the current epoch is consumed, so the training loop never stalls for those round trips at
+the boundary. Other samplers are planned in the caller's thread when their epoch starts.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from kspeed.errors import CapacityError
+
+from .batch import Batch, make_batch
+from .feed import Feed, Slot
+from .plans import EpochPlan
+from .ring import RingAllocator
+
+__all__ = ["Pump"]
+
+log = logging.getLogger(__name__)
+
+
+class Pump:
+    """Grants and deliveries of one dataset's feed.
+
+    Args:
+        feed: the feed.
+        plan_epoch: builds and commits the plan of an epoch (``feed_epoch`` chosen by the caller).
+        deterministic: whether plans depend only on (seed, epoch), so the next one may be made early.
+    """
+
+    def __init__(self, feed: Feed, plan_epoch: Callable[[int], EpochPlan], deterministic: bool) -> None:
+        self.feed = feed
+        self._plan_epoch = plan_epoch
+        self._deterministic = deterministic
+        self._plans: dict[int, EpochPlan] = {}
+        self._future: Future | None = None
+        self._future_epoch: int | None = None
+        self._planner = ThreadPoolExecutor(1, thread_name_prefix="kspeed-plan") if deterministic else None
+        self._queue: deque[Slot] = deque()
+        self._cursor: tuple[EpochPlan, int] | None = None
+        self._current: EpochPlan | None = None
+        self.wait_s = 0.0
+        self.last_wait_s = 0.0
+        self.delivered = 0
+
+    # -- plans -----------------------------------------------------------------------------------
+
+    def _plan_for(self, epoch: int) -> EpochPlan:
+        if self._deterministic and epoch in self._plans:
+            return self._plans[epoch]
+        if self._future is not None and self._future_epoch == epoch:
+            future, self._future = self._future, None
+            plan = future.result()
+        else:
+            plan = self._plan_epoch(epoch)
+        if self._deterministic:
+            self._plans[epoch] = plan
+        return plan
+
+    def _prefetch(self, epoch: int) -> None:
+        if self._planner is None or epoch in self._plans or (self._future is not None and self._future_epoch == epoch):
+            return
+        self._future, self._future_epoch = self._planner.submit(self._plan_epoch, epoch), epoch
+
+    def _next_plan(self) -> EpochPlan | None:
+        """The predicted next epoch's plan, once committed (never waits)."""
+        if self._current is None or not self._deterministic:
+            return None
+        epoch = self._current.epoch + 1
+        if epoch in self._plans:
+            return self._plans[epoch]
+        if self._future is not None and self._future_epoch == epoch and self._future.done():
+            if self._future.exception() is not None:
+                return None  # raised again, in the caller's thread, when the epoch starts
+            self._plans[epoch] = self._future.result()
+            self._future = None
+            return self._plans[epoch]
+        return None
+
+    def _retire(self) -> None:
+        keep = {self._current.epoch, self._current.epoch + 1} if self._current else set()
+        for epoch, plan in list(self._plans.items()):
+            if epoch not in keep and plan.slots == 0:
+                self.feed.drop_plan(plan)
+                del self._plans[epoch]
+
+    # -- epochs ----------------------------------------------------------------------------------
+
+    def start(self, epoch: int, first_batch: int) -> EpochPlan:
+        """Make ``epoch`` current from ``first_batch`` on; keep what was already granted if it lines up."""
+        plan = self._plan_for(epoch)
+        head = self._queue[0] if self._queue else None
+        if head is None or head.plan is not plan or head.batch != first_batch:
+            while self._queue:
+                slot = self._queue.popleft()
+                self.feed.discard(slot)
+            self._cursor = (plan, first_batch)
+        self._current = plan
+        self._retire()
+        if self._deterministic:
+            self._prefetch(epoch + 1)
+        return plan
+
+    def top_up(self) -> None:
+        """Grant batches while the ring has room."""
+        if self._cursor is None:
+            return
+        plan, batch = self._cursor
+        granted = False
+        while True:
+            if batch >= plan.num_batches:
+                following = self._next_plan() if plan is self._current else None
+                if following is None:
+                    break
+                plan, batch = following, 0
+                continue
+            slot = self.feed.grant(plan, batch)
+            if slot is None:
+                break
+            self._queue.append(slot)
+            batch += 1
+            granted = True
+        self._cursor = (plan, batch)
+        if granted:
+            self.feed.flush()
+
+    def next_batch(self, plan: EpochPlan, batch: int) -> Batch:
+        """Deliver ``batch`` of ``plan`` (the current epoch), waiting for its completions.
+
+        Raises:
+            CapacityError: the ring is full of batches the caller still holds.
+        """
+        started = time.monotonic()
+        self.feed.allocator.drain()
+        self.top_up()
+        if not self._queue:
+            self._make_room(plan, batch)
+        slot = self._queue[0]
+        self.feed.wait(slot, self.top_up)
+        self._queue.popleft()
+        plan.slots -= 1
+        layout = plan.layout
+        lo, hi = int(layout.starts[batch]), int(layout.starts[batch + 1])
+        result = make_batch(self.feed.ring, slot.offset, RingAllocator.footprint(int(layout.batch_bytes[batch])),
+                            epoch=plan.epoch, index=batch, ids=plan.ids[lo:hi], labels=plan.labels[lo:hi],
+                            offsets=layout.offsets[lo:hi], lengths=layout.lengths[lo:hi],
+                            on_free=self.feed.allocator.release_later)
+        self.last_wait_s = time.monotonic() - started
+        self.wait_s += self.last_wait_s
+        self.delivered += 1
+        self.top_up()
+        return result
+
+    def _make_room(self, plan: EpochPlan, batch: int) -> None:
+        gc.collect()  # batches dropped in reference cycles give their ranges back here
+        self.feed.allocator.drain()
+        self.top_up()
+        if not self._queue:
+            allocator = self.feed.allocator
+            need = int(plan.layout.batch_bytes[batch])
+            raise CapacityError(
+                f"dataset {self.feed.dataset!r}: batch {batch} of epoch {plan.epoch} needs {need} bytes but the "
+                f"receive ring ({allocator.capacity} bytes) is full of {allocator.reservations} batch(es) still held "
+                f"({allocator.used} bytes, {allocator.quarantined} quarantined); release batches (batch.release() or "
+                "drop their tensors) or raise ring_bytes")
+
+    def close(self) -> None:
+        """Stop the planner thread (a plan in progress finishes on its own)."""
+        if self._planner is not None:
+            self._planner.shutdown(wait=False, cancel_futures=True)
+        self._queue.clear()

@@ -1,0 +1,67 @@
+"""What a dataset is, as the training script names it: a frozen mirror of ``kspeed.v1.DatasetSpec``.
+
+The manager checks the same rules again; checking them here too means a typo fails at the line
+that made it, before any daemon is asked.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from kspeed.errors import ConfigError
+
+__all__ = ["DatasetSpec"]
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+KINDS = ("auto", "dir", "list", "manifest", "npy")
+LABELS = ("", "dirname")
+MAX_URI = 4096
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """A dataset definition; two registrations of one name must agree on every field.
+
+    Attributes:
+        name: the dataset's name in the cluster: 1-128 letters, digits, ``.``, ``_`` or ``-``,
+            starting with a letter or digit.
+        uri: a directory tree, list file, manifest file or ``.npy`` (path or fsspec URL) that the
+            servers' operator allows.
+        kind: how to read ``uri``: ``auto`` (default), ``dir``, ``list``, ``manifest`` or ``npy``.
+        labels: ``""`` (no labels) or ``"dirname"`` (class index of each sample's parent directory).
+        quota_bytes: most pooled memory the dataset may take (0: no quota).
+
+    Raises:
+        ConfigError: a field is invalid (the message names it).
+    """
+
+    name: str
+    uri: str
+    kind: str = "auto"
+    labels: str = ""
+    quota_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
+            raise ConfigError(f"DatasetSpec.name {self.name!r} must be 1-128 letters, digits, '.', '_' or '-', "
+                              "starting with a letter or digit", field="name", value=self.name)
+        if not isinstance(self.uri, str) or not self.uri or len(self.uri) > MAX_URI or "\0" in self.uri:
+            raise ConfigError(f"DatasetSpec.uri of dataset {self.name!r} must be 1-{MAX_URI} characters without NUL",
+                              field="uri", value=self.uri)
+        if self.kind not in KINDS:
+            raise ConfigError(f"DatasetSpec.kind {self.kind!r} of dataset {self.name!r} is not one of "
+                              f"{', '.join(KINDS)}", field="kind", value=self.kind)
+        if self.labels not in LABELS:
+            raise ConfigError(f"DatasetSpec.labels {self.labels!r} of dataset {self.name!r} is not one of '', "
+                              "'dirname'", field="labels", value=self.labels)
+        if isinstance(self.quota_bytes, bool) or not isinstance(self.quota_bytes, int) or self.quota_bytes < 0:
+            raise ConfigError(f"DatasetSpec.quota_bytes {self.quota_bytes!r} of dataset {self.name!r} must be a "
+                              "non-negative integer", field="quota_bytes", value=self.quota_bytes)
+
+    def to_proto(self):
+        """The protobuf message sent to the manager."""
+        from kspeed.proto import kspeed_pb2
+
+        return kspeed_pb2.DatasetSpec(name=self.name, uri=self.uri, kind=self.kind, labels=self.labels,
+                                      quota_bytes=self.quota_bytes)
