@@ -4,8 +4,9 @@ It runs apart from the training process (a receive loop inside a busy Python pro
 of its bandwidth to the GIL) and is started by :class:`kspeed.rdma.tcp.TcpReceiver` as
 ``python -m kspeed.rdma.tcp_receiver CONFIG_JSON``. Consumers attach over an abstract Unix socket
 (uid checked), hand over their key and their rings' memfds; writers dial its TCP port. One
-single-threaded selector loop ``recv_into``s each payload at its offset in the ring, checks every
-header against the region before a byte lands, and forwards completions (one frame per consumer
+single-threaded selector loop ``recvmsg_into``s each payload at its offset in the ring together
+with the header that follows it (one syscall per write), checks every header against the region
+before a byte lands, and forwards completions (one frame per consumer
 per loop turn), messages and losses to the consumer. Handshakes run in short-lived threads so a
 slow dialer never stalls the data path.
 
@@ -316,15 +317,22 @@ class ReceiverProcess:
                     if not self._start_write(bulk):
                         return
                 else:
-                    n = sock.recv_into(bulk.dst[bulk.got :])
+                    # The rest of the payload and the next header in one syscall.
+                    remaining = len(bulk.dst) - bulk.got
+                    n = sock.recvmsg_into([bulk.dst[bulk.got :], bulk.hdr_view])[0]
                     if n == 0:
                         self._drop_bulk(bulk, "writer closed the connection in the middle of a write")
                         return
-                    bulk.got += n
                     budget -= n
                     bulk.last = time.monotonic()
-                    if bulk.got == len(bulk.dst):
-                        self._finish_write(bulk)
+                    if n < remaining:
+                        bulk.got += n
+                        continue
+                    bulk.got += remaining
+                    bulk.hdr_got = n - remaining
+                    self._finish_write(bulk)
+                    if bulk.hdr_got == p.WRITE_HEADER.size and not self._start_write(bulk):
+                        return
         except BlockingIOError:
             return
         except OSError as exc:
