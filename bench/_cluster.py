@@ -101,11 +101,12 @@ class KSpeedSource:
     def __init__(self, address: str, samples: SampleSet, batch_size: int, rail: str, seed: int = 0) -> None:
         from kspeed import DatasetSpec, KSpeedClient
 
-        self.client = KSpeedClient(address)
+        config = load_config(ClientConfig, environ={}, overrides={"manager": address, "security.auth": "none"})
+        self.client = KSpeedClient(address, config=config)
         try:
             self.dataset = self.client.dataset(DatasetSpec(name=samples.name, uri=samples.root, labels="dirname"),
                                                batch_size=batch_size, sampler=None, seed=seed, drop_last=False,
-                                               rail=rail)
+                                               rail=rail, quiet=True)
             self.dataset.preload()
         except BaseException:
             self.client.close()

@@ -102,19 +102,20 @@ def batch_size_for(spec: SizeSpec) -> int:
     return max(2, min(SMALL_BATCH, MAX_BATCH_BYTES // spec.hi))
 
 
-def sample_count(spec: SizeSpec, target_bytes: int) -> int:
-    """Samples of a set: about ``target_bytes`` of them, and at least ``MIN_BATCHES`` batches."""
-    return max(round(target_bytes / spec.mean), MIN_BATCHES * batch_size_for(spec))
+def sample_count(spec: SizeSpec, target_bytes: int, min_batches: int = MIN_BATCHES) -> int:
+    """Samples of a set: about ``target_bytes`` of them, and at least ``min_batches`` batches."""
+    return max(round(target_bytes / spec.mean), min_batches * batch_size_for(spec))
 
 
-def make_sample_set(root: str, name: str, spec: SizeSpec, target_bytes: int, seed: int = 0) -> SampleSet:
+def make_sample_set(root: str, name: str, spec: SizeSpec, target_bytes: int, min_batches: int = MIN_BATCHES,
+                    seed: int = 0) -> SampleSet:
     """Write :func:`sample_count` files of ``spec``'s size under ``root/name``.
 
     File ``i`` goes to class folder ``c{i % 8}``; IDs are then assigned over the sorted relative
     paths, as a KSpeed server lists a directory tree.
     """
     rng = np.random.default_rng(seed)
-    count = sample_count(spec, target_bytes)
+    count = sample_count(spec, target_bytes, min_batches)
     sizes = rng.integers(spec.lo, spec.hi + 1, count) if spec.lo != spec.hi else np.full(count, spec.lo)
     blob = rng.integers(0, 256, max(BLOB_BYTES, spec.hi + 1), dtype=np.uint8)
     starts = rng.integers(0, len(blob) - spec.hi, count)

@@ -45,8 +45,8 @@ from _report import print_table, target_ratios
 
 SYSTEMS = ["kspeed-shm", "kspeed-tcp", "dataloader-w0", "dataloader-w1", "dataloader-w2", "redis", "grpc-pull"]
 SIZES = "32K,24-40K,256K,1M,4M,16M"
-FULL = {"dataset_bytes": 512 * MIB, "seconds": 3.0}
-QUICK = {"dataset_bytes": 128 * MIB, "seconds": 0.75}
+FULL = {"dataset_bytes": 512 * MIB, "seconds": 3.0, "min_batches": 4}
+QUICK = {"dataset_bytes": 64 * MIB, "seconds": 0.5, "min_batches": 2}
 
 
 def open_source(system: str, samples: SampleSet, batch_size: int, cluster: BenchCluster | None,
@@ -98,7 +98,7 @@ def run_size(spec: SizeSpec, index: int, args, data_root: str, systems: list[str
     """Write, load, measure and remove the sample set of one size."""
     name = f"bench-{index}"
     print(f"[{spec.label}] writing ~{args.dataset_bytes / MIB:.0f} MiB ...", file=sys.stderr, flush=True)
-    samples = make_sample_set(data_root, name, spec, args.dataset_bytes, seed=index)
+    samples = make_sample_set(data_root, name, spec, args.dataset_bytes, args.min_batches, seed=index)
     info = None
     try:
         warm_page_cache(samples)
@@ -131,7 +131,7 @@ def run_size(spec: SizeSpec, index: int, args, data_root: str, systems: list[str
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", default=None, help="output path (stdout when omitted)")
-    parser.add_argument("--quick", action="store_true", help="128 MiB per size and 0.75 s per system")
+    parser.add_argument("--quick", action="store_true", help="64 MiB per size and 0.5 s per system")
     parser.add_argument("--sizes", default=SIZES, help=f"comma list; a lo-hi item is a variable set (default {SIZES})")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of systems (default: all)")
     parser.add_argument("--seconds", type=float, default=None, help="measured seconds per system, whole epochs")
@@ -141,6 +141,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     preset = QUICK if args.quick else FULL
     args.seconds = args.seconds if args.seconds is not None else preset["seconds"]
     args.dataset_bytes = args.dataset_mib * MIB if args.dataset_mib else preset["dataset_bytes"]
+    args.min_batches = preset["min_batches"]
     unknown = sorted(set(args.systems.split(",")) - set(SYSTEMS))
     if unknown:
         parser.error(f"unknown system(s) {', '.join(unknown)}; known: {', '.join(SYSTEMS)}")
@@ -165,7 +166,7 @@ def main(argv=None) -> None:
         stack.callback(lambda: args.keep or shutil.rmtree(data_root, ignore_errors=True))
         cluster = redis_server = None
         if any(s.startswith("kspeed-") or s == "grpc-pull" for s in systems):
-            largest = max(sample_count(s, args.dataset_bytes) * s.hi for s in specs)
+            largest = max(sample_count(s, args.dataset_bytes, args.min_batches) * s.hi for s in specs)
             cluster = stack.enter_context(BenchCluster(data_root, largest, keep=args.keep))
         if "redis" in systems:
             redis_server = RedisServer()
@@ -179,7 +180,8 @@ def main(argv=None) -> None:
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "machine": machine_info(),
         "limits": limits,
-        "config": {"servers": 2, "dataset_bytes_per_size": args.dataset_bytes, "seconds_per_system": args.seconds,
+        "config": {"servers": 2, "dataset_bytes_per_size": args.dataset_bytes, "min_batches": args.min_batches,
+                   "seconds_per_system": args.seconds,
                    "warmup_epochs": 1, "touch": "first byte of every sample, summed and checked per epoch",
                    "batch_sizes": {str(s.label): batch_size_for(s) for s in specs}},
         "results": results,
