@@ -112,6 +112,7 @@ class Pump:
         self._retire()
         if self._deterministic:
             self._prefetch(epoch + 1)
+        self.top_up()  # the servers start writing before the first batch is asked for
         return plan
 
     def top_up(self) -> None:

@@ -1,0 +1,181 @@
+"""End to end against in-process fake servers over real rails: order, bytes, labels, resume, lifetime."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+
+from kspeed.errors import CapacityError, ConfigError, StateError
+from kspeed.rdma.registry import available_rails
+from tests.client.conftest import N_SAMPLES
+
+
+def check_batch(batch, samples):
+    for i, sid in enumerate(batch.ids.tolist()):
+        assert batch.numpy(i).tobytes() == samples[sid], f"sample {sid} at position {i} of batch {batch.index}"
+        assert int(batch.labels[i]) == sid % 7
+
+
+def loader_batches(sampler, batch_size, drop_last):
+    return [b.tolist() for b in DataLoader(range(N_SAMPLES), sampler=sampler, batch_size=batch_size,
+                                           drop_last=drop_last)]
+
+
+@pytest.mark.parametrize("rail", available_rails())
+@pytest.mark.parametrize(("world", "shuffle", "drop_last"), [(1, True, False), (2, True, True), (2, False, False)])
+def test_epochs_match_the_dataloader_byte_for_byte(make_ds, samples, rail, world, shuffle, drop_last):
+    for rank in range(world):
+        ds, _ = make_ds(rail=rail, rank=rank, world_size=world, shuffle=shuffle, drop_last=drop_last, seed=11)
+        assert ds.rail == rail
+        reference = DistributedSampler(range(N_SAMPLES), num_replicas=world, rank=rank, shuffle=shuffle, seed=11)
+        for epoch in range(3):
+            ds.set_epoch(epoch)
+            reference.set_epoch(epoch)
+            got = []
+            for batch in ds:
+                check_batch(batch, samples)
+                got.append(batch.ids.tolist())
+            assert got == loader_batches(reference, 16, drop_last)
+            assert len(got) == len(ds)
+        assert ds.stats()["stale_completions"] == 0
+
+
+def test_user_sampler_with_duplicates_in_one_batch(make_ds, samples):
+    order = [3, 3, 150, 3, 0, 0, 202]  # duplicates, a zero-length sample, both servers
+    ds, _ = make_ds(sampler=order, batch_size=4)
+    batches = list(ds)
+    assert [b.ids.tolist() for b in batches] == [[3, 3, 150, 3], [0, 0, 202]]
+    for batch in batches:
+        check_batch(batch, samples)
+    first = batches[0]
+    assert first.samples[0].data_ptr() != first.samples[1].data_ptr()  # each position has its own bytes
+
+
+def test_next_epoch_is_granted_before_the_current_one_ends(make_ds):
+    ds, fakes = make_ds(ring_bytes=4 << 20)
+    ds.set_epoch(0)
+    it = iter(ds)
+    for _ in range(len(ds)):
+        next(it)
+    epochs_granted = {epoch for fake in fakes for epoch, _ in fake.grant_log}
+    assert len(epochs_granted) == 2  # pass 2 (epoch 1) was already being written
+    ds.set_epoch(1)
+    assert len(list(ds)) == len(ds)
+
+
+def test_random_sampler_state_is_consumed_only_at_epoch_start(make_ds, samples):
+    ours = RandomSampler(range(N_SAMPLES), generator=torch.Generator().manual_seed(9))
+    theirs = RandomSampler(range(N_SAMPLES), generator=torch.Generator().manual_seed(9))
+    ds, _ = make_ds(sampler=ours)
+    for _ in range(2):
+        expected = loader_batches(theirs, 16, False)
+        got = [b.ids.tolist() for b in ds]
+        assert got == expected
+        assert torch.equal(ours.generator.get_state(), theirs.generator.get_state())
+
+
+def test_resume_mid_epoch_continues_with_the_rest(make_ds, samples):
+    ds, _ = make_ds(rank=1, world_size=2, seed=4)
+    ds.set_epoch(2)
+    full = []
+    state = None
+    for i, batch in enumerate(ds):
+        full.append(batch.ids.tolist())
+        if i == 3:
+            state = ds.state_dict()
+    assert state["epoch"] == 2 and state["batches"] == 4
+    assert len(repr(state)) < 500
+    again, _ = make_ds(rank=1, world_size=2, seed=4)
+    again.load_state_dict(state)
+    again.set_epoch(2)  # the usual loop calls set_epoch on the saved epoch: the position is kept
+    rest = [b.ids.tolist() for b in again]
+    assert rest == full[4:]
+    other, _ = make_ds(rank=0, world_size=2, seed=4)
+    with pytest.raises(ConfigError, match="sampler"):
+        other.load_state_dict(state)
+
+
+def test_held_batches_keep_their_bytes(make_ds, samples):
+    ds, _ = make_ds(ring_bytes=200_000)  # room for a few batches: the ring wraps while three are held
+    held = []
+    for batch in ds:
+        check_batch(batch, samples)
+        held.append(batch)
+        if len(held) > 3:
+            held.pop(0)
+        for old in held:
+            check_batch(old, samples)
+    assert ds.stats()["ring_used"] > 0
+
+
+def test_views_and_release(make_ds, samples):
+    ds, _ = make_ds(sampler=[1, 2, 3, 4], batch_size=4)
+    batch = next(iter(ds))
+    sid = int(batch.ids[1])
+    assert torch.equal(batch.tensor(1), torch.frombuffer(bytearray(samples[sid]), dtype=torch.uint8))
+    raw = np.frombuffer(samples[sid][: len(samples[sid]) // 4 * 4], dtype=np.float32)
+    if len(samples[sid]) % 4 == 0:
+        assert np.array_equal(batch.tensor(1, torch.float32).numpy(), raw, equal_nan=True)
+    view = torch.utils.dlpack.from_dlpack(batch.dlpack(1))
+    assert view.data_ptr() == batch.samples[1].data_ptr()
+    assert batch.numpy(1).ctypes.data == batch.samples[1].data_ptr()  # no copy
+    used = ds.stats()["ring_used"]
+    del view
+    batch.release()
+    assert batch.released
+    with pytest.raises(StateError, match="released"):
+        batch.numpy(0)
+    ds._feed.allocator.drain()
+    assert ds.stats()["ring_used"] < used
+
+
+def test_ring_range_is_reclaimed_when_views_are_collected(make_ds):
+    ds, _ = make_ds(sampler=list(range(40)), batch_size=40)
+    batch = next(iter(ds))
+    keep = batch.samples[5]
+    used = ds._feed.allocator.used
+    del batch
+    gc.collect()
+    ds._feed.allocator.drain()
+    assert ds._feed.allocator.used == used  # one view still alive
+    del keep
+    gc.collect()
+    ds._feed.allocator.drain()
+    assert ds._feed.allocator.used < used
+
+
+def test_equal_length_batches_stack_and_wav(samples):
+    from kspeed.client.dataset import KSpeedDataset
+    from tests.client.fakes import FakeServer, client_config, fake_info
+
+    pcm = np.arange(-50, 50, dtype=np.int16)
+    wav = [b"RIFF" + bytes(40) + pcm.tobytes() for _ in range(12)]
+    fake = FakeServer("w0", wav, 0, 12)
+    ds = KSpeedDataset(fake_info(wav, [("w0", 0, 12)]), [fake], config=client_config(), batch_size=6,
+                       shuffle=False, ring_bytes=1 << 16, rail="shm")
+    try:
+        batch = next(iter(ds))
+        assert batch.data.shape == (6, 244)
+        assert batch.data[3].data_ptr() == batch.samples[3].data_ptr()
+        assert torch.equal(batch.wav(2), torch.from_numpy(pcm))
+    finally:
+        ds.close()
+
+
+def test_a_batch_larger_than_the_ring_is_named(make_ds):
+    ds, _ = make_ds(ring_bytes=4096, batch_size=16)
+    with pytest.raises(CapacityError, match=r"batch \d+ of epoch 0 needs \d+ bytes, more than the receive ring's 4096"):
+        iter(ds)
+
+
+def test_ring_full_of_held_batches_is_an_error_not_a_hang(make_ds):
+    ds, _ = make_ds(sampler=list(range(100, 200)), batch_size=10, ring_bytes=3 * 16 * 1024)
+    held = []
+    with pytest.raises(CapacityError, match=r"full of .* still held"):
+        for batch in ds:
+            held.append(batch)
+    assert len(held) >= 2

@@ -1,0 +1,146 @@
+"""Fencing, stale generations, server errors, silence, misuse: each a clear error or a counted no-op."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+from torch.utils.data import DataLoader
+
+from kspeed import grants
+from kspeed.client.dataset import KSpeedDataset
+from kspeed.client.rails import choose_rail
+from kspeed.errors import ConfigError, DatasetError, PeerLostError, RailUnavailableError, StateError, TransportError
+from kspeed.rdma.base import Completions
+from tests.client.fakes import client_config
+
+
+def test_stale_generation_completions_are_ignored(make_ds, samples):
+    ds, fakes = make_ds()
+    fakes[0].stale_first = True  # each real completion is preceded by one of the previous generation
+    batches = list(ds)
+    assert len(batches) == len(ds)
+    for batch in batches:
+        for i, sid in enumerate(batch.ids.tolist()):
+            assert batch.numpy(i).tobytes() == samples[sid]
+    stats = ds.stats()
+    owed_by_s0 = int(ds._pump._current.owed[0].sum())
+    assert stats["stale_completions"] >= owed_by_s0 and stats["completions"] >= len(ds)
+
+
+def test_fence_quarantines_and_ignores_the_old_generation(make_ds):
+    ds, fakes = make_ds(ring_bytes=1 << 20)
+    fakes[1].silent = True  # grants to s1 stay outstanding
+    it = iter(ds)
+    feed = ds._feed
+    feed.poll(0.2)
+    path = feed.paths[1]
+    old_generation, conn = path.generation, path.conn
+    outstanding = [tag for tag, (_, index) in feed._outstanding.items() if index == 1]
+    assert outstanding and all(grants.tag_generation(t) == old_generation for t in outstanding)
+    fenced = {(slot.offset, slot.offset + feed.allocator.footprint(int(slot.plan.layout.batch_bytes[slot.batch])))
+              for slot in (feed._outstanding[t][0] for t in outstanding)}
+
+    assert ds.fence("s1", "declared failed in a test") == len(outstanding)
+    assert path.generation == old_generation + 1
+    assert conn not in feed._receiver.connections
+    quarantined = feed.allocator.quarantined
+    assert quarantined > 0
+    # A completion of the old generation that arrives late changes nothing.
+    before = feed.stats()
+    feed.accept(Completions(np.array([outstanding[0]], np.uint32), np.array([conn], np.uint32)))
+    after = feed.stats()
+    assert after["stale_completions"] == before["stale_completions"] + 1
+    assert after["completions"] == before["completions"]
+    # The quarantined ranges are never handed out again.
+    taken = []
+    while (offset := feed.allocator.reserve(4096)) is not None:
+        taken.append(offset)
+    assert taken
+    assert not [o for o in taken for lo, hi in fenced if o < hi and lo < o + 4096]
+    assert feed.allocator.quarantined == quarantined
+    with pytest.raises(PeerLostError, match=r"s1 .*declared failed in a test"):
+        next(it)
+
+
+def test_server_error_names_batch_and_reason(make_ds):
+    ds, fakes = make_ds()
+    fakes[0].refuse = {2}
+    it = iter(ds)
+    next(it)
+    next(it)
+    with pytest.raises(DatasetError, match=r"batch 2 of epoch 0 failed on server s0 .*batch 2 refused by s0"):
+        next(it)
+
+
+def test_silent_server_is_named_not_a_hang(make_ds):
+    ds, fakes = make_ds(config=client_config(completion_timeout="0.5s"))
+    fakes[1].silent = True
+    with pytest.raises(TransportError, match=r"server s1 at 127.0.0.1:1 sent no completion for batch 0 of epoch 0"):
+        next(iter(ds))
+
+
+def test_batch_size_and_ring_size_are_checked(make_ds):
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ConfigError, match="batch_size must be a positive integer"):
+            make_ds(batch_size=bad)
+    with pytest.raises(ConfigError, match="ring_bytes"):
+        make_ds(ring_bytes=-5)
+
+
+def test_iteration_after_close(make_ds):
+    ds, fakes = make_ds()
+    it = iter(ds)
+    next(it)
+    ds.close()
+    assert all(f.closed_feeds == 1 for f in fakes)
+    with pytest.raises(StateError, match="closed"):
+        next(it)
+    with pytest.raises(StateError, match="closed"):
+        iter(ds)
+
+
+def test_worker_processes_are_refused_with_the_reason(make_ds):
+    ds, _ = make_ds()
+    with pytest.raises(StateError, match=r"num_workers > 0.*do not survive fork"):
+        pickle.dumps(ds)
+    loader = DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context="spawn")
+    with pytest.raises(StateError, match="num_workers"):
+        next(iter(loader))
+    forked = DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context="fork")
+    with pytest.raises(StateError, match="num_workers"):
+        next(iter(forked))
+    assert len(list(DataLoader(ds, batch_size=None))) == len(ds)  # in-process use works
+
+
+def test_a_new_iteration_supersedes_the_old_one(make_ds):
+    ds, _ = make_ds()
+    first = iter(ds)
+    next(first)
+    second = iter(ds)
+    with pytest.raises(StateError, match="superseded"):
+        next(first)
+    assert len(list(second)) == len(ds)
+
+
+def test_rail_choice_and_forced_rails():
+    local = {"a": ("127.0.0.1:7071", ""), "b": ("10.9.9.9:7071", "elsewhere")}
+    choice = choose_rail(local)
+    assert choice.rail == "tcp"
+    assert "remote" in choice.reasons["b"] and "one ring has one rail" in choice.reasons["a"]
+    assert choose_rail({"a": local["a"]}).rail == "shm"
+    with pytest.raises(RailUnavailableError, match=r"server b at 10.9.9.9:7071 is on another host.*available"):
+        choose_rail(local, "shm")
+    with pytest.raises(RailUnavailableError, match=r"unknown rail 'verbs'.*offers"):
+        choose_rail(local, "verbs")
+
+
+def test_unknown_rail_is_refused_before_anything_opens(samples):
+    from tests.client.fakes import FakeServer, fake_info
+
+    fake = FakeServer("s0", samples, 0, len(samples))
+    with pytest.raises(RailUnavailableError, match="carrier-pigeon"):
+        KSpeedDataset(fake_info(samples, [("s0", 0, len(samples))]), [fake], config=client_config(), batch_size=4,
+                      rail="carrier-pigeon")
+    assert fake.generation == 0  # no OpenFeed was sent

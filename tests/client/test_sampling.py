@@ -1,0 +1,90 @@
+"""Epoch orders: the same IDs a DataLoader would draw, planned early only when that is safe."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+
+from kspeed.client.sampling import EpochOrders
+from kspeed.errors import ConfigError, DatasetError
+
+N = 103
+
+
+def loader_ids(sampler, batch_size, drop_last, epoch=None):
+    if epoch is not None and hasattr(sampler, "set_epoch"):
+        sampler.set_epoch(epoch)
+    loader = DataLoader(range(N), sampler=sampler, batch_size=batch_size, drop_last=drop_last)
+    return [int(i) for batch in loader for i in batch]
+
+
+def orders(sampler=None, **kwargs):
+    args = dict(num_samples=N, batch_size=8, drop_last=False, seed=0, shuffle=True, rank=None, world_size=None,
+                dataset="t")
+    args.update(kwargs)
+    return EpochOrders(sampler, **args)
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_builtin_distributed_order_equals_dataloader(drop_last, rank):
+    o = orders(rank=rank, world_size=2, seed=5, drop_last=drop_last)
+    assert o.deterministic
+    reference = DistributedSampler(range(N), num_replicas=2, rank=rank, shuffle=True, seed=5)
+    for epoch in (0, 1, 2):
+        expected = loader_ids(reference, 8, drop_last, epoch)
+        assert o.order(epoch).tolist() == expected
+    assert o.num_batches() == (52 // 8 if drop_last else -(-52 // 8))  # 103 IDs padded to 2 x 52
+
+
+def test_epochs_differ_and_repeat():
+    o = orders()
+    assert o.order(0).tolist() != o.order(1).tolist()
+    assert o.order(1).tolist() == o.order(1).tolist()
+    assert sorted(o.order(0).tolist()) == list(range(N))
+    unshuffled = orders(shuffle=False)
+    assert unshuffled.order(4).tolist() == list(range(N))
+
+
+def test_planning_ahead_leaves_the_users_sampler_alone():
+    user = DistributedSampler(range(N), num_replicas=3, rank=2, shuffle=True, seed=1)
+    o = orders(user)
+    assert o.deterministic
+    o.order(7)
+    assert user.epoch == 0  # a copy was set to epoch 7, not the user's object
+    o.set_epoch(2)
+    assert user.epoch == 2
+    assert o.order(2).tolist() == loader_ids(DistributedSampler(range(N), 3, 2, True, 1), 8, False, 2)
+
+
+def test_random_sampler_is_drawn_like_a_dataloader():
+    ours = RandomSampler(range(N), generator=torch.Generator().manual_seed(3))
+    theirs = RandomSampler(range(N), generator=torch.Generator().manual_seed(3))
+    o = orders(ours)
+    assert not o.deterministic
+    for _ in range(2):  # one draw per epoch, at the same moments as the DataLoader's
+        assert o.order(0).tolist() == loader_ids(theirs, 8, False)
+    assert torch.equal(ours.generator.get_state(), theirs.generator.get_state())
+
+
+def test_sequential_sampler_and_duplicates():
+    o = orders(SequentialSampler(range(N)), drop_last=True)
+    assert o.order(0).tolist() == list(range(96))
+    dup = orders([5, 5, 6, 5])
+    assert dup.order(0).tolist() == [5, 5, 6, 5]
+    assert dup.num_batches() == 1
+
+
+def test_bad_samplers_are_named():
+    with pytest.raises(ConfigError, match="either a sampler or rank"):
+        orders(SequentialSampler(range(N)), rank=0, world_size=2)
+    with pytest.raises(ConfigError, match=r"rank must be in 0\.\.1"):
+        orders(rank=2, world_size=2)
+    with pytest.raises(ConfigError, match="world_size"):
+        orders(world_size=0)
+    with pytest.raises(DatasetError, match="sampler yielded sample 103"):
+        orders([1, 2, N]).order(0)
+    with pytest.raises(ConfigError, match="has no len"):
+        orders(iter(np.arange(3))).num_batches()
