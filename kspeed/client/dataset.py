@@ -194,6 +194,8 @@ class KSpeedDataset(IterableDataset):
 
         Right after :meth:`load_state_dict`, setting the saved epoch keeps the saved position, so
         the usual ``for epoch in range(start, n): ds.set_epoch(epoch)`` loop resumes mid-epoch.
+        Without a call, every iteration repeats the same epoch (as with ``DistributedSampler``);
+        the next epoch is prepared on the assumption that ``set_epoch(epoch + 1)`` follows.
         """
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ConfigError(f"epoch must be a non-negative integer, got {epoch!r}", field="epoch", value=epoch)

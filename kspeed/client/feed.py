@@ -369,10 +369,14 @@ class Feed:
                 "ring_quarantined": self.allocator.quarantined, "outstanding": len(self._outstanding)}
 
     def close(self) -> None:
-        """Close the feed on every server (best effort) and release the ring."""
+        """Release the ring, then close the feed on every server (best effort).
+
+        Cutting the data-plane connections first lets each feeder notice at once instead of at
+        its next receive timeout, so ``CloseFeed`` returns without waiting.
+        """
+        self._receiver.close()
         for path in self.paths:
             try:
                 path.link.close_feed(self.feed_id)
             except KSpeedError as exc:
                 log.debug("dataset %s: closing the feed on %s: %s", self.dataset, path.link.name, exc)
-        self._receiver.close()

@@ -1,0 +1,130 @@
+"""The client library against real daemons: every rail, several ranks and epochs, resume, bad input."""
+
+from __future__ import annotations
+
+import signal
+import socket
+
+import pytest
+from torch.utils.data import DataLoader, DistributedSampler
+
+from kspeed import DatasetSpec, KSpeedClient
+from kspeed._local import wait_for
+from kspeed.config import ClientConfig, load_config
+from kspeed.errors import (
+    AccessDeniedError,
+    CapacityError,
+    ConfigError,
+    NotFoundError,
+    StateError,
+    UnavailableError,
+)
+from kspeed.rdma.registry import available_rails
+from tests.integration.test_datasets import make_tree
+
+CLASSES = ("ant", "bee", "cat")
+
+
+def config_for(cluster, **overrides) -> ClientConfig:
+    return load_config(ClientConfig, environ={}, overrides={"manager": cluster.address, "security.auth": "none",
+                                                             **overrides})
+
+
+@pytest.fixture
+def fed(cluster_factory, tmp_path):
+    """A two-server cluster holding one labelled dataset split across both servers."""
+    files = make_tree(tmp_path / "imgs", max_size=160 * 1024)
+    cluster = cluster_factory(2, server_args=["--backend-allow", str(tmp_path), "--memory", "16MiB",
+                                              "--region-size", "1MiB"])
+    client = KSpeedClient(config=config_for(cluster))
+    wait_for(lambda: len([r for r in client.manager.servers() if r.state == 2]) == 2, 10, "two ready servers")
+    yield cluster, client, files, DatasetSpec(name="imgs", uri=str(tmp_path / "imgs"), labels="dirname")
+    client.close()
+
+
+def check(batch, files, keys):
+    for i, sid in enumerate(batch.ids.tolist()):
+        assert batch.numpy(i).tobytes() == files[keys[sid]], f"sample {sid}"
+        assert int(batch.labels[i]) == CLASSES.index(keys[sid].split("/")[0])
+
+
+def loader_order(n, world, rank, shuffle, seed, drop_last, epoch, batch_size):
+    sampler = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=seed)
+    sampler.set_epoch(epoch)
+    return [b.tolist() for b in DataLoader(range(n), sampler=sampler, batch_size=batch_size, drop_last=drop_last)]
+
+
+@pytest.mark.parametrize("rail", available_rails())
+def test_ranks_epochs_resume_and_held_batches(fed, rail):
+    _, client, files, spec = fed
+    keys = list(files)
+    n = len(files)
+    for world, shuffle, drop_last in ((1, True, False), (2, False, True), (2, True, True)):
+        for rank in range(world):
+            ds = client.dataset(spec, batch_size=16, rank=rank, world_size=world, shuffle=shuffle,
+                                drop_last=drop_last, seed=3, rail=rail, ring_bytes=8 << 20, quiet=True)
+            assert ds.rail == rail
+            ds.preload()
+            for epoch in range(2):
+                ds.set_epoch(epoch)
+                held = []
+                got = []
+                for batch in ds:
+                    check(batch, files, keys)
+                    got.append(batch.ids.tolist())
+                    held = [*held[-2:], batch]
+                    for old in held:  # three batches held while iterating keep their bytes
+                        check(old, files, keys)
+                assert got == loader_order(n, world, rank, shuffle, 3, drop_last, epoch, 16)
+            ds.close()
+    # Resume mid-epoch: a new dataset continues with exactly the batches not yet consumed.
+    ds = client.dataset(spec, batch_size=8, rank=1, world_size=2, seed=5, rail=rail, ring_bytes=8 << 20, quiet=True)
+    ds.set_epoch(4)
+    it = iter(ds)
+    for _ in range(3):
+        next(it)
+    state = ds.state_dict()
+    ds.close()
+    resumed = client.dataset(spec, batch_size=8, rank=1, world_size=2, seed=5, rail=rail, ring_bytes=8 << 20,
+                             quiet=True)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(4)
+    rest = []
+    for batch in resumed:
+        check(batch, files, keys)
+        rest.append(batch.ids.tolist())
+    assert rest == loader_order(n, 2, 1, True, 5, False, 4, 8)[3:]
+    stats = resumed.stats()
+    assert stats["stale_completions"] == 0 and stats["server_errors"] == 0
+    info = client.manager.dataset("imgs")
+    assert len(info.shares) == 2 and info.leases >= 1
+
+
+def test_bad_input_is_named(fed):
+    cluster, client, _, spec = fed
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{probe.getsockname()[1]}"
+    with pytest.raises(UnavailableError, match=f"manager at {dead} is unreachable"):
+        KSpeedClient(dead, config=config_for(cluster, timeout="2s"))
+    with pytest.raises(NotFoundError, match="nope"):
+        client.dataset("nope", batch_size=4)
+    with pytest.raises(AccessDeniedError):
+        client.dataset(DatasetSpec(name="etc", uri="/etc"), batch_size=4)
+    with pytest.raises(ConfigError, match="batch_size"):
+        client.dataset(spec, batch_size=0)
+    small = client.dataset(spec, batch_size=64, ring_bytes=64 << 10, quiet=True)
+    with pytest.raises(CapacityError, match="more than the receive ring's 65536"):
+        iter(small)
+    ds = client.dataset(spec, batch_size=16, ring_bytes=8 << 20, quiet=True)
+    with pytest.raises(StateError, match="num_workers"):
+        next(iter(DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context="spawn")))
+    ds.close()
+    with pytest.raises(StateError, match="closed"):
+        iter(ds)
+    # A server that is down when the job starts is named.
+    victim = cluster.servers[1]
+    victim.signal(signal.SIGKILL)
+    victim.stop()
+    with pytest.raises(UnavailableError, match=f"server {victim.ready['id']} at {victim.ready['grpc']}"):
+        client.dataset(spec, batch_size=16, ring_bytes=8 << 20, quiet=True)
