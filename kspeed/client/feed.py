@@ -228,9 +228,10 @@ class Feed:
         try:
             done = self._receiver.poll(timeout)
         except PeerLostError as exc:
-            path = self._by_conn.get(exc.conn) if exc.conn is not None else None
+            conn = getattr(exc, "conn", None)
+            path = self._by_conn.get(conn) if conn is not None else None
             if path is None:
-                if exc.conn is not None:
+                if conn is not None:
                     return  # a connection we already cut
                 raise PeerLostError(f"dataset {self.dataset!r}: the {self.rail} receiver failed: {exc}") from exc
             self.fence(path.link.server_id, str(exc))

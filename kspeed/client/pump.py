@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from kspeed.errors import CapacityError
+from kspeed.errors import CapacityError, StateError
 
 from .batch import Batch, make_batch
 from .feed import Feed, Slot
@@ -150,6 +150,9 @@ class Pump:
         if not self._queue:
             self._make_room(plan, batch)
         slot = self._queue[0]
+        if slot.plan is not plan or slot.batch != batch:
+            raise StateError(f"dataset {self.feed.dataset!r}: expected batch {batch} of epoch {plan.epoch} next, "
+                             f"but batch {slot.batch} of epoch {slot.plan.epoch} was granted; start a new iteration")
         self.feed.wait(slot, self.top_up)
         self._queue.popleft()
         plan.slots -= 1
