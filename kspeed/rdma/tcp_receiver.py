@@ -298,7 +298,11 @@ class ReceiverProcess:
             self._drop_bulk(bulk, str(exc))
             return
         if n == 0 and bulk.conn in self.bulks:
-            self._drop_bulk(bulk, "writer closed its message connection")
+            # A closing writer's bulk bytes (and its bye) may still be queued behind this EOF: only
+            # the bulk connection ends the writer, so its last completions are never lost.
+            self.sel.unregister(bulk.msg_sock)
+            bulk.msg_sock.close()
+            bulk.msg_sock = None
 
     def _bulk_readable(self, bulk: _Bulk) -> None:
         sock = bulk.sock
@@ -394,7 +398,7 @@ class ReceiverProcess:
                     if data.cid in self.consumers:
                         self._consumer_readable(data)
                 elif isinstance(data, tuple):
-                    if data[1].conn in self.bulks:
+                    if data[1].conn in self.bulks and data[1].msg_sock is not None:
                         self._msg_readable(data[1])
                 elif data == "listen":
                     self._accept_writer()

@@ -128,3 +128,18 @@ def test_batch_immediate_once_after_all_its_bytes(rail, options, spawn):
         assert seen == list(range(batches))  # each exactly once, in order
         assert len(rx.poll(0.3)) == 0
         del arr
+
+
+def test_close_right_after_a_batch_loses_nothing(rail, options):
+    source = np.ones(8 << 20, np.uint8)
+    with get_rail(rail).listen(options) as rx:
+        ring = rx.register(32 << 20)
+        wr = get_rail(rail).connect(rx.material, options)
+        offsets = np.arange(4, dtype=np.int64) << 23
+        wr.write_batch(ring.key, source, [0] * 4, 8 << 20, offsets, np.arange(4, dtype=np.uint32))
+        wr.close()  # bytes may still be in flight; the orderly close must not cut them off
+        imms, _ = _poll_until(rx, 4)
+        assert imms == [0, 1, 2, 3]
+        time.sleep(0.3)
+        assert len(rx.poll(0.2)) == 0  # and no PeerLostError: the writer said bye
+        assert int(ring.array()[(32 << 20) - 1]) == 1
