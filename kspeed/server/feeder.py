@@ -125,16 +125,14 @@ class Feed:
         hi = min(int(plan.starts[batch]) + int(grant["end"]), int(plan.starts[batch + 1]))
         i, j = np.searchsorted(plan.positions, (lo, hi))
         base = int(grant["ring_offset"])
-        ops = []
-        for k in range(i, j):  # one copy per sample, everything else was computed per plan
-            array = self.regions.get(int(plan.region[k]))
-            start, n = int(plan.src[k]), int(plan.length[k])
-            ops.append((array[start:start + n], base + int(plan.dst[k]), None))
-        if ops:
-            ops[-1] = (ops[-1][0], ops[-1][1], tag)
-            self.writer.write_many(self.key, ops)
-        else:  # nothing of ours in the range: still exactly one completion
+        region = plan.region[i:j]
+        groups = np.unique(region) if j > i else np.zeros(0, dtype=np.int64)
+        if len(groups) == 0:  # nothing of ours in the range: still exactly one completion
             self.writer.write(self.key, b"", base, imm=tag)
+        for n, r in enumerate(groups.tolist()):  # one vectorized write per pool region; the last one
+            mask = region == r if len(groups) > 1 else slice(None)  # carries the grant's tag
+            self.writer.write_batch(self.key, self.regions.get(r), plan.src[i:j][mask], plan.length[i:j][mask],
+                                    base + plan.dst[i:j][mask], imms=[tag] if n == len(groups) - 1 else None)
         self.served += 1
 
     def close(self) -> None:
