@@ -45,7 +45,7 @@ from .base import (
     check_imm,
     check_range,
 )
-from .batch import plan_batch, runs, source_array
+from .batch import plan_batch, source_array
 from .memory import MemfdSegment
 from .options import RailOptions
 
@@ -54,9 +54,6 @@ __all__ = ["TcpRail", "TcpReceiver", "TcpWriter"]
 log = logging.getLogger(__name__)
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
-#: ``p.WRITE_HEADER`` as a numpy record, so a batch's headers are packed in one go.
-_HEADER_DTYPE = np.dtype([("kind", "<u2"), ("flags", "<u2"), ("handle", "<u4"), ("imm", "<u4"),
-                          ("offset", "<u8"), ("length", "<u8"), ("pad", "V4")])
 
 
 class TcpReceiver(Receiver):
@@ -395,35 +392,7 @@ class TcpWriter(Writer):
     def write_batch(self, key, source, src_offsets, lengths, dst_offsets, imms=None) -> None:
         src = source_array(source)
         batch = plan_batch(key, src.nbytes, src_offsets, lengths, dst_offsets, imms)
-        first, dst, nbytes = runs(batch)
-        # One header per run of adjacent destinations, all packed by numpy at once. The first
-        # immediate rides on the last run; the others on zero-length writes after it, so every
-        # completion follows every byte of the batch.
-        nimm = len(batch.imms)
-        with_imm = min(nimm, 1) if len(first) else 0
-        headers = np.zeros(len(first) + nimm - with_imm, _HEADER_DTYPE)
-        headers["kind"] = p.DATA
-        headers["handle"] = key.handle
-        headers["offset"][: len(first)] = dst + key.addr
-        headers["length"][: len(first)] = nbytes
-        headers["offset"][len(first) :] = key.addr + (int(dst[-1] + nbytes[-1]) if len(first) else 0)
-        if nimm:
-            headers["flags"][len(first) - with_imm :] = p.FLAG_IMM
-            headers["imm"][len(first) - with_imm :] = batch.imms
-        hview = memoryview(headers.tobytes())
-        size = p.WRITE_HEADER.size
-        view = memoryview(src)
-        bufs: list = []
-        append = bufs.append
-        run_starts = [*first.tolist(), -1]
-        r, next_start = 0, run_starts[0]
-        for i, (a, b) in enumerate(zip(batch.src.tolist(), (batch.src + batch.lengths).tolist())):
-            if i == next_start:
-                append(hview[r * size : (r + 1) * size])
-                r += 1
-                next_start = run_starts[r]
-            append(view[a:b])
-        bufs.extend(hview[k * size : (k + 1) * size] for k in range(r, len(headers)))
+        bufs = p.batch_buffers(key, memoryview(src), batch)
         if bufs:
             self._sendmsg(bufs)
 

@@ -12,11 +12,25 @@ import math
 import socket
 import struct
 
+import numpy as np
+
+from .base import RegionKey
+from .batch import Batch, runs
 from .options import RailOptions
 
 __all__ = [
-    "BULK", "DATA", "DATA_BYE", "FLAG_IMM", "HELLO", "MAGIC", "MESSAGES", "WRITE_HEADER",
-    "blocking_with_timeout", "tune",
+    "BULK",
+    "DATA",
+    "DATA_BYE",
+    "FLAG_IMM",
+    "HEADER_DTYPE",
+    "HELLO",
+    "MAGIC",
+    "MESSAGES",
+    "WRITE_HEADER",
+    "batch_buffers",
+    "blocking_with_timeout",
+    "tune",
 ]
 
 MAGIC = b"KSPEEDTCP1"
@@ -30,6 +44,9 @@ WRITE_HEADER = struct.Struct("<HHIIQQ4x")
 DATA = 1
 DATA_BYE = 2
 FLAG_IMM = 1
+#: ``WRITE_HEADER`` as a numpy record, so a batch's headers are packed in one go.
+HEADER_DTYPE = np.dtype([("kind", "<u2"), ("flags", "<u2"), ("handle", "<u4"), ("imm", "<u4"),
+                         ("offset", "<u8"), ("length", "<u8"), ("pad", "V4")])
 
 
 def tune(sock: socket.socket, options: RailOptions, nodelay: bool) -> None:
@@ -62,3 +79,38 @@ def blocking_with_timeout(sock: socket.socket, timeout: float) -> None:
     tv = struct.pack("ll", int(timeout), int((timeout % 1) * 1_000_000))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+
+
+def batch_buffers(key: RegionKey, view: memoryview, batch: Batch) -> list:
+    """The iovec list of a checked batch: each run's header then its source slices, in order.
+
+    One header per run of adjacent destinations, all packed by numpy at once. The first immediate
+    rides on the last run; the others on zero-length writes after it, so every completion follows
+    every byte of the batch.
+    """
+    first, dst, nbytes = runs(batch)
+    nimm = len(batch.imms)
+    with_imm = min(nimm, 1) if len(first) else 0
+    headers = np.zeros(len(first) + nimm - with_imm, HEADER_DTYPE)
+    headers["kind"] = DATA
+    headers["handle"] = key.handle
+    headers["offset"][: len(first)] = dst + key.addr
+    headers["length"][: len(first)] = nbytes
+    headers["offset"][len(first) :] = key.addr + (int(dst[-1] + nbytes[-1]) if len(first) else 0)
+    if nimm:
+        headers["flags"][len(first) - with_imm :] = FLAG_IMM
+        headers["imm"][len(first) - with_imm :] = batch.imms
+    hview = memoryview(headers.tobytes())
+    size = WRITE_HEADER.size
+    bufs: list = []
+    append = bufs.append
+    run_starts = [*first.tolist(), -1]
+    r, next_start = 0, run_starts[0]
+    for i, (a, b) in enumerate(zip(batch.src.tolist(), (batch.src + batch.lengths).tolist())):
+        if i == next_start:
+            append(hview[r * size : (r + 1) * size])
+            r += 1
+            next_start = run_starts[r]
+        append(view[a:b])
+    bufs.extend(hview[k * size : (k + 1) * size] for k in range(r, len(headers)))
+    return bufs
