@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 RECV_TIMEOUT = 0.5  # how often a feed thread looks up from waiting for grants
 MAX_PLANS = 3  # epoch plans a feed keeps (the current one, the next one, one spare)
+GRANTS_PER_WRITE = 8  # grants served by one write: fewer calls, yet the first tags are not held back long
 
 
 @dataclass
@@ -102,8 +103,8 @@ class Feed:
                     continue
                 kind, payload = grants.decode(message)
                 if kind == grants.GRANTS:
-                    for grant in payload:
-                        self._serve(grant)
+                    for start in range(0, len(payload), GRANTS_PER_WRITE):
+                        self._serve(payload[start:start + GRANTS_PER_WRITE])
                 elif kind == grants.DROP_PLAN:
                     self.plans.pop(int(payload), None)
         except PeerLostError as exc:
@@ -114,26 +115,35 @@ class Feed:
             with contextlib.suppress(KSpeedError):
                 self.writer.close()
 
-    def _serve(self, grant: np.void) -> None:
-        epoch, batch, tag = int(grant["epoch"]), int(grant["batch"]), int(grant["tag"])
-        plan = self.plans.get(epoch)
-        if plan is None or batch >= len(plan.starts) - 1:
-            why = f"no plan for epoch {epoch}" if plan is None else f"epoch {epoch} has no batch {batch}"
-            self.writer.send(grants.encode_error(epoch, batch, tag, why))
+    def _serve(self, batch: np.ndarray) -> None:
+        """Serve several grants with one vectorized write per pool region; their tags follow the bytes."""
+        regions, src, length, dst, tags = [], [], [], [], []
+        for grant in batch:
+            epoch, index, tag = int(grant["epoch"]), int(grant["batch"]), int(grant["tag"])
+            plan = self.plans.get(epoch)
+            if plan is None or index >= len(plan.starts) - 1:
+                why = f"no plan for epoch {epoch}" if plan is None else f"epoch {epoch} has no batch {index}"
+                self.writer.send(grants.encode_error(epoch, index, tag, why))
+                continue
+            lo = int(plan.starts[index]) + int(grant["first"])
+            hi = min(int(plan.starts[index]) + int(grant["end"]), int(plan.starts[index + 1]))
+            i, j = np.searchsorted(plan.positions, (lo, hi))
+            regions.append(plan.region[i:j])
+            src.append(plan.src[i:j])
+            length.append(plan.length[i:j])
+            dst.append(plan.dst[i:j] + int(grant["ring_offset"]))
+            tags.append(tag)
+        if not tags:
             return
-        lo = int(plan.starts[batch]) + int(grant["first"])
-        hi = min(int(plan.starts[batch]) + int(grant["end"]), int(plan.starts[batch + 1]))
-        i, j = np.searchsorted(plan.positions, (lo, hi))
-        base = int(grant["ring_offset"])
-        region = plan.region[i:j]
-        groups = np.unique(region) if j > i else np.zeros(0, dtype=np.int64)
-        if len(groups) == 0:  # nothing of ours in the range: still exactly one completion
-            self.writer.write(self.key, b"", base, imm=tag)
-        for n, r in enumerate(groups.tolist()):  # one vectorized write per pool region; the last one
-            mask = region == r if len(groups) > 1 else slice(None)  # carries the grant's tag
-            self.writer.write_batch(self.key, self.regions.get(r), plan.src[i:j][mask], plan.length[i:j][mask],
-                                    base + plan.dst[i:j][mask], imms=[tag] if n == len(groups) - 1 else None)
-        self.served += 1
+        regions, src, length, dst = (np.concatenate(a) for a in (regions, src, length, dst))
+        groups = np.unique(regions)
+        if len(groups) == 0:  # nothing of ours in these ranges: still exactly one completion each
+            self.writer.write_batch(self.key, b"", src, length, dst, imms=tags)
+        for n, r in enumerate(groups.tolist()):
+            mask = regions == r if len(groups) > 1 else slice(None)
+            self.writer.write_batch(self.key, self.regions.get(r), src[mask], length[mask], dst[mask],
+                                    imms=tags if n == len(groups) - 1 else None)
+        self.served += len(tags)
 
     def close(self) -> None:
         self._stop.set()
