@@ -21,6 +21,7 @@ from .dataset import KSpeedDataset
 from .lease import LeaseKeeper
 from .links import ServerLink
 from .spec import DatasetSpec
+from .wrap import WrappedDataset, wrap
 
 __all__ = ["KSpeedClient"]
 
@@ -127,6 +128,52 @@ class KSpeedClient:
             raise
         self._datasets.append(ds)
         return ds
+
+    def wrap(self, dataset: Any, batch_size: int, sampler: Any = None, *, seed: int = 0, shuffle: bool = True,
+             drop_last: bool = False, rank: int | None = None, world_size: int | None = None,
+             collate_fn: Any = None, loader: Any = None, num_workers: int | None = None, prefetch: int | None = None,
+             list_dir: str | None = None, name: str | None = None, preload: bool = True, rail: str | None = None,
+             ring_bytes: int | None = None, quiet: bool = False) -> WrappedDataset:
+        """Serve a torchvision-style folder dataset (``.samples``, ``.loader``, transforms) from the servers.
+
+        Registers the dataset's files (named by a hash of their paths, so wrapping them again
+        attaches to the cached data), preloads them unless ``preload=False``, and returns an
+        iterable of batches as ``DataLoader(dataset, batch_size, sampler, collate_fn)`` yields
+        them; the loader and transforms run in spawned worker processes on this host
+        (:mod:`kspeed.client.wrap`). :meth:`close` joins those workers.
+
+        Args:
+            dataset: an ``ImageFolder``/``DatasetFolder``-like object.
+            batch_size: samples per batch.
+            sampler: as in :meth:`dataset` (``None``: shuffled per epoch with ``seed``).
+            seed: seed of the built-in shuffle.
+            shuffle: whether the built-in sampler shuffles.
+            drop_last: drop the last incomplete batch of each epoch.
+            rank: this rank; with ``world_size``, builds a ``DistributedSampler``.
+            world_size: ranks sharing each epoch.
+            collate_fn: list of ``(sample, target)`` pairs -> batch (default ``default_collate``).
+            loader: replaces ``dataset.loader``; called on a binary file object.
+            num_workers: transform worker processes (default: up to 4, one per CPU).
+            prefetch: batches in flight in the workers (default: 2 per worker).
+            list_dir: where to write the list file when one is needed (default ``<root>/.kspeed``).
+            name: the dataset's name in the cluster (default: from a hash of the paths).
+            preload: wait for the servers to cache the files before returning.
+            rail: as in :meth:`dataset`.
+            ring_bytes: as in :meth:`dataset`.
+            quiet: no progress bar while preloading.
+
+        Raises:
+            ConfigError: the dataset lacks ``.samples``/``.loader``, a stage cannot be pickled, the
+                loader needs a path, or the list file cannot be written (named).
+            DatasetError, AccessDeniedError: the servers cannot list or read the files.
+            UnavailableError: the manager or a server cannot be reached (named).
+        """
+        wrapped = wrap(self, dataset, batch_size, sampler, collate_fn=collate_fn, loader=loader,
+                       num_workers=num_workers, prefetch=prefetch, list_dir=list_dir, name=name, preload=preload,
+                       seed=seed, shuffle=shuffle, drop_last=drop_last, rank=rank, world_size=world_size, rail=rail,
+                       ring_bytes=ring_bytes, quiet=quiet)
+        self._datasets.append(wrapped)  # close() closes it: its workers, then its KSpeed dataset
+        return wrapped
 
     def close(self) -> None:
         """Close every dataset (feeds, rings, leases) and the manager channel."""

@@ -1,0 +1,384 @@
+"""Serve a torchvision-style folder dataset from KSpeed: its files cached on the servers, its own
+loader and transforms applied on the client.
+
+Usage (normally through :meth:`kspeed.KSpeedClient.wrap`)::
+
+    folder = ImageFolder("/data/imgs", transform=my_transform)    # any object with .samples, .loader
+    loader = client.wrap(folder, batch_size=64)                    # registers and preloads the files
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)
+        for images, targets in loader:                             # as DataLoader(folder, ...) yields
+            train(images, targets)
+
+The wrapped dataset is duck-typed: ``.samples`` is a list of ``(path, target)`` pairs, ``.loader``
+maps a file to a sample, ``.transform`` and ``.target_transform`` are optional. Its files become a
+KSpeed dataset whose sample ``i`` is ``samples[i]``: a ``dir`` dataset over the files' common root
+when the samples are exactly that tree in sorted order (no file is written), otherwise a ``list``
+file of absolute paths in a hidden ``.kspeed`` directory under that root (``list_dir=`` moves it).
+The dataset's name is a hash of the paths, so wrapping the same files again attaches to the data
+already cached. Targets never travel: the client looks them up by the delivered sample IDs.
+
+Until preprocessing runs on the servers, the loader, transforms and ``collate_fn`` run in spawned
+worker processes (:mod:`kspeed.client.workers`); the loader gets each sample's bytes as an
+``io.BytesIO`` (torchvision's path-based ``pil_loader``/``default_loader`` are swapped for the
+same PIL code on a file object). They must therefore be picklable (module-level functions or
+objects), and the batches keep the sampler's order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from torch.utils.data import IterableDataset, default_collate, get_worker_info
+
+from kspeed.errors import ConfigError, DatasetError, KSpeedError, StateError
+
+from .dataset import KSpeedDataset
+from .spec import DatasetSpec
+from .workers import SampleFailure, TransformPool, check_loader, check_picklable, resolve_loader
+
+__all__ = ["WrappedDataset", "folder_spec", "wrap"]
+
+log = logging.getLogger(__name__)
+
+#: Worker processes when ``num_workers`` is not given.
+DEFAULT_WORKERS = min(4, os.cpu_count() or 1)
+#: Batches in flight per worker (the ``DataLoader`` default ``prefetch_factor``).
+PREFETCH_PER_WORKER = 2
+LIST_DIR = ".kspeed"
+NO_WORKERS = ("a wrapped dataset runs its own worker processes and cannot itself run in DataLoader workers; "
+              "iterate it directly, or use DataLoader(wrapped, batch_size=None, num_workers=0)")
+
+
+# -- registration ----------------------------------------------------------------------------------
+
+
+def _tree_keys(root: str) -> list[str] | None:
+    """The non-hidden files under ``root`` as the servers' ``dir`` listing keys them, sorted.
+
+    ``None`` when a symbolic link is met: the servers check links against their allow-list, so
+    such a tree is registered as a list instead.
+    """
+    keys = []
+    for top, dirs, files in os.walk(root):
+        if any(os.path.islink(os.path.join(top, d)) for d in dirs):
+            return None
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        for f in files:
+            path = os.path.join(top, f)
+            if os.path.islink(path):
+                return None
+            if not f.startswith("."):
+                keys.append(os.path.relpath(path, root).replace(os.sep, "/"))
+    return sorted(keys)
+
+
+def _write_list(path: str, paths: Sequence[str]) -> None:
+    text = "".join(f"{p}\n" for p in paths).encode()
+    try:
+        with open(path, "rb") as f:
+            if f.read() == text:
+                return
+    except FileNotFoundError:
+        pass
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def folder_spec(paths: Sequence[str], *, list_dir: str | None = None, name: str | None = None) -> DatasetSpec:
+    """The dataset spec whose sample ``i`` is the file ``paths[i]`` (absolute paths).
+
+    A ``dir`` spec over the common root when the paths are exactly its non-hidden files in sorted
+    order, else a ``list`` file written to ``list_dir`` (default ``<root>/.kspeed``).
+
+    Raises:
+        ConfigError: a path cannot be named in a list file, or the list file cannot be written.
+    """
+    root = os.path.commonpath(paths)
+    if root in paths:
+        root = os.path.dirname(root)
+    keys = [os.path.relpath(p, root).replace(os.sep, "/") for p in paths]
+    kind = "dir" if keys == sorted(keys) and _tree_keys(root) == keys else "list"
+    digest = hashlib.sha256("\n".join([kind, *paths]).encode()).hexdigest()
+    name = name or f"wrap-{digest[:24]}"
+    if kind == "dir":
+        return DatasetSpec(name=name, uri=root, kind="dir")
+    for p in paths:
+        if "\n" in p or p != p.strip():
+            raise ConfigError(f"sample path {p!r} has a line break or surrounding spaces and cannot be named in a "
+                              "list file", field="samples", value=p)
+    directory = list_dir if list_dir is not None else os.path.join(root, LIST_DIR)
+    uri = os.path.join(os.path.abspath(directory), f"{name}.list")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        _write_list(uri, paths)
+    except OSError as exc:
+        raise ConfigError(f"cannot write the list file of the wrapped dataset to {uri}: {exc}; pass list_dir= a "
+                          "writable directory the servers are allowed to read", field="list_dir",
+                          value=directory) from exc
+    log.info("wrapped %d files as dataset %s (list %s)", len(paths), name, uri)
+    return DatasetSpec(name=name, uri=uri, kind="list")
+
+
+# -- iteration -------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Task:
+    future: Future
+    epoch: int
+    index: int
+    ids: list[int]
+
+
+class WrappedDataset(IterableDataset):
+    """Collated batches of a folder dataset whose bytes the KSpeed servers deliver.
+
+    Yields what ``DataLoader(folder, batch_size, sampler)`` would: ``collate_fn`` of
+    ``(transform(loader(file)), target_transform(target))`` pairs, in the sampler's order.
+
+    Args:
+        inner: the KSpeed dataset over the folder's files (sample ``i`` = ``paths[i]``).
+        paths: each sample's file, for error messages.
+        targets: each sample's target.
+        loader: binary file object -> sample.
+        transform: applied to each loaded sample, or ``None``.
+        target_transform: applied to each target, or ``None``.
+        collate_fn: list of ``(sample, target)`` pairs -> batch.
+        num_workers: worker processes (default: up to 4, one per CPU).
+        prefetch: batches in flight (default: 2 per worker).
+
+    Raises:
+        ConfigError: a bad worker or prefetch count, or ``paths``/``targets`` not one per sample.
+    """
+
+    def __init__(self, inner: KSpeedDataset, *, paths: Sequence[str], targets: Sequence[Any],
+                 loader: Callable[..., Any], transform: Callable[..., Any] | None = None,
+                 target_transform: Callable[..., Any] | None = None,
+                 collate_fn: Callable[..., Any] = default_collate, num_workers: int | None = None,
+                 prefetch: int | None = None) -> None:
+        super().__init__()
+        self._closed = True
+        workers = DEFAULT_WORKERS if num_workers is None else num_workers
+        for field, value in (("num_workers", workers), ("prefetch", 1 if prefetch is None else prefetch)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{field} must be a positive integer, got {value!r}", field=field, value=value)
+        if len(paths) != inner.num_samples or len(targets) != inner.num_samples:
+            raise ConfigError(f"dataset {inner.name!r} has {inner.num_samples} samples but {len(paths)} paths and "
+                              f"{len(targets)} targets were given", field="samples")
+        self._inner = inner
+        self._paths = list(paths)
+        self._targets = list(targets)
+        self._stages = {"loader": loader, "transform": transform, "target_transform": target_transform,
+                        "collate_fn": collate_fn}
+        self.num_workers = workers
+        self.prefetch = prefetch if prefetch is not None else PREFETCH_PER_WORKER * workers
+        self._pool: TransformPool | None = None
+        self._delivered = 0
+        self._closed = False
+
+    @property
+    def name(self) -> str:
+        """The KSpeed dataset's name."""
+        return self._inner.name
+
+    @property
+    def dataset(self) -> KSpeedDataset:
+        """The KSpeed dataset delivering the raw bytes."""
+        return self._inner
+
+    @property
+    def epoch(self) -> int:
+        """The current epoch."""
+        return self._inner.epoch
+
+    def __len__(self) -> int:
+        """Batches per epoch for this rank."""
+        return len(self._inner)
+
+    def __reduce__(self) -> Any:
+        raise StateError(NO_WORKERS)
+
+    def __iter__(self) -> Iterator[Any]:
+        if get_worker_info() is not None:
+            raise StateError(NO_WORKERS)
+        self._check_open()
+        batches = iter(self._inner)
+        self._delivered = self._inner.state_dict()["batches"]
+        if self._pool is None:
+            self._pool = TransformPool(self.num_workers, **self._stages)
+        return self._deliver(batches, self._pool)
+
+    def _deliver(self, batches: Iterator[Any], pool: TransformPool) -> Iterator[Any]:
+        pending: deque[_Task] = deque()
+        try:
+            for batch in batches:
+                pending.append(self._submit(pool, batch))
+                if len(pending) >= self.prefetch:
+                    yield self._collect(pending.popleft())
+            while pending:
+                yield self._collect(pending.popleft())
+        except GeneratorExit:  # the loop stopped early: drop the batches in flight, keep the workers
+            for task in pending:
+                task.future.cancel()
+            raise
+        except BaseException:
+            for task in pending:
+                task.future.cancel()
+            self._stop_pool()
+            raise
+
+    def _submit(self, pool: TransformPool, batch: Any) -> _Task:
+        """Copy the batch's bytes into one buffer, give its ring range back and queue it."""
+        lengths = np.asarray(batch.lengths, dtype=np.int64)
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        buffer = bytearray(int(offsets[-1]))
+        dst = np.frombuffer(buffer, dtype=np.uint8)
+        for i, sample in enumerate(batch.samples):
+            dst[offsets[i]:offsets[i + 1]] = sample.numpy()
+        del dst
+        ids = batch.ids.tolist()
+        epoch, index = batch.epoch, batch.index
+        batch.release()
+        future = pool.submit(buffer, offsets.tolist(), [self._targets[i] for i in ids])
+        return _Task(future, epoch, index, ids)
+
+    def _collect(self, task: _Task) -> Any:
+        where = f"batch {task.index} of epoch {task.epoch} of dataset {self.name!r}"
+        try:
+            result = task.future.result()
+        except SampleFailure as exc:
+            if exc.position is None:
+                raise DatasetError(f"collating {where} ({len(task.ids)} samples) failed: {exc.text}",
+                                   dataset=self.name) from exc
+            sample = task.ids[exc.position]
+            raise DatasetError(f"sample {sample} ({self._paths[sample]}) in {where}: the wrapped dataset's loader or "
+                               f"transforms failed: {exc.text}", dataset=self.name, sample=sample) from exc
+        except BrokenProcessPool as exc:
+            raise DatasetError(f"a transform worker process died during {where} (killed, crashed or out of memory)",
+                               dataset=self.name) from exc
+        except Exception as exc:
+            raise DatasetError(f"{where} failed in a transform worker: {type(exc).__name__}: {exc}",
+                               dataset=self.name) from exc
+        self._delivered += 1
+        return result
+
+    def worker_pids(self) -> list[int]:
+        """Process IDs of the running transform workers (none before the first iteration or after close)."""
+        return self._pool.pids() if self._pool is not None else []
+
+    # -- epochs, resume, operations --------------------------------------------------------------
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch the next iteration delivers (see :meth:`KSpeedDataset.set_epoch`)."""
+        self._inner.set_epoch(epoch)
+        self._delivered = self._inner.state_dict()["batches"]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position in batches handed to the caller (batches still in the workers do not count)."""
+        return {**self._inner.state_dict(), "batches": self._delivered}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue where :meth:`state_dict` was taken (see :meth:`KSpeedDataset.load_state_dict`)."""
+        self._inner.load_state_dict(state)
+        self._delivered = self._inner.state_dict()["batches"]
+
+    def preload(self, timeout: float | None = None) -> Any:
+        """Start (or join) the servers' preload of the files and wait for it."""
+        return self._inner.preload(timeout)
+
+    def stats(self) -> dict[str, Any]:
+        """The KSpeed dataset's delivery figures and the transform workers in use."""
+        return {**self._inner.stats(), "workers": len(self.worker_pids())}
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StateError(f"wrapped dataset {self.name!r} is closed; wrap the folder dataset again")
+
+    def _stop_pool(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
+
+    def close(self) -> None:
+        """Join the worker processes and close the KSpeed dataset."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop_pool()
+        try:
+            self._inner.close()
+        except KSpeedError as exc:
+            log.warning("wrapped dataset %s: error while closing: %s", self.name, exc)
+
+    def __enter__(self) -> WrappedDataset:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _folder_samples(dataset: Any) -> tuple[list[str], list[Any]]:
+    samples = getattr(dataset, "samples", None)
+    if not isinstance(samples, Sequence) or not samples:
+        kind = type(dataset).__name__
+        raise ConfigError(f"{kind} has no non-empty .samples list of (path, target) pairs (as torchvision's "
+                          "ImageFolder/DatasetFolder have)", field="dataset", value=kind)
+    paths, targets = [], []
+    for i, entry in enumerate(samples):
+        if not isinstance(entry, Sequence) or isinstance(entry, str) or len(entry) != 2:
+            raise ConfigError(f"{type(dataset).__name__}.samples[{i}] is {entry!r}, not a (path, target) pair",
+                              field="samples", value=entry)
+        paths.append(os.path.abspath(os.fspath(entry[0])))
+        targets.append(entry[1])
+    return paths, targets
+
+
+def wrap(client: Any, dataset: Any, batch_size: int, sampler: Any = None, *,
+         collate_fn: Callable[..., Any] | None = None, loader: Callable[..., Any] | None = None,
+         num_workers: int | None = None, prefetch: int | None = None, list_dir: str | None = None,
+         name: str | None = None, preload: bool = True,
+         **dataset_kwargs: Any) -> WrappedDataset:
+    """Register ``dataset``'s files with ``client``, preload them and wrap them (see the module docstring).
+
+    ``dataset_kwargs`` (``seed``, ``shuffle``, ``drop_last``, ``rank``, ``world_size``, ``rail``,
+    ``ring_bytes``, ``quiet``) go to :meth:`KSpeedClient.dataset`.
+
+    Raises:
+        ConfigError: the dataset lacks ``.samples``/``.loader``, a stage cannot be pickled, the
+            loader needs a path, or the list file cannot be written (named).
+        DatasetError: the servers list another number of files than the dataset has.
+    """
+    paths, targets = _folder_samples(dataset)
+    stages = {"loader": resolve_loader(loader if loader is not None else getattr(dataset, "loader", None)),
+              "transform": getattr(dataset, "transform", None),
+              "target_transform": getattr(dataset, "target_transform", None),
+              "collate_fn": collate_fn if collate_fn is not None else default_collate}
+    check_picklable(stages)
+    check_loader(stages["loader"], paths[0])
+    spec = folder_spec(paths, list_dir=list_dir, name=name)
+    inner = client.dataset(spec, batch_size, sampler, **dataset_kwargs)
+    try:
+        if inner.num_samples != len(paths):
+            raise DatasetError(f"dataset {spec.name!r} ({spec.uri}) lists {inner.num_samples} files on the servers, "
+                               f"the wrapped dataset has {len(paths)} samples (did the files change?)",
+                               dataset=spec.name)
+        if preload:
+            inner.preload()
+        return WrappedDataset(inner, paths=paths, targets=targets, num_workers=num_workers, prefetch=prefetch,
+                              **stages)
+    except BaseException:
+        inner.close()
+        raise
