@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 from collections.abc import Callable
@@ -45,6 +47,26 @@ def write_ready_file(path: str, payload: dict) -> None:
     with open(tmp, "w", encoding="utf-8") as fh:
         json.dump(payload, fh)
     os.replace(tmp, path)
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Get SIGTERM (a clean stop) when ``parent_pid``, the supervisor that started us, exits.
+
+    Supervisors (``kspeed up``, the test fixture) ask for this instead of setting it between fork
+    and exec: a ``preexec_fn`` forces a plain fork of a process that may run gRPC, whose fork
+    handlers can abort the child before it execs.
+    """
+    if not parent_pid:
+        return
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the supervisor died before we asked
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def run_main(prog: str, body: Callable[[], int | None]) -> int:

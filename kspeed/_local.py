@@ -3,14 +3,13 @@
 Used by ``kspeed up`` and by the integration-test fixture, so both exercise exactly what an
 operator runs. Each daemon writes its bound addresses to a ready file; ports may be 0 (any free
 port) so nothing races for ports. Children run in their own session (Ctrl-C reaches only the
-supervisor, which stops servers first so they deregister) and die with the supervisor
-(``PR_SET_PDEATHSIG``) if it is killed.
+supervisor, which stops servers first so they deregister) and stop with the supervisor
+(``--parent-pid``, a ``PR_SET_PDEATHSIG`` the daemon sets itself) if it is killed.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import signal
@@ -22,13 +21,7 @@ from dataclasses import dataclass, field
 
 from kspeed.errors import KSpeedError, UnavailableError
 
-PR_SET_PDEATHSIG = 1
 STOP_TIMEOUT = 15.0
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 @dataclass
@@ -48,8 +41,11 @@ class Daemon:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.ready_file)
         with open(self.log_file, "ab") as log:
-            self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            env=self.env, start_new_session=True, preexec_fn=_die_with_parent)
+            # No preexec_fn: it would force a plain fork of this process, which may run gRPC; the
+            # daemon arranges to die with us itself (--parent-pid).
+            self.process = subprocess.Popen([*self.argv, "--parent-pid", str(os.getpid())], stdout=log,
+                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
+                                            start_new_session=True)
 
     def wait_ready(self, timeout: float) -> dict:
         """Wait for the ready file.

@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from kspeed import rpc
-from kspeed._daemon import ensure_state_dir, run_main, setup_logging, write_ready_file
+from kspeed._daemon import die_with_parent, ensure_state_dir, run_main, setup_logging, write_ready_file
 from kspeed.config import ManagerConfig, add_arguments, load_config
 from kspeed.httpd import HttpEndpoint, json_response, metrics_route, text_response
 from kspeed.manager.calls import ServerCalls
@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> None:
         config = load_config(ManagerConfig, args)
         setup_logging(config.log_level)
+        die_with_parent(config.parent_pid)
 
         async def serve() -> None:
             manager = Manager(config)

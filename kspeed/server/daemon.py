@@ -20,7 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kspeed import rpc
-from kspeed._daemon import ensure_state_dir, run_main, setup_logging, write_ready_file
+from kspeed._daemon import die_with_parent, ensure_state_dir, run_main, setup_logging, write_ready_file
 from kspeed._version import __version__
 from kspeed.config import ServerConfig, add_arguments, load_config
 from kspeed.errors import KSpeedError
@@ -186,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> None:
         config = load_config(ServerConfig, args)
         setup_logging(config.log_level)
+        die_with_parent(config.parent_pid)
         server = Server(config)
         try:
             server.start()

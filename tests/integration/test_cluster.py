@@ -23,6 +23,12 @@ def states(client) -> dict[str, int]:
     return {r.id: r.state for r in client.servers(include_left=True)}
 
 
+def all_ready(client, count: int) -> bool:
+    """Exactly ``count`` servers registered, all ready (a server may register after its ready file)."""
+    current = states(client)
+    return len(current) == count and all(s == S.SERVER_STATE_READY for s in current.values())
+
+
 def test_two_servers_ready_in_status_json_metrics_and_cli(cluster):
     with client_for(cluster) as client:
         assert wait_for(lambda: list(states(client).values()) == [S.SERVER_STATE_READY] * 2, 10, "2 ready")
@@ -54,7 +60,7 @@ def test_two_servers_ready_in_status_json_metrics_and_cli(cluster):
 def test_sigkill_moves_server_to_failed_within_timeout(cluster):
     victim = cluster.servers[0]
     with client_for(cluster) as client:
-        wait_for(lambda: all(s == S.SERVER_STATE_READY for s in states(client).values()), 10, "ready")
+        wait_for(lambda: all_ready(client, 2), 10, "both servers ready")
         victim.signal(signal.SIGKILL)
         killed = time.monotonic()
         wait_for(lambda: states(client)[victim.ready["id"]] == S.SERVER_STATE_FAILED, 8, "failed")
@@ -69,7 +75,7 @@ def test_sigkill_moves_server_to_failed_within_timeout(cluster):
 
 def test_manager_restart_keeps_registry_and_servers_rejoin(cluster):
     with client_for(cluster) as client:
-        wait_for(lambda: all(s == S.SERVER_STATE_READY for s in states(client).values()), 10, "ready")
+        wait_for(lambda: all_ready(client, 2), 10, "both servers ready")
         before = {r.id: r.incarnation for r in client.servers()}
         cluster_id = client.status().cluster_id
     assert cluster.manager.stop() == 0
@@ -77,13 +83,13 @@ def test_manager_restart_keeps_registry_and_servers_rejoin(cluster):
     with client_for(cluster) as client:
         assert client.status().cluster_id == cluster_id
         assert set(states(client)) == set(before)  # restored from SQLite before any server spoke
-        wait_for(lambda: all(s == S.SERVER_STATE_READY for s in states(client).values()), 10, "rejoined")
+        wait_for(lambda: all_ready(client, 2), 10, "rejoined")
         assert {r.id: r.incarnation for r in client.servers()} == before  # heartbeats, not re-registration
 
 
 def test_unknown_server_heartbeat_is_not_found_and_server_reregisters(cluster):
     with client_for(cluster) as client:
-        wait_for(lambda: all(s == S.SERVER_STATE_READY for s in states(client).values()), 10, "ready")
+        wait_for(lambda: all_ready(client, 2), 10, "both servers ready")
         with pytest.raises(Exception) as info:
             client._stub.Heartbeat(kspeed_pb2.HeartbeatRequest(id="srv-unknown"), timeout=5)
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
@@ -99,7 +105,7 @@ def test_unknown_server_heartbeat_is_not_found_and_server_reregisters(cluster):
 def test_sigterm_server_deregisters_and_leaves(cluster):
     leaving = cluster.servers[1]
     with client_for(cluster) as client:
-        wait_for(lambda: all(s == S.SERVER_STATE_READY for s in states(client).values()), 10, "ready")
+        wait_for(lambda: all_ready(client, 2), 10, "both servers ready")
         assert leaving.stop() == 0
         assert states(client)[leaving.ready["id"]] == S.SERVER_STATE_LEFT
         assert leaving.ready["id"] not in {r.id for r in client.servers()}
@@ -107,7 +113,7 @@ def test_sigterm_server_deregisters_and_leaves(cluster):
 
 def test_membership_watch_streams_snapshot_then_changes(cluster):
     with client_for(cluster) as client:
-        wait_for(lambda: all(s == S.SERVER_STATE_READY for s in states(client).values()), 10, "ready")
+        wait_for(lambda: all_ready(client, 2), 10, "both servers ready")
         stream = client._stub.WatchMembership(kspeed_pb2.WatchMembershipRequest(), timeout=20)
         first = next(stream)
         assert first.snapshot and len(first.servers) == 2
@@ -149,7 +155,7 @@ def _raw(cluster, method: str, payload: bytes):
 
 def test_malformed_oversized_and_invalid_requests_are_invalid_argument(cluster):
     with client_for(cluster) as client:
-        wait_for(lambda: all(s == S.SERVER_STATE_READY for s in states(client).values()), 10, "ready")
+        wait_for(lambda: all_ready(client, 2), 10, "both servers ready")
         revision = client.status().revision
         inventory = kspeed_pb2.ServerInventory(memory_bytes=2**20, region_size=2**20)
         bad = [
