@@ -1,7 +1,7 @@
 """The ``kspeed`` command: run a local cluster and look at a running one.
 
     kspeed up [--servers N] [--port P] [--http-port H] [--state-dir DIR]
-    kspeed status [--manager HOST:PORT] [--json]
+    kspeed status [--manager HOST:PORT] [--json] [--job JOB]
     kspeed dataset add NAME URI [--kind K] [--labels dirname] [--quota BYTES]
     kspeed dataset list | show NAME | rm NAME
     kspeed preload NAME
@@ -25,7 +25,7 @@ from kspeed.control import ManagerClient
 from kspeed.errors import KSpeedError
 from kspeed.progress import follow_preload
 from kspeed.proto import kspeed_pb2
-from kspeed.status import dataset_dict, dataset_table, status_dict, status_table
+from kspeed.status import dataset_dict, dataset_table, job_dict, job_table, status_dict, status_table
 
 READY = kspeed_pb2.ServerState.SERVER_STATE_READY
 
@@ -91,6 +91,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     """Print the cluster as a table (or JSON)."""
     config = load_config(ClientConfig, args)
     with ManagerClient(config, peer_name="kspeed-cli") as client:
+        job_name = getattr(args, "cfg__job", None)  # only `--job NAME` on the command line, not KSPEED_JOB
+        if job_name:
+            job = client.call("GetJobStats", kspeed_pb2.JobRequest(job=job_name))
+            _say(json.dumps(job_dict(job), indent=2, sort_keys=True) if args.json else job_table(job))
+            return 0
         status = client.status()
     if args.json:
         _say(json.dumps(status_dict(status), indent=2, sort_keys=True))

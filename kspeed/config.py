@@ -254,6 +254,8 @@ class ManagerConfig:
                             env="KSPEED_LOG_LEVEL")
     ready_file: str = option("", "write the bound addresses as JSON to this file once ready",
                              env="KSPEED_MANAGER_READY_FILE")
+    parent_pid: int = option(0, "stop (as on SIGTERM) when this process exits; set by supervisors such as "
+                             "kspeed up", parse=_parse_int, env="KSPEED_PARENT_PID")
     security: SecurityConfig = dataclasses.field(default_factory=SecurityConfig)
 
     def validate(self) -> None:
@@ -322,6 +324,8 @@ class ServerConfig:
                             env="KSPEED_LOG_LEVEL")
     ready_file: str = option("", "write the bound addresses as JSON to this file once ready",
                              env="KSPEED_SERVER_READY_FILE")
+    parent_pid: int = option(0, "stop (as on SIGTERM) when this process exits; set by supervisors such as "
+                             "kspeed up", parse=_parse_int, env="KSPEED_PARENT_PID")
     security: SecurityConfig = dataclasses.field(default_factory=SecurityConfig)
 
     def validate(self) -> None:
@@ -356,6 +360,10 @@ class ClientConfig:
     data_host: str = option("", "address the tcp receiver listens on and advertises (default: loopback when every "
                             "server is local, else the local address that routes to the servers)",
                             env="KSPEED_DATA_HOST")
+    job: str = option("", "name of the training job, shared by its ranks, under which per-rank statistics are "
+                      "reported to the manager (e.g. $TORCHELASTIC_RUN_ID; empty: user@host)", env="KSPEED_JOB")
+    stats_interval: float = option(5.0, "how often each rank reports its statistics to the manager",
+                                   parse=parse_duration, env="KSPEED_STATS_INTERVAL")
 
     def validate(self) -> None:
         """Check cross-field rules. Clients send no token when none is configured."""

@@ -128,3 +128,40 @@ def status_table(status: kspeed_pb2.ClusterStatus, now: float | None = None) -> 
     if status.datasets:
         text += "\n\n" + dataset_table(list(status.datasets))
     return text
+
+
+def job_dict(job: kspeed_pb2.JobStats) -> dict:
+    """A job's per-rank statistics and their spread as plain JSON-able data."""
+    def spread(sp: kspeed_pb2.Spread) -> dict:
+        return {"min": sp.min, "max": sp.max, "p50": sp.p50, "p99": sp.p99}
+
+    return {
+        "job": job.job,
+        "ranks": [{"rank": r.rank, "world_size": r.world_size, "host": r.host, "pid": r.pid, "dataset": r.dataset,
+                   "batches": r.batches, "samples": r.samples, "bytes": r.bytes, "elapsed_s": r.elapsed_s,
+                   "samples_per_s": r.samples / r.elapsed_s if r.elapsed_s > 0 else 0.0,
+                   "wait_total_s": r.wait_total_s, "wait_mean_ms": r.wait_mean_ms, "wait_p50_ms": r.wait_p50_ms,
+                   "wait_p99_ms": r.wait_p99_ms, "wait_max_ms": r.wait_max_ms,
+                   "server_bytes": dict(r.server_bytes), "stale_completions": r.stale_completions,
+                   "report_unix": r.report_unix} for r in job.ranks],
+        "spread": {"wait_mean_ms": spread(job.wait_mean_ms), "wait_p99_ms": spread(job.wait_p99_ms),
+                   "samples_per_s": spread(job.samples_per_s)},
+    }
+
+
+def job_table(job: kspeed_pb2.JobStats) -> str:
+    """A job's ranks as a table, then the spread across ranks (the stragglers)."""
+    header = ("RANK", "HOST", "DATASET", "BATCHES", "SAMPLES/S", "WAIT MEAN", "P50", "P99", "MAX", "FROM SERVERS")
+    rows = []
+    for r in job_dict(job)["ranks"]:
+        total = sum(r["server_bytes"].values()) or 1
+        servers = " ".join(f"{k}:{100 * v / total:.0f}%" for k, v in sorted(r["server_bytes"].items()))
+        rows.append((f"{r['rank']}/{r['world_size']}", r["host"], r["dataset"], str(r["batches"]),
+                     f"{r['samples_per_s']:,.0f}", f"{r['wait_mean_ms']:.2f}ms", f"{r['wait_p50_ms']:.2f}ms",
+                     f"{r['wait_p99_ms']:.2f}ms", f"{r['wait_max_ms']:.2f}ms", servers))
+    lines = [f"job {job.job}: {len(rows)} rank report(s)", _table(header, rows), "",
+             "spread across ranks       min        p50        p99        max"]
+    for name, sp, unit in (("data wait mean", job.wait_mean_ms, "ms"), ("data wait p99", job.wait_p99_ms, "ms"),
+                           ("samples/s", job.samples_per_s, "")):
+        lines.append(f"{name:<20}" + "".join(f"{v:>10.2f}{unit:<1}" for v in (sp.min, sp.p50, sp.p99, sp.max)))
+    return "\n".join(lines)

@@ -45,6 +45,7 @@ from .plans import EpochPlan, make_plan
 from .pump import Pump
 from .rails import choose_rail, is_local, local_address_towards
 from .sampling import EpochOrders
+from .stats import RankStats, StatsReporter, default_job
 
 __all__ = ["KSpeedDataset"]
 
@@ -142,6 +143,14 @@ class KSpeedDataset(IterableDataset):
             self._io.shutdown(wait=False)
             raise
         self._pump = Pump(self._feed, self._plan_epoch, self._orders.deterministic)
+        self._stats = RankStats([link.server_id for link in self._links])
+        self._reporter = None
+        if manager is not None:
+            me = getattr(sampler, "rank", rank or 0)
+            world = getattr(sampler, "num_replicas", world_size or 1)
+            self._reporter = StatsReporter(manager, job=config.job or default_job(), rank=int(me),
+                                           world_size=int(world), dataset=self.name, collect=self.stats,
+                                           interval=config.stats_interval)
         self._closed = False
 
     def _ring_size(self, info: kspeed_pb2.DatasetInfo, requested: int) -> int:
@@ -261,8 +270,15 @@ class KSpeedDataset(IterableDataset):
         return self._feed.fence(server_id, reason)
 
     def stats(self) -> dict[str, Any]:
-        """Per-rank delivery figures: batches, data-wait time, grants, stale completions, ring use."""
-        return {**self._feed.stats(), "batches": self._pump.delivered, "wait_s": self._pump.wait_s,
+        """This rank's delivery figures.
+
+        Batches, samples and bytes delivered and their rates, the data wait per batch (total, and
+        mean/p50/p99/max over the recent batches, in ms), the bytes each server wrote, and the
+        feed's grants, stale completions and ring use. The same figures reach the manager every
+        ``stats_interval`` (``kspeed status --job``); :class:`kspeed.client.stats.PrometheusCollector`
+        exports them.
+        """
+        return {**self._feed.stats(), **self._stats.summary(), "wait_s": self._pump.wait_s,
                 "last_wait_s": self._pump.last_wait_s, "rail": self._feed.rail}
 
     @property
@@ -279,6 +295,8 @@ class KSpeedDataset(IterableDataset):
         if self._closed:
             return
         self._closed = True
+        if self._reporter is not None:
+            self._reporter.close()
         for step in (self._pump.close, self._feed.close):
             try:
                 step()
@@ -321,6 +339,8 @@ class _EpochIterator:
         if self._next >= self._plan.num_batches:
             raise StopIteration
         batch = ds._pump.next_batch(self._plan, self._next)
+        lo, hi = int(self._plan.layout.starts[self._next]), int(self._plan.layout.starts[self._next + 1])
+        ds._stats.record(ds._pump.last_wait_s, self._plan.owner[lo:hi], self._plan.lengths[lo:hi])
         self._next += 1
         ds._consumed = self._next
         return batch

@@ -13,6 +13,7 @@ import grpc
 from kspeed._version import __version__
 from kspeed.errors import ProtocolError
 from kspeed.manager.datasets import DatasetCatalog
+from kspeed.manager.jobs import JobBoard
 from kspeed.manager.registry import Registry
 from kspeed.proto import kspeed_pb2
 from kspeed.rpc import negotiate
@@ -57,6 +58,7 @@ class ManagerService:
                  heartbeat_interval: float) -> None:
         self._registry = registry
         self._catalog = catalog
+        self.jobs = JobBoard()
         self._cluster_id = cluster_id
         self._heartbeat_interval = heartbeat_interval
         self._started = time.monotonic()
@@ -172,3 +174,16 @@ class ManagerService:
                            context: grpc.aio.ServicerContext) -> kspeed_pb2.ReleaseLeaseReply:
         self._catalog.release(request.lease_id)
         return kspeed_pb2.ReleaseLeaseReply()
+
+    async def ReportStats(self, request: kspeed_pb2.RankStats,
+                          context: grpc.aio.ServicerContext) -> kspeed_pb2.ReportStatsReply:
+        self.jobs.report(request)
+        return kspeed_pb2.ReportStatsReply()
+
+    async def GetJobStats(self, request: kspeed_pb2.JobRequest,
+                          context: grpc.aio.ServicerContext) -> kspeed_pb2.JobStats:
+        return self.jobs.job(request.job)
+
+    async def ListJobs(self, request: kspeed_pb2.ListJobsRequest,
+                       context: grpc.aio.ServicerContext) -> kspeed_pb2.ListJobsReply:
+        return kspeed_pb2.ListJobsReply(jobs=self.jobs.jobs())

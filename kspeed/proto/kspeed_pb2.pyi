@@ -525,6 +525,99 @@ class CloseFeedReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class RankStats(_message.Message):
+    __slots__ = ("job", "rank", "world_size", "host", "pid", "dataset", "batches", "samples", "bytes", "elapsed_s", "wait_total_s", "wait_mean_ms", "wait_p50_ms", "wait_p99_ms", "wait_max_ms", "server_bytes", "stale_completions", "report_unix")
+    class ServerBytesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
+    WAIT_TOTAL_S_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MEAN_MS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_P50_MS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_P99_MS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MAX_MS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STALE_COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    REPORT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    rank: int
+    world_size: int
+    host: str
+    pid: int
+    dataset: str
+    batches: int
+    samples: int
+    bytes: int
+    elapsed_s: float
+    wait_total_s: float
+    wait_mean_ms: float
+    wait_p50_ms: float
+    wait_p99_ms: float
+    wait_max_ms: float
+    server_bytes: _containers.ScalarMap[str, int]
+    stale_completions: int
+    report_unix: float
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., dataset: _Optional[str] = ..., batches: _Optional[int] = ..., samples: _Optional[int] = ..., bytes: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., wait_total_s: _Optional[float] = ..., wait_mean_ms: _Optional[float] = ..., wait_p50_ms: _Optional[float] = ..., wait_p99_ms: _Optional[float] = ..., wait_max_ms: _Optional[float] = ..., server_bytes: _Optional[_Mapping[str, int]] = ..., stale_completions: _Optional[int] = ..., report_unix: _Optional[float] = ...) -> None: ...
+
+class ReportStatsReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class JobRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class Spread(_message.Message):
+    __slots__ = ("min", "max", "p50", "p99")
+    MIN_FIELD_NUMBER: _ClassVar[int]
+    MAX_FIELD_NUMBER: _ClassVar[int]
+    P50_FIELD_NUMBER: _ClassVar[int]
+    P99_FIELD_NUMBER: _ClassVar[int]
+    min: float
+    max: float
+    p50: float
+    p99: float
+    def __init__(self, min: _Optional[float] = ..., max: _Optional[float] = ..., p50: _Optional[float] = ..., p99: _Optional[float] = ...) -> None: ...
+
+class JobStats(_message.Message):
+    __slots__ = ("job", "ranks", "wait_mean_ms", "wait_p99_ms", "samples_per_s")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MEAN_MS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_P99_MS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    ranks: _containers.RepeatedCompositeFieldContainer[RankStats]
+    wait_mean_ms: Spread
+    wait_p99_ms: Spread
+    samples_per_s: Spread
+    def __init__(self, job: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankStats, _Mapping]]] = ..., wait_mean_ms: _Optional[_Union[Spread, _Mapping]] = ..., wait_p99_ms: _Optional[_Union[Spread, _Mapping]] = ..., samples_per_s: _Optional[_Union[Spread, _Mapping]] = ...) -> None: ...
+
+class ListJobsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListJobsReply(_message.Message):
+    __slots__ = ("jobs",)
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, jobs: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class GetStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -107,6 +107,21 @@ class ManagerStub:
                 request_serializer=kspeed__pb2.LeaseRequest.SerializeToString,
                 response_deserializer=kspeed__pb2.ReleaseLeaseReply.FromString,
                 _registered_method=True)
+        self.ReportStats = channel.unary_unary(
+                '/kspeed.v1.Manager/ReportStats',
+                request_serializer=kspeed__pb2.RankStats.SerializeToString,
+                response_deserializer=kspeed__pb2.ReportStatsReply.FromString,
+                _registered_method=True)
+        self.GetJobStats = channel.unary_unary(
+                '/kspeed.v1.Manager/GetJobStats',
+                request_serializer=kspeed__pb2.JobRequest.SerializeToString,
+                response_deserializer=kspeed__pb2.JobStats.FromString,
+                _registered_method=True)
+        self.ListJobs = channel.unary_unary(
+                '/kspeed.v1.Manager/ListJobs',
+                request_serializer=kspeed__pb2.ListJobsRequest.SerializeToString,
+                response_deserializer=kspeed__pb2.ListJobsReply.FromString,
+                _registered_method=True)
 
 
 class ManagerServicer:
@@ -203,6 +218,25 @@ class ManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportStats(self, request, context):
+        """Per-rank statistics of jobs (soft state: reports expire when a rank stops sending them).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetJobStats(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListJobs(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -275,6 +309,21 @@ def add_ManagerServicer_to_server(servicer, server):
                     servicer.ReleaseLease,
                     request_deserializer=kspeed__pb2.LeaseRequest.FromString,
                     response_serializer=kspeed__pb2.ReleaseLeaseReply.SerializeToString,
+            ),
+            'ReportStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportStats,
+                    request_deserializer=kspeed__pb2.RankStats.FromString,
+                    response_serializer=kspeed__pb2.ReportStatsReply.SerializeToString,
+            ),
+            'GetJobStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetJobStats,
+                    request_deserializer=kspeed__pb2.JobRequest.FromString,
+                    response_serializer=kspeed__pb2.JobStats.SerializeToString,
+            ),
+            'ListJobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListJobs,
+                    request_deserializer=kspeed__pb2.ListJobsRequest.FromString,
+                    response_serializer=kspeed__pb2.ListJobsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -658,6 +707,87 @@ class Manager:
             '/kspeed.v1.Manager/ReleaseLease',
             kspeed__pb2.LeaseRequest.SerializeToString,
             kspeed__pb2.ReleaseLeaseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kspeed.v1.Manager/ReportStats',
+            kspeed__pb2.RankStats.SerializeToString,
+            kspeed__pb2.ReportStatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetJobStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kspeed.v1.Manager/GetJobStats',
+            kspeed__pb2.JobRequest.SerializeToString,
+            kspeed__pb2.JobStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kspeed.v1.Manager/ListJobs',
+            kspeed__pb2.ListJobsRequest.SerializeToString,
+            kspeed__pb2.ListJobsReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,172 @@
+"""Per-rank statistics of a dataset's delivery: data wait per batch, throughput, server contribution.
+
+Each batch's wait (the time ``next()`` spent before the batch was complete), its samples and bytes,
+and the bytes each server wrote are recorded with a little numpy per batch. ``KSpeedDataset.stats()``
+returns the local figures; a reporter thread sends them to the manager every few seconds, where
+``kspeed status --job`` shows the spread across ranks (the stragglers of a job); and
+:class:`PrometheusCollector` exports them from the training process.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+
+from kspeed.errors import KSpeedError
+from kspeed.proto import kspeed_pb2
+
+__all__ = ["PrometheusCollector", "RankStats", "StatsReporter"]
+
+log = logging.getLogger(__name__)
+
+WINDOW = 4096  # recent batch waits kept for percentiles
+
+
+class RankStats:
+    """What one rank received from one dataset.
+
+    Args:
+        servers: the dataset's server ids, in the order of the plans' ``owner`` indices.
+    """
+
+    def __init__(self, servers: Sequence[str]) -> None:
+        self.servers = list(servers)
+        self.batches = 0
+        self.samples = 0
+        self.bytes = 0
+        self.wait_total_s = 0.0
+        self.server_bytes = np.zeros(len(self.servers), dtype=np.int64)
+        self._waits: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        self._started: float | None = None
+        self._lock = threading.Lock()
+
+    def record(self, wait_s: float, owner: np.ndarray, lengths: np.ndarray) -> None:
+        """One delivered batch: its wait, and per position its server index and length."""
+        per_server = np.bincount(owner, weights=lengths, minlength=len(self.servers)).astype(np.int64)
+        with self._lock:
+            if self._started is None:
+                self._started = time.monotonic() - wait_s
+            self.batches += 1
+            self.samples += len(lengths)
+            self.bytes += int(lengths.sum())
+            self.wait_total_s += wait_s
+            self.server_bytes += per_server[:len(self.servers)]
+            self._waits.append(wait_s)
+
+    def summary(self) -> dict:
+        """The local figures (waits in milliseconds over the recent window)."""
+        with self._lock:
+            waits = np.asarray(self._waits, dtype=np.float64) * 1e3
+            elapsed = time.monotonic() - self._started if self._started is not None else 0.0
+            out = {
+                "batches": self.batches, "samples": self.samples, "bytes": self.bytes, "elapsed_s": elapsed,
+                "samples_per_s": self.samples / elapsed if elapsed > 0 else 0.0,
+                "bytes_per_s": self.bytes / elapsed if elapsed > 0 else 0.0,
+                "wait_total_s": self.wait_total_s,
+                "server_bytes": dict(zip(self.servers, self.server_bytes.tolist())),
+            }
+        if len(waits):
+            out.update(wait_mean_ms=float(waits.mean()), wait_p50_ms=float(np.percentile(waits, 50)),
+                       wait_p99_ms=float(np.percentile(waits, 99)), wait_max_ms=float(waits.max()))
+        else:
+            out.update(wait_mean_ms=0.0, wait_p50_ms=0.0, wait_p99_ms=0.0, wait_max_ms=0.0)
+        return out
+
+
+def default_job() -> str:
+    """``user@host``: a job name when none is configured (one process per job, or set KSPEED_JOB)."""
+    try:
+        user = os.getlogin()
+    except OSError:
+        user = str(os.getuid())
+    return f"{user}@{socket.gethostname()}"
+
+
+class StatsReporter:
+    """Sends one rank's statistics to the manager every ``interval`` seconds until :meth:`close`.
+
+    A manager that is down is tolerated (reports resume when it is back); the data plane never waits
+    on this thread.
+    """
+
+    def __init__(self, manager, *, job: str, rank: int, world_size: int, dataset: str,
+                 collect: Callable[[], dict], interval: float) -> None:
+        self._manager = manager
+        self._base = dict(job=job, rank=rank, world_size=world_size, dataset=dataset, host=socket.gethostname(),
+                          pid=os.getpid())
+        self._collect = collect
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"kspeed-stats-{dataset}", daemon=True)
+        self._thread.start()
+        self.sent = 0
+
+    def message(self) -> kspeed_pb2.RankStats:
+        """The report as it would be sent now."""
+        s = self._collect()
+        return kspeed_pb2.RankStats(
+            **self._base, batches=s["batches"], samples=s["samples"], bytes=s["bytes"], elapsed_s=s["elapsed_s"],
+            wait_total_s=s["wait_total_s"], wait_mean_ms=s["wait_mean_ms"], wait_p50_ms=s["wait_p50_ms"],
+            wait_p99_ms=s["wait_p99_ms"], wait_max_ms=s["wait_max_ms"], server_bytes=s["server_bytes"],
+            stale_completions=s.get("stale_completions", 0))
+
+    def send(self) -> None:
+        """Send one report now (errors are logged, not raised)."""
+        try:
+            self._manager.call("ReportStats", self.message())
+            self.sent += 1
+        except KSpeedError as exc:
+            log.debug("statistics report failed (will retry): %s", exc)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self.send()
+
+    def close(self) -> None:
+        """Send a last report and stop."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.send()
+
+
+class PrometheusCollector:
+    """Exports a dataset's :meth:`stats` from the training process::
+
+        from prometheus_client import REGISTRY, start_http_server
+        REGISTRY.register(PrometheusCollector(ds)); start_http_server(9100)
+    """
+
+    def __init__(self, dataset) -> None:
+        self._dataset = dataset
+
+    def collect(self) -> Iterator:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        s = self._dataset.stats()
+        labels = ["dataset"]
+        name = [self._dataset.name]
+        for metric, value, doc in (("batches", s["batches"], "Batches delivered"),
+                                   ("samples", s["samples"], "Samples delivered"),
+                                   ("bytes", s["bytes"], "Bytes delivered"),
+                                   ("data_wait_seconds", s["wait_total_s"], "Time the loop waited for data")):
+            family = CounterMetricFamily(f"kspeed_client_{metric}", doc, labels=labels)
+            family.add_metric(name, value)
+            yield family
+        for metric in ("wait_p50_ms", "wait_p99_ms", "wait_max_ms"):
+            family = GaugeMetricFamily(f"kspeed_client_{metric}", "Recent batch data wait", labels=labels)
+            family.add_metric(name, s[metric])
+            yield family
+        per_server = CounterMetricFamily("kspeed_client_server_bytes", "Bytes each server wrote",
+                                         labels=["dataset", "server"])
+        for server, value in s["server_bytes"].items():
+            per_server.add_metric([self._dataset.name, server], value)
+        yield per_server

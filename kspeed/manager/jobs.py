@@ -1,0 +1,85 @@
+"""Per-rank statistics of running jobs: the stragglers of a job, made visible in one place.
+
+Every rank of a training job reports its data wait, throughput and per-server contribution every
+few seconds (``ReportStats``); the manager keeps the latest report per (job, rank, dataset) as soft
+state, forgets ranks that stopped reporting, and answers with the spread across ranks
+(``GetJobStats``, ``kspeed status --job``).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from kspeed.errors import NotFoundError, ProtocolError
+from kspeed.proto import kspeed_pb2
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
+MAX_RANKS = 1 << 16
+MAX_SERVERS_PER_REPORT = 4096
+REPORT_TTL = 120.0  # a rank silent this long is forgotten
+
+
+def _spread(values: np.ndarray) -> kspeed_pb2.Spread:
+    if not len(values):
+        return kspeed_pb2.Spread()
+    return kspeed_pb2.Spread(min=float(values.min()), max=float(values.max()), p50=float(np.percentile(values, 50)),
+                             p99=float(np.percentile(values, 99)))
+
+
+class JobBoard:
+    """The latest report of every rank of every job."""
+
+    def __init__(self, wall: Callable[[], float] = time.time, ttl: float = REPORT_TTL) -> None:
+        self._wall = wall
+        self._ttl = ttl
+        self._reports: dict[tuple[str, int, str], kspeed_pb2.RankStats] = {}
+
+    def report(self, stats: kspeed_pb2.RankStats) -> None:
+        """Keep a rank's report.
+
+        Raises:
+            ProtocolError: a malformed report (job name, rank, sizes).
+        """
+        if not _NAME.fullmatch(stats.job):
+            raise ProtocolError(f"job name {stats.job[:80]!r} must be 1-128 letters, digits or '._:@-'")
+        if stats.world_size > MAX_RANKS or stats.rank >= max(stats.world_size, 1):
+            raise ProtocolError(f"job {stats.job!r}: rank {stats.rank} of world size {stats.world_size} is invalid")
+        if len(stats.server_bytes) > MAX_SERVERS_PER_REPORT or len(stats.dataset) > 128 or len(stats.host) > 256:
+            raise ProtocolError(f"job {stats.job!r}: report of rank {stats.rank} is too large")
+        kept = kspeed_pb2.RankStats()
+        kept.CopyFrom(stats)
+        kept.report_unix = self._wall()
+        self._reports[(stats.job, stats.rank, stats.dataset)] = kept
+        self._expire()
+
+    def _expire(self) -> None:
+        cutoff = self._wall() - self._ttl
+        for key in [k for k, v in self._reports.items() if v.report_unix < cutoff]:
+            del self._reports[key]
+
+    def jobs(self) -> list[str]:
+        """Names of the jobs that reported recently."""
+        self._expire()
+        return sorted({job for job, _, _ in self._reports})
+
+    def job(self, name: str) -> kspeed_pb2.JobStats:
+        """Every rank of ``name`` and the spread of their figures.
+
+        Raises:
+            NotFoundError: no rank of that job reported recently (the known jobs are listed).
+        """
+        self._expire()
+        ranks = [v for (job, _, _), v in sorted(self._reports.items()) if job == name]
+        if not ranks:
+            raise NotFoundError(f"no recent statistics for job {name!r} (jobs reporting: "
+                                f"{', '.join(self.jobs()) or 'none'}); ranks report every few seconds while "
+                                "they iterate, under the name set by KSPEED_JOB")
+        rate = np.array([r.samples / r.elapsed_s if r.elapsed_s > 0 else 0.0 for r in ranks])
+        return kspeed_pb2.JobStats(job=name, ranks=ranks,
+                                   wait_mean_ms=_spread(np.array([r.wait_mean_ms for r in ranks])),
+                                   wait_p99_ms=_spread(np.array([r.wait_p99_ms for r in ranks])),
+                                   samples_per_s=_spread(rate))

@@ -1,0 +1,59 @@
+"""Per-rank job statistics kept by the manager (no daemon)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kspeed.errors import NotFoundError, ProtocolError
+from kspeed.manager.jobs import JobBoard
+from kspeed.proto import kspeed_pb2
+
+
+class Clock:
+    now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def report(rank, wait, samples=1000, elapsed=10.0, job="train", world=4):
+    return kspeed_pb2.RankStats(job=job, rank=rank, world_size=world, dataset="imgs", samples=samples,
+                                elapsed_s=elapsed, wait_mean_ms=wait, wait_p99_ms=wait * 3,
+                                server_bytes={"srv-a": 10, "srv-b": 30})
+
+
+def test_spread_across_ranks_names_the_straggler():
+    board = JobBoard(wall=Clock())
+    for rank, wait in enumerate((1.0, 2.0, 3.0, 40.0)):
+        board.report(report(rank, wait, samples=1000 - 200 * (rank == 3)))
+    job = board.job("train")
+    assert [r.rank for r in job.ranks] == [0, 1, 2, 3]
+    assert job.wait_mean_ms.min == 1.0 and job.wait_mean_ms.max == 40.0
+    assert job.wait_mean_ms.p50 == pytest.approx(2.5)
+    assert job.wait_p99_ms.max == 120.0
+    assert job.samples_per_s.min == 80.0 and job.samples_per_s.max == 100.0
+    assert dict(job.ranks[0].server_bytes) == {"srv-a": 10, "srv-b": 30}
+    assert board.jobs() == ["train"]
+
+
+def test_latest_report_wins_and_silent_ranks_expire():
+    clock = Clock()
+    board = JobBoard(wall=clock, ttl=30)
+    board.report(report(0, 5.0))
+    board.report(report(0, 7.0))
+    assert [r.wait_mean_ms for r in board.job("train").ranks] == [7.0]
+    clock.now += 31
+    board.report(report(1, 1.0, job="other"))
+    with pytest.raises(NotFoundError, match="other"):
+        board.job("train")
+
+
+@pytest.mark.parametrize("bad", [
+    report(0, 1.0, job=""), report(0, 1.0, job="a b"), report(4, 1.0, world=4),
+    kspeed_pb2.RankStats(job="j", rank=0, world_size=1, dataset="x" * 300),
+])
+def test_malformed_reports_are_refused(bad):
+    board = JobBoard(wall=Clock())
+    with pytest.raises(ProtocolError):
+        board.report(bad)
+    assert board.jobs() == []
