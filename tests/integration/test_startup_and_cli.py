@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -108,8 +109,6 @@ def test_kspeed_up_prints_addresses_first_and_leaves_nothing(tmp_path):
         pids = []
         for name in ("manager", "server-0", "server-1"):
             with open(os.path.join(state_dir, "run", f"{name}.json"), encoding="utf-8") as fh:
-                import json
-
                 pids.append(json.load(fh)["pid"])
         http = second.split("http://")[1].strip()
         assert http_get(http, "/v1/status")[1].count('"state": "ready"') == 2
@@ -124,3 +123,23 @@ def test_kspeed_up_prints_addresses_first_and_leaves_nothing(tmp_path):
         time.sleep(0.05)
     assert not any(pid_alive(p) for p in pids)
     assert not os.path.exists(state_dir)
+
+
+def test_sigkilled_supervisor_takes_its_daemons_along(tmp_path):
+    proc = subprocess.Popen([PY, "-m", "kspeed.cli", "up", "--servers", "1", "--port", "0", "--http-port", "0",
+                             "--memory", "8MiB", "--region-size", "1MiB", "--state-dir", str(tmp_path / "up")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while not proc.stdout.readline().startswith("ready:"):
+            assert proc.poll() is None, proc.stderr.read()
+        pids = [json.loads((tmp_path / "up" / "run" / f"{name}.json").read_text())["pid"]
+                for name in ("manager", "server-0")]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 20
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(pid_alive(p) for p in pids)
