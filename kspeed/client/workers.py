@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import logging
 import pickle
+import threading
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -193,13 +194,17 @@ class TransformPool:
         if executor is None:
             return
         processes = list((getattr(executor, "_processes", None) or {}).values())
-        executor.shutdown(wait=False, cancel_futures=True)
-        for process in processes:  # a worker stuck in a user transform must not hang close()
-            process.join(JOIN_TIMEOUT)
-            if process.is_alive():
-                log.warning("transform worker %d did not stop within %.0f s; terminating it", process.pid,
-                            JOIN_TIMEOUT)
-                process.terminate()
-                process.join()
-        executor.shutdown(wait=True)
+        # The executor's own thread joins the workers; a worker stuck in a user transform must not
+        # hang close(), so it is terminated after JOIN_TIMEOUT.
+        stopper = threading.Thread(target=executor.shutdown, kwargs={"wait": True, "cancel_futures": True},
+                                   name="kspeed-pool-stop", daemon=True)
+        stopper.start()
+        stopper.join(JOIN_TIMEOUT)
+        if stopper.is_alive():
+            for process in processes:
+                if process.exitcode is None:
+                    log.warning("transform worker %d did not stop within %.0f s; terminating it", process.pid,
+                                JOIN_TIMEOUT)
+                    process.terminate()
+            stopper.join()
         log.debug("transform pool of %d workers closed", self.workers)

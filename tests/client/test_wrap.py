@@ -1,0 +1,275 @@
+"""The folder-dataset wrapper without daemons: real JPEGs fed by in-process fake servers, real spawned workers."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import os
+import re
+
+import numpy as np
+import pytest
+import simplejpeg
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
+
+from kspeed.client.dataset import KSpeedDataset
+from kspeed.client.workers import check_loader, check_picklable, pil_file_loader, resolve_loader
+from kspeed.client.wrap import WrappedDataset, folder_spec
+from kspeed.errors import ConfigError, DatasetError
+from tests.client.fakes import FakeServer, client_config, fake_info
+
+CLASSES = ("ant", "bee", "cat")
+PER_CLASS = 10
+SIDE = 12
+
+
+# -- a torchvision-style folder dataset (module level: the spawned workers import these) ----------
+
+
+def jpeg_loader(source):
+    """Decode a JPEG given as a path or a binary file object (as PIL.Image.open accepts both)."""
+    if isinstance(source, (str, os.PathLike)):
+        with open(source, "rb") as f:
+            return simplejpeg.decode_jpeg(f.read())
+    return simplejpeg.decode_jpeg(source.read())
+
+
+def to_normalized_tensor(image):
+    """HWC uint8 -> CHW float, normalized."""
+    return (torch.from_numpy(image).permute(2, 0, 1).float() / 255.0 - 0.5) / 0.25
+
+
+def path_only_loader(path):
+    with open(path, "rb") as f:
+        return simplejpeg.decode_jpeg(f.read())
+
+
+def plus_hundred(target):
+    return target + 100
+
+
+def targets_only(items):
+    return [target for _, target in items]
+
+
+class FailOn:
+    """A loader failing on the file whose bytes hash to ``digest``."""
+
+    def __init__(self, digest):
+        self.digest = digest
+
+    def __call__(self, file):
+        data = file.read()
+        if hashlib.sha256(data).hexdigest() == self.digest:
+            raise ValueError("corrupt image")
+        return simplejpeg.decode_jpeg(data)
+
+
+class FolderDataset:
+    """The shape of torchvision's ImageFolder: ``.samples``, ``.loader``, ``.transform``, ``.target_transform``."""
+
+    def __init__(self, root, transform=None, target_transform=None, loader=jpeg_loader):
+        self.classes = sorted(os.listdir(root))
+        self.samples = [(os.path.join(root, c, f), i) for i, c in enumerate(self.classes)
+                        for f in sorted(os.listdir(os.path.join(root, c)))]
+        self.targets = [t for _, t in self.samples]
+        self.loader = loader
+        self.transform = transform
+        self.target_transform = target_transform
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, index):
+        path, target = self.samples[index]
+        sample = self.loader(path)
+        if self.transform is not None:
+            sample = self.transform(sample)
+        if self.target_transform is not None:
+            target = self.target_transform(target)
+        return sample, target
+
+
+def make_jpegs(root, classes=CLASSES, per_class=PER_CLASS, seed=0):
+    """Class folders of small random JPEGs; returns the root."""
+    rng = np.random.default_rng(seed)
+    for cls in classes:
+        os.makedirs(root / cls, exist_ok=True)
+        for i in range(per_class):
+            image = rng.integers(0, 256, (SIDE, SIDE, 3), dtype=np.uint8)
+            (root / cls / f"{i:03d}.jpg").write_bytes(simplejpeg.encode_jpeg(image, quality=90))
+    return root
+
+
+def assert_same_batches(got, want):
+    assert len(got) == len(want)
+    for (images, targets), (ref_images, ref_targets) in zip(got, want):
+        assert torch.equal(images, ref_images)
+        assert torch.equal(targets, ref_targets)
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+# -- fixtures -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def folder(tmp_path):
+    return FolderDataset(make_jpegs(tmp_path / "imgs"), transform=to_normalized_tensor)
+
+
+@pytest.fixture
+def make_wrapped(folder):
+    """``make_wrapped(folder=folder, **kwargs) -> WrappedDataset`` over two fake servers; closed at teardown."""
+    made = []
+
+    def make(ds=folder, *, batch_size=8, sampler=None, seed=0, drop_last=False, **kwargs):
+        data = []
+        for path, _ in ds.samples:
+            with open(path, "rb") as f:
+                data.append(f.read())
+        half = len(data) // 2
+        fakes = [FakeServer("s0", data, 0, half), FakeServer("s1", data, half, len(data))]
+        info = fake_info(data, [("s0", 0, half), ("s1", half, len(data))], labels="")
+        inner = KSpeedDataset(info, fakes, config=client_config(), rail="shm", batch_size=batch_size,
+                              sampler=sampler, seed=seed, drop_last=drop_last, ring_bytes=1 << 20)
+        kwargs.setdefault("num_workers", 2)
+        try:
+            wrapped = WrappedDataset(inner, paths=[p for p, _ in ds.samples], targets=[t for _, t in ds.samples],
+                                     loader=ds.loader, transform=ds.transform, target_transform=ds.target_transform,
+                                     **kwargs)
+        except BaseException:
+            inner.close()
+            for fake in fakes:
+                fake.close()
+            raise
+        made.append((wrapped, fakes))
+        return wrapped
+
+    yield make
+    for wrapped, fakes in made:
+        wrapped.close()
+        for fake in fakes:
+            fake.close()
+
+
+# -- delivery -------------------------------------------------------------------------------------
+
+
+def test_same_items_as_dataloader(folder, make_wrapped):
+    folder.target_transform = plus_hundred
+    wrapped = make_wrapped(sampler=SequentialSampler(folder))
+    want = list(DataLoader(folder, batch_size=8, sampler=SequentialSampler(folder)))
+    got = list(wrapped)
+    assert len(wrapped) == len(want) == 4  # 30 samples: three batches of 8 and one of 6
+    assert_same_batches(got, want)
+    assert got[0][1].tolist() == [100] * 8
+    assert wrapped.state_dict()["batches"] == len(want)
+
+
+def test_shuffled_epochs_follow_the_sampler_and_cover_every_sample(folder, make_wrapped):
+    wrapped = make_wrapped(seed=7)
+    everything = torch.stack([folder[i][0] for i in range(len(folder))])
+    orders = []
+    for epoch in range(2):
+        wrapped.set_epoch(epoch)
+        got = list(wrapped)
+        sampler = DistributedSampler(folder, num_replicas=1, rank=0, shuffle=True, seed=7)
+        sampler.set_epoch(epoch)
+        assert_same_batches(got, list(DataLoader(folder, batch_size=8, sampler=sampler)))
+        images = torch.cat([b[0] for b in got])
+        targets = torch.cat([b[1] for b in got])
+        # The same set each epoch: every sample exactly once, with its own target.
+        rows = [int(torch.nonzero((everything == img).flatten(1).all(1))[0]) for img in images]
+        assert sorted(rows) == list(range(len(folder)))
+        assert targets.tolist() == [folder.targets[r] for r in rows]
+        orders.append(rows)
+    assert orders[0] != orders[1]
+
+
+def test_collate_fn_override_and_delivered_position(folder, make_wrapped):
+    wrapped = make_wrapped(sampler=SequentialSampler(folder), collate_fn=targets_only, prefetch=4)
+    it = iter(wrapped)
+    assert next(it) == folder.targets[:8]
+    assert next(it) == folder.targets[8:16]
+    # Four batches were handed to the workers; the position counts the two the caller received.
+    assert wrapped.state_dict()["batches"] == 2
+    it.close()
+
+
+def test_loader_error_names_the_file_and_stops_the_workers(folder, make_wrapped):
+    bad_path = folder.samples[13][0]
+    with open(bad_path, "rb") as f:
+        folder.loader = FailOn(hashlib.sha256(f.read()).hexdigest())
+    wrapped = make_wrapped(sampler=SequentialSampler(folder))
+    it = iter(wrapped)
+    assert torch.equal(next(it)[1], torch.tensor(folder.targets[:8]))
+    pids = wrapped.worker_pids()
+    assert pids
+    with pytest.raises(DatasetError, match=rf"sample 13 \({re.escape(bad_path)}\).*ValueError: corrupt image"):
+        next(it)
+    assert wrapped.worker_pids() == []
+    assert not any(alive(pid) for pid in pids)
+
+
+def test_close_leaves_no_worker_process(folder, make_wrapped):
+    wrapped = make_wrapped(sampler=SequentialSampler(folder))
+    for _ in zip(range(2), wrapped):  # stop mid-epoch with batches in flight
+        pass
+    pids = wrapped.worker_pids()
+    assert len(pids) == 2
+    wrapped.close()
+    assert not any(alive(pid) for pid in pids)
+    assert multiprocessing.active_children() == []
+    assert wrapped.worker_pids() == []
+
+
+# -- registration and checks ----------------------------------------------------------------------
+
+
+def test_folder_spec_uses_the_tree_when_it_matches_else_a_list(folder, tmp_path):
+    paths = [p for p, _ in folder.samples]
+    spec = folder_spec(paths)
+    assert (spec.kind, spec.uri) == ("dir", str(tmp_path / "imgs"))
+    assert folder_spec(paths).name == spec.name  # wrapping the same files again attaches to the same data
+    reordered = folder_spec(paths[::-1])
+    assert reordered.kind == "list" and reordered.name != spec.name
+    assert reordered.uri == str(tmp_path / "imgs" / ".kspeed" / f"{reordered.name}.list")
+    with open(reordered.uri) as f:
+        assert f.read().splitlines() == paths[::-1]
+    subset = folder_spec(paths[:-1])  # a file of the tree is not a sample: the tree would list it
+    assert subset.kind == "list"
+    listed = folder_spec(paths[:-1], list_dir=str(tmp_path / "lists"), name="mine")
+    assert (listed.name, listed.uri) == ("mine", str(tmp_path / "lists" / "mine.list"))
+
+
+def test_stage_checks(folder, tmp_path):
+    path = folder.samples[0][0]
+    check_loader(jpeg_loader, path)  # accepts a file object
+    with pytest.raises(ConfigError, match=r"reads .* by path but fails on a file object"):
+        check_loader(path_only_loader, path)
+    broken = tmp_path / "broken.jpg"
+    broken.write_bytes(b"not a jpeg")
+    check_loader(jpeg_loader, str(broken))  # a bad file is not a bad loader: iteration names it
+    with pytest.raises(ConfigError, match=r"transform .* cannot be pickled"):
+        check_picklable({"loader": jpeg_loader, "transform": lambda x: x})
+    with pytest.raises(ConfigError, match="loader must be callable"):
+        resolve_loader("not callable")
+    assert resolve_loader(jpeg_loader) is jpeg_loader
+    pil_loader = type("f", (), {})  # stands in for torchvision.datasets.folder.pil_loader by name
+    pil_loader.__module__, pil_loader.__name__ = "torchvision.datasets.folder", "pil_loader"
+    assert resolve_loader(pil_loader) is pil_file_loader
+
+
+def test_bad_arguments_are_named(folder, make_wrapped):
+    with pytest.raises(ConfigError, match="num_workers must be a positive integer"):
+        make_wrapped(num_workers=0)
+    with pytest.raises(ConfigError, match="prefetch must be a positive integer"):
+        make_wrapped(prefetch=-1)
