@@ -1,0 +1,56 @@
+"""``KSpeedClient.wrap`` against real daemons: a folder of JPEGs served like a DataLoader over it."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
+
+from kspeed import KSpeedClient
+from kspeed._local import wait_for
+from tests.client.test_wrap import FolderDataset, alive, assert_same_batches, make_jpegs, to_normalized_tensor
+from tests.integration.test_client import config_for
+
+
+def test_wrap_caches_the_files_and_yields_what_a_dataloader_would(cluster_factory, tmp_path):
+    root = make_jpegs(tmp_path / "imgs")
+    folder = FolderDataset(root, transform=to_normalized_tensor)
+    cluster = cluster_factory(2, server_args=["--backend-allow", str(tmp_path), "--memory", "16MiB",
+                                              "--region-size", "1MiB"])
+    client = KSpeedClient(config=config_for(cluster))
+    pids = []
+    try:
+        wait_for(lambda: len([r for r in client.manager.servers() if r.state == 2]) == 2, 10, "two ready servers")
+        wrapped = client.wrap(folder, batch_size=8, sampler=SequentialSampler(folder), num_workers=2,
+                              ring_bytes=8 << 20, quiet=True)
+        info = client.manager.dataset(wrapped.name)
+        assert (info.spec.kind, info.spec.uri) == ("dir", str(root))  # the samples are the tree, sorted
+        assert info.fingerprint.count == len(folder) and info.leases >= 1
+        want = list(DataLoader(folder, batch_size=8, sampler=SequentialSampler(folder)))
+        for epoch in range(2):
+            wrapped.set_epoch(epoch)
+            assert_same_batches(list(wrapped), want)
+        pids += wrapped.worker_pids()
+        assert len(pids) == 2
+
+        # Wrapping the same files again attaches to the cached dataset (nothing is preloaded twice).
+        again = client.wrap(folder, batch_size=4, preload=False, ring_bytes=8 << 20, quiet=True)
+        assert again.name == wrapped.name and len(again) == 8
+
+        # Another order and a subset of the files: registered as a list, served with the built-in shuffle.
+        subset = FolderDataset(root, transform=to_normalized_tensor)
+        subset.samples = subset.samples[::-1][:-3]
+        subset.targets = [t for _, t in subset.samples]
+        shuffled = client.wrap(subset, batch_size=8, seed=3, num_workers=1, ring_bytes=8 << 20, quiet=True)
+        assert client.manager.dataset(shuffled.name).spec.kind == "list"
+        for epoch in range(2):
+            shuffled.set_epoch(epoch)
+            sampler = DistributedSampler(subset, num_replicas=1, rank=0, shuffle=True, seed=3)
+            sampler.set_epoch(epoch)
+            assert_same_batches(list(shuffled), list(DataLoader(subset, batch_size=8, sampler=sampler)))
+        pids += shuffled.worker_pids()
+        assert len(pids) == 3
+    finally:
+        client.close()  # closes every wrapped dataset and its workers
+    assert not any(alive(pid) for pid in pids)
+    assert multiprocessing.active_children() == []
