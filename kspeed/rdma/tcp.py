@@ -360,17 +360,7 @@ class TcpWriter(Writer):
             raise w.lost("writing to tcp receiver", exc, self.conn) from exc
 
     def write(self, key, srcs, offset=0, imm=None) -> None:
-        check_imm(imm)
-        if isinstance(srcs, (list, tuple)):
-            views = [as_bytes_view(s) for s in srcs]
-            nbytes = sum(v.nbytes for v in views)
-        else:
-            views = [as_bytes_view(srcs)]
-            nbytes = views[0].nbytes
-        check_range(key, offset, nbytes)
-        flags = 0 if imm is None else p.FLAG_IMM
-        header = p.WRITE_HEADER.pack(p.DATA, flags, key.handle, imm or 0, key.addr + offset, nbytes)
-        self._sendmsg([header, *views])
+        self.write_many(key, [(srcs, offset, imm)])
 
     def write_many(self, key, ops) -> None:
         bufs: list = []
