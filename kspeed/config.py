@@ -27,6 +27,7 @@ __all__ = [
     "ManagerConfig",
     "SecurityConfig",
     "ServerConfig",
+    "gpu_environment",
     "load_config",
     "parse_address",
     "parse_bytes",
@@ -360,6 +361,10 @@ class ClientConfig:
     data_host: str = option("", "address the tcp receiver listens on and advertises (default: loopback when every "
                             "server is local, else the local address that routes to the servers)",
                             env="KSPEED_DATA_HOST")
+    nic: str = option("", "force the data plane onto this NIC, e.g. mlx5_2 (an unknown NIC is an error; default: "
+                      "the NIC nearest this process's GPU)", env="KSPEED_NIC")
+    pin_threads: bool = option(True, "pin the client's helper threads to the cores of the NUMA node nearest the GPU",
+                               parse=_parse_bool, env="KSPEED_PIN_THREADS")
     job: str = option("", "name of the training job, shared by its ranks, under which per-rank statistics are "
                       "reported to the manager (e.g. $TORCHELASTIC_RUN_ID; empty: user@host)", env="KSPEED_JOB")
     stats_interval: float = option(5.0, "how often each rank reports its statistics to the manager",
@@ -370,6 +375,12 @@ class ClientConfig:
         if self.security.auth == "token" and not (self.security.token or self.security.token_file):
             self.security.auth = "none"
         self.security.validate()
+
+
+def gpu_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables that say which GPU this process uses (CUDA's and the launcher's, read here)."""
+    environ = os.environ if environ is None else environ
+    return {k: environ[k] for k in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "LOCAL_RANK") if k in environ}
 
 
 _SECTIONS = {ManagerConfig: "manager", ServerConfig: "server", ClientConfig: "client"}

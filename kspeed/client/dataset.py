@@ -33,11 +33,12 @@ from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from kspeed.config import ClientConfig
+from kspeed.config import ClientConfig, gpu_environment
 from kspeed.errors import ConfigError, KSpeedError, StateError
 from kspeed.plan import SAMPLE_ALIGN
 from kspeed.proto import kspeed_pb2
 from kspeed.rdma.options import RailOptions
+from kspeed.rdma.topology import pin, place
 
 from .batch import Batch
 from .feed import Feed
@@ -128,7 +129,14 @@ class KSpeedDataset(IterableDataset):
         self._loaded_epoch: int | None = None
         self._iterations = 0
         self._passes = itertools.count(1)
-        self._io = ThreadPoolExecutor(min(8, max(len(self._links), 1)), thread_name_prefix="kspeed-io")
+        # The NIC and cores nearest this process's GPU (no preference without a GPU or NIC); a forced
+        # NIC that does not exist is an error here, never a silent fallback.
+        self.placement = place(environ=gpu_environment(), nic=config.nic or None)
+        if self.placement.gpu_bus_id or self.placement.nic:
+            log.info("dataset %s: placement %s", self.name, self.placement.reason)
+        cores = self.placement.cores if config.pin_threads else ()
+        self._io = ThreadPoolExecutor(min(8, max(len(self._links), 1)), thread_name_prefix="kspeed-io",
+                                      initializer=pin, initargs=(cores,))
         hostnames = hostnames or {}
         choice = choose_rail({link.server_id: (link.address, hostnames.get(link.server_id, ""))
                               for link in self._links}, rail or config.rail)
@@ -142,7 +150,7 @@ class KSpeedDataset(IterableDataset):
         except BaseException:
             self._io.shutdown(wait=False)
             raise
-        self._pump = Pump(self._feed, self._plan_epoch, self._orders.deterministic)
+        self._pump = Pump(self._feed, self._plan_epoch, self._orders.deterministic, thread_cores=cores)
         self._stats = RankStats([link.server_id for link in self._links])
         self._reporter = None
         if manager is not None:

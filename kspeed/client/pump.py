@@ -21,6 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from kspeed.errors import CapacityError, StateError
+from kspeed.rdma.topology import pin
 
 from .batch import Batch, make_batch
 from .feed import Feed, Slot
@@ -39,16 +40,19 @@ class Pump:
         feed: the feed.
         plan_epoch: builds and commits the plan of an epoch (``feed_epoch`` chosen by the caller).
         deterministic: whether plans depend only on (seed, epoch), so the next one may be made early.
+        thread_cores: cores the planner thread is pinned to (empty: no pinning).
     """
 
-    def __init__(self, feed: Feed, plan_epoch: Callable[[int], EpochPlan], deterministic: bool) -> None:
+    def __init__(self, feed: Feed, plan_epoch: Callable[[int], EpochPlan], deterministic: bool,
+                 thread_cores: tuple[int, ...] = ()) -> None:
         self.feed = feed
         self._plan_epoch = plan_epoch
         self._deterministic = deterministic
         self._plans: dict[int, EpochPlan] = {}
         self._future: Future | None = None
         self._future_epoch: int | None = None
-        self._planner = ThreadPoolExecutor(1, thread_name_prefix="kspeed-plan") if deterministic else None
+        self._planner = ThreadPoolExecutor(1, thread_name_prefix="kspeed-plan", initializer=pin,
+                                           initargs=(thread_cores,)) if deterministic else None
         self._queue: deque[Slot] = deque()
         self._depth = 0  # the most batches ever granted ahead at once (the ring's depth in batches)
         self._cursor: tuple[EpochPlan, int] | None = None
