@@ -150,6 +150,11 @@ class KSpeedDataset(IterableDataset):
         except BaseException:
             self._io.shutdown(wait=False)
             raise
+        for pid in self._feed.helper_pids if cores else ():  # the tcp receiver process shares the node
+            try:
+                os.sched_setaffinity(pid, cores)
+            except OSError as exc:
+                log.warning("dataset %s: cannot pin receiver process %d to cores %s: %s", self.name, pid, cores, exc)
         self._pump = Pump(self._feed, self._plan_epoch, self._orders.deterministic, thread_cores=cores)
         self._stats = RankStats([link.server_id for link in self._links])
         self._reporter = None

@@ -364,6 +364,11 @@ class Feed:
 
     # -- teardown --------------------------------------------------------------------------------
 
+    @property
+    def helper_pids(self) -> tuple[int, ...]:
+        """Processes doing the ring's I/O (the tcp receiver process), for pinning."""
+        return self._receiver.helper_pids
+
     def stats(self) -> dict[str, int]:
         """Counters of grants, completions, stale completions, fencing and ring use."""
         return {**self.counters, "ring_bytes": self.allocator.capacity, "ring_used": self.allocator.used,

@@ -275,6 +275,11 @@ class Receiver(ABC):
     def connections(self) -> frozenset[int]:
         """Ids of the writers currently connected."""
 
+    @property
+    def helper_pids(self) -> tuple[int, ...]:
+        """Processes doing this receiver's I/O (the ``tcp`` receiver process), so callers can pin them."""
+        return ()
+
     @abstractmethod
     def disconnect(self, conn: int) -> None:
         """Cut writer ``conn`` off (fencing); its later writes fail and it gets no completions."""

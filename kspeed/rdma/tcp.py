@@ -206,6 +206,11 @@ class TcpReceiver(Receiver):
 
     # ------------------------------------------------------------------------------------ the seam
 
+    @property
+    def helper_pids(self) -> tuple[int, ...]:
+        proc = self._proc
+        return (proc.pid,) if proc is not None and proc.poll() is None else ()
+
     def register(self, nbytes: int) -> Region:
         segment = MemfdSegment.create(nbytes, "tcp-ring")
         handle = next(self._handles)

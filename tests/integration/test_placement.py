@@ -25,6 +25,12 @@ def test_placement_and_forced_nic(fed):  # noqa: F811
         assert sum(len(b.ids) for b in ds) == ds.num_samples  # helper threads pinned, delivery unchanged
     finally:
         ds.close()
+    tcp = client.dataset(spec, batch_size=8, quiet=True, rail="tcp")
+    try:
+        pids = tcp._feed.helper_pids
+        assert pids and all(os.sched_getaffinity(pid) == set(tcp.placement.cores) for pid in pids)
+    finally:
+        tcp.close()
     forced = KSpeedClient(config=config_for(cluster, nic="mlx5_9"))
     try:
         with pytest.raises(ConfigError, match="mlx5_9"):
