@@ -81,13 +81,6 @@ class SampleIndex:
         """Number of regions the owned samples occupy."""
         return len(self.bounds) - 1
 
-    def region_range(self, vindex: int) -> tuple[int, int]:
-        """Absolute sample IDs ``[a, b)`` stored in virtual region ``vindex``."""
-        k = vindex - self.first_region
-        if not 0 <= k < self.num_regions:
-            raise NotFoundError(f"dataset {self.dataset!r}: this server holds no virtual region {vindex}")
-        return int(self.bounds[k]), int(self.bounds[k + 1])
-
     def owns(self, ids: np.ndarray) -> np.ndarray:
         """Boolean mask: which of ``ids`` this server owns."""
         ids = np.asarray(ids, dtype=np.int64)
