@@ -18,7 +18,7 @@ import torch.utils.dlpack
 
 from kspeed.errors import DatasetError, StateError
 
-__all__ = ["WAV_HEADER", "Batch", "make_batch"]
+__all__ = ["WAV_HEADER", "Batch", "make_batch", "split_samples"]
 
 #: Bytes of a canonical RIFF/WAVE header before the PCM samples.
 WAV_HEADER = 44
@@ -152,13 +152,24 @@ def make_batch(ring: np.ndarray, offset: int, footprint: int, *, epoch: int, ind
     base = torch.frombuffer(window, dtype=torch.uint8)
     finalizer = weakref.finalize(window, on_free, offset)
     del window
+    return Batch(epoch=epoch, index=index, ids=torch.from_numpy(ids.copy()), labels=torch.from_numpy(labels.copy()),
+                 samples=split_samples(base, offsets, lengths, footprint), lengths=lengths, finalizer=finalizer,
+                 stride=int(offsets[1] - offsets[0]) if len(offsets) > 1 else 0)
+
+
+def split_samples(base: torch.Tensor, offsets: np.ndarray, lengths: np.ndarray, footprint: int) -> list[torch.Tensor]:
+    """Views of each sample of a batch whose ``footprint`` bytes are ``base`` (on any device).
+
+    Args:
+        base: the batch's bytes as one ``uint8`` tensor of ``footprint`` elements.
+        offsets: each sample's offset within the batch (the first is 0).
+        lengths: each sample's length.
+        footprint: bytes reserved for the batch.
+    """
     # One split into [sample, gap, sample, gap, ...] makes every view in one call (narrow() per
     # sample costs about half again as much per view); kspeed.plan.batch_layout starts a batch's
     # first sample at offset 0.
     sizes = np.empty(2 * len(lengths), dtype=np.int64)
     sizes[0::2] = lengths
     sizes[1::2] = np.append(offsets[1:], footprint) - offsets - lengths
-    samples = list(base.split(sizes.tolist())[0::2])
-    stride = int(offsets[1] - offsets[0]) if len(offsets) > 1 else 0
-    return Batch(epoch=epoch, index=index, ids=torch.from_numpy(ids.copy()), labels=torch.from_numpy(labels.copy()),
-                 samples=samples, lengths=lengths, finalizer=finalizer, stride=stride)
+    return list(base.split(sizes.tolist())[0::2])

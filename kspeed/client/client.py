@@ -13,6 +13,8 @@ import os
 import socket
 from typing import Any
 
+import torch
+
 from kspeed.config import ClientConfig, load_config, parse_address
 from kspeed.control import ManagerClient
 from kspeed.errors import ConfigError, KSpeedError, StateError, UnavailableError
@@ -68,7 +70,7 @@ class KSpeedClient:
     def dataset(self, spec: DatasetSpec | str, batch_size: int, sampler: Any = None, *, seed: int = 0,
                 shuffle: bool = True, drop_last: bool = False, rank: int | None = None,
                 world_size: int | None = None, rail: str | None = None, ring_bytes: int | None = None,
-                quiet: bool = False) -> KSpeedDataset:
+                quiet: bool = False, device: str | torch.device = "cpu") -> KSpeedDataset:
         """Register (or attach to) a dataset under a job lease and open this rank's feed.
 
         Args:
@@ -84,6 +86,9 @@ class KSpeedClient:
             rail: ``"auto"`` (default), ``"shm"`` or ``"tcp"``; overrides ``config.rail``.
             ring_bytes: receive ring size; overrides ``config.ring_bytes``.
             quiet: no progress bar in ``preload()``.
+            device: ``"cpu"`` (default: zero-copy views of the receive ring), ``"cuda"`` or ``"cuda:N"``
+                (each batch copied asynchronously to that GPU); a CUDA device while none is
+                available is a ``ConfigError``.
 
         Raises:
             ConfigError: a bad argument (named).
@@ -119,7 +124,7 @@ class KSpeedClient:
             ds = KSpeedDataset(info, links, config=self.config, batch_size=batch_size, sampler=sampler, seed=seed,
                                shuffle=shuffle, drop_last=drop_last, rank=rank, world_size=world_size, rail=rail,
                                ring_bytes=ring_bytes, quiet=quiet, hostnames=hostnames, manager=self._manager,
-                               lease=lease)
+                               lease=lease, device=device)
         except BaseException:
             for link in links:
                 link.close()

@@ -9,6 +9,9 @@ Usage (normally through :meth:`kspeed.KSpeedClient.dataset`)::
         for batch in ds:              # or DataLoader(ds, batch_size=None)
             train(batch.samples, batch.labels)
 
+With ``device="cuda"`` (or ``"cuda:N"``) every batch is copied to that GPU in one asynchronous copy
+of its ring range (:mod:`kspeed.client.device`); ``batch.samples`` are then views of the device copy.
+
 Resume: :meth:`KSpeedDataset.state_dict` is a few hundred bytes (epoch, batches consumed, seed and
 the sampler's identity). For samplers deterministic in (seed, epoch) (the built-in one,
 ``DistributedSampler``, ``SequentialSampler``) :meth:`KSpeedDataset.load_state_dict` continues with
@@ -31,6 +34,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from kspeed.config import ClientConfig, gpu_environment
@@ -41,6 +45,7 @@ from kspeed.rdma.options import RailOptions
 from kspeed.rdma.topology import pin, place
 
 from .batch import Batch
+from .device import make_delivery
 from .feed import Feed
 from .plans import EpochPlan, make_plan
 from .pump import Pump
@@ -94,9 +99,13 @@ class KSpeedDataset(IterableDataset):
         hostnames: per server id, the host it reported (to recognize co-located servers).
         manager: a ``ManagerClient`` for :meth:`preload`.
         lease: the lease keeper to stop on :meth:`close`.
+        device: where batches are delivered: ``"cpu"`` (zero-copy ring views), ``"cuda"`` or
+            ``"cuda:N"`` (one asynchronous copy per batch from the page-locked ring).
 
     Raises:
-        ConfigError: a bad batch size, ring size, rail or sampler argument (named).
+        ConfigError: a bad batch size, ring size, rail, sampler or device argument (named), or a
+            CUDA device while none is available.
+        CapacityError: the ring cannot be page-locked for a CUDA device.
         RailUnavailableError: a forced rail that cannot serve every server.
         UnavailableError: a server is unreachable (named).
     """
@@ -105,7 +114,7 @@ class KSpeedDataset(IterableDataset):
                  sampler: Any = None, seed: int = 0, shuffle: bool = True, drop_last: bool = False,
                  rank: int | None = None, world_size: int | None = None, rail: str | None = None,
                  ring_bytes: int | None = None, quiet: bool = False, hostnames: Mapping[str, str] | None = None,
-                 manager: Any = None, lease: Any = None) -> None:
+                 manager: Any = None, lease: Any = None, device: str | torch.device = "cpu") -> None:
         super().__init__()
         self._closed = True
         self.name = info.spec.name
@@ -118,6 +127,8 @@ class KSpeedDataset(IterableDataset):
         self._labelled = bool(info.spec.labels)
         self._orders = EpochOrders(sampler, num_samples=self.num_samples, batch_size=batch_size, drop_last=drop_last,
                                    seed=seed, shuffle=shuffle, rank=rank, world_size=world_size, dataset=self.name)
+        self._delivery = make_delivery(device)
+        self.device = self._delivery.device
         self._ring_bytes = self._ring_size(info, ring_bytes if ring_bytes is not None else config.ring_bytes)
         self._quiet = quiet
         self._manager = manager
@@ -150,12 +161,19 @@ class KSpeedDataset(IterableDataset):
         except BaseException:
             self._io.shutdown(wait=False)
             raise
+        try:
+            self._delivery.attach(self._feed.ring)
+        except BaseException:
+            self._feed.close()
+            self._io.shutdown(wait=False)
+            raise
         for pid in self._feed.helper_pids if cores else ():  # the tcp receiver process shares the node
             try:
                 os.sched_setaffinity(pid, cores)
             except OSError as exc:
                 log.warning("dataset %s: cannot pin receiver process %d to cores %s: %s", self.name, pid, cores, exc)
-        self._pump = Pump(self._feed, self._plan_epoch, self._orders.deterministic, thread_cores=cores)
+        self._pump = Pump(self._feed, self._plan_epoch, self._orders.deterministic, thread_cores=cores,
+                          delivery=self._delivery)
         self._stats = RankStats([link.server_id for link in self._links])
         self._reporter = None
         if manager is not None:
@@ -310,7 +328,7 @@ class KSpeedDataset(IterableDataset):
         self._closed = True
         if self._reporter is not None:
             self._reporter.close()
-        for step in (self._pump.close, self._feed.close):
+        for step in (self._pump.close, self._delivery.close, self._feed.close):
             try:
                 step()
             except KSpeedError as exc:

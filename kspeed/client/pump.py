@@ -23,7 +23,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from kspeed.errors import CapacityError, StateError
 from kspeed.rdma.topology import pin
 
-from .batch import Batch, make_batch
+from .batch import Batch
+from .device import CpuDelivery, CudaDelivery
 from .feed import Feed, Slot
 from .plans import EpochPlan
 from .ring import RingAllocator
@@ -41,11 +42,13 @@ class Pump:
         plan_epoch: builds and commits the plan of an epoch (``feed_epoch`` chosen by the caller).
         deterministic: whether plans depend only on (seed, epoch), so the next one may be made early.
         thread_cores: cores the planner thread is pinned to (empty: no pinning).
+        delivery: how batches reach the training device (default: host views, ``device="cpu"``).
     """
 
     def __init__(self, feed: Feed, plan_epoch: Callable[[int], EpochPlan], deterministic: bool,
-                 thread_cores: tuple[int, ...] = ()) -> None:
+                 thread_cores: tuple[int, ...] = (), delivery: CpuDelivery | CudaDelivery | None = None) -> None:
         self.feed = feed
+        self.delivery = delivery if delivery is not None else CpuDelivery()
         self._plan_epoch = plan_epoch
         self._deterministic = deterministic
         self._plans: dict[int, EpochPlan] = {}
@@ -157,6 +160,7 @@ class Pump:
             CapacityError: the ring is full of batches the caller still holds.
         """
         started = time.monotonic()
+        self.delivery.poll()
         self.feed.allocator.drain()
         self.top_up()
         if not self._queue:
@@ -165,24 +169,34 @@ class Pump:
         if slot.plan is not plan or slot.batch != batch:
             raise StateError(f"dataset {self.feed.dataset!r}: expected batch {batch} of epoch {plan.epoch} next, "
                              f"but batch {slot.batch} of epoch {slot.plan.epoch} was granted; start a new iteration")
-        self.feed.wait(slot, self.top_up)
+        self.feed.wait(slot, self._tick)
         self._queue.popleft()
         plan.slots -= 1
         layout = plan.layout
         lo, hi = int(layout.starts[batch]), int(layout.starts[batch + 1])
-        result = make_batch(self.feed.ring, slot.offset, RingAllocator.footprint(int(layout.batch_bytes[batch])),
-                            epoch=plan.epoch, index=batch, ids=plan.ids[lo:hi], labels=plan.labels[lo:hi],
-                            offsets=layout.offsets[lo:hi], lengths=layout.lengths[lo:hi],
-                            on_free=self.feed.allocator.release_later)
+        result = self.delivery.deliver(self.feed.ring, slot.offset,
+                                       RingAllocator.footprint(int(layout.batch_bytes[batch])),
+                                       release=self.feed.allocator.release_later, epoch=plan.epoch, index=batch,
+                                       ids=plan.ids[lo:hi], labels=plan.labels[lo:hi], offsets=layout.offsets[lo:hi],
+                                       lengths=layout.lengths[lo:hi])
         self.last_wait_s = time.monotonic() - started
         self.wait_s += self.last_wait_s
         self.delivered += 1
         self.top_up()
         return result
 
+    def _tick(self) -> None:
+        self.delivery.poll()
+        self.top_up()
+
     def _make_room(self, plan: EpochPlan, batch: int) -> None:
         gc.collect()  # batches dropped in reference cycles give their ranges back here
+        self.delivery.poll()
         self.feed.allocator.drain()
+        self.top_up(force=True)
+        if not self._queue and self.delivery.pending:
+            self.delivery.make_room()  # wait for the device work of batches already dropped
+            self.feed.allocator.drain()
         self.top_up(force=True)
         if not self._queue:
             allocator = self.feed.allocator
