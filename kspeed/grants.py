@@ -7,6 +7,10 @@ grant's tag. A server that cannot serve a grant says ERROR instead of staying si
 sample travels here: the positions of a grant map to samples and offsets through the epoch plan
 and :func:`kspeed.plan.batch_layout`, which both sides hold.
 
+A **probe** is a grant of epoch :data:`PROBE_EPOCH`: the server writes ``end`` bytes (at most
+:data:`MAX_PROBE`) of filler at ``ring_offset`` and completes it like any grant, so the client can
+measure the latency of a transfer of that size before the first epoch (kspeed.client.pacing).
+
 A tag is 32 bits: the path's generation (8 bits) and a sequence number (24 bits). The client
 bumps a server's generation when it cuts that server's path (fencing), so a completion that
 arrives later from the old path carries a stale generation and is ignored.
@@ -27,6 +31,8 @@ __all__ = [
     "GRANTS",
     "GRANT_DTYPE",
     "HELLO",
+    "MAX_PROBE",
+    "PROBE_EPOCH",
     "decode",
     "encode_drop_plan",
     "encode_error",
@@ -45,6 +51,8 @@ GRANT_DTYPE = np.dtype([("epoch", "<u4"), ("batch", "<u4"), ("ring_offset", "<u8
 _ERROR = struct.Struct("<III")
 _DROP = struct.Struct("<I")
 MAX_GENERATION = 255
+PROBE_EPOCH = 0xFFFFFFFF
+MAX_PROBE = 4 << 20
 _SEQ_MASK = (1 << 24) - 1
 
 

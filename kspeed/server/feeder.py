@@ -11,6 +11,7 @@ grant's tag as its immediate (docs/feeding.md).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 from dataclasses import dataclass
@@ -30,6 +31,12 @@ log = logging.getLogger(__name__)
 RECV_TIMEOUT = 0.5  # how often a feed thread looks up from waiting for grants
 MAX_PLANS = 3  # epoch plans a feed keeps (the current one, the next one, one spare)
 GRANTS_PER_WRITE = 8  # grants served by one write: fewer calls, yet the first tags are not held back long
+
+
+@functools.cache
+def _filler() -> np.ndarray:
+    """What probes write (allocated by the first probe)."""
+    return np.zeros(grants.MAX_PROBE, dtype=np.uint8)
 
 
 @dataclass
@@ -115,11 +122,24 @@ class Feed:
             with contextlib.suppress(KSpeedError):
                 self.writer.close()
 
+    def _probe(self, grant: np.void) -> None:
+        """Write filler of the probed size (docs/feeding.md, Pacing); a bad size is an ERROR, named."""
+        nbytes, tag = int(grant["end"]), int(grant["tag"])
+        if not 0 < nbytes <= grants.MAX_PROBE:
+            self.writer.send(grants.encode_error(grants.PROBE_EPOCH, 0, tag, f"probe of {nbytes} bytes is outside "
+                                                 f"1..{grants.MAX_PROBE}"))
+            return
+        self.writer.write_batch(self.key, _filler(), np.zeros(1, np.int64), np.array([nbytes], np.int64),
+                                np.array([int(grant["ring_offset"])], np.int64), imms=[tag])
+
     def _serve(self, batch: np.ndarray) -> None:
         """Serve several grants with one vectorized write per pool region; their tags follow the bytes."""
         regions, src, length, dst, tags = [], [], [], [], []
         for grant in batch:
             epoch, index, tag = int(grant["epoch"]), int(grant["batch"]), int(grant["tag"])
+            if epoch == grants.PROBE_EPOCH:
+                self._probe(grant)
+                continue
             plan = self.plans.get(epoch)
             if plan is None or index >= len(plan.starts) - 1:
                 why = f"no plan for epoch {epoch}" if plan is None else f"epoch {epoch} has no batch {index}"

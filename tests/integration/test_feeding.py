@@ -143,5 +143,21 @@ def test_feed_errors_are_named(loaded):
             receiver.poll(0.1)
             got = [grants.decode(m) for _, m in receiver.messages()]
         assert got and got[0][0] == grants.ERROR and "no plan for epoch 9" in got[0][1][3]
+        # Latency probes: filler of the asked size at the asked offset, one completion; a bad size is named.
+        memory = ring.array()
+        memory[:] = 0xAB
+        probe = np.zeros(2, grants.GRANT_DTYPE)
+        probe[0] = (grants.PROBE_EPOCH, 0, 4096, 0, 256 << 10, grants.make_tag(1, 2))
+        probe[1] = (grants.PROBE_EPOCH, 0, 0, 0, grants.MAX_PROBE + 1, grants.make_tag(1, 3))
+        receiver.send(conn, grants.encode_grants(probe))
+        done, got = [], []
+        deadline = time.monotonic() + 5
+        while (not done or not got) and time.monotonic() < deadline:
+            done += receiver.poll(0.1).imm.tolist()
+            got += [grants.decode(m) for _, m in receiver.messages()]
+        assert done == [grants.make_tag(1, 2)]
+        assert not memory[4096:4096 + (256 << 10)].any()
+        assert (memory[:4096] == 0xAB).all() and (memory[4096 + (256 << 10):] == 0xAB).all()
+        assert got[0][0] == grants.ERROR and got[0][1][2] == grants.make_tag(1, 3) and "probe of" in got[0][1][3]
     finally:
         receiver.close()
