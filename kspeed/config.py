@@ -369,11 +369,32 @@ class ClientConfig:
                       "reported to the manager (e.g. $TORCHELASTIC_RUN_ID; empty: user@host)", env="KSPEED_JOB")
     stats_interval: float = option(5.0, "how often each rank reports its statistics to the manager",
                                    parse=parse_duration, env="KSPEED_STATS_INTERVAL")
+    pacing: str = option("auto", "keep the bytes in flight towards this node within a window measured from transfer "
+                         "latency and drain rate, granting in sub-batches: auto (on for network rails, off for shm), "
+                         "on or off", parse=_choice("auto", "on", "off"), env="KSPEED_PACING")
+    credit: str = option("adaptive", "how the pacing window is shared between servers: adaptive (a server that is "
+                         "slower to complete is granted further ahead) or equal", parse=_choice("adaptive", "equal"),
+                         env="KSPEED_CREDIT")
+    node_loaders: int = option(0, "processes on this node loading data at once, which share its link (0: "
+                               "$LOCAL_WORLD_SIZE, else 1)", parse=_parse_int, env="KSPEED_NODE_LOADERS")
+    pace_round: float = option(0.002, "time one round of sub-batches over all servers should take at the measured "
+                               "drain rate (sets the sub-batch size)", parse=parse_duration, env="KSPEED_PACE_ROUND")
+
+    def loaders_on_node(self, environ: Mapping[str, str] | None = None) -> int:
+        """:attr:`node_loaders`, or the launcher's ``LOCAL_WORLD_SIZE`` when it is 0."""
+        if self.node_loaders > 0:
+            return self.node_loaders
+        environ = os.environ if environ is None else environ
+        raw = environ.get("LOCAL_WORLD_SIZE", "")
+        return int(raw) if raw.isdigit() and int(raw) > 0 else 1
 
     def validate(self) -> None:
         """Check cross-field rules. Clients send no token when none is configured."""
         if self.security.auth == "token" and not (self.security.token or self.security.token_file):
             self.security.auth = "none"
+        if not 0 < self.pace_round <= 1:
+            raise ConfigError(f"client.pace_round must be between 0 and 1s, got {self.pace_round:g}s",
+                              field="client.pace_round", value=self.pace_round)
         self.security.validate()
 
 

@@ -7,6 +7,7 @@ import argparse
 import pytest
 
 from kspeed.config import (
+    ClientConfig,
     ManagerConfig,
     ServerConfig,
     add_arguments,
@@ -122,3 +123,17 @@ def test_yaml_unknown_field_and_section(tmp_path):
 def test_transports_list():
     config = load_config(ServerConfig, environ={**NO_AUTH, "KSPEED_SERVER_TRANSPORTS": "tcp, shm"})
     assert config.transports == ("tcp", "shm")
+
+
+def test_pacing_options():
+    config = load_config(ClientConfig, environ={"KSPEED_PACING": "on", "KSPEED_CREDIT": "equal",
+                                                "KSPEED_PACE_ROUND": "5ms"})
+    assert (config.pacing, config.credit, config.pace_round) == ("on", "equal", 0.005)
+    assert config.loaders_on_node({"LOCAL_WORLD_SIZE": "8"}) == 8  # torchrun's ranks on this node
+    assert config.loaders_on_node({}) == 1
+    forced = load_config(ClientConfig, environ={"KSPEED_NODE_LOADERS": "3"})
+    assert forced.loaders_on_node({"LOCAL_WORLD_SIZE": "8"}) == 3
+    with pytest.raises(ConfigError, match=r"client\.pacing.*sometimes.*KSPEED_PACING"):
+        load_config(ClientConfig, environ={"KSPEED_PACING": "sometimes"})
+    with pytest.raises(ConfigError, match="pace_round"):
+        load_config(ClientConfig, environ={"KSPEED_PACE_ROUND": "0s"})

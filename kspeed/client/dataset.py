@@ -47,6 +47,7 @@ from kspeed.rdma.topology import pin, place
 from .batch import Batch
 from .device import make_delivery
 from .feed import Feed
+from .pacing import Pacer
 from .plans import EpochPlan, make_plan
 from .pump import Pump
 from .rails import choose_rail, is_local, local_address_towards
@@ -157,7 +158,8 @@ class KSpeedDataset(IterableDataset):
         try:
             self._feed = Feed(dataset=self.name, feed_id=self._feed_id, links=self._links, rail=choice.rail,
                               reasons=choice.reasons, ring_bytes=self._ring_bytes, options=options,
-                              completion_timeout=config.completion_timeout, holder=holder[:200])
+                              completion_timeout=config.completion_timeout, holder=holder[:200],
+                              pacer=self._pacer(config, choice.rail, hostnames))
         except BaseException:
             self._io.shutdown(wait=False)
             raise
@@ -183,6 +185,20 @@ class KSpeedDataset(IterableDataset):
                                            world_size=int(world), dataset=self.name, collect=self.stats,
                                            interval=config.stats_interval)
         self._closed = False
+
+    def _pacer(self, config: ClientConfig, rail: str, hostnames: Mapping[str, str]) -> Pacer | None:
+        """A pacer unless pacing is off; ``auto`` paces when data crosses a network (some server is remote).
+
+        Co-located servers share no link with anyone: shm needs no pacing, and neither does tcp over
+        loopback, where a window would only add round trips.
+        """
+        if config.pacing == "off":
+            return None
+        if config.pacing == "auto" and (rail == "shm" or all(
+                is_local(link.address, hostnames.get(link.server_id, ""))[0] for link in self._links)):
+            return None
+        return Pacer(len(self._links), credit=config.credit, node_loaders=config.loaders_on_node(),
+                     round_s=config.pace_round)
 
     def _ring_size(self, info: kspeed_pb2.DatasetInfo, requested: int) -> int:
         if isinstance(requested, bool) or not isinstance(requested, int) or requested < 0:

@@ -37,7 +37,7 @@ def test_fence_quarantines_and_ignores_the_old_generation(make_ds):
     feed.poll(0.2)
     path = feed.paths[1]
     old_generation, conn = path.generation, path.conn
-    outstanding = [tag for tag, (_, index) in feed._outstanding.items() if index == 1]
+    outstanding = [tag for tag, (_, index, _) in feed._outstanding.items() if index == 1]
     assert outstanding and all(grants.tag_generation(t) == old_generation for t in outstanding)
     fenced = {(slot.offset, slot.offset + feed.allocator.footprint(int(slot.plan.layout.batch_bytes[slot.batch])))
               for slot in (feed._outstanding[t][0] for t in outstanding)}

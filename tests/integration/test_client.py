@@ -128,3 +128,38 @@ def test_bad_input_is_named(fed):
     victim.stop()
     with pytest.raises(UnavailableError, match=f"server {victim.ready['id']} at {victim.ready['grpc']}"):
         client.dataset(spec, batch_size=16, ring_bytes=8 << 20, quiet=True)
+
+
+@pytest.mark.parametrize("rail", available_rails())
+def test_paced_feed_delivers_sub_batches_exactly(fed, rail):
+    cluster, _, files, spec = fed
+    keys = list(files)
+    # A short round makes sub-batches of one or two samples, so every batch is many grants per server.
+    client = KSpeedClient(config=config_for(cluster, pacing="on", pace_round=0.0001))
+    try:
+        ds = client.dataset(spec, batch_size=16, seed=7, rail=rail, ring_bytes=8 << 20, quiet=True)
+        ds.preload()
+        for epoch in range(2):
+            ds.set_epoch(epoch)
+            got = []
+            for batch in ds:
+                check(batch, files, keys)
+                got.append(batch.ids.tolist())
+            assert got == loader_order(len(files), 1, 0, True, 7, False, epoch, 16)
+        stats = ds.stats()
+        pacing = stats["pacing"]
+        assert stats["grants"] > 2 * 2 * len(got)  # more than one grant per server and batch
+        assert pacing["sub_batches_completed"] == pacing["sub_batches_sent"] == stats["grants"]
+        assert pacing["window_bytes"] > 0 and pacing["drain_rate"] > 0 and pacing["in_flight_bytes"] == 0
+        assert all(v is not None and v > 0 for v in pacing["latency"].values())  # probed at connect
+        assert stats["stale_completions"] == 0 and stats["server_errors"] == 0
+        ds.close()
+    finally:
+        client.close()
+    default = KSpeedClient(config=config_for(cluster))
+    try:
+        ds = default.dataset(spec, batch_size=16, rail=rail, ring_bytes=8 << 20, quiet=True)
+        assert ds.stats()["pacing"] is None  # auto: every server is on this host, no link to congest
+        ds.close()
+    finally:
+        default.close()
