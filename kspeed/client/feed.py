@@ -138,6 +138,7 @@ class Feed:
         self._thread: threading.Thread | None = None
         self._deferred: collections.deque[tuple[Callable, tuple]] = collections.deque()
         self._failure: KSpeedError | None = None
+        self._progress = 0  # bumped by every completion, error and fence (waiters wake on a change)
         self.pacer = pacer
         self._receiver = get_rail(rail).listen(options)
         try:
@@ -394,10 +395,12 @@ class Feed:
                             fn(*args)
                     if lost is not None:
                         self._lost(lost)
+                    before = self._progress
                     self.accept(done)
                     self._messages()
                     self._release()
-                    self._changed.notify_all()
+                    if self._progress != before:
+                        self._changed.notify_all()
         except KSpeedError as exc:
             with self._lock:
                 self._failure = exc
@@ -421,6 +424,7 @@ class Feed:
                     self.pacer.complete(sub, now)
                 path.last_heard = now
                 self.counters["completions"] += 1
+                self._progress += 1
                 self._owed_one(slot, index)
 
     @staticmethod
@@ -464,6 +468,7 @@ class Feed:
         if sub is not None:
             self.pacer.complete(sub)
         self.counters["server_errors"] += 1
+        self._progress += 1
         slot.error = slot.error or text
         slot.errors_from.append(path.link.name)
         self._owed_one(slot, index)
@@ -551,6 +556,7 @@ class Feed:
                 slot.fenced = True
                 self._settle(slot)
             self.counters["fenced_grants"] += len(cut)
+            self._progress += 1
             self._changed.notify_all()
         log.warning("dataset %s: fenced %s (%s): generation now %d, %d grant(s) quarantined", self.dataset,
                     path.link.name, reason, path.generation, len(cut))

@@ -170,3 +170,30 @@ class PrometheusCollector:
         for server, value in s["server_bytes"].items():
             per_server.add_metric([self._dataset.name, server], value)
         yield per_server
+        pacing = s.get("pacing")
+        if pacing:
+            yield from _pacing_metrics(self._dataset.name, pacing)
+
+
+def _pacing_metrics(dataset: str, pacing: dict) -> Iterator:
+    """The pacing window, sub-batches and their latencies (docs/feeding.md, Pacing)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    for metric, key, doc in (("pacing_window_bytes", "window_bytes", "Bytes allowed in flight towards this process"),
+                             ("pacing_in_flight_bytes", "in_flight_bytes", "Bytes granted and not yet completed"),
+                             ("pacing_sub_batch_bytes", "sub_batch_bytes", "Target bytes of one server's sub-batch"),
+                             ("pacing_drain_rate_bytes", "drain_rate", "Measured delivery rate, bytes per second"),
+                             ("pacing_sub_batch_latency_p50_ms", "sub_batch_latency_p50_ms", "Sub-batch latency"),
+                             ("pacing_sub_batch_latency_p99_ms", "sub_batch_latency_p99_ms", "Sub-batch latency")):
+        family = GaugeMetricFamily(f"kspeed_client_{metric}", doc, labels=["dataset"])
+        family.add_metric([dataset], pacing[key])
+        yield family
+    sent = CounterMetricFamily("kspeed_client_pacing_sub_batches", "Sub-batches granted", labels=["dataset"])
+    sent.add_metric([dataset], pacing["sub_batches_sent"])
+    yield sent
+    table = GaugeMetricFamily("kspeed_client_pacing_latency_seconds", "Latency table: seconds from grant to "
+                              "completion per size class (median over servers)", labels=["dataset", "size_class"])
+    for size_class, seconds in pacing["latency"].items():
+        if seconds is not None:
+            table.add_metric([dataset, size_class], seconds)
+    yield table
