@@ -26,7 +26,8 @@ keeps the bytes granted but not yet completed within a **window** (docs/feeding.
   not make its ranks stragglers (the push-model form of Lobster's load balancing); ``equal``
   gives every server the same bytes.
 
-Every server may always have one sub-batch in flight, so nothing starves. The pacer does no I/O:
+One grant may always be in flight, even when it is larger than the window, and grants are sent
+in the order they were made across servers, so nothing starves. The pacer does no I/O:
 :class:`kspeed.client.feed.Feed` asks it what to send and tells it what completed.
 """
 
@@ -303,8 +304,10 @@ class Pacer:
         while heads:
             path = min(heads, key=lambda i: self.pending[i][0].order)
             grant = self.pending[path][0]
-            flying = self.in_flight_bytes[path]  # a server with nothing in flight may always send one
-            if flying and (flying + grant.nbytes > self._credits[path] or self.in_flight + grant.nbytes > self.window):
+            flying = self.in_flight_bytes[path]
+            over_window = self.in_flight and self.in_flight + grant.nbytes > self.window
+            over_credit = flying and flying + grant.nbytes > self._credits[path]
+            if over_window or over_credit:  # with nothing in flight at all, one grant always goes
                 self._limited = True
                 heads.remove(path)
                 continue
