@@ -5,6 +5,11 @@ operator runs. Each daemon writes its bound addresses to a ready file; ports may
 port) so nothing races for ports. Children run in their own session (Ctrl-C reaches only the
 supervisor, which stops servers first so they deregister) and stop with the supervisor
 (``--parent-pid``, a ``PR_SET_PDEATHSIG`` the daemon sets itself) if it is killed.
+
+Tests may place each daemon elsewhere than loopback: ``manager_host``/``server_hosts`` choose the
+addresses they bind, and ``launch_prefix`` a command each one is started under, such as
+``ip netns exec <namespace>`` (which execs the daemon, so the child is still the daemon itself and
+``--parent-pid`` and the stop signals reach it unchanged).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kspeed.errors import KSpeedError, UnavailableError
@@ -33,17 +38,22 @@ class Daemon:
     ready_file: str
     log_file: str
     env: dict[str, str]
+    prefix: list[str] = field(default_factory=list)
     process: subprocess.Popen | None = None
     ready: dict = field(default_factory=dict)
 
     def start(self) -> None:
-        """Start the process (its stderr and stdout go to ``log_file``)."""
+        """Start the process under ``prefix`` (its stderr and stdout go to ``log_file``).
+
+        A prefix must exec the daemon in the end (as ``ip netns exec`` does), so the child process
+        is the daemon and its parent is this process.
+        """
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.ready_file)
         with open(self.log_file, "ab") as log:
             # No preexec_fn: it would force a plain fork of this process, which may run gRPC; the
             # daemon arranges to die with us itself (--parent-pid).
-            self.process = subprocess.Popen([*self.argv, "--parent-pid", str(os.getpid())], stdout=log,
+            self.process = subprocess.Popen([*self.prefix, *self.argv, "--parent-pid", str(os.getpid())], stdout=log,
                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
                                             start_new_session=True)
 
@@ -109,12 +119,26 @@ class LocalCluster:
         server_args: extra flags for every server.
         env: extra environment for the daemons.
         pool_root: where the servers' pools live (``<pool_root>/server-<i>``); default: in their state dirs.
+        manager_host: the address the manager binds its gRPC and HTTP ports on.
+        server_hosts: per server, the address it binds (and so announces); default: loopback for
+            all. Servers added beyond the list bind on loopback.
+        launch_prefix: given a daemon's name (``"manager"``, ``"server-<i>"``), the command it is
+            started under, e.g. ``["ip", "netns", "exec", "ns0"]``; it must exec the daemon.
+
+    Raises:
+        ValueError: more ``server_hosts`` than ``servers``.
     """
 
     def __init__(self, state_dir: str, *, servers: int = 2, port: int = 0, http_port: int = 0,
                  token_file: str = "", manager_args: Sequence[str] = (), server_args: Sequence[str] = (),
-                 env: dict[str, str] | None = None, pool_root: str = "") -> None:
+                 env: dict[str, str] | None = None, pool_root: str = "", manager_host: str = "127.0.0.1",
+                 server_hosts: Sequence[str] | None = None,
+                 launch_prefix: Callable[[str], Sequence[str]] | None = None) -> None:
+        if server_hosts is not None and len(server_hosts) > servers:
+            raise ValueError(f"{len(server_hosts)} server_hosts for {servers} servers")
         self.state_dir = os.path.abspath(state_dir)
+        self.server_hosts = list(server_hosts or ())
+        self._launch_prefix = launch_prefix
         self.pool_root = os.path.abspath(pool_root) if pool_root else ""
         self.token_file = token_file
         self._env = {k: v for k, v in os.environ.items() if not k.startswith("KSPEED_")}
@@ -124,7 +148,7 @@ class LocalCluster:
         auth = ["--auth", "token", "--token-file", token_file] if token_file else ["--auth", "none"]
         self._auth = auth
         self.manager = self._daemon("manager", "kspeed.manager", [
-            "--listen", f"127.0.0.1:{port}", "--http-listen", f"127.0.0.1:{http_port}",
+            "--listen", _join(manager_host, port), "--http-listen", _join(manager_host, http_port),
             "--state-dir", os.path.join(self.state_dir, "manager"), *manager_args])
         self._server_args = list(server_args)
         self._server_count = servers
@@ -132,15 +156,17 @@ class LocalCluster:
 
     def _daemon(self, name: str, module: str, args: list[str]) -> Daemon:
         run = os.path.join(self.state_dir, "run")
+        prefix = list(self._launch_prefix(name)) if self._launch_prefix is not None else []
         return Daemon(name=name, argv=[sys.executable, "-m", module, *self._auth, *args,
                                        "--ready-file", os.path.join(run, f"{name}.json")],
                       ready_file=os.path.join(run, f"{name}.json"),
-                      log_file=os.path.join(self.state_dir, "logs", f"{name}.log"), env=self._env)
+                      log_file=os.path.join(self.state_dir, "logs", f"{name}.log"), env=self._env, prefix=prefix)
 
     def _server(self, index: int) -> Daemon:
         state = os.path.join(self.state_dir, f"server-{index}")
+        host = self.server_hosts[index] if index < len(self.server_hosts) else "127.0.0.1"
         return self._daemon(f"server-{index}", "kspeed.server", [
-            "--manager", self.address, "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0",
+            "--manager", self.address, "--listen", _join(host, 0), "--http-listen", _join(host, 0),
             "--state-dir", state, "--pool-dir", os.path.join(self.pool_root or state, f"server-{index}" if
                                                              self.pool_root else "pool"), *self._server_args])
 
@@ -200,6 +226,11 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _join(host: str, port: int) -> str:
+    """``host:port``, with an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
