@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 # multi-GB CUDA build. Override with TORCH_SPEC='torch' on machines that want the default wheel.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv deps test test-slow lint demo proto bench clean
+.PHONY: venv deps test test-slow test-incast lint demo proto bench clean
 
 venv: $(STAMP)
 
@@ -27,6 +27,10 @@ test: venv
 
 test-slow: venv
 	@$(VPY) -m pytest -q -m slow
+
+# Incast and per-server credit across network namespaces (root; skipped with the reason otherwise).
+test-incast: venv
+	@$(VPY) -m pytest -q -s -m slow tests/integration/test_incast.py
 
 lint: venv
 	@$(VPY) -m ruff check .
