@@ -26,8 +26,10 @@ keeps the bytes granted but not yet completed within a **window** (docs/feeding.
   not make its ranks stragglers (the push-model form of Lobster's load balancing); ``equal``
   gives every server the same bytes.
 
-One grant may always be in flight, even when it is larger than the window, and grants are sent
-in the order they were made across servers, so nothing starves. The pacer does no I/O:
+A grant goes while the bytes in flight are below the window and its server's credit, so a window
+smaller than one sample still lets one through and a window of a few samples is not left unused
+for want of exact fit; grants are sent in the order they were made across servers, so nothing
+starves. The pacer does no I/O:
 :class:`kspeed.client.feed.Feed` asks it what to send and tells it what completed.
 """
 
@@ -232,14 +234,14 @@ class Pacer:
         share = {i: (demand[i] / total if total else 1.0 / len(active)) for i in active}
         self.sub_batch = max(1, int(rate * self.round_s / len(active)))
         need = {i: rate * share[i] * self._latency(i, self.sub_batch) for i in active}
-        self.window = int(gain * max(sum(need.values()), rate * self.round_s))
+        self.window = max(1, int(gain * max(sum(need.values()), rate * self.round_s)))
         credits = [0.0] * len(self.tables)
         if self.credit == "equal":
             credits = [self.window / len(self.tables)] * len(self.tables)
         else:
             weight = sum(need.values())
             for i in active:
-                credits[i] = self.window * (need[i] / weight if weight > 0 else share[i])
+                credits[i] = max(1.0, self.window * (need[i] / weight if weight > 0 else share[i]))
         self._credits = credits
 
     def _gain(self, now: float, rate: float) -> float:
@@ -304,10 +306,9 @@ class Pacer:
         while heads:
             path = min(heads, key=lambda i: self.pending[i][0].order)
             grant = self.pending[path][0]
-            flying = self.in_flight_bytes[path]
-            over_window = self.in_flight and self.in_flight + grant.nbytes > self.window
-            over_credit = flying and flying + grant.nbytes > self._credits[path]
-            if over_window or over_credit:  # with nothing in flight at all, one grant always goes
+            # Like a congestion window counted in packets: a grant goes while the bytes in flight are
+            # below the window (and the server's credit), so they exceed it by less than one grant.
+            if self.in_flight >= self.window or self.in_flight_bytes[path] >= self._credits[path]:
                 self._limited = True
                 heads.remove(path)
                 continue

@@ -117,7 +117,7 @@ def run(pacer: Pacer, link: ModelLink, *, seconds: float, start: float = 0.0, gr
             while len(pacer.pending[path]) < 32:
                 pacer.queue(SubGrant(path, next(order), (), grant_bytes))
         for grant in pacer.release(t):
-            assert pacer.in_flight == grant.nbytes or pacer.in_flight <= pacer.window
+            assert pacer.in_flight < pacer.window + grant_bytes  # over by less than one grant
             heapq.heappush(flying, (link.done_at(t, grant.path, grant.nbytes), grant.order, grant))
         t, _, grant = heapq.heappop(flying)
         pacer.complete(grant, t)
@@ -189,11 +189,11 @@ def test_release_respects_window_credit_and_grant_order():
     sent = pacer.release(0.0)
     credits = pacer.stats()["credits"]
     assert credits[0] == credits[1] and 0 < pacer.window < 40 * 4000
-    per_server = credits[0] // 4000  # as many as fit each server's credit, in grant order
-    assert [g.order for g in sent] == list(range(2 * per_server))
-    assert pacer.in_flight <= pacer.window
+    assert [g.order for g in sent] == list(range(len(sent))) and 2 < len(sent) < 40  # a prefix, in grant order
+    assert pacer.in_flight >= pacer.window or min(pacer.in_flight_bytes) >= credits[0]  # full: no more may go
+    assert pacer.in_flight < pacer.window + 4000 and max(pacer.in_flight_bytes) < credits[0] + 4000
     pacer.complete(sent[0], 0.001)
-    assert [g.order for g in pacer.release(0.001)] == [2 * per_server]
+    assert [g.order for g in pacer.release(0.001)] == [len(sent)]
     dropped = pacer.drop(1)
     assert all(g.path == 1 for g in dropped) and pacer.in_flight_bytes[1] == 0
 
