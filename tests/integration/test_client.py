@@ -136,8 +136,8 @@ def test_bad_input_is_named(fed):
 def test_paced_feed_delivers_sub_batches_exactly(fed, rail):
     cluster, _, files, spec = fed
     keys = list(files)
-    # A short round makes sub-batches of one or two samples, so every batch is many grants per server.
-    client = KSpeedClient(config=config_for(cluster, pacing="on", pace_round=0.0001))
+    # A 1 us round makes sub-batches of one sample at any drain rate, so every batch is many grants per server.
+    client = KSpeedClient(config=config_for(cluster, pacing="on", pace_round=1e-6))
     try:
         ds = client.dataset(spec, batch_size=16, seed=7, rail=rail, ring_bytes=8 << 20, quiet=True)
         ds.preload()

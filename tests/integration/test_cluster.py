@@ -178,7 +178,6 @@ def test_malformed_oversized_and_invalid_requests_are_invalid_argument(cluster):
 
 def test_incompatible_protocol_version_is_refused_naming_both(cluster):
     with client_for(cluster) as client:
-        revision = client.status().revision
         for method, request in (
             ("Hello", kspeed_pb2.HelloRequest(version=kspeed_pb2.PeerVersion(protocol_versions=[99]))),
             ("RegisterServer", kspeed_pb2.RegisterServerRequest(
@@ -190,7 +189,8 @@ def test_incompatible_protocol_version_is_refused_naming_both(cluster):
                 getattr(client._stub, method)(request, timeout=5)
             assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert "[1]" in info.value.details() and "[99]" in info.value.details()
-        assert client.status().revision == revision
+        # Nothing was registered (the revision may still move: a loaded machine can delay a heartbeat).
+        assert "future" not in {s.id for s in client.servers(include_left=True)}
 
 
 def _self_signed(tmp_path):
