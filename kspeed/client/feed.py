@@ -401,7 +401,10 @@ class Feed:
                     self._release()
                     if self._progress != before:
                         self._changed.notify_all()
-        except KSpeedError as exc:
+        except Exception as exc:  # the thread's end: hand the failure to the training thread, named
+            if not isinstance(exc, KSpeedError):
+                log.exception("dataset %s: the pacing thread failed", self.dataset)
+                exc = TransportError(f"dataset {self.dataset!r}: the pacing thread failed: {exc!r}")
             with self._lock:
                 self._failure = exc
                 self._changed.notify_all()

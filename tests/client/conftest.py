@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kspeed.client.dataset import KSpeedDataset
@@ -15,18 +17,23 @@ def samples():
     return make_samples(N_SAMPLES)
 
 
-@pytest.fixture
-def make_ds(samples):
-    """``make_ds(servers=2, rail="shm", **dataset_kwargs) -> (dataset, fakes)``; closed at teardown."""
+@pytest.fixture(params=["off", "on"], ids=["unpaced", "paced"])
+def make_ds(samples, request):
+    """``make_ds(servers=2, rail="shm", **dataset_kwargs) -> (dataset, fakes)``; closed at teardown.
+
+    Every test using it runs unpaced and paced (sub-batches of one sample, a pacing thread).
+    """
     made = []
+    pacing = {"pacing": request.param, "pace_round": 1e-6}
 
     def make(servers: int = 2, rail: str = "shm", config=None, **kwargs):
+        config = dataclasses.replace(config or client_config(), **pacing)
         bounds = [len(samples) * i // servers for i in range(servers + 1)]
         fakes = [FakeServer(f"s{i}", samples, bounds[i], bounds[i + 1]) for i in range(servers)]
         info = fake_info(samples, [(f.server_id, f.lo, f.hi) for f in fakes])
         kwargs.setdefault("batch_size", 16)
         kwargs.setdefault("ring_bytes", 1 << 20)
-        ds = KSpeedDataset(info, fakes, config=config or client_config(), rail=rail, **kwargs)
+        ds = KSpeedDataset(info, fakes, config=config, rail=rail, **kwargs)
         made.append((ds, fakes))
         return ds, fakes
 

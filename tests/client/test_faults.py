@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import time
 
 import numpy as np
 import pytest
@@ -44,6 +45,9 @@ def test_fence_quarantines_and_ignores_the_old_generation(make_ds):
 
     assert ds.fence("s1", "declared failed in a test") == len(outstanding)
     assert path.generation == old_generation + 1
+    deadline = time.monotonic() + 5  # paced, the pacing thread (the receiver's only user) cuts it within a tick
+    while conn in feed._receiver.connections and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert conn not in feed._receiver.connections
     quarantined = feed.allocator.quarantined
     assert quarantined > 0
