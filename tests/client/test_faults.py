@@ -148,3 +148,16 @@ def test_unknown_rail_is_refused_before_anything_opens(samples):
         KSpeedDataset(fake_info(samples, [("s0", 0, len(samples))]), [fake], config=client_config(), batch_size=4,
                       rail="carrier-pigeon")
     assert fake.generation == 0  # no OpenFeed was sent
+
+
+def test_a_failing_pacing_thread_is_named_not_a_hang(make_ds):
+    ds, _ = make_ds()
+    if ds._feed.pacer is None:
+        pytest.skip("unpaced feeds have no pacing thread")
+
+    def broken(now=None):
+        raise RuntimeError("model exploded")
+
+    ds._feed.pacer.release = broken
+    with pytest.raises(TransportError, match="pacing thread failed: RuntimeError.*model exploded"):
+        next(iter(ds))
