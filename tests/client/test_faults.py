@@ -159,5 +159,5 @@ def test_a_failing_pacing_thread_is_named_not_a_hang(make_ds):
         raise RuntimeError("model exploded")
 
     ds._feed.pacer.release = broken
-    with pytest.raises(TransportError, match="pacing thread failed: RuntimeError.*model exploded"):
+    with pytest.raises(TransportError, match=r"pacing thread failed: RuntimeError.*model exploded"):
         next(iter(ds))
