@@ -377,7 +377,7 @@ class ClientConfig:
                          env="KSPEED_CREDIT")
     node_loaders: int = option(0, "processes on this node loading data at once, which share its link (0: "
                                "$LOCAL_WORLD_SIZE, else 1)", parse=_parse_int, env="KSPEED_NODE_LOADERS")
-    pace_round: float = option(0.002, "time one round of sub-batches over all servers should take at the measured "
+    pace_round: float = option(0.003, "time one round of sub-batches over all servers should take at the measured "
                                "drain rate (sets the sub-batch size)", parse=parse_duration, env="KSPEED_PACE_ROUND")
 
     def loaders_on_node(self, environ: Mapping[str, str] | None = None) -> int:

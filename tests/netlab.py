@@ -169,6 +169,11 @@ class NetLab:
         self._check(host)
         return f"{self.subnet}.{10 + self.hosts.index(host)}"
 
+    def mac(self, host: str) -> str:
+        """The (locally administered) MAC address of ``host``'s ``eth0``."""
+        self._check(host)
+        return f"02:6b:73:00:00:{10 + self.hosts.index(host):02x}"
+
     def prefix(self, host: str) -> list[str]:
         """The command prefix that runs a program in ``host`` (it execs the program: same pid)."""
         return ["ip", "netns", "exec", self.netns(host)]
@@ -210,12 +215,19 @@ class NetLab:
                 self._add_netns(ns)
                 self._ip(ns, "link", "set", "lo", "up")
                 _run("ip", "link", "add", self.port(host), "netns", self.switch, "type", "veth", "peer", "name",
-                     "eth0", "netns", ns)
+                     "eth0", "address", self.mac(host), "netns", ns)
                 self._ip(self.switch, "link", "set", self.port(host), "master", "br0", "up")
                 self._ip(ns, "addr", "add", f"{self.address(host)}/24", "dev", "eth0")
                 self._ip(ns, "link", "set", "eth0", "up")
                 if self.tcp_congestion:
                     self.run(host, "sysctl", "-qw", f"net.ipv4.tcp_congestion_control={self.tcp_congestion}")
+            # Permanent neighbours: a shaped port that drops heavily also drops ARP, and a neighbour
+            # entry that fails to refresh cuts every connection to that host for good.
+            for host in self.hosts:
+                for peer in self.hosts:
+                    if peer != host:
+                        self._ip(self.netns(host), "neigh", "replace", self.address(peer), "lladdr", self.mac(peer),
+                                 "dev", "eth0", "nud", "permanent")
         except BaseException:
             self.close()
             raise
@@ -289,7 +301,7 @@ class NetLab:
         self._rates[host] = (bits, burst, limit)
 
     def change_rate(self, host: str, rate: str | float) -> None:
-        """Change the shaped rate towards ``host`` in place (``tc qdisc change``), keeping its queue limit.
+        """Change the shaped rate towards ``host`` (a new token bucket), keeping its queue limit.
 
         The burst follows the new rate unless :meth:`limit_rate` was given one explicitly.
 
@@ -302,7 +314,11 @@ class NetLab:
         bits = parse_rate(rate)
         if burst == _burst(old_bits):
             burst = _burst(bits)
-        self._tc(self.switch, "qdisc", "change", "dev", self.port(host), "root", "tbf", "rate", f"{bits}bit",
+        # A new qdisc, not ``tc qdisc change`` (nor ``replace``, which changes a tbf in place): tbf splits
+        # an oversized GSO packet only when it is queued, so a packet queued under the old, larger
+        # burst that exceeds the new one can never be sent, and the port stops for good.
+        self._tc(self.switch, "qdisc", "del", "dev", self.port(host), "root")
+        self._tc(self.switch, "qdisc", "add", "dev", self.port(host), "root", "tbf", "rate", f"{bits}bit",
                  "burst", str(burst), "limit", str(limit))
         self._rates[host] = (bits, burst, limit)
 

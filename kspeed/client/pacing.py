@@ -8,8 +8,9 @@ keeps the bytes granted but not yet completed within a **window** (docs/feeding.
 - A **latency table** per server and size class (32 KiB, 256 KiB, 1 MiB, 4 MiB) holds how long a
   grant of that size takes from sending it to its completion. It is measured at connect by probe
   grants and refreshed from live completions: a sub-batch sent while nothing else was in flight
-  is a clean sample and moves the entry; any faster sample lowers it. Samples taken behind other
-  grants would feed the window's own queueing back into it.
+  is a clean sample and moves the entry (a moving average), and a faster sample moves it down
+  too. Slower samples taken behind other grants are left out: they would feed the window's own
+  queueing back into it.
 - The **drain rate** is the delivery rate of the ring (bytes completed per second), estimated
   much as BBR does: each completion yields a sample (the bytes completed over the last
   :data:`RATE_SPAN`), and the estimate is the largest sample of the last :data:`RATE_WINDOW`
@@ -71,12 +72,17 @@ class LatencyTable:
         self.seconds[index] = seconds
 
     def observe(self, nbytes: int, seconds: float, clean: bool) -> None:
-        """A live sample: a clean one moves its class's entry, any faster one lowers it."""
+        """A live sample moves its class's entry by :data:`CLEAN_WEIGHT` if it was clean or is faster.
+
+        An average, not a minimum: the window must cover the typical latency of an idle path
+        (which on a busy host includes waiting for a core), or a window sized from a lucky minimum
+        delivers less than the rate it was sized from and the rate estimate spirals down.
+        """
         index = self.size_class(nbytes)
         current = self.seconds[index]
-        if math.isnan(current) or seconds < current:
+        if math.isnan(current):
             self.seconds[index] = seconds
-        elif clean:
+        elif clean or seconds < current:
             self.seconds[index] = current + CLEAN_WEIGHT * (seconds - current)
 
     def estimate(self, nbytes: int) -> float:
@@ -185,7 +191,7 @@ class Pacer:
         round_s: seconds one round of sub-batches over all servers should take at the drain rate.
     """
 
-    def __init__(self, paths: int, *, credit: str = "adaptive", node_loaders: int = 1, round_s: float = 0.002) -> None:
+    def __init__(self, paths: int, *, credit: str = "adaptive", node_loaders: int = 1, round_s: float = 0.003) -> None:
         self.tables = [LatencyTable() for _ in range(paths)]
         self.credit = credit
         self.node_loaders = max(1, node_loaders)
