@@ -65,19 +65,26 @@ class LabError(RuntimeError):
     """A command building or shaping the lab failed (the message holds the command and its stderr)."""
 
 
+_SECONDS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6}
+
+
+def _quantity(raw: str | float, units: dict[str, float], what: str, example: str) -> float:
+    """A number, or a number with one of ``units`` as tc writes it, scaled to the base unit."""
+    if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+        return float(raw)
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(raw))
+    if not match or match.group(2).lower() not in units:
+        raise ValueError(f"not a {what}: {raw!r} (e.g. {example})")
+    return float(match.group(1)) * units[match.group(2).lower()]
+
+
 def parse_rate(rate: str | float) -> int:
     """Bits per second of a rate given as a number (bit/s) or as tc writes it (``"300mbit"``).
 
     Raises:
-        ValueError: not a rate.
+        ValueError: not a positive rate.
     """
-    if isinstance(rate, (int, float)) and not isinstance(rate, bool):
-        value = float(rate)
-    else:
-        match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(rate))
-        if not match or match.group(2).lower() not in _UNITS:
-            raise ValueError(f"not a rate: {rate!r} (e.g. 300mbit, 1gbit, or bits per second)")
-        value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    value = _quantity(rate, _UNITS, "rate", "300mbit, 1gbit, or bits per second")
     if value <= 0:
         raise ValueError(f"rate must be positive, got {rate!r}")
     return int(value)
@@ -87,15 +94,9 @@ def parse_time(value: str | float) -> float:
     """Seconds of a duration given as a number of seconds or as tc writes it (``"10ms"``, ``"500us"``).
 
     Raises:
-        ValueError: not a duration.
+        ValueError: not a duration, or negative.
     """
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
-    else:
-        match = re.fullmatch(r"\s*([0-9.]+)\s*(s|ms|us|)\s*", str(value))
-        if not match:
-            raise ValueError(f"not a duration: {value!r} (e.g. 10ms, 500us, or seconds)")
-        seconds = float(match.group(1)) * {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6}[match.group(2)]
+    seconds = _quantity(value, _SECONDS, "duration", "10ms, 500us, or seconds")
     if seconds < 0:
         raise ValueError(f"duration must not be negative, got {value!r}")
     return seconds
