@@ -43,17 +43,27 @@ class BenchCluster:
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self.pool_root = tempfile.mkdtemp(prefix="kspeed-bench-pool-", dir=shm)
         memory = dataset_bytes // SERVERS + POOL_SLACK
-        self.cluster = LocalCluster(self.state_dir, servers=SERVERS, pool_root=self.pool_root, server_args=[
-            "--backend-allow", backend_root, "--memory", str(memory), "--keep-pool-on-exit", "false"])
+        self.cluster = LocalCluster(
+            self.state_dir,
+            servers=SERVERS,
+            pool_root=self.pool_root,
+            server_args=["--backend-allow", backend_root, "--memory", str(memory), "--keep-pool-on-exit", "false"],
+        )
         self.manager: ManagerClient | None = None
 
     def __enter__(self) -> BenchCluster:
         try:
             self.cluster.start()
-            self.manager = ManagerClient(load_config(ClientConfig, environ={}, overrides={
-                "manager": self.cluster.address, "security.auth": "none"}))
-            wait_for(lambda: sum(r.state == SERVER_READY for r in self.manager.servers()) == SERVERS, 30,
-                     "both servers to be ready")
+            self.manager = ManagerClient(
+                load_config(
+                    ClientConfig, environ={}, overrides={"manager": self.cluster.address, "security.auth": "none"}
+                )
+            )
+            wait_for(
+                lambda: sum(r.state == SERVER_READY for r in self.manager.servers()) == SERVERS,
+                30,
+                "both servers to be ready",
+            )
         except BaseException:
             self.close()
             raise
@@ -76,8 +86,11 @@ class BenchCluster:
     def unload(self, name: str) -> None:
         """Remove a dataset and wait until the servers freed its memory."""
         self.manager.remove_dataset(name)
-        wait_for(lambda: all(r.inventory.regions_free == r.inventory.regions_total for r in self.manager.servers()),
-                 60, f"the servers to free the memory of {name}")
+        wait_for(
+            lambda: all(r.inventory.regions_free == r.inventory.regions_total for r in self.manager.servers()),
+            60,
+            f"the servers to free the memory of {name}",
+        )
 
     def close(self) -> None:
         """Stop every daemon and remove the pools (and the state unless ``keep``)."""
@@ -104,9 +117,15 @@ class KSpeedSource:
         config = load_config(ClientConfig, environ={}, overrides={"manager": address, "security.auth": "none"})
         self.client = KSpeedClient(address, config=config)
         try:
-            self.dataset = self.client.dataset(DatasetSpec(name=samples.name, uri=samples.root, labels="dirname"),
-                                               batch_size=batch_size, sampler=None, seed=seed, drop_last=False,
-                                               rail=rail, quiet=True)
+            self.dataset = self.client.dataset(
+                DatasetSpec(name=samples.name, uri=samples.root, labels="dirname"),
+                batch_size=batch_size,
+                sampler=None,
+                seed=seed,
+                drop_last=False,
+                rail=rail,
+                quiet=True,
+            )
             self.dataset.preload()
         except BaseException:
             self.client.close()

@@ -94,8 +94,9 @@ def _sink(port: int, ring_bytes: int, queue) -> None:
     queue.put((total, time.perf_counter() - (t0 or time.perf_counter())))
 
 
-def socket_gbps(seconds: float = 1.0, pool: memoryview | None = None, size: int = MIB,
-                ring_bytes: int = MIB, batch: int = 1) -> float:
+def socket_gbps(
+    seconds: float = 1.0, pool: memoryview | None = None, size: int = MIB, ring_bytes: int = MIB, batch: int = 1
+) -> float:
     """Raw loopback TCP stream (GB/s) from this process to a spawned reader process.
 
     With ``pool=None`` one hot ``size``-byte buffer is sent over and over into a ``ring_bytes``

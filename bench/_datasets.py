@@ -15,8 +15,15 @@ from dataclasses import dataclass
 import numpy as np
 from _common import KIB, MIB
 
-__all__ = ["SampleSet", "SizeSpec", "batch_size_for", "make_sample_set", "parse_sizes", "sample_count",
-           "warm_page_cache"]
+__all__ = [
+    "SampleSet",
+    "SizeSpec",
+    "batch_size_for",
+    "make_sample_set",
+    "parse_sizes",
+    "sample_count",
+    "warm_page_cache",
+]
 
 CLASSES = 8  # class folders c0..c7; a file's label is its folder's index
 BLOB_BYTES = 32 * MIB  # files are slices of one random blob, so writing them costs no RNG time
@@ -70,6 +77,7 @@ class SampleSet:
 
 def parse_sizes(text: str) -> list[SizeSpec]:
     """``"32K,24-40K,1M"`` -> size specs; a ``lo-hi`` item is the variable-size set."""
+
     def one(token: str) -> int:
         token = token.strip().upper().removesuffix("B").removesuffix("I")
         for suffix, mult in (("K", KIB), ("M", MIB)):
@@ -107,8 +115,9 @@ def sample_count(spec: SizeSpec, target_bytes: int, min_batches: int = MIN_BATCH
     return max(round(target_bytes / spec.mean), min_batches * batch_size_for(spec))
 
 
-def make_sample_set(root: str, name: str, spec: SizeSpec, target_bytes: int, min_batches: int = MIN_BATCHES,
-                    seed: int = 0) -> SampleSet:
+def make_sample_set(
+    root: str, name: str, spec: SizeSpec, target_bytes: int, min_batches: int = MIN_BATCHES, seed: int = 0
+) -> SampleSet:
     """Write :func:`sample_count` files of ``spec``'s size under ``root/name``.
 
     File ``i`` goes to class folder ``c{i % 8}``; IDs are then assigned over the sorted relative
@@ -133,10 +142,15 @@ def make_sample_set(root: str, name: str, spec: SizeSpec, target_bytes: int, min
             fh.write(view[s + 1 : s + n])
         entries.append((rel, n, i % CLASSES, firsts[i]))
     entries.sort()
-    return SampleSet(name=name, root=base, paths=[os.path.join(base, e[0]) for e in entries],
-                     sizes=np.array([e[1] for e in entries], dtype=np.int64),
-                     labels=np.array([e[2] for e in entries], dtype=np.int64),
-                     first_bytes=np.array([e[3] for e in entries], dtype=np.uint8), spec=spec)
+    return SampleSet(
+        name=name,
+        root=base,
+        paths=[os.path.join(base, e[0]) for e in entries],
+        sizes=np.array([e[1] for e in entries], dtype=np.int64),
+        labels=np.array([e[2] for e in entries], dtype=np.int64),
+        first_bytes=np.array([e[3] for e in entries], dtype=np.uint8),
+        spec=spec,
+    )
 
 
 def warm_page_cache(samples: SampleSet) -> None:

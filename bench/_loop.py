@@ -79,17 +79,27 @@ def _run_epoch(source: Source, epoch: int, waits: list[float] | None) -> tuple[i
     return count, checksum
 
 
-def measure(source: Source, *, count: int, epoch_bytes: int, checksum: int, seconds: float,
-            warmup_epochs: int = 1, min_epochs: int = 1) -> Measurement:
+def measure(
+    source: Source,
+    *,
+    count: int,
+    epoch_bytes: int,
+    checksum: int,
+    seconds: float,
+    warmup_epochs: int = 1,
+    min_epochs: int = 1,
+) -> Measurement:
     """Run whole epochs until ``seconds`` have passed (after the warm-up) and time them.
 
     Raises:
         RuntimeError: an epoch delivered the wrong number of samples or the wrong bytes.
     """
+
     def check(epoch: int, got: tuple[int, int]) -> None:
         if got != (count, checksum):
-            raise RuntimeError(f"epoch {epoch}: {got[0]} samples with touched-byte sum {got[1]}, "
-                               f"expected {count} with sum {checksum}")
+            raise RuntimeError(
+                f"epoch {epoch}: {got[0]} samples with touched-byte sum {got[1]}, expected {count} with sum {checksum}"
+            )
 
     for e in range(warmup_epochs):
         check(e, _run_epoch(source, e, None))
@@ -102,5 +112,6 @@ def measure(source: Source, *, count: int, epoch_bytes: int, checksum: int, seco
         elapsed = time.perf_counter() - t0
         if elapsed >= seconds and epochs >= min_epochs:
             break
-    return Measurement(samples=epochs * count, nbytes=epochs * epoch_bytes, seconds=elapsed, epochs=epochs,
-                       waits_s=np.asarray(waits))
+    return Measurement(
+        samples=epochs * count, nbytes=epochs * epoch_bytes, seconds=elapsed, epochs=epochs, waits_s=np.asarray(waits)
+    )

@@ -124,10 +124,15 @@ class DataLoaderSource:
 
     def __init__(self, samples: SampleSet, batch_size: int, num_workers: int, seed: int = 0) -> None:
         generator = torch.Generator().manual_seed(seed)
-        self.loader = DataLoader(FileDataset(samples.paths, samples.sizes, samples.labels), batch_size=batch_size,
-                                 shuffle=True, generator=generator, num_workers=num_workers,
-                                 collate_fn=collate_packed if num_workers else collate_list,
-                                 persistent_workers=num_workers > 0)
+        self.loader = DataLoader(
+            FileDataset(samples.paths, samples.sizes, samples.labels),
+            batch_size=batch_size,
+            shuffle=True,
+            generator=generator,
+            num_workers=num_workers,
+            collate_fn=collate_packed if num_workers else collate_list,
+            persistent_workers=num_workers > 0,
+        )
 
     def epoch(self, epoch: int):
         return self.loader
@@ -161,9 +166,29 @@ class RedisServer:
         for _ in range(3):
             self.port = free_port()
             self.process = subprocess.Popen(
-                [self.binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
-                 "--dir", self.dir, "--protected-mode", "yes", "--loglevel", "warning", "--logfile", ""],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+                [
+                    self.binary,
+                    "--bind",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.port),
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--dir",
+                    self.dir,
+                    "--protected-mode",
+                    "yes",
+                    "--loglevel",
+                    "warning",
+                    "--logfile",
+                    "",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL,
+            )
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline and self.process.poll() is None:
                 with contextlib.suppress(redis.ConnectionError):
@@ -228,8 +253,9 @@ class RedisSource:
         for start in range(0, len(order), self.batch_size):
             ids = order[start : start + self.batch_size]
             values = self._get_many(ids)
-            yield PulledBatch(ids, [torch.frombuffer(v, dtype=torch.uint8) for v in values],
-                              torch.from_numpy(self.labels[ids]))
+            yield PulledBatch(
+                ids, [torch.frombuffer(v, dtype=torch.uint8) for v in values], torch.from_numpy(self.labels[ids])
+            )
 
     def close(self) -> None:
         self.client.close()
@@ -250,8 +276,9 @@ class GrpcPullSource:
         self.name = info.spec.name
         shares = sorted(info.shares, key=lambda s: s.first_id)
         self.bounds = np.array([s.end_id for s in shares], dtype=np.int64)
-        self.channels = [grpc.insecure_channel(info.server_addresses[s.server_id], options=channel_options())
-                         for s in shares]
+        self.channels = [
+            grpc.insecure_channel(info.server_addresses[s.server_id], options=channel_options()) for s in shares
+        ]
         self.stubs = [kspeed_pb2_grpc.ServerStub(c) for c in self.channels]
         self.sizes, self.labels, self.count = samples.sizes, samples.labels, samples.count
         self.batch_size, self.seed = batch_size, seed
@@ -271,9 +298,15 @@ class GrpcPullSource:
 
     def _fetch(self, ids: np.ndarray) -> PulledBatch:
         samples: list[torch.Tensor | None] = [None] * len(ids)
-        futures = [(positions, self.stubs[server].Read.future(
-            kspeed_pb2.ReadRequest(dataset=self.name, ids=ids[positions].astype("<i8").tobytes()), timeout=60))
-            for server, positions in self._calls(ids)]
+        futures = [
+            (
+                positions,
+                self.stubs[server].Read.future(
+                    kspeed_pb2.ReadRequest(dataset=self.name, ids=ids[positions].astype("<i8").tobytes()), timeout=60
+                ),
+            )
+            for server, positions in self._calls(ids)
+        ]
         for positions, future in futures:
             reply = future.result()
             lengths = np.frombuffer(reply.lengths, "<u4").tolist()

@@ -34,8 +34,14 @@ def _figure(results: list[dict], system: str, size, key: str) -> float | None:
 
 def _target(name: str, size, value: float | None, threshold: float, **extra) -> dict:
     met = None if value is None else value >= threshold
-    return {"target": name, "size": size, "value": None if value is None else round(value, 3),
-            "threshold": threshold, "met": met, **extra}
+    return {
+        "target": name,
+        "size": size,
+        "value": None if value is None else round(value, 3),
+        "threshold": threshold,
+        "met": met,
+        **extra,
+    }
 
 
 def target_ratios(results: list[dict], limits: dict) -> list[dict]:
@@ -47,19 +53,32 @@ def target_ratios(results: list[dict], limits: dict) -> list[dict]:
         peers = {s: _figure(results, s, SMALL, "samples_per_s") for s in FILE_AND_CACHE}
         peers = {s: v for s, v in peers.items() if v}
         best = max(peers, key=peers.get) if peers else None
-        out.append(_target("kspeed-shm / best of DataLoader and Redis", SMALL,
-                           shm / peers[best] if shm and best else None, VS_FILE_AND_CACHE, against=best))
+        out.append(
+            _target(
+                "kspeed-shm / best of DataLoader and Redis",
+                SMALL,
+                shm / peers[best] if shm and best else None,
+                VS_FILE_AND_CACHE,
+                against=best,
+            )
+        )
         pull = _figure(results, "grpc-pull", SMALL, "samples_per_s")
         out.append(_target("kspeed-shm / grpc-pull", SMALL, shm / pull if shm and pull else None, VS_PULL))
     for size in LARGE:
         if not any(row["size"] == size for row in results):
             continue
         gbps = _figure(results, "kspeed-shm", size, "gbps")
-        out.append(_target("kspeed-shm GB/s / one-core memcpy", size,
-                           gbps / limits["memcpy_gbps"] if gbps else None, SHM_OF_MEMCPY))
+        out.append(
+            _target(
+                "kspeed-shm GB/s / one-core memcpy", size, gbps / limits["memcpy_gbps"] if gbps else None, SHM_OF_MEMCPY
+            )
+        )
         gbps = _figure(results, "kspeed-tcp", size, "gbps")
-        out.append(_target("kspeed-tcp GB/s / loopback TCP", size,
-                           gbps / limits["socket_gbps"] if gbps else None, TCP_OF_SOCKET))
+        out.append(
+            _target(
+                "kspeed-tcp GB/s / loopback TCP", size, gbps / limits["socket_gbps"] if gbps else None, TCP_OF_SOCKET
+            )
+        )
     return out
 
 
@@ -76,8 +95,10 @@ def print_table(doc: dict, file: TextIO = sys.stdout) -> None:
     sizes = list(dict.fromkeys(row["size"] for row in results))
     systems = list(dict.fromkeys(row["system"] for row in results))
     lim = doc["limits"]
-    print(f"\nlimits: one-core memcpy {lim['memcpy_gbps']:.2f} GB/s, loopback TCP {lim['socket_gbps']:.2f} GB/s",
-          file=file)
+    print(
+        f"\nlimits: one-core memcpy {lim['memcpy_gbps']:.2f} GB/s, loopback TCP {lim['socket_gbps']:.2f} GB/s",
+        file=file,
+    )
     print(f"{'system':14s}" + "".join(f"{size_name(s):>22s}" for s in sizes), file=file)
     for system in systems:
         cells = []
@@ -90,5 +111,7 @@ def print_table(doc: dict, file: TextIO = sys.stdout) -> None:
         state = {True: "met", False: "MISSED", None: "pending"}[t["met"]]
         value = "-" if t["value"] is None else f"{t['value']:,.2f}"
         against = f" (vs {t['against']})" if t.get("against") else ""
-        print(f"  {size_name(t['size']):>4s} {t['target']}{against}: {value} (target >= {t['threshold']:,}) {state}",
-              file=file)
+        print(
+            f"  {size_name(t['size']):>4s} {t['target']}{against}: {value} (target >= {t['threshold']:,}) {state}",
+            file=file,
+        )

@@ -49,8 +49,14 @@ FULL = {"dataset_bytes": 512 * MIB, "seconds": 3.0, "min_batches": 4}
 QUICK = {"dataset_bytes": 64 * MIB, "seconds": 0.5, "min_batches": 2}
 
 
-def open_source(system: str, samples: SampleSet, batch_size: int, cluster: BenchCluster | None,
-                redis_server: RedisServer | None, info):
+def open_source(
+    system: str,
+    samples: SampleSet,
+    batch_size: int,
+    cluster: BenchCluster | None,
+    redis_server: RedisServer | None,
+    info,
+):
     """The source of ``system`` for one sample set."""
     if system.startswith("kspeed-"):
         return KSpeedSource(cluster.address, samples, batch_size, rail=system.split("-", 1)[1])
@@ -73,15 +79,23 @@ def run_system(system: str, samples: SampleSet, batch_size: int, seconds: float,
     except Exception as exc:  # one system's failure must not end the run
         return {**row, "error": f"{type(exc).__name__}: {exc}"}
     try:
-        m = measure(source, count=samples.count, epoch_bytes=samples.total_bytes, checksum=samples.checksum,
-                    seconds=seconds)
+        m = measure(
+            source, count=samples.count, epoch_bytes=samples.total_bytes, checksum=samples.checksum, seconds=seconds
+        )
     except Exception as exc:
         return {**row, "error": f"{type(exc).__name__}: {exc}"}
     finally:
         source.close()
-    return {**row, "samples_per_s": round(m.samples_per_s, 1), "gbps": round(m.gbps, 4),
-            "batch_wait_p50_ms": round(m.wait_ms(50), 4), "batch_wait_p99_ms": round(m.wait_ms(99), 4),
-            "epochs": m.epochs, "samples": m.samples, "seconds": round(m.seconds, 3)}
+    return {
+        **row,
+        "samples_per_s": round(m.samples_per_s, 1),
+        "gbps": round(m.gbps, 4),
+        "batch_wait_p50_ms": round(m.wait_ms(50), 4),
+        "batch_wait_p99_ms": round(m.wait_ms(99), 4),
+        "epochs": m.epochs,
+        "samples": m.samples,
+        "seconds": round(m.seconds, 3),
+    }
 
 
 def measure_limits(seconds: float) -> dict:
@@ -105,22 +119,29 @@ def run_size(spec: SizeSpec, index: int, args, data_root: str, systems: list[str
         if cluster is not None:
             t0 = time.perf_counter()
             info = cluster.load(samples)
-            print(f"[{spec.label}] {samples.count} samples preloaded in {time.perf_counter() - t0:.1f} s",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[{spec.label}] {samples.count} samples preloaded in {time.perf_counter() - t0:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
         if redis_server is not None:
             redis_server.load(samples)
         batch_size = batch_size_for(spec)
         rows = []
         for system in systems:
-            row = run_system(system, samples, batch_size, args.seconds, cluster=cluster,
-                             redis_server=redis_server, info=info)
+            row = run_system(
+                system, samples, batch_size, args.seconds, cluster=cluster, redis_server=redis_server, info=info
+            )
             rows.append(row)
             if "error" in row:
                 print(f"[{spec.label}] {system:14s} {row['error']}", file=sys.stderr, flush=True)
             else:
-                print(f"[{spec.label}] {system:14s} {row['samples_per_s']:>11,.0f} samples/s {row['gbps']:7.3f} GB/s"
-                      f"  wait p50 {row['batch_wait_p50_ms']:.3f} ms p99 {row['batch_wait_p99_ms']:.3f} ms",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[{spec.label}] {system:14s} {row['samples_per_s']:>11,.0f} samples/s {row['gbps']:7.3f} GB/s"
+                    f"  wait p50 {row['batch_wait_p50_ms']:.3f} ms p99 {row['batch_wait_p99_ms']:.3f} ms",
+                    file=sys.stderr,
+                    flush=True,
+                )
         return rows
     finally:
         if info is not None:
@@ -180,10 +201,15 @@ def main(argv=None) -> None:
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "machine": machine_info(),
         "limits": limits,
-        "config": {"servers": 2, "dataset_bytes_per_size": args.dataset_bytes, "min_batches": args.min_batches,
-                   "seconds_per_system": args.seconds,
-                   "warmup_epochs": 1, "touch": "first byte of every sample, summed and checked per epoch",
-                   "batch_sizes": {str(s.label): batch_size_for(s) for s in specs}},
+        "config": {
+            "servers": 2,
+            "dataset_bytes_per_size": args.dataset_bytes,
+            "min_batches": args.min_batches,
+            "seconds_per_system": args.seconds,
+            "warmup_epochs": 1,
+            "touch": "first byte of every sample, summed and checked per epoch",
+            "batch_sizes": {str(s.label): batch_size_for(s) for s in specs},
+        },
         "results": results,
         "targets": target_ratios(results, limits),
         "wall_seconds": round(time.perf_counter() - started, 1),

@@ -42,8 +42,14 @@ KIB, MIB = 1 << 10, 1 << 20
 def machine_info() -> dict:
     """Cores, kernel and Python of this machine (figures only compare on the same kind of box)."""
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"cores": os.cpu_count(), "cores_usable": usable, "machine": platform.machine(),
-            "kernel": platform.release(), "python": platform.python_version(), "numpy": np.__version__}
+    return {
+        "cores": os.cpu_count(),
+        "cores_usable": usable,
+        "machine": platform.machine(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+    }
 
 
 def write_json(path: str | None, doc: dict) -> None:
@@ -126,22 +132,32 @@ def preload(uri: str, backend: Backend, pool_dir: Path, region_size: int, thread
         pool.destroy()
 
 
-def run_case(name: str, root: Path, total: int, backend: Backend, protocol: str, latency: float,
-             args: argparse.Namespace) -> dict:
+def run_case(
+    name: str, root: Path, total: int, backend: Backend, protocol: str, latency: float, args: argparse.Namespace
+) -> dict:
     src = open_source(backend, "bench", str(root))
     paths = [src.path(i) for i in range(src.count)]
     sequential(paths, 0.0)  # warm the page cache
     seq = min(sequential(paths, latency) for _ in range(args.repeat))
-    into_pool = min(sequential_into_pool(paths, args.pool_dir / f"{name}-seq", args.region_size)
-                    for _ in range(args.repeat))
-    runs = [preload(f"{protocol}://{root}", backend, args.pool_dir / name, args.region_size, args.threads)
-            for _ in range(args.repeat)]
+    into_pool = min(
+        sequential_into_pool(paths, args.pool_dir / f"{name}-seq", args.region_size) for _ in range(args.repeat)
+    )
+    runs = [
+        preload(f"{protocol}://{root}", backend, args.pool_dir / name, args.region_size, args.threads)
+        for _ in range(args.repeat)
+    ]
     par = min(t for t, _ in runs)
     row = {
-        "case": name, "protocol": protocol, "latency_ms": latency * 1e3, "samples": src.count,
-        "bytes": total, "threads": args.threads,
-        "sequential_MBps": total / seq / 1e6, "sequential_samples_per_s": src.count / seq,
-        "preload_MBps": total / par / 1e6, "preload_samples_per_s": src.count / par,
+        "case": name,
+        "protocol": protocol,
+        "latency_ms": latency * 1e3,
+        "samples": src.count,
+        "bytes": total,
+        "threads": args.threads,
+        "sequential_MBps": total / seq / 1e6,
+        "sequential_samples_per_s": src.count / seq,
+        "preload_MBps": total / par / 1e6,
+        "preload_samples_per_s": src.count / par,
         "speedup": seq / par,
         "sequential_into_pool_MBps": total / into_pool / 1e6,
         "speedup_vs_into_pool": into_pool / par,
@@ -149,10 +165,13 @@ def run_case(name: str, root: Path, total: int, backend: Backend, protocol: str,
     if latency:
         row["target_speedup"] = TARGET_SPEEDUP
         row["meets_target"] = row["speedup"] >= TARGET_SPEEDUP
-    print(f"{name:14s} seq {row['sequential_MBps']:8.1f} MB/s {row['sequential_samples_per_s']:8.0f}/s   "
-          f"preload {row['preload_MBps']:8.1f} MB/s {row['preload_samples_per_s']:8.0f}/s   "
-          f"x{row['speedup']:.2f}   (seq into pool {row['sequential_into_pool_MBps']:8.1f} MB/s: "
-          f"x{row['speedup_vs_into_pool']:.2f})", file=sys.stderr)
+    print(
+        f"{name:14s} seq {row['sequential_MBps']:8.1f} MB/s {row['sequential_samples_per_s']:8.0f}/s   "
+        f"preload {row['preload_MBps']:8.1f} MB/s {row['preload_samples_per_s']:8.0f}/s   "
+        f"x{row['speedup']:.2f}   (seq into pool {row['sequential_into_pool_MBps']:8.1f} MB/s: "
+        f"x{row['speedup_vs_into_pool']:.2f})",
+        file=sys.stderr,
+    )
     return row
 
 
@@ -192,11 +211,16 @@ def main(argv: list[str] | None = None) -> None:
         shutil.rmtree(args.pool_dir, ignore_errors=True)
         if not args.data_dir:
             shutil.rmtree(work, ignore_errors=True)
-    write_json(args.json, {
-        "benchmark": "preload", "machine": machine_info(), "seconds": time.perf_counter() - t0,
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "results": rows,
-    })
+    write_json(
+        args.json,
+        {
+            "benchmark": "preload",
+            "machine": machine_info(),
+            "seconds": time.perf_counter() - t0,
+            "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "results": rows,
+        },
+    )
 
 
 if __name__ == "__main__":

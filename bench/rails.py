@@ -90,10 +90,23 @@ def run_case(rail_name: str, pool: MemfdSegment, size: int, writers: int, second
     procs = []
     for n in range(writers):
         key = ring.key.slice(n * share, share)
-        procs.append(ctx.Process(target=_writer, args=(
-            rail_name, receiver.material, key.to_bytes(), f"/proc/{os.getpid()}/fd/{pool.fd}", pool.nbytes,
-            size, seconds, n + 7, start, results,
-        )))
+        procs.append(
+            ctx.Process(
+                target=_writer,
+                args=(
+                    rail_name,
+                    receiver.material,
+                    key.to_bytes(),
+                    f"/proc/{os.getpid()}/fd/{pool.fd}",
+                    pool.nbytes,
+                    size,
+                    seconds,
+                    n + 7,
+                    start,
+                    results,
+                ),
+            )
+        )
     for proc in procs:
         proc.start()
     deadline = time.monotonic() + 60
@@ -120,9 +133,16 @@ def run_case(rail_name: str, pool: MemfdSegment, size: int, writers: int, second
         proc.join(30)
     receiver.close()
     elapsed = t_last - t0
-    return {"rail": rail_name, "size": size, "writers": writers, "writes": counted,
-            "seconds": round(elapsed, 4), "gbps": counted * size / elapsed / 1e9,
-            "writes_per_s": counted / elapsed, "ring_bytes": ring_bytes}
+    return {
+        "rail": rail_name,
+        "size": size,
+        "writers": writers,
+        "writes": counted,
+        "seconds": round(elapsed, 4),
+        "gbps": counted * size / elapsed / 1e9,
+        "writes_per_s": counted / elapsed,
+        "ring_bytes": ring_bytes,
+    }
 
 
 def _per_write(call, rounds: int, writes_per_round: int) -> tuple[float, float]:
@@ -198,8 +218,7 @@ def main() -> None:
     }
     if "tcp" in rails:  # the raw stream carrying the traffic of each tcp case (one writer's ring)
         limits["socket_gbps_by_size"] = {
-            size: socket_gbps(span, pool.view, size, RING_BATCHES * _batch(size) * size, _batch(size))
-            for size in sizes
+            size: socket_gbps(span, pool.view, size, RING_BATCHES * _batch(size) * size, _batch(size)) for size in sizes
         }
     print(f"limits: {limits}", file=sys.stderr)
     results = []
@@ -213,8 +232,11 @@ def main() -> None:
                 else:
                     res["limit"], limit = "memcpy_gbps", limits["memcpy_gbps"]
                 res["vs_limit"] = res["gbps"] / limit
-                print(f"{rail:4s} {size:>9d} B x{writers}: {res['gbps']:.2f} GB/s "
-                      f"{res['writes_per_s']:.0f} writes/s ({res['vs_limit']:.2f} of limit)", file=sys.stderr)
+                print(
+                    f"{rail:4s} {size:>9d} B x{writers}: {res['gbps']:.2f} GB/s "
+                    f"{res['writes_per_s']:.0f} writes/s ({res['vs_limit']:.2f} of limit)",
+                    file=sys.stderr,
+                )
                 results.append(res)
     overhead = {rail: seam_overhead_us(rail) for rail in rails}
     print(f"seam overhead: {overhead}", file=sys.stderr)

@@ -16,11 +16,14 @@ from typing import Any
 from kspeed._version import PROTOCOL_VERSIONS, __version__
 from kspeed.errors import KSpeedError
 
-__all__ = ["PROTOCOL_VERSIONS", "Batch", "DatasetSpec", "KSpeedClient", "KSpeedDataset", "KSpeedError",
-           "__version__"]
+__all__ = ["PROTOCOL_VERSIONS", "Batch", "DatasetSpec", "KSpeedClient", "KSpeedDataset", "KSpeedError", "__version__"]
 
-_CLIENT = {"Batch": "kspeed.client.batch", "DatasetSpec": "kspeed.client.spec", "KSpeedClient": "kspeed.client.client",
-           "KSpeedDataset": "kspeed.client.dataset"}
+_CLIENT = {
+    "Batch": "kspeed.client.batch",
+    "DatasetSpec": "kspeed.client.spec",
+    "KSpeedClient": "kspeed.client.client",
+    "KSpeedDataset": "kspeed.client.dataset",
+}
 
 
 def __getattr__(name: str) -> Any:

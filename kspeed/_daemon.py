@@ -34,8 +34,9 @@ def ensure_state_dir(path: str, field: str) -> str:
         with tempfile.NamedTemporaryFile(dir=path, prefix=".probe-"):
             pass
     except OSError as exc:
-        raise ConfigError(f"{field}: cannot use {path!r} as a state directory: {exc.strerror}",
-                          field=field, value=path) from exc
+        raise ConfigError(
+            f"{field}: cannot use {path!r} as a state directory: {exc.strerror}", field=field, value=path
+        ) from exc
     return os.path.abspath(path)
 
 

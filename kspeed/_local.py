@@ -53,9 +53,14 @@ class Daemon:
         with open(self.log_file, "ab") as log:
             # No preexec_fn: it would force a plain fork of this process, which may run gRPC; the
             # daemon arranges to die with us itself (--parent-pid).
-            self.process = subprocess.Popen([*self.prefix, *self.argv, "--parent-pid", str(os.getpid())], stdout=log,
-                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
-                                            start_new_session=True)
+            self.process = subprocess.Popen(
+                [*self.prefix, *self.argv, "--parent-pid", str(os.getpid())],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                start_new_session=True,
+            )
 
     def wait_ready(self, timeout: float) -> dict:
         """Wait for the ready file.
@@ -129,11 +134,22 @@ class LocalCluster:
         ValueError: more ``server_hosts`` than ``servers``.
     """
 
-    def __init__(self, state_dir: str, *, servers: int = 2, port: int = 0, http_port: int = 0,
-                 token_file: str = "", manager_args: Sequence[str] = (), server_args: Sequence[str] = (),
-                 env: dict[str, str] | None = None, pool_root: str = "", manager_host: str = "127.0.0.1",
-                 server_hosts: Sequence[str] | None = None,
-                 launch_prefix: Callable[[str], Sequence[str]] | None = None) -> None:
+    def __init__(
+        self,
+        state_dir: str,
+        *,
+        servers: int = 2,
+        port: int = 0,
+        http_port: int = 0,
+        token_file: str = "",
+        manager_args: Sequence[str] = (),
+        server_args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        pool_root: str = "",
+        manager_host: str = "127.0.0.1",
+        server_hosts: Sequence[str] | None = None,
+        launch_prefix: Callable[[str], Sequence[str]] | None = None,
+    ) -> None:
         if server_hosts is not None and len(server_hosts) > servers:
             raise ValueError(f"{len(server_hosts)} server_hosts for {servers} servers")
         self.state_dir = os.path.abspath(state_dir)
@@ -147,9 +163,19 @@ class LocalCluster:
             os.makedirs(os.path.join(self.state_dir, sub), exist_ok=True)
         auth = ["--auth", "token", "--token-file", token_file] if token_file else ["--auth", "none"]
         self._auth = auth
-        self.manager = self._daemon("manager", "kspeed.manager", [
-            "--listen", _join(manager_host, port), "--http-listen", _join(manager_host, http_port),
-            "--state-dir", os.path.join(self.state_dir, "manager"), *manager_args])
+        self.manager = self._daemon(
+            "manager",
+            "kspeed.manager",
+            [
+                "--listen",
+                _join(manager_host, port),
+                "--http-listen",
+                _join(manager_host, http_port),
+                "--state-dir",
+                os.path.join(self.state_dir, "manager"),
+                *manager_args,
+            ],
+        )
         self._server_args = list(server_args)
         self._server_count = servers
         self.servers: list[Daemon] = []
@@ -157,18 +183,35 @@ class LocalCluster:
     def _daemon(self, name: str, module: str, args: list[str]) -> Daemon:
         run = os.path.join(self.state_dir, "run")
         prefix = list(self._launch_prefix(name)) if self._launch_prefix is not None else []
-        return Daemon(name=name, argv=[sys.executable, "-m", module, *self._auth, *args,
-                                       "--ready-file", os.path.join(run, f"{name}.json")],
-                      ready_file=os.path.join(run, f"{name}.json"),
-                      log_file=os.path.join(self.state_dir, "logs", f"{name}.log"), env=self._env, prefix=prefix)
+        return Daemon(
+            name=name,
+            argv=[sys.executable, "-m", module, *self._auth, *args, "--ready-file", os.path.join(run, f"{name}.json")],
+            ready_file=os.path.join(run, f"{name}.json"),
+            log_file=os.path.join(self.state_dir, "logs", f"{name}.log"),
+            env=self._env,
+            prefix=prefix,
+        )
 
     def _server(self, index: int) -> Daemon:
         state = os.path.join(self.state_dir, f"server-{index}")
         host = self.server_hosts[index] if index < len(self.server_hosts) else "127.0.0.1"
-        return self._daemon(f"server-{index}", "kspeed.server", [
-            "--manager", self.address, "--listen", _join(host, 0), "--http-listen", _join(host, 0),
-            "--state-dir", state, "--pool-dir", os.path.join(self.pool_root or state, f"server-{index}" if
-                                                             self.pool_root else "pool"), *self._server_args])
+        return self._daemon(
+            f"server-{index}",
+            "kspeed.server",
+            [
+                "--manager",
+                self.address,
+                "--listen",
+                _join(host, 0),
+                "--http-listen",
+                _join(host, 0),
+                "--state-dir",
+                state,
+                "--pool-dir",
+                os.path.join(self.pool_root or state, f"server-{index}" if self.pool_root else "pool"),
+                *self._server_args,
+            ],
+        )
 
     @property
     def address(self) -> str:
@@ -245,5 +288,6 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
         except KSpeedError as exc:
             last_error = exc
         time.sleep(interval)
-    raise UnavailableError(f"timed out after {timeout:.0f}s waiting for {what}"
-                           + (f" (last error: {last_error})" if last_error else ""))
+    raise UnavailableError(
+        f"timed out after {timeout:.0f}s waiting for {what}" + (f" (last error: {last_error})" if last_error else "")
+    )

@@ -1,11 +1,11 @@
 """The ``kspeed`` command: run a local cluster and look at a running one.
 
-    kspeed up [--servers N] [--port P] [--http-port H] [--state-dir DIR]
-    kspeed status [--manager HOST:PORT] [--json] [--job JOB]
-    kspeed dataset add NAME URI [--kind K] [--labels dirname] [--quota BYTES]
-    kspeed dataset list | show NAME | rm NAME
-    kspeed preload NAME
-    kspeed demo
+kspeed up [--servers N] [--port P] [--http-port H] [--state-dir DIR]
+kspeed status [--manager HOST:PORT] [--json] [--job JOB]
+kspeed dataset add NAME URI [--kind K] [--labels dirname] [--quota BYTES]
+kspeed dataset list | show NAME | rm NAME
+kspeed preload NAME
+kspeed demo
 """
 
 from __future__ import annotations
@@ -40,12 +40,19 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise KSpeedError(f"--servers must be 0 or more, not {args.servers}")
     keep = bool(args.state_dir)
     # A temporary cluster keeps its pools in memory (tmpfs) when it can, and removes them on exit.
-    state_dir = args.state_dir or tempfile.mkdtemp(prefix="kspeed-up-", dir="/dev/shm" if os.path.isdir(
-        "/dev/shm") else None)
+    state_dir = args.state_dir or tempfile.mkdtemp(
+        prefix="kspeed-up-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
+    )
     allow = args.backend_allow or f"{os.getcwd()},{tempfile.gettempdir()}"
     server_args = ["--memory", args.memory, "--region-size", args.region_size, "--backend-allow", allow]
-    cluster = LocalCluster(state_dir, servers=args.servers, port=args.port, http_port=args.http_port,
-                           token_file=args.token_file or "", server_args=server_args)
+    cluster = LocalCluster(
+        state_dir,
+        servers=args.servers,
+        port=args.port,
+        http_port=args.http_port,
+        token_file=args.token_file or "",
+        server_args=server_args,
+    )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -63,8 +70,11 @@ def cmd_up(args: argparse.Namespace) -> int:
             _say(f"server {server.ready['id']} grpc {server.ready['grpc']} http http://{server.ready['http']}")
         config = load_config(ClientConfig, overrides={"manager": cluster.address, **_token_overrides(args)})
         with ManagerClient(config, peer_name="kspeed-up") as client:
-            wait_for(lambda: sum(r.state == READY for r in client.servers()) == args.servers, 30,
-                     f"{args.servers} server(s) to be ready")
+            wait_for(
+                lambda: sum(r.state == READY for r in client.servers()) == args.servers,
+                30,
+                f"{args.servers} server(s) to be ready",
+            )
         _say(f"state {state_dir}{'' if keep else ' (removed on exit)'}; logs in {state_dir}/logs")
         _say(f"ready: {args.servers} server(s). Try: kspeed status --manager {cluster.address}. Ctrl-C to stop.")
         while not stop.wait(0.5):
@@ -115,13 +125,16 @@ def cmd_dataset(args: argparse.Namespace) -> int:
             if not args.name or not args.uri:
                 raise KSpeedError("usage: kspeed dataset add NAME URI")
             quota = parse_bytes(args.quota) if args.quota else 0
-            spec = kspeed_pb2.DatasetSpec(name=args.name, uri=args.uri, kind=args.kind, labels=args.labels,
-                                          quota_bytes=quota)
+            spec = kspeed_pb2.DatasetSpec(
+                name=args.name, uri=args.uri, kind=args.kind, labels=args.labels, quota_bytes=quota
+            )
             reply = client.create_dataset(spec, operator=True)
             verb = "registered" if reply.created else "already registered"
             info = reply.dataset
-            _say(f"{verb} {info.spec.name}: {info.fingerprint.count} samples, {info.fingerprint.total_bytes} bytes "
-                 f"on {len(info.shares)} server(s)")
+            _say(
+                f"{verb} {info.spec.name}: {info.fingerprint.count} samples, {info.fingerprint.total_bytes} bytes "
+                f"on {len(info.shares)} server(s)"
+            )
         elif args.action == "list":
             datasets = client.datasets()
             _say(json.dumps([dataset_dict(d) for d in datasets], indent=2) if args.json else dataset_table(datasets))
@@ -166,8 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--token-file", default="", help="require this bearer token on every RPC")
     up.add_argument("--memory", default="256MiB", help="memory each server may pool (default 256MiB)")
     up.add_argument("--region-size", default="128MiB", help="bytes per region (default 128MiB)")
-    up.add_argument("--backend-allow", default="", help="backend prefixes the servers may read, comma-separated "
-                    "(default: the current directory and the system temporary directory)")
+    up.add_argument(
+        "--backend-allow",
+        default="",
+        help="backend prefixes the servers may read, comma-separated "
+        "(default: the current directory and the system temporary directory)",
+    )
     up.set_defaults(func=cmd_up)
 
     status = sub.add_parser("status", help="print the cluster as a table")

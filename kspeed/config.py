@@ -170,14 +170,17 @@ def option(default: Any, help: str, *, parse: Callable[[object], Any] = _parse_s
 class SecurityConfig:
     """Credentials shared by every process: bearer token and optional TLS."""
 
-    auth: str = option("token", "token: every RPC must carry the bearer token; none: no auth "
-                       "(only for loopback-only clusters)", parse=_choice("token", "none"), env="KSPEED_AUTH")
+    auth: str = option(
+        "token",
+        "token: every RPC must carry the bearer token; none: no auth (only for loopback-only clusters)",
+        parse=_choice("token", "none"),
+        env="KSPEED_AUTH",
+    )
     token_file: str = option("", "file holding the bearer token", env="KSPEED_TOKEN_FILE")
     token: str = option("", "the bearer token itself (prefer token_file)", env="KSPEED_TOKEN")
     tls_cert: str = option("", "PEM certificate of this daemon's gRPC server", env="KSPEED_TLS_CERT")
     tls_key: str = option("", "PEM private key of this daemon's gRPC server", env="KSPEED_TLS_KEY")
-    tls_ca: str = option("", "PEM CA bundle to verify daemons with (enables TLS on channels)",
-                         env="KSPEED_TLS_CA")
+    tls_ca: str = option("", "PEM CA bundle to verify daemons with (enables TLS on channels)", env="KSPEED_TLS_CA")
 
     def validate(self) -> None:
         """Resolve the token from its file and check that the settings fit together."""
@@ -188,20 +191,28 @@ class SecurityConfig:
             except OSError as exc:
                 raise ConfigError(
                     f"security.token_file: cannot read {self.token_file!r}: {exc.strerror}",
-                    field="security.token_file", value=self.token_file,
+                    field="security.token_file",
+                    value=self.token_file,
                 ) from exc
             if not self.token:
-                raise ConfigError(f"security.token_file: {self.token_file!r} is empty",
-                                  field="security.token_file", value=self.token_file)
+                raise ConfigError(
+                    f"security.token_file: {self.token_file!r} is empty",
+                    field="security.token_file",
+                    value=self.token_file,
+                )
         if self.auth == "token" and not self.token:
             raise ConfigError(
                 "security.auth is 'token' but no token is configured: set token_file (KSPEED_TOKEN_FILE) "
                 "or KSPEED_TOKEN, or run with auth none explicitly (loopback-only clusters)",
-                field="security.auth", value=self.auth,
+                field="security.auth",
+                value=self.auth,
             )
         if bool(self.tls_cert) != bool(self.tls_key):
-            raise ConfigError("security.tls_cert and security.tls_key must be given together",
-                              field="security.tls_cert", value=self.tls_cert or self.tls_key)
+            raise ConfigError(
+                "security.tls_cert and security.tls_key must be given together",
+                field="security.tls_cert",
+                value=self.tls_cert or self.tls_key,
+            )
         for name in ("tls_cert", "tls_key", "tls_ca"):
             path = getattr(self, name)
             if path and not os.access(path, os.R_OK):
@@ -229,34 +240,53 @@ class SecurityConfig:
 class ManagerConfig:
     """Configuration of ``kspeed-manager``."""
 
-    listen: str = option("127.0.0.1:7070", "gRPC listen address", parse=parse_address,
-                         env="KSPEED_MANAGER_LISTEN")
-    http_listen: str = option("127.0.0.1:7080", "HTTP listen address (/healthz, /readyz, /metrics, /v1/status)",
-                              parse=parse_address, env="KSPEED_MANAGER_HTTP_LISTEN")
-    state_dir: str = option("/var/lib/kspeed/manager", "directory of the registry database",
-                            env="KSPEED_MANAGER_STATE_DIR")
-    heartbeat_interval: float = option(1.0, "how often servers heartbeat", parse=parse_duration,
-                                       env="KSPEED_HEARTBEAT_INTERVAL")
-    suspect_after: float = option(3.0, "silence after which a server is suspect", parse=parse_duration,
-                                  env="KSPEED_SUSPECT_AFTER")
-    fail_after: float = option(10.0, "silence after which a server is failed", parse=parse_duration,
-                               env="KSPEED_FAIL_AFTER")
-    probe_interval: float = option(2.0, "period of the manager's active health probes", parse=parse_duration,
-                                   env="KSPEED_PROBE_INTERVAL")
-    probe_timeout: float = option(1.0, "deadline of one health probe", parse=parse_duration,
-                                  env="KSPEED_PROBE_TIMEOUT")
-    max_request_bytes: int = option(4 * 1024**2, "largest accepted gRPC request", parse=parse_bytes,
-                                    env="KSPEED_MAX_REQUEST_BYTES")
-    lease_ttl: float = option(30.0, "lifetime of a job's dataset lease unless renewed", parse=parse_duration,
-                              env="KSPEED_LEASE_TTL")
-    server_call_timeout: float = option(120.0, "deadline of the manager's calls to servers (listing a large "
-                                        "backend takes time)", parse=parse_duration, env="KSPEED_SERVER_CALL_TIMEOUT")
-    log_level: str = option("info", "log level", parse=_choice("debug", "info", "warning", "error"),
-                            env="KSPEED_LOG_LEVEL")
-    ready_file: str = option("", "write the bound addresses as JSON to this file once ready",
-                             env="KSPEED_MANAGER_READY_FILE")
-    parent_pid: int = option(0, "stop (as on SIGTERM) when this process exits; set by supervisors such as "
-                             "kspeed up", parse=_parse_int, env="KSPEED_PARENT_PID")
+    listen: str = option("127.0.0.1:7070", "gRPC listen address", parse=parse_address, env="KSPEED_MANAGER_LISTEN")
+    http_listen: str = option(
+        "127.0.0.1:7080",
+        "HTTP listen address (/healthz, /readyz, /metrics, /v1/status)",
+        parse=parse_address,
+        env="KSPEED_MANAGER_HTTP_LISTEN",
+    )
+    state_dir: str = option(
+        "/var/lib/kspeed/manager", "directory of the registry database", env="KSPEED_MANAGER_STATE_DIR"
+    )
+    heartbeat_interval: float = option(
+        1.0, "how often servers heartbeat", parse=parse_duration, env="KSPEED_HEARTBEAT_INTERVAL"
+    )
+    suspect_after: float = option(
+        3.0, "silence after which a server is suspect", parse=parse_duration, env="KSPEED_SUSPECT_AFTER"
+    )
+    fail_after: float = option(
+        10.0, "silence after which a server is failed", parse=parse_duration, env="KSPEED_FAIL_AFTER"
+    )
+    probe_interval: float = option(
+        2.0, "period of the manager's active health probes", parse=parse_duration, env="KSPEED_PROBE_INTERVAL"
+    )
+    probe_timeout: float = option(1.0, "deadline of one health probe", parse=parse_duration, env="KSPEED_PROBE_TIMEOUT")
+    max_request_bytes: int = option(
+        4 * 1024**2, "largest accepted gRPC request", parse=parse_bytes, env="KSPEED_MAX_REQUEST_BYTES"
+    )
+    lease_ttl: float = option(
+        30.0, "lifetime of a job's dataset lease unless renewed", parse=parse_duration, env="KSPEED_LEASE_TTL"
+    )
+    server_call_timeout: float = option(
+        120.0,
+        "deadline of the manager's calls to servers (listing a large backend takes time)",
+        parse=parse_duration,
+        env="KSPEED_SERVER_CALL_TIMEOUT",
+    )
+    log_level: str = option(
+        "info", "log level", parse=_choice("debug", "info", "warning", "error"), env="KSPEED_LOG_LEVEL"
+    )
+    ready_file: str = option(
+        "", "write the bound addresses as JSON to this file once ready", env="KSPEED_MANAGER_READY_FILE"
+    )
+    parent_pid: int = option(
+        0,
+        "stop (as on SIGTERM) when this process exits; set by supervisors such as kspeed up",
+        parse=_parse_int,
+        env="KSPEED_PARENT_PID",
+    )
     security: SecurityConfig = dataclasses.field(default_factory=SecurityConfig)
 
     def validate(self) -> None:
@@ -264,12 +294,17 @@ class ManagerConfig:
         if not self.suspect_after < self.fail_after:
             raise ConfigError(
                 f"manager.suspect_after ({self.suspect_after}s) must be shorter than "
-                f"manager.fail_after ({self.fail_after}s)", field="manager.suspect_after", value=self.suspect_after)
+                f"manager.fail_after ({self.fail_after}s)",
+                field="manager.suspect_after",
+                value=self.suspect_after,
+            )
         if not self.heartbeat_interval < self.suspect_after:
             raise ConfigError(
                 f"manager.heartbeat_interval ({self.heartbeat_interval}s) must be shorter than "
                 f"manager.suspect_after ({self.suspect_after}s)",
-                field="manager.heartbeat_interval", value=self.heartbeat_interval)
+                field="manager.heartbeat_interval",
+                value=self.heartbeat_interval,
+            )
         self.security.validate()
 
 
@@ -277,70 +312,121 @@ class ManagerConfig:
 class ServerConfig:
     """Configuration of ``kspeed-server``."""
 
-    manager: str = option("127.0.0.1:7070", "the manager's gRPC address", parse=parse_address,
-                          env="KSPEED_MANAGER")
+    manager: str = option("127.0.0.1:7070", "the manager's gRPC address", parse=parse_address, env="KSPEED_MANAGER")
     listen: str = option("0.0.0.0:7071", "gRPC listen address", parse=parse_address, env="KSPEED_SERVER_LISTEN")
-    advertise: str = option("", "address announced to the manager and clients (default: listen, with "
-                            "the hostname for a wildcard host)", parse=_parse_optional_address,
-                            env="KSPEED_SERVER_ADVERTISE")
-    http_listen: str = option("0.0.0.0:7081", "HTTP listen address (/healthz, /metrics)", parse=parse_address,
-                              env="KSPEED_SERVER_HTTP_LISTEN")
-    state_dir: str = option("/var/lib/kspeed/server", "directory of the server's identity and state",
-                            env="KSPEED_SERVER_STATE_DIR")
-    server_id: str = option("", "stable server id (default: generated once and kept in state_dir)",
-                            env="KSPEED_SERVER_ID")
+    advertise: str = option(
+        "",
+        "address announced to the manager and clients (default: listen, with the hostname for a wildcard host)",
+        parse=_parse_optional_address,
+        env="KSPEED_SERVER_ADVERTISE",
+    )
+    http_listen: str = option(
+        "0.0.0.0:7081", "HTTP listen address (/healthz, /metrics)", parse=parse_address, env="KSPEED_SERVER_HTTP_LISTEN"
+    )
+    state_dir: str = option(
+        "/var/lib/kspeed/server", "directory of the server's identity and state", env="KSPEED_SERVER_STATE_DIR"
+    )
+    server_id: str = option(
+        "", "stable server id (default: generated once and kept in state_dir)", env="KSPEED_SERVER_ID"
+    )
     memory: int = option(1024**3, "memory this server may pool", parse=parse_bytes, env="KSPEED_SERVER_MEMORY")
-    region_size: int = option(128 * 1024**2, "bytes per registered region", parse=parse_bytes,
-                              env="KSPEED_REGION_SIZE")
-    cores: int = option(0, "CPU cores this server may use (0: all it is allowed to run on)", parse=_parse_int,
-                        env="KSPEED_SERVER_CORES")
-    transports: tuple[str, ...] = option(("shm", "tcp"), "data-plane rails to offer", parse=_parse_list,
-                                         env="KSPEED_SERVER_TRANSPORTS")
-    pool_dir: str = option("", "directory of the pool's region files (default: /dev/shm/kspeed-pool-<id> if "
-                           "/dev/shm exists, else <state_dir>/pool); re-adopted after a restart",
-                           env="KSPEED_SERVER_POOL_DIR")
-    keep_pool_on_exit: bool = option(True, "keep the pool's files on a clean exit so a restart re-adopts the "
-                                     "loaded data (false: remove them)", parse=_parse_bool,
-                                     env="KSPEED_SERVER_KEEP_POOL")
-    backend_allow: tuple[str, ...] = option((), "backend URIs this server may open: protocols and path "
-                                            "prefixes such as /data,s3://bucket/prefix (default: none)",
-                                            parse=_parse_list, env="KSPEED_BACKEND_ALLOW")
-    backend_options: dict = option({}, "per protocol, options (credentials) of its fsspec file system; YAML "
-                                   "mapping or JSON", parse=_parse_mapping, env="KSPEED_BACKEND_OPTIONS")
-    preload_threads: int = option(16, "backend reads in flight per preload", parse=_parse_int,
-                                  env="KSPEED_PRELOAD_THREADS")
-    scrub_interval: float = option(3600.0, "seconds between integrity scrubs of loaded data", parse=parse_duration,
-                                   env="KSPEED_SCRUB_INTERVAL")
-    feeders: int = option(0, "feeder processes that write samples to clients (0: one per usable core, at most 4)",
-                          parse=_parse_int, env="KSPEED_SERVER_FEEDERS")
-    data_io_timeout: float = option(10.0, "seconds without progress after which a client's data-plane path is "
-                                    "declared lost", parse=parse_duration, env="KSPEED_DATA_IO_TIMEOUT")
-    plan_timeout: float = option(600.0, "longest a plan waits for the samples it needs to be preloaded",
-                                 parse=parse_duration, env="KSPEED_PLAN_TIMEOUT")
-    drain_timeout: float = option(10.0, "longest wait for in-flight work on SIGTERM", parse=parse_duration,
-                                  env="KSPEED_DRAIN_TIMEOUT")
-    max_request_bytes: int = option(64 * 1024**2, "largest accepted gRPC request", parse=parse_bytes,
-                                    env="KSPEED_MAX_REQUEST_BYTES")
-    log_level: str = option("info", "log level", parse=_choice("debug", "info", "warning", "error"),
-                            env="KSPEED_LOG_LEVEL")
-    ready_file: str = option("", "write the bound addresses as JSON to this file once ready",
-                             env="KSPEED_SERVER_READY_FILE")
-    parent_pid: int = option(0, "stop (as on SIGTERM) when this process exits; set by supervisors such as "
-                             "kspeed up", parse=_parse_int, env="KSPEED_PARENT_PID")
+    region_size: int = option(128 * 1024**2, "bytes per registered region", parse=parse_bytes, env="KSPEED_REGION_SIZE")
+    cores: int = option(
+        0, "CPU cores this server may use (0: all it is allowed to run on)", parse=_parse_int, env="KSPEED_SERVER_CORES"
+    )
+    transports: tuple[str, ...] = option(
+        ("shm", "tcp"), "data-plane rails to offer", parse=_parse_list, env="KSPEED_SERVER_TRANSPORTS"
+    )
+    pool_dir: str = option(
+        "",
+        "directory of the pool's region files (default: /dev/shm/kspeed-pool-<id> if "
+        "/dev/shm exists, else <state_dir>/pool); re-adopted after a restart",
+        env="KSPEED_SERVER_POOL_DIR",
+    )
+    keep_pool_on_exit: bool = option(
+        True,
+        "keep the pool's files on a clean exit so a restart re-adopts the loaded data (false: remove them)",
+        parse=_parse_bool,
+        env="KSPEED_SERVER_KEEP_POOL",
+    )
+    backend_allow: tuple[str, ...] = option(
+        (),
+        "backend URIs this server may open: protocols and path "
+        "prefixes such as /data,s3://bucket/prefix (default: none)",
+        parse=_parse_list,
+        env="KSPEED_BACKEND_ALLOW",
+    )
+    backend_options: dict = option(
+        {},
+        "per protocol, options (credentials) of its fsspec file system; YAML mapping or JSON",
+        parse=_parse_mapping,
+        env="KSPEED_BACKEND_OPTIONS",
+    )
+    preload_threads: int = option(
+        16, "backend reads in flight per preload", parse=_parse_int, env="KSPEED_PRELOAD_THREADS"
+    )
+    scrub_interval: float = option(
+        3600.0, "seconds between integrity scrubs of loaded data", parse=parse_duration, env="KSPEED_SCRUB_INTERVAL"
+    )
+    feeders: int = option(
+        0,
+        "feeder processes that write samples to clients (0: one per usable core, at most 4)",
+        parse=_parse_int,
+        env="KSPEED_SERVER_FEEDERS",
+    )
+    data_io_timeout: float = option(
+        10.0,
+        "seconds without progress after which a client's data-plane path is declared lost",
+        parse=parse_duration,
+        env="KSPEED_DATA_IO_TIMEOUT",
+    )
+    plan_timeout: float = option(
+        600.0,
+        "longest a plan waits for the samples it needs to be preloaded",
+        parse=parse_duration,
+        env="KSPEED_PLAN_TIMEOUT",
+    )
+    drain_timeout: float = option(
+        10.0, "longest wait for in-flight work on SIGTERM", parse=parse_duration, env="KSPEED_DRAIN_TIMEOUT"
+    )
+    max_request_bytes: int = option(
+        64 * 1024**2, "largest accepted gRPC request", parse=parse_bytes, env="KSPEED_MAX_REQUEST_BYTES"
+    )
+    log_level: str = option(
+        "info", "log level", parse=_choice("debug", "info", "warning", "error"), env="KSPEED_LOG_LEVEL"
+    )
+    ready_file: str = option(
+        "", "write the bound addresses as JSON to this file once ready", env="KSPEED_SERVER_READY_FILE"
+    )
+    parent_pid: int = option(
+        0,
+        "stop (as on SIGTERM) when this process exits; set by supervisors such as kspeed up",
+        parse=_parse_int,
+        env="KSPEED_PARENT_PID",
+    )
     security: SecurityConfig = dataclasses.field(default_factory=SecurityConfig)
 
     def validate(self) -> None:
         """Check cross-field rules."""
         page = os.sysconf("SC_PAGE_SIZE")
         if self.region_size < page or self.region_size % page:
-            raise ConfigError(f"server.region_size: {self.region_size} is not a positive multiple of the "
-                              f"page size ({page})", field="server.region_size", value=self.region_size)
+            raise ConfigError(
+                f"server.region_size: {self.region_size} is not a positive multiple of the page size ({page})",
+                field="server.region_size",
+                value=self.region_size,
+            )
         if self.memory and self.memory < self.region_size:
-            raise ConfigError(f"server.memory: {self.memory} bytes is less than one region ({self.region_size})",
-                              field="server.memory", value=self.memory)
+            raise ConfigError(
+                f"server.memory: {self.memory} bytes is less than one region ({self.region_size})",
+                field="server.memory",
+                value=self.memory,
+            )
         if self.server_id and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", self.server_id):
-            raise ConfigError(f"server.server_id: {self.server_id!r} must be 1-63 letters, digits, '.', '_' "
-                              "or '-'", field="server.server_id", value=self.server_id)
+            raise ConfigError(
+                f"server.server_id: {self.server_id!r} must be 1-63 letters, digits, '.', '_' or '-'",
+                field="server.server_id",
+                value=self.server_id,
+            )
         self.security.validate()
 
 
@@ -348,37 +434,82 @@ class ServerConfig:
 class ClientConfig:
     """Configuration of the client library and the ``kspeed`` command."""
 
-    manager: str = option("127.0.0.1:7070", "the manager's gRPC address", parse=parse_address,
-                          env="KSPEED_MANAGER")
+    manager: str = option("127.0.0.1:7070", "the manager's gRPC address", parse=parse_address, env="KSPEED_MANAGER")
     timeout: float = option(5.0, "deadline of control-plane calls", parse=parse_duration, env="KSPEED_TIMEOUT")
     security: SecurityConfig = dataclasses.field(default_factory=SecurityConfig)
-    rail: str = option("auto", "data-plane rail of the receive ring: auto (shm for co-located servers, else tcp), "
-                       "shm or tcp", parse=_choice("auto", "shm", "tcp"), env="KSPEED_RAIL")
-    ring_bytes: int = option(0, "size of each dataset's receive ring (0: max(256MiB, 4 batches))", parse=parse_bytes,
-                             env="KSPEED_RING_BYTES")
-    completion_timeout: float = option(60.0, "longest a batch waits for a silent server before that server is "
-                                       "named in an error", parse=parse_duration, env="KSPEED_COMPLETION_TIMEOUT")
-    data_host: str = option("", "address the tcp receiver listens on and advertises (default: loopback when every "
-                            "server is local, else the local address that routes to the servers)",
-                            env="KSPEED_DATA_HOST")
-    nic: str = option("", "force the data plane onto this NIC, e.g. mlx5_2 (an unknown NIC is an error; default: "
-                      "the NIC nearest this process's GPU)", env="KSPEED_NIC")
-    pin_threads: bool = option(True, "pin the client's helper threads to the cores of the NUMA node nearest the GPU",
-                               parse=_parse_bool, env="KSPEED_PIN_THREADS")
-    job: str = option("", "name of the training job, shared by its ranks, under which per-rank statistics are "
-                      "reported to the manager (e.g. $TORCHELASTIC_RUN_ID; empty: user@host)", env="KSPEED_JOB")
-    stats_interval: float = option(5.0, "how often each rank reports its statistics to the manager",
-                                   parse=parse_duration, env="KSPEED_STATS_INTERVAL")
-    pacing: str = option("auto", "keep the bytes in flight towards this node within a window measured from transfer "
-                         "latency and drain rate, granting in sub-batches: auto (on for network rails, off for shm), "
-                         "on or off", parse=_choice("auto", "on", "off"), env="KSPEED_PACING")
-    credit: str = option("adaptive", "how the pacing window is shared between servers: adaptive (a server that is "
-                         "slower to complete is granted further ahead) or equal", parse=_choice("adaptive", "equal"),
-                         env="KSPEED_CREDIT")
-    node_loaders: int = option(0, "processes on this node loading data at once, which share its link (0: "
-                               "$LOCAL_WORLD_SIZE, else 1)", parse=_parse_int, env="KSPEED_NODE_LOADERS")
-    pace_round: float = option(0.003, "time one round of sub-batches over all servers should take at the measured "
-                               "drain rate (sets the sub-batch size)", parse=parse_duration, env="KSPEED_PACE_ROUND")
+    rail: str = option(
+        "auto",
+        "data-plane rail of the receive ring: auto (shm for co-located servers, else tcp), shm or tcp",
+        parse=_choice("auto", "shm", "tcp"),
+        env="KSPEED_RAIL",
+    )
+    ring_bytes: int = option(
+        0, "size of each dataset's receive ring (0: max(256MiB, 4 batches))", parse=parse_bytes, env="KSPEED_RING_BYTES"
+    )
+    completion_timeout: float = option(
+        60.0,
+        "longest a batch waits for a silent server before that server is named in an error",
+        parse=parse_duration,
+        env="KSPEED_COMPLETION_TIMEOUT",
+    )
+    data_host: str = option(
+        "",
+        "address the tcp receiver listens on and advertises (default: loopback when every "
+        "server is local, else the local address that routes to the servers)",
+        env="KSPEED_DATA_HOST",
+    )
+    nic: str = option(
+        "",
+        "force the data plane onto this NIC, e.g. mlx5_2 (an unknown NIC is an error; default: "
+        "the NIC nearest this process's GPU)",
+        env="KSPEED_NIC",
+    )
+    pin_threads: bool = option(
+        True,
+        "pin the client's helper threads to the cores of the NUMA node nearest the GPU",
+        parse=_parse_bool,
+        env="KSPEED_PIN_THREADS",
+    )
+    job: str = option(
+        "",
+        "name of the training job, shared by its ranks, under which per-rank statistics are "
+        "reported to the manager (e.g. $TORCHELASTIC_RUN_ID; empty: user@host)",
+        env="KSPEED_JOB",
+    )
+    stats_interval: float = option(
+        5.0,
+        "how often each rank reports its statistics to the manager",
+        parse=parse_duration,
+        env="KSPEED_STATS_INTERVAL",
+    )
+    pacing: str = option(
+        "auto",
+        "keep the bytes in flight towards this node within a window measured from transfer "
+        "latency and drain rate, granting in sub-batches: auto (on for network rails, off for shm), "
+        "on or off",
+        parse=_choice("auto", "on", "off"),
+        env="KSPEED_PACING",
+    )
+    credit: str = option(
+        "adaptive",
+        "how the pacing window is shared between servers: adaptive (a server that is "
+        "slower to complete is granted further ahead) or equal",
+        parse=_choice("adaptive", "equal"),
+        env="KSPEED_CREDIT",
+    )
+    node_loaders: int = option(
+        0,
+        "processes on this node loading data at once, which share its link (0: $LOCAL_WORLD_SIZE, else 1)",
+        parse=_parse_int,
+        env="KSPEED_NODE_LOADERS",
+    )
+    pace_round: float = option(
+        0.003,
+        "time one round of sub-batches over all servers should take at the measured "
+        "drain rate (sets the sub-batch size)",
+        parse=parse_duration,
+        env="KSPEED_PACE_ROUND",
+    )
 
     def loaders_on_node(self, environ: Mapping[str, str] | None = None) -> int:
         """:attr:`node_loaders`, or the launcher's ``LOCAL_WORLD_SIZE`` when it is 0."""
@@ -393,8 +524,11 @@ class ClientConfig:
         if self.security.auth == "token" and not (self.security.token or self.security.token_file):
             self.security.auth = "none"
         if not 0 < self.pace_round <= 1:
-            raise ConfigError(f"client.pace_round must be between 0 and 1s, got {self.pace_round:g}s",
-                              field="client.pace_round", value=self.pace_round)
+            raise ConfigError(
+                f"client.pace_round must be between 0 and 1s, got {self.pace_round:g}s",
+                field="client.pace_round",
+                value=self.pace_round,
+            )
         self.security.validate()
 
 
@@ -416,8 +550,9 @@ def _set(obj: Any, field: dataclasses.Field, raw: object, section: str, source: 
     try:
         value = field.metadata["parse"](raw)
     except ValueError as exc:
-        raise ConfigError(f"{name}: invalid value {raw!r} (from {source}): {exc}",
-                          field=name, value=raw, source=source) from None
+        raise ConfigError(
+            f"{name}: invalid value {raw!r} (from {source}): {exc}", field=name, value=raw, source=source
+        ) from None
     setattr(obj, field.name, value)
 
 
@@ -437,8 +572,7 @@ def _read_yaml(path: str) -> Mapping[str, Any]:
         with open(path, encoding="utf-8") as fh:
             data = yaml.safe_load(fh) or {}
     except OSError as exc:
-        raise ConfigError(f"config file {path!r}: cannot read: {exc.strerror}", field="config",
-                          value=path) from exc
+        raise ConfigError(f"config file {path!r}: cannot read: {exc.strerror}", field="config", value=path) from exc
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {path!r}: not valid YAML: {exc}", field="config", value=path) from exc
     if not isinstance(data, Mapping):
@@ -454,8 +588,12 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
         shown = ",".join(default) if isinstance(default, tuple) else default
         env = field.metadata["env"]
-        parser.add_argument(flag, dest=f"cfg_{holder}_{field.name}", default=None,
-                            help=f"{field.metadata['help']} (env {env}; default {shown!r})")
+        parser.add_argument(
+            flag,
+            dest=f"cfg_{holder}_{field.name}",
+            default=None,
+            help=f"{field.metadata['help']} (env {env}; default {shown!r})",
+        )
 
 
 def load_config(
@@ -486,13 +624,19 @@ def load_config(
         known = {section, "security"}
         for key in data:
             if key not in known | set(_SECTIONS.values()):
-                raise ConfigError(f"config file {path!r}: unknown section {key!r} (expected {sorted(known)})",
-                                  field=str(key), value=path)
+                raise ConfigError(
+                    f"config file {path!r}: unknown section {key!r} (expected {sorted(known)})",
+                    field=str(key),
+                    value=path,
+                )
         for holder, field in _leaf_fields(cls):
             block = data.get(holder or section) or {}
             if not isinstance(block, Mapping):
-                raise ConfigError(f"config file {path!r}: section {holder or section!r} must be a mapping",
-                                  field=holder or section, value=path)
+                raise ConfigError(
+                    f"config file {path!r}: section {holder or section!r} must be a mapping",
+                    field=holder or section,
+                    value=path,
+                )
             if field.name in block:
                 _set(targets[holder], field, block[field.name], holder or section, f"{path}")
         for holder in {section, "security"}:
@@ -500,8 +644,11 @@ def load_config(
             names = {f.name for h, f in _leaf_fields(cls) if (h or section) == holder}
             unknown = sorted(set(block) - names)
             if unknown:
-                raise ConfigError(f"config file {path!r}: unknown field(s) {', '.join(unknown)} in section "
-                                  f"{holder!r}", field=f"{holder}.{unknown[0]}", value=path)
+                raise ConfigError(
+                    f"config file {path!r}: unknown field(s) {', '.join(unknown)} in section {holder!r}",
+                    field=f"{holder}.{unknown[0]}",
+                    value=path,
+                )
     for holder, field in _leaf_fields(cls):
         env = field.metadata["env"]
         if env and env in environ:
@@ -519,4 +666,3 @@ def load_config(
         _set(targets[holder], field, raw, holder or section, "override")
     config.validate()
     return config
-

@@ -30,8 +30,7 @@ class ManagerClient:
         if self.hello is None and method != "Hello":
             self.handshake()
         with rpc.map_rpc_errors(f"manager at {self.address}"):
-            return getattr(self._stub, method)(request, timeout=timeout or self.config.timeout,
-                                               metadata=self._metadata)
+            return getattr(self._stub, method)(request, timeout=timeout or self.config.timeout, metadata=self._metadata)
 
     def handshake(self) -> kspeed_pb2.HelloReply:
         """Agree on a protocol version with the manager.
@@ -39,8 +38,7 @@ class ManagerClient:
         Raises:
             VersionMismatchError: naming the versions each side speaks.
         """
-        self.hello = self.call("Hello", kspeed_pb2.HelloRequest(version=rpc.peer_version(),
-                                                                peer_name=self._peer_name))
+        self.hello = self.call("Hello", kspeed_pb2.HelloRequest(version=rpc.peer_version(), peer_name=self._peer_name))
         return self.hello
 
     def status(self) -> kspeed_pb2.ClusterStatus:
@@ -51,8 +49,9 @@ class ManagerClient:
         """The registered servers."""
         return list(self.call("ListServers", kspeed_pb2.ListServersRequest(include_left=include_left)).servers)
 
-    def create_dataset(self, spec: kspeed_pb2.DatasetSpec, *, operator: bool = False, holder: str = "",
-                       lease_ttl: float = 0.0) -> kspeed_pb2.CreateDatasetReply:
+    def create_dataset(
+        self, spec: kspeed_pb2.DatasetSpec, *, operator: bool = False, holder: str = "", lease_ttl: float = 0.0
+    ) -> kspeed_pb2.CreateDatasetReply:
         """Register ``spec`` (or attach to it); a job (``operator=False``) gets a lease."""
         owners = kspeed_pb2.DatasetOwner
         owner = owners.DATASET_OWNER_OPERATOR if operator else owners.DATASET_OWNER_JOB

@@ -82,9 +82,14 @@ def _train(batches: Iterator, torch) -> dict:
         release()
     elapsed = time.perf_counter() - started
     waits = waits or [0.0]
-    return {"first_ms": 1e3 * first_s, "samples_per_s": samples / max(elapsed, 1e-9),
-            "wait_p50_ms": 1e3 * statistics.median(waits), "wait_max_ms": 1e3 * max(waits),
-            "accuracy": correct / max(samples, 1), "batches": len(waits) + 1}
+    return {
+        "first_ms": 1e3 * first_s,
+        "samples_per_s": samples / max(elapsed, 1e-9),
+        "wait_p50_ms": 1e3 * statistics.median(waits),
+        "wait_max_ms": 1e3 * max(waits),
+        "accuracy": correct / max(samples, 1),
+        "batches": len(waits) + 1,
+    }
 
 
 def _kspeed_batches(ds) -> Iterator:
@@ -99,8 +104,11 @@ def _loader_batches(root: str, torch) -> Iterator:
 
     class Files(Dataset):
         def __init__(self) -> None:
-            self.items = [(os.path.join(root, c, f), int(c.removeprefix("class")))
-                          for c in sorted(os.listdir(root)) for f in sorted(os.listdir(os.path.join(root, c)))]
+            self.items = [
+                (os.path.join(root, c, f), int(c.removeprefix("class")))
+                for c in sorted(os.listdir(root))
+                for f in sorted(os.listdir(os.path.join(root, c)))
+            ]
 
         def __len__(self) -> int:
             return len(self.items)
@@ -110,8 +118,13 @@ def _loader_batches(root: str, torch) -> Iterator:
             with open(path, "rb") as fh:
                 return torch.frombuffer(bytearray(fh.read()), dtype=torch.uint8), label
 
-    loader = DataLoader(Files(), batch_size=BATCH, shuffle=True, num_workers=0,
-                        collate_fn=lambda items: ([s for s, _ in items], torch.tensor([y for _, y in items])))
+    loader = DataLoader(
+        Files(),
+        batch_size=BATCH,
+        shuffle=True,
+        num_workers=0,
+        collate_fn=lambda items: ([s for s, _ in items], torch.tensor([y for _, y in items])),
+    )
     for _ in range(EPOCHS):
         for samples, labels in loader:
             yield samples, labels, lambda: None
@@ -126,8 +139,11 @@ def run(servers: int = 2) -> int:
 
     state_dir = tempfile.mkdtemp(prefix="kspeed-demo-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     data_dir = tempfile.mkdtemp(prefix="kspeed-demo-data-")
-    cluster = LocalCluster(state_dir, servers=servers,
-                           server_args=["--memory", "128MiB", "--region-size", "8MiB", "--backend-allow", data_dir])
+    cluster = LocalCluster(
+        state_dir,
+        servers=servers,
+        server_args=["--memory", "128MiB", "--region-size", "8MiB", "--backend-allow", data_dir],
+    )
     client = None
     try:
         print(f"starting a local cluster: 1 manager, {servers} servers", flush=True)
@@ -138,8 +154,9 @@ def run(servers: int = 2) -> int:
         client = KSpeedClient(cluster.address, config=config)
         ds = client.dataset(DatasetSpec(name="demo", uri=data_dir, labels="dirname"), batch_size=BATCH, seed=0)
         ds.preload()
-        _train(iter([([torch.zeros(8, dtype=torch.uint8)], torch.zeros(1, dtype=torch.long), lambda: None)]),
-               torch)  # warm torch up (lazy imports, first backward) outside both measurements
+        _train(
+            iter([([torch.zeros(8, dtype=torch.uint8)], torch.zeros(1, dtype=torch.long), lambda: None)]), torch
+        )  # warm torch up (lazy imports, first backward) outside both measurements
         print(f"training {EPOCHS} epochs of {len(ds)} batches through KSpeed ...", flush=True)
         ours = _train(_kspeed_batches(ds), torch)
         print("training the same model on a plain DataLoader over the same files ...", flush=True)
@@ -147,14 +164,19 @@ def run(servers: int = 2) -> int:
         print()
         print(f"{'':24}{'first batch':>12}{'then samples/s':>16}{'wait p50':>11}{'wait max':>11}{'accuracy':>10}")
         for name, r in (("KSpeed (shm rail)", ours), ("DataLoader (workers=0)", theirs)):
-            print(f"{name:24}{r['first_ms']:>10.1f}ms{r['samples_per_s']:>16,.0f}{r['wait_p50_ms']:>9.2f}ms"
-                  f"{r['wait_max_ms']:>9.2f}ms{r['accuracy']:>10.1%}")
+            print(
+                f"{name:24}{r['first_ms']:>10.1f}ms{r['samples_per_s']:>16,.0f}{r['wait_p50_ms']:>9.2f}ms"
+                f"{r['wait_max_ms']:>9.2f}ms{r['accuracy']:>10.1%}"
+            )
         stats = ds.stats()
-        shares = ", ".join(f"{server} {100 * n / max(stats['bytes'], 1):.0f}%" for server, n in
-                           sorted(stats["server_bytes"].items()))
-        print(f"\nKSpeed, this rank: data wait p50 {stats['wait_p50_ms']:.2f} ms, p99 "
-              f"{stats['wait_p99_ms']:.2f} ms over the recent batches; bytes from {shares}; rail {stats['rail']}; "
-              f"{stats['stale_completions']} stale completions")
+        shares = ", ".join(
+            f"{server} {100 * n / max(stats['bytes'], 1):.0f}%" for server, n in sorted(stats["server_bytes"].items())
+        )
+        print(
+            f"\nKSpeed, this rank: data wait p50 {stats['wait_p50_ms']:.2f} ms, p99 "
+            f"{stats['wait_p99_ms']:.2f} ms over the recent batches; bytes from {shares}; rail {stats['rail']}; "
+            f"{stats['stale_completions']} stale completions"
+        )
         return 0
     finally:
         if client is not None:
@@ -163,4 +185,3 @@ def run(servers: int = 2) -> int:
         shutil.rmtree(state_dir, ignore_errors=True)
         shutil.rmtree(data_dir, ignore_errors=True)
         print("\ncluster stopped; nothing left running", flush=True)
-

@@ -46,8 +46,9 @@ HELLO, GRANTS, ERROR, DROP_PLAN = 1, 2, 3, 4
 
 #: One grant. ``first``/``end`` are positions within the batch; ``ring_offset`` is where the batch
 #: starts, relative to the ring key the feed was opened with.
-GRANT_DTYPE = np.dtype([("epoch", "<u4"), ("batch", "<u4"), ("ring_offset", "<u8"), ("first", "<u4"),
-                        ("end", "<u4"), ("tag", "<u4")])
+GRANT_DTYPE = np.dtype(
+    [("epoch", "<u4"), ("batch", "<u4"), ("ring_offset", "<u8"), ("first", "<u4"), ("end", "<u4"), ("tag", "<u4")]
+)
 _ERROR = struct.Struct("<III")
 _DROP = struct.Struct("<I")
 MAX_GENERATION = 255
@@ -105,7 +106,7 @@ def decode(message: bytes) -> tuple[int, object]:
             return kind, np.frombuffer(body, dtype=GRANT_DTYPE)
         if kind == ERROR:
             epoch, batch, tag = _ERROR.unpack_from(body)
-            return kind, (epoch, batch, tag, bytes(body[_ERROR.size:]).decode(errors="replace"))
+            return kind, (epoch, batch, tag, bytes(body[_ERROR.size :]).decode(errors="replace"))
         if kind == DROP_PLAN:
             return kind, _DROP.unpack_from(body)[0]
     except (ValueError, struct.error) as exc:

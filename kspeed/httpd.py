@@ -72,8 +72,9 @@ class HttpEndpoint:
         try:
             self._server = ThreadingHTTPServer((host, int(port)), Handler)
         except OSError as exc:
-            raise ConfigError(f"cannot listen for HTTP on {address}: {exc.strerror}", field="http_listen",
-                              value=address) from exc
+            raise ConfigError(
+                f"cannot listen for HTTP on {address}: {exc.strerror}", field="http_listen", value=address
+            ) from exc
         self._server.daemon_threads = True
         self.address = f"{host}:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, name="kspeed-http", daemon=True)

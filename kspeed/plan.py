@@ -41,21 +41,24 @@ def region_bounds(sizes: np.ndarray, region_size: int, *, dataset: str, first_id
     """
     sizes = np.asarray(sizes, dtype=np.int64)
     if region_size <= 0:
-        raise DatasetError(f"dataset {dataset!r}: region size must be positive, got {region_size}",
-                           dataset=dataset)
+        raise DatasetError(f"dataset {dataset!r}: region size must be positive, got {region_size}", dataset=dataset)
     too_big = np.flatnonzero(sizes > region_size)
     if len(too_big):
         i = int(too_big[0])
         raise DatasetError(
             f"dataset {dataset!r}: sample {first_id + i} is {int(sizes[i])} bytes, larger than a region "
             f"({region_size} bytes); raise the region size",
-            dataset=dataset, sample=first_id + i,
+            dataset=dataset,
+            sample=first_id + i,
         )
     negative = np.flatnonzero(sizes < 0)
     if len(negative):
         i = int(negative[0])
-        raise DatasetError(f"dataset {dataset!r}: sample {first_id + i} has negative size {int(sizes[i])}",
-                           dataset=dataset, sample=first_id + i)
+        raise DatasetError(
+            f"dataset {dataset!r}: sample {first_id + i} has negative size {int(sizes[i])}",
+            dataset=dataset,
+            sample=first_id + i,
+        )
     cum = np.concatenate(([0], np.cumsum(sizes)))
     bounds = [0]
     while bounds[-1] < len(sizes):
@@ -75,8 +78,9 @@ class BatchLayout:
         batch_bytes: per batch, the bytes it occupies (aligned to :data:`SAMPLE_ALIGN`).
     """
 
-    def __init__(self, batch_size: int, starts: np.ndarray, offsets: np.ndarray, lengths: np.ndarray,
-                 batch_bytes: np.ndarray) -> None:
+    def __init__(
+        self, batch_size: int, starts: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, batch_bytes: np.ndarray
+    ) -> None:
         self.batch_size = batch_size
         self.starts = starts
         self.offsets = offsets

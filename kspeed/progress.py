@@ -23,13 +23,16 @@ def progress_line(info: kspeed_pb2.DatasetInfo, rate: float) -> str:
     filled = int(BAR * done)
     left = p.bytes_total - p.bytes_loaded
     eta = f"ETA {left / rate:5.1f}s" if rate > 0 and left > 0 else "ETA     -"
-    return (f"{info.spec.name} [{'#' * filled}{'.' * (BAR - filled)}] {100 * done:5.1f}%  "
-            f"{p.samples_loaded}/{p.samples_total} samples  {human_bytes(p.bytes_loaded)}/{human_bytes(p.bytes_total)}"
-            f"  {human_bytes(rate)}/s  {eta}")
+    return (
+        f"{info.spec.name} [{'#' * filled}{'.' * (BAR - filled)}] {100 * done:5.1f}%  "
+        f"{p.samples_loaded}/{p.samples_total} samples  {human_bytes(p.bytes_loaded)}/{human_bytes(p.bytes_total)}"
+        f"  {human_bytes(rate)}/s  {eta}"
+    )
 
 
-def follow_preload(client: ManagerClient, name: str, *, out: TextIO | None = sys.stderr, timeout: float | None = None
-                   ) -> kspeed_pb2.DatasetInfo:
+def follow_preload(
+    client: ManagerClient, name: str, *, out: TextIO | None = sys.stderr, timeout: float | None = None
+) -> kspeed_pb2.DatasetInfo:
     """Start (or join) the preload of ``name`` and wait until every share is loaded.
 
     Args:
@@ -64,6 +67,9 @@ def follow_preload(client: ManagerClient, name: str, *, out: TextIO | None = sys
         out.write(("\r" if tty else "") + progress_line(info, rate) + "\n")
         out.flush()
     if info.progress.error_count:
-        raise DatasetError(f"dataset {name!r}: {info.progress.error_count} sample(s) failed to load: "
-                           + "; ".join(info.progress.errors), dataset=name)
+        raise DatasetError(
+            f"dataset {name!r}: {info.progress.error_count} sample(s) failed to load: "
+            + "; ".join(info.progress.errors),
+            dataset=name,
+        )
     return info

@@ -78,7 +78,8 @@ def negotiate(remote: Sequence[int], local: Sequence[int] = PROTOCOL_VERSIONS) -
     if not common:
         raise errors.VersionMismatchError(
             f"no common protocol version: this side speaks {sorted(local)}, the peer speaks {sorted(remote)}",
-            local=tuple(local), remote=tuple(remote),
+            local=tuple(local),
+            remote=tuple(remote),
         )
     return max(common)
 
@@ -87,8 +88,7 @@ def peer_version() -> kspeed_pb2.PeerVersion:
     """This build's version announcement."""
     from kspeed._version import FEATURES, __version__
 
-    return kspeed_pb2.PeerVersion(protocol_versions=PROTOCOL_VERSIONS, features=FEATURES,
-                                  software_version=__version__)
+    return kspeed_pb2.PeerVersion(protocol_versions=PROTOCOL_VERSIONS, features=FEATURES, software_version=__version__)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,17 +109,22 @@ def _deny(handler: grpc.RpcMethodHandler | None, aio: bool) -> grpc.RpcMethodHan
         return None
     message = "missing or wrong bearer token"
     if aio:
+
         async def abort_async(request: Any, context: grpc.aio.ServicerContext) -> None:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
         deny = abort_async
     else:
+
         def abort_sync(request: Any, context: grpc.ServicerContext) -> None:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
         deny = abort_sync
-    kind = ("stream" if handler.request_streaming else "unary") + "_" + (
-        "stream" if handler.response_streaming else "unary")
+    kind = (
+        ("stream" if handler.request_streaming else "unary")
+        + "_"
+        + ("stream" if handler.response_streaming else "unary")
+    )
     # The denial answers before reading the body: deserialization is left to the identity.
     return getattr(grpc, f"{kind}_rpc_method_handler")(deny)
 
@@ -183,11 +188,13 @@ def bind(server: grpc.Server | grpc.aio.Server, address: str, security: Security
         else:
             port = server.add_insecure_port(address)
     except RuntimeError as exc:
-        raise errors.ConfigError(f"cannot listen on {address}: {exc} (address in use or not local?)",
-                                 field="listen", value=address) from exc
+        raise errors.ConfigError(
+            f"cannot listen on {address}: {exc} (address in use or not local?)", field="listen", value=address
+        ) from exc
     if not port:
-        raise errors.ConfigError(f"cannot listen on {address}: address in use or not local", field="listen",
-                                 value=address)
+        raise errors.ConfigError(
+            f"cannot listen on {address}: address in use or not local", field="listen", value=address
+        )
     return f"{host}:{port}"
 
 
@@ -211,8 +218,9 @@ def check_bindable(address: str) -> None:
         try:
             probe.bind(sockaddr)
         except OSError as exc:
-            raise errors.ConfigError(f"cannot listen on {address}: {exc.strerror.lower()}", field="listen",
-                                     value=address) from exc
+            raise errors.ConfigError(
+                f"cannot listen on {address}: {exc.strerror.lower()}", field="listen", value=address
+            ) from exc
 
 
 def channel_options(max_message_bytes: int = 64 * 1024**2) -> list[tuple[str, Any]]:
@@ -316,6 +324,7 @@ def _sync_behavior(fn: Callable, cls: type, limit: int, method: str, streaming_i
         return parsed
 
     if streaming_out:
+
         def behavior(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             req = (parse_one(d, context) for d in request) if streaming_in else parse_one(request, context)
             try:
@@ -323,12 +332,14 @@ def _sync_behavior(fn: Callable, cls: type, limit: int, method: str, streaming_i
             except errors.KSpeedError as exc:
                 convert(context, exc)
     else:
+
         def behavior(request: Any, context: grpc.ServicerContext) -> Any:
             req = (parse_one(d, context) for d in request) if streaming_in else parse_one(request, context)
             try:
                 return fn(req, context)
             except errors.KSpeedError as exc:
                 convert(context, exc)
+
     return behavior
 
 
@@ -352,6 +363,7 @@ def _aio_behavior(fn: Callable, cls: type, limit: int, method: str, streaming_in
         return parse_stream(request, context) if streaming_in else await parse_one(request, context)
 
     if streaming_out:
+
         async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
             req = await prepare(request, context)
             try:
@@ -360,12 +372,14 @@ def _aio_behavior(fn: Callable, cls: type, limit: int, method: str, streaming_in
             except errors.KSpeedError as exc:
                 await convert(context, exc)
     else:
+
         async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
             req = await prepare(request, context)
             try:
                 return await fn(req, context)
             except errors.KSpeedError as exc:
                 await convert(context, exc)
+
     return behavior
 
 
@@ -385,10 +399,13 @@ def service_handler(service: str, servicer: object, *, max_request_bytes: int) -
         cls = getattr(kspeed_pb2, method.input_type.name)
         aio = inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn)
         make = _aio_behavior if aio else _sync_behavior
-        behavior = make(fn, cls, max_request_bytes, method.full_name, method.client_streaming,
-                        method.server_streaming)
-        kind = ("stream" if method.client_streaming else "unary") + "_" + (
-            "stream" if method.server_streaming else "unary")
+        behavior = make(fn, cls, max_request_bytes, method.full_name, method.client_streaming, method.server_streaming)
+        kind = (
+            ("stream" if method.client_streaming else "unary")
+            + "_"
+            + ("stream" if method.server_streaming else "unary")
+        )
         handlers[method.name] = getattr(grpc, f"{kind}_rpc_method_handler")(
-            behavior, request_deserializer=None, response_serializer=lambda msg: msg.SerializeToString())
+            behavior, request_deserializer=None, response_serializer=lambda msg: msg.SerializeToString()
+        )
     return grpc.method_handlers_generic_handler(descriptor.full_name, handlers)

@@ -34,8 +34,13 @@ def server_dict(record: kspeed_pb2.ServerRecord) -> dict:
         "hostname": inv.hostname,
         "memory_bytes": inv.memory_bytes,
         "memory_used_bytes": inv.memory_used_bytes,
-        "regions": {"total": inv.regions_total, "free": inv.regions_free, "allocated": inv.regions_allocated,
-                    "filling": inv.regions_filling, "sealed": inv.regions_sealed},
+        "regions": {
+            "total": inv.regions_total,
+            "free": inv.regions_free,
+            "allocated": inv.regions_allocated,
+            "filling": inv.regions_filling,
+            "sealed": inv.regions_sealed,
+        },
         "region_size": inv.region_size,
         "cores": inv.cores,
         "transports": list(inv.transports),
@@ -69,15 +74,27 @@ def dataset_dict(info: kspeed_pb2.DatasetInfo) -> dict:
         "leases": info.leases,
         "classes": list(info.class_names),
         "progress": {
-            "samples_loaded": p.samples_loaded, "samples_total": p.samples_total, "bytes_loaded": p.bytes_loaded,
-            "bytes_total": p.bytes_total, "bytes_per_s": p.bytes_per_s, "running": p.running,
-            "error_count": p.error_count, "errors": list(p.errors),
+            "samples_loaded": p.samples_loaded,
+            "samples_total": p.samples_total,
+            "bytes_loaded": p.bytes_loaded,
+            "bytes_total": p.bytes_total,
+            "bytes_per_s": p.bytes_per_s,
+            "running": p.running,
+            "error_count": p.error_count,
+            "errors": list(p.errors),
         },
         "shares": [
-            {"server_id": s.server_id, "address": info.server_addresses.get(s.server_id, ""),
-             "first_id": s.first_id, "end_id": s.end_id, "first_region": s.first_region,
-             "num_regions": s.num_regions, "bytes": s.bytes,
-             "samples_loaded": st.progress.samples_loaded, "regions_sealed": st.regions_sealed}
+            {
+                "server_id": s.server_id,
+                "address": info.server_addresses.get(s.server_id, ""),
+                "first_id": s.first_id,
+                "end_id": s.end_id,
+                "first_region": s.first_region,
+                "num_regions": s.num_regions,
+                "bytes": s.bytes,
+                "samples_loaded": st.progress.samples_loaded,
+                "regions_sealed": st.regions_sealed,
+            }
             for s, st in zip(info.shares, info.share_status)
         ],
     }
@@ -90,8 +107,18 @@ def dataset_table(datasets: list[kspeed_pb2.DatasetInfo]) -> str:
     for info in datasets:
         d = dataset_dict(info)
         total = d["progress"]["samples_total"] or 1
-        rows.append((d["name"], d["state"], d["owner"], str(d["samples"]), human_bytes(d["bytes"]),
-                     f"{100 * d['progress']['samples_loaded'] / total:.0f}%", str(len(d["shares"])), str(d["leases"])))
+        rows.append(
+            (
+                d["name"],
+                d["state"],
+                d["owner"],
+                str(d["samples"]),
+                human_bytes(d["bytes"]),
+                f"{100 * d['progress']['samples_loaded'] / total:.0f}%",
+                str(len(d["shares"])),
+                str(d["leases"]),
+            )
+        )
     return _table(header, rows)
 
 
@@ -132,20 +159,40 @@ def status_table(status: kspeed_pb2.ClusterStatus, now: float | None = None) -> 
 
 def job_dict(job: kspeed_pb2.JobStats) -> dict:
     """A job's per-rank statistics and their spread as plain JSON-able data."""
+
     def spread(sp: kspeed_pb2.Spread) -> dict:
         return {"min": sp.min, "max": sp.max, "p50": sp.p50, "p99": sp.p99}
 
     return {
         "job": job.job,
-        "ranks": [{"rank": r.rank, "world_size": r.world_size, "host": r.host, "pid": r.pid, "dataset": r.dataset,
-                   "batches": r.batches, "samples": r.samples, "bytes": r.bytes, "elapsed_s": r.elapsed_s,
-                   "samples_per_s": r.samples / r.elapsed_s if r.elapsed_s > 0 else 0.0,
-                   "wait_total_s": r.wait_total_s, "wait_mean_ms": r.wait_mean_ms, "wait_p50_ms": r.wait_p50_ms,
-                   "wait_p99_ms": r.wait_p99_ms, "wait_max_ms": r.wait_max_ms,
-                   "server_bytes": dict(r.server_bytes), "stale_completions": r.stale_completions,
-                   "report_unix": r.report_unix} for r in job.ranks],
-        "spread": {"wait_mean_ms": spread(job.wait_mean_ms), "wait_p99_ms": spread(job.wait_p99_ms),
-                   "samples_per_s": spread(job.samples_per_s)},
+        "ranks": [
+            {
+                "rank": r.rank,
+                "world_size": r.world_size,
+                "host": r.host,
+                "pid": r.pid,
+                "dataset": r.dataset,
+                "batches": r.batches,
+                "samples": r.samples,
+                "bytes": r.bytes,
+                "elapsed_s": r.elapsed_s,
+                "samples_per_s": r.samples / r.elapsed_s if r.elapsed_s > 0 else 0.0,
+                "wait_total_s": r.wait_total_s,
+                "wait_mean_ms": r.wait_mean_ms,
+                "wait_p50_ms": r.wait_p50_ms,
+                "wait_p99_ms": r.wait_p99_ms,
+                "wait_max_ms": r.wait_max_ms,
+                "server_bytes": dict(r.server_bytes),
+                "stale_completions": r.stale_completions,
+                "report_unix": r.report_unix,
+            }
+            for r in job.ranks
+        ],
+        "spread": {
+            "wait_mean_ms": spread(job.wait_mean_ms),
+            "wait_p99_ms": spread(job.wait_p99_ms),
+            "samples_per_s": spread(job.samples_per_s),
+        },
     }
 
 
@@ -156,12 +203,30 @@ def job_table(job: kspeed_pb2.JobStats) -> str:
     for r in job_dict(job)["ranks"]:
         total = sum(r["server_bytes"].values()) or 1
         servers = " ".join(f"{k}:{100 * v / total:.0f}%" for k, v in sorted(r["server_bytes"].items()))
-        rows.append((f"{r['rank']}/{r['world_size']}", r["host"], r["dataset"], str(r["batches"]),
-                     f"{r['samples_per_s']:,.0f}", f"{r['wait_mean_ms']:.2f}ms", f"{r['wait_p50_ms']:.2f}ms",
-                     f"{r['wait_p99_ms']:.2f}ms", f"{r['wait_max_ms']:.2f}ms", servers))
-    lines = [f"job {job.job}: {len(rows)} rank report(s)", _table(header, rows), "",
-             "spread across ranks       min        p50        p99        max"]
-    for name, sp, unit in (("data wait mean", job.wait_mean_ms, "ms"), ("data wait p99", job.wait_p99_ms, "ms"),
-                           ("samples/s", job.samples_per_s, "")):
+        rows.append(
+            (
+                f"{r['rank']}/{r['world_size']}",
+                r["host"],
+                r["dataset"],
+                str(r["batches"]),
+                f"{r['samples_per_s']:,.0f}",
+                f"{r['wait_mean_ms']:.2f}ms",
+                f"{r['wait_p50_ms']:.2f}ms",
+                f"{r['wait_p99_ms']:.2f}ms",
+                f"{r['wait_max_ms']:.2f}ms",
+                servers,
+            )
+        )
+    lines = [
+        f"job {job.job}: {len(rows)} rank report(s)",
+        _table(header, rows),
+        "",
+        "spread across ranks       min        p50        p99        max",
+    ]
+    for name, sp, unit in (
+        ("data wait mean", job.wait_mean_ms, "ms"),
+        ("data wait p99", job.wait_p99_ms, "ms"),
+        ("samples/s", job.samples_per_s, ""),
+    ):
         lines.append(f"{name:<20}" + "".join(f"{v:>10.2f}{unit:<1}" for v in (sp.min, sp.p50, sp.p99, sp.max)))
     return "\n".join(lines)

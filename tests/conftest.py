@@ -7,8 +7,20 @@ import pytest
 from kspeed._local import LocalCluster
 
 # Timers short enough that lifecycle transitions happen within a test's patience.
-FAST_MANAGER = ["--heartbeat-interval", "200ms", "--suspect-after", "1s", "--fail-after", "2s",
-                "--probe-interval", "300ms", "--probe-timeout", "500ms", "--max-request-bytes", "64KiB"]
+FAST_MANAGER = [
+    "--heartbeat-interval",
+    "200ms",
+    "--suspect-after",
+    "1s",
+    "--fail-after",
+    "2s",
+    "--probe-interval",
+    "300ms",
+    "--probe-timeout",
+    "500ms",
+    "--max-request-bytes",
+    "64KiB",
+]
 SERVER_MEMORY = ["--memory", "8MiB", "--region-size", "1MiB"]
 
 
@@ -18,9 +30,13 @@ def cluster_factory(tmp_path):
     clusters: list[LocalCluster] = []
 
     def make(servers: int = 2, *, manager_args=(), server_args=(), **kwargs) -> LocalCluster:
-        cluster = LocalCluster(str(tmp_path / f"cluster-{len(clusters)}"), servers=servers,
-                               manager_args=[*FAST_MANAGER, *manager_args],
-                               server_args=[*SERVER_MEMORY, *server_args], **kwargs)
+        cluster = LocalCluster(
+            str(tmp_path / f"cluster-{len(clusters)}"),
+            servers=servers,
+            manager_args=[*FAST_MANAGER, *manager_args],
+            server_args=[*SERVER_MEMORY, *server_args],
+            **kwargs,
+        )
         clusters.append(cluster)
         cluster.start()
         return cluster

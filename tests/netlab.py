@@ -114,9 +114,11 @@ def netlab_unavailable() -> str | None:
     if out.returncode != 0:
         return f"ip netns add failed: {out.stderr.strip()}"
     try:
-        veth = subprocess.run(["ip", "-n", probe, "link", "add", "probe0", "type", "veth", "peer", "name",
-                               "probe1"],
-                              capture_output=True, text=True)
+        veth = subprocess.run(
+            ["ip", "-n", probe, "link", "add", "probe0", "type", "veth", "peer", "name", "probe1"],
+            capture_output=True,
+            text=True,
+        )
         if veth.returncode != 0:
             return f"cannot create a veth pair: {veth.stderr.strip()}"
     finally:
@@ -215,8 +217,23 @@ class NetLab:
                 ns = self.netns(host)
                 self._add_netns(ns)
                 self._ip(ns, "link", "set", "lo", "up")
-                _run("ip", "link", "add", self.port(host), "netns", self.switch, "type", "veth", "peer", "name",
-                     "eth0", "address", self.mac(host), "netns", ns)
+                _run(
+                    "ip",
+                    "link",
+                    "add",
+                    self.port(host),
+                    "netns",
+                    self.switch,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    "eth0",
+                    "address",
+                    self.mac(host),
+                    "netns",
+                    ns,
+                )
                 self._ip(self.switch, "link", "set", self.port(host), "master", "br0", "up")
                 self._ip(ns, "addr", "add", f"{self.address(host)}/24", "dev", "eth0")
                 self._ip(ns, "link", "set", "eth0", "up")
@@ -227,8 +244,18 @@ class NetLab:
             for host in self.hosts:
                 for peer in self.hosts:
                     if peer != host:
-                        self._ip(self.netns(host), "neigh", "replace", self.address(peer), "lladdr", self.mac(peer),
-                                 "dev", "eth0", "nud", "permanent")
+                        self._ip(
+                            self.netns(host),
+                            "neigh",
+                            "replace",
+                            self.address(peer),
+                            "lladdr",
+                            self.mac(peer),
+                            "dev",
+                            "eth0",
+                            "nud",
+                            "permanent",
+                        )
         except BaseException:
             self.close()
             raise
@@ -297,8 +324,21 @@ class NetLab:
         """
         bits = parse_rate(rate)
         burst = burst if burst is not None else _burst(bits)
-        self._tc(self.switch, "qdisc", "replace", "dev", self.port(host), "root", "tbf", "rate", f"{bits}bit",
-                 "burst", str(burst), "limit", str(limit))
+        self._tc(
+            self.switch,
+            "qdisc",
+            "replace",
+            "dev",
+            self.port(host),
+            "root",
+            "tbf",
+            "rate",
+            f"{bits}bit",
+            "burst",
+            str(burst),
+            "limit",
+            str(limit),
+        )
         self._rates[host] = (bits, burst, limit)
 
     def change_rate(self, host: str, rate: str | float) -> None:
@@ -319,8 +359,21 @@ class NetLab:
         # an oversized GSO packet only when it is queued, so a packet queued under the old, larger
         # burst that exceeds the new one can never be sent, and the port stops for good.
         self._tc(self.switch, "qdisc", "del", "dev", self.port(host), "root")
-        self._tc(self.switch, "qdisc", "add", "dev", self.port(host), "root", "tbf", "rate", f"{bits}bit",
-                 "burst", str(burst), "limit", str(limit))
+        self._tc(
+            self.switch,
+            "qdisc",
+            "add",
+            "dev",
+            self.port(host),
+            "root",
+            "tbf",
+            "rate",
+            f"{bits}bit",
+            "burst",
+            str(burst),
+            "limit",
+            str(limit),
+        )
         self._rates[host] = (bits, burst, limit)
 
     def add_delay(self, host: str, delay: str | float) -> str:
@@ -344,8 +397,20 @@ class NetLab:
         seconds = parse_time(delay)
         if host in self._delays:
             raise LabError(f"{host} is already delayed; clear() it first")
-        done = self._tc(self.netns(host), "qdisc", "replace", "dev", "eth0", "root", "netem", "delay",
-                        f"{seconds * 1e6:.0f}us", "limit", str(NETEM_LIMIT), check=False)
+        done = self._tc(
+            self.netns(host),
+            "qdisc",
+            "replace",
+            "dev",
+            "eth0",
+            "root",
+            "netem",
+            "delay",
+            f"{seconds * 1e6:.0f}us",
+            "limit",
+            str(NETEM_LIMIT),
+            check=False,
+        )
         if done.returncode == 0:
             self._delays[host] = None
             return "netem"
@@ -370,18 +435,63 @@ class NetLab:
         # Frames from the host now enter the bridge on the tap: keep the bridge sending frames for
         # the host down its veth, and drop whatever the bridge floods to the tap.
         _run("ip", "netns", "exec", self.switch, "bridge", "link", "set", "dev", out, "learning", "off")
-        _run("ip", "netns", "exec", self.switch, "bridge", "fdb", "replace", mac, "dev", self.port(host), "master",
-             "static")
-        proc = subprocess.Popen([*self.prefix(host), sys.executable, os.path.abspath(__file__), "delay-line", tap,
-                                 self.switch, out, repr(seconds)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+        _run(
+            "ip",
+            "netns",
+            "exec",
+            self.switch,
+            "bridge",
+            "fdb",
+            "replace",
+            mac,
+            "dev",
+            self.port(host),
+            "master",
+            "static",
+        )
+        proc = subprocess.Popen(
+            [
+                *self.prefix(host),
+                sys.executable,
+                os.path.abspath(__file__),
+                "delay-line",
+                tap,
+                self.switch,
+                out,
+                repr(seconds),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+        )
         line = proc.stdout.readline().strip()
         if line != "ready":
             proc.kill()
             raise LabError(f"delay line for {host} did not start: {line} {proc.communicate()[1].strip()}")
         self._tc(ns, "qdisc", "replace", "dev", "eth0", "clsact")
-        self._tc(ns, "filter", "add", "dev", "eth0", "egress", "protocol", "all", "u32", "match", "u32", "0", "0",
-                 "action", "mirred", "egress", "redirect", "dev", tap)
+        self._tc(
+            ns,
+            "filter",
+            "add",
+            "dev",
+            "eth0",
+            "egress",
+            "protocol",
+            "all",
+            "u32",
+            "match",
+            "u32",
+            "0",
+            "0",
+            "action",
+            "mirred",
+            "egress",
+            "redirect",
+            "dev",
+            tap,
+        )
         return proc
 
     def clear(self, host: str) -> None:
@@ -398,8 +508,20 @@ class NetLab:
         self._tc(ns, "qdisc", "del", "dev", "eth0", "clsact", check=False)
         _stop(proc)
         mac = _run("ip", "netns", "exec", ns, "cat", "/sys/class/net/eth0/address", check=False).stdout.strip()
-        _run("ip", "netns", "exec", self.switch, "bridge", "fdb", "del", mac, "dev", self.port(host), "master",
-             check=False)
+        _run(
+            "ip",
+            "netns",
+            "exec",
+            self.switch,
+            "bridge",
+            "fdb",
+            "del",
+            mac,
+            "dev",
+            self.port(host),
+            "master",
+            check=False,
+        )
         _run("ip", "-n", ns, "link", "del", DELAY_TAP, check=False)
         _run("ip", "-n", self.switch, "link", "del", f"d-{host}", check=False)
 
@@ -409,12 +531,20 @@ class NetLab:
         """Counters of the switch port towards ``host``: the qdisc's sent bytes/packets, drops,
         overlimits and requeues (``tc -s qdisc``), and the interface's tx packets and drops."""
         text = self._tc(self.switch, "-s", "qdisc", "show", "dev", self.port(host)).stdout
-        out = {"qdisc_sent_bytes": 0, "qdisc_sent_packets": 0, "qdisc_dropped": 0, "qdisc_overlimits": 0,
-               "qdisc_requeues": 0}
-        for match in re.finditer(r"Sent (\d+) bytes (\d+) pkt \(dropped (\d+), overlimits (\d+) requeues (\d+)\)",
-                                 text):
-            for key, value in zip(("qdisc_sent_bytes", "qdisc_sent_packets", "qdisc_dropped", "qdisc_overlimits",
-                                   "qdisc_requeues"), match.groups()):
+        out = {
+            "qdisc_sent_bytes": 0,
+            "qdisc_sent_packets": 0,
+            "qdisc_dropped": 0,
+            "qdisc_overlimits": 0,
+            "qdisc_requeues": 0,
+        }
+        for match in re.finditer(
+            r"Sent (\d+) bytes (\d+) pkt \(dropped (\d+), overlimits (\d+) requeues (\d+)\)", text
+        ):
+            for key, value in zip(
+                ("qdisc_sent_bytes", "qdisc_sent_packets", "qdisc_dropped", "qdisc_overlimits", "qdisc_requeues"),
+                match.groups(),
+            ):
                 out[key] += int(value)
         out.update(self._link_counters(self.switch, self.port(host)))
         return out

@@ -27,8 +27,9 @@ def flags(cls, *argv):
     return parser.parse_args(list(argv))
 
 
-@pytest.mark.parametrize(("raw", "value"), [("128MiB", 128 * 2**20), ("1G", 10**9), (4096, 4096), ("2 GiB", 2 * 2**30),
-                                            ("1.5KiB", 1536)])
+@pytest.mark.parametrize(
+    ("raw", "value"), [("128MiB", 128 * 2**20), ("1G", 10**9), (4096, 4096), ("2 GiB", 2 * 2**30), ("1.5KiB", 1536)]
+)
 def test_parse_bytes(raw, value):
     assert parse_bytes(raw) == value
 
@@ -126,8 +127,9 @@ def test_transports_list():
 
 
 def test_pacing_options():
-    config = load_config(ClientConfig, environ={"KSPEED_PACING": "on", "KSPEED_CREDIT": "equal",
-                                                "KSPEED_PACE_ROUND": "5ms"})
+    config = load_config(
+        ClientConfig, environ={"KSPEED_PACING": "on", "KSPEED_CREDIT": "equal", "KSPEED_PACE_ROUND": "5ms"}
+    )
     assert (config.pacing, config.credit, config.pace_round) == ("on", "equal", 0.005)
     assert config.loaders_on_node({"LOCAL_WORLD_SIZE": "8"}) == 8  # torchrun's ranks on this node
     assert config.loaders_on_node({}) == 1

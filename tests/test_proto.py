@@ -21,5 +21,6 @@ def test_generated_code_matches_proto(tmp_path):
     committed = ROOT / "kspeed" / "proto"
     for path in written:
         assert (committed / path.name).read_text() == path.read_text(), (
-            f"kspeed/proto/{path.name} drifted from proto/kspeed.proto: run `make proto` and commit")
+            f"kspeed/proto/{path.name} drifted from proto/kspeed.proto: run `make proto` and commit"
+        )
     assert {p.name for p in committed.glob("*_pb2*")} == {p.name for p in written}

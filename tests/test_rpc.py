@@ -17,14 +17,17 @@ def test_negotiate_picks_highest_common_and_names_both_sides():
     assert info.value.remote == (4, 5)
 
 
-@pytest.mark.parametrize(("exc", "code"), [
-    (errors.NotFoundError("x"), grpc.StatusCode.NOT_FOUND),
-    (errors.VersionMismatchError("x"), grpc.StatusCode.FAILED_PRECONDITION),
-    (errors.ProtocolError("x"), grpc.StatusCode.INVALID_ARGUMENT),
-    (errors.AccessDeniedError("x"), grpc.StatusCode.PERMISSION_DENIED),
-    (errors.CapacityError("x"), grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (ValueError("x"), grpc.StatusCode.INTERNAL),
-])
+@pytest.mark.parametrize(
+    ("exc", "code"),
+    [
+        (errors.NotFoundError("x"), grpc.StatusCode.NOT_FOUND),
+        (errors.VersionMismatchError("x"), grpc.StatusCode.FAILED_PRECONDITION),
+        (errors.ProtocolError("x"), grpc.StatusCode.INVALID_ARGUMENT),
+        (errors.AccessDeniedError("x"), grpc.StatusCode.PERMISSION_DENIED),
+        (errors.CapacityError("x"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (ValueError("x"), grpc.StatusCode.INTERNAL),
+    ],
+)
 def test_status_of(exc, code):
     assert rpc.status_of(exc) == code
 
@@ -44,8 +47,12 @@ class FakeRpcError(grpc.RpcError):
 
 
 def test_error_from_rpc_prefers_the_named_class():
-    exc = rpc.error_from_rpc(FakeRpcError(grpc.StatusCode.FAILED_PRECONDITION, "no common version",
-                                          ((rpc.ERROR_HEADER, "VersionMismatchError"),)), "manager at m:1")
+    exc = rpc.error_from_rpc(
+        FakeRpcError(
+            grpc.StatusCode.FAILED_PRECONDITION, "no common version", ((rpc.ERROR_HEADER, "VersionMismatchError"),)
+        ),
+        "manager at m:1",
+    )
     assert isinstance(exc, errors.VersionMismatchError)
     assert str(exc) == "manager at m:1: no common version"
     exc = rpc.error_from_rpc(FakeRpcError(grpc.StatusCode.UNAVAILABLE, "refused"), "manager at m:1")

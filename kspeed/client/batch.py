@@ -37,8 +37,18 @@ class Batch:
 
     __slots__ = ("_finalizer", "_lengths", "_stride", "epoch", "ids", "index", "labels", "samples")
 
-    def __init__(self, *, epoch: int, index: int, ids: torch.Tensor, labels: torch.Tensor,
-                 samples: list[torch.Tensor], lengths: np.ndarray, finalizer: weakref.finalize, stride: int) -> None:
+    def __init__(
+        self,
+        *,
+        epoch: int,
+        index: int,
+        ids: torch.Tensor,
+        labels: torch.Tensor,
+        samples: list[torch.Tensor],
+        lengths: np.ndarray,
+        finalizer: weakref.finalize,
+        stride: int,
+    ) -> None:
         self.epoch = epoch
         self.index = index
         self.ids = ids
@@ -83,8 +93,11 @@ class Batch:
         sample = self._sample(i)
         size = torch.empty((), dtype=dtype).element_size()
         if sample.numel() % size:
-            raise DatasetError(f"sample {int(self.ids[i])} has {sample.numel()} bytes, not a whole number of "
-                               f"{dtype} values ({size} bytes each)", sample=int(self.ids[i]))
+            raise DatasetError(
+                f"sample {int(self.ids[i])} has {sample.numel()} bytes, not a whole number of "
+                f"{dtype} values ({size} bytes each)",
+                sample=int(self.ids[i]),
+            )
         return sample.view(dtype)
 
     def wav(self, i: int) -> torch.Tensor:
@@ -96,8 +109,11 @@ class Batch:
         sample = self._sample(i)
         n = sample.numel() - WAV_HEADER
         if n < 0 or n % 2:
-            raise DatasetError(f"sample {int(self.ids[i])} of {sample.numel()} bytes is not 16-bit PCM after a "
-                               f"{WAV_HEADER}-byte WAV header", sample=int(self.ids[i]))
+            raise DatasetError(
+                f"sample {int(self.ids[i])} of {sample.numel()} bytes is not 16-bit PCM after a "
+                f"{WAV_HEADER}-byte WAV header",
+                sample=int(self.ids[i]),
+            )
         return sample.narrow(0, WAV_HEADER, n).view(torch.int16)
 
     def dlpack(self, i: int) -> object:
@@ -117,8 +133,10 @@ class Batch:
             return torch.empty((0, 0), dtype=torch.uint8)
         length = int(self._lengths[0])
         if (self._lengths != length).any():
-            raise StateError(f"batch {self.index} of epoch {self.epoch} holds samples of {int(self._lengths.min())}.."
-                             f"{int(self._lengths.max())} bytes; a stacked view needs equal lengths")
+            raise StateError(
+                f"batch {self.index} of epoch {self.epoch} holds samples of {int(self._lengths.min())}.."
+                f"{int(self._lengths.max())} bytes; a stacked view needs equal lengths"
+            )
         base = self.samples[0]
         return base.as_strided((len(self._lengths), length), (self._stride, 1))
 
@@ -131,9 +149,19 @@ class Batch:
         self.samples = []
 
 
-def make_batch(ring: np.ndarray, offset: int, footprint: int, *, epoch: int, index: int, ids: np.ndarray,
-               labels: np.ndarray, offsets: np.ndarray, lengths: np.ndarray,
-               on_free: Callable[[int], None]) -> Batch:
+def make_batch(
+    ring: np.ndarray,
+    offset: int,
+    footprint: int,
+    *,
+    epoch: int,
+    index: int,
+    ids: np.ndarray,
+    labels: np.ndarray,
+    offsets: np.ndarray,
+    lengths: np.ndarray,
+    on_free: Callable[[int], None],
+) -> Batch:
     """Build a batch's views over ``ring[offset:offset + footprint]``.
 
     Args:
@@ -148,13 +176,20 @@ def make_batch(ring: np.ndarray, offset: int, footprint: int, *, epoch: int, ind
         lengths: each sample's length.
         on_free: called with ``offset`` once no view of the batch remains (from any thread).
     """
-    window = ring[offset:offset + footprint]
+    window = ring[offset : offset + footprint]
     base = torch.frombuffer(window, dtype=torch.uint8)
     finalizer = weakref.finalize(window, on_free, offset)
     del window
-    return Batch(epoch=epoch, index=index, ids=torch.from_numpy(ids.copy()), labels=torch.from_numpy(labels.copy()),
-                 samples=split_samples(base, offsets, lengths, footprint), lengths=lengths, finalizer=finalizer,
-                 stride=int(offsets[1] - offsets[0]) if len(offsets) > 1 else 0)
+    return Batch(
+        epoch=epoch,
+        index=index,
+        ids=torch.from_numpy(ids.copy()),
+        labels=torch.from_numpy(labels.copy()),
+        samples=split_samples(base, offsets, lengths, footprint),
+        lengths=lengths,
+        finalizer=finalizer,
+        stride=int(offsets[1] - offsets[0]) if len(offsets) > 1 else 0,
+    )
 
 
 def split_samples(base: torch.Tensor, offsets: np.ndarray, lengths: np.ndarray, footprint: int) -> list[torch.Tensor]:

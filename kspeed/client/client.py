@@ -67,10 +67,22 @@ class KSpeedClient:
         """The control-plane client (status, datasets, leases)."""
         return self._manager
 
-    def dataset(self, spec: DatasetSpec | str, batch_size: int, sampler: Any = None, *, seed: int = 0,
-                shuffle: bool = True, drop_last: bool = False, rank: int | None = None,
-                world_size: int | None = None, rail: str | None = None, ring_bytes: int | None = None,
-                quiet: bool = False, device: str | torch.device = "cpu") -> KSpeedDataset:
+    def dataset(
+        self,
+        spec: DatasetSpec | str,
+        batch_size: int,
+        sampler: Any = None,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+        rail: str | None = None,
+        ring_bytes: int | None = None,
+        quiet: bool = False,
+        device: str | torch.device = "cpu",
+    ) -> KSpeedDataset:
         """Register (or attach to) a dataset under a job lease and open this rank's feed.
 
         Args:
@@ -99,15 +111,17 @@ class KSpeedClient:
         if self._closed:
             raise StateError("KSpeedClient is closed; create a new one")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-            raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}", field="batch_size",
-                              value=batch_size)
+            raise ConfigError(
+                f"batch_size must be a positive integer, got {batch_size!r}", field="batch_size", value=batch_size
+            )
         if isinstance(spec, str):
             proto = self._manager.dataset(spec).spec
         elif isinstance(spec, DatasetSpec):
             proto = spec.to_proto()
         else:
-            raise ConfigError(f"spec must be a DatasetSpec or a dataset name, got {type(spec).__name__}",
-                              field="spec", value=spec)
+            raise ConfigError(
+                f"spec must be a DatasetSpec or a dataset name, got {type(spec).__name__}", field="spec", value=spec
+            )
         holder = f"pid {os.getpid()} on {socket.gethostname()} rank {rank or 0}"
         reply = self._manager.create_dataset(proto, holder=holder)
         lease = LeaseKeeper(self._manager, reply.lease.id, reply.lease.ttl_s) if reply.lease.id else None
@@ -118,13 +132,30 @@ class KSpeedClient:
             for share in info.shares:
                 address = info.server_addresses.get(share.server_id)
                 if not address:
-                    raise UnavailableError(f"dataset {proto.name!r}: server {share.server_id} holds a share but the "
-                                           "manager knows no address for it (is it registered?)")
+                    raise UnavailableError(
+                        f"dataset {proto.name!r}: server {share.server_id} holds a share but the "
+                        "manager knows no address for it (is it registered?)"
+                    )
                 links.append(ServerLink(share.server_id, address, self.config))
-            ds = KSpeedDataset(info, links, config=self.config, batch_size=batch_size, sampler=sampler, seed=seed,
-                               shuffle=shuffle, drop_last=drop_last, rank=rank, world_size=world_size, rail=rail,
-                               ring_bytes=ring_bytes, quiet=quiet, hostnames=hostnames, manager=self._manager,
-                               lease=lease, device=device)
+            ds = KSpeedDataset(
+                info,
+                links,
+                config=self.config,
+                batch_size=batch_size,
+                sampler=sampler,
+                seed=seed,
+                shuffle=shuffle,
+                drop_last=drop_last,
+                rank=rank,
+                world_size=world_size,
+                rail=rail,
+                ring_bytes=ring_bytes,
+                quiet=quiet,
+                hostnames=hostnames,
+                manager=self._manager,
+                lease=lease,
+                device=device,
+            )
         except BaseException:
             for link in links:
                 link.close()
@@ -134,11 +165,28 @@ class KSpeedClient:
         self._datasets.append(ds)
         return ds
 
-    def wrap(self, dataset: Any, batch_size: int, sampler: Any = None, *, seed: int = 0, shuffle: bool = True,
-             drop_last: bool = False, rank: int | None = None, world_size: int | None = None,
-             collate_fn: Any = None, loader: Any = None, num_workers: int | None = None, prefetch: int | None = None,
-             list_dir: str | None = None, name: str | None = None, preload: bool = True, rail: str | None = None,
-             ring_bytes: int | None = None, quiet: bool = False) -> WrappedDataset:
+    def wrap(
+        self,
+        dataset: Any,
+        batch_size: int,
+        sampler: Any = None,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+        collate_fn: Any = None,
+        loader: Any = None,
+        num_workers: int | None = None,
+        prefetch: int | None = None,
+        list_dir: str | None = None,
+        name: str | None = None,
+        preload: bool = True,
+        rail: str | None = None,
+        ring_bytes: int | None = None,
+        quiet: bool = False,
+    ) -> WrappedDataset:
         """Serve a torchvision-style folder dataset (``.samples``, ``.loader``, transforms) from the servers.
 
         Registers the dataset's files (named by a hash of their paths, so wrapping them again
@@ -173,10 +221,27 @@ class KSpeedClient:
             DatasetError, AccessDeniedError: the servers cannot list or read the files.
             UnavailableError: the manager or a server cannot be reached (named).
         """
-        wrapped = wrap(self, dataset, batch_size, sampler, collate_fn=collate_fn, loader=loader,
-                       num_workers=num_workers, prefetch=prefetch, list_dir=list_dir, name=name, preload=preload,
-                       seed=seed, shuffle=shuffle, drop_last=drop_last, rank=rank, world_size=world_size, rail=rail,
-                       ring_bytes=ring_bytes, quiet=quiet)
+        wrapped = wrap(
+            self,
+            dataset,
+            batch_size,
+            sampler,
+            collate_fn=collate_fn,
+            loader=loader,
+            num_workers=num_workers,
+            prefetch=prefetch,
+            list_dir=list_dir,
+            name=name,
+            preload=preload,
+            seed=seed,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            rank=rank,
+            world_size=world_size,
+            rail=rail,
+            ring_bytes=ring_bytes,
+            quiet=quiet,
+        )
         self._datasets.append(wrapped)  # close() closes it: its workers, then its KSpeed dataset
         return wrapped
 

@@ -61,10 +61,12 @@ log = logging.getLogger(__name__)
 MIN_RING = 256 << 20
 RING_BATCHES = 4
 STATE_VERSION = 1
-NO_WORKERS = ("KSpeedDataset cannot run in DataLoader worker processes (num_workers > 0): its gRPC channels and "
-              "data-plane resources (the receive ring and the servers' connections to it) do not survive fork or "
-              "pickling, and every worker would receive the whole epoch again. Use DataLoader(ds, batch_size=None, "
-              "num_workers=0): the servers already load and push the samples in parallel.")
+NO_WORKERS = (
+    "KSpeedDataset cannot run in DataLoader worker processes (num_workers > 0): its gRPC channels and "
+    "data-plane resources (the receive ring and the servers' connections to it) do not survive fork or "
+    "pickling, and every worker would receive the whole epoch again. Use DataLoader(ds, batch_size=None, "
+    "num_workers=0): the servers already load and push the samples in parallel."
+)
 
 
 def _user() -> str:
@@ -111,23 +113,51 @@ class KSpeedDataset(IterableDataset):
         UnavailableError: a server is unreachable (named).
     """
 
-    def __init__(self, info: kspeed_pb2.DatasetInfo, links: Sequence[Any], *, config: ClientConfig, batch_size: int,
-                 sampler: Any = None, seed: int = 0, shuffle: bool = True, drop_last: bool = False,
-                 rank: int | None = None, world_size: int | None = None, rail: str | None = None,
-                 ring_bytes: int | None = None, quiet: bool = False, hostnames: Mapping[str, str] | None = None,
-                 manager: Any = None, lease: Any = None, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        info: kspeed_pb2.DatasetInfo,
+        links: Sequence[Any],
+        *,
+        config: ClientConfig,
+        batch_size: int,
+        sampler: Any = None,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+        rail: str | None = None,
+        ring_bytes: int | None = None,
+        quiet: bool = False,
+        hostnames: Mapping[str, str] | None = None,
+        manager: Any = None,
+        lease: Any = None,
+        device: str | torch.device = "cpu",
+    ) -> None:
         super().__init__()
         self._closed = True
         self.name = info.spec.name
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-            raise ConfigError(f"dataset {self.name!r}: batch_size must be a positive integer, got {batch_size!r}",
-                              field="batch_size", value=batch_size)
+            raise ConfigError(
+                f"dataset {self.name!r}: batch_size must be a positive integer, got {batch_size!r}",
+                field="batch_size",
+                value=batch_size,
+            )
         self.batch_size = batch_size
         self.num_samples = int(info.fingerprint.count)
         self.class_names = list(info.class_names)
         self._labelled = bool(info.spec.labels)
-        self._orders = EpochOrders(sampler, num_samples=self.num_samples, batch_size=batch_size, drop_last=drop_last,
-                                   seed=seed, shuffle=shuffle, rank=rank, world_size=world_size, dataset=self.name)
+        self._orders = EpochOrders(
+            sampler,
+            num_samples=self.num_samples,
+            batch_size=batch_size,
+            drop_last=drop_last,
+            seed=seed,
+            shuffle=shuffle,
+            rank=rank,
+            world_size=world_size,
+            dataset=self.name,
+        )
         self._delivery = make_delivery(device)
         self.device = self._delivery.device
         self._ring_bytes = self._ring_size(info, ring_bytes if ring_bytes is not None else config.ring_bytes)
@@ -147,19 +177,30 @@ class KSpeedDataset(IterableDataset):
         if self.placement.gpu_bus_id or self.placement.nic:
             log.info("dataset %s: placement %s", self.name, self.placement.reason)
         cores = self.placement.cores if config.pin_threads else ()
-        self._io = ThreadPoolExecutor(min(8, max(len(self._links), 1)), thread_name_prefix="kspeed-io",
-                                      initializer=pin, initargs=(cores,))
+        self._io = ThreadPoolExecutor(
+            min(8, max(len(self._links), 1)), thread_name_prefix="kspeed-io", initializer=pin, initargs=(cores,)
+        )
         hostnames = hostnames or {}
-        choice = choose_rail({link.server_id: (link.address, hostnames.get(link.server_id, ""))
-                              for link in self._links}, rail or config.rail)
+        choice = choose_rail(
+            {link.server_id: (link.address, hostnames.get(link.server_id, "")) for link in self._links},
+            rail or config.rail,
+        )
         options = RailOptions(token=config.security.data_plane_token(), **self._tcp_host(config, hostnames))
         self._feed_id = _feed_id(self.name, rank or 0)
         holder = f"{_user()}@{socket.gethostname()} pid {os.getpid()} rank {rank or 0}"
         try:
-            self._feed = Feed(dataset=self.name, feed_id=self._feed_id, links=self._links, rail=choice.rail,
-                              reasons=choice.reasons, ring_bytes=self._ring_bytes, options=options,
-                              completion_timeout=config.completion_timeout, holder=holder[:200],
-                              pacer=self._pacer(config, choice.rail, hostnames))
+            self._feed = Feed(
+                dataset=self.name,
+                feed_id=self._feed_id,
+                links=self._links,
+                rail=choice.rail,
+                reasons=choice.reasons,
+                ring_bytes=self._ring_bytes,
+                options=options,
+                completion_timeout=config.completion_timeout,
+                holder=holder[:200],
+                pacer=self._pacer(config, choice.rail, hostnames),
+            )
         except BaseException:
             self._io.shutdown(wait=False)
             raise
@@ -174,16 +215,23 @@ class KSpeedDataset(IterableDataset):
                 os.sched_setaffinity(pid, cores)
             except OSError as exc:
                 log.warning("dataset %s: cannot pin receiver process %d to cores %s: %s", self.name, pid, cores, exc)
-        self._pump = Pump(self._feed, self._plan_epoch, self._orders.deterministic, thread_cores=cores,
-                          delivery=self._delivery)
+        self._pump = Pump(
+            self._feed, self._plan_epoch, self._orders.deterministic, thread_cores=cores, delivery=self._delivery
+        )
         self._stats = RankStats([link.server_id for link in self._links])
         self._reporter = None
         if manager is not None:
             me = getattr(sampler, "rank", rank or 0)
             world = getattr(sampler, "num_replicas", world_size or 1)
-            self._reporter = StatsReporter(manager, job=config.job or default_job(), rank=int(me),
-                                           world_size=int(world), dataset=self.name, collect=self.stats,
-                                           interval=config.stats_interval)
+            self._reporter = StatsReporter(
+                manager,
+                job=config.job or default_job(),
+                rank=int(me),
+                world_size=int(world),
+                dataset=self.name,
+                collect=self.stats,
+                interval=config.stats_interval,
+            )
         self._closed = False
 
     def _pacer(self, config: ClientConfig, rail: str, hostnames: Mapping[str, str]) -> Pacer | None:
@@ -194,16 +242,21 @@ class KSpeedDataset(IterableDataset):
         """
         if config.pacing == "off":
             return None
-        if config.pacing == "auto" and (rail == "shm" or all(
-                is_local(link.address, hostnames.get(link.server_id, ""))[0] for link in self._links)):
+        if config.pacing == "auto" and (
+            rail == "shm" or all(is_local(link.address, hostnames.get(link.server_id, ""))[0] for link in self._links)
+        ):
             return None
-        return Pacer(len(self._links), credit=config.credit, node_loaders=config.loaders_on_node(),
-                     round_s=config.pace_round)
+        return Pacer(
+            len(self._links), credit=config.credit, node_loaders=config.loaders_on_node(), round_s=config.pace_round
+        )
 
     def _ring_size(self, info: kspeed_pb2.DatasetInfo, requested: int) -> int:
         if isinstance(requested, bool) or not isinstance(requested, int) or requested < 0:
-            raise ConfigError(f"dataset {self.name!r}: ring_bytes must be a non-negative integer, got {requested!r}",
-                              field="ring_bytes", value=requested)
+            raise ConfigError(
+                f"dataset {self.name!r}: ring_bytes must be a non-negative integer, got {requested!r}",
+                field="ring_bytes",
+                value=requested,
+            )
         if requested:
             return requested
         count = max(int(info.fingerprint.count), 1)
@@ -214,17 +267,27 @@ class KSpeedDataset(IterableDataset):
     def _tcp_host(self, config: ClientConfig, hostnames: Mapping[str, str]) -> dict[str, str]:
         if config.data_host:
             return {"bind_host": config.data_host}
-        remote = [link.address for link in self._links
-                  if not is_local(link.address, hostnames.get(link.server_id, ""))[0]]
+        remote = [
+            link.address for link in self._links if not is_local(link.address, hostnames.get(link.server_id, ""))[0]
+        ]
         return {"bind_host": local_address_towards(remote[0]) if remote else "127.0.0.1"}
 
     # -- planning --------------------------------------------------------------------------------
 
     def _plan_epoch(self, epoch: int) -> EpochPlan:
-        return make_plan(self._links, dataset=self.name, feed_id=self._feed_id, epoch=epoch,
-                         feed_epoch=next(self._passes), ids=self._orders.order(epoch), batch_size=self.batch_size,
-                         labelled=self._labelled, deterministic=self._orders.deterministic,
-                         ring_bytes=self._ring_bytes, pool=self._io)
+        return make_plan(
+            self._links,
+            dataset=self.name,
+            feed_id=self._feed_id,
+            epoch=epoch,
+            feed_epoch=next(self._passes),
+            ids=self._orders.order(epoch),
+            batch_size=self.batch_size,
+            labelled=self._labelled,
+            deterministic=self._orders.deterministic,
+            ring_bytes=self._ring_bytes,
+            pool=self._io,
+        )
 
     # -- the IterableDataset protocol ------------------------------------------------------------
 
@@ -270,9 +333,17 @@ class KSpeedDataset(IterableDataset):
 
     def state_dict(self) -> dict[str, Any]:
         """Where training stands: epoch, batches consumed in it, seed and sampler identity (no buffers)."""
-        return {"version": STATE_VERSION, "dataset": self.name, "epoch": self._epoch, "batches": self._consumed,
-                "seed": self._orders.seed, "sampler": self._orders.identity, "batch_size": self.batch_size,
-                "drop_last": self._orders.drop_last, "num_samples": self.num_samples}
+        return {
+            "version": STATE_VERSION,
+            "dataset": self.name,
+            "epoch": self._epoch,
+            "batches": self._consumed,
+            "seed": self._orders.seed,
+            "sampler": self._orders.identity,
+            "batch_size": self.batch_size,
+            "drop_last": self._orders.drop_last,
+            "num_samples": self.num_samples,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue where :meth:`state_dict` was taken: the next iteration skips the consumed batches.
@@ -285,12 +356,17 @@ class KSpeedDataset(IterableDataset):
         mine = self.state_dict()
         for key in ("dataset", "seed", "sampler", "batch_size", "drop_last", "num_samples"):
             if state.get(key) != mine[key]:
-                raise ConfigError(f"dataset {self.name!r}: the state was saved with {key}={state.get(key)!r}, this "
-                                  f"dataset has {key}={mine[key]!r}", field=key, value=state.get(key))
+                raise ConfigError(
+                    f"dataset {self.name!r}: the state was saved with {key}={state.get(key)!r}, this "
+                    f"dataset has {key}={mine[key]!r}",
+                    field=key,
+                    value=state.get(key),
+                )
         epoch, batches = state.get("epoch"), state.get("batches")
         if not isinstance(epoch, int) or epoch < 0 or not isinstance(batches, int) or batches < 0:
-            raise ConfigError(f"dataset {self.name!r}: bad epoch/batches in state: {epoch!r}/{batches!r}",
-                              field="epoch")
+            raise ConfigError(
+                f"dataset {self.name!r}: bad epoch/batches in state: {epoch!r}/{batches!r}", field="epoch"
+            )
         self.set_epoch(epoch)
         self._resume = self._consumed = min(batches, len(self))
         self._loaded_epoch = epoch
@@ -325,8 +401,13 @@ class KSpeedDataset(IterableDataset):
         ``stats_interval`` (``kspeed status --job``); :class:`kspeed.client.stats.PrometheusCollector`
         exports them.
         """
-        return {**self._feed.stats(), **self._stats.summary(), "wait_s": self._pump.wait_s,
-                "last_wait_s": self._pump.last_wait_s, "rail": self._feed.rail}
+        return {
+            **self._feed.stats(),
+            **self._stats.summary(),
+            "wait_s": self._pump.wait_s,
+            "last_wait_s": self._pump.last_wait_s,
+            "rail": self._feed.rail,
+        }
 
     @property
     def rail(self) -> str:

@@ -52,8 +52,12 @@ class Event(Protocol):
         """Wait until it has."""
 
 
-def parse_device(device: str | torch.device, *, cuda_available: Callable[[], bool] = torch.cuda.is_available,
-                 device_count: Callable[[], int] = torch.cuda.device_count) -> torch.device:
+def parse_device(
+    device: str | torch.device,
+    *,
+    cuda_available: Callable[[], bool] = torch.cuda.is_available,
+    device_count: Callable[[], int] = torch.cuda.device_count,
+) -> torch.device:
     """Check the device a dataset delivers to: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
 
     Raises:
@@ -63,16 +67,20 @@ def parse_device(device: str | torch.device, *, cuda_available: Callable[[], boo
     try:
         parsed = torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}: {exc}", field="device",
-                          value=device) from exc
+        raise ConfigError(
+            f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}: {exc}", field="device", value=device
+        ) from exc
     if parsed.type == "cpu":
         return torch.device("cpu")
     if parsed.type != "cuda":
         raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}", field="device", value=device)
     if not cuda_available():
-        raise ConfigError(f"device={device!r}: no CUDA device is available to this process (torch "
-                          f"{torch.__version__}, CUDA build {torch.version.cuda or 'none'}); use device='cpu'",
-                          field="device", value=device)
+        raise ConfigError(
+            f"device={device!r}: no CUDA device is available to this process (torch "
+            f"{torch.__version__}, CUDA build {torch.version.cuda or 'none'}); use device='cpu'",
+            field="device",
+            value=device,
+        )
     count = device_count()
     index = parsed.index if parsed.index is not None else torch.cuda.current_device()
     if index >= count:
@@ -114,8 +122,11 @@ class DeferredReleases:
     def poll(self) -> int:
         """Release every range whose events have completed; return how many were released."""
         self._take_unheld()
-        done = [offset for offset, (events, held) in self._pending.items()
-                if not held and all(event.query() for event in events)]
+        done = [
+            offset
+            for offset, (events, held) in self._pending.items()
+            if not held and all(event.query() for event in events)
+        ]
         for offset in done:
             del self._pending[offset]
             self._release(offset)
@@ -145,8 +156,9 @@ class CpuDelivery:
     def attach(self, ring: np.ndarray) -> None:
         """Nothing to prepare for host views."""
 
-    def deliver(self, ring: np.ndarray, offset: int, footprint: int, *, release: Callable[[int], None],
-                **meta: Any) -> Batch:
+    def deliver(
+        self, ring: np.ndarray, offset: int, footprint: int, *, release: Callable[[int], None], **meta: Any
+    ) -> Batch:
         """The batch at ``ring[offset:offset + footprint]``; ``release(offset)`` once its views are gone.
 
         Args:
@@ -193,8 +205,10 @@ class TorchCuda:
         """
         error = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
         if int(error) != 0:
-            raise CapacityError(f"cannot page-lock the {nbytes}-byte receive ring for {self.device} "
-                                f"(cudaHostRegister error {int(error)}); check the locked-memory limit (ulimit -l)")
+            raise CapacityError(
+                f"cannot page-lock the {nbytes}-byte receive ring for {self.device} "
+                f"(cudaHostRegister error {int(error)}); check the locked-memory limit (ulimit -l)"
+            )
 
     def unregister(self, ptr: int) -> None:
         """Undo :meth:`register` after the side stream's copies have finished."""
@@ -248,9 +262,20 @@ class CudaDelivery:
         self._backend.register(ring.ctypes.data, ring.nbytes)
         self._ptr = ring.ctypes.data
 
-    def deliver(self, ring: np.ndarray, offset: int, footprint: int, *, release: Callable[[int], None],
-                epoch: int, index: int, ids: np.ndarray, labels: np.ndarray, offsets: np.ndarray,
-                lengths: np.ndarray) -> Batch:
+    def deliver(
+        self,
+        ring: np.ndarray,
+        offset: int,
+        footprint: int,
+        *,
+        release: Callable[[int], None],
+        epoch: int,
+        index: int,
+        ids: np.ndarray,
+        labels: np.ndarray,
+        offsets: np.ndarray,
+        lengths: np.ndarray,
+    ) -> Batch:
         """Copy the batch at ``ring[offset:offset + footprint]`` to the device and return its device views.
 
         ``release(offset)`` is called from :meth:`poll` once the copy's event has completed and the
@@ -258,15 +283,22 @@ class CudaDelivery:
         """
         if self._deferred is None:
             self._deferred = DeferredReleases(release)
-        base = torch.frombuffer(ring[offset:offset + footprint], dtype=torch.uint8)
+        base = torch.frombuffer(ring[offset : offset + footprint], dtype=torch.uint8)
         moved, copied = self._backend.copy(base)
         del base
         self._deferred.add(offset, copied, hold=True)
         finalizer = weakref.finalize(moved, _device_freed, self._deferred, self._backend, offset)
         stride = int(offsets[1] - offsets[0]) if len(offsets) > 1 else 0
-        return Batch(epoch=epoch, index=index, ids=torch.from_numpy(ids.copy()),
-                     labels=torch.from_numpy(labels.copy()), samples=split_samples(moved, offsets, lengths, footprint),
-                     lengths=lengths, finalizer=finalizer, stride=stride)
+        return Batch(
+            epoch=epoch,
+            index=index,
+            ids=torch.from_numpy(ids.copy()),
+            labels=torch.from_numpy(labels.copy()),
+            samples=split_samples(moved, offsets, lengths, footprint),
+            lengths=lengths,
+            finalizer=finalizer,
+            stride=stride,
+        )
 
     def poll(self) -> None:
         """Give back the ranges whose events have completed (never waits)."""

@@ -124,9 +124,20 @@ class Feed:
         UnavailableError: a server is unreachable or its feeder did not connect (named).
     """
 
-    def __init__(self, *, dataset: str, feed_id: str, links: Sequence[Any], rail: str, reasons: dict[str, str],
-                 ring_bytes: int, options: RailOptions, completion_timeout: float, holder: str,
-                 pacer: Pacer | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        dataset: str,
+        feed_id: str,
+        links: Sequence[Any],
+        rail: str,
+        reasons: dict[str, str],
+        ring_bytes: int,
+        options: RailOptions,
+        completion_timeout: float,
+        holder: str,
+        pacer: Pacer | None = None,
+    ) -> None:
         self.dataset = dataset
         self.feed_id = feed_id
         self.rail = rail
@@ -154,8 +165,7 @@ class Feed:
         self._queued: dict[int, list[tuple]] = {}
         self._seq = 0
         self._order = 0
-        self.counters = {"grants": 0, "completions": 0, "stale_completions": 0, "fenced_grants": 0,
-                         "server_errors": 0}
+        self.counters = {"grants": 0, "completions": 0, "stale_completions": 0, "fenced_grants": 0, "server_errors": 0}
         for path in self.paths:
             log.info("dataset %s: %s fed over %s: %s", dataset, path.link.name, rail, path.reason)
         try:
@@ -177,14 +187,22 @@ class Feed:
         while any(p.conn is None for p in self.paths):
             if time.monotonic() > deadline:
                 silent = ", ".join(p.link.name for p in self.paths if p.conn is None)
-                raise UnavailableError(f"dataset {self.dataset!r}: the feeder of {silent} did not connect to the "
-                                       f"{self.rail} ring within {hello_timeout:.0f}s")
+                raise UnavailableError(
+                    f"dataset {self.dataset!r}: the feeder of {silent} did not connect to the "
+                    f"{self.rail} ring within {hello_timeout:.0f}s"
+                )
             self.poll(POLL_TICK)
 
     def _open(self, path: Path) -> None:
-        request = kspeed_pb2.OpenFeedRequest(dataset=self.dataset, feed_id=self.feed_id, rail=self.rail,
-                                             material=self._receiver.material, ring_key=self._region.key.to_bytes(),
-                                             generation=path.generation, holder=self._holder)
+        request = kspeed_pb2.OpenFeedRequest(
+            dataset=self.dataset,
+            feed_id=self.feed_id,
+            rail=self.rail,
+            material=self._receiver.material,
+            ring_key=self._region.key.to_bytes(),
+            generation=path.generation,
+            holder=self._holder,
+        )
         path.link.open_feed(request)
         path.last_heard = time.monotonic()
 
@@ -206,15 +224,21 @@ class Feed:
                         break
                     fastest = seconds if fastest is None else min(fastest, seconds)
                 if fastest is None:
-                    log.warning("dataset %s: %s did not answer latency probes; pacing uses the other servers' "
-                                "latencies for it", self.dataset, path.link.name)
+                    log.warning(
+                        "dataset %s: %s did not answer latency probes; pacing uses the other servers' latencies for it",
+                        self.dataset,
+                        path.link.name,
+                    )
                     break
                 self.pacer.tables[path.index].set(index, fastest)
                 best_rate = max(best_rate, size / fastest)
         self.pacer.seed(best_rate)
-        log.info("dataset %s: paced; probed latency %s, rate %.0f MB/s", self.dataset,
-                 {k: f"{v * 1e3:.2f}ms" for k, v in self.pacer.stats()["latency"].items() if v is not None},
-                 best_rate / 1e6)
+        log.info(
+            "dataset %s: paced; probed latency %s, rate %.0f MB/s",
+            self.dataset,
+            {k: f"{v * 1e3:.2f}ms" for k, v in self.pacer.stats()["latency"].items() if v is not None},
+            best_rate / 1e6,
+        )
 
     def _probe_once(self, path: Path, size: int, timeout: float) -> float | None:
         self._seq = self._seq % (_SEQ_LIMIT - 1) + 1
@@ -224,8 +248,9 @@ class Feed:
         try:
             self._receiver.send(path.conn, grants.encode_grants(row))
         except PeerLostError as exc:
-            raise UnavailableError(f"dataset {self.dataset!r}: {path.link.name} left during latency probes: "
-                                   f"{exc}") from exc
+            raise UnavailableError(
+                f"dataset {self.dataset!r}: {path.link.name} left during latency probes: {exc}"
+            ) from exc
         deadline = started + timeout
         while time.monotonic() < deadline:
             done = self._receiver.poll(POLL_TICK)
@@ -257,8 +282,10 @@ class Feed:
             for index in owed:
                 if self.paths[index].lost:
                     path = self.paths[index]
-                    raise PeerLostError(f"dataset {self.dataset!r}: batch {batch} of epoch {plan.epoch} needs "
-                                        f"{path.link.name}, whose path was cut ({path.lost}); reattach the dataset")
+                    raise PeerLostError(
+                        f"dataset {self.dataset!r}: batch {batch} of epoch {plan.epoch} needs "
+                        f"{path.link.name}, whose path was cut ({path.lost}); reattach the dataset"
+                    )
             offset = self.allocator.reserve(int(plan.layout.batch_bytes[batch]))
             if offset is None:
                 return None
@@ -315,7 +342,7 @@ class Feed:
         array = np.array(rows, dtype=grants.GRANT_DTYPE)
         try:
             for start in range(0, len(array), _GRANTS_PER_MESSAGE):
-                self._receiver.send(path.conn, grants.encode_grants(array[start:start + _GRANTS_PER_MESSAGE]))
+                self._receiver.send(path.conn, grants.encode_grants(array[start : start + _GRANTS_PER_MESSAGE]))
         except PeerLostError as exc:
             self.fence(path.link.server_id, f"sending grants failed: {exc}")
 
@@ -514,21 +541,27 @@ class Feed:
             raise self._failure
         if slot.error:
             self.discard(slot)
-            raise DatasetError(f"dataset {self.dataset!r}: batch {slot.batch} of epoch {slot.plan.epoch} failed "
-                               f"on {', '.join(slot.errors_from)}: {slot.error}", dataset=self.dataset)
+            raise DatasetError(
+                f"dataset {self.dataset!r}: batch {slot.batch} of epoch {slot.plan.epoch} failed "
+                f"on {', '.join(slot.errors_from)}: {slot.error}",
+                dataset=self.dataset,
+            )
         if slot.fenced:
             lost = [p for p in self.paths if p.lost and slot.plan.owed[p.index, slot.batch]]
             names = "; ".join(f"{p.link.name} ({p.lost})" for p in lost) or "a fenced server"
-            raise PeerLostError(f"dataset {self.dataset!r}: batch {slot.batch} of epoch {slot.plan.epoch} was "
-                                f"cut off: {names}")
+            raise PeerLostError(
+                f"dataset {self.dataset!r}: batch {slot.batch} of epoch {slot.plan.epoch} was cut off: {names}"
+            )
         now = time.monotonic()
         for index in slot.owed:
             path = self.paths[index]
             silent = now - max(slot.granted_at, path.last_heard)
             if silent > self.completion_timeout:
-                raise TransportError(f"dataset {self.dataset!r}: {path.link.name} sent no completion for batch "
-                                     f"{slot.batch} of epoch {slot.plan.epoch} in {silent:.1f}s "
-                                     f"(completion_timeout {self.completion_timeout:g}s)")
+                raise TransportError(
+                    f"dataset {self.dataset!r}: {path.link.name} sent no completion for batch "
+                    f"{slot.batch} of epoch {slot.plan.epoch} in {silent:.1f}s "
+                    f"(completion_timeout {self.completion_timeout:g}s)"
+                )
 
     # -- fencing ---------------------------------------------------------------------------------
 
@@ -561,8 +594,14 @@ class Feed:
             self.counters["fenced_grants"] += len(cut)
             self._progress += 1
             self._changed.notify_all()
-        log.warning("dataset %s: fenced %s (%s): generation now %d, %d grant(s) quarantined", self.dataset,
-                    path.link.name, reason, path.generation, len(cut))
+        log.warning(
+            "dataset %s: fenced %s (%s): generation now %d, %d grant(s) quarantined",
+            self.dataset,
+            path.link.name,
+            reason,
+            path.generation,
+            len(cut),
+        )
         return len(cut)
 
     # -- teardown --------------------------------------------------------------------------------
@@ -575,9 +614,13 @@ class Feed:
     def stats(self) -> dict[str, Any]:
         """Counters of grants, completions, stale completions, fencing and ring use; ``pacing`` when paced."""
         with self._lock:
-            out: dict[str, Any] = {**self.counters, "ring_bytes": self.allocator.capacity,
-                                   "ring_used": self.allocator.used, "ring_quarantined": self.allocator.quarantined,
-                                   "outstanding": len(self._outstanding)}
+            out: dict[str, Any] = {
+                **self.counters,
+                "ring_bytes": self.allocator.capacity,
+                "ring_used": self.allocator.used,
+                "ring_quarantined": self.allocator.quarantined,
+                "outstanding": len(self._outstanding),
+            }
             out["pacing"] = self.pacer.stats() if self.pacer is not None else None
             return out
 

@@ -42,8 +42,9 @@ class LeaseKeeper:
                 self._manager.renew_lease(self.lease_id)
                 self.renewals += 1
             except NotFoundError as exc:
-                log.error("lease %s is gone (%s); the dataset may be removed while this job uses it", self.lease_id,
-                          exc)
+                log.error(
+                    "lease %s is gone (%s); the dataset may be removed while this job uses it", self.lease_id, exc
+                )
                 return
             except KSpeedError as exc:
                 log.warning("lease %s: renewal failed, will retry in %.1fs: %s", self.lease_id, self._interval, exc)

@@ -51,10 +51,13 @@ class ServerLink:
             NotFoundError: the server does not host the dataset or an ID does not exist.
             UnavailableError: the server is unreachable.
         """
+
         def chunks() -> Iterator[kspeed_pb2.LookupRequest]:
             for start in range(0, max(len(ids), 1), LOOKUP_CHUNK):
-                yield kspeed_pb2.LookupRequest(dataset=dataset if start == 0 else "",
-                                               ids=ids[start:start + LOOKUP_CHUNK].astype(LE_I64).tobytes())
+                yield kspeed_pb2.LookupRequest(
+                    dataset=dataset if start == 0 else "",
+                    ids=ids[start : start + LOOKUP_CHUNK].astype(LE_I64).tobytes(),
+                )
 
         positions, lengths, labels = [], [], []
         deadline = max(self._timeout, 60.0)
@@ -73,13 +76,17 @@ class ServerLink:
         with rpc.map_rpc_errors(self.name):
             return self._stub.OpenFeed(request, timeout=max(self._timeout, 30.0), metadata=self._metadata)
 
-    def commit_plan(self, feed_id: str, epoch: int, batch_size: int, ids: np.ndarray,
-                    lengths: np.ndarray) -> kspeed_pb2.PlanReply:
+    def commit_plan(
+        self, feed_id: str, epoch: int, batch_size: int, ids: np.ndarray, lengths: np.ndarray
+    ) -> kspeed_pb2.PlanReply:
         """Hand over an epoch plan; returns once the server holds every sample it owns in it."""
+
         def chunks() -> Iterator[kspeed_pb2.PlanChunk]:
             for start in range(0, max(len(ids), 1), PLAN_CHUNK):
-                chunk = kspeed_pb2.PlanChunk(ids=ids[start:start + PLAN_CHUNK].astype(LE_I64).tobytes(),
-                                             lengths=lengths[start:start + PLAN_CHUNK].astype(LE_U32).tobytes())
+                chunk = kspeed_pb2.PlanChunk(
+                    ids=ids[start : start + PLAN_CHUNK].astype(LE_I64).tobytes(),
+                    lengths=lengths[start : start + PLAN_CHUNK].astype(LE_U32).tobytes(),
+                )
                 if start == 0:
                     chunk.feed_id, chunk.epoch, chunk.batch_size = feed_id, epoch, batch_size
                 yield chunk
@@ -90,8 +97,9 @@ class ServerLink:
     def close_feed(self, feed_id: str) -> None:
         """Tell the server the feed is over."""
         with rpc.map_rpc_errors(self.name):
-            self._stub.CloseFeed(kspeed_pb2.CloseFeedRequest(feed_id=feed_id), timeout=self._timeout,
-                                 metadata=self._metadata)
+            self._stub.CloseFeed(
+                kspeed_pb2.CloseFeedRequest(feed_id=feed_id), timeout=self._timeout, metadata=self._metadata
+            )
 
     def close(self) -> None:
         """Close the channel."""

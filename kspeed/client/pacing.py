@@ -358,11 +358,18 @@ class Pacer:
             values = [t[label] for t in tables if t[label] is not None]
             merged[label] = float(np.median(values)) if values else None
         return {
-            "window_bytes": self.window, "sub_batch_bytes": self.sub_batch, "in_flight_bytes": self.in_flight,
-            "drain_rate": self.rate.value(), "mode": self.mode, "credit": self.credit,
+            "window_bytes": self.window,
+            "sub_batch_bytes": self.sub_batch,
+            "in_flight_bytes": self.in_flight,
+            "drain_rate": self.rate.value(),
+            "mode": self.mode,
+            "credit": self.credit,
             "node_loaders": self.node_loaders,
-            "credits": [int(c) for c in self._credits], "latency": merged, "latency_by_server": tables,
-            "sub_batches_sent": self.sent, "sub_batches_completed": self.completed,
+            "credits": [int(c) for c in self._credits],
+            "latency": merged,
+            "latency_by_server": tables,
+            "sub_batches_sent": self.sent,
+            "sub_batches_completed": self.completed,
             "sub_batch_latency_p50_ms": float(np.percentile(lat, 50)) if len(lat) else 0.0,
             "sub_batch_latency_p99_ms": float(np.percentile(lat, 99)) if len(lat) else 0.0,
         }

@@ -67,17 +67,29 @@ class EpochPlan:
         return self.layout.num_batches
 
 
-def _lookup_all(links: Sequence[Link], dataset: str, ids: np.ndarray, pool: ThreadPoolExecutor | None
-                ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+def _lookup_all(
+    links: Sequence[Link], dataset: str, ids: np.ndarray, pool: ThreadPoolExecutor | None
+) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     if pool is None or len(links) == 1:
         return [link.lookup(dataset, ids) for link in links]
     futures = [pool.submit(link.lookup, dataset, ids) for link in links]
     return [f.result() for f in futures]
 
 
-def make_plan(links: Sequence[Link], *, dataset: str, feed_id: str, epoch: int, feed_epoch: int, ids: np.ndarray,
-              batch_size: int, labelled: bool, deterministic: bool, ring_bytes: int,
-              pool: ThreadPoolExecutor | None = None) -> EpochPlan:
+def make_plan(
+    links: Sequence[Link],
+    *,
+    dataset: str,
+    feed_id: str,
+    epoch: int,
+    feed_epoch: int,
+    ids: np.ndarray,
+    batch_size: int,
+    labelled: bool,
+    deterministic: bool,
+    ring_bytes: int,
+    pool: ThreadPoolExecutor | None = None,
+) -> EpochPlan:
     """Look ``ids`` up on every server, check the answers, and commit the plan to every server.
 
     Args:
@@ -106,8 +118,10 @@ def make_plan(links: Sequence[Link], *, dataset: str, feed_id: str, epoch: int, 
         clash = positions[owner[positions] >= 0]
         if len(clash):
             p = int(clash[0])
-            raise ProtocolError(f"dataset {dataset!r}: sample {int(ids[p])} is claimed by {links[owner[p]].name} and "
-                                f"{links[index].name}")
+            raise ProtocolError(
+                f"dataset {dataset!r}: sample {int(ids[p])} is claimed by {links[owner[p]].name} and "
+                f"{links[index].name}"
+            )
         owner[positions] = index
         lengths[positions] = lens
         if labelled and len(labs) == len(positions):
@@ -115,8 +129,12 @@ def make_plan(links: Sequence[Link], *, dataset: str, feed_id: str, epoch: int, 
     orphans = np.flatnonzero(owner < 0)
     if len(orphans):
         sample = int(ids[orphans[0]])
-        raise DatasetError(f"dataset {dataset!r}: sample {sample} is owned by no server ({len(orphans)} sample(s) "
-                           "unowned); the dataset's shares do not cover it", dataset=dataset, sample=sample)
+        raise DatasetError(
+            f"dataset {dataset!r}: sample {sample} is owned by no server ({len(orphans)} sample(s) "
+            "unowned); the dataset's shares do not cover it",
+            dataset=dataset,
+            sample=sample,
+        )
     layout = batch_layout(lengths, batch_size)
     check_fits(layout, ring_bytes, dataset, epoch)
     owed = np.zeros((len(links), layout.num_batches), dtype=bool)
@@ -125,8 +143,14 @@ def make_plan(links: Sequence[Link], *, dataset: str, feed_id: str, epoch: int, 
             owed[index] = np.add.reduceat((owner == index).astype(np.int64), layout.starts[:-1]) > 0
     plan = EpochPlan(epoch, feed_epoch, ids, lengths, labels, owner, layout, owed, deterministic)
     _commit_all(links, plan, feed_id, batch_size, pool)
-    log.debug("dataset %s: epoch %d planned as pass %d (%d samples, %d batches)", dataset, epoch, feed_epoch, n,
-              layout.num_batches)
+    log.debug(
+        "dataset %s: epoch %d planned as pass %d (%d samples, %d batches)",
+        dataset,
+        epoch,
+        feed_epoch,
+        n,
+        layout.num_batches,
+    )
     return plan
 
 
@@ -141,12 +165,15 @@ def check_fits(layout: BatchLayout, ring_bytes: int, dataset: str, epoch: int) -
     b = int(np.argmax(layout.batch_bytes))
     need = int(layout.batch_bytes[b])
     if need > ring_bytes:
-        raise CapacityError(f"dataset {dataset!r}: batch {b} of epoch {epoch} needs {need} bytes, more than the "
-                            f"receive ring's {ring_bytes}; raise ring_bytes (KSPEED_RING_BYTES) or lower batch_size")
+        raise CapacityError(
+            f"dataset {dataset!r}: batch {b} of epoch {epoch} needs {need} bytes, more than the "
+            f"receive ring's {ring_bytes}; raise ring_bytes (KSPEED_RING_BYTES) or lower batch_size"
+        )
 
 
-def _commit_all(links: Sequence[Link], plan: EpochPlan, feed_id: str, batch_size: int,
-                pool: ThreadPoolExecutor | None) -> None:
+def _commit_all(
+    links: Sequence[Link], plan: EpochPlan, feed_id: str, batch_size: int, pool: ThreadPoolExecutor | None
+) -> None:
     args = (feed_id, plan.feed_epoch, batch_size, plan.ids, plan.lengths)
     if pool is None or len(links) == 1:
         for link in links:

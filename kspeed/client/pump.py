@@ -45,8 +45,14 @@ class Pump:
         delivery: how batches reach the training device (default: host views, ``device="cpu"``).
     """
 
-    def __init__(self, feed: Feed, plan_epoch: Callable[[int], EpochPlan], deterministic: bool,
-                 thread_cores: tuple[int, ...] = (), delivery: CpuDelivery | CudaDelivery | None = None) -> None:
+    def __init__(
+        self,
+        feed: Feed,
+        plan_epoch: Callable[[int], EpochPlan],
+        deterministic: bool,
+        thread_cores: tuple[int, ...] = (),
+        delivery: CpuDelivery | CudaDelivery | None = None,
+    ) -> None:
         self.feed = feed
         self.delivery = delivery if delivery is not None else CpuDelivery()
         self._plan_epoch = plan_epoch
@@ -54,8 +60,11 @@ class Pump:
         self._plans: dict[int, EpochPlan] = {}
         self._future: Future | None = None
         self._future_epoch: int | None = None
-        self._planner = ThreadPoolExecutor(1, thread_name_prefix="kspeed-plan", initializer=pin,
-                                           initargs=(thread_cores,)) if deterministic else None
+        self._planner = (
+            ThreadPoolExecutor(1, thread_name_prefix="kspeed-plan", initializer=pin, initargs=(thread_cores,))
+            if deterministic
+            else None
+        )
         self._queue: deque[Slot] = deque()
         self._depth = 0  # the most batches ever granted ahead at once (the ring's depth in batches)
         self._cursor: tuple[EpochPlan, int] | None = None
@@ -167,18 +176,27 @@ class Pump:
             self._make_room(plan, batch)
         slot = self._queue[0]
         if slot.plan is not plan or slot.batch != batch:
-            raise StateError(f"dataset {self.feed.dataset!r}: expected batch {batch} of epoch {plan.epoch} next, "
-                             f"but batch {slot.batch} of epoch {slot.plan.epoch} was granted; start a new iteration")
+            raise StateError(
+                f"dataset {self.feed.dataset!r}: expected batch {batch} of epoch {plan.epoch} next, "
+                f"but batch {slot.batch} of epoch {slot.plan.epoch} was granted; start a new iteration"
+            )
         self.feed.wait(slot, self._tick)
         self._queue.popleft()
         plan.slots -= 1
         layout = plan.layout
         lo, hi = int(layout.starts[batch]), int(layout.starts[batch + 1])
-        result = self.delivery.deliver(self.feed.ring, slot.offset,
-                                       RingAllocator.footprint(int(layout.batch_bytes[batch])),
-                                       release=self.feed.allocator.release_later, epoch=plan.epoch, index=batch,
-                                       ids=plan.ids[lo:hi], labels=plan.labels[lo:hi], offsets=layout.offsets[lo:hi],
-                                       lengths=layout.lengths[lo:hi])
+        result = self.delivery.deliver(
+            self.feed.ring,
+            slot.offset,
+            RingAllocator.footprint(int(layout.batch_bytes[batch])),
+            release=self.feed.allocator.release_later,
+            epoch=plan.epoch,
+            index=batch,
+            ids=plan.ids[lo:hi],
+            labels=plan.labels[lo:hi],
+            offsets=layout.offsets[lo:hi],
+            lengths=layout.lengths[lo:hi],
+        )
         self.last_wait_s = time.monotonic() - started
         self.wait_s += self.last_wait_s
         self.delivered += 1
@@ -205,7 +223,8 @@ class Pump:
                 f"dataset {self.feed.dataset!r}: batch {batch} of epoch {plan.epoch} needs {need} bytes but the "
                 f"receive ring ({allocator.capacity} bytes) is full of {allocator.reservations} batch(es) still held "
                 f"({allocator.used} bytes, {allocator.quarantined} quarantined); release batches (batch.release() or "
-                "drop their tensors) or raise ring_bytes")
+                "drop their tensors) or raise ring_bytes"
+            )
 
     def close(self) -> None:
         """Stop the planner thread (a plan in progress finishes on its own)."""

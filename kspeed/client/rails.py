@@ -75,18 +75,23 @@ def choose_rail(servers: Mapping[str, tuple[str, str]], forced: str = "auto") ->
                 raise RailUnavailableError(
                     f"rail 'shm' was forced but server {sid} at {servers[sid][0]} is on another host "
                     f"({local[sid][1]}); shm only reaches servers on this host; available rails: "
-                    f"{', '.join(available_rails())}")
+                    f"{', '.join(available_rails())}"
+                )
         return RailChoice(forced, {sid: f"forced by rail={forced!r} ({why})" for sid, (_, why) in local.items()})
     if all(yes for yes, _ in local.values()):
         if "shm" in available_rails():
             return RailChoice("shm", {sid: f"co-located: {why}" for sid, (_, why) in local.items()})
-        return RailChoice("tcp", {sid: f"co-located ({why}) but shm is unavailable on this host"
-                                  for sid, (_, why) in local.items()})
+        return RailChoice(
+            "tcp", {sid: f"co-located ({why}) but shm is unavailable on this host" for sid, (_, why) in local.items()}
+        )
     remote = next(sid for sid, (yes, _) in local.items() if not yes)
     reasons = {}
     for sid, (yes, why) in local.items():
-        reasons[sid] = (f"remote: {why}" if not yes else
-                        f"co-located ({why}), but server {remote} is remote and one ring has one rail")
+        reasons[sid] = (
+            f"remote: {why}"
+            if not yes
+            else f"co-located ({why}), but server {remote} is remote and one ring has one rail"
+        )
     return RailChoice("tcp", reasons)
 
 

@@ -30,8 +30,10 @@ def _describe(sampler: object) -> str:
     cls = type(sampler)
     text = f"{cls.__module__}.{cls.__qualname__}"
     if isinstance(sampler, DistributedSampler):
-        text += (f"(replicas={sampler.num_replicas},rank={sampler.rank},shuffle={sampler.shuffle},"
-                 f"seed={sampler.seed},drop_last={sampler.drop_last},total={sampler.total_size})")
+        text += (
+            f"(replicas={sampler.num_replicas},rank={sampler.rank},shuffle={sampler.shuffle},"
+            f"seed={sampler.seed},drop_last={sampler.drop_last},total={sampler.total_size})"
+        )
     return text
 
 
@@ -53,26 +55,42 @@ class EpochOrders:
         ConfigError: ``rank``/``world_size`` given together with a sampler, or out of range.
     """
 
-    def __init__(self, sampler: Iterable[int] | None, *, num_samples: int, batch_size: int, drop_last: bool,
-                 seed: int, shuffle: bool, rank: int | None, world_size: int | None, dataset: str) -> None:
+    def __init__(
+        self,
+        sampler: Iterable[int] | None,
+        *,
+        num_samples: int,
+        batch_size: int,
+        drop_last: bool,
+        seed: int,
+        shuffle: bool,
+        rank: int | None,
+        world_size: int | None,
+        dataset: str,
+    ) -> None:
         self.dataset = dataset
         self.num_samples = num_samples
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.seed = seed
         if sampler is not None and (rank is not None or world_size is not None):
-            raise ConfigError("give either a sampler or rank/world_size (which build a DistributedSampler), not both",
-                              field="sampler", value=type(sampler).__name__)
+            raise ConfigError(
+                "give either a sampler or rank/world_size (which build a DistributedSampler), not both",
+                field="sampler",
+                value=type(sampler).__name__,
+            )
         if sampler is None:
             world = 1 if world_size is None else world_size
             me = 0 if rank is None else rank
             if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-                raise ConfigError(f"world_size must be a positive integer, got {world_size!r}", field="world_size",
-                                  value=world_size)
+                raise ConfigError(
+                    f"world_size must be a positive integer, got {world_size!r}", field="world_size", value=world_size
+                )
             if isinstance(me, bool) or not isinstance(me, int) or not 0 <= me < world:
                 raise ConfigError(f"rank must be in 0..{world - 1}, got {rank!r}", field="rank", value=rank)
-            sampler = DistributedSampler(range(num_samples), num_replicas=world, rank=me, shuffle=shuffle, seed=seed,
-                                         drop_last=False)
+            sampler = DistributedSampler(
+                range(num_samples), num_replicas=world, rank=me, shuffle=shuffle, seed=seed, drop_last=False
+            )
         self.sampler = sampler
         self.deterministic = type(sampler) in _DETERMINISTIC
         self.identity = _describe(sampler)
@@ -86,8 +104,11 @@ class EpochOrders:
         try:
             return len(self.sampler)  # type: ignore[arg-type]
         except TypeError as exc:
-            raise ConfigError(f"sampler {self.identity} has no len(); KSpeed needs the epoch's length",
-                              field="sampler", value=self.identity) from exc
+            raise ConfigError(
+                f"sampler {self.identity} has no len(); KSpeed needs the epoch's length",
+                field="sampler",
+                value=self.identity,
+            ) from exc
 
     def num_batches(self) -> int:
         """Batches per epoch."""
@@ -119,7 +140,10 @@ class EpochOrders:
         bad = np.flatnonzero((ids < 0) | (ids >= self.num_samples))
         if len(bad):
             sample = int(ids[bad[0]])
-            raise DatasetError(f"dataset {self.dataset!r} has {self.num_samples} samples (IDs 0.."
-                               f"{self.num_samples - 1}); the sampler yielded sample {sample}", dataset=self.dataset,
-                               sample=sample)
+            raise DatasetError(
+                f"dataset {self.dataset!r} has {self.num_samples} samples (IDs 0.."
+                f"{self.num_samples - 1}); the sampler yielded sample {sample}",
+                dataset=self.dataset,
+                sample=sample,
+            )
         return ids

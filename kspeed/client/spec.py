@@ -44,24 +44,41 @@ class DatasetSpec:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
-            raise ConfigError(f"DatasetSpec.name {self.name!r} must be 1-128 letters, digits, '.', '_' or '-', "
-                              "starting with a letter or digit", field="name", value=self.name)
+            raise ConfigError(
+                f"DatasetSpec.name {self.name!r} must be 1-128 letters, digits, '.', '_' or '-', "
+                "starting with a letter or digit",
+                field="name",
+                value=self.name,
+            )
         if not isinstance(self.uri, str) or not self.uri or len(self.uri) > MAX_URI or "\0" in self.uri:
-            raise ConfigError(f"DatasetSpec.uri of dataset {self.name!r} must be 1-{MAX_URI} characters without NUL",
-                              field="uri", value=self.uri)
+            raise ConfigError(
+                f"DatasetSpec.uri of dataset {self.name!r} must be 1-{MAX_URI} characters without NUL",
+                field="uri",
+                value=self.uri,
+            )
         if self.kind not in KINDS:
-            raise ConfigError(f"DatasetSpec.kind {self.kind!r} of dataset {self.name!r} is not one of "
-                              f"{', '.join(KINDS)}", field="kind", value=self.kind)
+            raise ConfigError(
+                f"DatasetSpec.kind {self.kind!r} of dataset {self.name!r} is not one of {', '.join(KINDS)}",
+                field="kind",
+                value=self.kind,
+            )
         if self.labels not in LABELS:
-            raise ConfigError(f"DatasetSpec.labels {self.labels!r} of dataset {self.name!r} is not one of '', "
-                              "'dirname'", field="labels", value=self.labels)
+            raise ConfigError(
+                f"DatasetSpec.labels {self.labels!r} of dataset {self.name!r} is not one of '', 'dirname'",
+                field="labels",
+                value=self.labels,
+            )
         if isinstance(self.quota_bytes, bool) or not isinstance(self.quota_bytes, int) or self.quota_bytes < 0:
-            raise ConfigError(f"DatasetSpec.quota_bytes {self.quota_bytes!r} of dataset {self.name!r} must be a "
-                              "non-negative integer", field="quota_bytes", value=self.quota_bytes)
+            raise ConfigError(
+                f"DatasetSpec.quota_bytes {self.quota_bytes!r} of dataset {self.name!r} must be a non-negative integer",
+                field="quota_bytes",
+                value=self.quota_bytes,
+            )
 
     def to_proto(self):
         """The protobuf message sent to the manager."""
         from kspeed.proto import kspeed_pb2
 
-        return kspeed_pb2.DatasetSpec(name=self.name, uri=self.uri, kind=self.kind, labels=self.labels,
-                                      quota_bytes=self.quota_bytes)
+        return kspeed_pb2.DatasetSpec(
+            name=self.name, uri=self.uri, kind=self.kind, labels=self.labels, quota_bytes=self.quota_bytes
+        )

@@ -57,7 +57,7 @@ class RankStats:
             self.samples += len(lengths)
             self.bytes += int(lengths.sum())
             self.wait_total_s += wait_s
-            self.server_bytes += per_server[:len(self.servers)]
+            self.server_bytes += per_server[: len(self.servers)]
             self._waits.append(wait_s)
 
     def summary(self) -> dict:
@@ -66,15 +66,22 @@ class RankStats:
             waits = np.asarray(self._waits, dtype=np.float64) * 1e3
             elapsed = time.monotonic() - self._started if self._started is not None else 0.0
             out = {
-                "batches": self.batches, "samples": self.samples, "bytes": self.bytes, "elapsed_s": elapsed,
+                "batches": self.batches,
+                "samples": self.samples,
+                "bytes": self.bytes,
+                "elapsed_s": elapsed,
                 "samples_per_s": self.samples / elapsed if elapsed > 0 else 0.0,
                 "bytes_per_s": self.bytes / elapsed if elapsed > 0 else 0.0,
                 "wait_total_s": self.wait_total_s,
                 "server_bytes": dict(zip(self.servers, self.server_bytes.tolist())),
             }
         if len(waits):
-            out.update(wait_mean_ms=float(waits.mean()), wait_p50_ms=float(np.percentile(waits, 50)),
-                       wait_p99_ms=float(np.percentile(waits, 99)), wait_max_ms=float(waits.max()))
+            out.update(
+                wait_mean_ms=float(waits.mean()),
+                wait_p50_ms=float(np.percentile(waits, 50)),
+                wait_p99_ms=float(np.percentile(waits, 99)),
+                wait_max_ms=float(waits.max()),
+            )
         else:
             out.update(wait_mean_ms=0.0, wait_p50_ms=0.0, wait_p99_ms=0.0, wait_max_ms=0.0)
         return out
@@ -96,11 +103,21 @@ class StatsReporter:
     on this thread.
     """
 
-    def __init__(self, manager, *, job: str, rank: int, world_size: int, dataset: str,
-                 collect: Callable[[], dict], interval: float) -> None:
+    def __init__(
+        self,
+        manager,
+        *,
+        job: str,
+        rank: int,
+        world_size: int,
+        dataset: str,
+        collect: Callable[[], dict],
+        interval: float,
+    ) -> None:
         self._manager = manager
-        self._base = dict(job=job, rank=rank, world_size=world_size, dataset=dataset, host=socket.gethostname(),
-                          pid=os.getpid())
+        self._base = dict(
+            job=job, rank=rank, world_size=world_size, dataset=dataset, host=socket.gethostname(), pid=os.getpid()
+        )
         self._collect = collect
         self._interval = interval
         self._stop = threading.Event()
@@ -112,10 +129,19 @@ class StatsReporter:
         """The report as it would be sent now."""
         s = self._collect()
         return kspeed_pb2.RankStats(
-            **self._base, batches=s["batches"], samples=s["samples"], bytes=s["bytes"], elapsed_s=s["elapsed_s"],
-            wait_total_s=s["wait_total_s"], wait_mean_ms=s["wait_mean_ms"], wait_p50_ms=s["wait_p50_ms"],
-            wait_p99_ms=s["wait_p99_ms"], wait_max_ms=s["wait_max_ms"], server_bytes=s["server_bytes"],
-            stale_completions=s.get("stale_completions", 0))
+            **self._base,
+            batches=s["batches"],
+            samples=s["samples"],
+            bytes=s["bytes"],
+            elapsed_s=s["elapsed_s"],
+            wait_total_s=s["wait_total_s"],
+            wait_mean_ms=s["wait_mean_ms"],
+            wait_p50_ms=s["wait_p50_ms"],
+            wait_p99_ms=s["wait_p99_ms"],
+            wait_max_ms=s["wait_max_ms"],
+            server_bytes=s["server_bytes"],
+            stale_completions=s.get("stale_completions", 0),
+        )
 
     def send(self) -> None:
         """Send one report now (errors are logged, not raised)."""
@@ -141,8 +167,8 @@ class StatsReporter:
 class PrometheusCollector:
     """Exports a dataset's :meth:`stats` from the training process::
 
-        from prometheus_client import REGISTRY, start_http_server
-        REGISTRY.register(PrometheusCollector(ds)); start_http_server(9100)
+    from prometheus_client import REGISTRY, start_http_server
+    REGISTRY.register(PrometheusCollector(ds)); start_http_server(9100)
     """
 
     def __init__(self, dataset) -> None:
@@ -154,10 +180,12 @@ class PrometheusCollector:
         s = self._dataset.stats()
         labels = ["dataset"]
         name = [self._dataset.name]
-        for metric, value, doc in (("batches", s["batches"], "Batches delivered"),
-                                   ("samples", s["samples"], "Samples delivered"),
-                                   ("bytes", s["bytes"], "Bytes delivered"),
-                                   ("data_wait_seconds", s["wait_total_s"], "Time the loop waited for data")):
+        for metric, value, doc in (
+            ("batches", s["batches"], "Batches delivered"),
+            ("samples", s["samples"], "Samples delivered"),
+            ("bytes", s["bytes"], "Bytes delivered"),
+            ("data_wait_seconds", s["wait_total_s"], "Time the loop waited for data"),
+        ):
             family = CounterMetricFamily(f"kspeed_client_{metric}", doc, labels=labels)
             family.add_metric(name, value)
             yield family
@@ -165,8 +193,9 @@ class PrometheusCollector:
             family = GaugeMetricFamily(f"kspeed_client_{metric}", "Recent batch data wait", labels=labels)
             family.add_metric(name, s[metric])
             yield family
-        per_server = CounterMetricFamily("kspeed_client_server_bytes", "Bytes each server wrote",
-                                         labels=["dataset", "server"])
+        per_server = CounterMetricFamily(
+            "kspeed_client_server_bytes", "Bytes each server wrote", labels=["dataset", "server"]
+        )
         for server, value in s["server_bytes"].items():
             per_server.add_metric([self._dataset.name, server], value)
         yield per_server
@@ -179,20 +208,25 @@ def _pacing_metrics(dataset: str, pacing: dict) -> Iterator:
     """The pacing window, sub-batches and their latencies (docs/feeding.md, Pacing)."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-    for metric, key, doc in (("pacing_window_bytes", "window_bytes", "Bytes allowed in flight towards this process"),
-                             ("pacing_in_flight_bytes", "in_flight_bytes", "Bytes granted and not yet completed"),
-                             ("pacing_sub_batch_bytes", "sub_batch_bytes", "Target bytes of one server's sub-batch"),
-                             ("pacing_drain_rate_bytes", "drain_rate", "Measured delivery rate, bytes per second"),
-                             ("pacing_sub_batch_latency_p50_ms", "sub_batch_latency_p50_ms", "Sub-batch latency"),
-                             ("pacing_sub_batch_latency_p99_ms", "sub_batch_latency_p99_ms", "Sub-batch latency")):
+    for metric, key, doc in (
+        ("pacing_window_bytes", "window_bytes", "Bytes allowed in flight towards this process"),
+        ("pacing_in_flight_bytes", "in_flight_bytes", "Bytes granted and not yet completed"),
+        ("pacing_sub_batch_bytes", "sub_batch_bytes", "Target bytes of one server's sub-batch"),
+        ("pacing_drain_rate_bytes", "drain_rate", "Measured delivery rate, bytes per second"),
+        ("pacing_sub_batch_latency_p50_ms", "sub_batch_latency_p50_ms", "Sub-batch latency"),
+        ("pacing_sub_batch_latency_p99_ms", "sub_batch_latency_p99_ms", "Sub-batch latency"),
+    ):
         family = GaugeMetricFamily(f"kspeed_client_{metric}", doc, labels=["dataset"])
         family.add_metric([dataset], pacing[key])
         yield family
     sent = CounterMetricFamily("kspeed_client_pacing_sub_batches", "Sub-batches granted", labels=["dataset"])
     sent.add_metric([dataset], pacing["sub_batches_sent"])
     yield sent
-    table = GaugeMetricFamily("kspeed_client_pacing_latency_seconds", "Latency table: seconds from grant to "
-                              "completion per size class (median over servers)", labels=["dataset", "size_class"])
+    table = GaugeMetricFamily(
+        "kspeed_client_pacing_latency_seconds",
+        "Latency table: seconds from grant to completion per size class (median over servers)",
+        labels=["dataset", "size_class"],
+    )
     for size_class, seconds in pacing["latency"].items():
         if seconds is not None:
             table.add_metric([dataset, size_class], seconds)

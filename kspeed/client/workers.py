@@ -66,10 +66,13 @@ def resolve_loader(loader: Any) -> Callable[..., Any]:
         ConfigError: ``loader`` is not callable.
     """
     if not callable(loader):
-        raise ConfigError(f"the wrapped dataset's loader must be callable, got {loader!r}", field="loader",
-                          value=loader)
-    if getattr(loader, "__module__", "") == "torchvision.datasets.folder" and \
-            getattr(loader, "__name__", "") in _TORCHVISION_LOADERS:
+        raise ConfigError(
+            f"the wrapped dataset's loader must be callable, got {loader!r}", field="loader", value=loader
+        )
+    if (
+        getattr(loader, "__module__", "") == "torchvision.datasets.folder"
+        and getattr(loader, "__name__", "") in _TORCHVISION_LOADERS
+    ):
         return pil_file_loader
     return loader
 
@@ -99,10 +102,13 @@ def check_loader(loader: Callable[..., Any], path: str) -> None:
     except Exception:
         return
     name = getattr(loader, "__qualname__", repr(loader))
-    raise ConfigError(f"loader {name} reads {path} by path but fails on a file object "
-                      f"({type(on_file).__name__}: {on_file}); KSpeed hands the loader each sample's bytes as "
-                      "io.BytesIO: pass loader= a function of a binary file object (PIL.Image.open accepts one)",
-                      field="loader", value=name) from on_file
+    raise ConfigError(
+        f"loader {name} reads {path} by path but fails on a file object "
+        f"({type(on_file).__name__}: {on_file}); KSpeed hands the loader each sample's bytes as "
+        "io.BytesIO: pass loader= a function of a binary file object (PIL.Image.open accepts one)",
+        field="loader",
+        value=name,
+    ) from on_file
 
 
 def check_picklable(stages: Mapping[str, Any]) -> None:
@@ -115,9 +121,12 @@ def check_picklable(stages: Mapping[str, Any]) -> None:
         try:
             pickle.dumps(stage)
         except Exception as exc:
-            raise ConfigError(f"the wrapped dataset's {what} {stage!r} cannot be pickled ({exc}); it runs in spawned "
-                              "worker processes: use a module-level function or a picklable object", field=what,
-                              value=repr(stage)) from exc
+            raise ConfigError(
+                f"the wrapped dataset's {what} {stage!r} cannot be pickled ({exc}); it runs in spawned "
+                "worker processes: use a module-level function or a picklable object",
+                field=what,
+                value=repr(stage),
+            ) from exc
 
 
 def _init(stages: tuple[Any, ...]) -> None:
@@ -137,7 +146,7 @@ def _run(buffer: bytes | bytearray, offsets: Sequence[int], targets: Sequence[An
     items = []
     for i, target in enumerate(targets):
         try:
-            item = loader(io.BytesIO(view[offsets[i]:offsets[i + 1]]))
+            item = loader(io.BytesIO(view[offsets[i] : offsets[i + 1]]))
             if transform is not None:
                 item = transform(item)
             if target_transform is not None:
@@ -164,12 +173,22 @@ class TransformPool:
         collate_fn: list of ``(sample, target)`` pairs -> batch.
     """
 
-    def __init__(self, workers: int, *, loader: Callable[..., Any], transform: Callable[..., Any] | None,
-                 target_transform: Callable[..., Any] | None, collate_fn: Callable[..., Any]) -> None:
+    def __init__(
+        self,
+        workers: int,
+        *,
+        loader: Callable[..., Any],
+        transform: Callable[..., Any] | None,
+        target_transform: Callable[..., Any] | None,
+        collate_fn: Callable[..., Any],
+    ) -> None:
         self.workers = workers
         self._executor: ProcessPoolExecutor | None = ProcessPoolExecutor(
-            workers, mp_context=torch.multiprocessing.get_context("spawn"), initializer=_init,
-            initargs=((loader, transform, target_transform, collate_fn),))
+            workers,
+            mp_context=torch.multiprocessing.get_context("spawn"),
+            initializer=_init,
+            initargs=((loader, transform, target_transform, collate_fn),),
+        )
 
     @property
     def closed(self) -> bool:
@@ -196,15 +215,20 @@ class TransformPool:
         processes = list((getattr(executor, "_processes", None) or {}).values())
         # The executor's own thread joins the workers; a worker stuck in a user transform must not
         # hang close(), so it is terminated after JOIN_TIMEOUT.
-        stopper = threading.Thread(target=executor.shutdown, kwargs={"wait": True, "cancel_futures": True},
-                                   name="kspeed-pool-stop", daemon=True)
+        stopper = threading.Thread(
+            target=executor.shutdown,
+            kwargs={"wait": True, "cancel_futures": True},
+            name="kspeed-pool-stop",
+            daemon=True,
+        )
         stopper.start()
         stopper.join(JOIN_TIMEOUT)
         if stopper.is_alive():
             for process in processes:
                 if process.exitcode is None:
-                    log.warning("transform worker %d did not stop within %.0f s; terminating it", process.pid,
-                                JOIN_TIMEOUT)
+                    log.warning(
+                        "transform worker %d did not stop within %.0f s; terminating it", process.pid, JOIN_TIMEOUT
+                    )
                     process.terminate()
             stopper.join()
         log.debug("transform pool of %d workers closed", self.workers)

@@ -55,8 +55,10 @@ DEFAULT_WORKERS = min(4, os.cpu_count() or 1)
 #: Batches in flight per worker (the ``DataLoader`` default ``prefetch_factor``).
 PREFETCH_PER_WORKER = 2
 LIST_DIR = ".kspeed"
-NO_WORKERS = ("a wrapped dataset runs its own worker processes and cannot itself run in DataLoader workers; "
-              "iterate it directly, or use DataLoader(wrapped, batch_size=None, num_workers=0)")
+NO_WORKERS = (
+    "a wrapped dataset runs its own worker processes and cannot itself run in DataLoader workers; "
+    "iterate it directly, or use DataLoader(wrapped, batch_size=None, num_workers=0)"
+)
 
 
 # -- registration ----------------------------------------------------------------------------------
@@ -116,17 +118,23 @@ def folder_spec(paths: Sequence[str], *, list_dir: str | None = None, name: str 
         return DatasetSpec(name=name, uri=root, kind="dir")
     for p in paths:
         if "\n" in p or p != p.strip():
-            raise ConfigError(f"sample path {p!r} has a line break or surrounding spaces and cannot be named in a "
-                              "list file", field="samples", value=p)
+            raise ConfigError(
+                f"sample path {p!r} has a line break or surrounding spaces and cannot be named in a list file",
+                field="samples",
+                value=p,
+            )
     directory = list_dir if list_dir is not None else os.path.join(root, LIST_DIR)
     uri = os.path.join(os.path.abspath(directory), f"{name}.list")
     try:
         os.makedirs(directory, exist_ok=True)
         _write_list(uri, paths)
     except OSError as exc:
-        raise ConfigError(f"cannot write the list file of the wrapped dataset to {uri}: {exc}; pass list_dir= a "
-                          "writable directory the servers are allowed to read", field="list_dir",
-                          value=directory) from exc
+        raise ConfigError(
+            f"cannot write the list file of the wrapped dataset to {uri}: {exc}; pass list_dir= a "
+            "writable directory the servers are allowed to read",
+            field="list_dir",
+            value=directory,
+        ) from exc
     log.info("wrapped %d files as dataset %s (list %s)", len(paths), name, uri)
     return DatasetSpec(name=name, uri=uri, kind="list")
 
@@ -163,11 +171,19 @@ class WrappedDataset(IterableDataset):
         ConfigError: a bad worker or prefetch count, or ``paths``/``targets`` not one per sample.
     """
 
-    def __init__(self, inner: KSpeedDataset, *, paths: Sequence[str], targets: Sequence[Any],
-                 loader: Callable[..., Any], transform: Callable[..., Any] | None = None,
-                 target_transform: Callable[..., Any] | None = None,
-                 collate_fn: Callable[..., Any] = default_collate, num_workers: int | None = None,
-                 prefetch: int | None = None) -> None:
+    def __init__(
+        self,
+        inner: KSpeedDataset,
+        *,
+        paths: Sequence[str],
+        targets: Sequence[Any],
+        loader: Callable[..., Any],
+        transform: Callable[..., Any] | None = None,
+        target_transform: Callable[..., Any] | None = None,
+        collate_fn: Callable[..., Any] = default_collate,
+        num_workers: int | None = None,
+        prefetch: int | None = None,
+    ) -> None:
         super().__init__()
         self._closed = True
         workers = DEFAULT_WORKERS if num_workers is None else num_workers
@@ -175,13 +191,20 @@ class WrappedDataset(IterableDataset):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{field} must be a positive integer, got {value!r}", field=field, value=value)
         if len(paths) != inner.num_samples or len(targets) != inner.num_samples:
-            raise ConfigError(f"dataset {inner.name!r} has {inner.num_samples} samples but {len(paths)} paths and "
-                              f"{len(targets)} targets were given", field="samples")
+            raise ConfigError(
+                f"dataset {inner.name!r} has {inner.num_samples} samples but {len(paths)} paths and "
+                f"{len(targets)} targets were given",
+                field="samples",
+            )
         self._inner = inner
         self._paths = list(paths)
         self._targets = list(targets)
-        self._stages = {"loader": loader, "transform": transform, "target_transform": target_transform,
-                        "collate_fn": collate_fn}
+        self._stages = {
+            "loader": loader,
+            "transform": transform,
+            "target_transform": target_transform,
+            "collate_fn": collate_fn,
+        }
         self.num_workers = workers
         self.prefetch = prefetch if prefetch is not None else PREFETCH_PER_WORKER * workers
         self._pool: TransformPool | None = None
@@ -247,7 +270,7 @@ class WrappedDataset(IterableDataset):
         buffer = bytearray(int(offsets[-1]))
         dst = np.frombuffer(buffer, dtype=np.uint8)
         for i, sample in enumerate(batch.samples):
-            dst[offsets[i]:offsets[i + 1]] = sample.numpy()
+            dst[offsets[i] : offsets[i + 1]] = sample.numpy()
         del dst
         ids = batch.ids.tolist()
         epoch, index = batch.epoch, batch.index
@@ -261,17 +284,24 @@ class WrappedDataset(IterableDataset):
             result = task.future.result()
         except SampleFailure as exc:
             if exc.position is None:
-                raise DatasetError(f"collating {where} ({len(task.ids)} samples) failed: {exc.text}",
-                                   dataset=self.name) from exc
+                raise DatasetError(
+                    f"collating {where} ({len(task.ids)} samples) failed: {exc.text}", dataset=self.name
+                ) from exc
             sample = task.ids[exc.position]
-            raise DatasetError(f"sample {sample} ({self._paths[sample]}) in {where}: the wrapped dataset's loader or "
-                               f"transforms failed: {exc.text}", dataset=self.name, sample=sample) from exc
+            raise DatasetError(
+                f"sample {sample} ({self._paths[sample]}) in {where}: the wrapped dataset's loader or "
+                f"transforms failed: {exc.text}",
+                dataset=self.name,
+                sample=sample,
+            ) from exc
         except BrokenProcessPool as exc:
-            raise DatasetError(f"a transform worker process died during {where} (killed, crashed or out of memory)",
-                               dataset=self.name) from exc
+            raise DatasetError(
+                f"a transform worker process died during {where} (killed, crashed or out of memory)", dataset=self.name
+            ) from exc
         except Exception as exc:
-            raise DatasetError(f"{where} failed in a transform worker: {type(exc).__name__}: {exc}",
-                               dataset=self.name) from exc
+            raise DatasetError(
+                f"{where} failed in a transform worker: {type(exc).__name__}: {exc}", dataset=self.name
+            ) from exc
         self._delivered += 1
         return result
 
@@ -334,23 +364,40 @@ def _folder_samples(dataset: Any) -> tuple[list[str], list[Any]]:
     samples = getattr(dataset, "samples", None)
     if not isinstance(samples, Sequence) or not samples:
         kind = type(dataset).__name__
-        raise ConfigError(f"{kind} has no non-empty .samples list of (path, target) pairs (as torchvision's "
-                          "ImageFolder/DatasetFolder have)", field="dataset", value=kind)
+        raise ConfigError(
+            f"{kind} has no non-empty .samples list of (path, target) pairs (as torchvision's "
+            "ImageFolder/DatasetFolder have)",
+            field="dataset",
+            value=kind,
+        )
     paths, targets = [], []
     for i, entry in enumerate(samples):
         if not isinstance(entry, Sequence) or isinstance(entry, str) or len(entry) != 2:
-            raise ConfigError(f"{type(dataset).__name__}.samples[{i}] is {entry!r}, not a (path, target) pair",
-                              field="samples", value=entry)
+            raise ConfigError(
+                f"{type(dataset).__name__}.samples[{i}] is {entry!r}, not a (path, target) pair",
+                field="samples",
+                value=entry,
+            )
         paths.append(os.path.abspath(os.fspath(entry[0])))
         targets.append(entry[1])
     return paths, targets
 
 
-def wrap(client: Any, dataset: Any, batch_size: int, sampler: Any = None, *,
-         collate_fn: Callable[..., Any] | None = None, loader: Callable[..., Any] | None = None,
-         num_workers: int | None = None, prefetch: int | None = None, list_dir: str | None = None,
-         name: str | None = None, preload: bool = True,
-         **dataset_kwargs: Any) -> WrappedDataset:
+def wrap(
+    client: Any,
+    dataset: Any,
+    batch_size: int,
+    sampler: Any = None,
+    *,
+    collate_fn: Callable[..., Any] | None = None,
+    loader: Callable[..., Any] | None = None,
+    num_workers: int | None = None,
+    prefetch: int | None = None,
+    list_dir: str | None = None,
+    name: str | None = None,
+    preload: bool = True,
+    **dataset_kwargs: Any,
+) -> WrappedDataset:
     """Register ``dataset``'s files with ``client``, preload them and wrap them (see the module docstring).
 
     ``dataset_kwargs`` (``seed``, ``shuffle``, ``drop_last``, ``rank``, ``world_size``, ``rail``,
@@ -362,23 +409,26 @@ def wrap(client: Any, dataset: Any, batch_size: int, sampler: Any = None, *,
         DatasetError: the servers list another number of files than the dataset has.
     """
     paths, targets = _folder_samples(dataset)
-    stages = {"loader": resolve_loader(loader if loader is not None else getattr(dataset, "loader", None)),
-              "transform": getattr(dataset, "transform", None),
-              "target_transform": getattr(dataset, "target_transform", None),
-              "collate_fn": collate_fn if collate_fn is not None else default_collate}
+    stages = {
+        "loader": resolve_loader(loader if loader is not None else getattr(dataset, "loader", None)),
+        "transform": getattr(dataset, "transform", None),
+        "target_transform": getattr(dataset, "target_transform", None),
+        "collate_fn": collate_fn if collate_fn is not None else default_collate,
+    }
     check_picklable(stages)
     check_loader(stages["loader"], paths[0])
     spec = folder_spec(paths, list_dir=list_dir, name=name)
     inner = client.dataset(spec, batch_size, sampler, **dataset_kwargs)
     try:
         if inner.num_samples != len(paths):
-            raise DatasetError(f"dataset {spec.name!r} ({spec.uri}) lists {inner.num_samples} files on the servers, "
-                               f"the wrapped dataset has {len(paths)} samples (did the files change?)",
-                               dataset=spec.name)
+            raise DatasetError(
+                f"dataset {spec.name!r} ({spec.uri}) lists {inner.num_samples} files on the servers, "
+                f"the wrapped dataset has {len(paths)} samples (did the files change?)",
+                dataset=spec.name,
+            )
         if preload:
             inner.preload()
-        return WrappedDataset(inner, paths=paths, targets=targets, num_workers=num_workers, prefetch=prefetch,
-                              **stages)
+        return WrappedDataset(inner, paths=paths, targets=targets, num_workers=num_workers, prefetch=prefetch, **stages)
     except BaseException:
         inner.close()
         raise

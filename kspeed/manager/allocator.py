@@ -78,7 +78,8 @@ class Allocation:
         if bad.any():
             raise DatasetError(
                 f"dataset {self.dataset!r}: no sample {int(ids[bad][0])} (IDs 0..{self.num_samples - 1})",
-                dataset=self.dataset, sample=int(ids[bad][0]),
+                dataset=self.dataset,
+                sample=int(ids[bad][0]),
             )
         his = np.fromiter((s.hi for s in self.shares), dtype=np.int64, count=len(self.shares))
         return np.searchsorted(his, ids, side="right")

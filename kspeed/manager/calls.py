@@ -27,8 +27,7 @@ class ServerCalls:
             channel = self._channels[address] = rpc.open_channel(address, self._security, aio=True)
         return channel
 
-    async def call(self, address: str, server_id: str, method: str, request: Any,
-                   timeout: float | None = None) -> Any:
+    async def call(self, address: str, server_id: str, method: str, request: Any, timeout: float | None = None) -> Any:
         """One unary call of ``kspeed.v1.Server`` with errors mapped to :mod:`kspeed.errors`."""
         stub = kspeed_pb2_grpc.ServerStub(self._channel(address))
         try:
@@ -55,4 +54,3 @@ class ServerCalls:
     async def close(self) -> None:
         """Close every channel."""
         await self.forget(set())
-

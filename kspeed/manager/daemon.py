@@ -44,8 +44,7 @@ class Manager:
         self.config = config
         state_dir = ensure_state_dir(config.state_dir, "manager.state_dir")
         self.store = Store(state_dir)
-        self.registry = Registry(self.store, Timers(config.heartbeat_interval, config.suspect_after,
-                                                    config.fail_after))
+        self.registry = Registry(self.store, Timers(config.heartbeat_interval, config.suspect_after, config.fail_after))
         self.calls = ServerCalls(config.security, config.server_call_timeout)
         self.catalog = DatasetCatalog(self.store, self.registry, self.calls, lease_ttl=config.lease_ttl)
         self.service = ManagerService(self.registry, self.catalog, self.store.cluster_id, config.heartbeat_interval)
@@ -59,26 +58,40 @@ class Manager:
     async def start(self) -> None:
         """Bind gRPC and HTTP, start the timers and the prober."""
         cfg = self.config
-        self._server = grpc.aio.server(interceptors=rpc.server_interceptors(cfg.security, aio=True),
-                                       options=rpc.server_options(cfg.max_request_bytes))
+        self._server = grpc.aio.server(
+            interceptors=rpc.server_interceptors(cfg.security, aio=True),
+            options=rpc.server_options(cfg.max_request_bytes),
+        )
         self._server.add_generic_rpc_handlers(
-            (rpc.service_handler("Manager", self.service, max_request_bytes=cfg.max_request_bytes),))
+            (rpc.service_handler("Manager", self.service, max_request_bytes=cfg.max_request_bytes),)
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         grpc_address = rpc.bind(self._server, cfg.listen, cfg.security)
-        self._http = HttpEndpoint(cfg.http_listen, {
-            "/healthz": lambda: text_response("ok"),
-            "/readyz": self._readyz,
-            "/metrics": metrics_route(self.metrics.registry),
-            "/v1/status": lambda: json_response(status_dict(self.service.status())),
-        })
+        self._http = HttpEndpoint(
+            cfg.http_listen,
+            {
+                "/healthz": lambda: text_response("ok"),
+                "/readyz": self._readyz,
+                "/metrics": metrics_route(self.metrics.registry),
+                "/v1/status": lambda: json_response(status_dict(self.service.status())),
+            },
+        )
         await self._server.start()
-        self._tasks = [asyncio.create_task(self._tick_loop(), name="tick"),
-                       asyncio.create_task(self._probe_loop(), name="probe")]
+        self._tasks = [
+            asyncio.create_task(self._tick_loop(), name="tick"),
+            asyncio.create_task(self._probe_loop(), name="probe"),
+        ]
         self._ready = True
         self.grpc_address, self.http_address = grpc_address, self._http.address
-        log.info("kspeed-manager %s listening: grpc %s, http %s, state %s, auth %s, tls %s",
-                 self.store.cluster_id, grpc_address, self._http.address, self.store.path,
-                 cfg.security.auth, "on" if cfg.security.tls_cert else "off")
+        log.info(
+            "kspeed-manager %s listening: grpc %s, http %s, state %s, auth %s, tls %s",
+            self.store.cluster_id,
+            grpc_address,
+            self._http.address,
+            self.store.path,
+            cfg.security.auth,
+            "on" if cfg.security.tls_cert else "off",
+        )
         write_ready_file(cfg.ready_file, {"grpc": grpc_address, "http": self._http.address, "pid": os.getpid()})
 
     def _readyz(self) -> tuple[int, str, bytes]:

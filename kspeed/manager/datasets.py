@@ -46,8 +46,10 @@ def validate_spec(spec: kspeed_pb2.DatasetSpec) -> None:
         ProtocolError: naming the field and the value.
     """
     if not _NAME.fullmatch(spec.name):
-        raise ProtocolError(f"dataset name {spec.name[:80]!r} must be 1-128 letters, digits, '.', '_' or '-', "
-                            "starting with a letter or digit")
+        raise ProtocolError(
+            f"dataset name {spec.name[:80]!r} must be 1-128 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
     if not spec.uri or len(spec.uri) > MAX_URI or "\0" in spec.uri:
         raise ProtocolError(f"dataset {spec.name!r}: uri must be 1-{MAX_URI} characters without NUL")
     if spec.kind not in _KINDS:
@@ -63,8 +65,15 @@ def _same_definition(a: kspeed_pb2.DatasetSpec, b: kspeed_pb2.DatasetSpec) -> bo
 class DatasetCatalog:
     """Datasets, their allocations and leases."""
 
-    def __init__(self, store: Store, registry: Registry, calls: ServerCalls, *, lease_ttl: float,
-                 wall: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        store: Store,
+        registry: Registry,
+        calls: ServerCalls,
+        *,
+        lease_ttl: float,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
         self._store = store
         self._registry = registry
         self._calls = calls
@@ -144,8 +153,9 @@ class DatasetCatalog:
 
     @staticmethod
     def _assignment(info: kspeed_pb2.DatasetInfo, share: kspeed_pb2.Share) -> kspeed_pb2.AssignShareRequest:
-        return kspeed_pb2.AssignShareRequest(spec=info.spec, fingerprint=info.fingerprint,
-                                             region_size=info.region_size, share=share)
+        return kspeed_pb2.AssignShareRequest(
+            spec=info.spec, fingerprint=info.fingerprint, region_size=info.region_size, share=share
+        )
 
     def forget_progress(self, server_id: str) -> None:
         """Drop what a server reported before it (re-)registered: its new incarnation reports afresh."""
@@ -183,7 +193,8 @@ class DatasetCatalog:
                     raise ConflictError(
                         f"dataset {spec.name!r} is already registered as uri={existing.spec.uri!r} "
                         f"kind={existing.spec.kind or 'auto'!r} labels={existing.spec.labels!r} "
-                        f"quota={existing.spec.quota_bytes}; remove it first or use another name")
+                        f"quota={existing.spec.quota_bytes}; remove it first or use another name"
+                    )
             else:
                 self._datasets[spec.name] = await self._allocate(spec, owner)
                 self._store.save_dataset(self._datasets[spec.name])
@@ -208,28 +219,49 @@ class DatasetCatalog:
         allocation = allocate(spec.name, sizes, region_size, capacities)
         need = allocation.num_regions * region_size
         if spec.quota_bytes and need > spec.quota_bytes:
-            raise CapacityError(f"dataset {spec.name!r} needs {allocation.num_regions} regions ({need} bytes) "
-                                f"for {allocation.total_bytes} bytes of samples; its quota is {spec.quota_bytes} "
-                                "bytes")
-        info = kspeed_pb2.DatasetInfo(spec=spec, owner=owner, fingerprint=described.fingerprint,
-                                      region_size=region_size, class_names=described.class_names,
-                                      created_unix=self._wall())
+            raise CapacityError(
+                f"dataset {spec.name!r} needs {allocation.num_regions} regions ({need} bytes) "
+                f"for {allocation.total_bytes} bytes of samples; its quota is {spec.quota_bytes} "
+                "bytes"
+            )
+        info = kspeed_pb2.DatasetInfo(
+            spec=spec,
+            owner=owner,
+            fingerprint=described.fingerprint,
+            region_size=region_size,
+            class_names=described.class_names,
+            created_unix=self._wall(),
+        )
         for share in allocation.shares:
-            info.shares.append(kspeed_pb2.Share(server_id=share.server_id, first_id=share.lo, end_id=share.hi,
-                                                first_region=share.first_region, num_regions=share.num_regions,
-                                                bytes=share.bytes))
+            info.shares.append(
+                kspeed_pb2.Share(
+                    server_id=share.server_id,
+                    first_id=share.lo,
+                    end_id=share.hi,
+                    first_region=share.first_region,
+                    num_regions=share.num_regions,
+                    bytes=share.bytes,
+                )
+            )
         addresses = {r.id: r.address for r in ready}
         done: list[kspeed_pb2.Share] = []
         try:
             for share in info.shares:
-                await self._calls.call(addresses[share.server_id], share.server_id, "AssignShare",
-                                       self._assignment(info, share))
+                await self._calls.call(
+                    addresses[share.server_id], share.server_id, "AssignShare", self._assignment(info, share)
+                )
                 done.append(share)
         except KSpeedError:
             await self._drop_shares(spec.name, done, addresses)
             raise
-        log.info("dataset %s: %d samples, %d bytes in %d regions on %d server(s)", spec.name, len(sizes),
-                 allocation.total_bytes, allocation.num_regions, len(info.shares))
+        log.info(
+            "dataset %s: %d samples, %d bytes in %d regions on %d server(s)",
+            spec.name,
+            len(sizes),
+            allocation.total_bytes,
+            allocation.num_regions,
+            len(info.shares),
+        )
         return info
 
     def _free_regions(self, record: kspeed_pb2.ServerRecord) -> int:
@@ -269,10 +301,13 @@ class DatasetCatalog:
         for share in info.shares:
             address = info.server_addresses.get(share.server_id)
             if address is None:
-                raise UnavailableError(f"dataset {name!r}: server {share.server_id} holding samples "
-                                       f"{share.first_id}..{share.end_id - 1} is not registered")
-            status = await self._calls.call(address, share.server_id, "StartPreload",
-                                            kspeed_pb2.DatasetRequest(name=name))
+                raise UnavailableError(
+                    f"dataset {name!r}: server {share.server_id} holding samples "
+                    f"{share.first_id}..{share.end_id - 1} is not registered"
+                )
+            status = await self._calls.call(
+                address, share.server_id, "StartPreload", kspeed_pb2.DatasetRequest(name=name)
+            )
             self._share_status[(name, share.server_id)] = status
         return self.get(name)
 
@@ -280,8 +315,13 @@ class DatasetCatalog:
 
     def _new_lease(self, dataset: str, holder: str, ttl: float) -> kspeed_pb2.Lease:
         ttl = ttl or self._lease_ttl
-        lease = kspeed_pb2.Lease(id=f"{dataset}/{secrets.token_hex(8)}", dataset=dataset, holder=holder, ttl_s=ttl,
-                                 expires_unix=self._wall() + ttl)
+        lease = kspeed_pb2.Lease(
+            id=f"{dataset}/{secrets.token_hex(8)}",
+            dataset=dataset,
+            holder=holder,
+            ttl_s=ttl,
+            expires_unix=self._wall() + ttl,
+        )
         self._leases[lease.id] = lease
         self._store.save_lease(lease)
         return lease
@@ -290,8 +330,11 @@ class DatasetCatalog:
         lease = self._leases.get(lease_id)
         if lease is None:
             dataset = lease_id.partition("/")[0]
-            why = ("the dataset was removed" if dataset not in self._datasets
-                   else "it expired or was released; attach again")
+            why = (
+                "the dataset was removed"
+                if dataset not in self._datasets
+                else "it expired or was released; attach again"
+            )
             raise NotFoundError(f"lease {lease_id!r} on dataset {dataset!r} is unknown: {why}")
         return lease
 

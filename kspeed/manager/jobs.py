@@ -26,8 +26,12 @@ REPORT_TTL = 120.0  # a rank silent this long is forgotten
 def _spread(values: np.ndarray) -> kspeed_pb2.Spread:
     if not len(values):
         return kspeed_pb2.Spread()
-    return kspeed_pb2.Spread(min=float(values.min()), max=float(values.max()), p50=float(np.percentile(values, 50)),
-                             p99=float(np.percentile(values, 99)))
+    return kspeed_pb2.Spread(
+        min=float(values.min()),
+        max=float(values.max()),
+        p50=float(np.percentile(values, 50)),
+        p99=float(np.percentile(values, 99)),
+    )
 
 
 class JobBoard:
@@ -75,11 +79,16 @@ class JobBoard:
         self._expire()
         ranks = [v for (job, _, _), v in sorted(self._reports.items()) if job == name]
         if not ranks:
-            raise NotFoundError(f"no recent statistics for job {name!r} (jobs reporting: "
-                                f"{', '.join(self.jobs()) or 'none'}); ranks report every few seconds while "
-                                "they iterate, under the name set by KSPEED_JOB")
+            raise NotFoundError(
+                f"no recent statistics for job {name!r} (jobs reporting: "
+                f"{', '.join(self.jobs()) or 'none'}); ranks report every few seconds while "
+                "they iterate, under the name set by KSPEED_JOB"
+            )
         rate = np.array([r.samples / r.elapsed_s if r.elapsed_s > 0 else 0.0 for r in ranks])
-        return kspeed_pb2.JobStats(job=name, ranks=ranks,
-                                   wait_mean_ms=_spread(np.array([r.wait_mean_ms for r in ranks])),
-                                   wait_p99_ms=_spread(np.array([r.wait_p99_ms for r in ranks])),
-                                   samples_per_s=_spread(rate))
+        return kspeed_pb2.JobStats(
+            job=name,
+            ranks=ranks,
+            wait_mean_ms=_spread(np.array([r.wait_mean_ms for r in ranks])),
+            wait_p99_ms=_spread(np.array([r.wait_p99_ms for r in ranks])),
+            samples_per_s=_spread(rate),
+        )

@@ -22,18 +22,22 @@ class _MembershipCollector(Collector):
         for state, count in self._registry.counts().items():
             servers.add_metric([state], count)
         yield servers
-        per_server = GaugeMetricFamily("kspeed_manager_server_state",
-                                       "1 for the lifecycle state each known server is in",
-                                       labels=["server", "state"])
-        pooled = GaugeMetricFamily("kspeed_manager_server_memory_bytes", "Memory each server may pool",
-                                   labels=["server"])
+        per_server = GaugeMetricFamily(
+            "kspeed_manager_server_state",
+            "1 for the lifecycle state each known server is in",
+            labels=["server", "state"],
+        )
+        pooled = GaugeMetricFamily(
+            "kspeed_manager_server_memory_bytes", "Memory each server may pool", labels=["server"]
+        )
         for record in self._registry.snapshot(include_left=True):
             per_server.add_metric([record.id, state_name(record.state)], 1)
             pooled.add_metric([record.id], record.inventory.memory_bytes)
         yield per_server
         yield pooled
-        yield GaugeMetricFamily("kspeed_manager_registry_revision", "Revision of the membership",
-                                value=self._registry.revision)
+        yield GaugeMetricFamily(
+            "kspeed_manager_registry_revision", "Revision of the membership", value=self._registry.revision
+        )
 
 
 class ManagerMetrics:
@@ -42,7 +46,9 @@ class ManagerMetrics:
     def __init__(self, registry: Registry) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_MembershipCollector(registry))
-        self.probes = Counter("kspeed_manager_health_probes", "Active health probes of servers", ["result"],
-                              registry=self.registry)
-        self.watchers = Gauge("kspeed_manager_membership_watchers", "Open membership watch streams",
-                              registry=self.registry)
+        self.probes = Counter(
+            "kspeed_manager_health_probes", "Active health probes of servers", ["result"], registry=self.registry
+        )
+        self.watchers = Gauge(
+            "kspeed_manager_membership_watchers", "Open membership watch streams", registry=self.registry
+        )

@@ -30,8 +30,11 @@ log = logging.getLogger(__name__)
 
 State = kspeed_pb2.ServerState
 JOINING, READY, SUSPECT, FAILED, LEFT = (
-    State.SERVER_STATE_JOINING, State.SERVER_STATE_READY, State.SERVER_STATE_SUSPECT,
-    State.SERVER_STATE_FAILED, State.SERVER_STATE_LEFT,
+    State.SERVER_STATE_JOINING,
+    State.SERVER_STATE_READY,
+    State.SERVER_STATE_SUSPECT,
+    State.SERVER_STATE_FAILED,
+    State.SERVER_STATE_LEFT,
 )
 LIVE = (JOINING, READY, SUSPECT)
 PROBE_FAILURES_SUSPECT = 2  # consecutive failed probes that make a server suspect
@@ -66,8 +69,13 @@ Listener = Callable[[kspeed_pb2.ServerRecord, int], None]
 class Registry:
     """Membership of the cluster, persisted through a :class:`Store`."""
 
-    def __init__(self, store: Store, timers: Timers, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        store: Store,
+        timers: Timers,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
         self._store = store
         self._timers = timers
         self._clock = clock
@@ -134,11 +142,16 @@ class Registry:
         with self._lock:
             previous = self._entries.get(request.id)
             record = kspeed_pb2.ServerRecord(
-                id=request.id, address=request.address, http_address=request.http_address,
-                state=JOINING, inventory=request.inventory, registered_unix=self._wall(),
+                id=request.id,
+                address=request.address,
+                http_address=request.http_address,
+                state=JOINING,
+                inventory=request.inventory,
+                registered_unix=self._wall(),
                 last_heartbeat_unix=self._wall(),
                 incarnation=(previous.record.incarnation + 1) if previous else 1,
-                protocol_version=protocol_version, software_version=request.version.software_version,
+                protocol_version=protocol_version,
+                software_version=request.version.software_version,
                 state_reason="registered; awaiting health probe",
             )
             self._entries[request.id] = _Entry(record=record, heard_at=self._clock())
@@ -159,8 +172,10 @@ class Registry:
                 why = "unknown" if entry is None else state_name(entry.record.state)
                 raise NotFoundError(f"server {request.id!r} is {why} here; register again")
             if request.incarnation and request.incarnation != entry.record.incarnation:
-                raise NotFoundError(f"server {request.id!r}: incarnation {request.incarnation} is stale "
-                                    f"(current {entry.record.incarnation}); register again")
+                raise NotFoundError(
+                    f"server {request.id!r}: incarnation {request.incarnation} is stale "
+                    f"(current {entry.record.incarnation}); register again"
+                )
             entry.heard_at = self._clock()
             record = entry.record
             record.last_heartbeat_unix = self._wall()
@@ -189,8 +204,10 @@ class Registry:
             if entry is None:
                 raise NotFoundError(f"unknown server {request.id!r}")
             if request.incarnation and request.incarnation != entry.record.incarnation:
-                raise ProtocolError(f"server {request.id!r}: incarnation {request.incarnation} is not the "
-                                    f"current one ({entry.record.incarnation})")
+                raise ProtocolError(
+                    f"server {request.id!r}: incarnation {request.incarnation} is not the "
+                    f"current one ({entry.record.incarnation})"
+                )
             self._set_state(entry, LEFT, request.reason or "deregistered")
 
     def probe_result(self, server_id: str, incarnation: int, ok: bool, detail: str = "") -> None:
@@ -221,8 +238,11 @@ class Registry:
     def probe_targets(self) -> list[tuple[str, str, int]]:
         """``(id, address, incarnation)`` of every live server."""
         with self._lock:
-            return [(e.record.id, e.record.address, e.record.incarnation)
-                    for e in self._entries.values() if e.record.state in LIVE]
+            return [
+                (e.record.id, e.record.address, e.record.incarnation)
+                for e in self._entries.values()
+                if e.record.state in LIVE
+            ]
 
     # -- internals (lock held) -----------------------------------------------------------------
 
@@ -244,8 +264,14 @@ class Registry:
         record = entry.record
         if record.state == state:
             return False
-        log.log(logging.WARNING if state in (SUSPECT, FAILED) else logging.INFO,
-                "server %s: %s -> %s (%s)", record.id, state_name(record.state), state_name(state), reason)
+        log.log(
+            logging.WARNING if state in (SUSPECT, FAILED) else logging.INFO,
+            "server %s: %s -> %s (%s)",
+            record.id,
+            state_name(record.state),
+            state_name(state),
+            reason,
+        )
         record.state = state
         record.state_reason = reason
         self._commit(record)

@@ -47,15 +47,15 @@ def validate_registration(request: kspeed_pb2.RegisterServerRequest) -> None:
     if unknown:
         raise ProtocolError(f"unknown transport(s) {sorted(unknown)}; known: {sorted(_KNOWN_TRANSPORTS)}")
     if inv.region_size == 0 or inv.memory_bytes < inv.region_size:
-        raise ProtocolError(f"inventory: memory_bytes {inv.memory_bytes} must hold at least one region of "
-                            f"{inv.region_size} bytes")
+        raise ProtocolError(
+            f"inventory: memory_bytes {inv.memory_bytes} must hold at least one region of {inv.region_size} bytes"
+        )
 
 
 class ManagerService:
     """Implements every RPC of ``kspeed.v1.Manager`` over a :class:`Registry`."""
 
-    def __init__(self, registry: Registry, catalog: DatasetCatalog, cluster_id: str,
-                 heartbeat_interval: float) -> None:
+    def __init__(self, registry: Registry, catalog: DatasetCatalog, cluster_id: str, heartbeat_interval: float) -> None:
         self._registry = registry
         self._catalog = catalog
         self.jobs = JobBoard()
@@ -68,42 +68,55 @@ class ManagerService:
         from kspeed._version import FEATURES
 
         version = negotiate(request.version.protocol_versions)
-        return kspeed_pb2.HelloReply(protocol_version=version,
-                                     features=sorted(set(FEATURES) & set(request.version.features)),
-                                     manager_version=__version__, cluster_id=self._cluster_id)
+        return kspeed_pb2.HelloReply(
+            protocol_version=version,
+            features=sorted(set(FEATURES) & set(request.version.features)),
+            manager_version=__version__,
+            cluster_id=self._cluster_id,
+        )
 
-    async def RegisterServer(self, request: kspeed_pb2.RegisterServerRequest,
-                             context: grpc.aio.ServicerContext) -> kspeed_pb2.RegisterServerReply:
+    async def RegisterServer(
+        self, request: kspeed_pb2.RegisterServerRequest, context: grpc.aio.ServicerContext
+    ) -> kspeed_pb2.RegisterServerReply:
         validate_registration(request)
         version = negotiate(request.version.protocol_versions)
         record = self._registry.register(request, version)
         self._catalog.forget_progress(request.id)
-        return kspeed_pb2.RegisterServerReply(incarnation=record.incarnation, protocol_version=version,
-                                              heartbeat_interval_s=self._heartbeat_interval,
-                                              cluster_id=self._cluster_id,
-                                              assignments=self._catalog.assignments_for(request.id))
+        return kspeed_pb2.RegisterServerReply(
+            incarnation=record.incarnation,
+            protocol_version=version,
+            heartbeat_interval_s=self._heartbeat_interval,
+            cluster_id=self._cluster_id,
+            assignments=self._catalog.assignments_for(request.id),
+        )
 
-    async def Heartbeat(self, request: kspeed_pb2.HeartbeatRequest,
-                        context: grpc.aio.ServicerContext) -> kspeed_pb2.HeartbeatReply:
+    async def Heartbeat(
+        self, request: kspeed_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> kspeed_pb2.HeartbeatReply:
         record = self._registry.heartbeat(request)
         stale = self._catalog.on_heartbeat(request.id, list(request.shares))
-        return kspeed_pb2.HeartbeatReply(state=record.state, heartbeat_interval_s=self._heartbeat_interval,
-                                         drop_datasets=stale)
+        return kspeed_pb2.HeartbeatReply(
+            state=record.state, heartbeat_interval_s=self._heartbeat_interval, drop_datasets=stale
+        )
 
-    async def DeregisterServer(self, request: kspeed_pb2.DeregisterServerRequest,
-                               context: grpc.aio.ServicerContext) -> kspeed_pb2.DeregisterServerReply:
+    async def DeregisterServer(
+        self, request: kspeed_pb2.DeregisterServerRequest, context: grpc.aio.ServicerContext
+    ) -> kspeed_pb2.DeregisterServerReply:
         if len(request.reason) > _MAX_TEXT:
             raise ProtocolError(f"deregistration reason of {len(request.reason)} chars exceeds {_MAX_TEXT}")
         self._registry.deregister(request)
         return kspeed_pb2.DeregisterServerReply()
 
-    async def ListServers(self, request: kspeed_pb2.ListServersRequest,
-                          context: grpc.aio.ServicerContext) -> kspeed_pb2.ListServersReply:
-        return kspeed_pb2.ListServersReply(servers=self._registry.snapshot(request.include_left),
-                                           revision=self._registry.revision)
+    async def ListServers(
+        self, request: kspeed_pb2.ListServersRequest, context: grpc.aio.ServicerContext
+    ) -> kspeed_pb2.ListServersReply:
+        return kspeed_pb2.ListServersReply(
+            servers=self._registry.snapshot(request.include_left), revision=self._registry.revision
+        )
 
-    async def WatchMembership(self, request: kspeed_pb2.WatchMembershipRequest,
-                              context: grpc.aio.ServicerContext) -> AsyncIterator[kspeed_pb2.MembershipEvent]:
+    async def WatchMembership(
+        self, request: kspeed_pb2.WatchMembershipRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[kspeed_pb2.MembershipEvent]:
         queue: asyncio.Queue[tuple[kspeed_pb2.ServerRecord, int] | None] = asyncio.Queue(WATCH_QUEUE)
 
         def on_change(record: kspeed_pb2.ServerRecord, revision: int) -> None:
@@ -121,8 +134,11 @@ class ManagerService:
             send_snapshot = request.since_revision == 0 or request.since_revision != self._registry.revision
             while True:
                 if send_snapshot:
-                    yield kspeed_pb2.MembershipEvent(revision=self._registry.revision, snapshot=True,
-                                                     servers=self._registry.snapshot(include_left=True))
+                    yield kspeed_pb2.MembershipEvent(
+                        revision=self._registry.revision,
+                        snapshot=True,
+                        servers=self._registry.snapshot(include_left=True),
+                    )
                     send_snapshot = False
                 item = await queue.get()
                 if item is None:
@@ -134,56 +150,69 @@ class ManagerService:
             self.watchers -= 1
             unsubscribe()
 
-    async def GetStatus(self, request: kspeed_pb2.GetStatusRequest,
-                        context: grpc.aio.ServicerContext) -> kspeed_pb2.ClusterStatus:
+    async def GetStatus(
+        self, request: kspeed_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
+    ) -> kspeed_pb2.ClusterStatus:
         return self.status()
 
     def status(self) -> kspeed_pb2.ClusterStatus:
         """The cluster as one message (also rendered as JSON by /v1/status)."""
-        return kspeed_pb2.ClusterStatus(cluster_id=self._cluster_id, manager_version=__version__,
-                                        uptime_s=time.monotonic() - self._started,
-                                        servers=self._registry.snapshot(), revision=self._registry.revision,
-                                        datasets=self._catalog.list())
+        return kspeed_pb2.ClusterStatus(
+            cluster_id=self._cluster_id,
+            manager_version=__version__,
+            uptime_s=time.monotonic() - self._started,
+            servers=self._registry.snapshot(),
+            revision=self._registry.revision,
+            datasets=self._catalog.list(),
+        )
 
-    async def CreateDataset(self, request: kspeed_pb2.CreateDatasetRequest,
-                            context: grpc.aio.ServicerContext) -> kspeed_pb2.CreateDatasetReply:
+    async def CreateDataset(
+        self, request: kspeed_pb2.CreateDatasetRequest, context: grpc.aio.ServicerContext
+    ) -> kspeed_pb2.CreateDatasetReply:
         return await self._catalog.create(request)
 
-    async def GetDataset(self, request: kspeed_pb2.DatasetRequest,
-                         context: grpc.aio.ServicerContext) -> kspeed_pb2.DatasetInfo:
+    async def GetDataset(
+        self, request: kspeed_pb2.DatasetRequest, context: grpc.aio.ServicerContext
+    ) -> kspeed_pb2.DatasetInfo:
         return self._catalog.get(request.name)
 
-    async def ListDatasets(self, request: kspeed_pb2.ListDatasetsRequest,
-                           context: grpc.aio.ServicerContext) -> kspeed_pb2.ListDatasetsReply:
+    async def ListDatasets(
+        self, request: kspeed_pb2.ListDatasetsRequest, context: grpc.aio.ServicerContext
+    ) -> kspeed_pb2.ListDatasetsReply:
         return kspeed_pb2.ListDatasetsReply(datasets=self._catalog.list())
 
-    async def RemoveDataset(self, request: kspeed_pb2.DatasetRequest,
-                            context: grpc.aio.ServicerContext) -> kspeed_pb2.RemoveDatasetReply:
+    async def RemoveDataset(
+        self, request: kspeed_pb2.DatasetRequest, context: grpc.aio.ServicerContext
+    ) -> kspeed_pb2.RemoveDatasetReply:
         await self._catalog.remove(request.name)
         return kspeed_pb2.RemoveDatasetReply()
 
-    async def PreloadDataset(self, request: kspeed_pb2.DatasetRequest,
-                             context: grpc.aio.ServicerContext) -> kspeed_pb2.DatasetInfo:
+    async def PreloadDataset(
+        self, request: kspeed_pb2.DatasetRequest, context: grpc.aio.ServicerContext
+    ) -> kspeed_pb2.DatasetInfo:
         return await self._catalog.preload(request.name)
 
-    async def RenewLease(self, request: kspeed_pb2.LeaseRequest,
-                         context: grpc.aio.ServicerContext) -> kspeed_pb2.Lease:
+    async def RenewLease(self, request: kspeed_pb2.LeaseRequest, context: grpc.aio.ServicerContext) -> kspeed_pb2.Lease:
         return self._catalog.renew(request.lease_id)
 
-    async def ReleaseLease(self, request: kspeed_pb2.LeaseRequest,
-                           context: grpc.aio.ServicerContext) -> kspeed_pb2.ReleaseLeaseReply:
+    async def ReleaseLease(
+        self, request: kspeed_pb2.LeaseRequest, context: grpc.aio.ServicerContext
+    ) -> kspeed_pb2.ReleaseLeaseReply:
         self._catalog.release(request.lease_id)
         return kspeed_pb2.ReleaseLeaseReply()
 
-    async def ReportStats(self, request: kspeed_pb2.RankStats,
-                          context: grpc.aio.ServicerContext) -> kspeed_pb2.ReportStatsReply:
+    async def ReportStats(
+        self, request: kspeed_pb2.RankStats, context: grpc.aio.ServicerContext
+    ) -> kspeed_pb2.ReportStatsReply:
         self.jobs.report(request)
         return kspeed_pb2.ReportStatsReply()
 
-    async def GetJobStats(self, request: kspeed_pb2.JobRequest,
-                          context: grpc.aio.ServicerContext) -> kspeed_pb2.JobStats:
+    async def GetJobStats(
+        self, request: kspeed_pb2.JobRequest, context: grpc.aio.ServicerContext
+    ) -> kspeed_pb2.JobStats:
         return self.jobs.job(request.job)
 
-    async def ListJobs(self, request: kspeed_pb2.ListJobsRequest,
-                       context: grpc.aio.ServicerContext) -> kspeed_pb2.ListJobsReply:
+    async def ListJobs(
+        self, request: kspeed_pb2.ListJobsRequest, context: grpc.aio.ServicerContext
+    ) -> kspeed_pb2.ListJobsReply:
         return kspeed_pb2.ListJobsReply(jobs=self.jobs.jobs())

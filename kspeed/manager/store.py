@@ -43,14 +43,18 @@ class Store:
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
         except sqlite3.Error as exc:
-            raise ConfigError(f"manager.state_dir: cannot open {self.path!r}: {exc}", field="manager.state_dir",
-                              value=state_dir) from exc
+            raise ConfigError(
+                f"manager.state_dir: cannot open {self.path!r}: {exc}", field="manager.state_dir", value=state_dir
+            ) from exc
         version = self._get("schema_version")
         if version is None:
             self._put("schema_version", SCHEMA_VERSION)
         elif version != SCHEMA_VERSION:
-            raise ConfigError(f"manager.state_dir: {self.path!r} has schema {version}, this build reads "
-                              f"{SCHEMA_VERSION}", field="manager.state_dir", value=state_dir)
+            raise ConfigError(
+                f"manager.state_dir: {self.path!r} has schema {version}, this build reads {SCHEMA_VERSION}",
+                field="manager.state_dir",
+                value=state_dir,
+            )
         self.cluster_id = self._get("cluster_id") or self._put("cluster_id", uuid.uuid4().hex[:12])
 
     def _get(self, key: str) -> str | None:
@@ -68,15 +72,18 @@ class Store:
 
     def save_server(self, record: kspeed_pb2.ServerRecord) -> None:
         """Insert or replace one server record."""
-        self._db.execute("INSERT OR REPLACE INTO servers (id, record) VALUES (?, ?)",
-                         (record.id, record.SerializeToString()))
+        self._db.execute(
+            "INSERT OR REPLACE INTO servers (id, record) VALUES (?, ?)", (record.id, record.SerializeToString())
+        )
 
     def save_servers(self, records: list[kspeed_pb2.ServerRecord]) -> None:
         """Replace several records in one transaction."""
         with self._db:
             self._db.execute("BEGIN")
-            self._db.executemany("INSERT OR REPLACE INTO servers (id, record) VALUES (?, ?)",
-                                 [(r.id, r.SerializeToString()) for r in records])
+            self._db.executemany(
+                "INSERT OR REPLACE INTO servers (id, record) VALUES (?, ?)",
+                [(r.id, r.SerializeToString()) for r in records],
+            )
 
     def datasets(self) -> Iterator[kspeed_pb2.DatasetInfo]:
         """Every stored dataset."""
@@ -85,8 +92,9 @@ class Store:
 
     def save_dataset(self, info: kspeed_pb2.DatasetInfo) -> None:
         """Insert or replace one dataset."""
-        self._db.execute("INSERT OR REPLACE INTO datasets (name, info) VALUES (?, ?)",
-                         (info.spec.name, info.SerializeToString()))
+        self._db.execute(
+            "INSERT OR REPLACE INTO datasets (name, info) VALUES (?, ?)", (info.spec.name, info.SerializeToString())
+        )
 
     def delete_dataset(self, name: str) -> None:
         """Forget a dataset and its leases."""
@@ -102,8 +110,9 @@ class Store:
 
     def save_lease(self, lease: kspeed_pb2.Lease) -> None:
         """Insert or replace one lease."""
-        self._db.execute("INSERT OR REPLACE INTO leases (id, lease) VALUES (?, ?)",
-                         (lease.id, lease.SerializeToString()))
+        self._db.execute(
+            "INSERT OR REPLACE INTO leases (id, lease) VALUES (?, ?)", (lease.id, lease.SerializeToString())
+        )
 
     def delete_lease(self, lease_id: str) -> None:
         """Forget one lease."""

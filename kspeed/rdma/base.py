@@ -319,8 +319,9 @@ class Writer(ABC):
         """
 
     @abstractmethod
-    def write_batch(self, key: RegionKey, source: Any, src_offsets: Any, lengths: Any, dst_offsets: Any,
-                    imms: Any = None) -> None:
+    def write_batch(
+        self, key: RegionKey, source: Any, src_offsets: Any, lengths: Any, dst_offsets: Any, imms: Any = None
+    ) -> None:
         """Write many slices of one source into ``key``, described by arrays; the fast path.
 
         Op ``i`` copies ``lengths[i]`` bytes from ``source[src_offsets[i]:]`` to

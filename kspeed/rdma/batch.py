@@ -97,8 +97,9 @@ def _refuse(key: RegionKey, source_nbytes: int, src: np.ndarray, lens: np.ndarra
     )
 
 
-def plan_batch(key: RegionKey, source_nbytes: int, src_offsets: Any, lengths: Any, dst_offsets: Any,
-               imms: Any = None) -> Batch:
+def plan_batch(
+    key: RegionKey, source_nbytes: int, src_offsets: Any, lengths: Any, dst_offsets: Any, imms: Any = None
+) -> Batch:
     """Validate a batch as a whole before any byte moves.
 
     Args:

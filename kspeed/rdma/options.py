@@ -50,25 +50,27 @@ class RailOptions:
 
     def __post_init__(self) -> None:
         if self.token is not None and (not isinstance(self.token, bytes) or len(self.token) < 16):
-            raise ConfigError(
-                "rail token must be bytes of at least 16 bytes", field="rdma.token", value="<redacted>"
-            )
+            raise ConfigError("rail token must be bytes of at least 16 bytes", field="rdma.token", value="<redacted>")
         for name in ("io_timeout", "connect_timeout", "keepalive_idle", "keepalive_interval"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise ConfigError(f"{name} must be a positive number of seconds", field=f"rdma.{name}",
-                                  value=value)
+                raise ConfigError(f"{name} must be a positive number of seconds", field=f"rdma.{name}", value=value)
         if not isinstance(self.keepalive_count, int) or self.keepalive_count < 1:
-            raise ConfigError("keepalive_count must be a positive integer", field="rdma.keepalive_count",
-                              value=self.keepalive_count)
+            raise ConfigError(
+                "keepalive_count must be a positive integer", field="rdma.keepalive_count", value=self.keepalive_count
+            )
         if self.socket_buffer is not None and (not isinstance(self.socket_buffer, int) or self.socket_buffer < 65536):
-            raise ConfigError("socket_buffer must be an integer >= 65536", field="rdma.socket_buffer",
-                              value=self.socket_buffer)
+            raise ConfigError(
+                "socket_buffer must be an integer >= 65536", field="rdma.socket_buffer", value=self.socket_buffer
+            )
         if self.receiver_name is not None and (
             not self.receiver_name or not self.receiver_name.replace("-", "").replace("_", "").isalnum()
         ):
-            raise ConfigError("receiver_name may hold only letters, digits, '-' and '_'",
-                              field="rdma.receiver_name", value=self.receiver_name)
+            raise ConfigError(
+                "receiver_name may hold only letters, digits, '-' and '_'",
+                field="rdma.receiver_name",
+                value=self.receiver_name,
+            )
 
     @property
     def public_host(self) -> str:

@@ -47,6 +47,7 @@ __all__ = ["ShmRail", "ShmReceiver", "ShmWriter"]
 
 log = logging.getLogger(__name__)
 
+
 def _key_for(options: RailOptions, secret: bytes) -> bytes:
     return options.token if options.token is not None else secret
 

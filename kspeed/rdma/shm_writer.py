@@ -114,8 +114,7 @@ class ShmWriter(Writer):
                 raise RangeError(f"region {key.handle} is not exposed by this shm receiver")
         if key.addr + key.length > len(dst):
             raise RangeError(
-                f"region key [{key.addr}, {key.addr + key.length}) exceeds region {key.handle} "
-                f"of {len(dst)} bytes"
+                f"region key [{key.addr}, {key.addr + key.length}) exceeds region {key.handle} of {len(dst)} bytes"
             )
         return dst
 
@@ -230,4 +229,3 @@ class ShmWriter(Writer):
         for fd in self._reader.fds:
             os.close(fd)
         self._reader.fds.clear()
-

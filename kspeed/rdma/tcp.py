@@ -98,16 +98,24 @@ class TcpReceiver(Receiver):
     def _start(self, control: str) -> socket.socket:
         o = self._options
         config = {
-            "control": control, "bind_host": o.bind_host, "io_timeout": o.io_timeout,
-            "connect_timeout": o.connect_timeout, "keepalive_idle": o.keepalive_idle,
-            "keepalive_interval": o.keepalive_interval, "keepalive_count": o.keepalive_count,
-            "socket_buffer": o.socket_buffer, "allowed_uids": list(o.allowed_uids),
-            "shared": o.receiver_name is not None, "parent": os.getpid(),
+            "control": control,
+            "bind_host": o.bind_host,
+            "io_timeout": o.io_timeout,
+            "connect_timeout": o.connect_timeout,
+            "keepalive_idle": o.keepalive_idle,
+            "keepalive_interval": o.keepalive_interval,
+            "keepalive_count": o.keepalive_count,
+            "socket_buffer": o.socket_buffer,
+            "allowed_uids": list(o.allowed_uids),
+            "shared": o.receiver_name is not None,
+            "parent": os.getpid(),
             "log_level": logging.getLevelName(logging.getLogger("kspeed").getEffectiveLevel()),
         }
         proc = subprocess.Popen(
             [sys.executable, "-m", "kspeed.rdma.tcp_receiver", json.dumps(config)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, close_fds=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            close_fds=True,
         )
         ready, _, _ = select.select([proc.stdout], [], [], o.connect_timeout + 10)
         line = proc.stdout.readline().decode().strip() if ready else ""
@@ -130,10 +138,16 @@ class TcpReceiver(Receiver):
     @property
     def material(self) -> bytes:
         secret = None if self._options.token is not None else self._secret.hex()
-        return json.dumps({
-            "rail": "tcp", "host": self._options.public_host, "port": self._port,
-            "consumer": self._consumer, "node": socket.gethostname(), "secret": secret,
-        }).encode()
+        return json.dumps(
+            {
+                "rail": "tcp",
+                "host": self._options.public_host,
+                "port": self._port,
+                "consumer": self._consumer,
+                "node": socket.gethostname(),
+                "secret": secret,
+            }
+        ).encode()
 
     # ----------------------------------------------------------------------------- control socket
 
@@ -444,5 +458,3 @@ class TcpRail(Rail):
 
     def connect(self, material: bytes, options: RailOptions) -> TcpWriter:
         return TcpWriter(material, options)
-
-

@@ -45,8 +45,17 @@ DATA = 1
 DATA_BYE = 2
 FLAG_IMM = 1
 #: ``WRITE_HEADER`` as a numpy record, so a batch's headers are packed in one go.
-HEADER_DTYPE = np.dtype([("kind", "<u2"), ("flags", "<u2"), ("handle", "<u4"), ("imm", "<u4"),
-                         ("offset", "<u8"), ("length", "<u8"), ("pad", "V4")])
+HEADER_DTYPE = np.dtype(
+    [
+        ("kind", "<u2"),
+        ("flags", "<u2"),
+        ("handle", "<u4"),
+        ("imm", "<u4"),
+        ("offset", "<u8"),
+        ("length", "<u8"),
+        ("pad", "V4"),
+    ]
+)
 
 
 def tune(sock: socket.socket, options: RailOptions, nodelay: bool) -> None:

@@ -19,8 +19,17 @@ from typing import Any, TypeVar
 
 from kspeed.errors import ConfigError
 
-__all__ = ["Nic", "Placement", "find_nics", "normalize_bus_id", "parse_cpulist", "pin", "pinned", "place",
-           "resolve_gpu"]
+__all__ = [
+    "Nic",
+    "Placement",
+    "find_nics",
+    "normalize_bus_id",
+    "parse_cpulist",
+    "pin",
+    "pinned",
+    "place",
+    "resolve_gpu",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +102,9 @@ def normalize_bus_id(bus_id: str | bytes) -> str:
     text = (bus_id.decode("ascii", "replace") if isinstance(bus_id, bytes) else str(bus_id)).strip().lower()
     m = _BUS_ID.fullmatch(text)
     if m is None or int(m.group(3), 16) > 0x1F:
-        raise ConfigError(f"{bus_id!r} is not a PCI bus id (expected like 0000:3b:00.0)", field="gpu_bus_id",
-                          value=bus_id)
+        raise ConfigError(
+            f"{bus_id!r} is not a PCI bus id (expected like 0000:3b:00.0)", field="gpu_bus_id", value=bus_id
+        )
     domain, bus, dev, fn = (int(g, 16) if g else 0 for g in m.groups())
     return f"{domain:04x}:{bus:02x}:{dev:02x}.{fn}"
 
@@ -193,24 +203,30 @@ def _bus_id_by_entry(nvml: Any, entry: str, order: str) -> tuple[str | None, str
     if entry.startswith("GPU-"):  # CUDA accepts any unambiguous UUID prefix
         matches = [h for h in handles if _text(nvml.nvmlDeviceGetUUID(h)).startswith(entry)]
         if len(matches) != 1:
-            raise ConfigError(f"CUDA_VISIBLE_DEVICES entry {entry!r} matches {len(matches)} GPUs",
-                              field="CUDA_VISIBLE_DEVICES", value=entry)
+            raise ConfigError(
+                f"CUDA_VISIBLE_DEVICES entry {entry!r} matches {len(matches)} GPUs",
+                field="CUDA_VISIBLE_DEVICES",
+                value=entry,
+            )
         return normalize_bus_id(nvml.nvmlDeviceGetPciInfo(matches[0]).busId), f"GPU {entry}"
     if not handles:
         return None, "NVML sees no GPU"
     index = int(entry)
     if index >= count:
-        raise ConfigError(f"CUDA device {index} does not exist: this host has {count} GPUs",
-                          field="CUDA_VISIBLE_DEVICES", value=entry)
+        raise ConfigError(
+            f"CUDA device {index} does not exist: this host has {count} GPUs", field="CUDA_VISIBLE_DEVICES", value=entry
+        )
     # CUDA numbers devices in its own order; NVML's index order is not promised to be anything, so
     # both CUDA orders are rebuilt from bus ids. PCI_BUS_ID is bus-id order. FASTEST_FIRST (the
     # default) puts the fastest device first and leaves the rest unspecified: for GPUs of one model
     # that is bus-id order; for mixed models it cannot be derived from NVML, so we refuse to guess.
     bus_ids = sorted(normalize_bus_id(nvml.nvmlDeviceGetPciInfo(h).busId) for h in handles)
     if order != "PCI_BUS_ID" and len({_text(nvml.nvmlDeviceGetName(h)) for h in handles}) > 1:
-        logger.warning("GPUs of mixed models and CUDA_DEVICE_ORDER=%s: CUDA's device order is unknown here; set "
-                       "CUDA_DEVICE_ORDER=PCI_BUS_ID or pass gpu_bus_id for a NIC and core preference",
-                       order or "FASTEST_FIRST")
+        logger.warning(
+            "GPUs of mixed models and CUDA_DEVICE_ORDER=%s: CUDA's device order is unknown here; set "
+            "CUDA_DEVICE_ORDER=PCI_BUS_ID or pass gpu_bus_id for a NIC and core preference",
+            order or "FASTEST_FIRST",
+        )
         return None, "CUDA's FASTEST_FIRST order is ambiguous on a host with mixed GPU models"
     return bus_ids[index], f"CUDA device {index} in {'PCI_BUS_ID' if order == 'PCI_BUS_ID' else 'FASTEST_FIRST'} order"
 
@@ -237,8 +253,12 @@ def resolve_gpu(environ: Mapping[str, str], *, device: int | None = None, nvml: 
     if device is None:
         rank = environ.get("LOCAL_RANK", "0").strip() or "0"
         if not rank.isdigit():
-            raise ConfigError(f"LOCAL_RANK must be a non-negative integer, not {rank!r}", field="LOCAL_RANK",
-                              value=rank, source="environment")
+            raise ConfigError(
+                f"LOCAL_RANK must be a non-negative integer, not {rank!r}",
+                field="LOCAL_RANK",
+                value=rank,
+                source="environment",
+            )
         device = int(rank)
     if not isinstance(device, int) or device < 0:
         raise ConfigError(f"device must be a non-negative integer, not {device!r}", field="device", value=device)
@@ -247,8 +267,11 @@ def resolve_gpu(environ: Mapping[str, str], *, device: int | None = None, nvml: 
     elif len(visible) == 1 or device < len(visible):
         entry = visible[0 if len(visible) == 1 else device]
     else:
-        raise ConfigError(f"device {device} is not among the {len(visible)} of CUDA_VISIBLE_DEVICES",
-                          field="CUDA_VISIBLE_DEVICES", value=environ.get("CUDA_VISIBLE_DEVICES"))
+        raise ConfigError(
+            f"device {device} is not among the {len(visible)} of CUDA_VISIBLE_DEVICES",
+            field="CUDA_VISIBLE_DEVICES",
+            value=environ.get("CUDA_VISIBLE_DEVICES"),
+        )
     if nvml is None:
         try:
             import pynvml as nvml  # imported here: hosts without the NVIDIA stack must still import this module
@@ -306,9 +329,16 @@ def _say_no_preference(reason: str) -> None:
         logger.info("topology: no NIC or core preference: %s", reason)
 
 
-def place(root: str = "/sys", *, environ: Mapping[str, str] | None = None, device: int | None = None,
-          gpu_bus_id: str | None = None, nic: str | None = None, allowed_cores: Iterable[int] | None = None,
-          nvml: Any = None) -> Placement:
+def place(
+    root: str = "/sys",
+    *,
+    environ: Mapping[str, str] | None = None,
+    device: int | None = None,
+    gpu_bus_id: str | None = None,
+    nic: str | None = None,
+    allowed_cores: Iterable[int] | None = None,
+    nvml: Any = None,
+) -> Placement:
     """Choose the NIC and cores for this process from its GPU's place in the PCIe tree.
 
     NICs rank by closeness to the GPU: same PCIe switch (deepest common bridge first), then same host
@@ -336,8 +366,9 @@ def place(root: str = "/sys", *, environ: Mapping[str, str] | None = None, devic
         forced = next((n for n in nics if n.name == nic), None)
         if forced is None:
             found = ", ".join(n.name for n in nics) or "none"
-            raise ConfigError(f"NIC {nic!r} is not on this host (NICs found under {root}: {found})",
-                              field="rdma.nic", value=nic)
+            raise ConfigError(
+                f"NIC {nic!r} is not on this host (NICs found under {root}: {found})", field="rdma.nic", value=nic
+            )
     if gpu_bus_id is not None:
         gpu, how = normalize_bus_id(gpu_bus_id), "given"
         if not os.path.exists(os.path.join(root, "bus", "pci", "devices", gpu)):
@@ -364,11 +395,22 @@ def place(root: str = "/sys", *, environ: Mapping[str, str] | None = None, devic
         why = "no NIC preference" if not gpu_chain else f"no NIC preference: {missing}"
     node = gpu_node if gpu_chain else (forced.numa_node if forced else None)
     cores, cores_why = _cores(root, node, allowed)
-    placement = Placement(gpu, chosen.name if chosen else None, VERBS if chosen and chosen.rdma else None, cores,
-                          node, f"{f'GPU {gpu} ({how})' if gpu_chain else f'no GPU: {how}'}; {why}; {cores_why}")
+    placement = Placement(
+        gpu,
+        chosen.name if chosen else None,
+        VERBS if chosen and chosen.rdma else None,
+        cores,
+        node,
+        f"{f'GPU {gpu} ({how})' if gpu_chain else f'no GPU: {how}'}; {why}; {cores_why}",
+    )
     if chosen is not None or gpu_chain:
-        logger.info("topology: nic=%s rail=%s cores=%s: %s", placement.nic, placement.rail,
-                    _format_cores(cores), placement.reason)
+        logger.info(
+            "topology: nic=%s rail=%s cores=%s: %s",
+            placement.nic,
+            placement.rail,
+            _format_cores(cores),
+            placement.reason,
+        )
     return placement
 
 
@@ -406,8 +448,9 @@ def pin(cores: Iterable[int], *, all_threads: bool = False) -> None:
         except ProcessLookupError:
             continue  # the thread exited meanwhile
         except (OSError, ValueError, OverflowError) as exc:
-            raise ConfigError(f"cannot pin to cores {_format_cores(mask)}: {exc}", field="cores",
-                              value=sorted(mask)) from exc
+            raise ConfigError(
+                f"cannot pin to cores {_format_cores(mask)}: {exc}", field="cores", value=sorted(mask)
+            ) from exc
 
 
 def pinned(cores: Iterable[int], target: Callable[..., _T]) -> Callable[..., _T]:

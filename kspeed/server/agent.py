@@ -27,12 +27,21 @@ MAX_BACKOFF = 5.0
 class ManagerAgent:
     """Keeps one server registered with the manager at ``manager_address``."""
 
-    def __init__(self, *, manager_address: str, security: SecurityConfig, server_id: str, address: str,
-                 http_address: str, inventory: Callable[[], kspeed_pb2.ServerInventory],
-                 metrics: ServerMetrics, on_fatal: Callable[[KSpeedError], None],
-                 shares: Callable[[], list[kspeed_pb2.ShareStatus]] = list,
-                 on_registered: Callable[[kspeed_pb2.RegisterServerReply], None] = lambda reply: None,
-                 on_drop: Callable[[str], None] = lambda name: None) -> None:
+    def __init__(
+        self,
+        *,
+        manager_address: str,
+        security: SecurityConfig,
+        server_id: str,
+        address: str,
+        http_address: str,
+        inventory: Callable[[], kspeed_pb2.ServerInventory],
+        metrics: ServerMetrics,
+        on_fatal: Callable[[KSpeedError], None],
+        shares: Callable[[], list[kspeed_pb2.ShareStatus]] = list,
+        on_registered: Callable[[kspeed_pb2.RegisterServerReply], None] = lambda reply: None,
+        on_drop: Callable[[str], None] = lambda name: None,
+    ) -> None:
         self._manager = manager_address
         self._metadata = rpc.call_metadata(security)
         self._channel = rpc.open_channel(manager_address, security)
@@ -61,21 +70,37 @@ class ManagerAgent:
             return getattr(self._stub, method)(request, timeout=CALL_TIMEOUT, metadata=self._metadata)
 
     def _register(self) -> None:
-        reply = self._call("RegisterServer", kspeed_pb2.RegisterServerRequest(
-            id=self._id, address=self._address, http_address=self._http_address,
-            inventory=self._inventory(), version=rpc.peer_version()))
+        reply = self._call(
+            "RegisterServer",
+            kspeed_pb2.RegisterServerRequest(
+                id=self._id,
+                address=self._address,
+                http_address=self._http_address,
+                inventory=self._inventory(),
+                version=rpc.peer_version(),
+            ),
+        )
         self.incarnation = reply.incarnation
         self.interval = reply.heartbeat_interval_s or self.interval
         self._on_registered(reply)
         self.registered.set()
         self._metrics.registered.set(1)
         self._metrics.registrations.inc()
-        log.info("registered with manager %s as %s (incarnation %d, protocol v%d)", self._manager, self._id,
-                 reply.incarnation, reply.protocol_version)
+        log.info(
+            "registered with manager %s as %s (incarnation %d, protocol v%d)",
+            self._manager,
+            self._id,
+            reply.incarnation,
+            reply.protocol_version,
+        )
 
     def _heartbeat(self) -> None:
-        reply = self._call("Heartbeat", kspeed_pb2.HeartbeatRequest(
-            id=self._id, incarnation=self.incarnation, inventory=self._inventory(), shares=self._shares()))
+        reply = self._call(
+            "Heartbeat",
+            kspeed_pb2.HeartbeatRequest(
+                id=self._id, incarnation=self.incarnation, inventory=self._inventory(), shares=self._shares()
+            ),
+        )
         for name in reply.drop_datasets:
             log.info("the manager no longer assigns dataset %s here; dropping it", name)
             self._on_drop(name)
@@ -118,12 +143,13 @@ class ManagerAgent:
         self._thread.join(timeout=CALL_TIMEOUT + 1)
         if deregister and self.registered.is_set():
             try:
-                self._call("DeregisterServer", kspeed_pb2.DeregisterServerRequest(
-                    id=self._id, incarnation=self.incarnation, reason=reason))
+                self._call(
+                    "DeregisterServer",
+                    kspeed_pb2.DeregisterServerRequest(id=self._id, incarnation=self.incarnation, reason=reason),
+                )
                 log.info("deregistered from manager %s", self._manager)
             except KSpeedError as exc:
                 log.warning("could not deregister: %s", exc)
         self.registered.clear()
         self._metrics.registered.set(0)
         self._channel.close()
-

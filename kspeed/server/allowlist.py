@@ -112,8 +112,7 @@ class AllowList:
             sample=sample,
         )
 
-    def check_resolved(self, protocol: str, path: str, *, dataset: str | None = None,
-                       sample: object = None) -> None:
+    def check_resolved(self, protocol: str, path: str, *, dataset: str | None = None, sample: object = None) -> None:
         """Like :meth:`check` for a path already resolved (e.g. read back from an open descriptor).
 
         Raises:

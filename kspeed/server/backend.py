@@ -60,9 +60,7 @@ class Backend:
             from the server configuration, never from a request).
     """
 
-    def __init__(
-        self, allow: AllowList, storage_options: Mapping[str, Mapping[str, Any]] | None = None
-    ) -> None:
+    def __init__(self, allow: AllowList, storage_options: Mapping[str, Mapping[str, Any]] | None = None) -> None:
         self.allow = allow
         self._options = {k: dict(v) for k, v in (storage_options or {}).items()}
         self._fs: dict[str, fsspec.AbstractFileSystem] = {}
@@ -82,9 +80,7 @@ class Backend:
             self._fs[protocol] = fs
         return fs
 
-    def resolve(
-        self, uri: str, *, dataset: str, sample: object = None
-    ) -> tuple[fsspec.AbstractFileSystem, str, str]:
+    def resolve(self, uri: str, *, dataset: str, sample: object = None) -> tuple[fsspec.AbstractFileSystem, str, str]:
         """Check ``uri`` and return ``(file system, normalized path, protocol)``.
 
         Raises:

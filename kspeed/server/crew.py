@@ -50,8 +50,14 @@ class ThreadTuner:
     """
 
     def __init__(
-        self, max_threads: int, *, cores: int | None = None, window_s: float = 0.005, window_tasks: int = 4,
-        gain: float = 1.15, wait_ratio: float = 2.0,
+        self,
+        max_threads: int,
+        *,
+        cores: int | None = None,
+        window_s: float = 0.005,
+        window_tasks: int = 4,
+        gain: float = 1.15,
+        wait_ratio: float = 2.0,
     ) -> None:
         self.max_threads = max(int(max_threads), 1)
         self.cores = max(int(cores or _usable_cores()), 1)
@@ -121,8 +127,9 @@ class Crew(Generic[T]):
         name: thread name prefix.
     """
 
-    def __init__(self, claim: Callable[[], T | None], work: Callable[[T], float], tuner: ThreadTuner,
-                 *, name: str) -> None:
+    def __init__(
+        self, claim: Callable[[], T | None], work: Callable[[T], float], tuner: ThreadTuner, *, name: str
+    ) -> None:
         self.claim, self.work, self.tuner, self.name = claim, work, tuner, name
         self._cond = threading.Condition()
         self._live: set[int] = set()
@@ -143,8 +150,9 @@ class Crew(Generic[T]):
                     for slot in range(self.tuner.target):
                         if slot not in self._live:
                             self._live.add(slot)
-                            threading.Thread(target=self._worker, args=(slot,), name=f"{self.name}-{slot}",
-                                             daemon=True).start()
+                            threading.Thread(
+                                target=self._worker, args=(slot,), name=f"{self.name}-{slot}", daemon=True
+                            ).start()
                     self.peak_threads = max(self.peak_threads, len(self._live))
                 if self._exhausted and not self._live:
                     break

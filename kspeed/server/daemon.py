@@ -88,45 +88,70 @@ class Server:
             rpc.check_bindable(address)
         backend = Backend(AllowList(cfg.backend_allow, name="--backend-allow"), cfg.backend_options)
         pool = MemoryPool.open(self.pool_dir(), cfg.memory, region_size=cfg.region_size)
-        self.host = DatasetHost(pool, backend, self.state_dir, preload_threads=cfg.preload_threads,
-                                scrub_interval=cfg.scrub_interval)
+        self.host = DatasetHost(
+            pool, backend, self.state_dir, preload_threads=cfg.preload_threads, scrub_interval=cfg.scrub_interval
+        )
         self.host.restore()
         options = RailOptions(token=cfg.security.data_plane_token(), io_timeout=cfg.data_io_timeout)
         count = cfg.feeders or min(4, inv.usable_cores(cfg.cores))
-        self.feeders = FeederPool(count, self.id, options, self.host, plan_timeout=cfg.plan_timeout,
-                                  log_level=cfg.log_level)
+        self.feeders = FeederPool(
+            count, self.id, options, self.host, plan_timeout=cfg.plan_timeout, log_level=cfg.log_level
+        )
         self.host.on_drop = self.feeders.close_dataset
-        self._grpc = grpc.server(futures.ThreadPoolExecutor(GRPC_THREADS, thread_name_prefix="kspeed-rpc"),
-                                 interceptors=rpc.server_interceptors(cfg.security, aio=False),
-                                 options=rpc.server_options(cfg.max_request_bytes))
+        self._grpc = grpc.server(
+            futures.ThreadPoolExecutor(GRPC_THREADS, thread_name_prefix="kspeed-rpc"),
+            interceptors=rpc.server_interceptors(cfg.security, aio=False),
+            options=rpc.server_options(cfg.max_request_bytes),
+        )
         service = ServerService(self.id, cfg.manager, self.host, self.feeders, self.inventory, self._registration)
         self._grpc.add_generic_rpc_handlers(
-            (rpc.service_handler("Server", service, max_request_bytes=cfg.max_request_bytes),))
+            (rpc.service_handler("Server", service, max_request_bytes=cfg.max_request_bytes),)
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         bound = rpc.bind(self._grpc, cfg.listen, cfg.security)
         self.address = inv.advertised(cfg.listen, bound, cfg.advertise)
-        self._http = HttpEndpoint(cfg.http_listen, {
-            "/healthz": lambda: text_response("ok"),
-            "/readyz": self._readyz,
-            "/metrics": metrics_route(self.metrics.registry),
-        })
+        self._http = HttpEndpoint(
+            cfg.http_listen,
+            {
+                "/healthz": lambda: text_response("ok"),
+                "/readyz": self._readyz,
+                "/metrics": metrics_route(self.metrics.registry),
+            },
+        )
         http_address = inv.advertised(cfg.http_listen, self._http.address, "")
         self._grpc.start()
         self._serving = True
         self.metrics.info.info({"id": self.id, "version": __version__, "address": self.address})
         self.metrics.memory.set(cfg.memory)
         self.metrics.memory_used.set_function(self.host.memory_used)
-        self.agent = ManagerAgent(manager_address=cfg.manager, security=cfg.security, server_id=self.id,
-                                  address=self.address, http_address=http_address, inventory=self.inventory,
-                                  metrics=self.metrics, on_fatal=self._fatal, shares=self.host.statuses,
-                                  on_registered=lambda reply: self.host.reconcile(list(reply.assignments)),
-                                  on_drop=self.host.drop)
+        self.agent = ManagerAgent(
+            manager_address=cfg.manager,
+            security=cfg.security,
+            server_id=self.id,
+            address=self.address,
+            http_address=http_address,
+            inventory=self.inventory,
+            metrics=self.metrics,
+            on_fatal=self._fatal,
+            shares=self.host.statuses,
+            on_registered=lambda reply: self.host.reconcile(list(reply.assignments)),
+            on_drop=self.host.drop,
+        )
         self.agent.start()
-        log.info("kspeed-server %s listening: grpc %s (advertised %s), http %s; manager %s; pool %s: %d regions "
-                 "of %d bytes; backends allowed: %s", self.id, bound, self.address, self._http.address, cfg.manager,
-                 pool.directory, pool.region_count, cfg.region_size, ", ".join(cfg.backend_allow) or "none")
-        write_ready_file(cfg.ready_file, {"grpc": bound, "http": self._http.address, "id": self.id,
-                                          "pid": os.getpid()})
+        log.info(
+            "kspeed-server %s listening: grpc %s (advertised %s), http %s; manager %s; pool %s: %d regions "
+            "of %d bytes; backends allowed: %s",
+            self.id,
+            bound,
+            self.address,
+            self._http.address,
+            cfg.manager,
+            pool.directory,
+            pool.region_count,
+            cfg.region_size,
+            ", ".join(cfg.backend_allow) or "none",
+        )
+        write_ready_file(cfg.ready_file, {"grpc": bound, "http": self._http.address, "id": self.id, "pid": os.getpid()})
 
     def _registration(self) -> tuple[bool, int]:
         agent = self.agent

@@ -49,14 +49,16 @@ def decode_ids(data: bytes, dataset: str, count: int) -> np.ndarray:
         NotFoundError: an ID lies outside ``0..count-1`` (the first one is named).
     """
     if len(data) % 8:
-        raise DatasetError(f"dataset {dataset!r}: sample IDs must be packed int64 ({len(data)} bytes given)",
-                           dataset=dataset)
+        raise DatasetError(
+            f"dataset {dataset!r}: sample IDs must be packed int64 ({len(data)} bytes given)", dataset=dataset
+        )
     ids = np.frombuffer(data, dtype=LE_I64)
     bad = (ids < 0) | (ids >= count)
     if bad.any():
         sample = int(ids[bad][0])
-        raise NotFoundError(f"dataset {dataset!r} has {count} samples (IDs 0..{count - 1}); sample {sample} "
-                            "does not exist")
+        raise NotFoundError(
+            f"dataset {dataset!r} has {count} samples (IDs 0..{count - 1}); sample {sample} does not exist"
+        )
     return ids
 
 
@@ -85,8 +87,15 @@ class DatasetHost:
         scrub_interval: seconds between background integrity scrubs of a loaded share (0: off).
     """
 
-    def __init__(self, pool: MemoryPool, backend: Backend, state_dir: str, *, preload_threads: int = 16,
-                 scrub_interval: float = 0.0) -> None:
+    def __init__(
+        self,
+        pool: MemoryPool,
+        backend: Backend,
+        state_dir: str,
+        *,
+        preload_threads: int = 16,
+        scrub_interval: float = 0.0,
+    ) -> None:
         self.pool = pool
         self.backend = backend
         self._path = os.path.join(state_dir, ASSIGNMENTS_FILE)
@@ -123,11 +132,15 @@ class DatasetHost:
         """List a dataset's backend for the manager (sizes in ID order, classes, fingerprint)."""
         source = open_source(self.backend, spec.name, spec.uri, kind=spec.kind or "auto")
         if spec.labels == "dirname" and source.labels is None:
-            raise DatasetError(f"dataset {spec.name!r}: labels 'dirname' need every sample in a class directory "
-                               f"under {spec.uri}", dataset=spec.name)
-        return kspeed_pb2.DescribeDatasetReply(fingerprint=fingerprint_pb(source),
-                                               sizes=source.sizes.astype(LE_I64).tobytes(),
-                                               class_names=list(source.classes))
+            raise DatasetError(
+                f"dataset {spec.name!r}: labels 'dirname' need every sample in a class directory under {spec.uri}",
+                dataset=spec.name,
+            )
+        return kspeed_pb2.DescribeDatasetReply(
+            fingerprint=fingerprint_pb(source),
+            sizes=source.sizes.astype(LE_I64).tobytes(),
+            class_names=list(source.classes),
+        )
 
     def assign(self, request: kspeed_pb2.AssignShareRequest) -> kspeed_pb2.ShareStatus:
         """Hold ``request.share`` of the dataset (idempotent; a different share replaces the old one).
@@ -145,14 +158,19 @@ class DatasetHost:
             if current is not None:
                 self.drop(name)
             if request.region_size != self.pool.region_size:
-                raise ConfigError(f"dataset {name!r}: assigned with region size {request.region_size}, this "
-                                  f"server's pool uses {self.pool.region_size}", field="server.region_size")
+                raise ConfigError(
+                    f"dataset {name!r}: assigned with region size {request.region_size}, this "
+                    f"server's pool uses {self.pool.region_size}",
+                    field="server.region_size",
+                )
             source = open_source(self.backend, name, request.spec.uri, kind=request.spec.kind or "auto")
             if fingerprint_pb(source) != request.fingerprint:
                 raise DatasetError(
                     f"dataset {name!r}: the backend changed since registration (registered: "
                     f"{request.fingerprint.count} samples, {request.fingerprint.total_bytes} bytes; now: "
-                    f"{source.fingerprint}); remove the dataset and register it again", dataset=name)
+                    f"{source.fingerprint}); remove the dataset and register it again",
+                    dataset=name,
+                )
             share = request.share
             held = {r.vindex for r in self.pool.regions(name)}
             wanted = range(share.first_region, share.first_region + share.num_regions)
@@ -164,8 +182,14 @@ class DatasetHost:
             if missing:
                 self.pool.allocate(name, missing)
             try:
-                preloader = Preloader(source, self.pool, lo=share.first_id, hi=share.end_id,
-                                      first_region=share.first_region, threads=self._threads)
+                preloader = Preloader(
+                    source,
+                    self.pool,
+                    lo=share.first_id,
+                    hi=share.end_id,
+                    first_region=share.first_region,
+                    threads=self._threads,
+                )
             except KSpeedError:
                 self.pool.release(name)
                 raise
@@ -174,8 +198,13 @@ class DatasetHost:
                 store.start_scrub(self._scrub_interval)
             self._hosted[name] = Hosted(request, source, preloader, store)
             self._save_assignments()
-            log.info("dataset %s: holding samples %d..%d in %d region(s)", name, share.first_id, share.end_id - 1,
-                     share.num_regions)
+            log.info(
+                "dataset %s: holding samples %d..%d in %d region(s)",
+                name,
+                share.first_id,
+                share.end_id - 1,
+                share.num_regions,
+            )
             return self.status(name)
 
     def drop(self, name: str) -> None:
@@ -222,11 +251,21 @@ class DatasetHost:
         errors = [str(e) for e in result.errors[:MAX_REPORTED_ERRORS]]
         sealed = sum(1 for r in self.pool.regions(name) if r.state is RegionState.SEALED)
         return kspeed_pb2.ShareStatus(
-            dataset=name, regions_sealed=sealed, integrity_repairs=hosted.store.counters["repaired"],
+            dataset=name,
+            regions_sealed=sealed,
+            integrity_repairs=hosted.store.counters["repaired"],
             progress=kspeed_pb2.PreloadProgress(
-                samples_loaded=p.samples_done, samples_total=p.samples_total, bytes_loaded=p.bytes_done,
-                bytes_total=p.bytes_total, bytes_per_s=p.rate_bytes_s, running=p.running, error_count=p.errors,
-                errors=errors, samples_read=result.read_samples))
+                samples_loaded=p.samples_done,
+                samples_total=p.samples_total,
+                bytes_loaded=p.bytes_done,
+                bytes_total=p.bytes_total,
+                bytes_per_s=p.rate_bytes_s,
+                running=p.running,
+                error_count=p.errors,
+                errors=errors,
+                samples_read=result.read_samples,
+            ),
+        )
 
     def statuses(self) -> list[kspeed_pb2.ShareStatus]:
         """Status of every hosted share (for heartbeats)."""
@@ -240,8 +279,9 @@ class DatasetHost:
         """Which of ``ids`` this server owns, with their lengths (and labels)."""
         hosted = self.get(name)
         mask, lengths = hosted.preloader.index.lookup(ids)
-        reply = kspeed_pb2.LookupReply(positions=np.flatnonzero(mask).astype(LE_U32).tobytes(),
-                                       lengths=lengths.astype(LE_U32).tobytes())
+        reply = kspeed_pb2.LookupReply(
+            positions=np.flatnonzero(mask).astype(LE_U32).tobytes(), lengths=lengths.astype(LE_U32).tobytes()
+        )
         if hosted.source.labels is not None and hosted.request.spec.labels:
             reply.labels = hosted.source.labels[ids[mask]].astype(LE_I64).tobytes()
         return reply

@@ -111,7 +111,7 @@ class Feed:
                 kind, payload = grants.decode(message)
                 if kind == grants.GRANTS:
                     for start in range(0, len(payload), GRANTS_PER_WRITE):
-                        self._serve(payload[start:start + GRANTS_PER_WRITE])
+                        self._serve(payload[start : start + GRANTS_PER_WRITE])
                 elif kind == grants.DROP_PLAN:
                     self.plans.pop(int(payload), None)
         except PeerLostError as exc:
@@ -126,11 +126,20 @@ class Feed:
         """Write filler of the probed size (docs/feeding.md, Pacing); a bad size is an ERROR, named."""
         nbytes, tag = int(grant["end"]), int(grant["tag"])
         if not 0 < nbytes <= grants.MAX_PROBE:
-            self.writer.send(grants.encode_error(grants.PROBE_EPOCH, 0, tag, f"probe of {nbytes} bytes is outside "
-                                                 f"1..{grants.MAX_PROBE}"))
+            self.writer.send(
+                grants.encode_error(
+                    grants.PROBE_EPOCH, 0, tag, f"probe of {nbytes} bytes is outside 1..{grants.MAX_PROBE}"
+                )
+            )
             return
-        self.writer.write_batch(self.key, _filler(), np.zeros(1, np.int64), np.array([nbytes], np.int64),
-                                np.array([int(grant["ring_offset"])], np.int64), imms=[tag])
+        self.writer.write_batch(
+            self.key,
+            _filler(),
+            np.zeros(1, np.int64),
+            np.array([nbytes], np.int64),
+            np.array([int(grant["ring_offset"])], np.int64),
+            imms=[tag],
+        )
 
     def _serve(self, batch: np.ndarray) -> None:
         """Serve several grants with one vectorized write per pool region; their tags follow the bytes."""
@@ -161,8 +170,14 @@ class Feed:
             self.writer.write_batch(self.key, b"", src, length, dst, imms=tags)
         for n, r in enumerate(groups.tolist()):
             mask = regions == r if len(groups) > 1 else slice(None)
-            self.writer.write_batch(self.key, self.regions.get(r), src[mask], length[mask], dst[mask],
-                                    imms=tags if n == len(groups) - 1 else None)
+            self.writer.write_batch(
+                self.key,
+                self.regions.get(r),
+                src[mask],
+                length[mask],
+                dst[mask],
+                imms=tags if n == len(groups) - 1 else None,
+            )
         self.served += len(tags)
 
     def close(self) -> None:
@@ -191,8 +206,10 @@ def _open(feeds: dict[str, Feed], regions: Regions, options: RailOptions, server
 
 def serve(conn: Connection, server_id: str, options: RailOptions, log_level: str) -> None:
     """Entry point of a feeder process: obey commands from the server until told to stop."""
-    logging.basicConfig(level=getattr(logging, log_level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s[feeder %(process)d]: %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s[feeder %(process)d]: %(message)s",
+    )
     regions = Regions()
     feeds: dict[str, Feed] = {}
     while True:

@@ -60,8 +60,16 @@ class FeederPool:
         log_level: log level of the feeder processes.
     """
 
-    def __init__(self, count: int, server_id: str, options: RailOptions, host: DatasetHost, *,
-                 plan_timeout: float, log_level: str = "info") -> None:
+    def __init__(
+        self,
+        count: int,
+        server_id: str,
+        options: RailOptions,
+        host: DatasetHost,
+        *,
+        plan_timeout: float,
+        log_level: str = "info",
+    ) -> None:
         self._host = host
         self._plan_timeout = plan_timeout
         self._lock = threading.Lock()
@@ -70,8 +78,9 @@ class FeederPool:
         self._feeders: list[_Feeder] = []
         for _ in range(max(count, 1)):
             ours, theirs = ctx.Pipe()
-            process = ctx.Process(target=feeder.serve, args=(theirs, server_id, options, log_level), daemon=True,
-                                  name="kspeed-feeder")
+            process = ctx.Process(
+                target=feeder.serve, args=(theirs, server_id, options, log_level), daemon=True, name="kspeed-feeder"
+            )
             process.start()
             theirs.close()
             self._feeders.append(_Feeder(process, ours, threading.Lock()))
@@ -106,21 +115,32 @@ class FeederPool:
         if not 1 <= request.generation <= 255:
             raise ProtocolError(f"feed {request.feed_id}: generation {request.generation} must be 1..255")
         if request.rail not in available_rails():
-            raise ProtocolError(f"feed {request.feed_id}: rail {request.rail!r} is not offered here "
-                                f"(available: {', '.join(available_rails())})")
+            raise ProtocolError(
+                f"feed {request.feed_id}: rail {request.rail!r} is not offered here "
+                f"(available: {', '.join(available_rails())})"
+            )
         self._host.get(request.dataset)
         with self._lock:
             current = self._feeds.get(request.feed_id)
             index = current.feeder if current else min(range(len(self._feeders)), key=lambda i: self._feeders[i].feeds)
-        self._command(index, {"op": "open", "feed_id": request.feed_id, "rail": request.rail,
-                              "material": request.material, "ring_key": request.ring_key,
-                              "generation": request.generation})
+        self._command(
+            index,
+            {
+                "op": "open",
+                "feed_id": request.feed_id,
+                "rail": request.rail,
+                "material": request.material,
+                "ring_key": request.ring_key,
+                "generation": request.generation,
+            },
+        )
         with self._lock:
             if current is None:
                 self._feeders[index].feeds += 1
             self._feeds[request.feed_id] = _FeedInfo(request.dataset, index)
-        log.info("feed %s (%s) open on feeder %d over %s", request.feed_id, request.holder or "unnamed", index,
-                 request.rail)
+        log.info(
+            "feed %s (%s) open on feeder %d over %s", request.feed_id, request.holder or "unnamed", index, request.rail
+        )
         return kspeed_pb2.OpenFeedReply(feeder=index)
 
     def dataset_of(self, feed_id: str) -> str:
@@ -133,8 +153,9 @@ class FeederPool:
             raise NotFoundError(f"feed {feed_id!r} is not open on this server (call OpenFeed first)")
         return info
 
-    def commit_plan(self, feed_id: str, epoch: int, batch_size: int, ids: np.ndarray,
-                    lengths: np.ndarray) -> kspeed_pb2.PlanReply:
+    def commit_plan(
+        self, feed_id: str, epoch: int, batch_size: int, ids: np.ndarray, lengths: np.ndarray
+    ) -> kspeed_pb2.PlanReply:
         """Install an epoch plan on the feed's feeder, once every owned sample of it is loaded.
 
         Raises:
@@ -143,8 +164,10 @@ class FeederPool:
         """
         info = self._feed(feed_id)
         if batch_size <= 0 or len(ids) != len(lengths) or len(ids) > MAX_PLAN:
-            raise ProtocolError(f"feed {feed_id}: plan of {len(ids)} IDs with {len(lengths)} lengths and batch size "
-                                f"{batch_size} is malformed")
+            raise ProtocolError(
+                f"feed {feed_id}: plan of {len(ids)} IDs with {len(lengths)} lengths and batch size "
+                f"{batch_size} is malformed"
+            )
         hosted = self._host.get(info.dataset)
         index = hosted.preloader.index
         owned = np.flatnonzero(index.owns(ids))
@@ -153,22 +176,30 @@ class FeederPool:
         wrong = np.flatnonzero(length != lengths[owned])
         if len(wrong):
             k = int(wrong[0])
-            raise ProtocolError(f"feed {feed_id}: sample {int(owned_ids[k])} has length {int(length[k])} here, the "
-                                f"plan says {int(lengths[owned][k])}; look it up again")
+            raise ProtocolError(
+                f"feed {feed_id}: sample {int(owned_ids[k])} has length {int(length[k])} here, the "
+                f"plan says {int(lengths[owned][k])}; look it up again"
+            )
         self._wait_loaded(info.dataset, hosted, owned_ids)
         by_vindex = {r.vindex: r for r in self._host.pool.regions(info.dataset)}
         needed = np.unique(vregion)
         missing = [int(v) for v in needed if int(v) not in by_vindex]
         if missing:
-            raise DatasetError(f"dataset {info.dataset!r}: regions {missing[:4]} of this share are not held",
-                               dataset=info.dataset)
+            raise DatasetError(
+                f"dataset {info.dataset!r}: regions {missing[:4]} of this share are not held", dataset=info.dataset
+            )
         pool_index = np.zeros(int(needed.max()) + 1 if len(needed) else 0, dtype=np.int64)
         for v in needed.tolist():
             pool_index[v] = by_vindex[v].index
         layout = batch_layout(lengths, batch_size)
-        plan = {"starts": layout.starts, "positions": owned.astype(np.int64),
-                "region": pool_index[vregion] if len(owned) else np.zeros(0, np.int64),
-                "src": src.astype(np.int64), "length": length.astype(np.int64), "dst": layout.offsets[owned]}
+        plan = {
+            "starts": layout.starts,
+            "positions": owned.astype(np.int64),
+            "region": pool_index[vregion] if len(owned) else np.zeros(0, np.int64),
+            "src": src.astype(np.int64),
+            "length": length.astype(np.int64),
+            "dst": layout.offsets[owned],
+        }
         paths = {int(by_vindex[v].index): str(by_vindex[v].path) for v in needed.tolist()}
         self._command(info.feeder, {"op": "plan", "feed_id": feed_id, "epoch": epoch, "plan": plan, "paths": paths})
         return kspeed_pb2.PlanReply(owned=len(owned), owned_bytes=int(length.sum()))
@@ -186,9 +217,12 @@ class FeederPool:
                 raise UnavailableError(f"dataset {dataset!r}: still preloading after {self._plan_timeout:.0f}s")
         missing = ids[~index.loaded[ids - index.lo]]
         if len(missing):
-            raise DatasetError(f"dataset {dataset!r}: {len(missing)} sample(s) of the plan failed to load (first: "
-                               f"{missing[:5].tolist()}); see the preload errors", dataset=dataset,
-                               sample=int(missing[0]))
+            raise DatasetError(
+                f"dataset {dataset!r}: {len(missing)} sample(s) of the plan failed to load (first: "
+                f"{missing[:5].tolist()}); see the preload errors",
+                dataset=dataset,
+                sample=int(missing[0]),
+            )
 
     def close(self, feed_id: str) -> None:
         """Close a feed (its data-plane connection and plans)."""

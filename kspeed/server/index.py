@@ -62,7 +62,13 @@ class SampleIndex:
     """
 
     def __init__(
-        self, dataset: str, lo: int, sizes: np.ndarray, region_size: int, *, first_region: int = 0,
+        self,
+        dataset: str,
+        lo: int,
+        sizes: np.ndarray,
+        region_size: int,
+        *,
+        first_region: int = 0,
         fingerprint: str = "",
     ) -> None:
         self.dataset, self.lo, self.region_size = dataset, int(lo), int(region_size)
@@ -130,13 +136,22 @@ class SampleIndex:
         """Write the index atomically (temporary file + rename) to ``path``."""
         path = Path(path)
         meta = {
-            "format": _FORMAT, "dataset": self.dataset, "lo": self.lo, "hi": self.hi,
-            "region_size": self.region_size, "first_region": self.first_region,
+            "format": _FORMAT,
+            "dataset": self.dataset,
+            "lo": self.lo,
+            "hi": self.hi,
+            "region_size": self.region_size,
+            "first_region": self.first_region,
             "fingerprint": self.fingerprint,
         }
         buf = io.BytesIO()
-        np.savez(buf, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), length=self.length,
-                 crc=self.crc, loaded=self.loaded)
+        np.savez(
+            buf,
+            meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
+            length=self.length,
+            crc=self.crc,
+            loaded=self.loaded,
+        )
         tmp = path.with_name(f".{path.name}.tmp")
         with open(tmp, "wb") as f:
             f.write(buf.getbuffer())
@@ -146,8 +161,15 @@ class SampleIndex:
 
     @classmethod
     def load(
-        cls, path: str | os.PathLike[str], *, dataset: str, lo: int, sizes: np.ndarray, region_size: int,
-        first_region: int = 0, fingerprint: str = "",
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        dataset: str,
+        lo: int,
+        sizes: np.ndarray,
+        region_size: int,
+        first_region: int = 0,
+        fingerprint: str = "",
     ) -> SampleIndex:
         """Load a saved index, or build a fresh one if the file is missing or does not match.
 
@@ -165,8 +187,13 @@ class SampleIndex:
             log.warning("dataset %s: discarding unreadable index %s: %s", dataset, path, exc)
             return fresh
         expected = {
-            "format": _FORMAT, "dataset": dataset, "lo": fresh.lo, "hi": fresh.hi, "region_size": region_size,
-            "first_region": first_region, "fingerprint": fingerprint,
+            "format": _FORMAT,
+            "dataset": dataset,
+            "lo": fresh.lo,
+            "hi": fresh.hi,
+            "region_size": region_size,
+            "first_region": first_region,
+            "fingerprint": fingerprint,
         }
         if meta != expected or not np.array_equal(length, fresh.length):
             log.warning("dataset %s: index %s describes another layout or backend; discarding it", dataset, path)

@@ -134,8 +134,13 @@ class SampleStore:
                 failed.append(sid)
             checked += 1
         if repaired or failed:
-            log.warning("dataset %s: scrub checked %d samples, repaired %d, failed %d",
-                        self.dataset, checked, repaired, len(failed))
+            log.warning(
+                "dataset %s: scrub checked %d samples, repaired %d, failed %d",
+                self.dataset,
+                checked,
+                repaired,
+                len(failed),
+            )
         return ScrubReport(checked, repaired, tuple(failed))
 
     def start_scrub(self, interval_s: float) -> None:
@@ -169,7 +174,8 @@ class SampleStore:
                 f"dataset {self.dataset!r} sample {sample_id}: pool copy is corrupt and the backend's bytes "
                 "do not match the checksum recorded at preload either; the backend changed: register "
                 "the dataset again",
-                dataset=self.dataset, sample=sample_id,
+                dataset=self.dataset,
+                sample=sample_id,
             )
         self.preloader.region_array(int(self.index.region[pos]))[off : off + n] = fresh
         self._count("repaired")

@@ -29,8 +29,9 @@ def server_id(config: ServerConfig, state_dir: str) -> str:
     except FileNotFoundError:
         pass
     except OSError as exc:
-        raise ConfigError(f"server.state_dir: cannot read {path!r}: {exc.strerror}", field="server.state_dir",
-                          value=state_dir) from exc
+        raise ConfigError(
+            f"server.state_dir: cannot read {path!r}: {exc.strerror}", field="server.state_dir", value=state_dir
+        ) from exc
     value = f"srv-{secrets.token_hex(4)}"
     tmp = f"{path}.tmp"
     with open(tmp, "w", encoding="utf-8") as fh:
@@ -63,8 +64,12 @@ def rdma_nics(sysfs: str = "/sys") -> list[kspeed_pb2.Nic]:
 def inventory(config: ServerConfig, memory_used: int = 0) -> kspeed_pb2.ServerInventory:
     """This server's inventory as reported at registration and in heartbeats."""
     return kspeed_pb2.ServerInventory(
-        hostname=socket.gethostname(), memory_bytes=config.memory, region_size=config.region_size,
-        cores=usable_cores(config.cores), transports=list(config.transports), nics=rdma_nics(),
+        hostname=socket.gethostname(),
+        memory_bytes=config.memory,
+        region_size=config.region_size,
+        cores=usable_cores(config.cores),
+        transports=list(config.transports),
+        nics=rdma_nics(),
         memory_used_bytes=memory_used,
     )
 

@@ -52,7 +52,6 @@ class Keys:
         return self.blob[self.starts[i] : self.ends[i]].decode("utf-8", "replace")
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Listing:
     """What listing a dataset found.
@@ -90,8 +89,7 @@ def list_dataset(
     """
     openers = {"dir": _open_dir, "list": _open_list, "manifest": _open_manifest, "npy": _open_npy}
     if kind not in openers:
-        raise DatasetError(f"dataset {dataset!r}: unknown source kind {kind!r}; use {SOURCE_KINDS}",
-                           dataset=dataset)
+        raise DatasetError(f"dataset {dataset!r}: unknown source kind {kind!r}; use {SOURCE_KINDS}", dataset=dataset)
     return openers[kind](backend, dataset, uri, fs, root, protocol)
 
 
@@ -102,8 +100,9 @@ def _tag(info: dict) -> str:
     return ""
 
 
-def _open_dir(backend: Backend, dataset: str, uri: str, fs: fsspec.AbstractFileSystem, root: str,
-        protocol: str) -> Listing:
+def _open_dir(
+    backend: Backend, dataset: str, uri: str, fs: fsspec.AbstractFileSystem, root: str, protocol: str
+) -> Listing:
     entries = fs.find(root, detail=True, withdirs=False)
     prefix = root.rstrip("/") + "/"
     rel: list[tuple[str, int, str]] = []
@@ -129,8 +128,9 @@ def _open_dir(backend: Backend, dataset: str, uri: str, fs: fsspec.AbstractFileS
     return Listing("dir", root, sizes, tags, keys=Keys.from_strings(keys), labels=labels, classes=classes)
 
 
-def _open_list(backend: Backend, dataset: str, uri: str, fs: fsspec.AbstractFileSystem, root: str,
-        protocol: str) -> Listing:
+def _open_list(
+    backend: Backend, dataset: str, uri: str, fs: fsspec.AbstractFileSystem, root: str, protocol: str
+) -> Listing:
     base = posixpath.dirname(root)
     text = fs.cat_file(root).decode("utf-8")
     paths, sizes, tags = [], [], []
@@ -147,19 +147,22 @@ def _open_list(backend: Backend, dataset: str, uri: str, fs: fsspec.AbstractFile
             raise DatasetError(
                 f"dataset {dataset!r}: list {uri} line {lineno}: {line!r} is on {entry_protocol}, the list "
                 f"on {protocol}; a list file names paths of its own backend",
-                dataset=dataset, sample=f"line {lineno}",
+                dataset=dataset,
+                sample=f"line {lineno}",
             )
         with backend.errors(f"stat {line!r} (list line {lineno})", dataset=dataset, sample=len(paths)):
             info = fs.info(path)
         paths.append(path)
         sizes.append(int(info.get("size") or 0))
         tags.append(_tag(info))
-    return Listing("list", base, np.asarray(sizes, dtype=np.int64), "\n".join(tags).encode(),
-                   keys=Keys.from_strings(paths))
+    return Listing(
+        "list", base, np.asarray(sizes, dtype=np.int64), "\n".join(tags).encode(), keys=Keys.from_strings(paths)
+    )
 
 
-def _open_manifest(backend: Backend, dataset: str, uri: str, fs: fsspec.AbstractFileSystem, root: str,
-        protocol: str) -> Listing:
+def _open_manifest(
+    backend: Backend, dataset: str, uri: str, fs: fsspec.AbstractFileSystem, root: str, protocol: str
+) -> Listing:
     data = fs.cat_file(root)
     starts, ends, sizes = _parse_manifest(data, dataset, uri)
     if _DOTDOT.search(data) or (len(starts) and (np.frombuffer(data, np.uint8)[starts] == ord("/")).any()):
@@ -180,7 +183,8 @@ def _refuse_key(dataset: str, uri: str, key: bytes, why: str) -> None:
     raise DatasetError(
         f"dataset {dataset!r}: manifest {uri}: key {key.decode('utf-8', 'replace')!r} {why}; manifest keys "
         "are relative to the manifest's directory",
-        dataset=dataset, sample=key.decode("utf-8", "replace"),
+        dataset=dataset,
+        sample=key.decode("utf-8", "replace"),
     )
 
 
@@ -215,7 +219,8 @@ def _parse_manifest(data: bytes, dataset: str, uri: str) -> tuple[np.ndarray, np
         raise DatasetError(
             f"dataset {dataset!r}: manifest {uri} line {lineno[i]}: {line[:200]!r} is not 'key size' "
             f"({int(bad.sum())} bad lines)",
-            dataset=dataset, sample=f"line {lineno[i]}",
+            dataset=dataset,
+            sample=f"line {lineno[i]}",
         )
     key_ends = sep.copy()
     while True:
@@ -226,8 +231,9 @@ def _parse_manifest(data: bytes, dataset: str, uri: str) -> tuple[np.ndarray, np
     return starts, key_ends, sizes
 
 
-def _open_npy(backend: Backend, dataset: str, uri: str, fs: fsspec.AbstractFileSystem, root: str,
-        protocol: str) -> Listing:
+def _open_npy(
+    backend: Backend, dataset: str, uri: str, fs: fsspec.AbstractFileSystem, root: str, protocol: str
+) -> Listing:
     info = fs.info(root)
     with fs.open(root, "rb") as f:
         try:
@@ -237,8 +243,7 @@ def _open_npy(backend: Backend, dataset: str, uri: str, fs: fsspec.AbstractFileS
                 reader = npy_format.read_array_header_1_0
             shape, fortran, dtype = reader(f)
         except ValueError as exc:
-            raise DatasetError(f"dataset {dataset!r}: {uri} is not a valid .npy file: {exc}",
-                               dataset=dataset) from exc
+            raise DatasetError(f"dataset {dataset!r}: {uri} is not a valid .npy file: {exc}", dataset=dataset) from exc
         header = f.tell()
     if not shape or dtype.hasobject or (fortran and len(shape) > 1):
         raise DatasetError(
@@ -256,4 +261,3 @@ def _open_npy(backend: Backend, dataset: str, uri: str, fs: fsspec.AbstractFileS
         )
     tags = f"{_tag(info)} shape={shape} dtype={dtype.str} size={size}".encode()
     return Listing("npy", root, np.full(count, row, dtype=np.int64), tags, row_offset=header)
-

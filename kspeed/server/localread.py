@@ -59,7 +59,12 @@ class LocalReader:
         self.backend = source.backend
 
     def read_run(
-        self, ids: Sequence[int], out: np.ndarray, offsets: Sequence[int], sizes: Sequence[int], *,
+        self,
+        ids: Sequence[int],
+        out: np.ndarray,
+        offsets: Sequence[int],
+        sizes: Sequence[int],
+        *,
         checksum: bool = True,
     ) -> tuple[list[int], list[DatasetError]]:
         """Read samples ``ids`` into ``out[offsets[j] : offsets[j] + sizes[j]]``.
@@ -101,8 +106,9 @@ class LocalReader:
                     finally:
                         close(fd)
                 except OSError as exc:
-                    errors.append(self.backend.error(exc, f"read {self.protocol}://{path}", dataset=self.dataset,
-                                                     sample=i))
+                    errors.append(
+                        self.backend.error(exc, f"read {self.protocol}://{path}", dataset=self.dataset, sample=i)
+                    )
                     continue
                 except DatasetError as exc:
                     errors.append(exc)
@@ -156,8 +162,15 @@ class LocalReader:
         return fd
 
     def _read_rows(
-        self, ids: Sequence[int], out: np.ndarray, view: memoryview, offsets: Sequence[int], sizes: Sequence[int],
-        checksum: bool, crcs: list[int], errors: list[DatasetError],
+        self,
+        ids: Sequence[int],
+        out: np.ndarray,
+        view: memoryview,
+        offsets: Sequence[int],
+        sizes: Sequence[int],
+        checksum: bool,
+        crcs: list[int],
+        errors: list[DatasetError],
     ) -> None:
         path, first = self.source.root, self.source.row_offset
         what = f"read {self.protocol}://{path}"
@@ -191,7 +204,13 @@ class LocalReader:
 
 
 def _read(
-    fd: int, out: np.ndarray, view: memoryview, off: int, size: int, scratch: bytearray | None, checksum: bool,
+    fd: int,
+    out: np.ndarray,
+    view: memoryview,
+    off: int,
+    size: int,
+    scratch: bytearray | None,
+    checksum: bool,
     position: int | None = None,
 ) -> tuple[int, int]:
     """Read ``size`` bytes from ``fd`` into ``out[off:]``; returns (bytes found, crc32c of them).

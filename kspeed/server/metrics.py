@@ -23,16 +23,17 @@ class _HostCollector(Collector):
         for state, count in host.pool.counts().items():
             regions.add_metric([state.name.lower()], count)
         yield regions
-        samples = GaugeMetricFamily("kspeed_server_preload_samples", "Samples of each hosted share",
-                                    labels=["dataset", "kind"])
-        nbytes = GaugeMetricFamily("kspeed_server_preload_bytes", "Bytes of each hosted share",
-                                   labels=["dataset", "kind"])
-        rate = GaugeMetricFamily("kspeed_server_preload_rate_bytes", "Preload read rate (bytes/s)",
-                                 labels=["dataset"])
-        errors = GaugeMetricFamily("kspeed_server_preload_errors", "Samples that failed to load",
-                                   labels=["dataset"])
-        integrity = CounterMetricFamily("kspeed_server_integrity_events", "crc32c checks that found trouble",
-                                        labels=["dataset", "event"])
+        samples = GaugeMetricFamily(
+            "kspeed_server_preload_samples", "Samples of each hosted share", labels=["dataset", "kind"]
+        )
+        nbytes = GaugeMetricFamily(
+            "kspeed_server_preload_bytes", "Bytes of each hosted share", labels=["dataset", "kind"]
+        )
+        rate = GaugeMetricFamily("kspeed_server_preload_rate_bytes", "Preload read rate (bytes/s)", labels=["dataset"])
+        errors = GaugeMetricFamily("kspeed_server_preload_errors", "Samples that failed to load", labels=["dataset"])
+        integrity = CounterMetricFamily(
+            "kspeed_server_integrity_events", "crc32c checks that found trouble", labels=["dataset", "event"]
+        )
         for status in host.statuses():
             p = status.progress
             samples.add_metric([status.dataset, "loaded"], p.samples_loaded)
@@ -53,12 +54,16 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(_HostCollector(host))
         self.info = Info("kspeed_server", "Identity of this server", registry=self.registry)
-        self.registered = Gauge("kspeed_server_registered", "1 while registered with the manager",
-                                registry=self.registry)
-        self.heartbeats = Counter("kspeed_server_heartbeats", "Heartbeats sent to the manager", ["result"],
-                                  registry=self.registry)
-        self.registrations = Counter("kspeed_server_registrations", "Registrations with the manager",
-                                     registry=self.registry)
+        self.registered = Gauge(
+            "kspeed_server_registered", "1 while registered with the manager", registry=self.registry
+        )
+        self.heartbeats = Counter(
+            "kspeed_server_heartbeats", "Heartbeats sent to the manager", ["result"], registry=self.registry
+        )
+        self.registrations = Counter(
+            "kspeed_server_registrations", "Registrations with the manager", registry=self.registry
+        )
         self.memory = Gauge("kspeed_server_memory_bytes", "Memory this server may pool", registry=self.registry)
-        self.memory_used = Gauge("kspeed_server_memory_used_bytes", "Pooled memory allocated to datasets",
-                                 registry=self.registry)
+        self.memory_used = Gauge(
+            "kspeed_server_memory_used_bytes", "Pooled memory allocated to datasets", registry=self.registry
+        )

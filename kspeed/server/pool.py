@@ -132,9 +132,7 @@ class MemoryPool:
         huge_pages: advise the kernel to back regions with transparent huge pages.
     """
 
-    def __init__(
-        self, directory: Path, region_count: int, region_size: int, *, huge_pages: bool = False
-    ) -> None:
+    def __init__(self, directory: Path, region_count: int, region_size: int, *, huge_pages: bool = False) -> None:
         self.directory = Path(directory)
         self.region_size = region_size
         self.huge_pages = huge_pages
@@ -307,9 +305,7 @@ class MemoryPool:
             held = {r.vindex for r in self._regions if r.dataset == dataset}
             dup = sorted(held.intersection(wanted))
             if dup:
-                raise StateError(
-                    f"dataset {dataset!r} already holds virtual regions {dup}; release it first"
-                )
+                raise StateError(f"dataset {dataset!r} already holds virtual regions {dup}; release it first")
             free = [i for i, r in enumerate(self._regions) if r.state is RegionState.FREE]
             if len(free) < len(wanted):
                 raise CapacityError(
@@ -332,7 +328,9 @@ class MemoryPool:
     def unseal(self, index: int) -> None:
         """FILLING or SEALED -> ALLOCATED: the content can no longer be trusted and must be reloaded."""
         self._transition(
-            index, (RegionState.FILLING, RegionState.SEALED, RegionState.ALLOCATED), RegionState.ALLOCATED,
+            index,
+            (RegionState.FILLING, RegionState.SEALED, RegionState.ALLOCATED),
+            RegionState.ALLOCATED,
             "allocate it first",
         )
 
@@ -382,16 +380,13 @@ class MemoryPool:
         if not 0 <= index < len(self._regions):
             raise StateError(f"pool {self.directory}: no region {index} (pool has {len(self._regions)})")
 
-    def _transition(
-        self, index: int, allowed: tuple[RegionState, ...], target: RegionState, hint: str
-    ) -> None:
+    def _transition(self, index: int, allowed: tuple[RegionState, ...], target: RegionState, hint: str) -> None:
         with self._lock:
             self._check_index(index)
             r = self._regions[index]
             if r.state not in allowed:
                 raise StateError(
-                    f"region {index} (dataset {r.dataset!r}) is {r.state.value}, cannot become "
-                    f"{target.value}; {hint}"
+                    f"region {index} (dataset {r.dataset!r}) is {r.state.value}, cannot become {target.value}; {hint}"
                 )
             r.state = target
             self._save()
@@ -422,8 +417,7 @@ class MemoryPool:
             for path in created:
                 path.unlink(missing_ok=True)
             raise CapacityError(
-                f"pool {self.directory}: cannot back {len(self._regions)} regions of {self.region_size} "
-                f"bytes: {exc}"
+                f"pool {self.directory}: cannot back {len(self._regions)} regions of {self.region_size} bytes: {exc}"
             ) from exc
 
     def _shrink_to(self, count: int) -> None:
@@ -435,16 +429,16 @@ class MemoryPool:
         if len(self._regions) > count:
             log.warning(
                 "pool %s: keeping %d regions (asked %d) because the extra ones hold data",
-                self.directory, len(self._regions), count,
+                self.directory,
+                len(self._regions),
+                count,
             )
 
     def _save(self) -> None:
         doc = {
             "version": _MANIFEST_VERSION,
             "region_size": self.region_size,
-            "regions": [
-                {"state": r.state.value, "dataset": r.dataset, "vindex": r.vindex} for r in self._regions
-            ],
+            "regions": [{"state": r.state.value, "dataset": r.dataset, "vindex": r.vindex} for r in self._regions],
         }
         tmp = self.directory / f".{MANIFEST_NAME}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
@@ -459,13 +453,15 @@ def _region_count(memory_bytes: int, region_size: int) -> int:
     if region_size <= 0 or region_size % page:
         raise ConfigError(
             f"region size {region_size} must be a positive multiple of the page size {page}",
-            field="server.region_size", value=region_size,
+            field="server.region_size",
+            value=region_size,
         )
     count = memory_bytes // region_size
     if count < 1:
         raise ConfigError(
             f"pool memory {memory_bytes} bytes is smaller than one region of {region_size} bytes",
-            field="server.memory", value=memory_bytes,
+            field="server.memory",
+            value=memory_bytes,
         )
     return count
 

@@ -124,8 +124,16 @@ class Preloader:
     """
 
     def __init__(
-        self, source: Source, pool: MemoryPool, *, lo: int = 0, hi: int | None = None, first_region: int = 0,
-        threads: int = 16, batch_bytes: int = 1 << 20, save_interval_s: float = 5.0,
+        self,
+        source: Source,
+        pool: MemoryPool,
+        *,
+        lo: int = 0,
+        hi: int | None = None,
+        first_region: int = 0,
+        threads: int = 16,
+        batch_bytes: int = 1 << 20,
+        save_interval_s: float = 5.0,
     ) -> None:
         self.source, self.pool, self.dataset = source, pool, source.dataset
         hi = source.count if hi is None else hi
@@ -136,8 +144,13 @@ class Preloader:
         self.threads, self.batch_bytes, self.save_interval_s = max(threads, 1), batch_bytes, save_interval_s
         self.index_path = pool.side_path(self.dataset, INDEX_FILE)
         self.index = SampleIndex.load(
-            self.index_path, dataset=self.dataset, lo=lo, sizes=source.sizes[lo:hi],
-            region_size=pool.region_size, first_region=first_region, fingerprint=source.fingerprint.digest,
+            self.index_path,
+            dataset=self.dataset,
+            lo=lo,
+            sizes=source.sizes[lo:hi],
+            region_size=pool.region_size,
+            first_region=first_region,
+            fingerprint=source.fingerprint.digest,
         )
         held = {r.vindex: r for r in pool.regions(self.dataset)}
         wanted = range(first_region, first_region + self.index.num_regions)
@@ -217,8 +230,13 @@ class Preloader:
     def result(self) -> PreloadResult:
         """Outcome of the last job (or of nothing, if no job ran)."""
         with self._lock:
-            return PreloadResult(self._read_samples, self._read_bytes, int(self.index.loaded.sum()),
-                                 len(self.index.loaded), tuple(self._errors))
+            return PreloadResult(
+                self._read_samples,
+                self._read_bytes,
+                int(self.index.loaded.sum()),
+                len(self.index.loaded),
+                tuple(self._errors),
+            )
 
     def progress(self) -> Progress:
         """Current progress; safe to call from any thread."""
@@ -233,32 +251,50 @@ class Preloader:
             srate = self._read_samples / elapsed if elapsed > 0 else 0.0
             left = total_bytes - done_bytes
             eta = 0.0 if left == 0 else (left / rate if rate > 0 else None)
-            return Progress(running, int(loaded.sum()), len(loaded), done_bytes, total_bytes,
-                            len(self._errors), elapsed, rate, srate, eta)
+            return Progress(
+                running,
+                int(loaded.sum()),
+                len(loaded),
+                done_bytes,
+                total_bytes,
+                len(self._errors),
+                elapsed,
+                rate,
+                srate,
+                eta,
+            )
 
     def _run(self) -> None:
         try:
-            pending = _Pending(self._prepare(), self.index.bounds, self.index.length, self.index.lo,
-                               self.batch_bytes, self.threads)
+            pending = _Pending(
+                self._prepare(), self.index.bounds, self.index.length, self.index.lo, self.batch_bytes, self.threads
+            )
             tuner = ThreadTuner(self.threads)
-            crew = Crew(pending.claim, functools.partial(self._load, pending), tuner,
-                        name=f"preload-{self.dataset}")
+            crew = Crew(pending.claim, functools.partial(self._load, pending), tuner, name=f"preload-{self.dataset}")
             crew.run(self._tick, tick_s=min(self.save_interval_s, 0.5))
             self._save_index()
-            log.debug("dataset %s: preload ran up to %d threads, settled on %d", self.dataset,
-                      crew.peak_threads, tuner.target)
+            log.debug(
+                "dataset %s: preload ran up to %d threads, settled on %d", self.dataset, crew.peak_threads, tuner.target
+            )
         except Exception as exc:  # a bug or a pool failure: report it through the result
             log.exception("dataset %s: preload job failed", self.dataset)
             with self._lock:
-                self._errors.append(DatasetError(f"dataset {self.dataset!r}: preload failed: {exc}",
-                                                 dataset=self.dataset))
+                self._errors.append(
+                    DatasetError(f"dataset {self.dataset!r}: preload failed: {exc}", dataset=self.dataset)
+                )
         finally:
             with self._lock:
                 self._job_end = time.monotonic()
                 self._done.set()
             p = self.progress()
-            log.info("dataset %s: preload read %d samples, %d bytes in %.2f s, %d errors",
-                     self.dataset, self._read_samples, self._read_bytes, p.elapsed_s, p.errors)
+            log.info(
+                "dataset %s: preload read %d samples, %d bytes in %.2f s, %d errors",
+                self.dataset,
+                self._read_samples,
+                self._read_bytes,
+                p.elapsed_s,
+                p.errors,
+            )
 
     def _prepare(self) -> np.ndarray:
         """Open the unsealed regions for filling; returns the IDs still to load, in ID order."""

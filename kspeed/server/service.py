@@ -21,9 +21,15 @@ MAX_READ_BYTES = 64 << 20  # bytes per Read reply (the channels' message limit)
 class ServerService:
     """Implements every RPC of ``kspeed.v1.Server`` over a :class:`DatasetHost`."""
 
-    def __init__(self, server_id: str, manager_address: str, host: DatasetHost, feeders: FeederPool,
-                 inventory: Callable[[], kspeed_pb2.ServerInventory],
-                 registration: Callable[[], tuple[bool, int]]) -> None:
+    def __init__(
+        self,
+        server_id: str,
+        manager_address: str,
+        host: DatasetHost,
+        feeders: FeederPool,
+        inventory: Callable[[], kspeed_pb2.ServerInventory],
+        registration: Callable[[], tuple[bool, int]],
+    ) -> None:
         self._id = server_id
         self._feeders = feeders
         self._manager = manager_address
@@ -33,28 +39,38 @@ class ServerService:
 
     def GetInfo(self, request: kspeed_pb2.GetInfoRequest, context: grpc.ServicerContext) -> kspeed_pb2.ServerInfo:
         registered, incarnation = self._registration()
-        return kspeed_pb2.ServerInfo(id=self._id, inventory=self._inventory(), software_version=__version__,
-                                     protocol_versions=PROTOCOL_VERSIONS, manager_address=self._manager,
-                                     registered=registered, incarnation=incarnation)
+        return kspeed_pb2.ServerInfo(
+            id=self._id,
+            inventory=self._inventory(),
+            software_version=__version__,
+            protocol_versions=PROTOCOL_VERSIONS,
+            manager_address=self._manager,
+            registered=registered,
+            incarnation=incarnation,
+        )
 
-    def DescribeDataset(self, request: kspeed_pb2.DatasetSpec,
-                        context: grpc.ServicerContext) -> kspeed_pb2.DescribeDatasetReply:
+    def DescribeDataset(
+        self, request: kspeed_pb2.DatasetSpec, context: grpc.ServicerContext
+    ) -> kspeed_pb2.DescribeDatasetReply:
         return self._host.describe(request)
 
-    def AssignShare(self, request: kspeed_pb2.AssignShareRequest,
-                    context: grpc.ServicerContext) -> kspeed_pb2.ShareStatus:
+    def AssignShare(
+        self, request: kspeed_pb2.AssignShareRequest, context: grpc.ServicerContext
+    ) -> kspeed_pb2.ShareStatus:
         return self._host.assign(request)
 
     def StartPreload(self, request: kspeed_pb2.DatasetRequest, context: grpc.ServicerContext) -> kspeed_pb2.ShareStatus:
         return self._host.start_preload(request.name)
 
-    def DropDataset(self, request: kspeed_pb2.DatasetRequest,
-                    context: grpc.ServicerContext) -> kspeed_pb2.DropDatasetReply:
+    def DropDataset(
+        self, request: kspeed_pb2.DatasetRequest, context: grpc.ServicerContext
+    ) -> kspeed_pb2.DropDatasetReply:
         self._host.drop(request.name)  # closes the dataset's feeds first (DatasetHost.on_drop)
         return kspeed_pb2.DropDatasetReply()
 
-    def Lookup(self, requests: Iterator[kspeed_pb2.LookupRequest],
-               context: grpc.ServicerContext) -> Iterator[kspeed_pb2.LookupReply]:
+    def Lookup(
+        self, requests: Iterator[kspeed_pb2.LookupRequest], context: grpc.ServicerContext
+    ) -> Iterator[kspeed_pb2.LookupReply]:
         name = ""
         for chunk in requests:
             name = name or chunk.dataset
@@ -71,8 +87,10 @@ class ServerService:
         ids = decode_ids(request.ids, request.dataset, self._host.count(request.dataset))
         nbytes = self._host.nbytes(request.dataset, ids)
         if nbytes > MAX_READ_BYTES:
-            raise ProtocolError(f"Read: {len(ids)} samples of dataset {request.dataset!r} hold {nbytes} bytes, more "
-                                f"than {MAX_READ_BYTES} per call; ask for fewer samples per call")
+            raise ProtocolError(
+                f"Read: {len(ids)} samples of dataset {request.dataset!r} hold {nbytes} bytes, more "
+                f"than {MAX_READ_BYTES} per call; ask for fewer samples per call"
+            )
         return self._host.read(request.dataset, ids)
 
     def OpenFeed(self, request: kspeed_pb2.OpenFeedRequest, context: grpc.ServicerContext) -> kspeed_pb2.OpenFeedReply:
@@ -80,8 +98,9 @@ class ServerService:
         reply.server_id = self._id
         return reply
 
-    def CommitPlan(self, requests: Iterator[kspeed_pb2.PlanChunk], context: grpc.ServicerContext
-                   ) -> kspeed_pb2.PlanReply:
+    def CommitPlan(
+        self, requests: Iterator[kspeed_pb2.PlanChunk], context: grpc.ServicerContext
+    ) -> kspeed_pb2.PlanReply:
         head = None
         ids, lengths = [], []
         for chunk in requests:
@@ -97,7 +116,8 @@ class ServerService:
         all_lengths = np.frombuffer(b"".join(lengths), dtype=LE_U32).astype(np.int64)
         return self._feeders.commit_plan(head.feed_id, head.epoch, head.batch_size, all_ids, all_lengths)
 
-    def CloseFeed(self, request: kspeed_pb2.CloseFeedRequest,
-                  context: grpc.ServicerContext) -> kspeed_pb2.CloseFeedReply:
+    def CloseFeed(
+        self, request: kspeed_pb2.CloseFeedRequest, context: grpc.ServicerContext
+    ) -> kspeed_pb2.CloseFeedReply:
         self._feeders.close(request.feed_id)
         return kspeed_pb2.CloseFeedReply()

@@ -64,9 +64,20 @@ class Source:
     """
 
     def __init__(
-        self, backend: Backend, dataset: str, uri: str, kind: str, root: str, protocol: str,
-        sizes: np.ndarray, tags: bytes, *, keys: Keys | None = None, row_offset: int = 0,
-        labels: np.ndarray | None = None, classes: Sequence[str] = (),
+        self,
+        backend: Backend,
+        dataset: str,
+        uri: str,
+        kind: str,
+        root: str,
+        protocol: str,
+        sizes: np.ndarray,
+        tags: bytes,
+        *,
+        keys: Keys | None = None,
+        row_offset: int = 0,
+        labels: np.ndarray | None = None,
+        classes: Sequence[str] = (),
     ) -> None:
         self.backend, self.dataset, self.uri, self.kind = backend, dataset, uri, kind
         self.root, self.protocol = root, protocol
@@ -114,8 +125,10 @@ class Source:
             return [self.root] * len(ids)
         idx = np.asarray(ids, dtype=np.int64)
         blob = self._keys.blob
-        keys = [blob[a:b].decode("utf-8", "replace")
-                for a, b in zip(self._keys.starts[idx].tolist(), self._keys.ends[idx].tolist(), strict=True)]
+        keys = [
+            blob[a:b].decode("utf-8", "replace")
+            for a, b in zip(self._keys.starts[idx].tolist(), self._keys.ends[idx].tolist(), strict=True)
+        ]
         if self.kind == "list" or not self.root:
             return keys
         prefix = self.root.rstrip("/") + "/"
@@ -142,7 +155,8 @@ class Source:
         if len(view) < size:
             raise DatasetError(
                 f"dataset {self.dataset!r} sample {i}: buffer of {len(view)} bytes for a {size}-byte sample",
-                dataset=self.dataset, sample=i,
+                dataset=self.dataset,
+                sample=i,
             )
         if self._local is not None:
             _, errors = self._local.read_run([i], np.frombuffer(view, dtype=np.uint8), [0], [size], checksum=False)
@@ -197,7 +211,8 @@ class Source:
         return DatasetError(
             f"dataset {self.dataset!r} sample {sample_id} ({self.key(sample_id)}): size changed since listing "
             f"({listed} bytes listed, {shown} bytes found); the backend changed: register the dataset again",
-            dataset=self.dataset, sample=sample_id,
+            dataset=self.dataset,
+            sample=sample_id,
         )
 
     def reopen(self) -> Source:
@@ -267,8 +282,20 @@ def open_source(backend: Backend, dataset: str, uri: str, *, kind: str = "auto")
             else:
                 kind = "list"
         found = list_dataset(backend, dataset, uri, fs, root, protocol, kind)
-    source = Source(backend, dataset, uri, found.kind, found.root, protocol, found.sizes, found.tags,
-                    keys=found.keys, row_offset=found.row_offset, labels=found.labels, classes=found.classes)
+    source = Source(
+        backend,
+        dataset,
+        uri,
+        found.kind,
+        found.root,
+        protocol,
+        found.sizes,
+        found.tags,
+        keys=found.keys,
+        row_offset=found.row_offset,
+        labels=found.labels,
+        classes=found.classes,
+    )
     if source.count == 0:
         raise DatasetError(f"dataset {dataset!r}: {uri} holds no samples", dataset=dataset)
     log.info("dataset %s: listed %s (%s): %s", dataset, uri, kind, source.fingerprint)

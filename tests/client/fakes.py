@@ -142,8 +142,11 @@ class FakeServer:
         base = int(grant["ring_offset"])
         lo = int(plan.starts[batch]) + int(grant["first"])
         hi = min(int(plan.starts[batch]) + int(grant["end"]), int(plan.starts[batch + 1]))
-        ops = [(self.samples[int(plan.ids[p])], base + int(plan.offsets[p]), None)
-               for p in range(lo, hi) if self.lo <= plan.ids[p] < self.hi]
+        ops = [
+            (self.samples[int(plan.ids[p])], base + int(plan.offsets[p]), None)
+            for p in range(lo, hi)
+            if self.lo <= plan.ids[p] < self.hi
+        ]
         if self.stale_first:
             stale = grants.make_tag((self.generation - 2) % 255 + 1, tag & 0xFFFFFF)  # the previous generation
             writer.write(self._key, b"", base, imm=stale)
@@ -154,12 +157,14 @@ class FakeServer:
             writer.write(self._key, b"", base, imm=tag)
 
 
-def fake_info(samples: list[bytes], shares: list[tuple[str, int, int]], *, name: str = "fake",
-              labels: str = "dirname") -> kspeed_pb2.DatasetInfo:
+def fake_info(
+    samples: list[bytes], shares: list[tuple[str, int, int]], *, name: str = "fake", labels: str = "dirname"
+) -> kspeed_pb2.DatasetInfo:
     """A DatasetInfo as the manager would describe the fake dataset."""
-    info = kspeed_pb2.DatasetInfo(spec=kspeed_pb2.DatasetSpec(name=name, uri="/fake", labels=labels),
-                                  fingerprint=kspeed_pb2.Fingerprint(count=len(samples),
-                                                                     total_bytes=sum(map(len, samples))))
+    info = kspeed_pb2.DatasetInfo(
+        spec=kspeed_pb2.DatasetSpec(name=name, uri="/fake", labels=labels),
+        fingerprint=kspeed_pb2.Fingerprint(count=len(samples), total_bytes=sum(map(len, samples))),
+    )
     for sid, lo, hi in shares:
         info.shares.add(server_id=sid, first_id=lo, end_id=hi)
         info.server_addresses[sid] = "127.0.0.1:1"

@@ -21,8 +21,9 @@ def check_batch(batch, samples):
 
 
 def loader_batches(sampler, batch_size, drop_last):
-    return [b.tolist() for b in DataLoader(range(N_SAMPLES), sampler=sampler, batch_size=batch_size,
-                                           drop_last=drop_last)]
+    return [
+        b.tolist() for b in DataLoader(range(N_SAMPLES), sampler=sampler, batch_size=batch_size, drop_last=drop_last)
+    ]
 
 
 @pytest.mark.parametrize("rail", available_rails())
@@ -162,8 +163,15 @@ def test_equal_length_batches_stack_and_wav(samples):
     pcm = np.arange(-50, 50, dtype=np.int16)
     wav = [b"RIFF" + bytes(40) + pcm.tobytes() for _ in range(12)]
     fake = FakeServer("w0", wav, 0, 12)
-    ds = KSpeedDataset(fake_info(wav, [("w0", 0, 12)]), [fake], config=client_config(), batch_size=6,
-                       shuffle=False, ring_bytes=1 << 16, rail="shm")
+    ds = KSpeedDataset(
+        fake_info(wav, [("w0", 0, 12)]),
+        [fake],
+        config=client_config(),
+        batch_size=6,
+        shuffle=False,
+        ring_bytes=1 << 16,
+        rail="shm",
+    )
     try:
         batch = next(iter(ds))
         assert batch.data.shape == (6, 244)

@@ -61,8 +61,14 @@ class FakeCuda:
         return self.consumer[-1]
 
 
-META = {"epoch": 0, "index": 0, "ids": np.array([5, 6, 7]), "labels": np.array([1, 2, 3]),
-        "offsets": np.array([0, 16, 32]), "lengths": np.array([10, 16, 3])}
+META = {
+    "epoch": 0,
+    "index": 0,
+    "ids": np.array([5, 6, 7]),
+    "labels": np.array([1, 2, 3]),
+    "offsets": np.array([0, 16, 32]),
+    "lengths": np.array([10, 16, 3]),
+}
 
 
 def ring_and_batch(delivery):
@@ -134,7 +140,7 @@ def test_cuda_branch_reclaims_the_range_only_after_copy_and_consumer_events():
     assert len(fake.copies) == 1  # one copy of the whole range
     for i, length in enumerate(META["lengths"]):
         start = offset + int(META["offsets"][i])
-        assert batch.numpy(i).tobytes() == ring[start:start + length].tobytes()
+        assert batch.numpy(i).tobytes() == ring[start : start + length].tobytes()
         assert batch.samples[i].data_ptr() != ring.ctypes.data + start  # views of the copy, not the ring
     for _ in range(10):  # however often it is polled, the user still holds the batch
         delivery.poll()
@@ -172,8 +178,9 @@ def test_cuda_branch_collected_views_release_like_release():
 @pytest.fixture
 def fake_cuda(monkeypatch):
     fake = FakeCuda(not_ready=3)
-    monkeypatch.setattr(dataset_module, "make_delivery",
-                        lambda device: CudaDelivery(torch.device("cuda"), backend=fake))
+    monkeypatch.setattr(
+        dataset_module, "make_delivery", lambda device: CudaDelivery(torch.device("cuda"), backend=fake)
+    )
     return fake
 
 

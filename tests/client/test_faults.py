@@ -40,8 +40,10 @@ def test_fence_quarantines_and_ignores_the_old_generation(make_ds):
     old_generation, conn = path.generation, path.conn
     outstanding = [tag for tag, (_, index, _) in feed._outstanding.items() if index == 1]
     assert outstanding and all(grants.tag_generation(t) == old_generation for t in outstanding)
-    fenced = {(slot.offset, slot.offset + feed.allocator.footprint(int(slot.plan.layout.batch_bytes[slot.batch])))
-              for slot in (feed._outstanding[t][0] for t in outstanding)}
+    fenced = {
+        (slot.offset, slot.offset + feed.allocator.footprint(int(slot.plan.layout.batch_bytes[slot.batch])))
+        for slot in (feed._outstanding[t][0] for t in outstanding)
+    }
 
     assert ds.fence("s1", "declared failed in a test") == len(outstanding)
     assert path.generation == old_generation + 1
@@ -145,8 +147,13 @@ def test_unknown_rail_is_refused_before_anything_opens(samples):
 
     fake = FakeServer("s0", samples, 0, len(samples))
     with pytest.raises(RailUnavailableError, match="carrier-pigeon"):
-        KSpeedDataset(fake_info(samples, [("s0", 0, len(samples))]), [fake], config=client_config(), batch_size=4,
-                      rail="carrier-pigeon")
+        KSpeedDataset(
+            fake_info(samples, [("s0", 0, len(samples))]),
+            [fake],
+            config=client_config(),
+            batch_size=4,
+            rail="carrier-pigeon",
+        )
     assert fake.generation == 0  # no OpenFeed was sent
 
 

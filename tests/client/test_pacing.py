@@ -24,7 +24,13 @@ MiB = 1 << 20
 
 def test_size_class_is_nearest_on_a_log_scale():
     assert [LatencyTable.size_class(n) for n in (1, 32 << 10, 90 << 10, 100 << 10, 3 * MiB, 64 * MiB)] == [
-        0, 0, 0, 1, 3, 3]
+        0,
+        0,
+        0,
+        1,
+        3,
+        3,
+    ]
 
 
 def test_estimate_interpolates_and_extends():
@@ -107,8 +113,16 @@ def probe(pacer: Pacer, link: ModelLink) -> None:
     pacer.seed(SIZE_CLASSES[-1] / (SIZE_CLASSES[-1] / link.rate + min(link.delay)))
 
 
-def run(pacer: Pacer, link: ModelLink, *, seconds: float, start: float = 0.0, grant_bytes: int = 64 << 10,
-        trace: list | None = None, delivered: list | None = None) -> float:
+def run(
+    pacer: Pacer,
+    link: ModelLink,
+    *,
+    seconds: float,
+    start: float = 0.0,
+    grant_bytes: int = 64 << 10,
+    trace: list | None = None,
+    delivered: list | None = None,
+) -> float:
     """Keep every path backlogged with equal demand for ``seconds``; return the end time."""
     order = itertools.count(int(start * 1e6))
     flying: list[tuple[float, int, SubGrant]] = []

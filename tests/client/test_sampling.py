@@ -21,8 +21,9 @@ def loader_ids(sampler, batch_size, drop_last, epoch=None):
 
 
 def orders(sampler=None, **kwargs):
-    args = dict(num_samples=N, batch_size=8, drop_last=False, seed=0, shuffle=True, rank=None, world_size=None,
-                dataset="t")
+    args = dict(
+        num_samples=N, batch_size=8, drop_last=False, seed=0, shuffle=True, rank=None, world_size=None, dataset="t"
+    )
     args.update(kwargs)
     return EpochOrders(sampler, **args)
 

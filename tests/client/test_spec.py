@@ -14,13 +14,28 @@ def test_valid_spec_mirrors_the_proto():
     spec = DatasetSpec(name="imgs", uri="/data/imgs", labels="dirname", quota_bytes=1 << 20)
     proto = spec.to_proto()
     assert (proto.name, proto.uri, proto.kind, proto.labels, proto.quota_bytes) == (
-        "imgs", "/data/imgs", "auto", "dirname", 1 << 20)
+        "imgs",
+        "/data/imgs",
+        "auto",
+        "dirname",
+        1 << 20,
+    )
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.name = "other"
 
 
-@pytest.mark.parametrize(("field", "value"), [("name", "-bad"), ("name", ""), ("uri", ""), ("kind", "zip"),
-                                              ("labels", "filename"), ("quota_bytes", -1), ("quota_bytes", True)])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("name", "-bad"),
+        ("name", ""),
+        ("uri", ""),
+        ("kind", "zip"),
+        ("labels", "filename"),
+        ("quota_bytes", -1),
+        ("quota_bytes", True),
+    ],
+)
 def test_bad_fields_are_named(field, value):
     args = {"name": "imgs", "uri": "/data", field: value}
     with pytest.raises(ConfigError, match=field) as exc:

@@ -71,8 +71,11 @@ class FolderDataset:
 
     def __init__(self, root, transform=None, target_transform=None, loader=jpeg_loader):
         self.classes = sorted(os.listdir(root))
-        self.samples = [(os.path.join(root, c, f), i) for i, c in enumerate(self.classes)
-                        for f in sorted(os.listdir(os.path.join(root, c)))]
+        self.samples = [
+            (os.path.join(root, c, f), i)
+            for i, c in enumerate(self.classes)
+            for f in sorted(os.listdir(os.path.join(root, c)))
+        ]
         self.targets = [t for _, t in self.samples]
         self.loader = loader
         self.transform = transform
@@ -138,13 +141,28 @@ def make_wrapped(folder):
         half = len(data) // 2
         fakes = [FakeServer("s0", data, 0, half), FakeServer("s1", data, half, len(data))]
         info = fake_info(data, [("s0", 0, half), ("s1", half, len(data))], labels="")
-        inner = KSpeedDataset(info, fakes, config=client_config(), rail="shm", batch_size=batch_size,
-                              sampler=sampler, seed=seed, drop_last=drop_last, ring_bytes=1 << 20)
+        inner = KSpeedDataset(
+            info,
+            fakes,
+            config=client_config(),
+            rail="shm",
+            batch_size=batch_size,
+            sampler=sampler,
+            seed=seed,
+            drop_last=drop_last,
+            ring_bytes=1 << 20,
+        )
         kwargs.setdefault("num_workers", 2)
         try:
-            wrapped = WrappedDataset(inner, paths=[p for p, _ in ds.samples], targets=[t for _, t in ds.samples],
-                                     loader=ds.loader, transform=ds.transform, target_transform=ds.target_transform,
-                                     **kwargs)
+            wrapped = WrappedDataset(
+                inner,
+                paths=[p for p, _ in ds.samples],
+                targets=[t for _, t in ds.samples],
+                loader=ds.loader,
+                transform=ds.transform,
+                target_transform=ds.target_transform,
+                **kwargs,
+            )
         except BaseException:
             inner.close()
             for fake in fakes:

@@ -21,8 +21,14 @@ def rail(request) -> str:
 
 @pytest.fixture
 def options() -> RailOptions:
-    return RailOptions(token=b"conformance-token-0123456789", io_timeout=IO_TIMEOUT, connect_timeout=3.0,
-                       keepalive_idle=1.0, keepalive_interval=1.0, keepalive_count=2)
+    return RailOptions(
+        token=b"conformance-token-0123456789",
+        io_timeout=IO_TIMEOUT,
+        connect_timeout=3.0,
+        keepalive_idle=1.0,
+        keepalive_interval=1.0,
+        keepalive_count=2,
+    )
 
 
 @pytest.fixture

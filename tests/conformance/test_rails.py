@@ -343,14 +343,32 @@ def test_link_cut_detected(rail, options):
         run("ip", "netns", "exec", NETNS, "ip", "addr", "add", "10.231.7.2/24", "dev", "kspc1")
         run("ip", "netns", "exec", NETNS, "ip", "link", "set", "kspc1", "up")
         run("ip", "netns", "exec", NETNS, "ip", "link", "set", "lo", "up")
-        opts = RailOptions(token=options.token, io_timeout=1.0, bind_host="10.231.7.1", keepalive_idle=1.0,
-                           keepalive_interval=1.0, keepalive_count=2)
+        opts = RailOptions(
+            token=options.token,
+            io_timeout=1.0,
+            bind_host="10.231.7.1",
+            keepalive_idle=1.0,
+            keepalive_interval=1.0,
+            keepalive_count=2,
+        )
         with get_rail("tcp").listen(opts) as rx:
             ring = rx.register(1 << 20)
             writer = subprocess.Popen(
-                ["ip", "netns", "exec", NETNS, sys.executable, "-c", _CUT_WRITER, rx.material.decode(),
-                 ring.key.to_bytes().decode()],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=os.getcwd(),
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    NETNS,
+                    sys.executable,
+                    "-c",
+                    _CUT_WRITER,
+                    rx.material.decode(),
+                    ring.key.to_bytes().decode(),
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                cwd=os.getcwd(),
                 env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
             )
             assert writer.stdout.readline().strip() == "connected"

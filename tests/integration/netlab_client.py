@@ -82,9 +82,14 @@ class Tracer:
             try:
                 stats = self._ds.stats()
                 pacing = stats.get("pacing")
-                self.samples.append({"time": time.time(), "bytes": stats.get("bytes"),
-                                     "ring_used": stats.get("ring_used"),
-                                     "pacing": json.loads(json.dumps(pacing, default=_jsonable))})
+                self.samples.append(
+                    {
+                        "time": time.time(),
+                        "bytes": stats.get("bytes"),
+                        "ring_used": stats.get("ring_used"),
+                        "pacing": json.loads(json.dumps(pacing, default=_jsonable)),
+                    }
+                )
             except Exception:  # a failed sample must not end the run; it is counted instead
                 self.errors += 1
             if self._stop.wait(self._interval):
@@ -120,12 +125,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         info = client.manager.dataset(args.dataset)
         n = int(info.fingerprint.count)
-        shares = [{"server_id": s.server_id, "first_id": int(s.first_id), "end_id": int(s.end_id),
-                   "address": info.server_addresses.get(s.server_id, "")} for s in info.shares]
+        shares = [
+            {
+                "server_id": s.server_id,
+                "first_id": int(s.first_id),
+                "end_id": int(s.end_id),
+                "address": info.server_addresses.get(s.server_id, ""),
+            }
+            for s in info.shares
+        ]
         if args.sampler == "sharded":
             lo, hi = n * args.rank // args.world, n * (args.rank + 1) // args.world
-            ds = client.dataset(args.dataset, batch_size=args.batch_size, sampler=range(lo, hi), rail=args.rail,
-                                ring_bytes=args.ring_bytes or None, quiet=True)
+            ds = client.dataset(
+                args.dataset,
+                batch_size=args.batch_size,
+                sampler=range(lo, hi),
+                rail=args.rail,
+                ring_bytes=args.ring_bytes or None,
+                quiet=True,
+            )
             ids = [lo, hi]
         elif args.exclude:
             skip = [(s["first_id"], s["end_id"]) for s in shares if s["address"].rsplit(":", 1)[0] in args.exclude]
@@ -133,13 +151,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for lo, hi in skip:
                 keep[lo:hi] = False
             order = np.random.default_rng(args.seed).permutation(np.flatnonzero(keep)).tolist()
-            ds = client.dataset(args.dataset, batch_size=args.batch_size, sampler=order, rail=args.rail,
-                                ring_bytes=args.ring_bytes or None, quiet=True)
+            ds = client.dataset(
+                args.dataset,
+                batch_size=args.batch_size,
+                sampler=order,
+                rail=args.rail,
+                ring_bytes=args.ring_bytes or None,
+                quiet=True,
+            )
             ids = [0, n]
         else:
             distributed = {"rank": args.rank, "world_size": args.world} if args.world > 1 else {}
-            ds = client.dataset(args.dataset, batch_size=args.batch_size, seed=args.seed, rail=args.rail,
-                                ring_bytes=args.ring_bytes or None, quiet=True, **distributed)
+            ds = client.dataset(
+                args.dataset,
+                batch_size=args.batch_size,
+                seed=args.seed,
+                rail=args.rail,
+                ring_bytes=args.ring_bytes or None,
+                quiet=True,
+                **distributed,
+            )
             ids = [0, n]
         if args.start_at:
             time.sleep(max(args.start_at - time.time(), 0.0))
@@ -184,16 +215,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         steady = waits[1:] if len(waits) > 1 else waits
         total = sum(sizes)
         return {
-            "args": vars(args), "env": {k: v for k, v in os.environ.items() if k.startswith("KSPEED_")},
-            "data_host": data_host, "rail": ds.rail, "samples": n, "ids": ids, "shares": shares,
-            "batches": len(waits), "epochs": epoch, "bytes": total, "wall_s": wall, "t0": t0,
-            "bytes_per_s": total / wall if wall > 0 else 0.0, "batches_per_s": len(waits) / wall if wall > 0 else 0.0,
+            "args": vars(args),
+            "env": {k: v for k, v in os.environ.items() if k.startswith("KSPEED_")},
+            "data_host": data_host,
+            "rail": ds.rail,
+            "samples": n,
+            "ids": ids,
+            "shares": shares,
+            "batches": len(waits),
+            "epochs": epoch,
+            "bytes": total,
+            "wall_s": wall,
+            "t0": t0,
+            "bytes_per_s": total / wall if wall > 0 else 0.0,
+            "batches_per_s": len(waits) / wall if wall > 0 else 0.0,
             "first_wait_s": waits[0] if waits else 0.0,
             "wait_mean_ms": float(np.mean(steady)) * 1e3 if steady else 0.0,
-            "wait_p50_ms": _percentile_ms(steady, 50), "wait_p90_ms": _percentile_ms(steady, 90),
-            "wait_p99_ms": _percentile_ms(steady, 99), "wait_max_ms": max(steady) * 1e3 if steady else 0.0,
-            "waits_s": waits, "batch_bytes": sizes, "batch_done_s": done_at, "batch_epoch": epochs,
-            "trace": tracer.samples, "trace_errors": tracer.errors, "stats": stats, "touched": touched,
+            "wait_p50_ms": _percentile_ms(steady, 50),
+            "wait_p90_ms": _percentile_ms(steady, 90),
+            "wait_p99_ms": _percentile_ms(steady, 99),
+            "wait_max_ms": max(steady) * 1e3 if steady else 0.0,
+            "waits_s": waits,
+            "batch_bytes": sizes,
+            "batch_done_s": done_at,
+            "batch_epoch": epochs,
+            "trace": tracer.samples,
+            "trace_errors": tracer.errors,
+            "stats": stats,
+            "touched": touched,
         }
     finally:
         if tracer is not None:
@@ -213,15 +262,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--world", type=int, default=1)
     parser.add_argument("--sampler", choices=("shuffle", "sharded"), default="shuffle")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--exclude", action="append", default=[], help="with --sampler shuffle: read only the IDs "
-                        "of servers at other addresses than this host (repeatable)")
+    parser.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        help="with --sampler shuffle: read only the IDs of servers at other addresses than this host (repeatable)",
+    )
     parser.add_argument("--trace-interval", type=float, default=0.2, help="seconds between samples of the pacing")
     parser.add_argument("--rail", choices=("auto", "shm", "tcp"), default="tcp")
-    parser.add_argument("--data-host", default="", help="address the tcp receiver binds (default: towards the "
-                        "manager)")
+    parser.add_argument("--data-host", default="", help="address the tcp receiver binds (default: towards the manager)")
     parser.add_argument("--ring-bytes", type=int, default=0, help="receive ring size (0: the client's default)")
-    parser.add_argument("--start-at", type=float, default=0.0, help="wall-clock time (time.time()) to start "
-                        "iterating at, to start several ranks together")
+    parser.add_argument(
+        "--start-at",
+        type=float,
+        default=0.0,
+        help="wall-clock time (time.time()) to start iterating at, to start several ranks together",
+    )
     args = parser.parse_args(argv)
     if args.batch_size <= 0 or args.batches <= 0 or args.world <= 0 or args.trace_interval <= 0:
         parser.error("--batch-size, --batches, --world and --trace-interval must be positive")

@@ -28,16 +28,18 @@ CLASSES = ("ant", "bee", "cat")
 
 
 def config_for(cluster, **overrides) -> ClientConfig:
-    return load_config(ClientConfig, environ={}, overrides={"manager": cluster.address, "security.auth": "none",
-                                                             **overrides})
+    return load_config(
+        ClientConfig, environ={}, overrides={"manager": cluster.address, "security.auth": "none", **overrides}
+    )
 
 
 @pytest.fixture
 def fed(cluster_factory, tmp_path):
     """A two-server cluster holding one labelled dataset split across both servers."""
     files = make_tree(tmp_path / "imgs", max_size=160 * 1024)
-    cluster = cluster_factory(2, server_args=["--backend-allow", str(tmp_path), "--memory", "16MiB",
-                                              "--region-size", "1MiB"])
+    cluster = cluster_factory(
+        2, server_args=["--backend-allow", str(tmp_path), "--memory", "16MiB", "--region-size", "1MiB"]
+    )
     client = KSpeedClient(config=config_for(cluster))
     wait_for(lambda: len([r for r in client.manager.servers() if r.state == 2]) == 2, 10, "two ready servers")
     yield cluster, client, files, DatasetSpec(name="imgs", uri=str(tmp_path / "imgs"), labels="dirname")
@@ -63,8 +65,18 @@ def test_ranks_epochs_resume_and_held_batches(fed, rail):
     n = len(files)
     for world, shuffle, drop_last in ((1, True, False), (2, False, True), (2, True, True)):
         for rank in range(world):
-            ds = client.dataset(spec, batch_size=16, rank=rank, world_size=world, shuffle=shuffle,
-                                drop_last=drop_last, seed=3, rail=rail, ring_bytes=8 << 20, quiet=True)
+            ds = client.dataset(
+                spec,
+                batch_size=16,
+                rank=rank,
+                world_size=world,
+                shuffle=shuffle,
+                drop_last=drop_last,
+                seed=3,
+                rail=rail,
+                ring_bytes=8 << 20,
+                quiet=True,
+            )
             assert ds.rail == rail
             ds.preload()
             for epoch in range(2):
@@ -87,8 +99,9 @@ def test_ranks_epochs_resume_and_held_batches(fed, rail):
         next(it)
     state = ds.state_dict()
     ds.close()
-    resumed = client.dataset(spec, batch_size=8, rank=1, world_size=2, seed=5, rail=rail, ring_bytes=8 << 20,
-                             quiet=True)
+    resumed = client.dataset(
+        spec, batch_size=8, rank=1, world_size=2, seed=5, rail=rail, ring_bytes=8 << 20, quiet=True
+    )
     resumed.load_state_dict(state)
     resumed.set_epoch(4)
     rest = []
@@ -159,9 +172,13 @@ def test_paced_feed_delivers_sub_batches_exactly(fed, rail):
         registry = CollectorRegistry()
         registry.register(PrometheusCollector(ds))
         exported = generate_latest(registry).decode()
-        for metric in ("kspeed_client_pacing_window_bytes", "kspeed_client_pacing_drain_rate_bytes",
-                       'kspeed_client_pacing_latency_seconds{dataset="imgs",size_class="32KiB"}',
-                       "kspeed_client_pacing_sub_batch_latency_p99_ms", "kspeed_client_batches_total"):
+        for metric in (
+            "kspeed_client_pacing_window_bytes",
+            "kspeed_client_pacing_drain_rate_bytes",
+            'kspeed_client_pacing_latency_seconds{dataset="imgs",size_class="32KiB"}',
+            "kspeed_client_pacing_sub_batch_latency_p99_ms",
+            "kspeed_client_batches_total",
+        ):
             assert metric in exported
         ds.close()
     finally:

@@ -49,8 +49,12 @@ def test_two_servers_ready_in_status_json_metrics_and_cli(cluster):
     assert http_get(cluster.servers[0].ready["http"], "/readyz")[0] == 200
     assert "kspeed_server_registered 1.0" in http_get(cluster.servers[0].ready["http"], "/metrics")[1]
 
-    out = subprocess.run([sys.executable, "-m", "kspeed.cli", "status", "--manager", cluster.address, "--auth",
-                          "none"], capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [sys.executable, "-m", "kspeed.cli", "status", "--manager", cluster.address, "--auth", "none"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert "SERVER" in lines[1] and "LAST HEARTBEAT" in lines[1]
@@ -98,8 +102,11 @@ def test_unknown_server_heartbeat_is_not_found_and_server_reregisters(cluster):
     shutil.rmtree(f"{cluster.state_dir}/manager")
     cluster.start_manager()
     with client_for(cluster) as client:
-        wait_for(lambda: len(states(client)) == 2 and all(s == S.SERVER_STATE_READY for s in states(client).values()),
-                 10, "servers to re-register")
+        wait_for(
+            lambda: len(states(client)) == 2 and all(s == S.SERVER_STATE_READY for s in states(client).values()),
+            10,
+            "servers to re-register",
+        )
 
 
 def test_sigterm_server_deregisters_and_leaves(cluster):
@@ -160,13 +167,18 @@ def test_malformed_oversized_and_invalid_requests_are_invalid_argument(cluster):
         inventory = kspeed_pb2.ServerInventory(memory_bytes=2**20, region_size=2**20)
         bad = [
             b"\xff\xff\xff\xff",  # not a protobuf message
-            kspeed_pb2.RegisterServerRequest(id="x", address="127.0.0.1:1", http_address="127.0.0.1:2",
-                                             inventory=kspeed_pb2.ServerInventory(hostname="h" * 100_000)
-                                             ).SerializeToString(),  # 100 kB > the 64 KiB limit
-            kspeed_pb2.RegisterServerRequest(id="../etc", address="127.0.0.1:1", http_address="127.0.0.1:2",
-                                             inventory=inventory).SerializeToString(),
-            kspeed_pb2.RegisterServerRequest(id="ok", address="no-port", http_address="127.0.0.1:2",
-                                             inventory=inventory).SerializeToString(),
+            kspeed_pb2.RegisterServerRequest(
+                id="x",
+                address="127.0.0.1:1",
+                http_address="127.0.0.1:2",
+                inventory=kspeed_pb2.ServerInventory(hostname="h" * 100_000),
+            ).SerializeToString(),  # 100 kB > the 64 KiB limit
+            kspeed_pb2.RegisterServerRequest(
+                id="../etc", address="127.0.0.1:1", http_address="127.0.0.1:2", inventory=inventory
+            ).SerializeToString(),
+            kspeed_pb2.RegisterServerRequest(
+                id="ok", address="no-port", http_address="127.0.0.1:2", inventory=inventory
+            ).SerializeToString(),
         ]
         for payload in bad:
             with pytest.raises(grpc.RpcError) as info:
@@ -180,10 +192,16 @@ def test_incompatible_protocol_version_is_refused_naming_both(cluster):
     with client_for(cluster) as client:
         for method, request in (
             ("Hello", kspeed_pb2.HelloRequest(version=kspeed_pb2.PeerVersion(protocol_versions=[99]))),
-            ("RegisterServer", kspeed_pb2.RegisterServerRequest(
-                id="future", address="127.0.0.1:1", http_address="127.0.0.1:2",
-                inventory=kspeed_pb2.ServerInventory(memory_bytes=2**20, region_size=2**20),
-                version=kspeed_pb2.PeerVersion(protocol_versions=[99]))),
+            (
+                "RegisterServer",
+                kspeed_pb2.RegisterServerRequest(
+                    id="future",
+                    address="127.0.0.1:1",
+                    http_address="127.0.0.1:2",
+                    inventory=kspeed_pb2.ServerInventory(memory_bytes=2**20, region_size=2**20),
+                    version=kspeed_pb2.PeerVersion(protocol_versions=[99]),
+                ),
+            ),
         ):
             with pytest.raises(grpc.RpcError) as info:
                 getattr(client._stub, method)(request, timeout=5)
@@ -195,9 +213,29 @@ def test_incompatible_protocol_version_is_refused_naming_both(cluster):
 
 def _self_signed(tmp_path):
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=kspeed",
-                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=kspeed",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     return cert, key
 
 
@@ -210,8 +248,11 @@ def test_tls_on_both_daemons(cluster_factory, tmp_path):
     from kspeed.config import ClientConfig, load_config
     from kspeed.control import ManagerClient
 
-    config = load_config(ClientConfig, environ={}, overrides={
-        "manager": cluster.address, "security.auth": "none", "security.tls_ca": str(cert)})
+    config = load_config(
+        ClientConfig,
+        environ={},
+        overrides={"manager": cluster.address, "security.auth": "none", "security.tls_ca": str(cert)},
+    )
     with ManagerClient(config) as client:
         wait_for(lambda: [r.state for r in client.servers()] == [S.SERVER_STATE_READY], 10, "ready over TLS")
     plain = kspeed_pb2_grpc.ManagerStub(grpc.insecure_channel(cluster.address))

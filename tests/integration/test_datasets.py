@@ -39,18 +39,23 @@ def make_tree(root, classes=("ant", "bee", "cat"), per_class=40, seed=0, max_siz
 def server_stubs(cluster, info):
     from kspeed.rpc import channel_options
 
-    return {sid: kspeed_pb2_grpc.ServerStub(grpc.insecure_channel(addr, options=channel_options()))
-            for sid, addr in info.server_addresses.items()}
+    return {
+        sid: kspeed_pb2_grpc.ServerStub(grpc.insecure_channel(addr, options=channel_options()))
+        for sid, addr in info.server_addresses.items()
+    }
 
 
 def broadcast_lookup(stubs, name, ids, chunk=97):
     """Send the epoch's IDs in chunks to every server; return {server: (positions, lengths, labels)}."""
     out = {}
     for sid, stub in stubs.items():
+
         def chunks():
             for start in range(0, len(ids), chunk):
-                yield kspeed_pb2.LookupRequest(dataset=name if start == 0 else "",
-                                               ids=ids[start:start + chunk].astype("<i8").tobytes())
+                yield kspeed_pb2.LookupRequest(
+                    dataset=name if start == 0 else "", ids=ids[start : start + chunk].astype("<i8").tobytes()
+                )
+
         positions, lengths, labels = [], [], []
         for start, reply in zip(range(0, len(ids), chunk), stub.Lookup(chunks(), timeout=30)):
             positions.append(np.frombuffer(reply.positions, "<u4").astype(np.int64) + start)
@@ -62,8 +67,9 @@ def broadcast_lookup(stubs, name, ids, chunk=97):
 
 @pytest.fixture
 def data_cluster(cluster_factory, tmp_path):
-    return cluster_factory(2, server_args=["--backend-allow", str(tmp_path), "--memory", "16MiB",
-                                           "--region-size", "1MiB"])
+    return cluster_factory(
+        2, server_args=["--backend-allow", str(tmp_path), "--memory", "16MiB", "--region-size", "1MiB"]
+    )
 
 
 def test_register_preload_lookup_read(data_cluster, tmp_path):
@@ -101,11 +107,19 @@ def test_register_preload_lookup_read(data_cluster, tmp_path):
             got = stub.Read(kspeed_pb2.ReadRequest(dataset="imgs", ids=owned.tobytes()), timeout=30)
             offsets = np.concatenate(([0], np.cumsum(np.frombuffer(got.lengths, "<u4"), dtype=np.int64)))
             for j, sid in enumerate(owned):
-                assert got.data[offsets[j]:offsets[j + 1]] == files[keys[sid]]
+                assert got.data[offsets[j] : offsets[j + 1]] == files[keys[sid]]
 
-        metrics = subprocess.run([sys.executable, "-c", "import urllib.request,sys; sys.stdout.write(urllib.request."
-                                  f"urlopen('http://{data_cluster.servers[0].ready['http']}/metrics').read().decode())"],
-                                 capture_output=True, text=True, timeout=30).stdout
+        metrics = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import urllib.request,sys; sys.stdout.write(urllib.request."
+                f"urlopen('http://{data_cluster.servers[0].ready['http']}/metrics').read().decode())",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
         assert 'kspeed_server_preload_samples{dataset="imgs",kind="loaded"}' in metrics
         assert 'kspeed_server_regions{state="sealed"}' in metrics
         status = client.status()
@@ -141,8 +155,11 @@ def test_bad_input_is_named_and_changes_nothing(data_cluster, tmp_path):
             stub.Read(kspeed_pb2.ReadRequest(dataset="ok", ids=np.array([len(files)], "<i8").tobytes()), timeout=5)
         assert exc.value.code() == grpc.StatusCode.NOT_FOUND and f"sample {len(files)}" in exc.value.details()
         with pytest.raises(grpc.RpcError) as exc:
-            list(stub.Lookup(iter([kspeed_pb2.LookupRequest(dataset="ok", ids=np.array([-1], "<i8").tobytes())]),
-                             timeout=5))
+            list(
+                stub.Lookup(
+                    iter([kspeed_pb2.LookupRequest(dataset="ok", ids=np.array([-1], "<i8").tobytes())]), timeout=5
+                )
+            )
         assert exc.value.code() == grpc.StatusCode.NOT_FOUND and "'ok'" in exc.value.details()
 
         job = client.create_dataset(spec(name="jobds", uri=str(tmp_path / "ok")), holder="test")
@@ -181,20 +198,27 @@ def test_killed_job_frees_lease_then_memory(data_cluster, tmp_path):
         "'security.auth': 'none'}))\n"
         f"r = c.create_dataset(kspeed_pb2.DatasetSpec(name='jobds', uri='{tmp_path / 'jobdata'}'), holder='job', "
         "lease_ttl=1.5)\nprint('attached', flush=True)\n"
-        "while True:\n    c.renew_lease(r.lease.id)\n    time.sleep(0.3)\n")
+        "while True:\n    c.renew_lease(r.lease.id)\n    time.sleep(0.3)\n"
+    )
     job = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         assert job.stdout.readline().strip() == "attached"
         with client_for(data_cluster) as client:
             time.sleep(2.5)  # longer than the TTL: the renewing job keeps the dataset alive
             assert client.dataset("jobds").leases == 1
-            wait_for(lambda: any(r.inventory.regions_free < r.inventory.regions_total for r in client.servers()),
-                     5, "memory in use")
+            wait_for(
+                lambda: any(r.inventory.regions_free < r.inventory.regions_total for r in client.servers()),
+                5,
+                "memory in use",
+            )
             job.send_signal(signal.SIGKILL)
             job.wait(10)
             wait_for(lambda: client.datasets() == [], 10, "the lease to expire and the dataset to go")
-            wait_for(lambda: all(r.inventory.regions_free == r.inventory.regions_total for r in client.servers()),
-                     10, "memory to be freed on the servers")
+            wait_for(
+                lambda: all(r.inventory.regions_free == r.inventory.regions_total for r in client.servers()),
+                10,
+                "memory to be freed on the servers",
+            )
     finally:
         if job.poll() is None:
             job.kill()
@@ -204,29 +228,42 @@ def test_killed_job_frees_lease_then_memory(data_cluster, tmp_path):
 def test_server_restart_mid_preload_keeps_sealed_regions(cluster_factory, tmp_path):
     files = make_tree(tmp_path / "slow", classes=("a",), per_class=600, max_size=24 * 1024)
     keys = list(files)
-    cluster = cluster_factory(1, server_args=[
-        "--backend-allow", f"slowfile://{tmp_path}", "--memory", "16MiB", "--region-size", "256KiB",
-        "--preload-threads", "2"])
+    cluster = cluster_factory(
+        1,
+        server_args=[
+            "--backend-allow",
+            f"slowfile://{tmp_path}",
+            "--memory",
+            "16MiB",
+            "--region-size",
+            "256KiB",
+            "--preload-threads",
+            "2",
+        ],
+    )
     with client_for(cluster) as client:
         wait_for(lambda: [r.state for r in client.servers()] == [2], 10, "ready")
-        client.create_dataset(kspeed_pb2.DatasetSpec(name="slow", uri=f"slowfile://{tmp_path / 'slow'}"),
-                              operator=True)
+        client.create_dataset(kspeed_pb2.DatasetSpec(name="slow", uri=f"slowfile://{tmp_path / 'slow'}"), operator=True)
         client.preload("slow")
         wait_for(lambda: client.dataset("slow").share_status[0].regions_sealed >= 3, 30, "some regions sealed")
         server = cluster.servers[0]
         server.signal(signal.SIGKILL)
         server.process.wait(10)
         cluster.start_server(server)
-        status = wait_for(lambda: client.dataset("slow").share_status[0].regions_sealed and
-                          client.dataset("slow").share_status[0], 20, "the restarted server to report its share")
+        status = wait_for(
+            lambda: client.dataset("slow").share_status[0].regions_sealed and client.dataset("slow").share_status[0],
+            20,
+            "the restarted server to report its share",
+        )
         adopted = status.progress.samples_loaded
         assert 0 < adopted < len(files)
         info = follow_preload(client, "slow", out=None, timeout=120)
         assert info.state == DS.DATASET_STATE_READY
         assert info.share_status[0].progress.samples_read == len(files) - adopted  # nothing sealed was read again
         stub = server_stubs(cluster, info)[info.shares[0].server_id]
-        got = stub.Read(kspeed_pb2.ReadRequest(dataset="slow", ids=np.arange(len(files), dtype="<i8").tobytes()),
-                        timeout=30)
+        got = stub.Read(
+            kspeed_pb2.ReadRequest(dataset="slow", ids=np.arange(len(files), dtype="<i8").tobytes()), timeout=30
+        )
         assert got.data == b"".join(files[k] for k in keys)
 
 
@@ -264,8 +301,9 @@ def test_quota_refuses_without_leaving_anything(data_cluster, tmp_path):
         from kspeed.errors import CapacityError
 
         with pytest.raises(CapacityError, match="quota"):
-            client.create_dataset(kspeed_pb2.DatasetSpec(name="big", uri=str(tmp_path / "big"), quota_bytes=1 << 20),
-                                  operator=True)
+            client.create_dataset(
+                kspeed_pb2.DatasetSpec(name="big", uri=str(tmp_path / "big"), quota_bytes=1 << 20), operator=True
+            )
         assert client.datasets() == []
         with pytest.raises(CapacityError, match="needs"):  # more than both pools together (2 x 16 MiB)
             make_tree(tmp_path / "huge", classes=("a",), per_class=700, max_size=1 << 20, seed=3)  # ~75 MB
@@ -284,12 +322,16 @@ def test_manager_restart_keeps_datasets_and_servers_keep_data(data_cluster, tmp_
     data_cluster.start_manager()
     with client_for(data_cluster) as client:
         assert [d.spec.name for d in client.datasets()] == ["keep"]
-        info = wait_for(lambda: (lambda d: d if d.state == DS.DATASET_STATE_READY else None)(client.dataset("keep")),
-                        15, "the servers to report their shares again")
+        info = wait_for(
+            lambda: (lambda d: d if d.state == DS.DATASET_STATE_READY else None)(client.dataset("keep")),
+            15,
+            "the servers to report their shares again",
+        )
         assert [s.server_id for s in info.shares] == [s.server_id for s in before.shares]
         # The servers were not told anything new: same shares, no second load job.
         assert [st.progress.samples_read for st in info.share_status] == [
-            st.progress.samples_read for st in before.share_status]
+            st.progress.samples_read for st in before.share_status
+        ]
         stub = server_stubs(data_cluster, info)[info.shares[0].server_id]
         got = stub.Read(kspeed_pb2.ReadRequest(dataset="keep", ids=np.array([1], "<i8").tobytes()), timeout=10)
         assert got.data == files[keys[1]]
@@ -297,14 +339,16 @@ def test_manager_restart_keeps_datasets_and_servers_keep_data(data_cluster, tmp_
 
 def test_dataset_removed_while_a_server_was_unreachable_is_dropped_when_it_returns(cluster_factory, tmp_path):
     make_tree(tmp_path / "gone", per_class=30, max_size=128 * 1024)
-    cluster = cluster_factory(2, manager_args=["--server-call-timeout", "1s", "--fail-after", "30s",
-                                               "--suspect-after", "20s"],
-                              server_args=["--backend-allow", str(tmp_path), "--memory", "16MiB",
-                                           "--region-size", "1MiB"])
+    cluster = cluster_factory(
+        2,
+        manager_args=["--server-call-timeout", "1s", "--fail-after", "30s", "--suspect-after", "20s"],
+        server_args=["--backend-allow", str(tmp_path), "--memory", "16MiB", "--region-size", "1MiB"],
+    )
     with client_for(cluster) as client:
         wait_for(lambda: len([r for r in client.servers() if r.state == 2]) == 2, 10, "ready")
-        info = client.create_dataset(kspeed_pb2.DatasetSpec(name="gone", uri=str(tmp_path / "gone")),
-                                     operator=True).dataset
+        info = client.create_dataset(
+            kspeed_pb2.DatasetSpec(name="gone", uri=str(tmp_path / "gone")), operator=True
+        ).dataset
         assert len(info.shares) == 2
         frozen = next(s for s in cluster.servers if s.ready["id"] == info.shares[1].server_id)
         frozen.signal(signal.SIGSTOP)
@@ -313,5 +357,8 @@ def test_dataset_removed_while_a_server_was_unreachable_is_dropped_when_it_retur
         finally:
             frozen.signal(signal.SIGCONT)
         assert client.datasets() == []
-        wait_for(lambda: all(r.inventory.regions_free == r.inventory.regions_total for r in client.servers()),
-                 15, "the returning server to drop the removed dataset")
+        wait_for(
+            lambda: all(r.inventory.regions_free == r.inventory.regions_total for r in client.servers()),
+            15,
+            "the returning server to drop the removed dataset",
+        )

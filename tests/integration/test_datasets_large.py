@@ -41,12 +41,16 @@ def test_ten_thousand_mixed_files_end_to_end(cluster_factory, tmp_path, shm_root
     keys.sort()
     total = int(sizes.sum())
     per_server = f"{(total // 2 + (64 << 20)) >> 20}MiB"
-    cluster = cluster_factory(2, pool_root=shm_root, server_args=[
-        "--backend-allow", str(tmp_path), "--memory", per_server, "--region-size", "32MiB"])
+    cluster = cluster_factory(
+        2,
+        pool_root=shm_root,
+        server_args=["--backend-allow", str(tmp_path), "--memory", per_server, "--region-size", "32MiB"],
+    )
     with client_for(cluster) as client:
         wait_for(lambda: len([r for r in client.servers() if r.state == 2]) == 2, 20, "ready")
-        reply = client.create_dataset(kspeed_pb2.DatasetSpec(name="mixed", uri=str(root), labels="dirname"),
-                                      operator=True)
+        reply = client.create_dataset(
+            kspeed_pb2.DatasetSpec(name="mixed", uri=str(root), labels="dirname"), operator=True
+        )
         assert reply.dataset.fingerprint.count == N_FILES and reply.dataset.fingerprint.total_bytes == total
         bar = io.StringIO()
         info = follow_preload(client, "mixed", out=bar, timeout=600)
@@ -64,5 +68,5 @@ def test_ten_thousand_mixed_files_end_to_end(cluster_factory, tmp_path, shm_root
                 got = stub.Read(kspeed_pb2.ReadRequest(dataset="mixed", ids=batch.tobytes()), timeout=60)
                 offsets = np.concatenate(([0], np.cumsum(np.frombuffer(got.lengths, "<u4"), dtype=np.int64)))
                 for j, sid in enumerate(batch.tolist()):
-                    assert got.data[offsets[j]:offsets[j + 1]] == (root / keys[sid]).read_bytes()
+                    assert got.data[offsets[j] : offsets[j + 1]] == (root / keys[sid]).read_bytes()
         client.remove_dataset("mixed")

@@ -25,19 +25,28 @@ from tests.integration.test_datasets import broadcast_lookup, make_tree, server_
 @pytest.fixture
 def loaded(cluster_factory, tmp_path):
     files = make_tree(tmp_path / "feed", max_size=96 * 1024)
-    cluster = cluster_factory(2, server_args=["--backend-allow", str(tmp_path), "--memory", "16MiB",
-                                              "--region-size", "1MiB"])
+    cluster = cluster_factory(
+        2, server_args=["--backend-allow", str(tmp_path), "--memory", "16MiB", "--region-size", "1MiB"]
+    )
     with client_for(cluster) as client:
         wait_for(lambda: len([r for r in client.servers() if r.state == 2]) == 2, 10, "ready")
-        info = client.create_dataset(kspeed_pb2.DatasetSpec(name="feed", uri=str(tmp_path / "feed")),
-                                     operator=True).dataset
+        info = client.create_dataset(
+            kspeed_pb2.DatasetSpec(name="feed", uri=str(tmp_path / "feed")), operator=True
+        ).dataset
     return cluster, info, files
 
 
 def commit(stub, feed_id, epoch, batch_size, ids, lengths):
-    chunks = [kspeed_pb2.PlanChunk(feed_id=feed_id, epoch=epoch, batch_size=batch_size,
-                                   ids=ids[:50].astype("<i8").tobytes(), lengths=lengths[:50].astype("<u4").tobytes()),
-              kspeed_pb2.PlanChunk(ids=ids[50:].astype("<i8").tobytes(), lengths=lengths[50:].astype("<u4").tobytes())]
+    chunks = [
+        kspeed_pb2.PlanChunk(
+            feed_id=feed_id,
+            epoch=epoch,
+            batch_size=batch_size,
+            ids=ids[:50].astype("<i8").tobytes(),
+            lengths=lengths[:50].astype("<u4").tobytes(),
+        ),
+        kspeed_pb2.PlanChunk(ids=ids[50:].astype("<i8").tobytes(), lengths=lengths[50:].astype("<u4").tobytes()),
+    ]
     return stub.CommitPlan(iter(chunks), timeout=60)
 
 
@@ -50,9 +59,18 @@ def test_grants_land_byte_exact(loaded, rail):
     try:
         ring = receiver.register(8 << 20)
         for stub in stubs.values():
-            stub.OpenFeed(kspeed_pb2.OpenFeedRequest(dataset="feed", feed_id="rank0", rail=rail,
-                                                     material=receiver.material, ring_key=ring.key.to_bytes(),
-                                                     generation=3, holder="test"), timeout=30)
+            stub.OpenFeed(
+                kspeed_pb2.OpenFeedRequest(
+                    dataset="feed",
+                    feed_id="rank0",
+                    rail=rail,
+                    material=receiver.material,
+                    ring_key=ring.key.to_bytes(),
+                    generation=3,
+                    holder="test",
+                ),
+                timeout=30,
+            )
         conn_of = {}
         deadline = time.monotonic() + 10
         while len(conn_of) < len(stubs) and time.monotonic() < deadline:
@@ -99,7 +117,7 @@ def test_grants_land_byte_exact(loaded, rail):
         memory = ring.array()
         for p, sid in enumerate(ids.tolist()):
             start = expected[("pos", p)]
-            assert memory[start:start + len(files[keys[sid]])].tobytes() == files[keys[sid]]
+            assert memory[start : start + len(files[keys[sid]])].tobytes() == files[keys[sid]]
         for stub in stubs.values():
             stub.CloseFeed(kspeed_pb2.CloseFeedRequest(feed_id="rank0"), timeout=10)
     finally:
@@ -113,12 +131,20 @@ def test_feed_errors_are_named(loaded):
     receiver = get_rail("shm").listen(RailOptions(io_timeout=5.0))
     try:
         ring = receiver.register(1 << 20)
-        good = dict(dataset="feed", feed_id="r1", rail="shm", material=receiver.material,
-                    ring_key=ring.key.to_bytes(), generation=1)
-        for field, value, code in (("feed_id", "bad id!", grpc.StatusCode.INVALID_ARGUMENT),
-                                   ("generation", 0, grpc.StatusCode.INVALID_ARGUMENT),
-                                   ("rail", "carrier-pigeon", grpc.StatusCode.INVALID_ARGUMENT),
-                                   ("dataset", "nope", grpc.StatusCode.NOT_FOUND)):
+        good = dict(
+            dataset="feed",
+            feed_id="r1",
+            rail="shm",
+            material=receiver.material,
+            ring_key=ring.key.to_bytes(),
+            generation=1,
+        )
+        for field, value, code in (
+            ("feed_id", "bad id!", grpc.StatusCode.INVALID_ARGUMENT),
+            ("generation", 0, grpc.StatusCode.INVALID_ARGUMENT),
+            ("rail", "carrier-pigeon", grpc.StatusCode.INVALID_ARGUMENT),
+            ("dataset", "nope", grpc.StatusCode.NOT_FOUND),
+        ):
             with pytest.raises(grpc.RpcError) as exc:
                 stub.OpenFeed(kspeed_pb2.OpenFeedRequest(**{**good, field: value}), timeout=10)
             assert exc.value.code() == code
@@ -156,8 +182,8 @@ def test_feed_errors_are_named(loaded):
             done += receiver.poll(0.1).imm.tolist()
             got += [grants.decode(m) for _, m in receiver.messages()]
         assert done == [grants.make_tag(1, 2)]
-        assert not memory[4096:4096 + (256 << 10)].any()
-        assert (memory[:4096] == 0xAB).all() and (memory[4096 + (256 << 10):] == 0xAB).all()
+        assert not memory[4096 : 4096 + (256 << 10)].any()
+        assert (memory[:4096] == 0xAB).all() and (memory[4096 + (256 << 10) :] == 0xAB).all()
         assert got[0][0] == grants.ERROR and got[0][1][2] == grants.make_tag(1, 3) and "probe of" in got[0][1][3]
     finally:
         receiver.close()

@@ -80,8 +80,7 @@ class LabCluster:
 
     def kspeed(self, host: str, *args: str) -> str:
         """Run the ``kspeed`` command in ``host`` against the cluster; returns its stdout."""
-        done = self.lab.run(host, KSPEED, *args, "--manager", self.manager, "--auth", "none", check=False,
-                            timeout=300)
+        done = self.lab.run(host, KSPEED, *args, "--manager", self.manager, "--auth", "none", check=False, timeout=300)
         if done.returncode != 0:
             raise AssertionError(f"kspeed {' '.join(args)} failed: {done.stderr.strip()[-2000:]}")
         return done.stdout
@@ -91,10 +90,27 @@ class LabCluster:
         clean = {k: v for k, v in os.environ.items() if not k.startswith("KSPEED_")}
         clean.update(env, PYTHONPATH=str(ROOT), KSPEED_JOB=f"netlab-{self.dataset}")
         stderr = open(out.with_suffix(".log"), "w", encoding="utf-8")  # noqa: SIM115 - closed by finish_client
-        proc = subprocess.Popen([*self.lab.prefix(host), sys.executable, "-m", "tests.integration.netlab_client",
-                                 "--manager", self.manager, "--dataset", self.dataset, "--out", str(out), *args],
-                                cwd=ROOT, env=clean, stdout=subprocess.PIPE, stderr=stderr, text=True,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [
+                *self.lab.prefix(host),
+                sys.executable,
+                "-m",
+                "tests.integration.netlab_client",
+                "--manager",
+                self.manager,
+                "--dataset",
+                self.dataset,
+                "--out",
+                str(out),
+                *args,
+            ],
+            cwd=ROOT,
+            env=clean,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            start_new_session=True,
+        )
         proc.log = stderr  # type: ignore[attr-defined]
         return proc
 
@@ -143,12 +159,13 @@ def write_files(root: Path, sizes: Sequence[int], seed: int = 0) -> None:
     block = rng.integers(0, 256, max(sizes) + 4096, dtype=np.uint8).tobytes()
     for i, size in enumerate(sizes):
         start = int(rng.integers(0, 4096))
-        (root / f"{i:06d}.bin").write_bytes(block[start:start + size])
+        (root / f"{i:06d}.bin").write_bytes(block[start : start + size])
 
 
 @contextlib.contextmanager
-def lab_cluster(tmp: Path, *, servers: int, clients: Sequence[str], sizes: Sequence[int],
-                tcp_congestion: str | None = None) -> Iterator[LabCluster]:
+def lab_cluster(
+    tmp: Path, *, servers: int, clients: Sequence[str], sizes: Sequence[int], tcp_congestion: str | None = None
+) -> Iterator[LabCluster]:
     """A lab of ``mgr``, ``s0..`` and ``clients``, a cluster in it, and one preloaded dataset.
 
     The manager and every server live in their own namespace; the dataset (one file per entry of
@@ -163,10 +180,14 @@ def lab_cluster(tmp: Path, *, servers: int, clients: Sequence[str], sizes: Seque
     write_files(data, sizes)
     with NetLab(hosts, tcp_congestion=tcp_congestion) as lab:
         where = {"manager": "mgr", **{f"server-{i}": f"s{i}" for i in range(servers)}}
-        cluster = LocalCluster(str(tmp / "cluster"), servers=servers, manager_host=lab.address("mgr"),
-                               server_hosts=[lab.address(f"s{i}") for i in range(servers)],
-                               launch_prefix=lambda name: lab.prefix(where[name]),
-                               server_args=[*SERVER_ARGS, "--backend-allow", str(tmp)])
+        cluster = LocalCluster(
+            str(tmp / "cluster"),
+            servers=servers,
+            manager_host=lab.address("mgr"),
+            server_hosts=[lab.address(f"s{i}") for i in range(servers)],
+            launch_prefix=lambda name: lab.prefix(where[name]),
+            server_args=[*SERVER_ARGS, "--backend-allow", str(tmp)],
+        )
         try:
             cluster.start(timeout=60)
             env = LabCluster(lab, cluster, "lab", tmp)
@@ -189,8 +210,15 @@ def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
     return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
 
 
-TCP_KEYS = ("TcpRetransSegs", "TcpExtTCPTimeouts", "TcpExtTCPLossProbes", "TcpExtTCPLostRetransmit",
-            "TcpExtTCPFastRetrans", "TcpExtTCPSlowStartRetrans", "TcpExtTCPSpuriousRTOs")
+TCP_KEYS = (
+    "TcpRetransSegs",
+    "TcpExtTCPTimeouts",
+    "TcpExtTCPLossProbes",
+    "TcpExtTCPLostRetransmit",
+    "TcpExtTCPFastRetrans",
+    "TcpExtTCPSlowStartRetrans",
+    "TcpExtTCPSpuriousRTOs",
+)
 
 
 def _network(lab: NetLab, client: str, servers: Sequence[str]) -> dict[str, dict[str, int]]:
@@ -212,8 +240,22 @@ def _measured(lab: NetLab, client: str, servers: Sequence[str], run) -> tuple[di
 
 
 def _summary(record: dict, net: dict | None = None) -> dict:
-    keys = ("batches", "bytes", "wall_s", "bytes_per_s", "batches_per_s", "first_wait_s", "wait_mean_ms",
-            "wait_p50_ms", "wait_p90_ms", "wait_p99_ms", "wait_max_ms", "epochs", "rail", "env")
+    keys = (
+        "batches",
+        "bytes",
+        "wall_s",
+        "bytes_per_s",
+        "batches_per_s",
+        "first_wait_s",
+        "wait_mean_ms",
+        "wait_p50_ms",
+        "wait_p90_ms",
+        "wait_p99_ms",
+        "wait_max_ms",
+        "epochs",
+        "rail",
+        "env",
+    )
     out = {k: record[k] for k in keys}
     out["pacing_traced"] = sum(1 for s in record["trace"] if s["pacing"] is not None)
     if net is not None:
@@ -224,10 +266,12 @@ def _summary(record: dict, net: dict | None = None) -> dict:
 def _line(name: str, s: dict) -> str:
     net = s.get("network", {})
     port, tcp = net.get("port", {}), net.get("servers_tcp", {})
-    return (f"{name:<12} p50 {s['wait_p50_ms']:7.1f} ms  p99 {s['wait_p99_ms']:7.1f} ms  max {s['wait_max_ms']:7.1f} ms"
-            f"  {s['bytes_per_s'] / 1e6:6.1f} MB/s  {s['batches']} batches  port drops "
-            f"{port.get('qdisc_dropped', 0)}  retrans {tcp.get('TcpRetransSegs', 0)}"
-            f"  RTOs {tcp.get('TcpExtTCPTimeouts', 0)}")
+    return (
+        f"{name:<12} p50 {s['wait_p50_ms']:7.1f} ms  p99 {s['wait_p99_ms']:7.1f} ms  max {s['wait_max_ms']:7.1f} ms"
+        f"  {s['bytes_per_s'] / 1e6:6.1f} MB/s  {s['batches']} batches  port drops "
+        f"{port.get('qdisc_dropped', 0)}  retrans {tcp.get('TcpRetransSegs', 0)}"
+        f"  RTOs {tcp.get('TcpExtTCPTimeouts', 0)}"
+    )
 
 
 def _write(name: str, record: dict) -> Path:
@@ -239,8 +283,11 @@ def _write(name: str, record: dict) -> Path:
 
 def _windows(trace: list[dict], key: str = "window_bytes") -> list[tuple[float, float]]:
     """(wall time, pacing figure ``key``) of the trace samples that have it."""
-    return [(s["time"], float(s["pacing"][key])) for s in trace
-            if isinstance(s.get("pacing"), dict) and s["pacing"].get(key) is not None]
+    return [
+        (s["time"], float(s["pacing"][key]))
+        for s in trace
+        if isinstance(s.get("pacing"), dict) and s["pacing"].get(key) is not None
+    ]
 
 
 @pytest.fixture
@@ -263,20 +310,33 @@ def test_incast_pacing(incast):
     lab.limit_rate("c0", INCAST_RATE)
     runs, figures = {}, {}
     for pacing in ("off", "on"):
-        record, net = _measured(lab, "c0", servers, lambda p=pacing: incast.run_client(
-            "c0", f"pacing-{p}", {"KSPEED_PACING": p}, *args))
+        record, net = _measured(
+            lab, "c0", servers, lambda p=pacing: incast.run_client("c0", f"pacing-{p}", {"KSPEED_PACING": p}, *args)
+        )
         runs[pacing] = record
         figures[f"pacing_{pacing}"] = _summary(record, net)
 
     # Third run: the port's rate drops mid-run; the pacing window must follow.
     lab.change_rate("c0", CHANGE_FROM)
-    change_batches = int((CHANGE_AFTER * parse_rate(CHANGE_FROM) + CHANGE_THEN * parse_rate(CHANGE_TO)) / 8
-                         / batch_bytes)
+    change_batches = int(
+        (CHANGE_AFTER * parse_rate(CHANGE_FROM) + CHANGE_THEN * parse_rate(CHANGE_TO)) / 8 / batch_bytes
+    )
     out = incast.tmp / "rate-change.json"
 
     def change_run() -> dict:
-        proc = incast.start_client("c0", out, {"KSPEED_PACING": "on"}, "--batch-size", str(INCAST_BATCH),
-                                   "--batches", str(change_batches), "--seed", "2", "--trace-interval", "0.1")
+        proc = incast.start_client(
+            "c0",
+            out,
+            {"KSPEED_PACING": "on"},
+            "--batch-size",
+            str(INCAST_BATCH),
+            "--batches",
+            str(change_batches),
+            "--seed",
+            "2",
+            "--trace-interval",
+            "0.1",
+        )
         try:
             incast.wait_iterating(proc)
             time.sleep(CHANGE_AFTER)
@@ -297,25 +357,36 @@ def test_incast_pacing(incast):
     rate_before = [r for t, r in rates if t < changed_at]
     rate_after = [r for t, r in rates if changed_at + SETTLE <= t]
     figures["rate_change"].update(
-        rate_before=CHANGE_FROM, rate_after=CHANGE_TO,
+        rate_before=CHANGE_FROM,
+        rate_after=CHANGE_TO,
         window_median_before=statistics.median(before) if before else None,
         window_median_after=statistics.median(after) if after else None,
         drain_rate_median_before=statistics.median(rate_before) if rate_before else None,
         drain_rate_median_after=statistics.median(rate_after) if rate_after else None,
-        window_trace=[(round(t - changed_at, 2), w) for t, w in windows])
-    figures.update(rate=INCAST_RATE, batch_size=INCAST_BATCH, files=INCAST_FILES,
-                   dataset_bytes=int(info["bytes"]), port_limit_bytes=PORT_BUFFER)
+        window_trace=[(round(t - changed_at, 2), w) for t, w in windows],
+    )
+    figures.update(
+        rate=INCAST_RATE,
+        batch_size=INCAST_BATCH,
+        files=INCAST_FILES,
+        dataset_bytes=int(info["bytes"]),
+        port_limit_bytes=PORT_BUFFER,
+    )
     path = _write("incast", figures)
 
     print()
-    print(f"incast: 4 servers -> 1 client at {INCAST_RATE}, batch {INCAST_BATCH} (~{batch_bytes / 1e6:.2f} MB), "
-          f"{batches} batches per run; results in {path}")
+    print(
+        f"incast: 4 servers -> 1 client at {INCAST_RATE}, batch {INCAST_BATCH} (~{batch_bytes / 1e6:.2f} MB), "
+        f"{batches} batches per run; results in {path}"
+    )
     print(_line("pacing off", figures["pacing_off"]))
     print(_line("pacing on", figures["pacing_on"]))
     print(_line("rate change", figures["rate_change"]))
     change = figures["rate_change"]
-    print(f"window before/after the change: {change['window_median_before']} / {change['window_median_after']} "
-          f"bytes; drain rate {change['drain_rate_median_before']} / {change['drain_rate_median_after']} B/s")
+    print(
+        f"window before/after the change: {change['window_median_before']} / {change['window_median_after']} "
+        f"bytes; drain rate {change['drain_rate_median_before']} / {change['drain_rate_median_after']} B/s"
+    )
 
     for name, record in runs.items():
         assert record["rail"] == "tcp", f"{name}: the client used {record['rail']}, not tcp"
@@ -324,20 +395,27 @@ def test_incast_pacing(incast):
     if not on["pacing_traced"]:
         problems.append("ds.stats() has no 'pacing' figures: the client does not pace yet")
     if not on["wait_p99_ms"] < off["wait_p99_ms"]:
-        problems.append(f"p99 wait with pacing {on['wait_p99_ms']:.1f} ms is not below {off['wait_p99_ms']:.1f} ms "
-                        "without")
+        problems.append(
+            f"p99 wait with pacing {on['wait_p99_ms']:.1f} ms is not below {off['wait_p99_ms']:.1f} ms without"
+        )
     if not on["bytes_per_s"] >= 0.9 * off["bytes_per_s"]:
-        problems.append(f"throughput with pacing {on['bytes_per_s'] / 1e6:.1f} MB/s is below 0.9x "
-                        f"{off['bytes_per_s'] / 1e6:.1f} MB/s without")
+        problems.append(
+            f"throughput with pacing {on['bytes_per_s'] / 1e6:.1f} MB/s is below 0.9x "
+            f"{off['bytes_per_s'] / 1e6:.1f} MB/s without"
+        )
     if not before or not after:
         problems.append(f"no pacing window traced before and {SETTLE:.0f} s after the rate change")
     elif not statistics.median(after) < SHRINK * statistics.median(before):
-        problems.append(f"pacing window {statistics.median(after):.0f} bytes {SETTLE:.0f} s after the rate fell "
-                        f"{CHANGE_FROM} -> {CHANGE_TO} is not below {SHRINK}x {statistics.median(before):.0f} "
-                        "bytes before")
+        problems.append(
+            f"pacing window {statistics.median(after):.0f} bytes {SETTLE:.0f} s after the rate fell "
+            f"{CHANGE_FROM} -> {CHANGE_TO} is not below {SHRINK}x {statistics.median(before):.0f} "
+            "bytes before"
+        )
     if rate_before and rate_after and not statistics.median(rate_after) < RATE_SHRINK * statistics.median(rate_before):
-        problems.append(f"measured drain rate {statistics.median(rate_after):.0f} B/s {SETTLE:.0f} s after the rate "
-                        f"fell is not below {RATE_SHRINK}x {statistics.median(rate_before):.0f} B/s before")
+        problems.append(
+            f"measured drain rate {statistics.median(rate_after):.0f} B/s {SETTLE:.0f} s after the rate "
+            f"fell is not below {RATE_SHRINK}x {statistics.median(rate_before):.0f} B/s before"
+        )
     assert not problems, "; ".join(problems)
 
 
@@ -368,9 +446,23 @@ def test_adaptive_credit(credit):
         for rank, host in enumerate(("c0", "c1")):
             out = credit.tmp / f"credit-{mode}-r{rank}.json"
             avoid = ("--exclude", slow) if rank == 1 else ()
-            procs[rank] = (credit.start_client(host, out, {"KSPEED_CREDIT": mode, "KSPEED_PACING": "on"},
-                                               "--batch-size", str(CREDIT_BATCH), "--batches", str(CREDIT_BATCHES),
-                                               "--seed", str(rank), *avoid, "--start-at", str(start_at)), out)
+            procs[rank] = (
+                credit.start_client(
+                    host,
+                    out,
+                    {"KSPEED_CREDIT": mode, "KSPEED_PACING": "on"},
+                    "--batch-size",
+                    str(CREDIT_BATCH),
+                    "--batches",
+                    str(CREDIT_BATCHES),
+                    "--seed",
+                    str(rank),
+                    *avoid,
+                    "--start-at",
+                    str(start_at),
+                ),
+                out,
+            )
         records = {rank: credit.finish_client(proc, out) for rank, (proc, out) in procs.items()}
         for record in records.values():
             assert record["rail"] == "tcp"
@@ -379,24 +471,28 @@ def test_adaptive_credit(credit):
             "ranks": {r: _summary(records[r]) for r in (0, 1)},
             "spread_ms": max(means) - min(means),
             "ratio": max(means) / min(means) if min(means) > 0 else float("inf"),
-            "credits_rank0": next((s["pacing"]["credits"] for s in reversed(records[0]["trace"]) if s["pacing"]),
-                                  None),
+            "credits_rank0": next((s["pacing"]["credits"] for s in reversed(records[0]["trace"]) if s["pacing"]), None),
         }
     figures["delay_method"] = lab.delay_method("s3")
     path = _write("credit", figures)
     print()
-    print(f"credit: rank 0 <- s0..s3, rank 1 <- s0..s2; s3 {CREDIT_DELAY} late ({figures['delay_method']}); ports "
-          f"{CREDIT_RATE}; batch {CREDIT_BATCH} x {CREDIT_SIZE // 1024} KiB, {CREDIT_BATCHES} batches per rank; "
-          f"results in {path}")
+    print(
+        f"credit: rank 0 <- s0..s3, rank 1 <- s0..s2; s3 {CREDIT_DELAY} late ({figures['delay_method']}); ports "
+        f"{CREDIT_RATE}; batch {CREDIT_BATCH} x {CREDIT_SIZE // 1024} KiB, {CREDIT_BATCHES} batches per rank; "
+        f"results in {path}"
+    )
     for mode in ("equal", "adaptive"):
         ranks = figures[mode]["ranks"]
-        print(f"{mode:<9} mean wait r0 {ranks[0]['wait_mean_ms']:6.2f} ms  r1 {ranks[1]['wait_mean_ms']:6.2f} ms"
-              f"  spread {figures[mode]['spread_ms']:6.2f} ms  ratio {figures[mode]['ratio']:5.2f}"
-              f"  p99 r0 {ranks[0]['wait_p99_ms']:6.1f}  r1 {ranks[1]['wait_p99_ms']:6.1f} ms"
-              f"  MB/s r0 {ranks[0]['bytes_per_s'] / 1e6:6.1f}  r1 {ranks[1]['bytes_per_s'] / 1e6:6.1f}"
-              f"  rank 0 credits {figures[mode]['credits_rank0']}")
+        print(
+            f"{mode:<9} mean wait r0 {ranks[0]['wait_mean_ms']:6.2f} ms  r1 {ranks[1]['wait_mean_ms']:6.2f} ms"
+            f"  spread {figures[mode]['spread_ms']:6.2f} ms  ratio {figures[mode]['ratio']:5.2f}"
+            f"  p99 r0 {ranks[0]['wait_p99_ms']:6.1f}  r1 {ranks[1]['wait_p99_ms']:6.1f} ms"
+            f"  MB/s r0 {ranks[0]['bytes_per_s'] / 1e6:6.1f}  r1 {ranks[1]['bytes_per_s'] / 1e6:6.1f}"
+            f"  rank 0 credits {figures[mode]['credits_rank0']}"
+        )
     equal, adaptive = figures["equal"], figures["adaptive"]
     assert adaptive["spread_ms"] < equal["spread_ms"], (
         f"spread of the ranks' mean data wait with adaptive credit {adaptive['spread_ms']:.2f} ms (ratio "
         f"{adaptive['ratio']:.2f}) is not below {equal['spread_ms']:.2f} ms (ratio {equal['ratio']:.2f}) with equal "
-        "credit")
+        "credit"
+    )

@@ -27,21 +27,72 @@ def test_two_ranks_report_and_status_shows_spread(fed):  # noqa: F811
         assert sum(local["server_bytes"].values()) == local["bytes"] > 0
         assert set(local["server_bytes"]) == {s.ready["id"] for s in cluster.servers}
         assert local["wait_p99_ms"] >= local["wait_p50_ms"] >= 0
-        job = wait_for(lambda: (lambda j: j if len(j.ranks) == 2 and all(r.batches for r in j.ranks) else None)(
-            clients[0].manager.call("GetJobStats", kspeed_pb2.JobRequest(job="job-a"))), 10, "both ranks' reports")
+        job = wait_for(
+            lambda: (lambda j: j if len(j.ranks) == 2 and all(r.batches for r in j.ranks) else None)(
+                clients[0].manager.call("GetJobStats", kspeed_pb2.JobRequest(job="job-a"))
+            ),
+            10,
+            "both ranks' reports",
+        )
         assert [r.rank for r in job.ranks] == [0, 1] and all(r.world_size == 2 for r in job.ranks)
         assert job.wait_mean_ms.max >= job.wait_mean_ms.min
-        out = subprocess.run([sys.executable, "-m", "kspeed.cli", "status", "--manager", cluster.address, "--auth",
-                              "none", "--job", "job-a", "--json"], capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kspeed.cli",
+                "status",
+                "--manager",
+                cluster.address,
+                "--auth",
+                "none",
+                "--job",
+                "job-a",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert out.returncode == 0, out.stderr
         shown = json.loads(out.stdout)
         assert [r["rank"] for r in shown["ranks"]] == [0, 1]
         assert set(shown["spread"]) == {"wait_mean_ms", "wait_p99_ms", "samples_per_s"}
-        table = subprocess.run([sys.executable, "-m", "kspeed.cli", "status", "--manager", cluster.address, "--auth",
-                                "none", "--job", "job-a"], capture_output=True, text=True, timeout=30).stdout
+        table = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kspeed.cli",
+                "status",
+                "--manager",
+                cluster.address,
+                "--auth",
+                "none",
+                "--job",
+                "job-a",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
         assert "spread across ranks" in table and "0/2" in table and "1/2" in table
-        missing = subprocess.run([sys.executable, "-m", "kspeed.cli", "status", "--manager", cluster.address,
-                                  "--auth", "none", "--job", "nope"], capture_output=True, text=True, timeout=30)
+        missing = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kspeed.cli",
+                "status",
+                "--manager",
+                cluster.address,
+                "--auth",
+                "none",
+                "--job",
+                "nope",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert missing.returncode == 1 and "job-a" in missing.stderr  # names the jobs that do report
     finally:
         for c in clients:

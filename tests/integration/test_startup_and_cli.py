@@ -18,8 +18,13 @@ PY = sys.executable
 
 
 def run_daemon(module: str, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-m", module, "--auth", "none", *args], capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [PY, "-m", module, "--auth", "none", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def assert_one_line_error(out: subprocess.CompletedProcess, *needles: str) -> None:
@@ -41,20 +46,43 @@ def busy_port():
 
 
 def test_manager_port_in_use(tmp_path, busy_port):
-    out = run_daemon("kspeed.manager", "--listen", f"127.0.0.1:{busy_port}", "--http-listen", "127.0.0.1:0",
-                     "--state-dir", str(tmp_path))
+    out = run_daemon(
+        "kspeed.manager",
+        "--listen",
+        f"127.0.0.1:{busy_port}",
+        "--http-listen",
+        "127.0.0.1:0",
+        "--state-dir",
+        str(tmp_path),
+    )
     assert_one_line_error(out, "kspeed-manager: error:", f"127.0.0.1:{busy_port}")
 
 
 def test_manager_http_port_in_use(tmp_path, busy_port):
-    out = run_daemon("kspeed.manager", "--listen", "127.0.0.1:0", "--http-listen", f"127.0.0.1:{busy_port}",
-                     "--state-dir", str(tmp_path))
+    out = run_daemon(
+        "kspeed.manager",
+        "--listen",
+        "127.0.0.1:0",
+        "--http-listen",
+        f"127.0.0.1:{busy_port}",
+        "--state-dir",
+        str(tmp_path),
+    )
     assert_one_line_error(out, "HTTP", f"127.0.0.1:{busy_port}")
 
 
 def test_server_port_in_use(tmp_path, busy_port):
-    out = run_daemon("kspeed.server", "--listen", f"127.0.0.1:{busy_port}", "--state-dir", str(tmp_path),
-                     "--memory", "8MiB", "--region-size", "1MiB")
+    out = run_daemon(
+        "kspeed.server",
+        "--listen",
+        f"127.0.0.1:{busy_port}",
+        "--state-dir",
+        str(tmp_path),
+        "--memory",
+        "8MiB",
+        "--region-size",
+        "1MiB",
+    )
     assert_one_line_error(out, "kspeed-server: error:", f"127.0.0.1:{busy_port}")
     assert not [p for p in os.listdir("/dev/shm") if p.startswith("kspeed-pool-")]  # nothing carved
 
@@ -74,27 +102,58 @@ def test_config_file_with_bad_value_names_field_and_value(tmp_path):
 def test_unwritable_state_dir(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    out = run_daemon("kspeed.manager", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0",
-                     "--state-dir", str(blocker / "state"))
+    out = run_daemon(
+        "kspeed.manager",
+        "--listen",
+        "127.0.0.1:0",
+        "--http-listen",
+        "127.0.0.1:0",
+        "--state-dir",
+        str(blocker / "state"),
+    )
     assert_one_line_error(out, "manager.state_dir", str(blocker / "state"))
 
 
 def test_token_required_unless_auth_none(tmp_path):
-    out = subprocess.run([PY, "-m", "kspeed.manager", "--state-dir", str(tmp_path)], capture_output=True,
-                         text=True, timeout=30, env={k: v for k, v in os.environ.items() if k != "KSPEED_TOKEN"})
+    out = subprocess.run(
+        [PY, "-m", "kspeed.manager", "--state-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={k: v for k, v in os.environ.items() if k != "KSPEED_TOKEN"},
+    )
     assert_one_line_error(out, "security.auth", "token")
 
 
 def test_status_with_manager_down_is_one_line(busy_port):
-    out = subprocess.run([PY, "-m", "kspeed.cli", "status", "--manager", "127.0.0.1:1"], capture_output=True,
-                         text=True, timeout=30)
+    out = subprocess.run(
+        [PY, "-m", "kspeed.cli", "status", "--manager", "127.0.0.1:1"], capture_output=True, text=True, timeout=30
+    )
     assert_one_line_error(out, "manager at 127.0.0.1:1", "unreachable")
 
 
 def test_kspeed_up_prints_addresses_first_and_leaves_nothing(tmp_path):
-    proc = subprocess.Popen([PY, "-m", "kspeed.cli", "up", "--servers", "2", "--port", "0", "--http-port", "0",
-                             "--memory", "8MiB", "--region-size", "1MiB"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            PY,
+            "-m",
+            "kspeed.cli",
+            "up",
+            "--servers",
+            "2",
+            "--port",
+            "0",
+            "--http-port",
+            "0",
+            "--memory",
+            "8MiB",
+            "--region-size",
+            "1MiB",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         first, second = proc.stdout.readline(), proc.stdout.readline()
         assert first.startswith("manager grpc 127.0.0.1:")
@@ -126,14 +185,36 @@ def test_kspeed_up_prints_addresses_first_and_leaves_nothing(tmp_path):
 
 
 def test_sigkilled_supervisor_takes_its_daemons_along(tmp_path):
-    proc = subprocess.Popen([PY, "-m", "kspeed.cli", "up", "--servers", "1", "--port", "0", "--http-port", "0",
-                             "--memory", "8MiB", "--region-size", "1MiB", "--state-dir", str(tmp_path / "up")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            PY,
+            "-m",
+            "kspeed.cli",
+            "up",
+            "--servers",
+            "1",
+            "--port",
+            "0",
+            "--http-port",
+            "0",
+            "--memory",
+            "8MiB",
+            "--region-size",
+            "1MiB",
+            "--state-dir",
+            str(tmp_path / "up"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         while not proc.stdout.readline().startswith("ready:"):
             assert proc.poll() is None, proc.stderr.read()
-        pids = [json.loads((tmp_path / "up" / "run" / f"{name}.json").read_text())["pid"]
-                for name in ("manager", "server-0")]
+        pids = [
+            json.loads((tmp_path / "up" / "run" / f"{name}.json").read_text())["pid"]
+            for name in ("manager", "server-0")
+        ]
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
     finally:

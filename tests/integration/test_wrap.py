@@ -15,14 +15,16 @@ from tests.integration.test_client import config_for
 def test_wrap_caches_the_files_and_yields_what_a_dataloader_would(cluster_factory, tmp_path):
     root = make_jpegs(tmp_path / "imgs")
     folder = FolderDataset(root, transform=to_normalized_tensor)
-    cluster = cluster_factory(2, server_args=["--backend-allow", str(tmp_path), "--memory", "16MiB",
-                                              "--region-size", "1MiB"])
+    cluster = cluster_factory(
+        2, server_args=["--backend-allow", str(tmp_path), "--memory", "16MiB", "--region-size", "1MiB"]
+    )
     client = KSpeedClient(config=config_for(cluster))
     pids = []
     try:
         wait_for(lambda: len([r for r in client.manager.servers() if r.state == 2]) == 2, 10, "two ready servers")
-        wrapped = client.wrap(folder, batch_size=8, sampler=SequentialSampler(folder), num_workers=2,
-                              ring_bytes=8 << 20, quiet=True)
+        wrapped = client.wrap(
+            folder, batch_size=8, sampler=SequentialSampler(folder), num_workers=2, ring_bytes=8 << 20, quiet=True
+        )
         info = client.manager.dataset(wrapped.name)
         assert (info.spec.kind, info.spec.uri) == ("dir", str(root))  # the samples are the tree, sorted
         assert info.fingerprint.count == len(folder) and info.leases >= 1

@@ -17,9 +17,17 @@ class Clock:
 
 
 def report(rank, wait, samples=1000, elapsed=10.0, job="train", world=4):
-    return kspeed_pb2.RankStats(job=job, rank=rank, world_size=world, dataset="imgs", samples=samples,
-                                elapsed_s=elapsed, wait_mean_ms=wait, wait_p99_ms=wait * 3,
-                                server_bytes={"srv-a": 10, "srv-b": 30})
+    return kspeed_pb2.RankStats(
+        job=job,
+        rank=rank,
+        world_size=world,
+        dataset="imgs",
+        samples=samples,
+        elapsed_s=elapsed,
+        wait_mean_ms=wait,
+        wait_p99_ms=wait * 3,
+        server_bytes={"srv-a": 10, "srv-b": 30},
+    )
 
 
 def test_spread_across_ranks_names_the_straggler():
@@ -48,10 +56,15 @@ def test_latest_report_wins_and_silent_ranks_expire():
         board.job("train")
 
 
-@pytest.mark.parametrize("bad", [
-    report(0, 1.0, job=""), report(0, 1.0, job="a b"), report(4, 1.0, world=4),
-    kspeed_pb2.RankStats(job="j", rank=0, world_size=1, dataset="x" * 300),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        report(0, 1.0, job=""),
+        report(0, 1.0, job="a b"),
+        report(4, 1.0, world=4),
+        kspeed_pb2.RankStats(job="j", rank=0, world_size=1, dataset="x" * 300),
+    ],
+)
 def test_malformed_reports_are_refused(bad):
     board = JobBoard(wall=Clock())
     with pytest.raises(ProtocolError):

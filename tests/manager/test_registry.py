@@ -24,8 +24,11 @@ def make(tmp_path, clock):
 
 def register(registry, server_id="srv-a"):
     request = kspeed_pb2.RegisterServerRequest(
-        id=server_id, address="127.0.0.1:9000", http_address="127.0.0.1:9001",
-        inventory=kspeed_pb2.ServerInventory(memory_bytes=2**30, region_size=2**27))
+        id=server_id,
+        address="127.0.0.1:9000",
+        http_address="127.0.0.1:9001",
+        inventory=kspeed_pb2.ServerInventory(memory_bytes=2**30, region_size=2**27),
+    )
     return registry.register(request, 1)
 
 

@@ -24,8 +24,16 @@ from kspeed.rdma.tcp import TcpRail
 TOKEN = b"unit-test-token-0123456789"
 
 
-@pytest.mark.parametrize(("field", "value"), [("io_timeout", 0), ("token", b"short"), ("keepalive_count", 0),
-                                              ("receiver_name", "bad name!"), ("socket_buffer", 10)])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("io_timeout", 0),
+        ("token", b"short"),
+        ("keepalive_count", 0),
+        ("receiver_name", "bad name!"),
+        ("socket_buffer", 10),
+    ],
+)
 def test_options_name_the_bad_field(field, value):
     with pytest.raises(ConfigError) as err:
         RailOptions(**{field: value})

@@ -69,8 +69,12 @@ class FakeNvml:
 
 
 # NVML's own index order need not be PCI order: here it is scrambled on purpose.
-SAME_MODEL = [("00000000:86:00.0", "A100", "GPU-cc"), ("00000000:18:00.0", "A100", "GPU-aa"),
-              ("00000000:3B:00.0", "A100", "GPU-bb"), ("00000000:AF:00.0", "A100", "GPU-dd")]
+SAME_MODEL = [
+    ("00000000:86:00.0", "A100", "GPU-cc"),
+    ("00000000:18:00.0", "A100", "GPU-aa"),
+    ("00000000:3B:00.0", "A100", "GPU-bb"),
+    ("00000000:AF:00.0", "A100", "GPU-dd"),
+]
 MIXED = [("00000000:18:00.0", "T4", "GPU-aa"), ("00000000:3B:00.0", "A100", "GPU-bb")]
 
 
@@ -198,8 +202,7 @@ def test_without_rdma_nics_the_nearest_ethernet_nic_is_chosen(tmp_path):
     tree = SysfsTree(tmp_path)
     gpu = tree.gpu("pci0000:00", "0000:00:01.0", "0000:01:00.0", "0000:02:00.0", "0000:03:00.0", numa_node=0)
     tree.net_nic("eth1", "pci0000:40", "0000:40:01.0", "0000:41:00.0", numa_node=0)
-    tree.net_nic("eth0", "pci0000:00", "0000:00:01.0", "0000:01:00.0", "0000:02:04.0", "0000:04:00.0",
-                 numa_node=0)
+    tree.net_nic("eth0", "pci0000:00", "0000:00:01.0", "0000:01:00.0", "0000:02:04.0", "0000:04:00.0", numa_node=0)
     tree.node(0, "0-1")
     p = place(str(tmp_path), gpu_bus_id=gpu, allowed_cores=[0, 1])
     assert (p.nic, p.rail) == ("eth0", None)
@@ -302,10 +305,20 @@ def test_place_through_nvml_on_the_dgx_tree(tmp_path):
 # --- cpulist and pinning -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("text", "cores"), [
-    ("", ()), ("\n", ()), ("0", (0,)), ("0-3", (0, 1, 2, 3)), ("3-3", (3,)), (" 1 , 4-5 \n", (1, 4, 5)),
-    ("0-1,0-1", (0, 1)), ("0-7:2/4", (0, 1, 4, 5)), ("0-23,48-71", tuple([*range(24), *range(48, 72)])),
-])
+@pytest.mark.parametrize(
+    ("text", "cores"),
+    [
+        ("", ()),
+        ("\n", ()),
+        ("0", (0,)),
+        ("0-3", (0, 1, 2, 3)),
+        ("3-3", (3,)),
+        (" 1 , 4-5 \n", (1, 4, 5)),
+        ("0-1,0-1", (0, 1)),
+        ("0-7:2/4", (0, 1, 4, 5)),
+        ("0-23,48-71", tuple([*range(24), *range(48, 72)])),
+    ],
+)
 def test_cpulist(text, cores):
     assert tuple(sorted(parse_cpulist(text))) == cores
 

@@ -20,8 +20,7 @@ class SysfsTree:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        for sub in ("devices/system/node", "devices/virtual/net", "bus/pci/devices", "class/infiniband",
-                    "class/net"):
+        for sub in ("devices/system/node", "devices/virtual/net", "bus/pci/devices", "class/infiniband", "class/net"):
             (root / sub).mkdir(parents=True, exist_ok=True)
 
     def _link(self, link: Path, target: Path) -> None:

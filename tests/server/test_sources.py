@@ -66,8 +66,13 @@ def test_manifest(tmp_path, backend):
 
 @pytest.mark.parametrize(
     ("text", "match"),
-    [(b"a 1\nb\n", "line 2"), (b"a 1\nb x2\n", "line 2"), (b"a 1\n../x 3\n", r"contains '\.\.'"),
-     (b"/etc/passwd 3\n", "is absolute"), (b"", "no samples")],
+    [
+        (b"a 1\nb\n", "line 2"),
+        (b"a 1\nb x2\n", "line 2"),
+        (b"a 1\n../x 3\n", r"contains '\.\.'"),
+        (b"/etc/passwd 3\n", "is absolute"),
+        (b"", "no samples"),
+    ],
 )
 def test_bad_manifests(tmp_path, backend, text, match):
     man = tmp_path / "bad.manifest"
