@@ -1,6 +1,6 @@
 """The KSpeed side of the client benchmark: a private local cluster and the client library as a source.
 
-``BenchCluster`` starts a :class:`kspeed._local.LocalCluster` (one manager, two servers, auth off,
+``BenchCluster`` starts a :class:`kspeed.cli.cluster.LocalCluster` (one manager, two servers, auth off,
 loopback only, metrics on their HTTP ports) with its state in a temporary directory and its pools
 in a temporary directory under ``/dev/shm``; ``close()`` stops every daemon and removes both.
 Sample sets are registered by the operator (so they stay until removed), preloaded, and removed
@@ -15,10 +15,10 @@ import tempfile
 
 from _datasets import SampleSet
 
-from kspeed._local import LocalCluster, wait_for
+from kspeed.cli.cluster import LocalCluster, wait_for
 from kspeed.config import ClientConfig, load_config
-from kspeed.control import ManagerClient
-from kspeed.progress import follow_preload
+from kspeed.control.manager_client import ManagerClient
+from kspeed.control.progress import follow_preload
 from kspeed.proto import kspeed_pb2
 
 __all__ = ["BenchCluster", "KSpeedSource"]

@@ -29,8 +29,8 @@ import torch
 from _datasets import SampleSet
 from torch.utils.data import DataLoader, Dataset, default_collate
 
+from kspeed.control.rpc import channel_options
 from kspeed.proto import kspeed_pb2, kspeed_pb2_grpc
-from kspeed.rpc import channel_options
 
 __all__ = ["DataLoaderSource", "GrpcPullSource", "RedisServer", "RedisSource"]
 

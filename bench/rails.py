@@ -32,7 +32,7 @@ from _common import GIB, KIB, MIB, machine_info, memcpy_gbps, random_starts, soc
 from kspeed.rdma.base import RegionKey
 from kspeed.rdma.memory import MemfdSegment
 from kspeed.rdma.options import RailOptions
-from kspeed.rdma.registry import available_rails, get_rail
+from kspeed.rdma.rails import available_rails, get_rail
 
 SIZES = [4 * KIB, 32 * KIB, 256 * KIB, MIB, 4 * MIB, 16 * MIB]
 BATCH_BYTES = 4 * MIB  # a batch holds at most 64 writes and about this many bytes

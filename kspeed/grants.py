@@ -5,7 +5,7 @@ sends GRANTS (the right to write one range of positions of one batch of one epoc
 offset) and the server answers each grant with one write-with-immediate whose immediate is the
 grant's tag. A server that cannot serve a grant says ERROR instead of staying silent. Nothing per
 sample travels here: the positions of a grant map to samples and offsets through the epoch plan
-and :func:`kspeed.plan.batch_layout`, which both sides hold.
+and :func:`kspeed.layout.batch_layout`, which both sides hold.
 
 A **probe** is a grant of epoch :data:`PROBE_EPOCH`: the server writes ``end`` bytes (at most
 :data:`MAX_PROBE`) of filler at ``ring_offset`` and completes it like any grant, so the client can

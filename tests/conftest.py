@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kspeed._local import LocalCluster
+from kspeed.cli.cluster import LocalCluster
 
 # Timers short enough that lifecycle transitions happen within a test's patience.
 FAST_MANAGER = [

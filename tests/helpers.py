@@ -6,9 +6,9 @@ import os
 import urllib.error
 import urllib.request
 
-from kspeed._local import LocalCluster
+from kspeed.cli.cluster import LocalCluster
 from kspeed.config import ClientConfig, load_config
-from kspeed.control import ManagerClient
+from kspeed.control.manager_client import ManagerClient
 
 
 def client_for(cluster: LocalCluster) -> ManagerClient:

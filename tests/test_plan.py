@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kspeed.errors import DatasetError
-from kspeed.plan import region_bounds
+from kspeed.layout import region_bounds
 
 R = 1000
 

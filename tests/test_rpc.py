@@ -5,7 +5,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from kspeed import errors, rpc
+from kspeed import errors
+from kspeed.control import rpc
 from kspeed.config import SecurityConfig
 
 

@@ -202,7 +202,7 @@ def split_samples(base: torch.Tensor, offsets: np.ndarray, lengths: np.ndarray, 
         footprint: bytes reserved for the batch.
     """
     # One split into [sample, gap, sample, gap, ...] makes every view in one call (narrow() per
-    # sample costs about half again as much per view); kspeed.plan.batch_layout starts a batch's
+    # sample costs about half again as much per view); kspeed.layout.batch_layout starts a batch's
     # first sample at offset 0.
     sizes = np.empty(2 * len(lengths), dtype=np.int64)
     sizes[0::2] = lengths

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from kspeed.config import ClientConfig, load_config, parse_address
-from kspeed.control import ManagerClient
+from kspeed.control.manager_client import ManagerClient
 from kspeed.errors import ConfigError, KSpeedError, StateError, UnavailableError
 
 from .dataset import KSpeedDataset

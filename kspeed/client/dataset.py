@@ -39,7 +39,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from kspeed.config import ClientConfig, gpu_environment
 from kspeed.errors import ConfigError, KSpeedError, StateError
-from kspeed.plan import SAMPLE_ALIGN
+from kspeed.layout import SAMPLE_ALIGN
 from kspeed.proto import kspeed_pb2
 from kspeed.rdma.options import RailOptions
 from kspeed.rdma.topology import pin, place
@@ -50,7 +50,7 @@ from .feed import Feed
 from .pacing import Pacer
 from .plans import EpochPlan, make_plan
 from .pump import Pump
-from .rails import choose_rail, is_local, local_address_towards
+from .rail_choice import choose_rail, is_local, local_address_towards
 from .sampling import EpochOrders
 from .stats import RankStats, StatsReporter, default_job
 
@@ -380,7 +380,7 @@ class KSpeedDataset(IterableDataset):
             DatasetError: samples failed to load (named).
             StateError: the dataset was closed or has no manager.
         """
-        from kspeed.progress import follow_preload
+        from kspeed.control.progress import follow_preload
 
         self._check_open()
         if self._manager is None:

@@ -43,7 +43,7 @@ from kspeed.errors import (
 from kspeed.proto import kspeed_pb2
 from kspeed.rdma.base import MAX_MESSAGE, Completions
 from kspeed.rdma.options import RailOptions
-from kspeed.rdma.registry import get_rail
+from kspeed.rdma.rails import get_rail
 
 from .pacing import SIZE_CLASSES, Pacer, SubGrant
 from .plans import EpochPlan

@@ -22,7 +22,7 @@ class LeaseKeeper:
     """Renews one lease every ``ttl / 3`` seconds until :meth:`close`.
 
     Args:
-        manager: a ``kspeed.control.ManagerClient``.
+        manager: a ``kspeed.control.manager_client.ManagerClient``.
         lease_id: the lease to keep.
         ttl: its time to live in seconds.
     """

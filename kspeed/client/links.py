@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from kspeed import rpc
 from kspeed.config import ClientConfig
+from kspeed.control import rpc
 from kspeed.proto import kspeed_pb2, kspeed_pb2_grpc
 
 __all__ = ["LOOKUP_CHUNK", "PLAN_CHUNK", "ServerLink"]

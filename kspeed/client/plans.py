@@ -1,7 +1,7 @@
 """Epoch plans: broadcast the IDs, learn who owns what and how long it is, commit the plan everywhere.
 
 A plan is this rank's ordered IDs for one pass plus what the lookup replies said about them
-(owner, length, label) and the ring layout both sides derive with :func:`kspeed.plan.batch_layout`.
+(owner, length, label) and the ring layout both sides derive with :func:`kspeed.layout.batch_layout`.
 Every server sees the whole plan, so a grant only names a batch and a range of positions.
 """
 
@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 
 from kspeed.errors import CapacityError, DatasetError, ProtocolError
-from kspeed.plan import BatchLayout, batch_layout
+from kspeed.layout import BatchLayout, batch_layout
 
 __all__ = ["EpochPlan", "Link", "check_fits", "make_plan"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 from collections import deque
 
-from kspeed.plan import SAMPLE_ALIGN
+from kspeed.layout import SAMPLE_ALIGN
 
 __all__ = ["RingAllocator"]
 

@@ -2,7 +2,7 @@
 
 A dataset occupies whole regions forming one virtual contiguous address space: byte
 ``region index x region size + offset``. Samples are packed into regions in ID order without
-straddling (:func:`kspeed.plan.region_bounds`, the rule servers lay out their own samples with);
+straddling (:func:`kspeed.layout.region_bounds`, the rule servers lay out their own samples with);
 the regions are then dealt out to servers in contiguous runs, so every server owns a contiguous
 range of sample IDs and ownership is a pure function of the :class:`Allocation`. Servers are
 balanced by memory: their region counts (so their allocated bytes) differ by at most one region
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kspeed.errors import CapacityError, DatasetError
-from kspeed.plan import region_bounds
+from kspeed.layout import region_bounds
 
 __all__ = ["Allocation", "ServerCapacity", "Share", "allocate"]
 

@@ -7,8 +7,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kspeed import rpc
 from kspeed.config import SecurityConfig
+from kspeed.control import rpc
 from kspeed.proto import kspeed_pb2_grpc
 
 

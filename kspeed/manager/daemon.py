@@ -20,17 +20,17 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from kspeed import rpc
-from kspeed._daemon import die_with_parent, ensure_state_dir, run_main, setup_logging, write_ready_file
 from kspeed.config import ManagerConfig, add_arguments, load_config
-from kspeed.httpd import HttpEndpoint, json_response, metrics_route, text_response
+from kspeed.control import rpc
+from kspeed.control.daemon import die_with_parent, ensure_state_dir, run_main, setup_logging, write_ready_file
+from kspeed.control.http import HttpEndpoint, json_response, metrics_route, text_response
+from kspeed.control.status import status_dict
 from kspeed.manager.calls import ServerCalls
 from kspeed.manager.datasets import DatasetCatalog
+from kspeed.manager.membership import Registry, Timers
 from kspeed.manager.metrics import ManagerMetrics
-from kspeed.manager.registry import Registry, Timers
 from kspeed.manager.service import ManagerService
 from kspeed.manager.store import Store
-from kspeed.status import status_dict
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import numpy as np
 from kspeed.errors import CapacityError, ConflictError, KSpeedError, NotFoundError, ProtocolError, UnavailableError
 from kspeed.manager.allocator import ServerCapacity, allocate
 from kspeed.manager.calls import ServerCalls
-from kspeed.manager.registry import READY, Registry
+from kspeed.manager.membership import READY, Registry
 from kspeed.manager.store import Store
 from kspeed.proto import kspeed_pb2
 

@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kspeed.manager.registry import Registry, state_name
+from kspeed.manager.membership import Registry, state_name
 
 
 class _MembershipCollector(Collector):

@@ -11,12 +11,12 @@ from collections.abc import AsyncIterator
 import grpc
 
 from kspeed._version import __version__
+from kspeed.control.rpc import negotiate
 from kspeed.errors import ProtocolError
 from kspeed.manager.datasets import DatasetCatalog
 from kspeed.manager.jobs import JobBoard
-from kspeed.manager.registry import Registry
+from kspeed.manager.membership import Registry
 from kspeed.proto import kspeed_pb2
-from kspeed.rpc import negotiate
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 A **receiver** owns memory and listens; a **writer** dials it and writes. In KSpeed the training
 process is the receiver (its receive ring) and servers are writers::
 
-    rail = get_rail("shm")                                  # kspeed.rdma.registry
+    rail = get_rail("shm")                                  # kspeed.rdma.rails
     rx = rail.listen(options)                               # receiver side
     ring = rx.register(64 << 20)                            # Region: memfd-backed ring
     blob = rx.material                                      # -> control plane -> server
@@ -326,7 +326,7 @@ class Writer(ABC):
 
         Op ``i`` copies ``lengths[i]`` bytes from ``source[src_offsets[i]:]`` to
         ``key.addr + dst_offsets[i]``. The whole batch is range-checked with numpy before a byte
-        moves (:func:`kspeed.rdma.batch.plan_batch`); then the immediates are notified in order,
+        moves (:func:`kspeed.rdma.write_batch.plan_batch`); then the immediates are notified in order,
         each exactly once, after every byte of the batch is visible to the receiver.
 
         Args:

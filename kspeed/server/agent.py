@@ -12,8 +12,8 @@ import logging
 import threading
 from collections.abc import Callable
 
-from kspeed import rpc
 from kspeed.config import SecurityConfig
+from kspeed.control import rpc
 from kspeed.errors import AuthError, KSpeedError, NotFoundError, ProtocolError
 from kspeed.proto import kspeed_pb2, kspeed_pb2_grpc
 from kspeed.server.metrics import ServerMetrics

@@ -19,12 +19,12 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kspeed import rpc
-from kspeed._daemon import die_with_parent, ensure_state_dir, run_main, setup_logging, write_ready_file
 from kspeed._version import __version__
 from kspeed.config import ServerConfig, add_arguments, load_config
+from kspeed.control import rpc
+from kspeed.control.daemon import die_with_parent, ensure_state_dir, run_main, setup_logging, write_ready_file
+from kspeed.control.http import HttpEndpoint, metrics_route, text_response
 from kspeed.errors import KSpeedError
-from kspeed.httpd import HttpEndpoint, metrics_route, text_response
 from kspeed.proto import kspeed_pb2
 from kspeed.rdma.options import RailOptions
 from kspeed.server import inventory as inv
@@ -32,7 +32,7 @@ from kspeed.server.agent import ManagerAgent
 from kspeed.server.allowlist import AllowList
 from kspeed.server.backend import Backend
 from kspeed.server.datasets import DatasetHost
-from kspeed.server.feeders import FeederPool
+from kspeed.server.feeder_pool import FeederPool
 from kspeed.server.metrics import ServerMetrics
 from kspeed.server.pool import MemoryPool, RegionState
 from kspeed.server.service import ServerService

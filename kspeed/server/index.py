@@ -3,7 +3,7 @@
 A server owns a contiguous range of sample IDs ``[lo, hi)`` of a dataset. For those it keeps numpy
 arrays (never a Python object per sample): the virtual region index, the offset inside the region,
 the length, the crc32c and a loaded flag. Region and offset are a pure function of the sizes and
-the region size (:func:`layout`, by :func:`kspeed.plan.region_bounds`, the rule the manager
+the region size (:func:`layout`, by :func:`kspeed.layout.region_bounds`, the rule the manager
 cuts ownership with), so the index answers lookups for samples that are not loaded yet.
 It is saved beside the data, in the pool directory, and reloaded after a restart.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from kspeed.errors import NotFoundError, StateError
-from kspeed.plan import region_bounds
+from kspeed.layout import region_bounds
 
 __all__ = ["SampleIndex", "layout"]
 

@@ -11,7 +11,7 @@ from kspeed._version import PROTOCOL_VERSIONS, __version__
 from kspeed.errors import ProtocolError
 from kspeed.proto import kspeed_pb2
 from kspeed.server.datasets import LE_U32, DatasetHost, decode_ids
-from kspeed.server.feeders import FeederPool
+from kspeed.server.feeder_pool import FeederPool
 
 MAX_LOOKUP_CHUNK = 1 << 20  # IDs per Lookup chunk
 MAX_READ_IDS = 1 << 16  # IDs per Read call

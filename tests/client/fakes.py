@@ -18,11 +18,11 @@ import numpy as np
 from kspeed import grants
 from kspeed.config import ClientConfig, load_config
 from kspeed.errors import KSpeedError, NotFoundError
-from kspeed.plan import batch_layout
+from kspeed.layout import batch_layout
 from kspeed.proto import kspeed_pb2
 from kspeed.rdma.base import RegionKey
 from kspeed.rdma.options import RailOptions
-from kspeed.rdma.registry import get_rail
+from kspeed.rdma.rails import get_rail
 
 
 def make_samples(n: int, seed: int = 0, max_size: int = 3000) -> list[bytes]:

@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from kspeed.errors import CapacityError, ConfigError, StateError
-from kspeed.rdma.registry import available_rails
+from kspeed.rdma.rails import available_rails
 from tests.client.conftest import N_SAMPLES
 
 

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 
 from kspeed import grants
 from kspeed.client.dataset import KSpeedDataset
-from kspeed.client.rails import choose_rail
+from kspeed.client.rail_choice import choose_rail
 from kspeed.errors import ConfigError, DatasetError, PeerLostError, RailUnavailableError, StateError, TransportError
 from kspeed.rdma.base import Completions
 from tests.client.fakes import client_config

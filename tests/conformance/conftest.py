@@ -8,7 +8,7 @@ import os
 import pytest
 
 from kspeed.rdma.options import RailOptions
-from kspeed.rdma.registry import available_rails
+from kspeed.rdma.rails import available_rails
 
 #: Short timeouts keep the failure-detection tests fast; bounds are asserted against these.
 IO_TIMEOUT = 1.0

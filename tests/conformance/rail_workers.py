@@ -11,7 +11,7 @@ import numpy as np
 from kspeed.errors import KSpeedError
 from kspeed.rdma.base import RegionKey
 from kspeed.rdma.options import RailOptions
-from kspeed.rdma.registry import get_rail
+from kspeed.rdma.rails import get_rail
 
 
 def pattern(imm: int, size: int) -> np.ndarray:

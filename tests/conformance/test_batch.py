@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kspeed.errors import RangeError, TransportError
-from kspeed.rdma.registry import get_rail
+from kspeed.rdma.rails import get_rail
 from tests.conformance.rail_workers import pattern, write_pattern_batches
 from tests.conformance.test_rails import _poll_until
 

@@ -16,7 +16,7 @@ import pytest
 from kspeed.errors import AuthError, PeerLostError, RailUnavailableError, RangeError, TransportError
 from kspeed.rdma.base import RegionKey
 from kspeed.rdma.options import RailOptions
-from kspeed.rdma.registry import available_rails, get_rail
+from kspeed.rdma.rails import available_rails, get_rail
 from tests.conformance.conftest import IO_TIMEOUT
 from tests.conformance.rail_workers import pattern, serve_ring, stream_forever, write_patterns
 
@@ -303,7 +303,7 @@ def _netns_available() -> str | None:
 
 _CUT_WRITER = """
 import sys, time, numpy as np
-from kspeed.rdma.registry import get_rail
+from kspeed.rdma.rails import get_rail
 from kspeed.rdma.options import RailOptions
 from kspeed.rdma.base import RegionKey
 from kspeed.errors import PeerLostError

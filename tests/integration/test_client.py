@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from torch.utils.data import DataLoader, DistributedSampler
 
 from kspeed import DatasetSpec, KSpeedClient
-from kspeed._local import wait_for
+from kspeed.cli.cluster import wait_for
 from kspeed.client.stats import PrometheusCollector
 from kspeed.config import ClientConfig, load_config
 from kspeed.errors import (
@@ -21,7 +21,7 @@ from kspeed.errors import (
     StateError,
     UnavailableError,
 )
-from kspeed.rdma.registry import available_rails
+from kspeed.rdma.rails import available_rails
 from tests.integration.test_datasets import make_tree
 
 CLASSES = ("ant", "bee", "cat")

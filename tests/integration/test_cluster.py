@@ -12,7 +12,7 @@ import time
 import grpc
 import pytest
 
-from kspeed._local import wait_for
+from kspeed.cli.cluster import wait_for
 from kspeed.proto import kspeed_pb2, kspeed_pb2_grpc
 from tests.helpers import client_for, http_get
 
@@ -246,7 +246,7 @@ def test_tls_on_both_daemons(cluster_factory, tmp_path):
     env = {"KSPEED_TLS_CERT": str(cert), "KSPEED_TLS_KEY": str(key), "KSPEED_TLS_CA": str(cert)}
     cluster = cluster_factory(1, env=env)  # servers reach the manager, the manager probes them: all over TLS
     from kspeed.config import ClientConfig, load_config
-    from kspeed.control import ManagerClient
+    from kspeed.control.manager_client import ManagerClient
 
     config = load_config(
         ClientConfig,

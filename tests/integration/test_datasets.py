@@ -13,9 +13,9 @@ import grpc
 import numpy as np
 import pytest
 
-from kspeed._local import wait_for
+from kspeed.cli.cluster import wait_for
+from kspeed.control.progress import follow_preload
 from kspeed.errors import AccessDeniedError, ConflictError, DatasetError, NotFoundError, ProtocolError
-from kspeed.progress import follow_preload
 from kspeed.proto import kspeed_pb2, kspeed_pb2_grpc
 from tests.helpers import client_for
 
@@ -37,7 +37,7 @@ def make_tree(root, classes=("ant", "bee", "cat"), per_class=40, seed=0, max_siz
 
 
 def server_stubs(cluster, info):
-    from kspeed.rpc import channel_options
+    from kspeed.control.rpc import channel_options
 
     return {
         sid: kspeed_pb2_grpc.ServerStub(grpc.insecure_channel(addr, options=channel_options()))
@@ -192,7 +192,8 @@ def test_unreadable_and_changed_files_fail_alone(data_cluster, tmp_path):
 def test_killed_job_frees_lease_then_memory(data_cluster, tmp_path):
     make_tree(tmp_path / "jobdata", per_class=10)
     script = (
-        "import time\nfrom kspeed.config import ClientConfig, load_config\nfrom kspeed.control import ManagerClient\n"
+        "import time\nfrom kspeed.config import ClientConfig, load_config\n"
+        "from kspeed.control.manager_client import ManagerClient\n"
         "from kspeed.proto import kspeed_pb2\n"
         f"c = ManagerClient(load_config(ClientConfig, environ={{}}, overrides={{'manager': '{data_cluster.address}', "
         "'security.auth': 'none'}))\n"

@@ -10,8 +10,8 @@ import tempfile
 import numpy as np
 import pytest
 
-from kspeed._local import wait_for
-from kspeed.progress import follow_preload
+from kspeed.cli.cluster import wait_for
+from kspeed.control.progress import follow_preload
 from kspeed.proto import kspeed_pb2
 from tests.helpers import client_for
 from tests.integration.test_datasets import broadcast_lookup, server_stubs

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from kspeed import grants
-from kspeed._local import wait_for
-from kspeed.plan import batch_layout
+from kspeed.cli.cluster import wait_for
+from kspeed.layout import batch_layout
 from kspeed.proto import kspeed_pb2
 from kspeed.rdma.options import RailOptions
-from kspeed.rdma.registry import available_rails, get_rail
+from kspeed.rdma.rails import available_rails, get_rail
 from tests.helpers import client_for
 from tests.integration.test_datasets import broadcast_lookup, make_tree, server_stubs
 

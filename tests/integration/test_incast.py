@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kspeed._local import LocalCluster
+from kspeed.cli.cluster import LocalCluster
 from tests.netlab import PORT_BUFFER, NetLab, netlab_unavailable, parse_rate
 
 pytestmark = pytest.mark.slow

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from kspeed import KSpeedClient
-from kspeed._local import wait_for
+from kspeed.cli.cluster import wait_for
 from kspeed.proto import kspeed_pb2
 from tests.integration.test_client import config_for, fed  # noqa: F401  (the fixture)
 

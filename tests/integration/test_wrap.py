@@ -7,7 +7,7 @@ import multiprocessing
 from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
 
 from kspeed import KSpeedClient
-from kspeed._local import wait_for
+from kspeed.cli.cluster import wait_for
 from tests.client.test_wrap import FolderDataset, alive, assert_same_batches, make_jpegs, to_normalized_tensor
 from tests.integration.test_client import config_for
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from kspeed.errors import CapacityError, DatasetError
+from kspeed.layout import region_bounds
 from kspeed.manager.allocator import ServerCapacity, allocate
-from kspeed.plan import region_bounds
 
 R = 1 << 20
 

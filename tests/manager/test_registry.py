@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kspeed.errors import NotFoundError, ProtocolError
-from kspeed.manager.registry import FAILED, JOINING, LEFT, READY, SUSPECT, Registry, Timers
+from kspeed.manager.membership import FAILED, JOINING, LEFT, READY, SUSPECT, Registry, Timers
 from kspeed.manager.store import Store
 from kspeed.proto import kspeed_pb2
 

@@ -7,8 +7,8 @@ import pytest
 
 from kspeed.errors import RangeError, TransportError
 from kspeed.rdma.base import RegionKey
-from kspeed.rdma.batch import plan_batch, runs, source_array
 from kspeed.rdma.memory import HostBuffer
+from kspeed.rdma.write_batch import plan_batch, runs, source_array
 
 KEY = RegionKey("shm", "host", 1, 4096, 1000)
 
@@ -64,13 +64,13 @@ def test_source_array_shares_memory():
 
 
 def test_tcp_batch_headers_match_the_wire_struct():
-    from kspeed.rdma import tcp_proto as p
+    from kspeed.rdma.tcp import wire
 
     batch = plan_batch(KEY, 64, [0, 8, 40], [8, 8, 4], [0, 8, 100], [5, 6])
-    bufs = p.batch_buffers(KEY, memoryview(bytes(range(64))), batch)
+    bufs = wire.batch_buffers(KEY, memoryview(bytes(range(64))), batch)
     sizes = [len(b) for b in bufs]
     assert sizes == [32, 8, 8, 32, 4, 32]  # run 1 (two ops), run 2 with imm 5, imm 6 alone
-    assert bytes(bufs[0]) == p.WRITE_HEADER.pack(p.DATA, 0, 1, 0, 4096, 16)
-    assert bytes(bufs[3]) == p.WRITE_HEADER.pack(p.DATA, p.FLAG_IMM, 1, 5, 4196, 4)
-    assert bytes(bufs[5]) == p.WRITE_HEADER.pack(p.DATA, p.FLAG_IMM, 1, 6, 4200, 0)
+    assert bytes(bufs[0]) == wire.WRITE_HEADER.pack(wire.DATA, 0, 1, 0, 4096, 16)
+    assert bytes(bufs[3]) == wire.WRITE_HEADER.pack(wire.DATA, wire.FLAG_IMM, 1, 5, 4196, 4)
+    assert bytes(bufs[5]) == wire.WRITE_HEADER.pack(wire.DATA, wire.FLAG_IMM, 1, 6, 4200, 0)
     assert bytes(bufs[2]) == bytes(range(8, 16))

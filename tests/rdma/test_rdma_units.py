@@ -13,13 +13,12 @@ import pytest
 
 from kspeed.errors import AuthError, ConfigError, PeerLostError, RailUnavailableError, RangeError, TransportError
 from kspeed.rdma import auth
-from kspeed.rdma import tcp_proto as p
-from kspeed.rdma._wire import IMMS, MSG, FrameReader, frame
 from kspeed.rdma.base import RegionKey
+from kspeed.rdma.framing import IMMS, MSG, FrameReader, frame
 from kspeed.rdma.memory import PAGE_SIZE, HostBuffer, MemfdSegment
 from kspeed.rdma.options import RailOptions
-from kspeed.rdma.registry import get_rail, rail_status, register_rail
-from kspeed.rdma.tcp import TcpRail
+from kspeed.rdma.rails import get_rail, rail_status, register_rail
+from kspeed.rdma.tcp import TcpRail, wire
 
 TOKEN = b"unit-test-token-0123456789"
 
@@ -171,7 +170,7 @@ def test_tcp_receiver_drops_writer_stalled_mid_write_and_refuses_out_of_range():
         arr[:] = 0
         wr = rail.connect(rx.material, opts)
         # Header promises 4096 bytes, only 100 arrive: the receiver gives up after io_timeout.
-        wr._sendmsg([p.WRITE_HEADER.pack(p.DATA, p.FLAG_IMM, ring.key.handle, 1, 0, 4096), b"z" * 100])
+        wr._sendmsg([wire.WRITE_HEADER.pack(wire.DATA, wire.FLAG_IMM, ring.key.handle, 1, 0, 4096), b"z" * 100])
         t0 = time.monotonic()
         with pytest.raises(PeerLostError) as err:
             while time.monotonic() - t0 < 5:
@@ -181,7 +180,9 @@ def test_tcp_receiver_drops_writer_stalled_mid_write_and_refuses_out_of_range():
         wr.close()
         # A header outside the region (crafted past the writer's own check) never lands.
         wr = rail.connect(rx.material, opts)
-        wr._sendmsg([p.WRITE_HEADER.pack(p.DATA, p.FLAG_IMM, ring.key.handle, 2, (1 << 16) - 10, 64), b"q" * 64])
+        wr._sendmsg(
+            [wire.WRITE_HEADER.pack(wire.DATA, wire.FLAG_IMM, ring.key.handle, 2, (1 << 16) - 10, 64), b"q" * 64]
+        )
         with pytest.raises(PeerLostError) as err:
             t0 = time.monotonic()
             while time.monotonic() - t0 < 5:

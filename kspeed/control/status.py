@@ -1,24 +1,18 @@
-"""Rendering of the cluster status: one dict form (``/v1/status``, ``kspeed status --json``) and
-one table form (``kspeed status``), so both always show the same facts."""
+"""Plain JSON-able forms of the cluster status, shared by ``/v1/status`` and ``kspeed status --json``.
+
+The CLI's tables (:mod:`kspeed.cli.tables`) render these same dicts, so every view shows the same
+facts.
+"""
 
 from __future__ import annotations
 
-import time
-
 from kspeed.proto import kspeed_pb2
 
+__all__ = ["dataset_dict", "human_bytes", "job_dict", "server_dict", "state_name", "status_dict"]
 
-def _state(state: int) -> str:
+
+def state_name(state: int) -> str:
     return kspeed_pb2.ServerState.Name(state).removeprefix("SERVER_STATE_").lower()
-
-
-def human_bytes(n: float) -> str:
-    """``1.5 GiB`` style sizes."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def server_dict(record: kspeed_pb2.ServerRecord) -> dict:
@@ -28,7 +22,7 @@ def server_dict(record: kspeed_pb2.ServerRecord) -> dict:
         "id": record.id,
         "address": record.address,
         "http_address": record.http_address,
-        "state": _state(record.state),
+        "state": state_name(record.state),
         "state_reason": record.state_reason,
         "incarnation": record.incarnation,
         "hostname": inv.hostname,
@@ -100,33 +94,6 @@ def dataset_dict(info: kspeed_pb2.DatasetInfo) -> dict:
     }
 
 
-def dataset_table(datasets: list[kspeed_pb2.DatasetInfo]) -> str:
-    """Datasets as a fixed-width table."""
-    header = ("DATASET", "STATE", "OWNER", "SAMPLES", "SIZE", "LOADED", "SERVERS", "LEASES")
-    rows = []
-    for info in datasets:
-        d = dataset_dict(info)
-        total = d["progress"]["samples_total"] or 1
-        rows.append(
-            (
-                d["name"],
-                d["state"],
-                d["owner"],
-                str(d["samples"]),
-                human_bytes(d["bytes"]),
-                f"{100 * d['progress']['samples_loaded'] / total:.0f}%",
-                str(len(d["shares"])),
-                str(d["leases"]),
-            )
-        )
-    return _table(header, rows)
-
-
-def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
-    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
-    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows])
-
-
 def status_dict(status: kspeed_pb2.ClusterStatus) -> dict:
     """The whole cluster status as plain JSON-able data."""
     return {
@@ -137,24 +104,6 @@ def status_dict(status: kspeed_pb2.ClusterStatus) -> dict:
         "servers": [server_dict(r) for r in status.servers],
         "datasets": [dataset_dict(d) for d in status.datasets],
     }
-
-
-def status_table(status: kspeed_pb2.ClusterStatus, now: float | None = None) -> str:
-    """The cluster as a fixed-width table, one server per row."""
-    now = time.time() if now is None else now
-    header = ("SERVER", "ADDRESS", "STATE", "MEMORY (USED/POOL)", "REGIONS FREE/ALLOC/FILL/SEAL", "LAST HEARTBEAT")
-    rows = []
-    for record in status.servers:
-        inv = record.inventory
-        age = f"{max(0.0, now - record.last_heartbeat_unix):.1f}s ago" if record.last_heartbeat_unix else "never"
-        memory = f"{human_bytes(inv.memory_used_bytes)} / {human_bytes(inv.memory_bytes)}"
-        regions = f"{inv.regions_free}/{inv.regions_allocated}/{inv.regions_filling}/{inv.regions_sealed}"
-        rows.append((record.id, record.address, _state(record.state), memory, regions, age))
-    text = f"cluster {status.cluster_id}  manager {status.manager_version}  {len(rows)} server(s)\n"
-    text += _table(header, rows)
-    if status.datasets:
-        text += "\n\n" + dataset_table(list(status.datasets))
-    return text
 
 
 def job_dict(job: kspeed_pb2.JobStats) -> dict:
@@ -196,37 +145,10 @@ def job_dict(job: kspeed_pb2.JobStats) -> dict:
     }
 
 
-def job_table(job: kspeed_pb2.JobStats) -> str:
-    """A job's ranks as a table, then the spread across ranks (the stragglers)."""
-    header = ("RANK", "HOST", "DATASET", "BATCHES", "SAMPLES/S", "WAIT MEAN", "P50", "P99", "MAX", "FROM SERVERS")
-    rows = []
-    for r in job_dict(job)["ranks"]:
-        total = sum(r["server_bytes"].values()) or 1
-        servers = " ".join(f"{k}:{100 * v / total:.0f}%" for k, v in sorted(r["server_bytes"].items()))
-        rows.append(
-            (
-                f"{r['rank']}/{r['world_size']}",
-                r["host"],
-                r["dataset"],
-                str(r["batches"]),
-                f"{r['samples_per_s']:,.0f}",
-                f"{r['wait_mean_ms']:.2f}ms",
-                f"{r['wait_p50_ms']:.2f}ms",
-                f"{r['wait_p99_ms']:.2f}ms",
-                f"{r['wait_max_ms']:.2f}ms",
-                servers,
-            )
-        )
-    lines = [
-        f"job {job.job}: {len(rows)} rank report(s)",
-        _table(header, rows),
-        "",
-        "spread across ranks       min        p50        p99        max",
-    ]
-    for name, sp, unit in (
-        ("data wait mean", job.wait_mean_ms, "ms"),
-        ("data wait p99", job.wait_p99_ms, "ms"),
-        ("samples/s", job.samples_per_s, ""),
-    ):
-        lines.append(f"{name:<20}" + "".join(f"{v:>10.2f}{unit:<1}" for v in (sp.min, sp.p50, sp.p99, sp.max)))
-    return "\n".join(lines)
+def human_bytes(n: float) -> str:
+    """``1.5 GiB`` style sizes."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"

@@ -1,6 +1,6 @@
 """A feeder process: writes the samples clients were granted from the shared pool into their rings.
 
-Feeders are started with ``spawn`` by :mod:`kspeed.server.feeders` and map the pool's region
+Feeders are started with ``spawn`` by :mod:`kspeed.server.feeder_pool` and map the pool's region
 files by path, so several of them fill several clients at once without one GIL serializing the
 copies. The server's main process sends commands over a pipe (open a feed, install an epoch plan,
 close a feed, stop); each open feed gets one thread that waits for grants on the feed's
@@ -23,7 +23,7 @@ from kspeed import grants
 from kspeed.errors import KSpeedError, PeerLostError
 from kspeed.rdma.base import RegionKey, Writer
 from kspeed.rdma.options import RailOptions
-from kspeed.rdma.registry import get_rail
+from kspeed.rdma.rails import get_rail
 from kspeed.server.pool import map_region
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class Plan:
         region: per owned position, the pool region index holding the sample.
         src: per owned position, the sample's offset in that region.
         length: per owned position, the sample's length.
-        dst: per owned position, the sample's offset within its batch (kspeed.plan.batch_layout).
+        dst: per owned position, the sample's offset within its batch (kspeed.layout.batch_layout).
     """
 
     starts: np.ndarray

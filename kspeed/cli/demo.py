@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from kspeed._local import LocalCluster
+from kspeed.cli.cluster import LocalCluster
 
 CLASSES = 4
 PER_CLASS = 600

@@ -6,10 +6,10 @@ import sys
 import time
 from typing import TextIO
 
-from kspeed.control import ManagerClient
+from kspeed.control.manager_client import ManagerClient
+from kspeed.control.status import human_bytes
 from kspeed.errors import DatasetError
 from kspeed.proto import kspeed_pb2
-from kspeed.status import human_bytes
 
 BAR = 30
 POLL = 0.25

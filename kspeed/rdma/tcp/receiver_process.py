@@ -2,7 +2,7 @@
 
 It runs apart from the training process (a receive loop inside a busy Python process loses most
 of its bandwidth to the GIL) and is started by :class:`kspeed.rdma.tcp.TcpReceiver` as
-``python -m kspeed.rdma.tcp_receiver CONFIG_JSON``. Consumers attach over an abstract Unix socket
+``python -m kspeed.rdma.tcp.receiver_process CONFIG_JSON``. Consumers attach over an abstract Unix socket
 (uid checked), hand over their key and their rings' memfds; writers dial its TCP port. One
 single-threaded selector loop ``recvmsg_into``s each payload at its offset in the ring together
 with the header that follows it (one syscall per write), checks every header against the region
@@ -33,12 +33,11 @@ import time
 from itertools import count
 
 from kspeed.errors import KSpeedError, TransportError
+from kspeed.rdma import auth, framing
+from kspeed.rdma.memory import MemfdSegment
+from kspeed.rdma.options import RailOptions
 
-from . import _wire as w
-from . import auth
-from . import tcp_proto as p
-from .memory import MemfdSegment
-from .options import RailOptions
+from . import wire
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +51,7 @@ class _Consumer:
         self.cid = cid
         self.sock = sock
         self.key: bytes | None = None
-        self.reader = w.FrameReader(1 << 16)
+        self.reader = framing.FrameReader(1 << 16)
         self.regions: dict[int, MemfdSegment] = {}
         self.pending = array.array("I")
         self.out = bytearray()
@@ -64,7 +63,7 @@ class _Bulk:
         self.sock = sock
         self.consumer = consumer
         self.conn = conn
-        self.hdr = bytearray(p.WRITE_HEADER.size)
+        self.hdr = bytearray(wire.WRITE_HEADER.size)
         self.hdr_view = memoryview(self.hdr)
         self.hdr_got = 0
         self.dst: memoryview | None = None
@@ -72,7 +71,7 @@ class _Bulk:
         self.imm: int | None = None
         self.last = time.monotonic()
         self.msg_sock: socket.socket | None = None
-        self.msg_reader = w.FrameReader(1 << 16)
+        self.msg_reader = framing.FrameReader(1 << 16)
 
 
 class ReceiverProcess:
@@ -117,7 +116,7 @@ class ReceiverProcess:
     def _accept_consumer(self) -> None:
         sock, _ = self.control.accept()
         try:
-            w.check_peer_uid(sock, self.options.allowed_uids)
+            framing.check_peer_uid(sock, self.options.allowed_uids)
         except KSpeedError as exc:
             log.warning("refused consumer: %s", exc)
             sock.close()
@@ -145,41 +144,41 @@ class ReceiverProcess:
             self._drop_consumer(c)
 
     def _consumer_frame(self, c: _Consumer, kind: int, payload: bytes) -> None:
-        if kind == w.CALL:
+        if kind == framing.CALL:
             call = json.loads(payload)
             if call["op"] == "attach":
                 c.key = bytes.fromhex(call["key"])
-                self._to_consumer(c, w.REPLY, json.dumps({"consumer": c.cid, "port": self.port}).encode())
+                self._to_consumer(c, framing.REPLY, json.dumps({"consumer": c.cid, "port": self.port}).encode())
             elif call["op"] == "disconnect":
                 bulk = self.bulks.get(int(call["conn"]))
                 if bulk is not None and bulk.consumer is c:
                     self._drop_bulk(bulk, None)
-        elif kind == w.REGION:
+        elif kind == framing.REGION:
             desc = json.loads(payload)
             if not c.reader.fds:
                 raise TransportError("region announced without its descriptor")
             c.regions[int(desc["handle"])] = MemfdSegment.attach(c.reader.fds.popleft(), int(desc["length"]))
-            self._to_consumer(c, w.REPLY, payload)
-        elif kind == w.MSG:
+            self._to_consumer(c, framing.REPLY, payload)
+        elif kind == framing.MSG:
             conn = _U32.unpack_from(payload)[0]
             bulk = self.bulks.get(conn)
             if bulk is None or bulk.consumer is not c or bulk.msg_sock is None:
-                self._to_consumer(c, w.LOST, _U32.pack(conn) + b"no such writer connected")
+                self._to_consumer(c, framing.LOST, _U32.pack(conn) + b"no such writer connected")
                 return
             try:
-                bulk.msg_sock.sendall(w.frame(w.MSG, payload[4:]))
+                bulk.msg_sock.sendall(framing.frame(framing.MSG, payload[4:]))
             except OSError as exc:
                 self._drop_bulk(bulk, f"sending a message failed: {exc}")
         else:
             raise TransportError(f"unknown control frame type {kind}")
 
     def _to_consumer(self, c: _Consumer, kind: int, payload: bytes) -> None:
-        c.out += w.frame(kind, payload)
+        c.out += framing.frame(kind, payload)
         self._flush_consumer(c)
 
     def _flush_consumer(self, c: _Consumer) -> None:
         if c.pending:
-            c.out += w.frame(w.IMMS, c.pending.tobytes())
+            c.out += framing.frame(framing.IMMS, c.pending.tobytes())
             c.pending = array.array("I")
         if not c.out:
             c.stalled_since = None
@@ -220,20 +219,20 @@ class ReceiverProcess:
         """Authenticate a dialer (in its own thread); hand it to the loop through the queue."""
         try:
             sock.settimeout(self.options.connect_timeout)
-            hello = auth.recv_exact(sock, p.HELLO.size, "tcp hello")
-            magic, role, cid, conn = p.HELLO.unpack(hello)
+            hello = auth.recv_exact(sock, wire.HELLO.size, "tcp hello")
+            magic, role, cid, conn = wire.HELLO.unpack(hello)
             consumer = self.consumers.get(cid)
-            if magic != p.MAGIC or role not in (p.BULK, p.MESSAGES):
+            if magic != wire.MAGIC or role not in (wire.BULK, wire.MESSAGES):
                 raise TransportError(f"unknown hello from {addr}")
             if consumer is None or consumer.key is None:
                 raise TransportError(f"dialer {addr} asked for consumer {cid}, which is not attached")
             auth.accept(sock, consumer.key, hello)
-            p.tune(sock, self.options, nodelay=role == p.MESSAGES)
-            if role == p.BULK:
+            wire.tune(sock, self.options, nodelay=role == wire.MESSAGES)
+            if role == wire.BULK:
                 conn = next(self.conns)
                 self.admitted.put((sock, role, consumer, conn))
                 self.wake_w.send(b"\0")
-                sock.sendall(w.frame(w.WELCOME, json.dumps({"conn": conn}).encode()))
+                sock.sendall(framing.frame(framing.WELCOME, json.dumps({"conn": conn}).encode()))
             else:
                 self.admitted.put((sock, role, consumer, conn))
                 self.wake_w.send(b"\0")
@@ -250,11 +249,11 @@ class ReceiverProcess:
                 sock.close()
                 continue
             sock.setblocking(False)
-            if role == p.BULK:
+            if role == wire.BULK:
                 bulk = _Bulk(sock, consumer, conn)
                 self.bulks[conn] = bulk
                 self.sel.register(sock, selectors.EVENT_READ, bulk)
-                self._to_consumer(consumer, w.WELCOME, _U32.pack(conn))
+                self._to_consumer(consumer, framing.WELCOME, _U32.pack(conn))
             else:
                 bulk = self.bulks.get(conn)
                 if bulk is None or bulk.consumer is not consumer or bulk.msg_sock is not None:
@@ -276,10 +275,10 @@ class ReceiverProcess:
         if c.cid in self.consumers:
             self._flush_consumer(c)
             if reason is None:
-                self._to_consumer(c, w.BYE, _U32.pack(bulk.conn))
+                self._to_consumer(c, framing.BYE, _U32.pack(bulk.conn))
             else:
                 log.warning("writer %d of consumer %d lost: %s", bulk.conn, c.cid, reason)
-                self._to_consumer(c, w.LOST, _U32.pack(bulk.conn) + reason.encode())
+                self._to_consumer(c, framing.LOST, _U32.pack(bulk.conn) + reason.encode())
 
     def _msg_readable(self, bulk: _Bulk) -> None:
         try:
@@ -291,9 +290,9 @@ class ReceiverProcess:
             return
         try:
             for kind, payload in bulk.msg_reader.frames():
-                if kind != w.MSG:
+                if kind != framing.MSG:
                     raise TransportError(f"unknown message frame type {kind}")
-                self._to_consumer(bulk.consumer, w.MSG, _U32.pack(bulk.conn) + payload)
+                self._to_consumer(bulk.consumer, framing.MSG, _U32.pack(bulk.conn) + payload)
         except TransportError as exc:
             self._drop_bulk(bulk, str(exc))
             return
@@ -316,7 +315,7 @@ class ReceiverProcess:
                         return
                     bulk.hdr_got += n
                     bulk.last = time.monotonic()
-                    if bulk.hdr_got < p.WRITE_HEADER.size:
+                    if bulk.hdr_got < wire.WRITE_HEADER.size:
                         continue
                     if not self._start_write(bulk):
                         return
@@ -335,7 +334,7 @@ class ReceiverProcess:
                     bulk.got += remaining
                     bulk.hdr_got = n - remaining
                     self._finish_write(bulk)
-                    if bulk.hdr_got == p.WRITE_HEADER.size and not self._start_write(bulk):
+                    if bulk.hdr_got == wire.WRITE_HEADER.size and not self._start_write(bulk):
                         return
         except BlockingIOError:
             return
@@ -343,19 +342,19 @@ class ReceiverProcess:
             self._drop_bulk(bulk, f"bulk connection failed: {exc}")
 
     def _start_write(self, bulk: _Bulk) -> bool:
-        kind, flags, handle, imm, offset, length = p.WRITE_HEADER.unpack(bulk.hdr)
+        kind, flags, handle, imm, offset, length = wire.WRITE_HEADER.unpack(bulk.hdr)
         bulk.hdr_got = 0
-        if kind == p.DATA_BYE:
+        if kind == wire.DATA_BYE:
             self._drop_bulk(bulk, None)
             return False
         region = bulk.consumer.regions.get(handle)
-        if kind != p.DATA or region is None or offset + length > region.nbytes:
+        if kind != wire.DATA or region is None or offset + length > region.nbytes:
             size = None if region is None else region.nbytes
             self._drop_bulk(
                 bulk, f"refused write of {length} bytes at offset {offset} of region {handle} (size {size})"
             )
             return False
-        bulk.imm = imm if flags & p.FLAG_IMM else None
+        bulk.imm = imm if flags & wire.FLAG_IMM else None
         bulk.got = 0
         bulk.dst = region.view[offset : offset + length]
         if length == 0:
@@ -424,7 +423,7 @@ def _die_with_parent(parent: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: ``python -m kspeed.rdma.tcp_receiver CONFIG_JSON``; prints ``ready PORT``."""
+    """Entry point: ``python -m kspeed.rdma.tcp.receiver_process CONFIG_JSON``; prints ``ready PORT``."""
     config = json.loads((argv if argv is not None else sys.argv[1:])[0])
     logging.basicConfig(level=config.get("log_level", "WARNING"), format="kspeed-tcp-receiver: %(message)s")
     if not config["shared"]:

@@ -19,13 +19,14 @@ import sys
 import tempfile
 import threading
 
-from kspeed._local import LocalCluster, wait_for
+from kspeed.cli.cluster import LocalCluster, wait_for
+from kspeed.cli.tables import dataset_table, job_table, status_table
 from kspeed.config import ClientConfig, add_arguments, load_config, parse_bytes
-from kspeed.control import ManagerClient
+from kspeed.control.manager_client import ManagerClient
+from kspeed.control.progress import follow_preload
+from kspeed.control.status import dataset_dict, job_dict, status_dict
 from kspeed.errors import KSpeedError
-from kspeed.progress import follow_preload
 from kspeed.proto import kspeed_pb2
-from kspeed.status import dataset_dict, dataset_table, job_dict, job_table, status_dict, status_table
 
 READY = kspeed_pb2.ServerState.SERVER_STATE_READY
 
@@ -161,7 +162,7 @@ def cmd_preload(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """A short tour of a local cluster."""
-    from kspeed.demo import run
+    from kspeed.cli.demo import run
 
     return run(servers=args.servers)
 

@@ -27,23 +27,20 @@ from itertools import count
 import numpy as np
 
 from kspeed.errors import KSpeedError, TransportError
-
-from . import _wire as w
-from . import auth
-from .base import (
+from kspeed.rdma import auth, framing
+from kspeed.rdma.base import (
     MAX_MESSAGE,
     Completions,
-    Rail,
     Receiver,
     Region,
     RegionKey,
 )
-from .memory import MemfdSegment
-from .options import RailOptions
-from .shm_writer import HELLO as _HELLO
-from .shm_writer import ShmWriter
+from kspeed.rdma.memory import MemfdSegment
+from kspeed.rdma.options import RailOptions
 
-__all__ = ["ShmRail", "ShmReceiver", "ShmWriter"]
+from .writer import HELLO as _HELLO
+
+__all__ = ["ShmReceiver"]
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +67,7 @@ class ShmReceiver(Receiver):
         self._handles = count(1)
         self._conn_ids = count(1)
         self._conns: dict[int, socket.socket] = {}
-        self._readers: dict[int, w.FrameReader] = {}
+        self._readers: dict[int, framing.FrameReader] = {}
         self._new: deque[tuple[int, socket.socket]] = deque()
         self._errors: deque[KSpeedError] = deque()
         self._messages: list[tuple[int, bytes]] = []
@@ -98,13 +95,13 @@ class ShmReceiver(Receiver):
             try:
                 self._send_region(sock, region)
             except OSError as exc:
-                self._drop(conn, w.lost(f"announcing region {handle} to writer {conn}", exc, conn))
+                self._drop(conn, framing.lost(f"announcing region {handle} to writer {conn}", exc, conn))
         return region
 
     @staticmethod
     def _send_region(sock: socket.socket, region: Region) -> None:
         payload = json.dumps({"handle": region.key.handle, "length": region.key.length}).encode()
-        socket.send_fds(sock, [w.frame(w.REGION, payload)], [region.memory.fd])
+        socket.send_fds(sock, [framing.frame(framing.REGION, payload)], [region.memory.fd])
 
     def _accept_loop(self) -> None:
         while True:
@@ -120,7 +117,7 @@ class ShmReceiver(Receiver):
 
     def _admit(self, sock: socket.socket) -> None:
         sock.settimeout(self._options.connect_timeout)
-        pid = w.check_peer_uid(sock, self._options.allowed_uids)
+        pid = framing.check_peer_uid(sock, self._options.allowed_uids)
         hello = auth.recv_exact(sock, len(_HELLO), "shm hello")
         if hello != _HELLO:
             raise TransportError(f"shm dialer pid {pid} sent an unknown hello {hello!r}")
@@ -132,10 +129,10 @@ class ShmReceiver(Receiver):
             for region in self._regions.values():
                 self._send_region(sock, region)
             welcome = {"conn": conn, "node": self._node}
-            sock.sendall(w.frame(w.WELCOME, json.dumps(welcome).encode()))
+            sock.sendall(framing.frame(framing.WELCOME, json.dumps(welcome).encode()))
             sock.settimeout(self._options.io_timeout)
             self._conns[conn] = sock
-            self._readers[conn] = w.FrameReader()
+            self._readers[conn] = framing.FrameReader()
             self._new.append((conn, sock))
         self._wake_w.send(b"\0")
         log.info("shm writer %d connected (pid %d)", conn, pid)
@@ -162,25 +159,25 @@ class ShmReceiver(Receiver):
         except BlockingIOError:
             return
         except OSError as exc:
-            self._drop(conn, w.lost(f"shm writer {conn}", exc, conn))
+            self._drop(conn, framing.lost(f"shm writer {conn}", exc, conn))
             return
         try:
             for kind, payload in reader.frames():
-                if kind == w.IMMS:
+                if kind == framing.IMMS:
                     imm = np.frombuffer(payload, np.uint32)
                     parts.append(Completions(imm, np.full(len(imm), conn, np.uint32)))
-                elif kind == w.MSG:
+                elif kind == framing.MSG:
                     self._messages.append((conn, payload))
-                elif kind == w.BYE:
+                elif kind == framing.BYE:
                     self._drop(conn, None)
                     return
                 else:
                     raise TransportError(f"shm writer {conn} sent unknown frame type {kind}")
         except TransportError as exc:
-            self._drop(conn, w.lost(f"shm writer {conn} broke the protocol", exc, conn))
+            self._drop(conn, framing.lost(f"shm writer {conn} broke the protocol", exc, conn))
             return
         if n == 0:
-            self._drop(conn, w.lost(f"shm writer {conn} closed the connection without saying bye", None, conn))
+            self._drop(conn, framing.lost(f"shm writer {conn} closed the connection without saying bye", None, conn))
 
     def poll(self, timeout: float | None = 0.0) -> Completions:
         if self._errors:
@@ -218,11 +215,11 @@ class ShmReceiver(Receiver):
             raise TransportError(f"message of {len(message)} bytes exceeds {MAX_MESSAGE}")
         sock = self._conns.get(conn)
         if sock is None:
-            raise w.lost(f"no shm writer {conn} connected", None, conn)
+            raise framing.lost(f"no shm writer {conn} connected", None, conn)
         try:
-            sock.sendall(w.frame(w.MSG, message))
+            sock.sendall(framing.frame(framing.MSG, message))
         except OSError as exc:
-            err = w.lost(f"sending to shm writer {conn}", exc, conn)
+            err = framing.lost(f"sending to shm writer {conn}", exc, conn)
             self._drop(conn, None)
             raise err from exc
 
@@ -250,22 +247,3 @@ class ShmReceiver(Receiver):
         self._sel.close()
         self._wake_r.close()
         self._wake_w.close()
-
-
-class ShmRail(Rail):
-    """Same-host rail over memfd rings."""
-
-    name = "shm"
-
-    def unavailable_reason(self) -> str | None:
-        if not hasattr(os, "memfd_create"):
-            return "os.memfd_create is missing (Linux >= 3.17 with Python >= 3.8 needed)"
-        if not hasattr(socket, "send_fds") or not hasattr(socket, "SO_PEERCRED"):
-            return "Unix sockets with SCM_RIGHTS and SO_PEERCRED are missing on this platform"
-        return None
-
-    def listen(self, options: RailOptions) -> ShmReceiver:
-        return ShmReceiver(options)
-
-    def connect(self, material: bytes, options: RailOptions) -> ShmWriter:
-        return ShmWriter(material, options)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kspeed import rpc
 from kspeed.config import ClientConfig
+from kspeed.control import rpc
 from kspeed.proto import kspeed_pb2, kspeed_pb2_grpc
 
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kspeed.errors import RailUnavailableError
-from kspeed.rdma.registry import available_rails, get_rail
+from kspeed.rdma.rails import available_rails, get_rail
 
 __all__ = ["RailChoice", "choose_rail", "is_local", "local_address_towards"]
 

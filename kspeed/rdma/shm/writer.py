@@ -18,13 +18,11 @@ import socket
 from collections import deque
 
 from kspeed.errors import AuthError, KSpeedError, PeerLostError, RailUnavailableError, RangeError, TransportError
-
-from . import _wire as w
-from . import auth
-from .base import MAX_MESSAGE, RegionKey, Writer, as_bytes_view, check_imm, check_range
-from .batch import plan_batch, source_array
-from .memory import MemfdSegment
-from .options import RailOptions
+from kspeed.rdma import auth, framing
+from kspeed.rdma.base import MAX_MESSAGE, RegionKey, Writer, as_bytes_view, check_imm, check_range
+from kspeed.rdma.memory import MemfdSegment
+from kspeed.rdma.options import RailOptions
+from kspeed.rdma.write_batch import plan_batch, source_array
 
 __all__ = ["HELLO", "ShmWriter"]
 
@@ -55,13 +53,13 @@ class ShmWriter(Writer):
         self._options = options
         self._maps: dict[int, MemfdSegment] = {}
         self._dst: dict[int, memoryview] = {}
-        self._reader = w.FrameReader(1 << 16)
+        self._reader = framing.FrameReader(1 << 16)
         self._messages: deque[bytes] = deque()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self._sock.settimeout(options.connect_timeout)
         try:
             self._sock.connect("\0" + name)
-            w.check_peer_uid(self._sock, options.allowed_uids)
+            framing.check_peer_uid(self._sock, options.allowed_uids)
             self._sock.sendall(HELLO)
             auth.dial(self._sock, key, HELLO)
             welcome = None
@@ -69,7 +67,7 @@ class ShmWriter(Writer):
                 welcome = self._pump(blocking=True, until_welcome=True)
         except OSError as exc:
             self._sock.close()
-            raise w.lost(f"connecting to shm receiver {name}", exc) from exc
+            raise framing.lost(f"connecting to shm receiver {name}", exc) from exc
         except KSpeedError:
             self.close()
             raise
@@ -85,24 +83,24 @@ class ShmWriter(Writer):
         except BlockingIOError:
             return None
         except OSError as exc:
-            raise w.lost("reading from shm receiver", exc, getattr(self, "conn", None)) from exc
+            raise framing.lost("reading from shm receiver", exc, getattr(self, "conn", None)) from exc
         welcome = None
         for kind, payload in self._reader.frames():
-            if kind == w.REGION:
+            if kind == framing.REGION:
                 desc = json.loads(payload)
                 if not self._reader.fds:
                     raise TransportError("shm receiver announced a region without its descriptor")
                 segment = MemfdSegment.attach(self._reader.fds.popleft(), int(desc["length"]))
                 self._maps[int(desc["handle"])] = segment
                 self._dst[int(desc["handle"])] = segment.view
-            elif kind == w.MSG:
+            elif kind == framing.MSG:
                 self._messages.append(payload)
-            elif kind == w.WELCOME:
+            elif kind == framing.WELCOME:
                 welcome = json.loads(payload)
             else:
                 raise TransportError(f"shm receiver sent unknown frame type {kind}")
         if n == 0 and welcome is None:
-            raise w.lost("shm receiver closed the connection", None, getattr(self, "conn", None))
+            raise framing.lost("shm receiver closed the connection", None, getattr(self, "conn", None))
         return welcome if until_welcome else None
 
     def _target(self, key: RegionKey) -> memoryview:
@@ -135,9 +133,9 @@ class ShmWriter(Writer):
 
     def _notify(self, imms: bytes) -> None:
         try:
-            self._sock.sendall(w.frame(w.IMMS, imms))
+            self._sock.sendall(framing.frame(framing.IMMS, imms))
         except OSError as exc:
-            raise w.lost("notifying shm receiver", exc, self.conn) from exc
+            raise framing.lost("notifying shm receiver", exc, self.conn) from exc
 
     def write(self, key, srcs, offset=0, imm=None) -> None:
         dst = self._target(key)
@@ -196,9 +194,9 @@ class ShmWriter(Writer):
         if len(message) > MAX_MESSAGE:
             raise TransportError(f"message of {len(message)} bytes exceeds {MAX_MESSAGE}")
         try:
-            self._sock.sendall(w.frame(w.MSG, message))
+            self._sock.sendall(framing.frame(framing.MSG, message))
         except OSError as exc:
-            raise w.lost("sending to shm receiver", exc, self.conn) from exc
+            raise framing.lost("sending to shm receiver", exc, self.conn) from exc
 
     def recv(self, timeout: float | None = 0.0) -> bytes | None:
         if not self._messages:
@@ -217,7 +215,7 @@ class ShmWriter(Writer):
     def close(self) -> None:
         if self._sock.fileno() >= 0:
             with contextlib.suppress(OSError):
-                self._sock.send(w.frame(w.BYE), socket.MSG_DONTWAIT)
+                self._sock.send(framing.frame(framing.BYE), socket.MSG_DONTWAIT)
             self._sock.close()
         for v in self._dst.values():
             v.release()

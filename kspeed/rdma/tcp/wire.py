@@ -14,9 +14,9 @@ import struct
 
 import numpy as np
 
-from .base import RegionKey
-from .batch import Batch, runs
-from .options import RailOptions
+from kspeed.rdma.base import RegionKey
+from kspeed.rdma.options import RailOptions
+from kspeed.rdma.write_batch import Batch, runs
 
 __all__ = [
     "BULK",

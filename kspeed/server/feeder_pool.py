@@ -20,11 +20,11 @@ import numpy as np
 
 from kspeed import errors
 from kspeed.errors import DatasetError, NotFoundError, ProtocolError, UnavailableError
-from kspeed.plan import batch_layout
+from kspeed.layout import batch_layout
 from kspeed.proto import kspeed_pb2
 from kspeed.rdma.options import RailOptions
-from kspeed.rdma.registry import available_rails
-from kspeed.server import feeder
+from kspeed.rdma.rails import available_rails
+from kspeed.server import feeder_process
 from kspeed.server.datasets import DatasetHost
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,10 @@ class FeederPool:
         for _ in range(max(count, 1)):
             ours, theirs = ctx.Pipe()
             process = ctx.Process(
-                target=feeder.serve, args=(theirs, server_id, options, log_level), daemon=True, name="kspeed-feeder"
+                target=feeder_process.serve,
+                args=(theirs, server_id, options, log_level),
+                daemon=True,
+                name="kspeed-feeder",
             )
             process.start()
             theirs.close()

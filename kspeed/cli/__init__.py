@@ -1,0 +1,1 @@
+"""The ``kspeed`` command-line tool: a local cluster, status, datasets, preload and the demo."""

@@ -1,0 +1,91 @@
+"""The cluster status as fixed-width tables for ``kspeed status`` (from :mod:`kspeed.control.status`)."""
+
+from __future__ import annotations
+
+import time
+
+from kspeed.control.status import dataset_dict, human_bytes, job_dict, state_name
+from kspeed.proto import kspeed_pb2
+
+__all__ = ["dataset_table", "job_table", "status_table"]
+
+
+def dataset_table(datasets: list[kspeed_pb2.DatasetInfo]) -> str:
+    """Datasets as a fixed-width table."""
+    header = ("DATASET", "STATE", "OWNER", "SAMPLES", "SIZE", "LOADED", "SERVERS", "LEASES")
+    rows = []
+    for info in datasets:
+        d = dataset_dict(info)
+        total = d["progress"]["samples_total"] or 1
+        rows.append(
+            (
+                d["name"],
+                d["state"],
+                d["owner"],
+                str(d["samples"]),
+                human_bytes(d["bytes"]),
+                f"{100 * d['progress']['samples_loaded'] / total:.0f}%",
+                str(len(d["shares"])),
+                str(d["leases"]),
+            )
+        )
+    return _table(header, rows)
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows])
+
+
+def status_table(status: kspeed_pb2.ClusterStatus, now: float | None = None) -> str:
+    """The cluster as a fixed-width table, one server per row."""
+    now = time.time() if now is None else now
+    header = ("SERVER", "ADDRESS", "STATE", "MEMORY (USED/POOL)", "REGIONS FREE/ALLOC/FILL/SEAL", "LAST HEARTBEAT")
+    rows = []
+    for record in status.servers:
+        inv = record.inventory
+        age = f"{max(0.0, now - record.last_heartbeat_unix):.1f}s ago" if record.last_heartbeat_unix else "never"
+        memory = f"{human_bytes(inv.memory_used_bytes)} / {human_bytes(inv.memory_bytes)}"
+        regions = f"{inv.regions_free}/{inv.regions_allocated}/{inv.regions_filling}/{inv.regions_sealed}"
+        rows.append((record.id, record.address, state_name(record.state), memory, regions, age))
+    text = f"cluster {status.cluster_id}  manager {status.manager_version}  {len(rows)} server(s)\n"
+    text += _table(header, rows)
+    if status.datasets:
+        text += "\n\n" + dataset_table(list(status.datasets))
+    return text
+
+
+def job_table(job: kspeed_pb2.JobStats) -> str:
+    """A job's ranks as a table, then the spread across ranks (the stragglers)."""
+    header = ("RANK", "HOST", "DATASET", "BATCHES", "SAMPLES/S", "WAIT MEAN", "P50", "P99", "MAX", "FROM SERVERS")
+    rows = []
+    for r in job_dict(job)["ranks"]:
+        total = sum(r["server_bytes"].values()) or 1
+        servers = " ".join(f"{k}:{100 * v / total:.0f}%" for k, v in sorted(r["server_bytes"].items()))
+        rows.append(
+            (
+                f"{r['rank']}/{r['world_size']}",
+                r["host"],
+                r["dataset"],
+                str(r["batches"]),
+                f"{r['samples_per_s']:,.0f}",
+                f"{r['wait_mean_ms']:.2f}ms",
+                f"{r['wait_p50_ms']:.2f}ms",
+                f"{r['wait_p99_ms']:.2f}ms",
+                f"{r['wait_max_ms']:.2f}ms",
+                servers,
+            )
+        )
+    lines = [
+        f"job {job.job}: {len(rows)} rank report(s)",
+        _table(header, rows),
+        "",
+        "spread across ranks       min        p50        p99        max",
+    ]
+    for name, sp, unit in (
+        ("data wait mean", job.wait_mean_ms, "ms"),
+        ("data wait p99", job.wait_p99_ms, "ms"),
+        ("samples/s", job.samples_per_s, ""),
+    ):
+        lines.append(f"{name:<20}" + "".join(f"{v:>10.2f}{unit:<1}" for v in (sp.min, sp.p50, sp.p99, sp.max)))
+    return "\n".join(lines)

@@ -1,0 +1,187 @@
+"""Writer side of the ``tcp`` rail: header + gathered slices per write, messages on a second socket.
+
+Each write is one ``sendmsg`` of a 32-byte header followed by the source slices as an iovec list
+(no copy in Python); ``write_many`` and ``write_batch`` pack a whole batch into as few ``sendmsg``
+calls as ``IOV_MAX`` allows. Small messages use a second connection with ``TCP_NODELAY``, so they
+never wait behind bulk bytes (:mod:`kspeed.rdma.tcp.wire`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import select
+import socket
+from collections import deque
+
+from kspeed.errors import AuthError, KSpeedError, TransportError
+from kspeed.rdma import auth, framing
+from kspeed.rdma.base import (
+    MAX_MESSAGE,
+    Writer,
+    as_bytes_view,
+    check_imm,
+    check_range,
+)
+from kspeed.rdma.options import RailOptions
+from kspeed.rdma.write_batch import plan_batch, source_array
+
+from . import wire
+
+__all__ = ["TcpWriter"]
+
+log = logging.getLogger(__name__)
+
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+
+
+class TcpWriter(Writer):
+    """Writer side of the ``tcp`` rail: header + gathered slices per write."""
+
+    rail = "tcp"
+
+    def __init__(self, material: bytes, options: RailOptions) -> None:
+        try:
+            info = json.loads(material)
+            host, port, consumer, secret = info["host"], int(info["port"]), int(info["consumer"]), info["secret"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise TransportError(f"malformed tcp connection material: {exc}") from exc
+        if info.get("rail") != "tcp":
+            raise TransportError(f"connection material is for rail {info.get('rail')!r}, not 'tcp'")
+        if options.token is not None:
+            key = options.token
+        elif secret is not None:
+            key = bytes.fromhex(secret)
+        else:
+            raise AuthError("tcp receiver expects the cluster token, but no token was configured")
+        self._options = options
+        self._msg_reader = framing.FrameReader(1 << 16)
+        self._messages: deque[bytes] = deque()
+        self.conn = 0
+        self._bulk = self._dial(host, port, key, wire.BULK, consumer, 0)
+        self._msg: socket.socket | None = None
+        try:
+            reader = framing.FrameReader(4096)
+            welcome = None
+            while welcome is None:
+                if reader.recv(self._bulk) == 0:
+                    raise framing.lost("tcp receiver closed the connection during setup")
+                for kind, payload in reader.frames():
+                    if kind == framing.WELCOME:
+                        welcome = json.loads(payload)
+            self.conn = int(welcome["conn"])
+            self._msg = self._dial(host, port, key, wire.MESSAGES, consumer, self.conn)
+        except OSError as exc:
+            self.close()
+            raise framing.lost(f"connecting to tcp receiver {host}:{port}", exc) from exc
+        except KSpeedError:
+            self.close()
+            raise
+        wire.blocking_with_timeout(self._bulk, options.io_timeout)
+        self._msg.settimeout(options.io_timeout)
+
+    def _dial(self, host: str, port: int, key: bytes, role: int, consumer: int, conn: int) -> socket.socket:
+        try:
+            sock = socket.create_connection((host, port), timeout=self._options.connect_timeout)
+        except OSError as exc:
+            raise framing.lost(f"connecting to tcp receiver {host}:{port}", exc) from exc
+        try:
+            wire.tune(sock, self._options, nodelay=role == wire.MESSAGES)
+            hello = wire.HELLO.pack(wire.MAGIC, role, consumer, conn)
+            sock.sendall(hello)
+            auth.dial(sock, key, hello)
+        except OSError as exc:
+            sock.close()
+            raise framing.lost(f"connecting to tcp receiver {host}:{port}", exc) from exc
+        except KSpeedError:
+            sock.close()
+            raise
+        return sock
+
+    def _sendmsg(self, bufs: list) -> None:
+        """Send all of ``bufs`` (an iovec list), resuming after partial sends."""
+        sock = self._bulk
+        try:
+            while bufs:
+                chunk = bufs[:_IOV_MAX]
+                sent = sock.sendmsg(chunk)
+                total = sum(len(b) for b in chunk) if len(chunk) > 1 else len(chunk[0])
+                if sent == total:
+                    bufs = bufs[_IOV_MAX:]
+                    continue
+                rest = []
+                for i, b in enumerate(chunk):
+                    n = len(b)
+                    if sent >= n:
+                        sent -= n
+                        continue
+                    rest.append(memoryview(b)[sent:])
+                    rest.extend(chunk[i + 1 :])
+                    break
+                bufs = rest + bufs[_IOV_MAX:]
+        except OSError as exc:
+            raise framing.lost("writing to tcp receiver", exc, self.conn) from exc
+
+    def write(self, key, srcs, offset=0, imm=None) -> None:
+        self.write_many(key, [(srcs, offset, imm)])
+
+    def write_many(self, key, ops) -> None:
+        bufs: list = []
+        pack = wire.WRITE_HEADER.pack
+        for srcs, offset, imm in ops:
+            check_imm(imm)
+            if isinstance(srcs, (list, tuple)):
+                views = [as_bytes_view(s) for s in srcs]
+                nbytes = sum(v.nbytes for v in views)
+            else:
+                views = [as_bytes_view(srcs)]
+                nbytes = views[0].nbytes
+            check_range(key, offset, nbytes)
+            flags = 0 if imm is None else wire.FLAG_IMM
+            bufs.append(pack(wire.DATA, flags, key.handle, imm or 0, key.addr + offset, nbytes))
+            bufs.extend(views)
+        self._sendmsg(bufs)
+
+    def write_batch(self, key, source, src_offsets, lengths, dst_offsets, imms=None) -> None:
+        src = source_array(source)
+        batch = plan_batch(key, src.nbytes, src_offsets, lengths, dst_offsets, imms)
+        bufs = wire.batch_buffers(key, memoryview(src), batch)
+        if bufs:
+            self._sendmsg(bufs)
+
+    def send(self, message: bytes) -> None:
+        if len(message) > MAX_MESSAGE:
+            raise TransportError(f"message of {len(message)} bytes exceeds {MAX_MESSAGE}")
+        try:
+            self._msg.sendall(framing.frame(framing.MSG, message))
+        except OSError as exc:
+            raise framing.lost("sending to tcp receiver", exc, self.conn) from exc
+
+    def recv(self, timeout: float | None = 0.0) -> bytes | None:
+        if self._messages:
+            return self._messages.popleft()
+        ready = select.select([self._msg], [], [], timeout)[0]
+        if ready:
+            try:
+                n = self._msg_reader.recv(self._msg, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                n = -1
+            except OSError as exc:
+                raise framing.lost("reading from tcp receiver", exc, self.conn) from exc
+            for kind, payload in self._msg_reader.frames():
+                if kind == framing.MSG:
+                    self._messages.append(payload)
+            if n == 0:
+                raise framing.lost("tcp receiver closed the message connection", None, self.conn)
+        return self._messages.popleft() if self._messages else None
+
+    def close(self) -> None:
+        bulk = getattr(self, "_bulk", None)
+        if bulk is not None and bulk.fileno() >= 0:
+            with contextlib.suppress(OSError):
+                bulk.send(wire.WRITE_HEADER.pack(wire.DATA_BYE, 0, 0, 0, 0, 0), socket.MSG_DONTWAIT)
+            bulk.close()
+        if self._msg is not None:
+            self._msg.close()
