@@ -6,8 +6,8 @@ import grpc
 import pytest
 
 from kspeed import errors
-from kspeed.control import rpc
 from kspeed.config import SecurityConfig
+from kspeed.control import rpc
 
 
 def test_negotiate_picks_highest_common_and_names_both_sides():

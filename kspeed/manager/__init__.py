@@ -1,1 +1,1 @@
-"""ServiceManager: registry, allocation, health (the `kspeed-manager` daemon)."""
+"""ServiceManager: membership, allocation, health (the `kspeed-manager` daemon)."""

@@ -1,7 +1,7 @@
 """``kspeed-manager``: the daemon that owns membership (and later allocation) of a KSpeed cluster.
 
 It serves ``kspeed.v1.Manager`` and ``grpc.health.v1.Health`` on one asyncio gRPC server, probes
-every live server's health, applies the liveness timers, keeps its registry in SQLite and answers
+every live server's health, applies the liveness timers, keeps its membership in SQLite and answers
 ``/healthz``, ``/readyz``, ``/metrics`` and ``/v1/status`` over HTTP. SIGTERM or SIGINT stops it
 cleanly.
 """
@@ -27,7 +27,7 @@ from kspeed.control.http import HttpEndpoint, json_response, metrics_route, text
 from kspeed.control.status import status_dict
 from kspeed.manager.calls import ServerCalls
 from kspeed.manager.datasets import DatasetCatalog
-from kspeed.manager.membership import Registry, Timers
+from kspeed.manager.membership import Membership, Timers
 from kspeed.manager.metrics import ManagerMetrics
 from kspeed.manager.service import ManagerService
 from kspeed.manager.store import Store
@@ -38,17 +38,19 @@ TICK_FRACTION = 0.25  # the timers are evaluated at this fraction of the heartbe
 
 
 class Manager:
-    """One running manager: its registry, gRPC server, HTTP endpoint and background tasks."""
+    """One running manager: its membership, gRPC server, HTTP endpoint and background tasks."""
 
     def __init__(self, config: ManagerConfig) -> None:
         self.config = config
         state_dir = ensure_state_dir(config.state_dir, "manager.state_dir")
         self.store = Store(state_dir)
-        self.registry = Registry(self.store, Timers(config.heartbeat_interval, config.suspect_after, config.fail_after))
+        self.membership = Membership(
+            self.store, Timers(config.heartbeat_interval, config.suspect_after, config.fail_after)
+        )
         self.calls = ServerCalls(config.security, config.server_call_timeout)
-        self.catalog = DatasetCatalog(self.store, self.registry, self.calls, lease_ttl=config.lease_ttl)
-        self.service = ManagerService(self.registry, self.catalog, self.store.cluster_id, config.heartbeat_interval)
-        self.metrics = ManagerMetrics(self.registry)
+        self.catalog = DatasetCatalog(self.store, self.membership, self.calls, lease_ttl=config.lease_ttl)
+        self.service = ManagerService(self.membership, self.catalog, self.store.cluster_id, config.heartbeat_interval)
+        self.metrics = ManagerMetrics(self.membership)
         self.health = HealthServicer()
         self._stopping = asyncio.Event()
         self._ready = False
@@ -102,7 +104,7 @@ class Manager:
     async def _tick_loop(self) -> None:
         period = self.config.heartbeat_interval * TICK_FRACTION
         while not self._stopping.is_set():
-            self.registry.tick()
+            self.membership.tick()
             await self.catalog.expire()
             self.metrics.watchers.set(self.service.watchers)
             with contextlib.suppress(asyncio.TimeoutError):
@@ -111,7 +113,7 @@ class Manager:
     async def _probe_loop(self) -> None:
         """Check ``grpc.health.v1`` of every live server, in parallel, every probe interval."""
         while not self._stopping.is_set():
-            targets = self.registry.probe_targets()
+            targets = self.membership.probe_targets()
             await self.calls.forget({address for _, address, _ in targets})
             await asyncio.gather(*(self._probe(sid, address, inc) for sid, address, inc in targets))
             with contextlib.suppress(asyncio.TimeoutError):
@@ -120,7 +122,7 @@ class Manager:
     async def _probe(self, server_id: str, address: str, incarnation: int) -> None:
         ok, detail = await self.calls.probe(address, self.config.probe_timeout)
         self.metrics.probes.labels("ok" if ok else "failed").inc()
-        self.registry.probe_result(server_id, incarnation, ok, detail)
+        self.membership.probe_result(server_id, incarnation, ok, detail)
 
     async def run_until_stopped(self) -> None:
         """Serve until SIGTERM/SIGINT, then shut down cleanly."""

@@ -23,7 +23,7 @@ import numpy as np
 from kspeed.errors import CapacityError, ConflictError, KSpeedError, NotFoundError, ProtocolError, UnavailableError
 from kspeed.manager.allocator import ServerCapacity, allocate
 from kspeed.manager.calls import ServerCalls
-from kspeed.manager.membership import READY, Registry
+from kspeed.manager.membership import READY, Membership
 from kspeed.manager.store import Store
 from kspeed.proto import kspeed_pb2
 
@@ -68,14 +68,14 @@ class DatasetCatalog:
     def __init__(
         self,
         store: Store,
-        registry: Registry,
+        membership: Membership,
         calls: ServerCalls,
         *,
         lease_ttl: float,
         wall: Callable[[], float] = time.time,
     ) -> None:
         self._store = store
-        self._registry = registry
+        self._membership = membership
         self._calls = calls
         self._lease_ttl = lease_ttl
         self._wall = wall
@@ -114,7 +114,7 @@ class DatasetCatalog:
         info.leases = sum(1 for lease in self._leases.values() if lease.dataset == name)
         total = info.progress
         total.Clear()
-        states = {r.id: r for r in self._registry.snapshot(include_left=True)}
+        states = {r.id: r for r in self._membership.snapshot(include_left=True)}
         unreachable = False
         for share in info.shares:
             status = self._share_status.get((name, share.server_id)) or kspeed_pb2.ShareStatus(dataset=name)
@@ -206,7 +206,7 @@ class DatasetCatalog:
             return reply
 
     async def _allocate(self, spec: kspeed_pb2.DatasetSpec, owner: int) -> kspeed_pb2.DatasetInfo:
-        ready = [r for r in self._registry.snapshot() if r.state == READY]
+        ready = [r for r in self._membership.snapshot() if r.state == READY]
         if not ready:
             raise UnavailableError(f"dataset {spec.name!r}: no ready server to hold it")
         sizes_of = {r.inventory.region_size for r in ready}

@@ -1,4 +1,4 @@
-"""The server registry: membership and the lifecycle of every server.
+"""Membership: the servers of the cluster and the lifecycle of each.
 
 Lifecycle (``kspeed.v1.ServerState``)::
 
@@ -9,7 +9,7 @@ Lifecycle (``kspeed.v1.ServerState``)::
     any --deregister--> LEFT          FAILED/LEFT --register--> JOINING (new incarnation)
 
 A server in FAILED or LEFT must register again: its heartbeats are refused with NotFoundError so
-that it does. The registry is driven by the manager's event loop (RPCs, the ticker, the prober);
+that it does. Membership is driven by the manager's event loop (RPCs, the ticker, the prober);
 a lock lets the HTTP thread read snapshots. Every change bumps ``revision`` and is announced to
 listeners (the membership watch streams).
 """
@@ -66,7 +66,7 @@ class _Entry:
 Listener = Callable[[kspeed_pb2.ServerRecord, int], None]
 
 
-class Registry:
+class Membership:
     """Membership of the cluster, persisted through a :class:`Store`."""
 
     def __init__(
@@ -93,7 +93,7 @@ class Registry:
                 record.state_reason = "manager restarted; awaiting heartbeat"
             self._entries[record.id] = entry
         if self._entries:
-            log.info("registry restored %d server(s) from %s", len(self._entries), store.path)
+            log.info("membership restored %d server(s) from %s", len(self._entries), store.path)
 
     # -- reading -------------------------------------------------------------------------------
 

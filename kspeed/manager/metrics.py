@@ -8,18 +8,18 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kspeed.manager.membership import Registry, state_name
+from kspeed.manager.membership import Membership, state_name
 
 
 class _MembershipCollector(Collector):
-    """Reads the registry at scrape time, so no label outlives its server."""
+    """Reads the membership at scrape time, so no label outlives its server."""
 
-    def __init__(self, registry: Registry) -> None:
-        self._registry = registry
+    def __init__(self, membership: Membership) -> None:
+        self._membership = membership
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         servers = GaugeMetricFamily("kspeed_manager_servers", "Servers per lifecycle state", labels=["state"])
-        for state, count in self._registry.counts().items():
+        for state, count in self._membership.counts().items():
             servers.add_metric([state], count)
         yield servers
         per_server = GaugeMetricFamily(
@@ -30,22 +30,22 @@ class _MembershipCollector(Collector):
         pooled = GaugeMetricFamily(
             "kspeed_manager_server_memory_bytes", "Memory each server may pool", labels=["server"]
         )
-        for record in self._registry.snapshot(include_left=True):
+        for record in self._membership.snapshot(include_left=True):
             per_server.add_metric([record.id, state_name(record.state)], 1)
             pooled.add_metric([record.id], record.inventory.memory_bytes)
         yield per_server
         yield pooled
         yield GaugeMetricFamily(
-            "kspeed_manager_registry_revision", "Revision of the membership", value=self._registry.revision
+            "kspeed_manager_membership_revision", "Revision of the membership", value=self._membership.revision
         )
 
 
 class ManagerMetrics:
     """Every metric the manager exports."""
 
-    def __init__(self, registry: Registry) -> None:
+    def __init__(self, membership: Membership) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_MembershipCollector(registry))
+        self.registry.register(_MembershipCollector(membership))
         self.probes = Counter(
             "kspeed_manager_health_probes", "Active health probes of servers", ["result"], registry=self.registry
         )

@@ -15,7 +15,7 @@ from kspeed.control.rpc import negotiate
 from kspeed.errors import ProtocolError
 from kspeed.manager.datasets import DatasetCatalog
 from kspeed.manager.jobs import JobBoard
-from kspeed.manager.membership import Registry
+from kspeed.manager.membership import Membership
 from kspeed.proto import kspeed_pb2
 
 log = logging.getLogger(__name__)
@@ -53,10 +53,12 @@ def validate_registration(request: kspeed_pb2.RegisterServerRequest) -> None:
 
 
 class ManagerService:
-    """Implements every RPC of ``kspeed.v1.Manager`` over a :class:`Registry`."""
+    """Implements every RPC of ``kspeed.v1.Manager`` over a :class:`Membership`."""
 
-    def __init__(self, registry: Registry, catalog: DatasetCatalog, cluster_id: str, heartbeat_interval: float) -> None:
-        self._registry = registry
+    def __init__(
+        self, membership: Membership, catalog: DatasetCatalog, cluster_id: str, heartbeat_interval: float
+    ) -> None:
+        self._membership = membership
         self._catalog = catalog
         self.jobs = JobBoard()
         self._cluster_id = cluster_id
@@ -80,7 +82,7 @@ class ManagerService:
     ) -> kspeed_pb2.RegisterServerReply:
         validate_registration(request)
         version = negotiate(request.version.protocol_versions)
-        record = self._registry.register(request, version)
+        record = self._membership.register(request, version)
         self._catalog.forget_progress(request.id)
         return kspeed_pb2.RegisterServerReply(
             incarnation=record.incarnation,
@@ -93,7 +95,7 @@ class ManagerService:
     async def Heartbeat(
         self, request: kspeed_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> kspeed_pb2.HeartbeatReply:
-        record = self._registry.heartbeat(request)
+        record = self._membership.heartbeat(request)
         stale = self._catalog.on_heartbeat(request.id, list(request.shares))
         return kspeed_pb2.HeartbeatReply(
             state=record.state, heartbeat_interval_s=self._heartbeat_interval, drop_datasets=stale
@@ -104,14 +106,14 @@ class ManagerService:
     ) -> kspeed_pb2.DeregisterServerReply:
         if len(request.reason) > _MAX_TEXT:
             raise ProtocolError(f"deregistration reason of {len(request.reason)} chars exceeds {_MAX_TEXT}")
-        self._registry.deregister(request)
+        self._membership.deregister(request)
         return kspeed_pb2.DeregisterServerReply()
 
     async def ListServers(
         self, request: kspeed_pb2.ListServersRequest, context: grpc.aio.ServicerContext
     ) -> kspeed_pb2.ListServersReply:
         return kspeed_pb2.ListServersReply(
-            servers=self._registry.snapshot(request.include_left), revision=self._registry.revision
+            servers=self._membership.snapshot(request.include_left), revision=self._membership.revision
         )
 
     async def WatchMembership(
@@ -128,16 +130,16 @@ class ManagerService:
                     queue.get_nowait()
                 queue.put_nowait(None)
 
-        unsubscribe = self._registry.subscribe(on_change)
+        unsubscribe = self._membership.subscribe(on_change)
         self.watchers += 1
         try:
-            send_snapshot = request.since_revision == 0 or request.since_revision != self._registry.revision
+            send_snapshot = request.since_revision == 0 or request.since_revision != self._membership.revision
             while True:
                 if send_snapshot:
                     yield kspeed_pb2.MembershipEvent(
-                        revision=self._registry.revision,
+                        revision=self._membership.revision,
                         snapshot=True,
-                        servers=self._registry.snapshot(include_left=True),
+                        servers=self._membership.snapshot(include_left=True),
                     )
                     send_snapshot = False
                 item = await queue.get()
@@ -161,8 +163,8 @@ class ManagerService:
             cluster_id=self._cluster_id,
             manager_version=__version__,
             uptime_s=time.monotonic() - self._started,
-            servers=self._registry.snapshot(),
-            revision=self._registry.revision,
+            servers=self._membership.snapshot(),
+            revision=self._membership.revision,
             datasets=self._catalog.list(),
         )
 

@@ -326,7 +326,7 @@ class Writer(ABC):
 
         Op ``i`` copies ``lengths[i]`` bytes from ``source[src_offsets[i]:]`` to
         ``key.addr + dst_offsets[i]``. The whole batch is range-checked with numpy before a byte
-        moves (:func:`kspeed.rdma.write_batch.plan_batch`); then the immediates are notified in order,
+        moves (:func:`kspeed.rdma.write_batch.check_batch`); then the immediates are notified in order,
         each exactly once, after every byte of the batch is visible to the receiver.
 
         Args:

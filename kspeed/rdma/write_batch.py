@@ -2,7 +2,7 @@
 
 A batch is many writes from one source buffer into one region key, given as parallel ``int64``
 arrays (source offset, length, destination offset per op) plus the immediates to raise once all of
-the batch's bytes have landed. :func:`plan_batch` range-checks the whole batch in one vectorized
+the batch's bytes have landed. :func:`check_batch` range-checks the whole batch in one vectorized
 pass, so a rail's hot loop only moves bytes: ``memmove`` over precomputed addresses on ``shm``, one
 gathered ``sendmsg`` on ``tcp``, a chain of ``RDMA_WRITE`` work requests on ``verbs``.
 """
@@ -18,14 +18,14 @@ from kspeed.errors import RangeError, TransportError
 
 from .base import RegionKey, as_bytes_view
 
-__all__ = ["Batch", "plan_batch", "runs", "source_array"]
+__all__ = ["WriteBatch", "check_batch", "runs", "source_array"]
 
 _U32_MAX = (1 << 32) - 1
 _SANE = 1 << 62  # no offset or length is anywhere near this; sums below it cannot overflow int64
 
 
 @dataclass(frozen=True)
-class Batch:
+class WriteBatch:
     """A validated batch; every range is known to lie inside its source and its key.
 
     Attributes:
@@ -97,9 +97,9 @@ def _refuse(key: RegionKey, source_nbytes: int, src: np.ndarray, lens: np.ndarra
     )
 
 
-def plan_batch(
+def check_batch(
     key: RegionKey, source_nbytes: int, src_offsets: Any, lengths: Any, dst_offsets: Any, imms: Any = None
-) -> Batch:
+) -> WriteBatch:
     """Validate a batch as a whole before any byte moves.
 
     Args:
@@ -127,10 +127,10 @@ def plan_batch(
             or (dst + lens).max() > key.length
         ):
             _refuse(key, source_nbytes, src, lens, dst)
-    return Batch(src, lens, dst, _imms(imms))
+    return WriteBatch(src, lens, dst, _imms(imms))
 
 
-def runs(batch: Batch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def runs(batch: WriteBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Group ops whose destinations follow each other into runs (one remote write each).
 
     Returns:

@@ -40,7 +40,7 @@ def _filler() -> np.ndarray:
 
 
 @dataclass
-class Plan:
+class PlanPart:
     """The positions of one epoch plan this server owns, with where their bytes are and go.
 
     Attributes:
@@ -60,7 +60,7 @@ class Plan:
     dst: np.ndarray
 
 
-class Regions:
+class RegionMaps:
     """Read-only numpy views of the pool's region files, mapped once when a plan first names them."""
 
     def __init__(self) -> None:
@@ -76,15 +76,15 @@ class Regions:
         return self._arrays[index]
 
 
-class Feed:
+class FeedWriter:
     """One client's data-plane path and the thread that serves its grants."""
 
-    def __init__(self, feed_id: str, writer: Writer, key: RegionKey, regions: Regions) -> None:
+    def __init__(self, feed_id: str, writer: Writer, key: RegionKey, regions: RegionMaps) -> None:
         self.feed_id = feed_id
         self.writer = writer
         self.key = key
         self.regions = regions
-        self.plans: dict[int, Plan] = {}
+        self.plans: dict[int, PlanPart] = {}
         self.served = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"feed-{feed_id}", daemon=True)
@@ -96,7 +96,7 @@ class Feed:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def install(self, epoch: int, plan: Plan) -> None:
+    def install(self, epoch: int, plan: PlanPart) -> None:
         """Add an epoch plan (dropping the oldest beyond :data:`MAX_PLANS`)."""
         self.plans[epoch] = plan
         for old in sorted(self.plans)[:-MAX_PLANS]:
@@ -187,7 +187,7 @@ class Feed:
             self.writer.close()
 
 
-def _open(feeds: dict[str, Feed], regions: Regions, options: RailOptions, server_id: str, cmd: dict) -> dict:
+def _open(feeds: dict[str, FeedWriter], regions: RegionMaps, options: RailOptions, server_id: str, cmd: dict) -> dict:
     feed_id = cmd["feed_id"]
     old = feeds.pop(feed_id, None)
     if old is not None:
@@ -199,7 +199,7 @@ def _open(feeds: dict[str, Feed], regions: Regions, options: RailOptions, server
     except KSpeedError:
         writer.close()
         raise
-    feed = feeds[feed_id] = Feed(feed_id, writer, key, regions)
+    feed = feeds[feed_id] = FeedWriter(feed_id, writer, key, regions)
     feed.start()
     return {"ok": True}
 
@@ -210,8 +210,8 @@ def serve(conn: Connection, server_id: str, options: RailOptions, log_level: str
         level=getattr(logging, log_level.upper()),
         format="%(asctime)s %(levelname)s %(name)s[feeder %(process)d]: %(message)s",
     )
-    regions = Regions()
-    feeds: dict[str, Feed] = {}
+    regions = RegionMaps()
+    feeds: dict[str, FeedWriter] = {}
     while True:
         try:
             cmd = conn.recv()
@@ -228,7 +228,7 @@ def serve(conn: Connection, server_id: str, options: RailOptions, log_level: str
                 if feed is None or not feed.alive:
                     raise PeerLostError(f"feed {cmd['feed_id']!r} is not connected (the client left?)")
                 regions.add(cmd["paths"])
-                feed.install(cmd["epoch"], Plan(**cmd["plan"]))
+                feed.install(cmd["epoch"], PlanPart(**cmd["plan"]))
                 reply = {"ok": True}
             elif op == "close":
                 feed = feeds.pop(cmd["feed_id"], None)

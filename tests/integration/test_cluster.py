@@ -77,7 +77,7 @@ def test_sigkill_moves_server_to_failed_within_timeout(cluster):
     assert f'kspeed_manager_server_state{{server="{victim.ready["id"]}",state="failed"}} 1.0' in metrics
 
 
-def test_manager_restart_keeps_registry_and_servers_rejoin(cluster):
+def test_manager_restart_keeps_membership_and_servers_rejoin(cluster):
     with client_for(cluster) as client:
         wait_for(lambda: all_ready(client, 2), 10, "both servers ready")
         before = {r.id: r.incarnation for r in client.servers()}

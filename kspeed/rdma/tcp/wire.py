@@ -16,7 +16,7 @@ import numpy as np
 
 from kspeed.rdma.base import RegionKey
 from kspeed.rdma.options import RailOptions
-from kspeed.rdma.write_batch import Batch, runs
+from kspeed.rdma.write_batch import WriteBatch, runs
 
 __all__ = [
     "BULK",
@@ -90,7 +90,7 @@ def blocking_with_timeout(sock: socket.socket, timeout: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
 
 
-def batch_buffers(key: RegionKey, view: memoryview, batch: Batch) -> list:
+def batch_buffers(key: RegionKey, view: memoryview, batch: WriteBatch) -> list:
     """The iovec list of a checked batch: each run's header then its source slices, in order.
 
     One header per run of adjacent destinations, all packed by numpy at once. The first immediate

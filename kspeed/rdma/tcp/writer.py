@@ -26,7 +26,7 @@ from kspeed.rdma.base import (
     check_range,
 )
 from kspeed.rdma.options import RailOptions
-from kspeed.rdma.write_batch import plan_batch, source_array
+from kspeed.rdma.write_batch import check_batch, source_array
 
 from . import wire
 
@@ -146,7 +146,7 @@ class TcpWriter(Writer):
 
     def write_batch(self, key, source, src_offsets, lengths, dst_offsets, imms=None) -> None:
         src = source_array(source)
-        batch = plan_batch(key, src.nbytes, src_offsets, lengths, dst_offsets, imms)
+        batch = check_batch(key, src.nbytes, src_offsets, lengths, dst_offsets, imms)
         bufs = wire.batch_buffers(key, memoryview(src), batch)
         if bufs:
             self._sendmsg(bufs)
