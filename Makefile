@@ -21,8 +21,7 @@ $(STAMP): pyproject.toml scripts/system-deps.sh
 
 deps: venv
 
-test: venv
-	@$(VPY) -m ruff check .
+test: lint
 	@$(VPY) -m pytest -q -m "not slow"
 
 test-slow: venv
@@ -32,9 +31,11 @@ test-slow: venv
 test-incast: venv
 	@$(VPY) -m pytest -q -s -m slow tests/integration/test_incast.py
 
+# Format check, lint and type check: what `make test` runs before the tests.
 lint: venv
-	@$(VPY) -m ruff check .
 	@$(VPY) -m ruff format --check .
+	@$(VPY) -m ruff check .
+	@$(VPY) -m mypy
 
 proto: venv
 	@$(VPY) scripts/gen_proto.py

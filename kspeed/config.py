@@ -20,10 +20,12 @@ from typing import Any, TypeVar
 
 import yaml
 
+from kspeed import names
 from kspeed.errors import ConfigError
 
 __all__ = [
     "ClientConfig",
+    "DaemonConfig",
     "ManagerConfig",
     "SecurityConfig",
     "ServerConfig",
@@ -142,6 +144,10 @@ def _parse_mapping(raw: object) -> dict[str, dict[str, Any]]:
     return {str(k): dict(v) for k, v in raw.items()}
 
 
+def _parse_name(raw: object) -> str:
+    return str(raw).strip().lower()
+
+
 def _choice(*choices: str) -> Callable[[object], str]:
     def parse(raw: object) -> str:
         text = str(raw).strip().lower()
@@ -237,19 +243,56 @@ class SecurityConfig:
 
 
 @dataclasses.dataclass
-class ManagerConfig:
-    """Configuration of ``kspeed-manager``."""
+class DaemonConfig:
+    """What every daemon configures: its listeners, state, request limit, logging and credentials.
 
-    listen: str = option("127.0.0.1:7070", "gRPC listen address", parse=parse_address, env="KSPEED_MANAGER_LISTEN")
+    ``{SECTION}`` in a variable's name stands for the daemon's section (``KSPEED_SERVER_LISTEN``);
+    a daemon's class gives the fields their own defaults with :func:`default_of`.
+    """
+
+    listen: str = option("", "gRPC listen address", parse=parse_address, env="KSPEED_{SECTION}_LISTEN")
     http_listen: str = option(
-        "127.0.0.1:7080",
-        "HTTP listen address (/healthz, /readyz, /metrics, /v1/status)",
+        "",
+        "HTTP listen address (/healthz, /readyz, /metrics; the manager also /v1/status)",
         parse=parse_address,
-        env="KSPEED_MANAGER_HTTP_LISTEN",
+        env="KSPEED_{SECTION}_HTTP_LISTEN",
     )
     state_dir: str = option(
-        "/var/lib/kspeed/manager", "directory of the registry database", env="KSPEED_MANAGER_STATE_DIR"
+        "",
+        "state directory (manager: its database; server: its identity and assignments)",
+        env="KSPEED_{SECTION}_STATE_DIR",
     )
+    max_request_bytes: int = option(
+        0, "largest accepted gRPC request", parse=parse_bytes, env="KSPEED_MAX_REQUEST_BYTES"
+    )
+    log_level: str = option(
+        "info", "log level", parse=_choice("debug", "info", "warning", "error"), env="KSPEED_LOG_LEVEL"
+    )
+    ready_file: str = option(
+        "", "write the bound addresses as JSON to this file once ready", env="KSPEED_{SECTION}_READY_FILE"
+    )
+    parent_pid: int = option(
+        0,
+        "stop (as on SIGTERM) when this process exits; set by supervisors such as kspeed up",
+        parse=_parse_int,
+        env="KSPEED_PARENT_PID",
+    )
+    security: SecurityConfig = dataclasses.field(default_factory=SecurityConfig)
+
+
+def default_of(name: str, value: Any) -> Any:
+    """Declare :class:`DaemonConfig` field ``name`` again with the default ``value`` (help, parser, variable kept)."""
+    return dataclasses.field(default=value, metadata=DaemonConfig.__dataclass_fields__[name].metadata)
+
+
+@dataclasses.dataclass
+class ManagerConfig(DaemonConfig):
+    """Configuration of ``kspeed-manager``."""
+
+    listen: str = default_of("listen", "127.0.0.1:7070")
+    http_listen: str = default_of("http_listen", "127.0.0.1:7080")
+    state_dir: str = default_of("state_dir", "/var/lib/kspeed/manager")
+    max_request_bytes: int = default_of("max_request_bytes", 4 * 1024**2)
     heartbeat_interval: float = option(
         1.0, "how often servers heartbeat", parse=parse_duration, env="KSPEED_HEARTBEAT_INTERVAL"
     )
@@ -263,9 +306,6 @@ class ManagerConfig:
         2.0, "period of the manager's active health probes", parse=parse_duration, env="KSPEED_PROBE_INTERVAL"
     )
     probe_timeout: float = option(1.0, "deadline of one health probe", parse=parse_duration, env="KSPEED_PROBE_TIMEOUT")
-    max_request_bytes: int = option(
-        4 * 1024**2, "largest accepted gRPC request", parse=parse_bytes, env="KSPEED_MAX_REQUEST_BYTES"
-    )
     lease_ttl: float = option(
         30.0, "lifetime of a job's dataset lease unless renewed", parse=parse_duration, env="KSPEED_LEASE_TTL"
     )
@@ -275,19 +315,6 @@ class ManagerConfig:
         parse=parse_duration,
         env="KSPEED_SERVER_CALL_TIMEOUT",
     )
-    log_level: str = option(
-        "info", "log level", parse=_choice("debug", "info", "warning", "error"), env="KSPEED_LOG_LEVEL"
-    )
-    ready_file: str = option(
-        "", "write the bound addresses as JSON to this file once ready", env="KSPEED_MANAGER_READY_FILE"
-    )
-    parent_pid: int = option(
-        0,
-        "stop (as on SIGTERM) when this process exits; set by supervisors such as kspeed up",
-        parse=_parse_int,
-        env="KSPEED_PARENT_PID",
-    )
-    security: SecurityConfig = dataclasses.field(default_factory=SecurityConfig)
 
     def validate(self) -> None:
         """Check cross-field rules."""
@@ -309,22 +336,19 @@ class ManagerConfig:
 
 
 @dataclasses.dataclass
-class ServerConfig:
+class ServerConfig(DaemonConfig):
     """Configuration of ``kspeed-server``."""
 
+    listen: str = default_of("listen", "0.0.0.0:7071")
+    http_listen: str = default_of("http_listen", "0.0.0.0:7081")
+    state_dir: str = default_of("state_dir", "/var/lib/kspeed/server")
+    max_request_bytes: int = default_of("max_request_bytes", 64 * 1024**2)
     manager: str = option("127.0.0.1:7070", "the manager's gRPC address", parse=parse_address, env="KSPEED_MANAGER")
-    listen: str = option("0.0.0.0:7071", "gRPC listen address", parse=parse_address, env="KSPEED_SERVER_LISTEN")
     advertise: str = option(
         "",
         "address announced to the manager and clients (default: listen, with the hostname for a wildcard host)",
         parse=_parse_optional_address,
         env="KSPEED_SERVER_ADVERTISE",
-    )
-    http_listen: str = option(
-        "0.0.0.0:7081", "HTTP listen address (/healthz, /metrics)", parse=parse_address, env="KSPEED_SERVER_HTTP_LISTEN"
-    )
-    state_dir: str = option(
-        "/var/lib/kspeed/server", "directory of the server's identity and state", env="KSPEED_SERVER_STATE_DIR"
     )
     server_id: str = option(
         "", "stable server id (default: generated once and kept in state_dir)", env="KSPEED_SERVER_ID"
@@ -335,7 +359,10 @@ class ServerConfig:
         0, "CPU cores this server may use (0: all it is allowed to run on)", parse=_parse_int, env="KSPEED_SERVER_CORES"
     )
     transports: tuple[str, ...] = option(
-        ("shm", "tcp"), "data-plane rails to offer", parse=_parse_list, env="KSPEED_SERVER_TRANSPORTS"
+        (),
+        "data-plane rails to offer (default: every rail usable on this host)",
+        parse=_parse_list,
+        env="KSPEED_SERVER_TRANSPORTS",
     )
     pool_dir: str = option(
         "",
@@ -389,22 +416,6 @@ class ServerConfig:
     drain_timeout: float = option(
         10.0, "longest wait for in-flight work on SIGTERM", parse=parse_duration, env="KSPEED_DRAIN_TIMEOUT"
     )
-    max_request_bytes: int = option(
-        64 * 1024**2, "largest accepted gRPC request", parse=parse_bytes, env="KSPEED_MAX_REQUEST_BYTES"
-    )
-    log_level: str = option(
-        "info", "log level", parse=_choice("debug", "info", "warning", "error"), env="KSPEED_LOG_LEVEL"
-    )
-    ready_file: str = option(
-        "", "write the bound addresses as JSON to this file once ready", env="KSPEED_SERVER_READY_FILE"
-    )
-    parent_pid: int = option(
-        0,
-        "stop (as on SIGTERM) when this process exits; set by supervisors such as kspeed up",
-        parse=_parse_int,
-        env="KSPEED_PARENT_PID",
-    )
-    security: SecurityConfig = dataclasses.field(default_factory=SecurityConfig)
 
     def validate(self) -> None:
         """Check cross-field rules."""
@@ -421,11 +432,16 @@ class ServerConfig:
                 field="server.memory",
                 value=self.memory,
             )
-        if self.server_id and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", self.server_id):
+        unknown = sorted(set(self.transports) - set(_rail_names()))
+        if unknown:
             raise ConfigError(
-                f"server.server_id: {self.server_id!r} must be 1-63 letters, digits, '.', '_' or '-'",
-                field="server.server_id",
-                value=self.server_id,
+                f"server.transports: unknown rail(s) {', '.join(unknown)}; known: {', '.join(_rail_names())}",
+                field="server.transports",
+                value=",".join(self.transports),
+            )
+        if self.server_id:
+            names.SERVER_ID.check(
+                self.server_id, ConfigError, what="server.server_id", field="server.server_id", value=self.server_id
             )
         self.security.validate()
 
@@ -439,8 +455,9 @@ class ClientConfig:
     security: SecurityConfig = dataclasses.field(default_factory=SecurityConfig)
     rail: str = option(
         "auto",
-        "data-plane rail of the receive ring: auto (shm for co-located servers, else tcp), shm or tcp",
-        parse=_choice("auto", "shm", "tcp"),
+        "data-plane rail of the receive ring: auto (the most preferred rail that reaches every server: a "
+        "shared-memory rail for co-located servers, a network rail otherwise) or a rail's name",
+        parse=_parse_name,
         env="KSPEED_RAIL",
     )
     ring_bytes: int = option(
@@ -523,6 +540,12 @@ class ClientConfig:
         """Check cross-field rules. Clients send no token when none is configured."""
         if self.security.auth == "token" and not (self.security.token or self.security.token_file):
             self.security.auth = "none"
+        if self.rail != "auto" and self.rail not in _rail_names():
+            raise ConfigError(
+                f"client.rail: unknown rail {self.rail!r}; use auto or one of {', '.join(_rail_names())}",
+                field="client.rail",
+                value=self.rail,
+            )
         if not 0 < self.pace_round <= 1:
             raise ConfigError(
                 f"client.pace_round must be between 0 and 1s, got {self.pace_round:g}s",
@@ -530,6 +553,12 @@ class ClientConfig:
                 value=self.pace_round,
             )
         self.security.validate()
+
+
+def _rail_names() -> list[str]:
+    from kspeed.rdma.rails import rail_names  # the rails' registry is the one list of rail names
+
+    return rail_names()
 
 
 def gpu_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -545,6 +574,11 @@ _SECTIONS = {ManagerConfig: "manager", ServerConfig: "server", ClientConfig: "cl
 # Loading
 
 
+def _env(field: dataclasses.Field, section: str) -> str:
+    """The field's environment variable (``{SECTION}`` filled in with the config's section)."""
+    return str(field.metadata["env"]).replace("{SECTION}", section.upper())
+
+
 def _set(obj: Any, field: dataclasses.Field, raw: object, section: str, source: str) -> None:
     name = f"{section}.{field.name}"
     try:
@@ -558,7 +592,7 @@ def _set(obj: Any, field: dataclasses.Field, raw: object, section: str, source: 
 
 def _leaf_fields(cls: type) -> list[tuple[str, dataclasses.Field]]:
     """Fields of a config, with nested sections flattened as (section attribute, field)."""
-    out = []
+    out: list[tuple[str, dataclasses.Field]] = []
     for field in dataclasses.fields(cls):
         if dataclasses.is_dataclass(field.type) or field.name == "security":
             out.extend(("security", sub) for sub in dataclasses.fields(SecurityConfig))
@@ -583,11 +617,12 @@ def _read_yaml(path: str) -> Mapping[str, Any]:
 def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     """Add one ``--flag`` per config field (dashes for underscores) plus ``--config``."""
     parser.add_argument("--config", help="YAML configuration file (env KSPEED_CONFIG)")
+    defaults = cls()
     for holder, field in _leaf_fields(cls):
         flag = "--" + field.name.replace("_", "-")
-        default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+        default = getattr(defaults.security if holder else defaults, field.name)
         shown = ",".join(default) if isinstance(default, tuple) else default
-        env = field.metadata["env"]
+        env = _env(field, _SECTIONS[cls])
         parser.add_argument(
             flag,
             dest=f"cfg_{holder}_{field.name}",
@@ -616,7 +651,7 @@ def load_config(
     """
     environ = os.environ if environ is None else environ
     section = _SECTIONS[cls]
-    config = cls()
+    config: Any = cls()
     targets = {"": config, "security": config.security}
     path = (getattr(args, "config", None) if args is not None else None) or environ.get("KSPEED_CONFIG", "")
     if path:
@@ -641,8 +676,8 @@ def load_config(
                 _set(targets[holder], field, block[field.name], holder or section, f"{path}")
         for holder in {section, "security"}:
             block = data.get(holder) or {}
-            names = {f.name for h, f in _leaf_fields(cls) if (h or section) == holder}
-            unknown = sorted(set(block) - names)
+            known_fields = {f.name for h, f in _leaf_fields(cls) if (h or section) == holder}
+            unknown = sorted(set(block) - known_fields)
             if unknown:
                 raise ConfigError(
                     f"config file {path!r}: unknown field(s) {', '.join(unknown)} in section {holder!r}",
@@ -650,7 +685,7 @@ def load_config(
                     value=path,
                 )
     for holder, field in _leaf_fields(cls):
-        env = field.metadata["env"]
+        env = _env(field, section)
         if env and env in environ:
             _set(targets[holder], field, environ[env], holder or section, f"environment {env}")
     if args is not None:
@@ -660,9 +695,9 @@ def load_config(
                 _set(targets[holder], field, raw, holder or section, "--" + field.name.replace("_", "-"))
     for name, raw in (overrides or {}).items():
         holder, _, leaf = name.rpartition(".")
-        field = next((f for h, f in _leaf_fields(cls) if h == holder and f.name == leaf), None)
-        if field is None:
+        found = next((f for h, f in _leaf_fields(cls) if h == holder and f.name == leaf), None)
+        if found is None:
             raise ConfigError(f"unknown configuration field {name!r}", field=name, value=raw)
-        _set(targets[holder], field, raw, holder or section, "override")
+        _set(targets[holder], found, raw, holder or section, "override")
     config.validate()
     return config

@@ -147,4 +147,13 @@ class RangeError(TransportError):
 
 
 class PeerLostError(TransportError):
-    """The peer of a data-plane connection died or the link was cut."""
+    """The peer of a data-plane connection died or the link was cut.
+
+    Args:
+        message: what was lost and why.
+        conn: the receiver's connection id of the lost peer, when one connection is concerned.
+    """
+
+    def __init__(self, message: str, *, conn: int | None = None) -> None:
+        super().__init__(message)
+        self.conn = conn

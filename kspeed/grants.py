@@ -20,19 +20,23 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from kspeed.errors import ProtocolError
 
 __all__ = [
-    "DROP_PLAN",
-    "ERROR",
-    "GRANTS",
     "GRANT_DTYPE",
-    "HELLO",
+    "MAX_GENERATION",
     "MAX_PROBE",
     "PROBE_EPOCH",
+    "DropPlan",
+    "Grant",
+    "GrantError",
+    "Hello",
+    "Message",
     "decode",
     "encode_drop_plan",
     "encode_error",
@@ -42,19 +46,69 @@ __all__ = [
     "tag_generation",
 ]
 
-HELLO, GRANTS, ERROR, DROP_PLAN = 1, 2, 3, 4
+_HELLO, _GRANTS, _ERROR, _DROP_PLAN = 1, 2, 3, 4
 
-#: One grant. ``first``/``end`` are positions within the batch; ``ring_offset`` is where the batch
-#: starts, relative to the ring key the feed was opened with.
+#: One grant on the wire. ``first``/``end`` are positions within the batch; ``ring_offset`` is where
+#: the batch starts, relative to the ring key the feed was opened with.
 GRANT_DTYPE = np.dtype(
     [("epoch", "<u4"), ("batch", "<u4"), ("ring_offset", "<u8"), ("first", "<u4"), ("end", "<u4"), ("tag", "<u4")]
 )
-_ERROR = struct.Struct("<III")
+_ERROR_HEAD = struct.Struct("<III")
 _DROP = struct.Struct("<I")
 MAX_GENERATION = 255
 PROBE_EPOCH = 0xFFFFFFFF
 MAX_PROBE = 4 << 20
 _SEQ_MASK = (1 << 24) - 1
+_MAX_ERROR_TEXT = 4000
+
+
+@dataclass(frozen=True)
+class Grant:
+    """The right to write positions ``[first, end)`` of ``batch`` of pass ``epoch`` at ``ring_offset``.
+
+    ``tag`` is the immediate the completion carries (:func:`make_tag`).
+    """
+
+    epoch: int
+    batch: int
+    ring_offset: int
+    first: int
+    end: int
+    tag: int
+
+    def row(self) -> tuple[int, int, int, int, int, int]:
+        """The grant as a :data:`GRANT_DTYPE` record."""
+        return (self.epoch, self.batch, self.ring_offset, self.first, self.end, self.tag)
+
+
+@dataclass(frozen=True)
+class Hello:
+    """Writer -> receiver, first message after connecting: which feed, server and generation it serves."""
+
+    feed: str
+    server: str
+    generation: int
+
+
+@dataclass(frozen=True)
+class GrantError:
+    """Writer -> receiver: the grant tagged ``tag`` (``batch`` of pass ``epoch``) cannot be served, and why."""
+
+    epoch: int
+    batch: int
+    tag: int
+    text: str
+
+
+@dataclass(frozen=True)
+class DropPlan:
+    """Receiver -> writer: the plan of pass ``epoch`` will not be granted again."""
+
+    epoch: int
+
+
+#: A decoded feed message; grants arrive as a :data:`GRANT_DTYPE` array.
+Message = Hello | GrantError | DropPlan | np.ndarray
 
 
 def make_tag(generation: int, seq: int) -> int:
@@ -62,34 +116,37 @@ def make_tag(generation: int, seq: int) -> int:
     return ((generation & MAX_GENERATION) << 24) | (seq & _SEQ_MASK)
 
 
-def tag_generation(tag: int | np.ndarray) -> int | np.ndarray:
-    """The generation a tag (or an array of tags) was issued under."""
+def tag_generation(tag: int) -> int:
+    """The generation a tag was issued under."""
     return tag >> 24
 
 
-def encode_hello(feed_id: str, server_id: str, generation: int) -> bytes:
+def encode_hello(hello: Hello) -> bytes:
     """Writer -> receiver, first message after connecting."""
-    return bytes([HELLO]) + json.dumps({"feed": feed_id, "server": server_id, "generation": generation}).encode()
+    body = {"feed": hello.feed, "server": hello.server, "generation": hello.generation}
+    return bytes([_HELLO]) + json.dumps(body).encode()
 
 
-def encode_grants(grants: np.ndarray) -> bytes:
-    """Receiver -> writer: an array of :data:`GRANT_DTYPE`."""
-    return bytes([GRANTS]) + np.ascontiguousarray(grants, dtype=GRANT_DTYPE).tobytes()
+def encode_grants(grants: Sequence[Grant] | np.ndarray) -> bytes:
+    """Receiver -> writer: grants, as records or as an array of :data:`GRANT_DTYPE`."""
+    if not isinstance(grants, np.ndarray):
+        grants = np.array([g.row() for g in grants], dtype=GRANT_DTYPE)
+    return bytes([_GRANTS]) + np.ascontiguousarray(grants, dtype=GRANT_DTYPE).tobytes()
 
 
-def encode_error(epoch: int, batch: int, tag: int, text: str) -> bytes:
+def encode_error(error: GrantError) -> bytes:
     """Writer -> receiver: a grant that cannot be served, and why."""
-    return bytes([ERROR]) + _ERROR.pack(epoch, batch, tag) + text.encode()[:4000]
+    head = _ERROR_HEAD.pack(error.epoch, error.batch, error.tag)
+    return bytes([_ERROR]) + head + error.text.encode()[:_MAX_ERROR_TEXT]
 
 
 def encode_drop_plan(epoch: int) -> bytes:
     """Receiver -> writer: the plan of ``epoch`` will not be granted again."""
-    return bytes([DROP_PLAN]) + _DROP.pack(epoch)
+    return bytes([_DROP_PLAN]) + _DROP.pack(epoch)
 
 
-def decode(message: bytes) -> tuple[int, object]:
-    """``(kind, payload)``: HELLO -> dict, GRANTS -> structured array, ERROR -> (epoch, batch, tag, text),
-    DROP_PLAN -> epoch.
+def decode(message: bytes) -> Message:
+    """The message as its record; grants as a read-only :data:`GRANT_DTYPE` array.
 
     Raises:
         ProtocolError: an empty, unknown or truncated message.
@@ -98,17 +155,18 @@ def decode(message: bytes) -> tuple[int, object]:
         raise ProtocolError("empty feed message")
     kind, body = message[0], memoryview(message)[1:]
     try:
-        if kind == HELLO:
-            return kind, json.loads(bytes(body))
-        if kind == GRANTS:
+        if kind == _HELLO:
+            fields = json.loads(bytes(body))
+            return Hello(str(fields["feed"]), str(fields["server"]), int(fields["generation"]))
+        if kind == _GRANTS:
             if len(body) % GRANT_DTYPE.itemsize:
                 raise ProtocolError(f"grant message of {len(body)} bytes is not whole grants")
-            return kind, np.frombuffer(body, dtype=GRANT_DTYPE)
-        if kind == ERROR:
-            epoch, batch, tag = _ERROR.unpack_from(body)
-            return kind, (epoch, batch, tag, bytes(body[_ERROR.size :]).decode(errors="replace"))
-        if kind == DROP_PLAN:
-            return kind, _DROP.unpack_from(body)[0]
-    except (ValueError, struct.error) as exc:
+            return np.frombuffer(body, dtype=GRANT_DTYPE)
+        if kind == _ERROR:
+            epoch, batch, tag = _ERROR_HEAD.unpack_from(body)
+            return GrantError(epoch, batch, tag, bytes(body[_ERROR_HEAD.size :]).decode(errors="replace"))
+        if kind == _DROP_PLAN:
+            return DropPlan(_DROP.unpack_from(body)[0])
+    except (ValueError, KeyError, TypeError, struct.error) as exc:
         raise ProtocolError(f"malformed feed message of kind {kind}: {exc}") from exc
     raise ProtocolError(f"unknown feed message kind {kind}")

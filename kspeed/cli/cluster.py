@@ -95,7 +95,7 @@ class Daemon:
 
     def signal(self, sig: int) -> None:
         """Send ``sig`` to the process if it still runs."""
-        if self.running:
+        if self.process is not None and self.process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 self.process.send_signal(sig)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 from kspeed.control.status import dataset_dict, human_bytes, job_dict, state_name
 from kspeed.proto import kspeed_pb2
@@ -32,7 +33,7 @@ def dataset_table(datasets: list[kspeed_pb2.DatasetInfo]) -> str:
     return _table(header, rows)
 
 
-def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+def _table(header: tuple[str, ...], rows: Sequence[Sequence[object]]) -> str:
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows])
 

@@ -22,8 +22,10 @@ from kspeed.errors import ConfigError, KSpeedError, StateError, UnavailableError
 from .dataset import KSpeedDataset
 from .lease import LeaseKeeper
 from .links import ServerLink
+from .options import FeedOptions
+from .rail_choice import ServerPlace
 from .spec import DatasetSpec
-from .wrap import WrappedDataset, wrap
+from .wrap import WrapOptions, WrappedDataset, wrap
 
 __all__ = ["KSpeedClient"]
 
@@ -54,13 +56,13 @@ class KSpeedClient:
         self.config = config
         self._manager = ManagerClient(config, peer_name="kspeed-client")
         try:
-            self._manager.handshake()
+            hello = self._manager.handshake()
         except KSpeedError:
             self._manager.close()
             raise
-        self._datasets: list[KSpeedDataset] = []
+        self._datasets: list[KSpeedDataset | WrappedDataset] = []
         self._closed = False
-        log.info("connected to manager %s (cluster %s)", config.manager, self._manager.hello.cluster_id)
+        log.info("connected to manager %s (cluster %s)", config.manager, hello.cluster_id)
 
     @property
     def manager(self) -> ManagerClient:
@@ -95,7 +97,8 @@ class KSpeedClient:
             drop_last: drop the last incomplete batch of each epoch.
             rank: this rank; with ``world_size``, builds a ``DistributedSampler``.
             world_size: ranks sharing each epoch.
-            rail: ``"auto"`` (default), ``"shm"`` or ``"tcp"``; overrides ``config.rail``.
+            rail: ``"auto"`` (default: chosen from the rails' capabilities) or a rail's name;
+                overrides ``config.rail``.
             ring_bytes: receive ring size; overrides ``config.ring_bytes``.
             quiet: no progress bar in ``preload()``.
             device: ``"cpu"`` (default: zero-copy views of the receive ring), ``"cuda"`` or ``"cuda:N"``
@@ -108,12 +111,31 @@ class KSpeedClient:
             DatasetError, AccessDeniedError: the dataset cannot be listed or read by the servers.
             UnavailableError: the manager or a server cannot be reached (named).
         """
+        options = FeedOptions(
+            batch_size=batch_size,
+            sampler=sampler,
+            seed=seed,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            rank=rank,
+            world_size=world_size,
+            rail=rail,
+            ring_bytes=ring_bytes,
+            quiet=quiet,
+            device=device,
+        )
+        ds = self.open(spec, options)
+        self._datasets.append(ds)
+        return ds
+
+    def open(self, spec: DatasetSpec | str, options: FeedOptions) -> KSpeedDataset:
+        """:meth:`dataset` with its options as one object (the caller closes the dataset).
+
+        Raises:
+            as :meth:`dataset`.
+        """
         if self._closed:
             raise StateError("KSpeedClient is closed; create a new one")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-            raise ConfigError(
-                f"batch_size must be a positive integer, got {batch_size!r}", field="batch_size", value=batch_size
-            )
         if isinstance(spec, str):
             proto = self._manager.dataset(spec).spec
         elif isinstance(spec, DatasetSpec):
@@ -122,13 +144,16 @@ class KSpeedClient:
             raise ConfigError(
                 f"spec must be a DatasetSpec or a dataset name, got {type(spec).__name__}", field="spec", value=spec
             )
-        holder = f"pid {os.getpid()} on {socket.gethostname()} rank {rank or 0}"
+        holder = f"pid {os.getpid()} on {socket.gethostname()} rank {options.rank or 0}"
         reply = self._manager.create_dataset(proto, holder=holder)
         lease = LeaseKeeper(self._manager, reply.lease.id, reply.lease.ttl_s) if reply.lease.id else None
         links: list[ServerLink] = []
         try:
             info = reply.dataset
-            hostnames = {record.id: record.inventory.hostname for record in self._manager.servers()}
+            places = {
+                record.id: ServerPlace(record.address, record.inventory.hostname, tuple(record.inventory.transports))
+                for record in self._manager.servers()
+            }
             for share in info.shares:
                 address = info.server_addresses.get(share.server_id)
                 if not address:
@@ -137,24 +162,8 @@ class KSpeedClient:
                         "manager knows no address for it (is it registered?)"
                     )
                 links.append(ServerLink(share.server_id, address, self.config))
-            ds = KSpeedDataset(
-                info,
-                links,
-                config=self.config,
-                batch_size=batch_size,
-                sampler=sampler,
-                seed=seed,
-                shuffle=shuffle,
-                drop_last=drop_last,
-                rank=rank,
-                world_size=world_size,
-                rail=rail,
-                ring_bytes=ring_bytes,
-                quiet=quiet,
-                hostnames=hostnames,
-                manager=self._manager,
-                lease=lease,
-                device=device,
+            return KSpeedDataset.open(
+                info, links, config=self.config, options=options, places=places, manager=self._manager, lease=lease
             )
         except BaseException:
             for link in links:
@@ -162,8 +171,6 @@ class KSpeedClient:
             if lease is not None:
                 lease.close()
             raise
-        self._datasets.append(ds)
-        return ds
 
     def wrap(
         self,
@@ -171,11 +178,6 @@ class KSpeedClient:
         batch_size: int,
         sampler: Any = None,
         *,
-        seed: int = 0,
-        shuffle: bool = True,
-        drop_last: bool = False,
-        rank: int | None = None,
-        world_size: int | None = None,
         collate_fn: Any = None,
         loader: Any = None,
         num_workers: int | None = None,
@@ -183,9 +185,7 @@ class KSpeedClient:
         list_dir: str | None = None,
         name: str | None = None,
         preload: bool = True,
-        rail: str | None = None,
-        ring_bytes: int | None = None,
-        quiet: bool = False,
+        **options: Any,
     ) -> WrappedDataset:
         """Serve a torchvision-style folder dataset (``.samples``, ``.loader``, transforms) from the servers.
 
@@ -199,11 +199,6 @@ class KSpeedClient:
             dataset: an ``ImageFolder``/``DatasetFolder``-like object.
             batch_size: samples per batch.
             sampler: as in :meth:`dataset` (``None``: shuffled per epoch with ``seed``).
-            seed: seed of the built-in shuffle.
-            shuffle: whether the built-in sampler shuffles.
-            drop_last: drop the last incomplete batch of each epoch.
-            rank: this rank; with ``world_size``, builds a ``DistributedSampler``.
-            world_size: ranks sharing each epoch.
             collate_fn: list of ``(sample, target)`` pairs -> batch (default ``default_collate``).
             loader: replaces ``dataset.loader``; called on a binary file object.
             num_workers: transform worker processes (default: up to 4, one per CPU).
@@ -211,36 +206,20 @@ class KSpeedClient:
             list_dir: where to write the list file when one is needed (default ``<root>/.kspeed``).
             name: the dataset's name in the cluster (default: from a hash of the paths).
             preload: wait for the servers to cache the files before returning.
-            rail: as in :meth:`dataset`.
-            ring_bytes: as in :meth:`dataset`.
-            quiet: no progress bar while preloading.
+            **options: the other options of :meth:`dataset` (``seed``, ``shuffle``, ``drop_last``,
+                ``rank``, ``world_size``, ``rail``, ``ring_bytes``, ``quiet``).
 
         Raises:
             ConfigError: the dataset lacks ``.samples``/``.loader``, a stage cannot be pickled, the
-                loader needs a path, or the list file cannot be written (named).
+                loader needs a path, an option is unknown, or the list file cannot be written (named).
             DatasetError, AccessDeniedError: the servers cannot list or read the files.
             UnavailableError: the manager or a server cannot be reached (named).
         """
         wrapped = wrap(
             self,
             dataset,
-            batch_size,
-            sampler,
-            collate_fn=collate_fn,
-            loader=loader,
-            num_workers=num_workers,
-            prefetch=prefetch,
-            list_dir=list_dir,
-            name=name,
-            preload=preload,
-            seed=seed,
-            shuffle=shuffle,
-            drop_last=drop_last,
-            rank=rank,
-            world_size=world_size,
-            rail=rail,
-            ring_bytes=ring_bytes,
-            quiet=quiet,
+            FeedOptions.from_kwargs(batch_size, sampler, **options),
+            WrapOptions(collate_fn, loader, num_workers, prefetch, list_dir, name, preload),
         )
         self._datasets.append(wrapped)  # close() closes it: its workers, then its KSpeed dataset
         return wrapped

@@ -23,43 +23,30 @@ sampler's own random state was restored too (e.g. a seeded ``torch.Generator`` s
 
 from __future__ import annotations
 
-import itertools
 import logging
-import os
-import pwd
-import re
-import socket
 import sys
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from kspeed.config import ClientConfig, gpu_environment
-from kspeed.errors import ConfigError, KSpeedError, StateError
-from kspeed.layout import SAMPLE_ALIGN
+from kspeed.config import ClientConfig
+from kspeed.control.manager_client import ManagerClient
+from kspeed.errors import ConfigError, StateError
 from kspeed.proto import kspeed_pb2
-from kspeed.rdma.options import RailOptions
-from kspeed.rdma.topology import pin, place
 
 from .batch import Batch
-from .device import make_delivery
-from .feed import Feed
-from .pacing import Pacer
-from .plans import EpochPlan, make_plan
-from .pump import Pump
-from .rail_choice import choose_rail, is_local, local_address_towards
-from .sampling import EpochOrders
-from .stats import RankStats, StatsReporter, default_job
+from .builder import FeedParts, build_feed
+from .lease import LeaseKeeper
+from .links import Link
+from .options import FeedOptions
+from .plans import EpochPlan
+from .rail_choice import ServerPlace
 
 __all__ = ["KSpeedDataset"]
 
 log = logging.getLogger(__name__)
 
-MIN_RING = 256 << 20
-RING_BATCHES = 4
 STATE_VERSION = 1
 NO_WORKERS = (
     "KSpeedDataset cannot run in DataLoader worker processes (num_workers > 0): its gRPC channels and "
@@ -69,225 +56,65 @@ NO_WORKERS = (
 )
 
 
-def _user() -> str:
-    try:
-        return pwd.getpwuid(os.getuid()).pw_name
-    except KeyError:
-        return str(os.getuid())
-
-
-def _feed_id(dataset: str, rank: int) -> str:
-    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:20]
-    return f"{host}-{os.getpid()}-r{rank}-{dataset[:16]}-{os.urandom(3).hex()}"
-
-
 class KSpeedDataset(IterableDataset):
     """Batches of one dataset for this rank, in the sampler's order.
 
+    Build one with :meth:`KSpeedClient.dataset <kspeed.KSpeedClient.dataset>` (or :meth:`open`).
+
     Args:
-        info: the dataset as the manager describes it (shares, addresses, sample count).
-        links: one control-plane link per server of the dataset.
-        config: the client configuration (rail, ring size, timeouts, credentials).
-        batch_size: samples per batch.
-        sampler: any torch sampler of sample IDs; ``None``: every sample, shuffled per epoch when
-            ``shuffle`` (a ``DistributedSampler`` over ``rank``/``world_size``).
-        seed: seed of the built-in shuffle.
-        shuffle: whether the built-in sampler shuffles.
-        drop_last: drop the last incomplete batch of each epoch.
-        rank: this rank (built-in sampler only).
-        world_size: ranks sharing each epoch (built-in sampler only).
-        rail: ``"auto"``, ``"shm"`` or ``"tcp"`` (default: ``config.rail``).
-        ring_bytes: receive ring size (default: ``config.ring_bytes`` or max(256 MiB, 4 batches)).
-        quiet: no progress bar in :meth:`preload`.
-        hostnames: per server id, the host it reported (to recognize co-located servers).
+        info: the dataset as the manager describes it (name, sample count, classes).
+        parts: the feed's parts (:func:`kspeed.client.builder.build_feed`).
+        options: the feed's options.
         manager: a ``ManagerClient`` for :meth:`preload`.
         lease: the lease keeper to stop on :meth:`close`.
-        device: where batches are delivered: ``"cpu"`` (zero-copy ring views), ``"cuda"`` or
-            ``"cuda:N"`` (one asynchronous copy per batch from the page-locked ring).
-
-    Raises:
-        ConfigError: a bad batch size, ring size, rail, sampler or device argument (named), or a
-            CUDA device while none is available.
-        CapacityError: the ring cannot be page-locked for a CUDA device.
-        RailUnavailableError: a forced rail that cannot serve every server.
-        UnavailableError: a server is unreachable (named).
     """
 
     def __init__(
         self,
         info: kspeed_pb2.DatasetInfo,
-        links: Sequence[Any],
+        parts: FeedParts,
         *,
-        config: ClientConfig,
-        batch_size: int,
-        sampler: Any = None,
-        seed: int = 0,
-        shuffle: bool = True,
-        drop_last: bool = False,
-        rank: int | None = None,
-        world_size: int | None = None,
-        rail: str | None = None,
-        ring_bytes: int | None = None,
-        quiet: bool = False,
-        hostnames: Mapping[str, str] | None = None,
-        manager: Any = None,
-        lease: Any = None,
-        device: str | torch.device = "cpu",
+        options: FeedOptions,
+        manager: ManagerClient | None = None,
+        lease: LeaseKeeper | None = None,
     ) -> None:
         super().__init__()
-        self._closed = True
         self.name = info.spec.name
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-            raise ConfigError(
-                f"dataset {self.name!r}: batch_size must be a positive integer, got {batch_size!r}",
-                field="batch_size",
-                value=batch_size,
-            )
-        self.batch_size = batch_size
+        self.batch_size = options.batch_size
         self.num_samples = int(info.fingerprint.count)
         self.class_names = list(info.class_names)
-        self._labelled = bool(info.spec.labels)
-        self._orders = EpochOrders(
-            sampler,
-            num_samples=self.num_samples,
-            batch_size=batch_size,
-            drop_last=drop_last,
-            seed=seed,
-            shuffle=shuffle,
-            rank=rank,
-            world_size=world_size,
-            dataset=self.name,
-        )
-        self._delivery = make_delivery(device)
-        self.device = self._delivery.device
-        self._ring_bytes = self._ring_size(info, ring_bytes if ring_bytes is not None else config.ring_bytes)
-        self._quiet = quiet
+        self.device = parts.delivery.device
+        self.placement = parts.placement
+        self._parts = parts
+        self._orders = parts.orders
+        self._feed = parts.feed
+        self._pump = parts.pump
+        self._stats = parts.stats
+        self._quiet = options.quiet
         self._manager = manager
         self._lease = lease
-        self._links = list(links)
         self._epoch = 0
         self._consumed = 0
         self._resume = 0
         self._loaded_epoch: int | None = None
         self._iterations = 0
-        self._passes = itertools.count(1)
-        # The NIC and cores nearest this process's GPU (no preference without a GPU or NIC); a forced
-        # NIC that does not exist is an error here, never a silent fallback.
-        self.placement = place(environ=gpu_environment(), nic=config.nic or None)
-        if self.placement.gpu_bus_id or self.placement.nic:
-            log.info("dataset %s: placement %s", self.name, self.placement.reason)
-        cores = self.placement.cores if config.pin_threads else ()
-        self._io = ThreadPoolExecutor(
-            min(8, max(len(self._links), 1)), thread_name_prefix="kspeed-io", initializer=pin, initargs=(cores,)
-        )
-        hostnames = hostnames or {}
-        choice = choose_rail(
-            {link.server_id: (link.address, hostnames.get(link.server_id, "")) for link in self._links},
-            rail or config.rail,
-        )
-        options = RailOptions(token=config.security.data_plane_token(), **self._tcp_host(config, hostnames))
-        self._feed_id = _feed_id(self.name, rank or 0)
-        holder = f"{_user()}@{socket.gethostname()} pid {os.getpid()} rank {rank or 0}"
-        try:
-            self._feed = Feed(
-                dataset=self.name,
-                feed_id=self._feed_id,
-                links=self._links,
-                rail=choice.rail,
-                reasons=choice.reasons,
-                ring_bytes=self._ring_bytes,
-                options=options,
-                completion_timeout=config.completion_timeout,
-                holder=holder[:200],
-                pacer=self._pacer(config, choice.rail, hostnames),
-            )
-        except BaseException:
-            self._io.shutdown(wait=False)
-            raise
-        try:
-            self._delivery.attach(self._feed.ring)
-        except BaseException:
-            self._feed.close()
-            self._io.shutdown(wait=False)
-            raise
-        for pid in self._feed.helper_pids if cores else ():  # the tcp receiver process shares the node
-            try:
-                os.sched_setaffinity(pid, cores)
-            except OSError as exc:
-                log.warning("dataset %s: cannot pin receiver process %d to cores %s: %s", self.name, pid, cores, exc)
-        self._pump = Pump(
-            self._feed, self._plan_epoch, self._orders.deterministic, thread_cores=cores, delivery=self._delivery
-        )
-        self._stats = RankStats([link.server_id for link in self._links])
-        self._reporter = None
-        if manager is not None:
-            me = getattr(sampler, "rank", rank or 0)
-            world = getattr(sampler, "num_replicas", world_size or 1)
-            self._reporter = StatsReporter(
-                manager,
-                job=config.job or default_job(),
-                rank=int(me),
-                world_size=int(world),
-                dataset=self.name,
-                collect=self.stats,
-                interval=config.stats_interval,
-            )
         self._closed = False
 
-    def _pacer(self, config: ClientConfig, rail: str, hostnames: Mapping[str, str]) -> Pacer | None:
-        """A pacer unless pacing is off; ``auto`` paces when data crosses a network (some server is remote).
-
-        Co-located servers share no link with anyone: shm needs no pacing, and neither does tcp over
-        loopback, where a window would only add round trips.
-        """
-        if config.pacing == "off":
-            return None
-        if config.pacing == "auto" and (
-            rail == "shm" or all(is_local(link.address, hostnames.get(link.server_id, ""))[0] for link in self._links)
-        ):
-            return None
-        return Pacer(
-            len(self._links), credit=config.credit, node_loaders=config.loaders_on_node(), round_s=config.pace_round
-        )
-
-    def _ring_size(self, info: kspeed_pb2.DatasetInfo, requested: int) -> int:
-        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 0:
-            raise ConfigError(
-                f"dataset {self.name!r}: ring_bytes must be a non-negative integer, got {requested!r}",
-                field="ring_bytes",
-                value=requested,
-            )
-        if requested:
-            return requested
-        count = max(int(info.fingerprint.count), 1)
-        average = -(-int(info.fingerprint.total_bytes) // count)
-        per_sample = -(-average // SAMPLE_ALIGN) * SAMPLE_ALIGN
-        return max(MIN_RING, RING_BATCHES * self.batch_size * per_sample)
-
-    def _tcp_host(self, config: ClientConfig, hostnames: Mapping[str, str]) -> dict[str, str]:
-        if config.data_host:
-            return {"bind_host": config.data_host}
-        remote = [
-            link.address for link in self._links if not is_local(link.address, hostnames.get(link.server_id, ""))[0]
-        ]
-        return {"bind_host": local_address_towards(remote[0]) if remote else "127.0.0.1"}
-
-    # -- planning --------------------------------------------------------------------------------
-
-    def _plan_epoch(self, epoch: int) -> EpochPlan:
-        return make_plan(
-            self._links,
-            dataset=self.name,
-            feed_id=self._feed_id,
-            epoch=epoch,
-            feed_epoch=next(self._passes),
-            ids=self._orders.order(epoch),
-            batch_size=self.batch_size,
-            labelled=self._labelled,
-            deterministic=self._orders.deterministic,
-            ring_bytes=self._ring_bytes,
-            pool=self._io,
-        )
+    @classmethod
+    def open(
+        cls,
+        info: kspeed_pb2.DatasetInfo,
+        links: Sequence[Link],
+        *,
+        config: ClientConfig,
+        options: FeedOptions,
+        places: Mapping[str, ServerPlace] | None = None,
+        manager: ManagerClient | None = None,
+        lease: LeaseKeeper | None = None,
+    ) -> KSpeedDataset:
+        """Build the feed of ``info`` from its servers' ``links`` and wrap it (see :func:`build_feed`)."""
+        parts = build_feed(info, links, config=config, options=options, places=places, manager=manager)
+        return cls(info, parts, options=options, manager=manager, lease=lease)
 
     # -- the IterableDataset protocol ------------------------------------------------------------
 
@@ -401,13 +228,7 @@ class KSpeedDataset(IterableDataset):
         ``stats_interval`` (``kspeed status --job``); :class:`kspeed.client.stats.PrometheusCollector`
         exports them.
         """
-        return {
-            **self._feed.stats(),
-            **self._stats.summary(),
-            "wait_s": self._pump.wait_s,
-            "last_wait_s": self._pump.last_wait_s,
-            "rail": self._feed.rail,
-        }
+        return self._parts.figures()
 
     @property
     def rail(self) -> str:
@@ -423,16 +244,7 @@ class KSpeedDataset(IterableDataset):
         if self._closed:
             return
         self._closed = True
-        if self._reporter is not None:
-            self._reporter.close()
-        for step in (self._pump.close, self._delivery.close, self._feed.close):
-            try:
-                step()
-            except KSpeedError as exc:
-                log.warning("dataset %s: error while closing: %s", self.name, exc)
-        self._io.shutdown(wait=False, cancel_futures=True)
-        for link in self._links:
-            link.close()
+        self._parts.close()
         if self._lease is not None:
             self._lease.close()
 

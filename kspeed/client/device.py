@@ -28,7 +28,7 @@ import logging
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -37,7 +37,16 @@ from kspeed.errors import CapacityError, ConfigError
 
 from .batch import Batch, make_batch, split_samples
 
-__all__ = ["CpuDelivery", "CudaDelivery", "DeferredReleases", "TorchCuda", "make_delivery", "parse_device"]
+__all__ = [
+    "CpuDelivery",
+    "CudaBackend",
+    "CudaDelivery",
+    "DeferredReleases",
+    "Delivery",
+    "TorchCuda",
+    "make_delivery",
+    "parse_device",
+]
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +157,56 @@ class DeferredReleases:
         return len(self._pending)
 
 
+class Delivery(Protocol):
+    """How batches reach the training device: :class:`CpuDelivery` or :class:`CudaDelivery`."""
+
+    device: torch.device
+
+    def attach(self, ring: np.ndarray) -> None:
+        """Prepare the ring (e.g. page-lock it)."""
+
+    def deliver(
+        self,
+        ring: np.ndarray,
+        offset: int,
+        footprint: int,
+        *,
+        release: Callable[[int], None],
+        epoch: int,
+        index: int,
+        ids: np.ndarray,
+        labels: np.ndarray,
+        offsets: np.ndarray,
+        lengths: np.ndarray,
+    ) -> Batch:
+        """The batch at ``ring[offset:offset + footprint]``; ``release(offset)`` once it may be reused."""
+
+    def poll(self) -> None:
+        """Give back the ranges that may be reused now."""
+
+    def make_room(self) -> None:
+        """Wait for ranges the user no longer holds."""
+
+    @property
+    def pending(self) -> int:
+        """Ranges not given back yet."""
+
+    def close(self) -> None:
+        """Undo :meth:`attach`."""
+
+
+class CudaBackend(Protocol):
+    """The CUDA calls of :class:`CudaDelivery` (:class:`TorchCuda`, or a fake in tests)."""
+
+    def register(self, ptr: int, nbytes: int) -> None: ...
+
+    def unregister(self, ptr: int) -> None: ...
+
+    def copy(self, base: torch.Tensor) -> tuple[torch.Tensor, Event]: ...
+
+    def consumer_event(self) -> Event: ...
+
+
 class CpuDelivery:
     """Batches as zero-copy views of the host ring (``device="cpu"``)."""
 
@@ -157,19 +216,35 @@ class CpuDelivery:
         """Nothing to prepare for host views."""
 
     def deliver(
-        self, ring: np.ndarray, offset: int, footprint: int, *, release: Callable[[int], None], **meta: Any
+        self,
+        ring: np.ndarray,
+        offset: int,
+        footprint: int,
+        *,
+        release: Callable[[int], None],
+        epoch: int,
+        index: int,
+        ids: np.ndarray,
+        labels: np.ndarray,
+        offsets: np.ndarray,
+        lengths: np.ndarray,
     ) -> Batch:
         """The batch at ``ring[offset:offset + footprint]``; ``release(offset)`` once its views are gone.
 
-        Args:
-            ring: the whole receive ring as ``uint8``.
-            offset: where the batch starts.
-            footprint: bytes reserved for it.
-            release: gives the range back (from any thread).
-            **meta: ``epoch``, ``index``, ``ids``, ``labels``, ``offsets``, ``lengths`` as for
-                :func:`kspeed.client.batch.make_batch`.
+        The keyword arguments are as for :func:`kspeed.client.batch.make_batch`.
         """
-        return make_batch(ring, offset, footprint, on_free=release, **meta)
+        return make_batch(
+            ring,
+            offset,
+            footprint,
+            on_free=release,
+            epoch=epoch,
+            index=index,
+            ids=ids,
+            labels=labels,
+            offsets=offsets,
+            lengths=lengths,
+        )
 
     def poll(self) -> None:
         """Nothing is ever deferred."""
@@ -247,9 +322,9 @@ class CudaDelivery:
         backend: the CUDA calls (default :class:`TorchCuda`; tests pass a fake).
     """
 
-    def __init__(self, device: torch.device, backend: Any = None) -> None:
+    def __init__(self, device: torch.device, backend: CudaBackend | None = None) -> None:
         self.device = device
-        self._backend = backend if backend is not None else TorchCuda(device)
+        self._backend: CudaBackend = backend if backend is not None else TorchCuda(device)
         self._ptr: int | None = None
         self._deferred: DeferredReleases | None = None
 
@@ -322,7 +397,7 @@ class CudaDelivery:
             self._backend.unregister(ptr)
 
 
-def _device_freed(deferred: DeferredReleases, backend: Any, offset: int) -> None:
+def _device_freed(deferred: DeferredReleases, backend: CudaBackend, offset: int) -> None:
     try:
         event = backend.consumer_event()
     except RuntimeError as exc:  # interpreter or CUDA shutting down: nothing is queued any more
@@ -331,7 +406,7 @@ def _device_freed(deferred: DeferredReleases, backend: Any, offset: int) -> None
     deferred.unhold(offset, event)
 
 
-def make_delivery(device: str | torch.device) -> CpuDelivery | CudaDelivery:
+def make_delivery(device: str | torch.device) -> Delivery:
     """The delivery for ``device`` (checked by :func:`parse_device`).
 
     Raises:

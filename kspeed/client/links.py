@@ -7,19 +7,42 @@ s2 at 10.0.0.7:7071 is unreachable" reaches the training script instead of a bar
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Protocol
 
 import numpy as np
 
+from kspeed import wire
 from kspeed.config import ClientConfig
 from kspeed.control import rpc
 from kspeed.proto import kspeed_pb2, kspeed_pb2_grpc
 
-__all__ = ["LOOKUP_CHUNK", "PLAN_CHUNK", "ServerLink"]
+__all__ = ["LOOKUP_CHUNK", "PLAN_CHUNK", "Link", "ServerLink"]
 
 LOOKUP_CHUNK = 1 << 16  # IDs per Lookup request (the server accepts up to 1 << 20)
 PLAN_CHUNK = 1 << 18  # IDs per PlanChunk (3 MiB per message)
 PLAN_DEADLINE = 900.0  # CommitPlan waits for the preload of the plan's samples (server plan_timeout: 600 s)
-LE_I64, LE_U32 = np.dtype("<i8"), np.dtype("<u4")
+
+
+class Link(Protocol):
+    """What a feed needs of one server: :class:`ServerLink`, or a test double."""
+
+    server_id: str
+    address: str
+
+    @property
+    def name(self) -> str: ...
+
+    def lookup(self, dataset: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
+
+    def open_feed(self, request: kspeed_pb2.OpenFeedRequest) -> kspeed_pb2.OpenFeedReply: ...
+
+    def commit_plan(
+        self, feed_id: str, epoch: int, batch_size: int, ids: np.ndarray, lengths: np.ndarray
+    ) -> kspeed_pb2.PlanReply: ...
+
+    def close_feed(self, feed_id: str) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class ServerLink:
@@ -56,7 +79,7 @@ class ServerLink:
             for start in range(0, max(len(ids), 1), LOOKUP_CHUNK):
                 yield kspeed_pb2.LookupRequest(
                     dataset=dataset if start == 0 else "",
-                    ids=ids[start : start + LOOKUP_CHUNK].astype(LE_I64).tobytes(),
+                    ids=wire.pack_i64(ids[start : start + LOOKUP_CHUNK]),
                 )
 
         positions, lengths, labels = [], [], []
@@ -64,9 +87,9 @@ class ServerLink:
         with rpc.map_rpc_errors(self.name):
             replies = self._stub.Lookup(chunks(), timeout=deadline, metadata=self._metadata)
             for start, reply in zip(range(0, max(len(ids), 1), LOOKUP_CHUNK), replies):
-                positions.append(np.frombuffer(reply.positions, LE_U32).astype(np.int64) + start)
-                lengths.append(np.frombuffer(reply.lengths, LE_U32).astype(np.int64))
-                labels.append(np.frombuffer(reply.labels, LE_I64))
+                positions.append(wire.unpack_u32(reply.positions, f"{self.name}: lookup positions") + start)
+                lengths.append(wire.unpack_u32(reply.lengths, f"{self.name}: lookup lengths"))
+                labels.append(wire.unpack_i64(reply.labels, f"{self.name}: lookup labels"))
         if not positions:
             return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
         return np.concatenate(positions), np.concatenate(lengths), np.concatenate(labels).astype(np.int64)
@@ -84,8 +107,8 @@ class ServerLink:
         def chunks() -> Iterator[kspeed_pb2.PlanChunk]:
             for start in range(0, max(len(ids), 1), PLAN_CHUNK):
                 chunk = kspeed_pb2.PlanChunk(
-                    ids=ids[start : start + PLAN_CHUNK].astype(LE_I64).tobytes(),
-                    lengths=lengths[start : start + PLAN_CHUNK].astype(LE_U32).tobytes(),
+                    ids=wire.pack_i64(ids[start : start + PLAN_CHUNK]),
+                    lengths=wire.pack_u32(lengths[start : start + PLAN_CHUNK]),
                 )
                 if start == 0:
                     chunk.feed_id, chunk.epoch, chunk.batch_size = feed_id, epoch, batch_size

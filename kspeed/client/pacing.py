@@ -43,6 +43,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kspeed.grants import Grant
+
 __all__ = ["GAIN", "SIZE_CLASSES", "DrainRate", "LatencyTable", "Pacer", "SubGrant"]
 
 SIZE_CLASSES = (32 << 10, 256 << 10, 1 << 20, 4 << 20)
@@ -170,11 +172,18 @@ class DrainRate:
 
 @dataclass(eq=False)
 class SubGrant:
-    """One grant waiting for the window, or on its way."""
+    """One grant waiting for the window, or on its way.
+
+    Attributes:
+        path: the index of the server it is for.
+        order: when it was made, across servers (grants are released in this order).
+        grant: the grant itself.
+        nbytes: the bytes that server writes for it.
+    """
 
     path: int
     order: int
-    row: tuple
+    grant: Grant
     nbytes: int
     sent_at: float = 0.0
     clean: bool = False
@@ -355,7 +364,7 @@ class Pacer:
         tables = [t.as_dict() for t in self.tables]
         merged = {}
         for label in tables[0] if tables else ():
-            values = [t[label] for t in tables if t[label] is not None]
+            values = [v for t in tables if (v := t[label]) is not None]
             merged[label] = float(np.median(values)) if values else None
         return {
             "window_bytes": self.window,

@@ -7,31 +7,23 @@ Every server sees the whole plan, so a grant only names a batch and a range of p
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 
 from kspeed.errors import CapacityError, DatasetError, ProtocolError
 from kspeed.layout import BatchLayout, batch_layout
 
-__all__ = ["EpochPlan", "Link", "check_fits", "make_plan"]
+from .links import Link
+from .sampling import EpochOrders
+
+__all__ = ["EpochPlan", "EpochPlanner", "check_fits", "make_plan"]
 
 log = logging.getLogger(__name__)
-
-
-class Link(Protocol):
-    """What a plan needs of a server (``kspeed.client.links.ServerLink`` or a test double)."""
-
-    server_id: str
-    name: str
-
-    def lookup(self, dataset: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
-
-    def commit_plan(self, feed_id: str, epoch: int, batch_size: int, ids: np.ndarray, lengths: np.ndarray): ...
 
 
 @dataclass(eq=False)
@@ -181,3 +173,59 @@ def _commit_all(
         return
     for future in [pool.submit(link.commit_plan, *args) for link in links]:
         future.result()
+
+
+class EpochPlanner:
+    """Plans the epochs of one feed: the sampler's order of an epoch, looked up and committed everywhere.
+
+    Each call is a new pass with its own ``feed_epoch`` (so two passes over one epoch, or a
+    discarded prediction, never collide on the servers).
+
+    Args:
+        links: every server of the dataset.
+        dataset: its name.
+        feed_id: this client's feed.
+        orders: the sampler's orders.
+        batch_size: samples per batch.
+        labelled: whether lookup replies carry labels.
+        ring_bytes: ring capacity.
+        pool: threads to talk to several servers at once.
+    """
+
+    def __init__(
+        self,
+        links: Sequence[Link],
+        *,
+        dataset: str,
+        feed_id: str,
+        orders: EpochOrders,
+        batch_size: int,
+        labelled: bool,
+        ring_bytes: int,
+        pool: ThreadPoolExecutor | None = None,
+    ) -> None:
+        self._links = list(links)
+        self._dataset = dataset
+        self._feed_id = feed_id
+        self._orders = orders
+        self._batch_size = batch_size
+        self._labelled = labelled
+        self._ring_bytes = ring_bytes
+        self._pool = pool
+        self._passes = itertools.count(1)
+
+    def __call__(self, epoch: int) -> EpochPlan:
+        """Plan ``epoch`` as a new pass (see :func:`make_plan` for what it raises)."""
+        return make_plan(
+            self._links,
+            dataset=self._dataset,
+            feed_id=self._feed_id,
+            epoch=epoch,
+            feed_epoch=next(self._passes),
+            ids=self._orders.order(epoch),
+            batch_size=self._batch_size,
+            labelled=self._labelled,
+            deterministic=self._orders.deterministic,
+            ring_bytes=self._ring_bytes,
+            pool=self._pool,
+        )

@@ -24,7 +24,7 @@ from kspeed.errors import CapacityError, StateError
 from kspeed.rdma.topology import pin
 
 from .batch import Batch
-from .device import CpuDelivery, CudaDelivery
+from .device import CpuDelivery, Delivery
 from .feed import Feed, Slot
 from .plans import EpochPlan
 from .ring import RingAllocator
@@ -51,10 +51,10 @@ class Pump:
         plan_epoch: Callable[[int], EpochPlan],
         deterministic: bool,
         thread_cores: tuple[int, ...] = (),
-        delivery: CpuDelivery | CudaDelivery | None = None,
+        delivery: Delivery | None = None,
     ) -> None:
         self.feed = feed
-        self.delivery = delivery if delivery is not None else CpuDelivery()
+        self.delivery: Delivery = delivery if delivery is not None else CpuDelivery()
         self._plan_epoch = plan_epoch
         self._deterministic = deterministic
         self._plans: dict[int, EpochPlan] = {}

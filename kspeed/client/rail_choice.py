@@ -1,10 +1,12 @@
-"""Which data-plane rail the receive ring uses, decided per server and logged with the reason.
+"""Which data-plane rail the receive ring uses, decided from the rails' capabilities and logged with the reason.
 
-``shm`` serves a server on this host (same hostname, or a loopback gRPC address); ``tcp`` serves
-any other. A ring is one piece of memory registered with one rail, so when the servers of a
-dataset are split between this host and others, every server is fed over ``tcp`` (which also
-works on one host) and the log says so. A rail the operator forces must work for every server;
-otherwise the error names the server and what this host offers.
+A ring is one piece of memory registered with one rail, so one rail must reach every server of a
+feed. A rail reaches a server when the server offers it (its inventory lists the rails it runs)
+and, for a host-local rail, when the server runs on this host (same hostname, or a loopback gRPC
+address). Among the rails usable here that reach every server, the most preferred wins
+(:class:`~kspeed.rdma.base.RailCapabilities`): a host-local rail for co-located servers, a network
+rail as soon as one server is elsewhere, and the log says why for each server. A rail the operator
+forces must reach every server; otherwise the error names the server and what this host offers.
 """
 
 from __future__ import annotations
@@ -16,11 +18,34 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kspeed.errors import RailUnavailableError
-from kspeed.rdma.rails import available_rails, get_rail
+from kspeed.rdma.rails import available_rails, capabilities, get_rail
 
-__all__ = ["RailChoice", "choose_rail", "is_local", "local_address_towards"]
+__all__ = ["AUTO", "RailChoice", "ServerPlace", "choose_rail", "is_local", "local_address_towards", "needs_pacing"]
 
 log = logging.getLogger(__name__)
+
+#: The rail setting that lets :func:`choose_rail` decide.
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class ServerPlace:
+    """Where a server runs and what it offers, as the manager reports it.
+
+    Attributes:
+        address: its gRPC ``host:port``.
+        hostname: the hostname it reported ("" when unknown).
+        rails: the rails it offers (empty when unknown: assumed to offer every rail).
+    """
+
+    address: str
+    hostname: str = ""
+    rails: tuple[str, ...] = ()
+
+    @property
+    def local(self) -> tuple[bool, str]:
+        """Whether it runs on this host, and why we think so."""
+        return is_local(self.address, self.hostname)
 
 
 @dataclass(frozen=True)
@@ -54,45 +79,67 @@ def is_local(address: str, hostname: str = "") -> tuple[bool, str]:
     return False, f"host {hostname or host!r} is not this host {me!r}"
 
 
-def choose_rail(servers: Mapping[str, tuple[str, str]], forced: str = "auto") -> RailChoice:
-    """Choose the ring's rail for servers ``{id: (address, hostname)}``.
+def _unreachable(rail: str, server: ServerPlace) -> str | None:
+    """Why ``rail`` cannot reach ``server`` (``None`` when it can)."""
+    if server.rails and rail not in server.rails:
+        return f"it offers only {', '.join(server.rails)}"
+    local, why = server.local
+    if capabilities(rail).host_local and not local:
+        return f"{rail} only reaches servers on this host and {why}"
+    return None
+
+
+def choose_rail(servers: Mapping[str, ServerPlace], forced: str = AUTO) -> RailChoice:
+    """Choose the ring's rail for ``servers`` (by server id).
 
     Args:
-        servers: each server's gRPC address and reported hostname ("" when unknown).
-        forced: ``"auto"``, or a rail name the operator insists on.
+        servers: each server's place and offered rails.
+        forced: :data:`AUTO`, or a rail name the operator insists on.
 
     Raises:
-        RailUnavailableError: a forced rail is unusable here or cannot reach a server (named, with
-            the rails this host offers).
+        RailUnavailableError: a forced rail is unusable here or cannot reach a server, or no usable
+            rail reaches every server (named, with the rails this host offers).
     """
-    local = {sid: is_local(addr, host) for sid, (addr, host) in servers.items()}
-    if forced != "auto":
+    offered = ", ".join(available_rails()) or "none"
+    if forced != AUTO:
         get_rail(forced)  # raises, listing what is available
-        if forced == "shm":
-            remote = [sid for sid, (yes, _) in local.items() if not yes]
-            if remote:
-                sid = remote[0]
+        for sid, server in servers.items():
+            why = _unreachable(forced, server)
+            if why is not None:
                 raise RailUnavailableError(
-                    f"rail 'shm' was forced but server {sid} at {servers[sid][0]} is on another host "
-                    f"({local[sid][1]}); shm only reaches servers on this host; available rails: "
-                    f"{', '.join(available_rails())}"
+                    f"rail {forced!r} was forced but cannot reach server {sid} at {server.address}: {why}; "
+                    f"available rails: {offered}"
                 )
-        return RailChoice(forced, {sid: f"forced by rail={forced!r} ({why})" for sid, (_, why) in local.items()})
-    if all(yes for yes, _ in local.values()):
-        if "shm" in available_rails():
-            return RailChoice("shm", {sid: f"co-located: {why}" for sid, (_, why) in local.items()})
-        return RailChoice(
-            "tcp", {sid: f"co-located ({why}) but shm is unavailable on this host" for sid, (_, why) in local.items()}
-        )
-    remote = next(sid for sid, (yes, _) in local.items() if not yes)
-    reasons = {}
-    for sid, (yes, why) in local.items():
-        reasons[sid] = (
-            f"remote: {why}"
-            if not yes
-            else f"co-located ({why}), but server {remote} is remote and one ring has one rail"
-        )
-    return RailChoice("tcp", reasons)
+        return RailChoice(forced, {sid: f"forced by rail={forced!r} ({s.local[1]})" for sid, s in servers.items()})
+    skipped: dict[str, str] = {}
+    for rail in available_rails():
+        blocked = {sid: why for sid, s in servers.items() if (why := _unreachable(rail, s)) is not None}
+        if not blocked:
+            return RailChoice(rail, {sid: _reason(rail, s, skipped) for sid, s in servers.items()})
+        sid, why = next(iter(blocked.items()))
+        skipped[rail] = f"server {sid} cannot use {rail} ({why}) and one ring has one rail"
+    raise RailUnavailableError(
+        "no rail usable on this host reaches every server: "
+        + "; ".join(f"{rail}: {why}" for rail, why in skipped.items())
+        + f"; available rails: {offered}"
+    )
+
+
+def _reason(rail: str, server: ServerPlace, skipped: Mapping[str, str]) -> str:
+    local, why = server.local
+    where = "co-located" if local else "remote"
+    text = f"{where}: {why}"
+    better = [f"{name} skipped: {reason}" for name, reason in skipped.items() if _unreachable(name, server) is None]
+    return f"{text}; {'; '.join(better)}" if better else text
+
+
+def needs_pacing(rail: str, servers: Mapping[str, ServerPlace]) -> bool:
+    """Whether grants on ``rail`` to ``servers`` cross a link that incast can overrun.
+
+    Co-located servers share no link with anyone: a host-local rail needs no pacing, and neither
+    does a network rail over loopback, where a window would only add round trips.
+    """
+    return capabilities(rail).needs_pacing and not all(s.local[0] for s in servers.values())
 
 
 def local_address_towards(address: str) -> str:
@@ -102,6 +149,6 @@ def local_address_towards(address: str) -> str:
         family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
         with socket.socket(family, socket.SOCK_DGRAM) as probe:
             probe.connect((host.strip("[]"), int(port or 9)))
-            return probe.getsockname()[0]
+            return str(probe.getsockname()[0])
     except (OSError, ValueError):
         return socket.gethostbyname(socket.gethostname())

@@ -17,13 +17,26 @@ import copy
 from collections.abc import Iterable
 
 import numpy as np
-from torch.utils.data import DistributedSampler, SequentialSampler
+from torch.utils.data import Dataset, DistributedSampler, SequentialSampler
 
 from kspeed.errors import ConfigError, DatasetError
 
 __all__ = ["EpochOrders"]
 
 _DETERMINISTIC = (DistributedSampler, SequentialSampler)
+
+
+class _IdRange(Dataset[int]):
+    """Sample IDs ``0..n-1`` as a map-style dataset: what the built-in ``DistributedSampler`` splits."""
+
+    def __init__(self, n: int) -> None:
+        self._n = n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, index: int) -> int:
+        return index
 
 
 def _describe(sampler: object) -> str:
@@ -89,7 +102,7 @@ class EpochOrders:
             if isinstance(me, bool) or not isinstance(me, int) or not 0 <= me < world:
                 raise ConfigError(f"rank must be in 0..{world - 1}, got {rank!r}", field="rank", value=rank)
             sampler = DistributedSampler(
-                range(num_samples), num_replicas=world, rank=me, shuffle=shuffle, seed=seed, drop_last=False
+                _IdRange(num_samples), num_replicas=world, rank=me, shuffle=shuffle, seed=seed, drop_last=False
             )
         self.sampler = sampler
         self.deterministic = type(sampler) in _DETERMINISTIC

@@ -6,14 +6,13 @@ that made it, before any daemon is asked.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
+from kspeed import names
 from kspeed.errors import ConfigError
 
 __all__ = ["DatasetSpec"]
 
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 KINDS = ("auto", "dir", "list", "manifest", "npy")
 LABELS = ("", "dirname")
 MAX_URI = 4096
@@ -43,13 +42,7 @@ class DatasetSpec:
     quota_bytes: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
-            raise ConfigError(
-                f"DatasetSpec.name {self.name!r} must be 1-128 letters, digits, '.', '_' or '-', "
-                "starting with a letter or digit",
-                field="name",
-                value=self.name,
-            )
+        names.DATASET.check(self.name, ConfigError, what="DatasetSpec.name", field="name", value=self.name)
         if not isinstance(self.uri, str) or not self.uri or len(self.uri) > MAX_URI or "\0" in self.uri:
             raise ConfigError(
                 f"DatasetSpec.uri of dataset {self.name!r} must be 1-{MAX_URI} characters without NUL",

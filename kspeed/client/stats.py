@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
+from kspeed.control.manager_client import ManagerClient
 from kspeed.errors import KSpeedError
 from kspeed.proto import kspeed_pb2
 
@@ -105,7 +106,7 @@ class StatsReporter:
 
     def __init__(
         self,
-        manager,
+        manager: ManagerClient,
         *,
         job: str,
         rank: int,
@@ -115,7 +116,7 @@ class StatsReporter:
         interval: float,
     ) -> None:
         self._manager = manager
-        self._base = dict(
+        self._base = kspeed_pb2.RankStats(
             job=job, rank=rank, world_size=world_size, dataset=dataset, host=socket.gethostname(), pid=os.getpid()
         )
         self._collect = collect
@@ -128,20 +129,24 @@ class StatsReporter:
     def message(self) -> kspeed_pb2.RankStats:
         """The report as it would be sent now."""
         s = self._collect()
-        return kspeed_pb2.RankStats(
-            **self._base,
-            batches=s["batches"],
-            samples=s["samples"],
-            bytes=s["bytes"],
-            elapsed_s=s["elapsed_s"],
-            wait_total_s=s["wait_total_s"],
-            wait_mean_ms=s["wait_mean_ms"],
-            wait_p50_ms=s["wait_p50_ms"],
-            wait_p99_ms=s["wait_p99_ms"],
-            wait_max_ms=s["wait_max_ms"],
-            server_bytes=s["server_bytes"],
-            stale_completions=s.get("stale_completions", 0),
+        report = kspeed_pb2.RankStats()
+        report.CopyFrom(self._base)
+        report.MergeFrom(
+            kspeed_pb2.RankStats(
+                batches=s["batches"],
+                samples=s["samples"],
+                bytes=s["bytes"],
+                elapsed_s=s["elapsed_s"],
+                wait_total_s=s["wait_total_s"],
+                wait_mean_ms=s["wait_mean_ms"],
+                wait_p50_ms=s["wait_p50_ms"],
+                wait_p99_ms=s["wait_p99_ms"],
+                wait_max_ms=s["wait_max_ms"],
+                server_bytes=s["server_bytes"],
+                stale_completions=s.get("stale_completions", 0),
+            )
         )
+        return report
 
     def send(self) -> None:
         """Send one report now (errors are logged, not raised)."""
@@ -190,9 +195,9 @@ class PrometheusCollector:
             family.add_metric(name, value)
             yield family
         for metric in ("wait_p50_ms", "wait_p99_ms", "wait_max_ms"):
-            family = GaugeMetricFamily(f"kspeed_client_{metric}", "Recent batch data wait", labels=labels)
-            family.add_metric(name, s[metric])
-            yield family
+            gauge = GaugeMetricFamily(f"kspeed_client_{metric}", "Recent batch data wait", labels=labels)
+            gauge.add_metric(name, s[metric])
+            yield gauge
         per_server = CounterMetricFamily(
             "kspeed_client_server_bytes", "Bytes each server wrote", labels=["dataset", "server"]
         )

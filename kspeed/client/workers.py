@@ -17,13 +17,23 @@ import threading
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch.multiprocessing
+from torch.utils.data import default_collate
 
 from kspeed.errors import ConfigError, StateError
 
-__all__ = ["SampleFailure", "TransformPool", "check_loader", "check_picklable", "pil_file_loader", "resolve_loader"]
+__all__ = [
+    "SampleFailure",
+    "Stages",
+    "TransformPool",
+    "check_loader",
+    "check_picklable",
+    "pil_file_loader",
+    "resolve_loader",
+]
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +42,7 @@ JOIN_TIMEOUT = 10.0
 _TORCHVISION_LOADERS = ("pil_loader", "default_loader")
 
 # Set once per worker process by _init: (loader, transform, target_transform, collate_fn).
-_STAGES: tuple[Callable[..., Any], Callable[..., Any] | None, Callable[..., Any] | None, Callable[..., Any]] | None
-_STAGES = None
+_STAGES: Stages | None = None
 
 
 class SampleFailure(Exception):
@@ -111,13 +120,34 @@ def check_loader(loader: Callable[..., Any], path: str) -> None:
     ) from on_file
 
 
-def check_picklable(stages: Mapping[str, Any]) -> None:
+@dataclass(frozen=True)
+class Stages:
+    """What turns one sample's bytes into training input, as a ``DataLoader`` over the dataset would.
+
+    Attributes:
+        loader: binary file object -> sample (e.g. a decoded image).
+        transform: applied to each loaded sample, or ``None``.
+        target_transform: applied to each target, or ``None``.
+        collate_fn: list of ``(sample, target)`` pairs -> batch.
+    """
+
+    loader: Callable[..., Any]
+    transform: Callable[..., Any] | None = None
+    target_transform: Callable[..., Any] | None = None
+    collate_fn: Callable[..., Any] = default_collate
+
+    def named(self) -> dict[str, Any]:
+        """Each stage by its name."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def check_picklable(stages: Stages | Mapping[str, Any]) -> None:
     """Refuse a stage that cannot reach a spawned worker, at wrap time rather than at the first batch.
 
     Raises:
         ConfigError: a stage (named) cannot be pickled.
     """
-    for what, stage in stages.items():
+    for what, stage in (stages.named() if isinstance(stages, Stages) else stages).items():
         try:
             pickle.dumps(stage)
         except Exception as exc:
@@ -129,7 +159,7 @@ def check_picklable(stages: Mapping[str, Any]) -> None:
             ) from exc
 
 
-def _init(stages: tuple[Any, ...]) -> None:
+def _init(stages: Stages) -> None:
     global _STAGES
     torch.set_num_threads(1)  # as DataLoader workers: one thread each, the pool gives the parallelism
     _STAGES = stages
@@ -141,7 +171,11 @@ def _describe(exc: BaseException) -> str:
 
 def _run(buffer: bytes | bytearray, offsets: Sequence[int], targets: Sequence[Any]) -> Any:
     """Load, transform and collate one batch in a worker (``offsets`` has one more entry than samples)."""
-    loader, transform, target_transform, collate_fn = _STAGES  # type: ignore[misc]
+    stages = _STAGES
+    if stages is None:
+        raise StateError("transform worker used before its initializer ran")
+    loader, transform, target_transform = stages.loader, stages.transform, stages.target_transform
+    collate_fn = stages.collate_fn
     view = memoryview(buffer)
     items = []
     for i, target in enumerate(targets):
@@ -167,27 +201,13 @@ class TransformPool:
 
     Args:
         workers: number of processes.
-        loader: binary file object -> sample (e.g. a decoded image).
-        transform: applied to each loaded sample, or ``None``.
-        target_transform: applied to each target, or ``None``.
-        collate_fn: list of ``(sample, target)`` pairs -> batch.
+        stages: the loader, transforms and collation each worker runs.
     """
 
-    def __init__(
-        self,
-        workers: int,
-        *,
-        loader: Callable[..., Any],
-        transform: Callable[..., Any] | None,
-        target_transform: Callable[..., Any] | None,
-        collate_fn: Callable[..., Any],
-    ) -> None:
+    def __init__(self, workers: int, stages: Stages) -> None:
         self.workers = workers
         self._executor: ProcessPoolExecutor | None = ProcessPoolExecutor(
-            workers,
-            mp_context=torch.multiprocessing.get_context("spawn"),
-            initializer=_init,
-            initargs=((loader, transform, target_transform, collate_fn),),
+            workers, mp_context=torch.multiprocessing.get_context("spawn"), initializer=_init, initargs=(stages,)
         )
 
     @property

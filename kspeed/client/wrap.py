@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
@@ -43,10 +43,14 @@ from torch.utils.data import IterableDataset, default_collate, get_worker_info
 from kspeed.errors import ConfigError, DatasetError, KSpeedError, StateError
 
 from .dataset import KSpeedDataset
+from .options import FeedOptions
 from .spec import DatasetSpec
-from .workers import SampleFailure, TransformPool, check_loader, check_picklable, resolve_loader
+from .workers import SampleFailure, Stages, TransformPool, check_loader, check_picklable, resolve_loader
 
-__all__ = ["WrappedDataset", "folder_spec", "wrap"]
+if TYPE_CHECKING:
+    from .client import KSpeedClient
+
+__all__ = ["WrapOptions", "WrappedDataset", "folder_spec", "wrap"]
 
 log = logging.getLogger(__name__)
 
@@ -199,12 +203,7 @@ class WrappedDataset(IterableDataset):
         self._inner = inner
         self._paths = list(paths)
         self._targets = list(targets)
-        self._stages = {
-            "loader": loader,
-            "transform": transform,
-            "target_transform": target_transform,
-            "collate_fn": collate_fn,
-        }
+        self._stages = Stages(loader, transform, target_transform, collate_fn)
         self.num_workers = workers
         self.prefetch = prefetch if prefetch is not None else PREFETCH_PER_WORKER * workers
         self._pool: TransformPool | None = None
@@ -240,7 +239,7 @@ class WrappedDataset(IterableDataset):
         batches = iter(self._inner)
         self._delivered = self._inner.state_dict()["batches"]
         if self._pool is None:
-            self._pool = TransformPool(self.num_workers, **self._stages)
+            self._pool = TransformPool(self.num_workers, self._stages)
         return self._deliver(batches, self._pool)
 
     def _deliver(self, batches: Iterator[Any], pool: TransformPool) -> Iterator[Any]:
@@ -383,25 +382,31 @@ def _folder_samples(dataset: Any) -> tuple[list[str], list[Any]]:
     return paths, targets
 
 
-def wrap(
-    client: Any,
-    dataset: Any,
-    batch_size: int,
-    sampler: Any = None,
-    *,
-    collate_fn: Callable[..., Any] | None = None,
-    loader: Callable[..., Any] | None = None,
-    num_workers: int | None = None,
-    prefetch: int | None = None,
-    list_dir: str | None = None,
-    name: str | None = None,
-    preload: bool = True,
-    **dataset_kwargs: Any,
-) -> WrappedDataset:
-    """Register ``dataset``'s files with ``client``, preload them and wrap them (see the module docstring).
+@dataclass(frozen=True)
+class WrapOptions:
+    """How :meth:`KSpeedClient.wrap` serves a folder dataset, beyond the feed's own options.
 
-    ``dataset_kwargs`` (``seed``, ``shuffle``, ``drop_last``, ``rank``, ``world_size``, ``rail``,
-    ``ring_bytes``, ``quiet``) go to :meth:`KSpeedClient.dataset`.
+    Attributes:
+        collate_fn: list of ``(sample, target)`` pairs -> batch (default ``default_collate``).
+        loader: replaces the dataset's ``loader``; called on a binary file object.
+        num_workers: transform worker processes (default: up to 4, one per CPU).
+        prefetch: batches in flight in the workers (default: 2 per worker).
+        list_dir: where to write the list file when one is needed (default ``<root>/.kspeed``).
+        name: the dataset's name in the cluster (default: from a hash of the paths).
+        preload: wait for the servers to cache the files before returning.
+    """
+
+    collate_fn: Callable[..., Any] | None = None
+    loader: Callable[..., Any] | None = None
+    num_workers: int | None = None
+    prefetch: int | None = None
+    list_dir: str | None = None
+    name: str | None = None
+    preload: bool = True
+
+
+def wrap(client: KSpeedClient, dataset: Any, options: FeedOptions, wrapping: WrapOptions) -> WrappedDataset:
+    """Register ``dataset``'s files with ``client``, preload them and wrap them (see the module docstring).
 
     Raises:
         ConfigError: the dataset lacks ``.samples``/``.loader``, a stage cannot be pickled, the
@@ -409,16 +414,16 @@ def wrap(
         DatasetError: the servers list another number of files than the dataset has.
     """
     paths, targets = _folder_samples(dataset)
-    stages = {
-        "loader": resolve_loader(loader if loader is not None else getattr(dataset, "loader", None)),
-        "transform": getattr(dataset, "transform", None),
-        "target_transform": getattr(dataset, "target_transform", None),
-        "collate_fn": collate_fn if collate_fn is not None else default_collate,
-    }
+    stages = Stages(
+        loader=resolve_loader(wrapping.loader if wrapping.loader is not None else getattr(dataset, "loader", None)),
+        transform=getattr(dataset, "transform", None),
+        target_transform=getattr(dataset, "target_transform", None),
+        collate_fn=wrapping.collate_fn if wrapping.collate_fn is not None else default_collate,
+    )
     check_picklable(stages)
-    check_loader(stages["loader"], paths[0])
-    spec = folder_spec(paths, list_dir=list_dir, name=name)
-    inner = client.dataset(spec, batch_size, sampler, **dataset_kwargs)
+    check_loader(stages.loader, paths[0])
+    spec = folder_spec(paths, list_dir=wrapping.list_dir, name=wrapping.name)
+    inner = client.open(spec, options)
     try:
         if inner.num_samples != len(paths):
             raise DatasetError(
@@ -426,9 +431,16 @@ def wrap(
                 f"the wrapped dataset has {len(paths)} samples (did the files change?)",
                 dataset=spec.name,
             )
-        if preload:
+        if wrapping.preload:
             inner.preload()
-        return WrappedDataset(inner, paths=paths, targets=targets, num_workers=num_workers, prefetch=prefetch, **stages)
+        return WrappedDataset(
+            inner,
+            paths=paths,
+            targets=targets,
+            num_workers=wrapping.num_workers,
+            prefetch=wrapping.prefetch,
+            **stages.named(),
+        )
     except BaseException:
         inner.close()
         raise

@@ -13,8 +13,8 @@ import hmac
 import inspect
 import logging
 import socket
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any, cast
 
 import grpc
 from google.protobuf import message as pb_message
@@ -108,18 +108,14 @@ def _deny(handler: grpc.RpcMethodHandler | None, aio: bool) -> grpc.RpcMethodHan
     if handler is None:
         return None
     message = "missing or wrong bearer token"
-    if aio:
 
-        async def abort_async(request: Any, context: grpc.aio.ServicerContext) -> None:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+    async def abort_async(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-        deny = abort_async
-    else:
+    def abort_sync(request: Any, context: grpc.ServicerContext) -> None:
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-        def abort_sync(request: Any, context: grpc.ServicerContext) -> None:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-        deny = abort_sync
+    deny: Callable[..., Any] = abort_async if aio else abort_sync
     kind = (
         ("stream" if handler.request_streaming else "unary")
         + "_"
@@ -183,7 +179,9 @@ def bind(server: grpc.Server | grpc.aio.Server, address: str, security: Security
     check_bindable(address)
     try:
         if security.tls_cert:
-            creds = grpc.ssl_server_credentials([(security.read_pem("tls_key"), security.read_pem("tls_cert"))])
+            creds = grpc.ssl_server_credentials(
+                [(security.read_pem("tls_key") or b"", security.read_pem("tls_cert") or b"")]
+            )
             port = server.add_secure_port(address, creds)
         else:
             port = server.add_insecure_port(address)
@@ -219,7 +217,7 @@ def check_bindable(address: str) -> None:
             probe.bind(sockaddr)
         except OSError as exc:
             raise errors.ConfigError(
-                f"cannot listen on {address}: {exc.strerror.lower()}", field="listen", value=address
+                f"cannot listen on {address}: {(exc.strerror or str(exc)).lower()}", field="listen", value=address
             ) from exc
 
 
@@ -282,9 +280,11 @@ def error_from_rpc(exc: grpc.RpcError, what: str) -> errors.KSpeedError:
     details = exc.details() if hasattr(exc, "details") else str(exc)
     name = ""
     trailing = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
-    for key, value in trailing or ():
+    for metadatum in trailing or ():
+        # A (key, value) pair at run time on both sync and aio channels, whatever the stubs say.
+        key, value = cast("tuple[str, str | bytes]", metadatum)
         if key == ERROR_HEADER:
-            name = value
+            name = value if isinstance(value, str) else value.decode(errors="replace")
     cls = getattr(errors, name, None) if name in errors.__all__ else None
     if cls is None:
         cls = _ERROR_OF.get(code, errors.KSpeedError)
@@ -323,24 +323,22 @@ def _sync_behavior(fn: Callable, cls: type, limit: int, method: str, streaming_i
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, parsed)
         return parsed
 
-    if streaming_out:
+    def prepare(request: Any, context: grpc.ServicerContext) -> Any:
+        return (parse_one(d, context) for d in request) if streaming_in else parse_one(request, context)
 
-        def behavior(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-            req = (parse_one(d, context) for d in request) if streaming_in else parse_one(request, context)
-            try:
-                yield from fn(req, context)
-            except errors.KSpeedError as exc:
-                convert(context, exc)
-    else:
+    def streaming(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        try:
+            yield from fn(prepare(request, context), context)
+        except errors.KSpeedError as exc:
+            convert(context, exc)
 
-        def behavior(request: Any, context: grpc.ServicerContext) -> Any:
-            req = (parse_one(d, context) for d in request) if streaming_in else parse_one(request, context)
-            try:
-                return fn(req, context)
-            except errors.KSpeedError as exc:
-                convert(context, exc)
+    def unary(request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return fn(prepare(request, context), context)
+        except errors.KSpeedError as exc:
+            convert(context, exc)
 
-    return behavior
+    return streaming if streaming_out else unary
 
 
 def _aio_behavior(fn: Callable, cls: type, limit: int, method: str, streaming_in: bool, streaming_out: bool):
@@ -362,25 +360,22 @@ def _aio_behavior(fn: Callable, cls: type, limit: int, method: str, streaming_in
     async def prepare(request: Any, context: grpc.aio.ServicerContext) -> Any:
         return parse_stream(request, context) if streaming_in else await parse_one(request, context)
 
-    if streaming_out:
+    async def streaming(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        req = await prepare(request, context)
+        try:
+            async for item in fn(req, context):
+                yield item
+        except errors.KSpeedError as exc:
+            await convert(context, exc)
 
-        async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            req = await prepare(request, context)
-            try:
-                async for item in fn(req, context):
-                    yield item
-            except errors.KSpeedError as exc:
-                await convert(context, exc)
-    else:
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        req = await prepare(request, context)
+        try:
+            return await fn(req, context)
+        except errors.KSpeedError as exc:
+            await convert(context, exc)
 
-        async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            req = await prepare(request, context)
-            try:
-                return await fn(req, context)
-            except errors.KSpeedError as exc:
-                await convert(context, exc)
-
-    return behavior
+    return streaming if streaming_out else unary
 
 
 def service_handler(service: str, servicer: object, *, max_request_bytes: int) -> grpc.GenericRpcHandler:

@@ -11,7 +11,7 @@ from kspeed.proto import kspeed_pb2
 __all__ = ["dataset_dict", "human_bytes", "job_dict", "server_dict", "state_name", "status_dict"]
 
 
-def state_name(state: int) -> str:
+def state_name(state: kspeed_pb2.ServerState) -> str:
     return kspeed_pb2.ServerState.Name(state).removeprefix("SERVER_STATE_").lower()
 
 

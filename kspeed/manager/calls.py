@@ -5,11 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from kspeed.config import SecurityConfig
 from kspeed.control import rpc
 from kspeed.proto import kspeed_pb2_grpc
+
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 
 
 class ServerCalls:
@@ -37,9 +39,13 @@ class ServerCalls:
 
     async def probe(self, address: str, timeout: float) -> tuple[bool, str]:
         """``grpc.health.v1`` check: (serving, detail)."""
-        stub = health_pb2_grpc.HealthStub(self._channel(address))
+        check = self._channel(address).unary_unary(
+            HEALTH_CHECK,
+            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+            response_deserializer=health_pb2.HealthCheckResponse.FromString,
+        )
         try:
-            reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout, metadata=self._metadata)
+            reply = await check(health_pb2.HealthCheckRequest(), timeout=timeout, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             return False, f"{exc.code().name.lower()}: {exc.details()}"
         if reply.status == health_pb2.HealthCheckResponse.SERVING:

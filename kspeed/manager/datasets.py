@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import secrets
 import time
 from collections.abc import Callable
 
-import numpy as np
-
+from kspeed import names, wire
 from kspeed.errors import CapacityError, ConflictError, KSpeedError, NotFoundError, ProtocolError, UnavailableError
 from kspeed.manager.allocator import ServerCapacity, allocate
 from kspeed.manager.calls import ServerCalls
@@ -32,7 +30,6 @@ log = logging.getLogger(__name__)
 JOB = kspeed_pb2.DatasetOwner.DATASET_OWNER_JOB
 OPERATOR = kspeed_pb2.DatasetOwner.DATASET_OWNER_OPERATOR
 DState = kspeed_pb2.DatasetState
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _KINDS = ("", "auto", "dir", "list", "manifest", "npy")
 _LABELS = ("", "dirname")
 MAX_URI = 4096
@@ -45,11 +42,7 @@ def validate_spec(spec: kspeed_pb2.DatasetSpec) -> None:
     Raises:
         ProtocolError: naming the field and the value.
     """
-    if not _NAME.fullmatch(spec.name):
-        raise ProtocolError(
-            f"dataset name {spec.name[:80]!r} must be 1-128 letters, digits, '.', '_' or '-', "
-            "starting with a letter or digit"
-        )
+    names.DATASET.check(spec.name)
     if not spec.uri or len(spec.uri) > MAX_URI or "\0" in spec.uri:
         raise ProtocolError(f"dataset {spec.name!r}: uri must be 1-{MAX_URI} characters without NUL")
     if spec.kind not in _KINDS:
@@ -103,7 +96,7 @@ class DatasetCatalog:
             raise NotFoundError(f"unknown dataset {name!r} (registered: {known})")
         return self._live(info)
 
-    def list(self) -> list[kspeed_pb2.DatasetInfo]:
+    def datasets(self) -> list[kspeed_pb2.DatasetInfo]:
         """Every dataset, by name."""
         return [self._live(self._datasets[name]) for name in sorted(self._datasets)]
 
@@ -205,7 +198,7 @@ class DatasetCatalog:
             reply.dataset.CopyFrom(self.get(spec.name))
             return reply
 
-    async def _allocate(self, spec: kspeed_pb2.DatasetSpec, owner: int) -> kspeed_pb2.DatasetInfo:
+    async def _allocate(self, spec: kspeed_pb2.DatasetSpec, owner: kspeed_pb2.DatasetOwner) -> kspeed_pb2.DatasetInfo:
         ready = [r for r in self._membership.snapshot() if r.state == READY]
         if not ready:
             raise UnavailableError(f"dataset {spec.name!r}: no ready server to hold it")
@@ -214,7 +207,7 @@ class DatasetCatalog:
         ready = [r for r in ready if r.inventory.region_size == region_size]
         lister = ready[0]
         described = await self._calls.call(lister.address, lister.id, "DescribeDataset", spec)
-        sizes = np.frombuffer(described.sizes, dtype="<i8")
+        sizes = wire.unpack_i64(described.sizes, f"dataset {spec.name!r}: sizes from {lister.id}")
         capacities = [ServerCapacity(r.id, self._free_regions(r)) for r in ready]
         allocation = allocate(spec.name, sizes, region_size, capacities)
         need = allocation.num_regions * region_size
@@ -232,15 +225,15 @@ class DatasetCatalog:
             class_names=described.class_names,
             created_unix=self._wall(),
         )
-        for share in allocation.shares:
+        for part in allocation.shares:
             info.shares.append(
                 kspeed_pb2.Share(
-                    server_id=share.server_id,
-                    first_id=share.lo,
-                    end_id=share.hi,
-                    first_region=share.first_region,
-                    num_regions=share.num_regions,
-                    bytes=share.bytes,
+                    server_id=part.server_id,
+                    first_id=part.lo,
+                    end_id=part.hi,
+                    first_region=part.first_region,
+                    num_regions=part.num_regions,
+                    bytes=part.bytes,
                 )
             )
         addresses = {r.id: r.address for r in ready}

@@ -8,16 +8,15 @@ state, forgets ranks that stopped reporting, and answers with the spread across 
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
 
 import numpy as np
 
+from kspeed import names
 from kspeed.errors import NotFoundError, ProtocolError
 from kspeed.proto import kspeed_pb2
 
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
 MAX_RANKS = 1 << 16
 MAX_SERVERS_PER_REPORT = 4096
 REPORT_TTL = 120.0  # a rank silent this long is forgotten
@@ -48,8 +47,7 @@ class JobBoard:
         Raises:
             ProtocolError: a malformed report (job name, rank, sizes).
         """
-        if not _NAME.fullmatch(stats.job):
-            raise ProtocolError(f"job name {stats.job[:80]!r} must be 1-128 letters, digits or '._:@-'")
+        names.JOB.check(stats.job)
         if stats.world_size > MAX_RANKS or stats.rank >= max(stats.world_size, 1):
             raise ProtocolError(f"job {stats.job!r}: rank {stats.rank} of world size {stats.world_size} is invalid")
         if len(stats.server_bytes) > MAX_SERVERS_PER_REPORT or len(stats.dataset) > 128 or len(stats.host) > 256:

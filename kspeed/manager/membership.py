@@ -40,7 +40,7 @@ LIVE = (JOINING, READY, SUSPECT)
 PROBE_FAILURES_SUSPECT = 2  # consecutive failed probes that make a server suspect
 
 
-def state_name(state: int) -> str:
+def state_name(state: kspeed_pb2.ServerState) -> str:
     """``"ready"`` for ``SERVER_STATE_READY`` and so on."""
     return State.Name(state).removeprefix("SERVER_STATE_").lower()
 
@@ -260,7 +260,7 @@ class Membership:
             return False
         return self._set_state(entry, READY, "heartbeating and healthy")
 
-    def _set_state(self, entry: _Entry, state: int, reason: str) -> bool:
+    def _set_state(self, entry: _Entry, state: kspeed_pb2.ServerState, reason: str) -> bool:
         record = entry.record
         if record.state == state:
             return False

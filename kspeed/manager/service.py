@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from kspeed import names
 from kspeed._version import __version__
 from kspeed.control.rpc import negotiate
 from kspeed.errors import ProtocolError
@@ -17,12 +18,11 @@ from kspeed.manager.datasets import DatasetCatalog
 from kspeed.manager.jobs import JobBoard
 from kspeed.manager.membership import Membership
 from kspeed.proto import kspeed_pb2
+from kspeed.rdma.rails import rail_names
 
 log = logging.getLogger(__name__)
 
-_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 _ADDRESS = re.compile(r"[A-Za-z0-9._:\[\]-]{1,253}:\d{1,5}")
-_KNOWN_TRANSPORTS = {"shm", "tcp", "verbs", "ucx"}
 _MAX_NICS = 64
 _MAX_TEXT = 256
 WATCH_QUEUE = 1024  # events buffered per watcher before it is resent a snapshot
@@ -34,8 +34,7 @@ def validate_registration(request: kspeed_pb2.RegisterServerRequest) -> None:
     Raises:
         ProtocolError: naming the field and the value.
     """
-    if not _ID.fullmatch(request.id):
-        raise ProtocolError(f"server id {request.id[:80]!r} must be 1-63 letters, digits, '.', '_' or '-'")
+    names.SERVER_ID.check(request.id)
     for name in ("address", "http_address"):
         value = getattr(request, name)
         if not _ADDRESS.fullmatch(value) or not 0 < int(value.rpartition(":")[2]) < 65536:
@@ -43,9 +42,9 @@ def validate_registration(request: kspeed_pb2.RegisterServerRequest) -> None:
     inv = request.inventory
     if len(inv.hostname) > _MAX_TEXT or len(inv.nics) > _MAX_NICS:
         raise ProtocolError(f"inventory too large (hostname {len(inv.hostname)} chars, {len(inv.nics)} NICs)")
-    unknown = set(inv.transports) - _KNOWN_TRANSPORTS
+    unknown = set(inv.transports) - set(rail_names())
     if unknown:
-        raise ProtocolError(f"unknown transport(s) {sorted(unknown)}; known: {sorted(_KNOWN_TRANSPORTS)}")
+        raise ProtocolError(f"unknown transport(s) {sorted(unknown)}; known: {rail_names()}")
     if inv.region_size == 0 or inv.memory_bytes < inv.region_size:
         raise ProtocolError(
             f"inventory: memory_bytes {inv.memory_bytes} must hold at least one region of {inv.region_size} bytes"
@@ -165,7 +164,7 @@ class ManagerService:
             uptime_s=time.monotonic() - self._started,
             servers=self._membership.snapshot(),
             revision=self._membership.revision,
-            datasets=self._catalog.list(),
+            datasets=self._catalog.datasets(),
         )
 
     async def CreateDataset(
@@ -181,7 +180,7 @@ class ManagerService:
     async def ListDatasets(
         self, request: kspeed_pb2.ListDatasetsRequest, context: grpc.aio.ServicerContext
     ) -> kspeed_pb2.ListDatasetsReply:
-        return kspeed_pb2.ListDatasetsReply(datasets=self._catalog.list())
+        return kspeed_pb2.ListDatasetsReply(datasets=self._catalog.datasets())
 
     async def RemoveDataset(
         self, request: kspeed_pb2.DatasetRequest, context: grpc.aio.ServicerContext

@@ -50,11 +50,12 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 from kspeed.errors import RangeError, TransportError
 
@@ -64,7 +65,10 @@ __all__ = [
     "MAX_MESSAGE",
     "Buffer",
     "Completions",
+    "Ints",
+    "Memory",
     "Rail",
+    "RailCapabilities",
     "Receiver",
     "Region",
     "RegionKey",
@@ -79,9 +83,26 @@ MAX_MESSAGE = 64 * 1024
 
 Buffer = bytes | bytearray | memoryview | np.ndarray
 #: One buffer, or a list of buffers gathered in order into one contiguous destination range.
-Sources = Buffer | Sequence[Buffer]
+Sources = Buffer | list[Buffer] | tuple[Buffer, ...]
 #: ``(sources, offset, immediate or None)``.
-WriteOp = tuple[Any, int, int | None]
+WriteOp = tuple[Sources, int, int | None]
+#: Per-op integers of a batch (an array, a sequence, or one int for every op).
+Ints = npt.ArrayLike
+
+
+class Memory(Protocol):
+    """What owns a region's bytes (``HostBuffer``, ``MemfdSegment``, a device allocation)."""
+
+    @property
+    def view(self) -> memoryview:
+        """The bytes (no copy)."""
+
+    def array(self) -> np.ndarray:
+        """The bytes as a ``uint8`` array (no copy)."""
+
+    def close(self) -> None:
+        """Release the memory (deferred while views are alive)."""
+
 
 _U32 = 1 << 32
 
@@ -160,11 +181,10 @@ class Region:
 
     Args:
         key: the region's key (whole region).
-        memory: the object owning the memory (``HostBuffer``/``MemfdSegment``/...), with ``view``,
-            ``array()`` and ``close()``.
+        memory: the object owning the memory.
     """
 
-    def __init__(self, key: RegionKey, memory: Any) -> None:
+    def __init__(self, key: RegionKey, memory: Memory) -> None:
         self.key = key
         self.memory = memory
 
@@ -211,7 +231,7 @@ class Completions:
 
 def as_bytes_view(src: Buffer) -> memoryview:
     """A flat byte view of a C-contiguous buffer (no copy)."""
-    view = src if type(src) is memoryview else memoryview(src)
+    view = src.data if isinstance(src, np.ndarray) else src if isinstance(src, memoryview) else memoryview(src)
     if view.format != "B" or view.ndim != 1:
         try:
             view = view.cast("B")
@@ -320,7 +340,13 @@ class Writer(ABC):
 
     @abstractmethod
     def write_batch(
-        self, key: RegionKey, source: Any, src_offsets: Any, lengths: Any, dst_offsets: Any, imms: Any = None
+        self,
+        key: RegionKey,
+        source: Region | Memory | Buffer,
+        src_offsets: Ints,
+        lengths: Ints,
+        dst_offsets: Ints,
+        imms: Ints | None = None,
     ) -> None:
         """Write many slices of one source into ``key``, described by arrays; the fast path.
 
@@ -363,10 +389,33 @@ class Writer(ABC):
         self.close()
 
 
+@dataclass(frozen=True)
+class RailCapabilities:
+    """What a rail can do. Every choice or listing of rails derives from these, never from names.
+
+    Attributes:
+        host_local: writer and receiver must run on one host (a shared-memory rail).
+        needs_pacing: writes cross a network link that many writers at once can overrun (incast),
+            so a receiver paces its grants (docs/feeding.md, Pacing).
+        revokes_writer: the receiver can cut one writer's access to its regions while that writer
+            lives (a closed socket, a deregistered memory region), so a fenced range may be reused
+            once the cut is done; a rail that cannot (a writer keeps its mapping) quarantines it.
+        device_memory: can write straight into GPU memory (GPUDirect).
+        preference: among the rails that reach every server of a feed, the highest is chosen.
+    """
+
+    host_local: bool
+    needs_pacing: bool
+    revokes_writer: bool
+    device_memory: bool
+    preference: int
+
+
 class Rail(ABC):
     """A transport: makes receivers and writers of one kind."""
 
     name: str
+    capabilities: RailCapabilities
 
     @abstractmethod
     def unavailable_reason(self) -> str | None:

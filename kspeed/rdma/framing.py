@@ -42,13 +42,10 @@ def frame(kind: int, payload: bytes = b"") -> bytes:
 def lost(what: str, exc: BaseException | None = None, conn: int | None = None) -> PeerLostError:
     """A PeerLostError naming the operation and the cause, with the connection id attached."""
     if isinstance(exc, TimeoutError):
-        err = PeerLostError(f"{what}: peer made no progress within the I/O timeout")
-    elif exc is not None:
-        err = PeerLostError(f"{what}: {exc}")
-    else:
-        err = PeerLostError(what)
-    err.conn = conn
-    return err
+        return PeerLostError(f"{what}: peer made no progress within the I/O timeout", conn=conn)
+    if exc is not None:
+        return PeerLostError(f"{what}: {exc}", conn=conn)
+    return PeerLostError(what, conn=conn)
 
 
 def peer_uid(sock: socket.socket) -> tuple[int, int]:

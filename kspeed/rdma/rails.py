@@ -1,7 +1,9 @@
-"""The explicit registry of rails, keyed by name.
+"""The explicit registry of rails, keyed by name, with what each can do.
 
 Callers (and operators forcing a rail) name a rail; an unknown or unusable name fails loudly with
-what this host offers instead of silently falling back to another rail.
+what this host offers instead of silently falling back to another rail. Everything outside this
+package that chooses or lists rails asks the registry (names, availability, capabilities), so a
+new rail is one :func:`register_rail` away from being offered, chosen and validated everywhere.
 """
 
 from __future__ import annotations
@@ -10,11 +12,19 @@ import logging
 
 from kspeed.errors import RailUnavailableError
 
-from .base import Rail
+from .base import Rail, RailCapabilities
 from .shm import ShmRail
 from .tcp import TcpRail
 
-__all__ = ["available_rails", "get_rail", "rail_status", "register_rail"]
+__all__ = [
+    "available_rails",
+    "capabilities",
+    "get_rail",
+    "rail_names",
+    "rail_status",
+    "register_rail",
+    "unregister_rail",
+]
 
 log = logging.getLogger(__name__)
 
@@ -26,14 +36,37 @@ def register_rail(rail: Rail) -> None:
     _RAILS[rail.name] = rail
 
 
+def unregister_rail(name: str) -> None:
+    """Remove the rail called ``name`` (nothing happens if there is none)."""
+    _RAILS.pop(name, None)
+
+
+def rail_names() -> list[str]:
+    """Every registered rail, usable here or not, sorted by name (the names a peer may announce)."""
+    return sorted(_RAILS)
+
+
 def rail_status() -> dict[str, str | None]:
     """Every registered rail with the reason it is unavailable here (``None`` when usable)."""
     return {name: rail.unavailable_reason() for name, rail in sorted(_RAILS.items())}
 
 
 def available_rails() -> list[str]:
-    """Names of the rails usable on this host, sorted."""
-    return [name for name, reason in rail_status().items() if reason is None]
+    """Names of the rails usable on this host, most preferred first (then by name)."""
+    usable = [name for name, reason in rail_status().items() if reason is None]
+    return sorted(usable, key=lambda name: (-_RAILS[name].capabilities.preference, name))
+
+
+def capabilities(name: str) -> RailCapabilities:
+    """What the rail called ``name`` can do (whether or not it is usable here).
+
+    Raises:
+        RailUnavailableError: no such rail.
+    """
+    rail = _RAILS.get(name)
+    if rail is None:
+        raise RailUnavailableError(f"unknown rail {name!r}; this host offers: {_offer()}")
+    return rail.capabilities
 
 
 def _offer() -> str:

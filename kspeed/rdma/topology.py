@@ -10,6 +10,7 @@ for ``/sys``; the environment is passed in by the caller, never read here.
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import os
 import re
@@ -274,7 +275,7 @@ def resolve_gpu(environ: Mapping[str, str], *, device: int | None = None, nvml: 
         )
     if nvml is None:
         try:
-            import pynvml as nvml  # imported here: hosts without the NVIDIA stack must still import this module
+            nvml = importlib.import_module("pynvml")  # here: hosts without the NVIDIA stack still import this module
         except ImportError:
             return None, "nvidia-ml-py is not installed"
     nvml_error = getattr(nvml, "NVMLError", OSError)
@@ -369,6 +370,7 @@ def place(
             raise ConfigError(
                 f"NIC {nic!r} is not on this host (NICs found under {root}: {found})", field="rdma.nic", value=nic
             )
+    gpu: str | None
     if gpu_bus_id is not None:
         gpu, how = normalize_bus_id(gpu_bus_id), "given"
         if not os.path.exists(os.path.join(root, "bus", "pci", "devices", gpu)):

@@ -10,13 +10,12 @@ gathered ``sendmsg`` on ``tcp``, a chain of ``RDMA_WRITE`` work requests on ``ve
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from kspeed.errors import RangeError, TransportError
 
-from .base import RegionKey, as_bytes_view
+from .base import Buffer, Ints, Memory, Region, RegionKey, as_bytes_view
 
 __all__ = ["WriteBatch", "check_batch", "runs", "source_array"]
 
@@ -44,20 +43,20 @@ class WriteBatch:
         return len(self.lengths)
 
 
-def source_array(source: Any) -> np.ndarray:
+def source_array(source: Region | Memory | Buffer) -> np.ndarray:
     """The source of a batch as a flat ``uint8`` array over the same memory (no copy).
 
-    Accepts a :class:`~kspeed.rdma.base.Region`, a ``uint8`` numpy array, or any C-contiguous buffer.
+    Accepts a :class:`~kspeed.rdma.base.Region` or its memory, a ``uint8`` numpy array, or any
+    C-contiguous buffer.
     """
     if isinstance(source, np.ndarray) and source.dtype == np.uint8 and source.ndim == 1:
         return source
-    view = getattr(source, "view", None)
-    if isinstance(view, memoryview):  # a Region
-        source = view
-    return np.frombuffer(as_bytes_view(source), np.uint8)
+    if isinstance(source, (np.ndarray, bytes, bytearray, memoryview)):
+        return np.frombuffer(as_bytes_view(source), np.uint8)
+    return np.frombuffer(source.view, np.uint8)
 
 
-def _int64(name: str, values: Any, count: int | None) -> np.ndarray:
+def _int64(name: str, values: Ints, count: int | None) -> np.ndarray:
     arr = values if type(values) is np.ndarray else np.asarray(values)
     if arr.dtype.kind not in "iu" and arr.size:
         raise TransportError(f"batch {name} must be integers, got dtype {arr.dtype}")
@@ -72,7 +71,7 @@ def _int64(name: str, values: Any, count: int | None) -> np.ndarray:
     return arr if arr.dtype == np.int64 else arr.astype(np.int64)
 
 
-def _imms(imms: Any) -> np.ndarray:
+def _imms(imms: Ints | None) -> np.ndarray:
     if imms is None:
         return np.empty(0, np.uint32)
     arr = np.asarray(imms)
@@ -98,7 +97,12 @@ def _refuse(key: RegionKey, source_nbytes: int, src: np.ndarray, lens: np.ndarra
 
 
 def check_batch(
-    key: RegionKey, source_nbytes: int, src_offsets: Any, lengths: Any, dst_offsets: Any, imms: Any = None
+    key: RegionKey,
+    source_nbytes: int,
+    src_offsets: Ints,
+    lengths: Ints,
+    dst_offsets: Ints,
+    imms: Ints | None = None,
 ) -> WriteBatch:
     """Validate a batch as a whole before any byte moves.
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from kspeed.config import SecurityConfig
 from kspeed.control import rpc
@@ -65,7 +66,7 @@ class ManagerAgent:
         """Start registering and heartbeating in the background."""
         self._thread.start()
 
-    def _call(self, method: str, request: object) -> object:
+    def _call(self, method: str, request: object) -> Any:
         with rpc.map_rpc_errors(f"manager at {self._manager}"):
             return getattr(self._stub, method)(request, timeout=CALL_TIMEOUT, metadata=self._metadata)
 

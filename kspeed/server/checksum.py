@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import google_crc32c
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 GIL_FREE_MIN = 128 << 10
 
 
-def _bundled_extend() -> ctypes._CFuncPtr | None:
+def _bundled_extend() -> Callable[..., int] | None:
     """``crc32c_extend`` of the library bundled with google-crc32c, or ``None``."""
     package = Path(google_crc32c.__file__).resolve().parent
     candidates = sorted(package.parent.glob("google_crc32c.libs/libcrc32c*.so*")) + sorted(

@@ -93,17 +93,18 @@ class ThreadTuner:
             return False
         rate = self._units / max(elapsed, 1e-9)
         threads = self.target
-        if first:
+        before = self._before
+        if before is None:
             # A backend that mostly waits gets every thread allowed; CPU-bound work at most two
             # threads per core (one in a system call or checksum while the other runs Python).
             self._ceiling = self.max_threads if waiting else min(2 * self.cores, self.max_threads)
             self._before = (threads, rate)
             self.target = self._ceiling if waiting else min(2 * threads, self._ceiling)
-        elif rate >= self.gain * self._before[1]:
+        elif rate >= self.gain * before[1]:
             self._before = (threads, rate)
             self.target = min(2 * threads, self._ceiling)
         else:
-            self.target = self._before[0]
+            self.target = before[0]
         self.settled = self.target == threads or (not first and self.target < threads)
         log.debug("threads %d -> %d (%.0f units/s)%s", threads, self.target, rate, ", settled" if self.settled else "")
         self._reset(now)

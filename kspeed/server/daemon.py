@@ -88,10 +88,10 @@ class Server:
             rpc.check_bindable(address)
         backend = Backend(AllowList(cfg.backend_allow, name="--backend-allow"), cfg.backend_options)
         pool = MemoryPool.open(self.pool_dir(), cfg.memory, region_size=cfg.region_size)
-        self.host = DatasetHost(
+        host = self.host = DatasetHost(
             pool, backend, self.state_dir, preload_threads=cfg.preload_threads, scrub_interval=cfg.scrub_interval
         )
-        self.host.restore()
+        host.restore()
         options = RailOptions(token=cfg.security.data_plane_token(), io_timeout=cfg.data_io_timeout)
         count = cfg.feeders or min(4, inv.usable_cores(cfg.cores))
         self.feeders = FeederPool(
@@ -133,9 +133,9 @@ class Server:
             inventory=self.inventory,
             metrics=self.metrics,
             on_fatal=self._fatal,
-            shares=self.host.statuses,
-            on_registered=lambda reply: self.host.reconcile(list(reply.assignments)),
-            on_drop=self.host.drop,
+            shares=host.statuses,
+            on_registered=lambda reply: host.reconcile(list(reply.assignments)),
+            on_drop=host.drop,
         )
         self.agent.start()
         log.info(

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kspeed import wire
 from kspeed.errors import ConfigError, DatasetError, KSpeedError, NotFoundError
 from kspeed.proto import kspeed_pb2
 from kspeed.server.backend import Backend
@@ -32,7 +33,6 @@ log = logging.getLogger(__name__)
 
 ASSIGNMENTS_FILE = "assignments.json"
 MAX_REPORTED_ERRORS = 5
-LE_I64, LE_U32 = np.dtype("<i8"), np.dtype("<u4")
 
 
 def fingerprint_pb(source: Source) -> kspeed_pb2.Fingerprint:
@@ -42,17 +42,13 @@ def fingerprint_pb(source: Source) -> kspeed_pb2.Fingerprint:
 
 
 def decode_ids(data: bytes, dataset: str, count: int) -> np.ndarray:
-    """Packed little-endian int64 sample IDs, checked against the dataset's size.
+    """Packed sample IDs (:mod:`kspeed.wire`), checked against the dataset's size.
 
     Raises:
-        DatasetError: the bytes are not whole int64 values.
+        ProtocolError: the bytes are not whole int64 values.
         NotFoundError: an ID lies outside ``0..count-1`` (the first one is named).
     """
-    if len(data) % 8:
-        raise DatasetError(
-            f"dataset {dataset!r}: sample IDs must be packed int64 ({len(data)} bytes given)", dataset=dataset
-        )
-    ids = np.frombuffer(data, dtype=LE_I64)
+    ids = wire.unpack_i64(data, f"dataset {dataset!r}: sample IDs")
     bad = (ids < 0) | (ids >= count)
     if bad.any():
         sample = int(ids[bad][0])
@@ -138,7 +134,7 @@ class DatasetHost:
             )
         return kspeed_pb2.DescribeDatasetReply(
             fingerprint=fingerprint_pb(source),
-            sizes=source.sizes.astype(LE_I64).tobytes(),
+            sizes=wire.pack_i64(source.sizes),
             class_names=list(source.classes),
         )
 
@@ -279,17 +275,15 @@ class DatasetHost:
         """Which of ``ids`` this server owns, with their lengths (and labels)."""
         hosted = self.get(name)
         mask, lengths = hosted.preloader.index.lookup(ids)
-        reply = kspeed_pb2.LookupReply(
-            positions=np.flatnonzero(mask).astype(LE_U32).tobytes(), lengths=lengths.astype(LE_U32).tobytes()
-        )
+        reply = kspeed_pb2.LookupReply(positions=wire.pack_u32(np.flatnonzero(mask)), lengths=wire.pack_u32(lengths))
         if hosted.source.labels is not None and hosted.request.spec.labels:
-            reply.labels = hosted.source.labels[ids[mask]].astype(LE_I64).tobytes()
+            reply.labels = wire.pack_i64(hosted.source.labels[ids[mask]])
         return reply
 
     def read(self, name: str, ids: np.ndarray) -> kspeed_pb2.ReadReply:
         """The verified bytes of ``ids`` (all owned here), back to back."""
         data, lengths = self.get(name).store.read_many(ids)
-        return kspeed_pb2.ReadReply(data=bytes(data), lengths=lengths.astype(LE_U32).tobytes())
+        return kspeed_pb2.ReadReply(data=bytes(data), lengths=wire.pack_u32(lengths))
 
     def nbytes(self, name: str, ids: np.ndarray) -> int:
         """Total length of ``ids`` (every one must be owned here).

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import re
 import threading
 import time
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 import numpy as np
 
-from kspeed import errors
+from kspeed import errors, names
 from kspeed.errors import DatasetError, NotFoundError, ProtocolError, UnavailableError
 from kspeed.layout import batch_layout
 from kspeed.proto import kspeed_pb2
@@ -26,10 +26,10 @@ from kspeed.rdma.options import RailOptions
 from kspeed.rdma.rails import available_rails
 from kspeed.server import feeder_process
 from kspeed.server.datasets import DatasetHost
+from kspeed.server.feeder_process import CloseFeed, Command, InstallPlan, OpenFeed, PlanPart, Reply, Stop
 
 log = logging.getLogger(__name__)
 
-_FEED_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 COMMAND_TIMEOUT = 30.0
 MAX_PLAN = 1 << 28  # samples per plan
 
@@ -37,7 +37,7 @@ MAX_PLAN = 1 << 28  # samples per plan
 @dataclass
 class _Feeder:
     process: mp.process.BaseProcess
-    conn: object
+    conn: Connection
     lock: threading.Lock
     feeds: int = 0
 
@@ -89,20 +89,21 @@ class FeederPool:
             self._feeders.append(_Feeder(process, ours, threading.Lock()))
         log.info("started %d feeder process(es)", len(self._feeders))
 
-    def _command(self, index: int, cmd: dict) -> dict:
+    def _command(self, index: int, command: Command) -> Reply:
         worker = self._feeders[index]
+        what = type(command).__name__
         with worker.lock:
             if not worker.process.is_alive():
                 raise UnavailableError(f"feeder process {index} exited (status {worker.process.exitcode})")
-            worker.conn.send(cmd)
+            worker.conn.send(command)
             if not worker.conn.poll(COMMAND_TIMEOUT):
-                raise UnavailableError(f"feeder process {index} did not answer {cmd['op']!r} in {COMMAND_TIMEOUT}s")
-            reply = worker.conn.recv()
-        if not reply.get("ok"):
-            cls = getattr(errors, reply.get("error", ""), None)
+                raise UnavailableError(f"feeder process {index} did not answer {what} in {COMMAND_TIMEOUT}s")
+            reply: Reply = worker.conn.recv()
+        if not reply.ok:
+            cls = getattr(errors, reply.error, None)
             if not (isinstance(cls, type) and issubclass(cls, errors.KSpeedError)):
                 cls = errors.KSpeedError
-            raise cls(reply.get("message", "feeder failed"))
+            raise cls(reply.message or f"feeder process {index} failed {what}")
         return reply
 
     def open(self, request: kspeed_pb2.OpenFeedRequest) -> kspeed_pb2.OpenFeedReply:
@@ -113,8 +114,7 @@ class FeederPool:
             NotFoundError: the dataset is not hosted here.
             RailUnavailableError, AuthError, PeerLostError: the data-plane connection failed.
         """
-        if not _FEED_ID.fullmatch(request.feed_id):
-            raise ProtocolError(f"feed id {request.feed_id[:80]!r} must be 1-64 letters, digits, '.', '_' or '-'")
+        names.FEED_ID.check(request.feed_id)
         if not 1 <= request.generation <= 255:
             raise ProtocolError(f"feed {request.feed_id}: generation {request.generation} must be 1..255")
         if request.rail not in available_rails():
@@ -127,15 +127,7 @@ class FeederPool:
             current = self._feeds.get(request.feed_id)
             index = current.feeder if current else min(range(len(self._feeders)), key=lambda i: self._feeders[i].feeds)
         self._command(
-            index,
-            {
-                "op": "open",
-                "feed_id": request.feed_id,
-                "rail": request.rail,
-                "material": request.material,
-                "ring_key": request.ring_key,
-                "generation": request.generation,
-            },
+            index, OpenFeed(request.feed_id, request.rail, request.material, request.ring_key, request.generation)
         )
         with self._lock:
             if current is None:
@@ -195,16 +187,16 @@ class FeederPool:
         for v in needed.tolist():
             pool_index[v] = by_vindex[v].index
         layout = batch_layout(lengths, batch_size)
-        plan = {
-            "starts": layout.starts,
-            "positions": owned.astype(np.int64),
-            "region": pool_index[vregion] if len(owned) else np.zeros(0, np.int64),
-            "src": src.astype(np.int64),
-            "length": length.astype(np.int64),
-            "dst": layout.offsets[owned],
-        }
+        plan = PlanPart(
+            starts=layout.starts,
+            positions=owned.astype(np.int64),
+            region=pool_index[vregion] if len(owned) else np.zeros(0, np.int64),
+            src=src.astype(np.int64),
+            length=length.astype(np.int64),
+            dst=layout.offsets[owned],
+        )
         paths = {int(by_vindex[v].index): str(by_vindex[v].path) for v in needed.tolist()}
-        self._command(info.feeder, {"op": "plan", "feed_id": feed_id, "epoch": epoch, "plan": plan, "paths": paths})
+        self._command(info.feeder, InstallPlan(feed_id, epoch, plan, paths))
         return kspeed_pb2.PlanReply(owned=len(owned), owned_bytes=int(length.sum()))
 
     def _wait_loaded(self, dataset: str, hosted, ids: np.ndarray) -> None:
@@ -230,7 +222,7 @@ class FeederPool:
     def close(self, feed_id: str) -> None:
         """Close a feed (its data-plane connection and plans)."""
         info = self._feed(feed_id)
-        self._command(info.feeder, {"op": "close", "feed_id": feed_id})
+        self._command(info.feeder, CloseFeed(feed_id))
         with self._lock:
             self._feeds.pop(feed_id, None)
             self._feeders[info.feeder].feeds -= 1
@@ -252,7 +244,7 @@ class FeederPool:
         for worker in self._feeders:
             try:
                 with worker.lock:
-                    worker.conn.send({"op": "stop"})
+                    worker.conn.send(Stop())
             except (OSError, ValueError):
                 pass
         for worker in self._feeders:

@@ -14,13 +14,13 @@ import contextlib
 import functools
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 import numpy as np
 
 from kspeed import grants
-from kspeed.errors import KSpeedError, PeerLostError
+from kspeed.errors import KSpeedError, PeerLostError, ProtocolError
 from kspeed.rdma.base import RegionKey, Writer
 from kspeed.rdma.options import RailOptions
 from kspeed.rdma.rails import get_rail
@@ -108,12 +108,12 @@ class FeedWriter:
                 message = self.writer.recv(RECV_TIMEOUT)
                 if message is None:
                     continue
-                kind, payload = grants.decode(message)
-                if kind == grants.GRANTS:
-                    for start in range(0, len(payload), GRANTS_PER_WRITE):
-                        self._serve(payload[start : start + GRANTS_PER_WRITE])
-                elif kind == grants.DROP_PLAN:
-                    self.plans.pop(int(payload), None)
+                decoded = grants.decode(message)
+                if isinstance(decoded, np.ndarray):
+                    for start in range(0, len(decoded), GRANTS_PER_WRITE):
+                        self._serve(decoded[start : start + GRANTS_PER_WRITE])
+                elif isinstance(decoded, grants.DropPlan):
+                    self.plans.pop(decoded.epoch, None)
         except PeerLostError as exc:
             log.info("feed %s: client gone (%s)", self.feed_id, exc)
         except KSpeedError as exc:
@@ -126,11 +126,8 @@ class FeedWriter:
         """Write filler of the probed size (docs/feeding.md, Pacing); a bad size is an ERROR, named."""
         nbytes, tag = int(grant["end"]), int(grant["tag"])
         if not 0 < nbytes <= grants.MAX_PROBE:
-            self.writer.send(
-                grants.encode_error(
-                    grants.PROBE_EPOCH, 0, tag, f"probe of {nbytes} bytes is outside 1..{grants.MAX_PROBE}"
-                )
-            )
+            why = f"probe of {nbytes} bytes is outside 1..{grants.MAX_PROBE}"
+            self.writer.send(grants.encode_error(grants.GrantError(grants.PROBE_EPOCH, 0, tag, why)))
             return
         self.writer.write_batch(
             self.key,
@@ -152,7 +149,7 @@ class FeedWriter:
             plan = self.plans.get(epoch)
             if plan is None or index >= len(plan.starts) - 1:
                 why = f"no plan for epoch {epoch}" if plan is None else f"epoch {epoch} has no batch {index}"
-                self.writer.send(grants.encode_error(epoch, index, tag, why))
+                self.writer.send(grants.encode_error(grants.GrantError(epoch, index, tag, why)))
                 continue
             lo = int(plan.starts[index]) + int(grant["first"])
             hi = min(int(plan.starts[index]) + int(grant["end"]), int(plan.starts[index + 1]))
@@ -164,18 +161,18 @@ class FeedWriter:
             tags.append(tag)
         if not tags:
             return
-        regions, src, length, dst = (np.concatenate(a) for a in (regions, src, length, dst))
-        groups = np.unique(regions)
+        region, src_at, nbytes, dst_at = (np.concatenate(a) for a in (regions, src, length, dst))
+        groups = np.unique(region)
         if len(groups) == 0:  # nothing of ours in these ranges: still exactly one completion each
-            self.writer.write_batch(self.key, b"", src, length, dst, imms=tags)
+            self.writer.write_batch(self.key, b"", src_at, nbytes, dst_at, imms=tags)
         for n, r in enumerate(groups.tolist()):
-            mask = regions == r if len(groups) > 1 else slice(None)
+            mask = region == r if len(groups) > 1 else slice(None)
             self.writer.write_batch(
                 self.key,
                 self.regions.get(r),
-                src[mask],
-                length[mask],
-                dst[mask],
+                src_at[mask],
+                nbytes[mask],
+                dst_at[mask],
                 imms=tags if n == len(groups) - 1 else None,
             )
         self.served += len(tags)
@@ -187,21 +184,110 @@ class FeedWriter:
             self.writer.close()
 
 
-def _open(feeds: dict[str, FeedWriter], regions: RegionMaps, options: RailOptions, server_id: str, cmd: dict) -> dict:
-    feed_id = cmd["feed_id"]
-    old = feeds.pop(feed_id, None)
-    if old is not None:
-        old.close()
-    writer = get_rail(cmd["rail"]).connect(cmd["material"], options)
-    try:
-        key = RegionKey.from_bytes(cmd["ring_key"])
-        writer.send(grants.encode_hello(feed_id, server_id, cmd["generation"]))
-    except KSpeedError:
-        writer.close()
-        raise
-    feed = feeds[feed_id] = FeedWriter(feed_id, writer, key, regions)
-    feed.start()
-    return {"ok": True}
+# -- the commands of the server's main process (kspeed.server.feeder_pool), sent over a pipe ------------
+
+
+@dataclass(frozen=True)
+class OpenFeed:
+    """Connect to a client's ring over ``rail`` and serve its grants (replacing a feed of the same id)."""
+
+    feed_id: str
+    rail: str
+    material: bytes
+    ring_key: bytes
+    generation: int
+
+
+@dataclass(frozen=True)
+class InstallPlan:
+    """Serve the grants of pass ``epoch`` of a feed from ``plan``; ``paths`` maps pool regions to files."""
+
+    feed_id: str
+    epoch: int
+    plan: PlanPart
+    paths: dict[int, str]
+
+
+@dataclass(frozen=True)
+class CloseFeed:
+    """Stop serving a feed and close its connection."""
+
+    feed_id: str
+
+
+@dataclass(frozen=True)
+class Report:
+    """Ask which feeds are alive and how many grants each served."""
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Close every feed and exit."""
+
+
+Command = OpenFeed | InstallPlan | CloseFeed | Report | Stop
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The answer to a command: ``error`` names a :mod:`kspeed.errors` class when it failed."""
+
+    ok: bool
+    error: str = ""
+    message: str = ""
+    feeds: dict[str, tuple[bool, int]] = field(default_factory=dict)
+
+
+class Feeder:
+    """The state of one feeder process: its feeds and the pool regions they have mapped."""
+
+    def __init__(self, server_id: str, options: RailOptions) -> None:
+        self.server_id = server_id
+        self.options = options
+        self.regions = RegionMaps()
+        self.feeds: dict[str, FeedWriter] = {}
+
+    def obey(self, command: Command) -> Reply:
+        """Carry out one command (not :class:`Stop`).
+
+        Raises:
+            KSpeedError: the command failed (the caller turns it into a reply).
+        """
+        if isinstance(command, OpenFeed):
+            self.open(command)
+        elif isinstance(command, InstallPlan):
+            feed = self.feeds.get(command.feed_id)
+            if feed is None or not feed.alive:
+                raise PeerLostError(f"feed {command.feed_id!r} is not connected (the client left?)")
+            self.regions.add(command.paths)
+            feed.install(command.epoch, command.plan)
+        elif isinstance(command, CloseFeed):
+            feed = self.feeds.pop(command.feed_id, None)
+            if feed is not None:
+                feed.close()
+        elif isinstance(command, Report):
+            return Reply(True, feeds={k: (f.alive, f.served) for k, f in self.feeds.items()})
+        else:
+            raise ProtocolError(f"unknown feeder command {command!r}")
+        return Reply(True)
+
+    def open(self, command: OpenFeed) -> None:
+        old = self.feeds.pop(command.feed_id, None)
+        if old is not None:
+            old.close()
+        writer = get_rail(command.rail).connect(command.material, self.options)
+        try:
+            key = RegionKey.from_bytes(command.ring_key)
+            writer.send(grants.encode_hello(grants.Hello(command.feed_id, self.server_id, command.generation)))
+        except KSpeedError:
+            writer.close()
+            raise
+        feed = self.feeds[command.feed_id] = FeedWriter(command.feed_id, writer, key, self.regions)
+        feed.start()
+
+    def close(self) -> None:
+        for feed in self.feeds.values():
+            feed.close()
 
 
 def serve(conn: Connection, server_id: str, options: RailOptions, log_level: str) -> None:
@@ -210,37 +296,17 @@ def serve(conn: Connection, server_id: str, options: RailOptions, log_level: str
         level=getattr(logging, log_level.upper()),
         format="%(asctime)s %(levelname)s %(name)s[feeder %(process)d]: %(message)s",
     )
-    regions = RegionMaps()
-    feeds: dict[str, FeedWriter] = {}
+    feeder = Feeder(server_id, options)
     while True:
         try:
-            cmd = conn.recv()
+            command = conn.recv()
         except (EOFError, OSError):
             break  # the server is gone
-        op = cmd.get("op")
-        if op == "stop":
+        if isinstance(command, Stop):
             break
         try:
-            if op == "open":
-                reply = _open(feeds, regions, options, server_id, cmd)
-            elif op == "plan":
-                feed = feeds.get(cmd["feed_id"])
-                if feed is None or not feed.alive:
-                    raise PeerLostError(f"feed {cmd['feed_id']!r} is not connected (the client left?)")
-                regions.add(cmd["paths"])
-                feed.install(cmd["epoch"], PlanPart(**cmd["plan"]))
-                reply = {"ok": True}
-            elif op == "close":
-                feed = feeds.pop(cmd["feed_id"], None)
-                if feed is not None:
-                    feed.close()
-                reply = {"ok": True}
-            elif op == "stats":
-                reply = {"ok": True, "feeds": {k: {"alive": f.alive, "served": f.served} for k, f in feeds.items()}}
-            else:
-                reply = {"ok": False, "error": "ProtocolError", "message": f"unknown feeder command {op!r}"}
+            reply = feeder.obey(command)
         except KSpeedError as exc:
-            reply = {"ok": False, "error": type(exc).__name__, "message": str(exc)}
+            reply = Reply(False, type(exc).__name__, str(exc))
         conn.send(reply)
-    for feed in feeds.values():
-        feed.close()
+    feeder.close()

@@ -9,6 +9,7 @@ import socket
 from kspeed.config import ServerConfig
 from kspeed.errors import ConfigError
 from kspeed.proto import kspeed_pb2
+from kspeed.rdma.rails import available_rails
 
 ID_FILE = "server_id"
 
@@ -68,7 +69,7 @@ def inventory(config: ServerConfig, memory_used: int = 0) -> kspeed_pb2.ServerIn
         memory_bytes=config.memory,
         region_size=config.region_size,
         cores=usable_cores(config.cores),
-        transports=list(config.transports),
+        transports=list(config.transports or available_rails()),
         nics=rdma_nics(),
         memory_used_bytes=memory_used,
     )

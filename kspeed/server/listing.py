@@ -119,7 +119,8 @@ def _open_dir(
     keys = [k for k, _, _ in rel]
     sizes = np.fromiter((s for _, s, _ in rel), dtype=np.int64, count=len(rel))
     tags = "\n".join(t for _, _, t in rel).encode()
-    labels, classes = None, ()
+    labels: np.ndarray | None = None
+    classes: tuple[str, ...] = ()
     if keys and all("/" in k for k in keys):
         tops = [k.split("/", 1)[0] for k in keys]
         classes = tuple(sorted(set(tops)))
@@ -133,7 +134,9 @@ def _open_list(
 ) -> Listing:
     base = posixpath.dirname(root)
     text = fs.cat_file(root).decode("utf-8")
-    paths, sizes, tags = [], [], []
+    paths: list[str] = []
+    sizes: list[int] = []
+    tags: list[str] = []
     for lineno, line in enumerate(text.splitlines(), 1):
         line = line.strip()
         if not line or line.startswith("#"):
@@ -169,9 +172,9 @@ def _open_manifest(
         for i in np.flatnonzero(np.frombuffer(data, np.uint8)[starts] == ord("/")):
             _refuse_key(dataset, uri, data[starts[i] : ends[i]], "is absolute")
         for m in _DOTDOT.finditer(data):
-            i = int(np.searchsorted(ends, m.start(), side="left"))
-            if i < len(starts) and starts[i] <= m.start() < ends[i]:
-                key = data[starts[i] : ends[i]]
+            k = int(np.searchsorted(ends, m.start(), side="left"))
+            if k < len(starts) and starts[k] <= m.start() < ends[k]:
+                key = data[starts[k] : ends[k]]
                 if b".." in key.split(b"/"):
                     _refuse_key(dataset, uri, key, "contains '..'")
     info = fs.info(root)

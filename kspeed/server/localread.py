@@ -80,7 +80,7 @@ class LocalReader:
             The crc32c of each sample (0 for failed ones or without ``checksum``) and one error per
             failed sample, naming the dataset and the sample.
         """
-        view = memoryview(out).cast("B")
+        view = out.data.cast("B")
         crcs = [0] * len(ids)
         errors: list[DatasetError] = []
         if self.source.kind == "npy":
@@ -118,9 +118,9 @@ class LocalReader:
                     continue
                 crcs[j] = crc
         finally:
-            for fd in dirs.values():
-                if fd is not None:
-                    os.close(fd)
+            for dir_fd in dirs.values():
+                if dir_fd is not None:
+                    os.close(dir_fd)
         return crcs, errors
 
     def _open(self, path: str, sample: int, dirs: dict[str, int | None]) -> int:
@@ -128,7 +128,7 @@ class LocalReader:
         parent, _, name = path.rpartition("/")
         if parent not in dirs:
             dirs[parent] = self._open_dir(parent)
-        dfd = dirs[parent]
+        dfd: int | None = dirs[parent]
         if dfd is not None and name not in _SPECIAL_NAMES:
             try:
                 return os.open(name, _FILE_FLAGS, dir_fd=dfd)
@@ -222,7 +222,7 @@ def _read(
     got, crc, end = 0, 0, off + size
     while True:
         stop = min(off + got + PIECE, end)
-        bufs = [view[off + got : stop]]
+        bufs: list[memoryview | bytearray] = [view[off + got : stop]]
         if stop == end and scratch is not None:
             bufs.append(scratch)
         n = os.readv(fd, bufs) if position is None else os.preadv(fd, bufs, position + got)

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+if TYPE_CHECKING:
+    from kspeed.server.datasets import DatasetHost
+
 
 class _HostCollector(Collector):
     """Reads the pool and the hosted datasets at scrape time (no stale labels)."""
 
-    def __init__(self, host: Callable[[], object]) -> None:
+    def __init__(self, host: Callable[[], DatasetHost | None]) -> None:
         self._host = host
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
@@ -50,7 +54,7 @@ class _HostCollector(Collector):
 class ServerMetrics:
     """Every metric the server exports."""
 
-    def __init__(self, host: Callable[[], object] = lambda: None) -> None:
+    def __init__(self, host: Callable[[], DatasetHost | None] = lambda: None) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_HostCollector(host))
         self.info = Info("kspeed_server", "Identity of this server", registry=self.registry)

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kspeed import names
 from kspeed.errors import CapacityError, ConfigError, DatasetError, StateError
 
 __all__ = [
@@ -52,7 +53,6 @@ DEFAULT_REGION_SIZE = 128 << 20
 MANIFEST_NAME = "pool.json"
 _MANIFEST_VERSION = 1
 _REGION_RE = re.compile(r"^region-(\d{5})\.bin$")
-_DATASET_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 class RegionState(enum.Enum):
@@ -86,13 +86,7 @@ class RegionInfo:
 
 def check_dataset_name(name: str) -> str:
     """Return ``name`` if it can name files in the pool directory, else raise DatasetError."""
-    if not isinstance(name, str) or not _DATASET_RE.match(name):
-        raise DatasetError(
-            f"invalid dataset name {name!r}: use 1-128 characters of letters, digits, '.', '_', '-', "
-            "starting with a letter or digit",
-            dataset=str(name),
-        )
-    return name
+    return names.DATASET.check(name, DatasetError, what="invalid dataset name", dataset=str(name))
 
 
 def map_region(path: str | os.PathLike[str], *, writable: bool = False) -> mmap.mmap:
@@ -269,7 +263,7 @@ class MemoryPool:
             infos = [self.region(i) for i in range(len(self._regions))]
         if dataset is None:
             return infos
-        return sorted((r for r in infos if r.dataset == dataset), key=lambda r: r.vindex)
+        return sorted((r for r in infos if r.dataset == dataset), key=lambda r: r.vindex or 0)
 
     def counts(self) -> dict[RegionState, int]:
         """Number of regions per state, for metrics."""
@@ -302,7 +296,7 @@ class MemoryPool:
         with self._lock:
             if len(set(wanted)) != len(wanted) or any(v < 0 for v in wanted):
                 raise StateError(f"dataset {dataset!r}: virtual region indices must be distinct and >= 0")
-            held = {r.vindex for r in self._regions if r.dataset == dataset}
+            held = {r.vindex for r in self._regions if r.dataset == dataset and r.vindex is not None}
             dup = sorted(held.intersection(wanted))
             if dup:
                 raise StateError(f"dataset {dataset!r} already holds virtual regions {dup}; release it first")

@@ -328,7 +328,7 @@ class Preloader:
         pending.observe(b - a, time.perf_counter() - t0)
         ok = np.ones(len(ids), dtype=bool)
         if errors:
-            ok &= ~np.isin(ids, [e.sample for e in errors])
+            ok &= ~np.isin(ids, np.array([e.sample for e in errors], dtype=np.int64))
         with self._lock:
             self.index.crc[pos[ok]] = np.asarray(crcs, dtype=np.uint32)[ok]
             self.index.loaded[pos[ok]] = True

@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import grpc
-import numpy as np
 
+from kspeed import wire
 from kspeed._version import PROTOCOL_VERSIONS, __version__
 from kspeed.errors import ProtocolError
 from kspeed.proto import kspeed_pb2
-from kspeed.server.datasets import LE_U32, DatasetHost, decode_ids
+from kspeed.server.datasets import DatasetHost, decode_ids
 from kspeed.server.feeder_pool import FeederPool
 
 MAX_LOOKUP_CHUNK = 1 << 20  # IDs per Lookup chunk
@@ -113,7 +113,7 @@ class ServerService:
             raise ProtocolError("CommitPlan: the first chunk must name the feed")
         dataset = self._feeders.dataset_of(head.feed_id)
         all_ids = decode_ids(b"".join(ids), dataset, self._host.count(dataset))
-        all_lengths = np.frombuffer(b"".join(lengths), dtype=LE_U32).astype(np.int64)
+        all_lengths = wire.unpack_u32(b"".join(lengths), "CommitPlan: lengths")
         return self._feeders.commit_plan(head.feed_id, head.epoch, head.batch_size, all_ids, all_lengths)
 
     def CloseFeed(

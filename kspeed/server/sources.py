@@ -114,7 +114,7 @@ class Source:
         self._check_id(sample_id)
         if self.kind == "npy":
             return self.root
-        key = self._keys[sample_id]
+        key = self.key(sample_id)
         if self.kind == "list":
             return key
         return posixpath.join(self.root, key) if self.root else key
@@ -151,7 +151,7 @@ class Source:
         """
         i = self._check_id(sample_id)
         size = int(self.sizes[i])
-        view = memoryview(buf).cast("B")
+        view = (buf.data if isinstance(buf, np.ndarray) else memoryview(buf)).cast("B")
         if len(view) < size:
             raise DatasetError(
                 f"dataset {self.dataset!r} sample {i}: buffer of {len(view)} bytes for a {size}-byte sample",

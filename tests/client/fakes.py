@@ -84,7 +84,7 @@ class FakeServer:
         self.generation = request.generation
         self._key = RegionKey.from_bytes(request.ring_key)
         self._writer = get_rail(request.rail).connect(request.material, RailOptions(io_timeout=5.0))
-        self._writer.send(grants.encode_hello(request.feed_id, self.server_id, request.generation))
+        self._writer.send(grants.encode_hello(grants.Hello(request.feed_id, self.server_id, request.generation)))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, args=(self._writer, self._stop), daemon=True)
         self._thread.start()
@@ -119,12 +119,12 @@ class FakeServer:
                 message = writer.recv(0.05)
                 if message is None:
                     continue
-                kind, payload = grants.decode(message)
-                if kind == grants.DROP_PLAN:
-                    self.plans.pop(int(payload), None)
-                if kind != grants.GRANTS:
+                decoded = grants.decode(message)
+                if isinstance(decoded, grants.DropPlan):
+                    self.plans.pop(decoded.epoch, None)
+                if not isinstance(decoded, np.ndarray):
                     continue
-                for grant in payload:
+                for grant in decoded:
                     self._answer(writer, grant)
 
     def _answer(self, writer, grant) -> None:
@@ -137,7 +137,8 @@ class FakeServer:
         self.grant_log.append((epoch, batch))
         plan = self.plans.get(epoch)
         if plan is None or batch in self.refuse:
-            writer.send(grants.encode_error(epoch, batch, tag, f"batch {batch} refused by {self.server_id}"))
+            refusal = grants.GrantError(epoch, batch, tag, f"batch {batch} refused by {self.server_id}")
+            writer.send(grants.encode_error(refusal))
             return
         base = int(grant["ring_offset"])
         lo = int(plan.starts[batch]) + int(grant["first"])

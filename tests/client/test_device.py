@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-import kspeed.client.dataset as dataset_module
+import kspeed.client.builder as builder_module
 from kspeed.client.device import CpuDelivery, CudaDelivery, DeferredReleases, make_delivery, parse_device
 from kspeed.client.ring import RingAllocator
 from kspeed.errors import ConfigError
@@ -179,7 +179,7 @@ def test_cuda_branch_collected_views_release_like_release():
 def fake_cuda(monkeypatch):
     fake = FakeCuda(not_ready=3)
     monkeypatch.setattr(
-        dataset_module, "make_delivery", lambda device: CudaDelivery(torch.device("cuda"), backend=fake)
+        builder_module, "make_delivery", lambda device: CudaDelivery(torch.device("cuda"), backend=fake)
     )
     return fake
 

@@ -11,9 +11,11 @@ from torch.utils.data import DataLoader
 
 from kspeed import grants
 from kspeed.client.dataset import KSpeedDataset
-from kspeed.client.rail_choice import choose_rail
+from kspeed.client.options import FeedOptions
+from kspeed.client.rail_choice import ServerPlace, choose_rail, needs_pacing
 from kspeed.errors import ConfigError, DatasetError, PeerLostError, RailUnavailableError, StateError, TransportError
 from kspeed.rdma.base import Completions
+from kspeed.rdma.rails import available_rails, capabilities
 from tests.client.fakes import client_config
 
 
@@ -38,25 +40,27 @@ def test_fence_quarantines_and_ignores_the_old_generation(make_ds):
     feed.poll(0.2)
     path = feed.paths[1]
     old_generation, conn = path.generation, path.conn
-    outstanding = [tag for tag, (_, index, _) in feed._outstanding.items() if index == 1]
+    outstanding = [tag for tag, entry in feed.outstanding.items() if entry.path == 1]
     assert outstanding and all(grants.tag_generation(t) == old_generation for t in outstanding)
     fenced = {
         (slot.offset, slot.offset + feed.allocator.footprint(int(slot.plan.layout.batch_bytes[slot.batch])))
-        for slot in (feed._outstanding[t][0] for t in outstanding)
+        for slot in (feed.outstanding[t].slot for t in outstanding)
     }
 
     assert ds.fence("s1", "declared failed in a test") == len(outstanding)
     assert path.generation == old_generation + 1
     deadline = time.monotonic() + 5  # paced, the pacing thread (the receiver's only user) cuts it within a tick
-    while conn in feed._receiver.connections and time.monotonic() < deadline:
+    while conn in feed.receiver.connections and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert conn not in feed._receiver.connections
+    assert conn not in feed.receiver.connections
     quarantined = feed.allocator.quarantined
     assert quarantined > 0
     # A completion of the old generation that arrives late changes nothing.
-    before = feed.stats()
-    feed.accept(Completions(np.array([outstanding[0]], np.uint32), np.array([conn], np.uint32)))
-    after = feed.stats()
+    # Under the feed's lock, so s0's completions, which keep arriving, are not counted in between.
+    with feed.lock:
+        before = feed.stats()
+        feed.accept(Completions(np.array([outstanding[0]], np.uint32), np.array([conn], np.uint32)))
+        after = feed.stats()
     assert after["stale_completions"] == before["stale_completions"] + 1
     assert after["completions"] == before["completions"]
     # The quarantined ranges are never handed out again.
@@ -131,15 +135,31 @@ def test_a_new_iteration_supersedes_the_old_one(make_ds):
 
 
 def test_rail_choice_and_forced_rails():
-    local = {"a": ("127.0.0.1:7071", ""), "b": ("10.9.9.9:7071", "elsewhere")}
+    local = {"a": ServerPlace("127.0.0.1:7071"), "b": ServerPlace("10.9.9.9:7071", "elsewhere")}
     choice = choose_rail(local)
     assert choice.rail == "tcp"
     assert "remote" in choice.reasons["b"] and "one ring has one rail" in choice.reasons["a"]
     assert choose_rail({"a": local["a"]}).rail == "shm"
-    with pytest.raises(RailUnavailableError, match=r"server b at 10.9.9.9:7071 is on another host.*available"):
+    with pytest.raises(RailUnavailableError, match=r"cannot reach server b at 10.9.9.9:7071.*on this host.*available"):
         choose_rail(local, "shm")
     with pytest.raises(RailUnavailableError, match=r"unknown rail 'verbs'.*offers"):
         choose_rail(local, "verbs")
+    # A server that offers only tcp is fed over tcp even on this host; one that offers no usable rail is refused.
+    assert choose_rail({"a": ServerPlace("127.0.0.1:7071", rails=("tcp",))}).rail == "tcp"
+    with pytest.raises(RailUnavailableError, match=r"no rail usable on this host reaches every server"):
+        choose_rail({"a": ServerPlace("127.0.0.1:7071", rails=("verbs",))})
+
+
+def test_rails_are_chosen_and_paced_by_capabilities_not_names():
+    local, remote = ServerPlace("127.0.0.1:1"), ServerPlace("10.9.9.9:1", "elsewhere")
+    host_local = [name for name in available_rails() if capabilities(name).host_local]
+    network = [name for name in available_rails() if not capabilities(name).host_local]
+    assert host_local and network
+    assert choose_rail({"a": local}).rail == host_local[0]
+    assert choose_rail({"a": local, "b": remote}).rail == network[0]
+    assert not needs_pacing(host_local[0], {"a": local})
+    assert not needs_pacing(network[0], {"a": local})  # loopback crosses no link
+    assert needs_pacing(network[0], {"a": local, "b": remote}) == capabilities(network[0]).needs_pacing
 
 
 def test_unknown_rail_is_refused_before_anything_opens(samples):
@@ -147,24 +167,24 @@ def test_unknown_rail_is_refused_before_anything_opens(samples):
 
     fake = FakeServer("s0", samples, 0, len(samples))
     with pytest.raises(RailUnavailableError, match="carrier-pigeon"):
-        KSpeedDataset(
+        KSpeedDataset.open(
             fake_info(samples, [("s0", 0, len(samples))]),
             [fake],
             config=client_config(),
-            batch_size=4,
-            rail="carrier-pigeon",
+            options=FeedOptions(batch_size=4, rail="carrier-pigeon"),
         )
     assert fake.generation == 0  # no OpenFeed was sent
 
 
 def test_a_failing_pacing_thread_is_named_not_a_hang(make_ds):
     ds, _ = make_ds()
-    if ds._feed.pacer is None:
+    pacer = getattr(ds._feed.granting, "pacer", None)
+    if pacer is None:
         pytest.skip("unpaced feeds have no pacing thread")
 
     def broken(now=None):
         raise RuntimeError("model exploded")
 
-    ds._feed.pacer.release = broken
+    pacer.release = broken
     with pytest.raises(TransportError, match=r"pacing thread failed: RuntimeError.*model exploded"):
         next(iter(ds))

@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
 
 from kspeed.client.dataset import KSpeedDataset
+from kspeed.client.options import FeedOptions
 from kspeed.client.workers import check_loader, check_picklable, pil_file_loader, resolve_loader
 from kspeed.client.wrap import WrappedDataset, folder_spec
 from kspeed.errors import ConfigError, DatasetError
@@ -141,17 +142,10 @@ def make_wrapped(folder):
         half = len(data) // 2
         fakes = [FakeServer("s0", data, 0, half), FakeServer("s1", data, half, len(data))]
         info = fake_info(data, [("s0", 0, half), ("s1", half, len(data))], labels="")
-        inner = KSpeedDataset(
-            info,
-            fakes,
-            config=client_config(),
-            rail="shm",
-            batch_size=batch_size,
-            sampler=sampler,
-            seed=seed,
-            drop_last=drop_last,
-            ring_bytes=1 << 20,
+        options = FeedOptions(
+            batch_size=batch_size, sampler=sampler, seed=seed, drop_last=drop_last, rail="shm", ring_bytes=1 << 20
         )
+        inner = KSpeedDataset.open(info, fakes, config=client_config(), options=options)
         kwargs.setdefault("num_workers", 2)
         try:
             wrapped = WrappedDataset(

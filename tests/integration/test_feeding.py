@@ -76,9 +76,9 @@ def test_grants_land_byte_exact(loaded, rail):
         while len(conn_of) < len(stubs) and time.monotonic() < deadline:
             receiver.poll(0.1)
             for conn, message in receiver.messages():
-                kind, hello = grants.decode(message)
-                assert kind == grants.HELLO and hello["generation"] == 3 and hello["feed"] == "rank0"
-                conn_of[hello["server"]] = conn
+                hello = grants.decode(message)
+                assert isinstance(hello, grants.Hello) and hello.generation == 3 and hello.feed == "rank0"
+                conn_of[hello.server] = conn
         assert set(conn_of) == set(stubs)
 
         ids = np.random.default_rng(5).permutation(len(files))[:100]
@@ -168,7 +168,7 @@ def test_feed_errors_are_named(loaded):
         while not got and time.monotonic() < deadline:
             receiver.poll(0.1)
             got = [grants.decode(m) for _, m in receiver.messages()]
-        assert got and got[0][0] == grants.ERROR and "no plan for epoch 9" in got[0][1][3]
+        assert got and isinstance(got[0], grants.GrantError) and "no plan for epoch 9" in got[0].text
         # Latency probes: filler of the asked size at the asked offset, one completion; a bad size is named.
         memory = ring.array()
         memory[:] = 0xAB
@@ -184,6 +184,8 @@ def test_feed_errors_are_named(loaded):
         assert done == [grants.make_tag(1, 2)]
         assert not memory[4096 : 4096 + (256 << 10)].any()
         assert (memory[:4096] == 0xAB).all() and (memory[4096 + (256 << 10) :] == 0xAB).all()
-        assert got[0][0] == grants.ERROR and got[0][1][2] == grants.make_tag(1, 3) and "probe of" in got[0][1][3]
+        assert (
+            isinstance(got[0], grants.GrantError) and got[0].tag == grants.make_tag(1, 3) and "probe of" in got[0].text
+        )
     finally:
         receiver.close()

@@ -17,7 +17,7 @@ from kspeed.rdma.base import RegionKey
 from kspeed.rdma.framing import IMMS, MSG, FrameReader, frame
 from kspeed.rdma.memory import PAGE_SIZE, HostBuffer, MemfdSegment
 from kspeed.rdma.options import RailOptions
-from kspeed.rdma.rails import get_rail, rail_status, register_rail
+from kspeed.rdma.rails import available_rails, get_rail, rail_names, rail_status, register_rail, unregister_rail
 from kspeed.rdma.tcp import TcpRail, wire
 
 TOKEN = b"unit-test-token-0123456789"
@@ -155,10 +155,15 @@ def test_registry_reports_unavailable_rail_with_reason():
             return "no such hardware"
 
     register_rail(Broken())
-    assert rail_status()["broken-test-rail"] == "no such hardware"
-    with pytest.raises(RailUnavailableError) as err:
-        get_rail("broken-test-rail")
-    assert "no such hardware" in str(err.value) and "shm" in str(err.value)
+    try:
+        assert rail_status()["broken-test-rail"] == "no such hardware"
+        assert "broken-test-rail" in rail_names() and "broken-test-rail" not in available_rails()
+        with pytest.raises(RailUnavailableError) as err:
+            get_rail("broken-test-rail")
+        assert "no such hardware" in str(err.value) and "shm" in str(err.value)
+    finally:
+        unregister_rail("broken-test-rail")
+    assert "broken-test-rail" not in rail_names()
 
 
 def test_tcp_receiver_drops_writer_stalled_mid_write_and_refuses_out_of_range():

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import socket
 
-from kspeed.rdma.base import Rail
+from kspeed.rdma.base import Rail, RailCapabilities
 from kspeed.rdma.options import RailOptions
 
 from .receiver import ShmReceiver
@@ -22,6 +22,9 @@ class ShmRail(Rail):
     """Same-host rail over memfd rings."""
 
     name = "shm"
+    capabilities = RailCapabilities(
+        host_local=True, needs_pacing=False, revokes_writer=False, device_memory=False, preference=20
+    )
 
     def unavailable_reason(self) -> str | None:
         if not hasattr(os, "memfd_create"):

@@ -63,7 +63,7 @@ class ShmReceiver(Receiver):
         self._listener.bind("\0" + self._name)
         self._listener.listen(64)
         self._lock = threading.Lock()
-        self._regions: dict[int, Region] = {}
+        self._regions: dict[int, tuple[Region, MemfdSegment]] = {}
         self._handles = count(1)
         self._conn_ids = count(1)
         self._conns: dict[int, socket.socket] = {}
@@ -89,19 +89,19 @@ class ShmReceiver(Receiver):
         with self._lock:
             handle = next(self._handles)
             region = Region(RegionKey("shm", self._node, handle, 0, nbytes), segment)
-            self._regions[handle] = region
+            self._regions[handle] = (region, segment)
             conns = list(self._conns.items())
         for conn, sock in conns:
             try:
-                self._send_region(sock, region)
+                self._send_region(sock, region, segment)
             except OSError as exc:
                 self._drop(conn, framing.lost(f"announcing region {handle} to writer {conn}", exc, conn))
         return region
 
     @staticmethod
-    def _send_region(sock: socket.socket, region: Region) -> None:
+    def _send_region(sock: socket.socket, region: Region, segment: MemfdSegment) -> None:
         payload = json.dumps({"handle": region.key.handle, "length": region.key.length}).encode()
-        socket.send_fds(sock, [framing.frame(framing.REGION, payload)], [region.memory.fd])
+        socket.send_fds(sock, [framing.frame(framing.REGION, payload)], [segment.fd])
 
     def _accept_loop(self) -> None:
         while True:
@@ -126,8 +126,8 @@ class ShmReceiver(Receiver):
             if self._closed:
                 raise TransportError("receiver is closing")
             conn = next(self._conn_ids)
-            for region in self._regions.values():
-                self._send_region(sock, region)
+            for region, segment in self._regions.values():
+                self._send_region(sock, region, segment)
             welcome = {"conn": conn, "node": self._node}
             sock.sendall(framing.frame(framing.WELCOME, json.dumps(welcome).encode()))
             sock.settimeout(self._options.io_timeout)
@@ -190,7 +190,7 @@ class ShmReceiver(Receiver):
             for key, _ in self._sel.select(remaining):
                 if key.data is None:
                     self._register_new()
-                else:
+                elif isinstance(key.fileobj, socket.socket):
                     self._read(key.data, key.fileobj, parts)
             if parts or self._errors or len(self._messages) != had_messages or remaining == 0:
                 break
@@ -241,7 +241,7 @@ class ShmReceiver(Receiver):
         self._listener.close()
         for conn in list(self._conns):
             self._drop(conn, None)
-        for region in self._regions.values():
+        for region, _ in self._regions.values():
             region.close()
         self._regions.clear()
         self._sel.close()

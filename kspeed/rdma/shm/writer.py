@@ -16,10 +16,24 @@ import os
 import select
 import socket
 from collections import deque
+from collections.abc import Iterable
 
 from kspeed.errors import AuthError, KSpeedError, PeerLostError, RailUnavailableError, RangeError, TransportError
 from kspeed.rdma import auth, framing
-from kspeed.rdma.base import MAX_MESSAGE, RegionKey, Writer, as_bytes_view, check_imm, check_range
+from kspeed.rdma.base import (
+    MAX_MESSAGE,
+    Buffer,
+    Ints,
+    Memory,
+    Region,
+    RegionKey,
+    Sources,
+    WriteOp,
+    Writer,
+    as_bytes_view,
+    check_imm,
+    check_range,
+)
 from kspeed.rdma.memory import MemfdSegment
 from kspeed.rdma.options import RailOptions
 from kspeed.rdma.write_batch import check_batch, source_array
@@ -116,9 +130,17 @@ class ShmWriter(Writer):
             )
         return dst
 
-    def write_batch(self, key, source, src_offsets, lengths, dst_offsets, imms=None) -> None:
+    def write_batch(
+        self,
+        key: RegionKey,
+        source: Region | Memory | Buffer,
+        src_offsets: Ints,
+        lengths: Ints,
+        dst_offsets: Ints,
+        imms: Ints | None = None,
+    ) -> None:
         ring = self._target(key)
-        src = memoryview(source_array(source))
+        src = source_array(source).data
         batch = check_batch(key, src.nbytes, src_offsets, lengths, dst_offsets, imms)
         # One slice copy per op over plain ints computed by numpy. Measured on the 2-core box: 0.19 µs
         # per op of fixed cost, against 0.77 µs for ctypes.memmove (its argument conversion costs more
@@ -137,7 +159,7 @@ class ShmWriter(Writer):
         except OSError as exc:
             raise framing.lost("notifying shm receiver", exc, self.conn) from exc
 
-    def write(self, key, srcs, offset=0, imm=None) -> None:
+    def write(self, key: RegionKey, srcs: Sources, offset: int = 0, imm: int | None = None) -> None:
         dst = self._target(key)
         check_imm(imm)
         if isinstance(srcs, (list, tuple)):
@@ -156,7 +178,7 @@ class ShmWriter(Writer):
         if imm is not None:
             self._notify(imm.to_bytes(4, "little"))
 
-    def write_many(self, key, ops) -> None:
+    def write_many(self, key: RegionKey, ops: Iterable[WriteOp]) -> None:
         dst = self._target(key)
         base = key.addr
         limit = key.length
@@ -164,8 +186,7 @@ class ShmWriter(Writer):
         imms = array.array("I")
         try:
             for srcs, offset, imm in ops:
-                kind = type(srcs)
-                if kind is list or kind is tuple:
+                if isinstance(srcs, (list, tuple)):
                     pos = base + offset
                     start = pos
                     for s in srcs:
@@ -174,9 +195,7 @@ class ShmWriter(Writer):
                         pos += v.nbytes
                     nbytes = pos - start
                 else:
-                    v = srcs if kind is memoryview else memoryview(srcs)
-                    if v.ndim != 1 or v.format != "B":
-                        v = as_bytes_view(v)
+                    v = as_bytes_view(srcs)
                     nbytes = v.nbytes
                     copies.append((base + offset, v))
                 if offset < 0 or offset + nbytes > limit:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import socket
 
-from kspeed.rdma.base import Rail
+from kspeed.rdma.base import Rail, RailCapabilities
 from kspeed.rdma.options import RailOptions
 
 from .receiver import TcpReceiver
@@ -23,6 +23,9 @@ class TcpRail(Rail):
     """Cross-host rail over TCP with a receiver process."""
 
     name = "tcp"
+    capabilities = RailCapabilities(
+        host_local=False, needs_pacing=True, revokes_writer=True, device_memory=False, preference=10
+    )
 
     def unavailable_reason(self) -> str | None:
         if not hasattr(os, "memfd_create") or not hasattr(socket, "send_fds"):

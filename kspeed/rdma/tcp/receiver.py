@@ -99,9 +99,12 @@ class TcpReceiver(Receiver):
             stdout=subprocess.PIPE,
             close_fds=True,
         )
-        ready, _, _ = select.select([proc.stdout], [], [], o.connect_timeout + 10)
-        line = proc.stdout.readline().decode().strip() if ready else ""
-        proc.stdout.close()
+        stdout = proc.stdout
+        if stdout is None:  # Popen always opens it with stdout=PIPE
+            raise RailUnavailableError("tcp receiver process started without its stdout pipe")
+        ready, _, _ = select.select([stdout], [], [], o.connect_timeout + 10)
+        line = stdout.readline().decode().strip() if ready else ""
+        stdout.close()
         if not line.startswith("ready"):
             proc.kill()
             proc.wait()

@@ -255,12 +255,12 @@ class ReceiverProcess:
                 self.sel.register(sock, selectors.EVENT_READ, bulk)
                 self._to_consumer(consumer, framing.WELCOME, _U32.pack(conn))
             else:
-                bulk = self.bulks.get(conn)
-                if bulk is None or bulk.consumer is not consumer or bulk.msg_sock is not None:
+                owner = self.bulks.get(conn)
+                if owner is None or owner.consumer is not consumer or owner.msg_sock is not None:
                     sock.close()
                     continue
-                bulk.msg_sock = sock
-                self.sel.register(sock, selectors.EVENT_READ, ("msg", bulk))
+                owner.msg_sock = sock
+                self.sel.register(sock, selectors.EVENT_READ, ("msg", owner))
 
     def _drop_bulk(self, bulk: _Bulk, reason: str | None) -> None:
         if self.bulks.pop(bulk.conn, None) is None:
@@ -281,8 +281,11 @@ class ReceiverProcess:
                 self._to_consumer(c, framing.LOST, _U32.pack(bulk.conn) + reason.encode())
 
     def _msg_readable(self, bulk: _Bulk) -> None:
+        msg_sock = bulk.msg_sock
+        if msg_sock is None:
+            return
         try:
-            n = bulk.msg_reader.recv(bulk.msg_sock, socket.MSG_DONTWAIT)
+            n = bulk.msg_reader.recv(msg_sock, socket.MSG_DONTWAIT)
         except BlockingIOError:
             return
         except OSError as exc:
@@ -299,8 +302,8 @@ class ReceiverProcess:
         if n == 0 and bulk.conn in self.bulks:
             # A closing writer's bulk bytes (and its bye) may still be queued behind this EOF: only
             # the bulk connection ends the writer, so its last completions are never lost.
-            self.sel.unregister(bulk.msg_sock)
-            bulk.msg_sock.close()
+            self.sel.unregister(msg_sock)
+            msg_sock.close()
             bulk.msg_sock = None
 
     def _bulk_readable(self, bulk: _Bulk) -> None:
@@ -362,7 +365,8 @@ class ReceiverProcess:
         return True
 
     def _finish_write(self, bulk: _Bulk) -> None:
-        bulk.dst.release()
+        if bulk.dst is not None:
+            bulk.dst.release()
         bulk.dst = None
         if bulk.imm is not None:
             bulk.consumer.pending.append(bulk.conn)

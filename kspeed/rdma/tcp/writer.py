@@ -15,11 +15,19 @@ import os
 import select
 import socket
 from collections import deque
+from collections.abc import Iterable
 
 from kspeed.errors import AuthError, KSpeedError, TransportError
 from kspeed.rdma import auth, framing
 from kspeed.rdma.base import (
     MAX_MESSAGE,
+    Buffer,
+    Ints,
+    Memory,
+    Region,
+    RegionKey,
+    Sources,
+    WriteOp,
     Writer,
     as_bytes_view,
     check_imm,
@@ -124,10 +132,10 @@ class TcpWriter(Writer):
         except OSError as exc:
             raise framing.lost("writing to tcp receiver", exc, self.conn) from exc
 
-    def write(self, key, srcs, offset=0, imm=None) -> None:
+    def write(self, key: RegionKey, srcs: Sources, offset: int = 0, imm: int | None = None) -> None:
         self.write_many(key, [(srcs, offset, imm)])
 
-    def write_many(self, key, ops) -> None:
+    def write_many(self, key: RegionKey, ops: Iterable[WriteOp]) -> None:
         bufs: list = []
         pack = wire.WRITE_HEADER.pack
         for srcs, offset, imm in ops:
@@ -144,28 +152,42 @@ class TcpWriter(Writer):
             bufs.extend(views)
         self._sendmsg(bufs)
 
-    def write_batch(self, key, source, src_offsets, lengths, dst_offsets, imms=None) -> None:
+    def write_batch(
+        self,
+        key: RegionKey,
+        source: Region | Memory | Buffer,
+        src_offsets: Ints,
+        lengths: Ints,
+        dst_offsets: Ints,
+        imms: Ints | None = None,
+    ) -> None:
         src = source_array(source)
         batch = check_batch(key, src.nbytes, src_offsets, lengths, dst_offsets, imms)
-        bufs = wire.batch_buffers(key, memoryview(src), batch)
+        bufs = wire.batch_buffers(key, src.data, batch)
         if bufs:
             self._sendmsg(bufs)
+
+    def _message_socket(self) -> socket.socket:
+        if self._msg is None:
+            raise framing.lost("the tcp writer's message connection is closed", None, self.conn)
+        return self._msg
 
     def send(self, message: bytes) -> None:
         if len(message) > MAX_MESSAGE:
             raise TransportError(f"message of {len(message)} bytes exceeds {MAX_MESSAGE}")
         try:
-            self._msg.sendall(framing.frame(framing.MSG, message))
+            self._message_socket().sendall(framing.frame(framing.MSG, message))
         except OSError as exc:
             raise framing.lost("sending to tcp receiver", exc, self.conn) from exc
 
     def recv(self, timeout: float | None = 0.0) -> bytes | None:
         if self._messages:
             return self._messages.popleft()
-        ready = select.select([self._msg], [], [], timeout)[0]
+        sock = self._message_socket()
+        ready = select.select([sock], [], [], timeout)[0]
         if ready:
             try:
-                n = self._msg_reader.recv(self._msg, socket.MSG_DONTWAIT)
+                n = self._msg_reader.recv(sock, socket.MSG_DONTWAIT)
             except BlockingIOError:
                 n = -1
             except OSError as exc:

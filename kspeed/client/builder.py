@@ -1,0 +1,246 @@
+"""Assembles the parts of one rank's feed of a dataset; :class:`~kspeed.client.dataset.KSpeedDataset` only drives them.
+
+In order: the sampler's orders, the delivery to the training device, where this process should
+run (its GPU's nearest NIC and cores), the rail from the rails' capabilities, the receive ring and
+its paths to every server (a :class:`~kspeed.client.feed.Feed`, paced or not), the planner of
+epochs and the pump that keeps the ring granted, and the statistics with their reporter. A
+failure half-way closes what was already built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pwd
+import re
+import socket
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from kspeed.config import ClientConfig, gpu_environment
+from kspeed.control.manager_client import ManagerClient
+from kspeed.errors import ConfigError, KSpeedError
+from kspeed.layout import SAMPLE_ALIGN
+from kspeed.proto import kspeed_pb2
+from kspeed.rdma.options import RailOptions
+from kspeed.rdma.topology import Placement, pin, place
+
+from .device import Delivery, make_delivery
+from .feed import Feed
+from .granting import Granting, Paced, Unpaced
+from .links import Link
+from .options import FeedOptions
+from .pacing import Pacer
+from .plans import EpochPlanner
+from .pump import Pump
+from .rail_choice import ServerPlace, choose_rail, local_address_towards, needs_pacing
+from .sampling import EpochOrders
+from .stats import RankStats, StatsReporter, default_job
+
+__all__ = ["MAX_IO_THREADS", "MIN_RING", "RING_BATCHES", "FeedParts", "build_feed", "ring_size"]
+
+log = logging.getLogger(__name__)
+
+MIN_RING = 256 << 20
+RING_BATCHES = 4
+MAX_IO_THREADS = 8  # threads that talk to the servers at once (lookups, commits)
+
+
+@dataclass
+class FeedParts:
+    """Everything one rank's feed of a dataset is made of.
+
+    Attributes:
+        links: the dataset's servers, in plan-owner order.
+        orders: the sampler's orders.
+        delivery: how batches reach the training device.
+        placement: the NIC and cores nearest this process's GPU.
+        io: threads that talk to several servers at once.
+        feed: the receive ring and its paths.
+        pump: keeps the ring granted ahead of the training loop.
+        stats: what this rank received.
+        reporter: sends the statistics to the manager (``None`` without a manager).
+        ring_bytes: the ring's size.
+    """
+
+    links: list[Link]
+    orders: EpochOrders
+    delivery: Delivery
+    placement: Placement
+    io: ThreadPoolExecutor
+    feed: Feed
+    pump: Pump
+    stats: RankStats
+    reporter: StatsReporter | None
+    ring_bytes: int
+
+    def close(self) -> None:
+        """Stop the reporter and the pump, undo the delivery, close the feed and the links (best effort)."""
+        if self.reporter is not None:
+            self.reporter.close()
+        for step in (self.pump.close, self.delivery.close, self.feed.close):
+            try:
+                step()
+            except KSpeedError as exc:
+                log.warning("dataset %s: error while closing: %s", self.feed.dataset, exc)
+        self.io.shutdown(wait=False, cancel_futures=True)
+        for link in self.links:
+            link.close()
+
+    def figures(self) -> dict[str, Any]:
+        """This rank's delivery figures: the feed's counters, the rank's statistics and its data wait."""
+        return {
+            **self.feed.stats(),
+            **self.stats.summary(),
+            "wait_s": self.pump.wait_s,
+            "last_wait_s": self.pump.last_wait_s,
+            "rail": self.feed.rail,
+        }
+
+
+def ring_size(info: kspeed_pb2.DatasetInfo, batch_size: int, requested: int) -> int:
+    """``requested``, or (for 0) room for :data:`RING_BATCHES` batches of average samples, at least :data:`MIN_RING`."""
+    if requested:
+        return requested
+    count = max(int(info.fingerprint.count), 1)
+    average = -(-int(info.fingerprint.total_bytes) // count)
+    per_sample = -(-average // SAMPLE_ALIGN) * SAMPLE_ALIGN
+    return max(MIN_RING, RING_BATCHES * batch_size * per_sample)
+
+
+def _user() -> str:
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        return str(os.getuid())
+
+
+def _feed_id(dataset: str, rank: int) -> str:
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:20]
+    return f"{host}-{os.getpid()}-r{rank}-{dataset[:16]}-{os.urandom(3).hex()}"
+
+
+def _tcp_host(config: ClientConfig, places: Mapping[str, ServerPlace]) -> str:
+    """Where a network receiver listens: the configured address, loopback, or the route to the servers."""
+    if config.data_host:
+        return config.data_host
+    remote = [p.address for p in places.values() if not p.local[0]]
+    return local_address_towards(remote[0]) if remote else "127.0.0.1"
+
+
+def _granting(config: ClientConfig, rail: str, places: Mapping[str, ServerPlace], servers: int) -> Granting:
+    """Paced unless pacing is off; ``auto`` paces when the rail crosses a network that incast can overrun."""
+    if config.pacing == "off" or (config.pacing == "auto" and not needs_pacing(rail, places)):
+        return Unpaced()
+    pacer = Pacer(servers, credit=config.credit, node_loaders=config.loaders_on_node(), round_s=config.pace_round)
+    return Paced(pacer)
+
+
+def build_feed(
+    info: kspeed_pb2.DatasetInfo,
+    links: Sequence[Link],
+    *,
+    config: ClientConfig,
+    options: FeedOptions,
+    places: Mapping[str, ServerPlace] | None = None,
+    manager: ManagerClient | None = None,
+) -> FeedParts:
+    """Build every part of this rank's feed of ``info`` from its servers' ``links``.
+
+    Args:
+        info: the dataset as the manager describes it (shares, addresses, sample count).
+        links: one control-plane link per server of the dataset.
+        config: the client configuration (rail, ring size, pacing, timeouts, credentials).
+        options: the feed's options.
+        places: per server id, where it runs and which rails it offers (default: only its address).
+        manager: reports the rank's statistics when given.
+
+    Raises:
+        ConfigError: a bad option (named) or a CUDA device while none is available.
+        CapacityError: the ring cannot be set up.
+        RailUnavailableError: a forced rail cannot serve every server.
+        UnavailableError: a server is unreachable (named).
+    """
+    name = info.spec.name
+    places = {link.server_id: (places or {}).get(link.server_id) or ServerPlace(link.address) for link in links}
+    requested = options.ring_bytes if options.ring_bytes is not None else config.ring_bytes
+    if requested < 0:
+        raise ConfigError(f"dataset {name!r}: ring_bytes must not be negative, got {requested}", field="ring_bytes")
+    orders = EpochOrders(
+        options.sampler,
+        num_samples=int(info.fingerprint.count),
+        batch_size=options.batch_size,
+        drop_last=options.drop_last,
+        seed=options.seed,
+        shuffle=options.shuffle,
+        rank=options.rank,
+        world_size=options.world_size,
+        dataset=name,
+    )
+    delivery = make_delivery(options.device)
+    ring_bytes = ring_size(info, options.batch_size, requested)
+    # The NIC and cores nearest this process's GPU (no preference without a GPU or NIC); a forced
+    # NIC that does not exist is an error here, never a silent fallback.
+    placement = place(environ=gpu_environment(), nic=config.nic or None)
+    if placement.gpu_bus_id or placement.nic:
+        log.info("dataset %s: placement %s", name, placement.reason)
+    cores = placement.cores if config.pin_threads else ()
+    choice = choose_rail(places, options.rail or config.rail)
+    rail_options = RailOptions(token=config.security.data_plane_token(), bind_host=_tcp_host(config, places))
+    rank = options.rank or 0
+    feed_id = _feed_id(name, rank)
+    holder = f"{_user()}@{socket.gethostname()} pid {os.getpid()} rank {rank}"
+    with contextlib.ExitStack() as undo:
+        io = ThreadPoolExecutor(
+            min(MAX_IO_THREADS, max(len(links), 1)), thread_name_prefix="kspeed-io", initializer=pin, initargs=(cores,)
+        )
+        undo.callback(io.shutdown, wait=False)
+        feed = Feed(
+            dataset=name,
+            feed_id=feed_id,
+            links=links,
+            rail=choice.rail,
+            reasons=choice.reasons,
+            ring_bytes=ring_bytes,
+            options=rail_options,
+            completion_timeout=config.completion_timeout,
+            holder=holder[:200],
+            granting=_granting(config, choice.rail, places, len(links)),
+        )
+        undo.callback(feed.close)
+        delivery.attach(feed.ring)
+        undo.callback(delivery.close)
+        for pid in feed.helper_pids if cores else ():  # the tcp receiver process shares the node
+            try:
+                os.sched_setaffinity(pid, cores)
+            except OSError as exc:
+                log.warning("dataset %s: cannot pin receiver process %d to cores %s: %s", name, pid, cores, exc)
+        planner = EpochPlanner(
+            links,
+            dataset=name,
+            feed_id=feed_id,
+            orders=orders,
+            batch_size=options.batch_size,
+            labelled=bool(info.spec.labels),
+            ring_bytes=ring_bytes,
+            pool=io,
+        )
+        pump = Pump(feed, planner, orders.deterministic, thread_cores=cores, delivery=delivery)
+        stats = RankStats([link.server_id for link in links])
+        undo.pop_all()
+    parts = FeedParts(list(links), orders, delivery, placement, io, feed, pump, stats, None, ring_bytes)
+    if manager is not None:
+        sampler = options.sampler
+        parts.reporter = StatsReporter(
+            manager,
+            job=config.job or default_job(),
+            rank=int(getattr(sampler, "rank", rank)),
+            world_size=int(getattr(sampler, "num_replicas", options.world_size or 1)),
+            dataset=name,
+            collect=parts.figures,
+            interval=config.stats_interval,
+        )
+    return parts

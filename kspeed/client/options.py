@@ -1,0 +1,89 @@
+"""How one rank is fed one dataset: the options of :meth:`KSpeedClient.dataset`, checked once, frozen.
+
+The client's public methods take these as keyword arguments (so a training script reads as a
+``DataLoader`` call does) and turn them into one :class:`FeedOptions` at their first line; every
+layer below passes that object on instead of threading a dozen parameters through.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from kspeed.errors import ConfigError
+
+__all__ = ["FeedOptions"]
+
+
+@dataclasses.dataclass(frozen=True)
+class FeedOptions:
+    """The options of one rank's feed of one dataset.
+
+    Attributes:
+        batch_size: samples per batch.
+        sampler: any torch sampler of sample IDs; ``None``: every sample (shuffled per epoch with
+            ``seed`` when ``shuffle``), split over the ranks of the job (a ``DistributedSampler``).
+        seed: seed of the built-in shuffle.
+        shuffle: whether the built-in sampler shuffles.
+        drop_last: drop the last incomplete batch of each epoch.
+        rank: this rank for the built-in sampler (default: from the job's launcher).
+        world_size: ranks sharing each epoch for the built-in sampler.
+        rail: the data-plane rail, or ``None`` for the client configuration's (``"auto"``: chosen
+            from the rails' capabilities).
+        ring_bytes: receive ring size, or ``None`` for the configuration's (0: sized from the
+            batches).
+        quiet: no progress bar in ``preload()``.
+        device: where batches are delivered: ``"cpu"`` (zero-copy ring views), ``"cuda"`` or
+            ``"cuda:N"``.
+
+    Raises:
+        ConfigError: a field is invalid (named), or an unknown option was given to
+            :meth:`from_kwargs`.
+    """
+
+    batch_size: int
+    sampler: Iterable[int] | None = None
+    seed: int = 0
+    shuffle: bool = True
+    drop_last: bool = False
+    rank: int | None = None
+    world_size: int | None = None
+    rail: str | None = None
+    ring_bytes: int | None = None
+    quiet: bool = False
+    device: str | torch.device = "cpu"
+
+    def __post_init__(self) -> None:
+        _positive_int("batch_size", self.batch_size)
+        if self.ring_bytes is not None:
+            _non_negative_int("ring_bytes", self.ring_bytes)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigError(f"seed must be an integer, got {self.seed!r}", field="seed", value=self.seed)
+        if self.rail is not None and not isinstance(self.rail, str):
+            raise ConfigError(f"rail must be a rail name or 'auto', got {self.rail!r}", field="rail", value=self.rail)
+
+    @classmethod
+    def from_kwargs(cls, batch_size: int, sampler: Iterable[int] | None = None, **kwargs: Any) -> FeedOptions:
+        """Options from keyword arguments; an unknown name is a :class:`ConfigError` listing the known ones."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown dataset option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}",
+                field=unknown[0],
+                value=kwargs[unknown[0]],
+            )
+        return cls(batch_size=batch_size, sampler=sampler, **kwargs)
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}", field=name, value=value)
+
+
+def _non_negative_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{name} must be a non-negative integer, got {value!r}", field=name, value=value)
