@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -18,7 +19,7 @@ import torch.utils.dlpack
 
 from kspeed.errors import DatasetError, StateError
 
-__all__ = ["WAV_HEADER", "Batch", "make_batch", "split_samples"]
+__all__ = ["WAV_HEADER", "Batch", "BatchMeta", "make_batch", "ring_batch", "split_samples"]
 
 #: Bytes of a canonical RIFF/WAVE header before the PCM samples.
 WAV_HEADER = 44
@@ -149,47 +150,59 @@ class Batch:
         self.samples = []
 
 
-def make_batch(
-    ring: np.ndarray,
-    offset: int,
-    footprint: int,
-    *,
-    epoch: int,
-    index: int,
-    ids: np.ndarray,
-    labels: np.ndarray,
-    offsets: np.ndarray,
-    lengths: np.ndarray,
-    on_free: Callable[[int], None],
-) -> Batch:
-    """Build a batch's views over ``ring[offset:offset + footprint]``.
+@dataclass(frozen=True)
+class BatchMeta:
+    """What a ring range holds: which batch, its samples and where each lies in the range.
 
-    Args:
-        ring: the whole receive ring as ``uint8``.
-        offset: where the batch starts.
-        footprint: bytes reserved for it.
-        epoch: its epoch.
-        index: its batch number.
+    Attributes:
+        epoch: the batch's epoch.
+        index: its batch number within the epoch.
         ids: its sample IDs.
         labels: their labels.
         offsets: each sample's offset within the batch.
         lengths: each sample's length.
-        on_free: called with ``offset`` once no view of the batch remains (from any thread).
+    """
+
+    epoch: int
+    index: int
+    ids: np.ndarray
+    labels: np.ndarray
+    offsets: np.ndarray
+    lengths: np.ndarray
+
+
+def make_batch(base: torch.Tensor, footprint: int, meta: BatchMeta, finalizer: weakref.finalize) -> Batch:
+    """A batch of views over ``base``, its ``footprint`` bytes (host ring or device copy).
+
+    Args:
+        base: the batch's bytes as one ``uint8`` tensor.
+        footprint: bytes reserved for the batch.
+        meta: which batch it is and where its samples lie.
+        finalizer: gives the range back once the batch is released or no view of it remains.
+    """
+    offsets = meta.offsets
+    return Batch(
+        epoch=meta.epoch,
+        index=meta.index,
+        ids=torch.from_numpy(meta.ids.copy()),
+        labels=torch.from_numpy(meta.labels.copy()),
+        samples=split_samples(base, offsets, meta.lengths, footprint),
+        lengths=meta.lengths,
+        finalizer=finalizer,
+        stride=int(offsets[1] - offsets[0]) if len(offsets) > 1 else 0,
+    )
+
+
+def ring_batch(ring: np.ndarray, offset: int, footprint: int, meta: BatchMeta, on_free: Callable[[int], None]) -> Batch:
+    """A batch of zero-copy views over ``ring[offset:offset + footprint]``.
+
+    ``on_free(offset)`` is called once no view of the batch remains (from any thread).
     """
     window = ring[offset : offset + footprint]
     base = torch.frombuffer(window, dtype=torch.uint8)
     finalizer = weakref.finalize(window, on_free, offset)
     del window
-    return Batch(
-        epoch=epoch,
-        index=index,
-        ids=torch.from_numpy(ids.copy()),
-        labels=torch.from_numpy(labels.copy()),
-        samples=split_samples(base, offsets, lengths, footprint),
-        lengths=lengths,
-        finalizer=finalizer,
-        stride=int(offsets[1] - offsets[0]) if len(offsets) > 1 else 0,
-    )
+    return make_batch(base, footprint, meta, finalizer)
 
 
 def split_samples(base: torch.Tensor, offsets: np.ndarray, lengths: np.ndarray, footprint: int) -> list[torch.Tensor]:

@@ -19,6 +19,7 @@ from kspeed.config import ClientConfig, load_config, parse_address
 from kspeed.control.manager_client import ManagerClient
 from kspeed.errors import ConfigError, KSpeedError, StateError, UnavailableError
 
+from .builder import build_feed
 from .dataset import KSpeedDataset
 from .lease import LeaseKeeper
 from .links import ServerLink
@@ -162,9 +163,8 @@ class KSpeedClient:
                         "manager knows no address for it (is it registered?)"
                     )
                 links.append(ServerLink(share.server_id, address, self.config))
-            return KSpeedDataset.open(
-                info, links, config=self.config, options=options, places=places, manager=self._manager, lease=lease
-            )
+            parts = build_feed(info, links, config=self.config, options=options, places=places, manager=self._manager)
+            return KSpeedDataset(info, parts, options=options, manager=self._manager, lease=lease)
         except BaseException:
             for link in links:
                 link.close()

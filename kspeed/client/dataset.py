@@ -25,23 +25,20 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from kspeed.config import ClientConfig
 from kspeed.control.manager_client import ManagerClient
 from kspeed.errors import ConfigError, StateError
 from kspeed.proto import kspeed_pb2
 
 from .batch import Batch
-from .builder import FeedParts, build_feed
+from .builder import FeedParts
 from .lease import LeaseKeeper
-from .links import Link
 from .options import FeedOptions
 from .plans import EpochPlan
-from .rail_choice import ServerPlace
 
 __all__ = ["KSpeedDataset"]
 
@@ -59,7 +56,7 @@ NO_WORKERS = (
 class KSpeedDataset(IterableDataset):
     """Batches of one dataset for this rank, in the sampler's order.
 
-    Build one with :meth:`KSpeedClient.dataset <kspeed.KSpeedClient.dataset>` (or :meth:`open`).
+    Build one with :meth:`KSpeedClient.dataset <kspeed.KSpeedClient.dataset>`.
 
     Args:
         info: the dataset as the manager describes it (name, sample count, classes).
@@ -99,22 +96,6 @@ class KSpeedDataset(IterableDataset):
         self._loaded_epoch: int | None = None
         self._iterations = 0
         self._closed = False
-
-    @classmethod
-    def open(
-        cls,
-        info: kspeed_pb2.DatasetInfo,
-        links: Sequence[Link],
-        *,
-        config: ClientConfig,
-        options: FeedOptions,
-        places: Mapping[str, ServerPlace] | None = None,
-        manager: ManagerClient | None = None,
-        lease: LeaseKeeper | None = None,
-    ) -> KSpeedDataset:
-        """Build the feed of ``info`` from its servers' ``links`` and wrap it (see :func:`build_feed`)."""
-        parts = build_feed(info, links, config=config, options=options, places=places, manager=manager)
-        return cls(info, parts, options=options, manager=manager, lease=lease)
 
     # -- the IterableDataset protocol ------------------------------------------------------------
 

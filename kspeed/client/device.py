@@ -35,7 +35,7 @@ import torch
 
 from kspeed.errors import CapacityError, ConfigError
 
-from .batch import Batch, make_batch, split_samples
+from .batch import Batch, BatchMeta, make_batch, ring_batch
 
 __all__ = [
     "CpuDelivery",
@@ -166,18 +166,7 @@ class Delivery(Protocol):
         """Prepare the ring (e.g. page-lock it)."""
 
     def deliver(
-        self,
-        ring: np.ndarray,
-        offset: int,
-        footprint: int,
-        *,
-        release: Callable[[int], None],
-        epoch: int,
-        index: int,
-        ids: np.ndarray,
-        labels: np.ndarray,
-        offsets: np.ndarray,
-        lengths: np.ndarray,
+        self, ring: np.ndarray, offset: int, footprint: int, meta: BatchMeta, release: Callable[[int], None]
     ) -> Batch:
         """The batch at ``ring[offset:offset + footprint]``; ``release(offset)`` once it may be reused."""
 
@@ -216,35 +205,10 @@ class CpuDelivery:
         """Nothing to prepare for host views."""
 
     def deliver(
-        self,
-        ring: np.ndarray,
-        offset: int,
-        footprint: int,
-        *,
-        release: Callable[[int], None],
-        epoch: int,
-        index: int,
-        ids: np.ndarray,
-        labels: np.ndarray,
-        offsets: np.ndarray,
-        lengths: np.ndarray,
+        self, ring: np.ndarray, offset: int, footprint: int, meta: BatchMeta, release: Callable[[int], None]
     ) -> Batch:
-        """The batch at ``ring[offset:offset + footprint]``; ``release(offset)`` once its views are gone.
-
-        The keyword arguments are as for :func:`kspeed.client.batch.make_batch`.
-        """
-        return make_batch(
-            ring,
-            offset,
-            footprint,
-            on_free=release,
-            epoch=epoch,
-            index=index,
-            ids=ids,
-            labels=labels,
-            offsets=offsets,
-            lengths=lengths,
-        )
+        """The batch at ``ring[offset:offset + footprint]``; ``release(offset)`` once its views are gone."""
+        return ring_batch(ring, offset, footprint, meta, release)
 
     def poll(self) -> None:
         """Nothing is ever deferred."""
@@ -338,18 +302,7 @@ class CudaDelivery:
         self._ptr = ring.ctypes.data
 
     def deliver(
-        self,
-        ring: np.ndarray,
-        offset: int,
-        footprint: int,
-        *,
-        release: Callable[[int], None],
-        epoch: int,
-        index: int,
-        ids: np.ndarray,
-        labels: np.ndarray,
-        offsets: np.ndarray,
-        lengths: np.ndarray,
+        self, ring: np.ndarray, offset: int, footprint: int, meta: BatchMeta, release: Callable[[int], None]
     ) -> Batch:
         """Copy the batch at ``ring[offset:offset + footprint]`` to the device and return its device views.
 
@@ -363,17 +316,7 @@ class CudaDelivery:
         del base
         self._deferred.add(offset, copied, hold=True)
         finalizer = weakref.finalize(moved, _device_freed, self._deferred, self._backend, offset)
-        stride = int(offsets[1] - offsets[0]) if len(offsets) > 1 else 0
-        return Batch(
-            epoch=epoch,
-            index=index,
-            ids=torch.from_numpy(ids.copy()),
-            labels=torch.from_numpy(labels.copy()),
-            samples=split_samples(moved, offsets, lengths, footprint),
-            lengths=lengths,
-            finalizer=finalizer,
-            stride=stride,
-        )
+        return make_batch(moved, footprint, meta, finalizer)
 
     def poll(self) -> None:
         """Give back the ranges whose events have completed (never waits)."""

@@ -23,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from kspeed.errors import CapacityError, StateError
 from kspeed.rdma.topology import pin
 
-from .batch import Batch
+from .batch import Batch, BatchMeta
 from .device import CpuDelivery, Delivery
 from .feed import Feed, Slot
 from .plans import EpochPlan
@@ -185,18 +185,11 @@ class Pump:
         plan.slots -= 1
         layout = plan.layout
         lo, hi = int(layout.starts[batch]), int(layout.starts[batch + 1])
-        result = self.delivery.deliver(
-            self.feed.ring,
-            slot.offset,
-            RingAllocator.footprint(int(layout.batch_bytes[batch])),
-            release=self.feed.allocator.release_later,
-            epoch=plan.epoch,
-            index=batch,
-            ids=plan.ids[lo:hi],
-            labels=plan.labels[lo:hi],
-            offsets=layout.offsets[lo:hi],
-            lengths=layout.lengths[lo:hi],
+        meta = BatchMeta(
+            plan.epoch, batch, plan.ids[lo:hi], plan.labels[lo:hi], layout.offsets[lo:hi], layout.lengths[lo:hi]
         )
+        footprint = RingAllocator.footprint(int(layout.batch_bytes[batch]))
+        result = self.delivery.deliver(self.feed.ring, slot.offset, footprint, meta, self.feed.allocator.release_later)
         self.last_wait_s = time.monotonic() - started
         self.wait_s += self.last_wait_s
         self.delivered += 1

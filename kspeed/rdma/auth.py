@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import logging
 import os
 import socket
+from collections.abc import Sequence
+from typing import Any
 
-from kspeed.errors import AuthError, PeerLostError
+from kspeed.errors import AuthError, PeerLostError, TransportError
 
-__all__ = ["NONCE_BYTES", "accept", "dial", "recv_exact"]
+__all__ = ["NONCE_BYTES", "accept", "dial", "open_material", "recv_exact"]
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +27,37 @@ NONCE_BYTES = 32
 _MAC_BYTES = 32
 _OK = b"\x01"
 _REFUSED = b"\x00"
+
+
+def open_material(
+    material: bytes, rail: str, fields: Sequence[str], token: bytes | None
+) -> tuple[dict[str, Any], bytes]:
+    """A receiver's connection material for ``rail`` and the key a writer authenticates with.
+
+    The key is the cluster's ``token`` when one is configured, else the secret the receiver drew
+    and published in its material (handed over the authenticated control plane).
+
+    Raises:
+        TransportError: the material is malformed, lacks one of ``fields`` or is for another rail.
+        AuthError: the receiver expects the cluster token, but none is configured here.
+    """
+    try:
+        info = json.loads(material)
+        missing = [name for name in (*fields, "secret") if name not in info]
+    except (ValueError, TypeError) as exc:
+        raise TransportError(f"malformed {rail} connection material: {exc}") from exc
+    if not isinstance(info, dict) or missing:
+        raise TransportError(f"malformed {rail} connection material: missing {', '.join(missing) or 'fields'}")
+    if info.get("rail") != rail:
+        raise TransportError(f"connection material is for rail {info.get('rail')!r}, not {rail!r}")
+    if token is not None:
+        return info, token
+    if info["secret"] is None:
+        raise AuthError(f"{rail} receiver expects the cluster token, but no token was configured")
+    try:
+        return info, bytes.fromhex(info["secret"])
+    except (ValueError, TypeError) as exc:
+        raise TransportError(f"malformed {rail} connection material: bad secret: {exc}") from exc
 
 
 def recv_exact(sock: socket.socket, n: int, what: str) -> bytes:

@@ -50,12 +50,15 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
+
+if TYPE_CHECKING:
+    from .write_batch import WriteBatch
 
 from kspeed.errors import RangeError, TransportError
 
@@ -338,7 +341,6 @@ class Writer(ABC):
         The whole batch is range-checked before any byte is written.
         """
 
-    @abstractmethod
     def write_batch(
         self,
         key: RegionKey,
@@ -369,6 +371,14 @@ class Writer(ABC):
                 nothing was written.
             PeerLostError: the receiver is gone or stalled for ``io_timeout``.
         """
+        from .write_batch import check_batch, source_array  # (a module that imports this one)
+
+        src = source_array(source)
+        self.write_checked(key, src, check_batch(key, src.nbytes, src_offsets, lengths, dst_offsets, imms))
+
+    @abstractmethod
+    def write_checked(self, key: RegionKey, source: np.ndarray, batch: WriteBatch) -> None:
+        """Write a batch that :meth:`write_batch` checked against ``source`` and ``key``; the rail's hot loop."""
 
     @abstractmethod
     def send(self, message: bytes) -> None:
@@ -412,22 +422,31 @@ class RailCapabilities:
 
 
 class Rail(ABC):
-    """A transport: makes receivers and writers of one kind."""
+    """A transport: makes receivers and writers of one kind.
+
+    Attributes:
+        name: the rail's name in the registry, in connection material and in region keys.
+        capabilities: what it can do (how it is chosen and paced).
+        receiver: makes its receivers from the rail options.
+        writer: makes its writers from a receiver's connection material and the rail options.
+    """
 
     name: str
     capabilities: RailCapabilities
+    receiver: Callable[[RailOptions], Receiver]
+    writer: Callable[[bytes, RailOptions], Writer]
 
     @abstractmethod
     def unavailable_reason(self) -> str | None:
         """Why this rail cannot be used on this host, or ``None`` if it can."""
 
-    @abstractmethod
     def listen(self, options: RailOptions) -> Receiver:
         """Start a receiver; publish its :attr:`Receiver.material` to writers."""
+        return self.receiver(options)
 
-    @abstractmethod
     def connect(self, material: bytes, options: RailOptions) -> Writer:
         """Dial a receiver described by ``material`` and authenticate."""
+        return self.writer(material, options)
 
     def register(self, nbytes: int) -> Region:
         """Allocate page-aligned host memory registered as a write source (a server pool)."""

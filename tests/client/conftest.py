@@ -6,9 +6,8 @@ import dataclasses
 
 import pytest
 
-from kspeed.client.dataset import KSpeedDataset
 from kspeed.client.options import FeedOptions
-from tests.client.fakes import FakeServer, client_config, fake_info, make_samples
+from tests.client.fakes import FakeServer, client_config, fake_info, make_samples, open_dataset
 
 N_SAMPLES = 203
 
@@ -34,7 +33,7 @@ def make_ds(samples, request):
         info = fake_info(samples, [(f.server_id, f.lo, f.hi) for f in fakes])
         kwargs.setdefault("batch_size", 16)
         kwargs.setdefault("ring_bytes", 1 << 20)
-        ds = KSpeedDataset.open(info, fakes, config=config, options=FeedOptions.from_kwargs(rail=rail, **kwargs))
+        ds = open_dataset(info, fakes, config=config, options=FeedOptions.from_kwargs(rail=rail, **kwargs))
         made.append((ds, fakes))
         return ds, fakes
 

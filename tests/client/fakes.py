@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kspeed import grants
+from kspeed.client.builder import build_feed
+from kspeed.client.dataset import KSpeedDataset
 from kspeed.config import ClientConfig, load_config
 from kspeed.errors import KSpeedError, NotFoundError
 from kspeed.layout import batch_layout
@@ -175,3 +177,8 @@ def fake_info(
 def client_config(**overrides) -> ClientConfig:
     """A client configuration without auth, with ``overrides`` applied."""
     return load_config(ClientConfig, environ={}, overrides={"security.auth": "none", **overrides})
+
+
+def open_dataset(info: kspeed_pb2.DatasetInfo, links: list, *, config: ClientConfig, options) -> KSpeedDataset:
+    """A KSpeedDataset fed by ``links`` (fakes), as ``KSpeedClient.dataset`` builds one."""
+    return KSpeedDataset(info, build_feed(info, links, config=config, options=options), options=options)

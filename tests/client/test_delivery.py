@@ -157,14 +157,13 @@ def test_ring_range_is_reclaimed_when_views_are_collected(make_ds):
 
 
 def test_equal_length_batches_stack_and_wav(samples):
-    from kspeed.client.dataset import KSpeedDataset
     from kspeed.client.options import FeedOptions
-    from tests.client.fakes import FakeServer, client_config, fake_info
+    from tests.client.fakes import FakeServer, client_config, fake_info, open_dataset
 
     pcm = np.arange(-50, 50, dtype=np.int16)
     wav = [b"RIFF" + bytes(40) + pcm.tobytes() for _ in range(12)]
     fake = FakeServer("w0", wav, 0, 12)
-    ds = KSpeedDataset.open(
+    ds = open_dataset(
         fake_info(wav, [("w0", 0, 12)]),
         [fake],
         config=client_config(),

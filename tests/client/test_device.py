@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import kspeed.client.builder as builder_module
+from kspeed.client.batch import BatchMeta
 from kspeed.client.device import CpuDelivery, CudaDelivery, DeferredReleases, make_delivery, parse_device
 from kspeed.client.ring import RingAllocator
 from kspeed.errors import ConfigError
@@ -76,7 +77,7 @@ def ring_and_batch(delivery):
     allocator = RingAllocator(ring.nbytes)
     delivery.attach(ring)
     offset = allocator.reserve(48)
-    batch = delivery.deliver(ring, offset, RingAllocator.footprint(48), release=allocator.release_later, **META)
+    batch = delivery.deliver(ring, offset, RingAllocator.footprint(48), BatchMeta(**META), allocator.release_later)
     return ring, allocator, offset, batch
 
 

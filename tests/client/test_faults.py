@@ -10,13 +10,12 @@ import pytest
 from torch.utils.data import DataLoader
 
 from kspeed import grants
-from kspeed.client.dataset import KSpeedDataset
 from kspeed.client.options import FeedOptions
 from kspeed.client.rail_choice import ServerPlace, choose_rail, needs_pacing
 from kspeed.errors import ConfigError, DatasetError, PeerLostError, RailUnavailableError, StateError, TransportError
 from kspeed.rdma.base import Completions
 from kspeed.rdma.rails import available_rails, capabilities
-from tests.client.fakes import client_config
+from tests.client.fakes import client_config, open_dataset
 
 
 def test_stale_generation_completions_are_ignored(make_ds, samples):
@@ -167,7 +166,7 @@ def test_unknown_rail_is_refused_before_anything_opens(samples):
 
     fake = FakeServer("s0", samples, 0, len(samples))
     with pytest.raises(RailUnavailableError, match="carrier-pigeon"):
-        KSpeedDataset.open(
+        open_dataset(
             fake_info(samples, [("s0", 0, len(samples))]),
             [fake],
             config=client_config(),

@@ -13,12 +13,11 @@ import simplejpeg
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
 
-from kspeed.client.dataset import KSpeedDataset
 from kspeed.client.options import FeedOptions
 from kspeed.client.workers import check_loader, check_picklable, pil_file_loader, resolve_loader
 from kspeed.client.wrap import WrappedDataset, folder_spec
 from kspeed.errors import ConfigError, DatasetError
-from tests.client.fakes import FakeServer, client_config, fake_info
+from tests.client.fakes import FakeServer, client_config, fake_info, open_dataset
 
 CLASSES = ("ant", "bee", "cat")
 PER_CLASS = 10
@@ -145,7 +144,7 @@ def make_wrapped(folder):
         options = FeedOptions(
             batch_size=batch_size, sampler=sampler, seed=seed, drop_last=drop_last, rail="shm", ring_bytes=1 << 20
         )
-        inner = KSpeedDataset.open(info, fakes, config=client_config(), options=options)
+        inner = open_dataset(info, fakes, config=client_config(), options=options)
         kwargs.setdefault("num_workers", 2)
         try:
             wrapped = WrappedDataset(

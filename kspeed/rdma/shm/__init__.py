@@ -10,7 +10,6 @@ import os
 import socket
 
 from kspeed.rdma.base import Rail, RailCapabilities
-from kspeed.rdma.options import RailOptions
 
 from .receiver import ShmReceiver
 from .writer import ShmWriter
@@ -22,6 +21,8 @@ class ShmRail(Rail):
     """Same-host rail over memfd rings."""
 
     name = "shm"
+    receiver = ShmReceiver
+    writer = ShmWriter
     capabilities = RailCapabilities(
         host_local=True, needs_pacing=False, revokes_writer=False, device_memory=False, preference=20
     )
@@ -32,9 +33,3 @@ class ShmRail(Rail):
         if not hasattr(socket, "send_fds") or not hasattr(socket, "SO_PEERCRED"):
             return "Unix sockets with SCM_RIGHTS and SO_PEERCRED are missing on this platform"
         return None
-
-    def listen(self, options: RailOptions) -> ShmReceiver:
-        return ShmReceiver(options)
-
-    def connect(self, material: bytes, options: RailOptions) -> ShmWriter:
-        return ShmWriter(material, options)

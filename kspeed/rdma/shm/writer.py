@@ -18,25 +18,14 @@ import socket
 from collections import deque
 from collections.abc import Iterable
 
-from kspeed.errors import AuthError, KSpeedError, PeerLostError, RailUnavailableError, RangeError, TransportError
+import numpy as np
+
+from kspeed.errors import KSpeedError, PeerLostError, RailUnavailableError, RangeError, TransportError
 from kspeed.rdma import auth, framing
-from kspeed.rdma.base import (
-    MAX_MESSAGE,
-    Buffer,
-    Ints,
-    Memory,
-    Region,
-    RegionKey,
-    Sources,
-    WriteOp,
-    Writer,
-    as_bytes_view,
-    check_imm,
-    check_range,
-)
+from kspeed.rdma.base import MAX_MESSAGE, RegionKey, Sources, WriteOp, Writer, as_bytes_view, check_imm, check_range
 from kspeed.rdma.memory import MemfdSegment
 from kspeed.rdma.options import RailOptions
-from kspeed.rdma.write_batch import check_batch, source_array
+from kspeed.rdma.write_batch import WriteBatch
 
 __all__ = ["HELLO", "ShmWriter"]
 
@@ -49,21 +38,10 @@ class ShmWriter(Writer):
     rail = "shm"
 
     def __init__(self, material: bytes, options: RailOptions) -> None:
-        try:
-            info = json.loads(material)
-            name, node, secret = info["socket"], info["node"], info["secret"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise TransportError(f"malformed shm connection material: {exc}") from exc
-        if info.get("rail") != "shm":
-            raise TransportError(f"connection material is for rail {info.get('rail')!r}, not 'shm'")
+        info, key = auth.open_material(material, "shm", ("socket", "node"), options.token)
+        name, node = str(info["socket"]), info["node"]
         if node != socket.gethostname():
-            raise RailUnavailableError(f"shm receiver lives on host {node!r}, not this one; use tcp or verbs")
-        if options.token is not None:
-            key = options.token
-        elif secret is not None:
-            key = bytes.fromhex(secret)
-        else:
-            raise AuthError("shm receiver expects the cluster token, but no token was configured")
+            raise RailUnavailableError(f"shm receiver lives on host {node!r}, not this one; use a network rail")
         self._options = options
         self._maps: dict[int, MemfdSegment] = {}
         self._dst: dict[int, memoryview] = {}
@@ -130,18 +108,9 @@ class ShmWriter(Writer):
             )
         return dst
 
-    def write_batch(
-        self,
-        key: RegionKey,
-        source: Region | Memory | Buffer,
-        src_offsets: Ints,
-        lengths: Ints,
-        dst_offsets: Ints,
-        imms: Ints | None = None,
-    ) -> None:
+    def write_checked(self, key: RegionKey, source: np.ndarray, batch: WriteBatch) -> None:
         ring = self._target(key)
-        src = source_array(source).data
-        batch = check_batch(key, src.nbytes, src_offsets, lengths, dst_offsets, imms)
+        src = source.data
         # One slice copy per op over plain ints computed by numpy. Measured on the 2-core box: 0.19 µs
         # per op of fixed cost, against 0.77 µs for ctypes.memmove (its argument conversion costs more
         # than the two slices it saves).

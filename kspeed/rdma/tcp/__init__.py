@@ -11,7 +11,6 @@ import os
 import socket
 
 from kspeed.rdma.base import Rail, RailCapabilities
-from kspeed.rdma.options import RailOptions
 
 from .receiver import TcpReceiver
 from .writer import TcpWriter
@@ -23,6 +22,8 @@ class TcpRail(Rail):
     """Cross-host rail over TCP with a receiver process."""
 
     name = "tcp"
+    receiver = TcpReceiver
+    writer = TcpWriter
     capabilities = RailCapabilities(
         host_local=False, needs_pacing=True, revokes_writer=True, device_memory=False, preference=10
     )
@@ -33,9 +34,3 @@ class TcpRail(Rail):
         if not hasattr(socket, "TCP_USER_TIMEOUT"):
             return "TCP_USER_TIMEOUT is missing, so a cut link could not be detected in bounded time"
         return None
-
-    def listen(self, options: RailOptions) -> TcpReceiver:
-        return TcpReceiver(options)
-
-    def connect(self, material: bytes, options: RailOptions) -> TcpWriter:
-        return TcpWriter(material, options)

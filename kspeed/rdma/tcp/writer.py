@@ -17,24 +17,13 @@ import socket
 from collections import deque
 from collections.abc import Iterable
 
-from kspeed.errors import AuthError, KSpeedError, TransportError
+import numpy as np
+
+from kspeed.errors import KSpeedError, TransportError
 from kspeed.rdma import auth, framing
-from kspeed.rdma.base import (
-    MAX_MESSAGE,
-    Buffer,
-    Ints,
-    Memory,
-    Region,
-    RegionKey,
-    Sources,
-    WriteOp,
-    Writer,
-    as_bytes_view,
-    check_imm,
-    check_range,
-)
+from kspeed.rdma.base import MAX_MESSAGE, RegionKey, Sources, WriteOp, Writer, as_bytes_view, check_imm, check_range
 from kspeed.rdma.options import RailOptions
-from kspeed.rdma.write_batch import check_batch, source_array
+from kspeed.rdma.write_batch import WriteBatch
 
 from . import wire
 
@@ -51,19 +40,11 @@ class TcpWriter(Writer):
     rail = "tcp"
 
     def __init__(self, material: bytes, options: RailOptions) -> None:
+        info, key = auth.open_material(material, "tcp", ("host", "port", "consumer"), options.token)
         try:
-            info = json.loads(material)
-            host, port, consumer, secret = info["host"], int(info["port"]), int(info["consumer"]), info["secret"]
-        except (ValueError, KeyError, TypeError) as exc:
+            host, port, consumer = str(info["host"]), int(info["port"]), int(info["consumer"])
+        except (ValueError, TypeError) as exc:
             raise TransportError(f"malformed tcp connection material: {exc}") from exc
-        if info.get("rail") != "tcp":
-            raise TransportError(f"connection material is for rail {info.get('rail')!r}, not 'tcp'")
-        if options.token is not None:
-            key = options.token
-        elif secret is not None:
-            key = bytes.fromhex(secret)
-        else:
-            raise AuthError("tcp receiver expects the cluster token, but no token was configured")
         self._options = options
         self._msg_reader = framing.FrameReader(1 << 16)
         self._messages: deque[bytes] = deque()
@@ -152,18 +133,8 @@ class TcpWriter(Writer):
             bufs.extend(views)
         self._sendmsg(bufs)
 
-    def write_batch(
-        self,
-        key: RegionKey,
-        source: Region | Memory | Buffer,
-        src_offsets: Ints,
-        lengths: Ints,
-        dst_offsets: Ints,
-        imms: Ints | None = None,
-    ) -> None:
-        src = source_array(source)
-        batch = check_batch(key, src.nbytes, src_offsets, lengths, dst_offsets, imms)
-        bufs = wire.batch_buffers(key, src.data, batch)
+    def write_checked(self, key: RegionKey, source: np.ndarray, batch: WriteBatch) -> None:
+        bufs = wire.batch_buffers(key, source.data, batch)
         if bufs:
             self._sendmsg(bufs)
 
