@@ -163,7 +163,7 @@ def run(servers: int = 2) -> int:
         theirs = _train(_loader_batches(data_dir, torch), torch)
         print()
         print(f"{'':24}{'first batch':>12}{'then samples/s':>16}{'wait p50':>11}{'wait max':>11}{'accuracy':>10}")
-        for name, r in (("KSpeed (shm rail)", ours), ("DataLoader (workers=0)", theirs)):
+        for name, r in ((f"KSpeed ({ds.rail} rail)", ours), ("DataLoader (workers=0)", theirs)):
             print(
                 f"{name:24}{r['first_ms']:>10.1f}ms{r['samples_per_s']:>16,.0f}{r['wait_p50_ms']:>9.2f}ms"
                 f"{r['wait_max_ms']:>9.2f}ms{r['accuracy']:>10.1%}"
