@@ -3,9 +3,10 @@ PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
-# torch is pinned to the CPU build that lies on disk in the dev environment; a looser pin pulls a
-# multi-GB CUDA build. Override with TORCH_SPEC='torch' on machines that want the default wheel.
-TORCH_SPEC ?= torch==2.13.0
+# torch and torchvision are pinned to a pair whose wheels load together (torchvision's index wheels
+# need the default torch build, which imports and runs on the CPU without a GPU). Override with
+# TORCH_SPEC='torch torchvision' for the newest pair.
+TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 
 .PHONY: venv deps test test-slow test-incast lint demo proto bench clean
 
@@ -14,7 +15,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml scripts/system-deps.sh
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
 	@$(VPY) -m pip install -q --upgrade pip
-	@$(VPY) -m pip install -q "$(TORCH_SPEC)" numpy
+	@$(VPY) -m pip install -q $(TORCH_SPEC) numpy
 	@$(VPY) -m pip install -q -e '.[dev,gpu]'
 	@bash scripts/system-deps.sh $(VENV)
 	@touch $(STAMP)

@@ -309,6 +309,12 @@ class ManagerConfig(DaemonConfig):
     lease_ttl: float = option(
         30.0, "lifetime of a job's dataset lease unless renewed", parse=parse_duration, env="KSPEED_LEASE_TTL"
     )
+    join_wait: float = option(
+        30.0,
+        "longest a new dataset waits for servers that are still joining (registered, not yet probed)",
+        parse=parse_duration,
+        env="KSPEED_JOIN_WAIT",
+    )
     server_call_timeout: float = option(
         120.0,
         "deadline of the manager's calls to servers (listing a large backend takes time)",

@@ -24,7 +24,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from kspeed.config import ClientConfig, load_config
+from kspeed.control.manager_client import ManagerClient
+from kspeed.control.status import state_name
 from kspeed.errors import KSpeedError, UnavailableError
+from kspeed.proto import kspeed_pb2
+
+READY = kspeed_pb2.ServerState.SERVER_STATE_READY
 
 STOP_TIMEOUT = 15.0
 
@@ -224,14 +230,67 @@ class LocalCluster:
         return self.manager.ready["http"]
 
     def start(self, timeout: float = 30.0) -> None:
-        """Start the manager, then the servers, and wait until every daemon is ready."""
+        """Start the manager, then the servers, and wait until the manager lists every server READY.
+
+        Ready means ready: a server's own ready file only says it listens; it can hold data once
+        the manager has probed it and moved it to READY.
+
+        Raises:
+            UnavailableError: a daemon did not start, or a server did not become READY in time
+                (named, with its log's last lines).
+        """
         try:
             self.start_manager(timeout)
             for _ in range(self._server_count):
-                self.add_server(timeout)
+                self.add_server(timeout, member=False)
+            self.wait_members(timeout)
         except BaseException:
             self.stop()
             raise
+
+    def client_config(self) -> ClientConfig:
+        """A client configuration for this cluster: its manager, its token when auth is on, and the ``KSPEED_*``
+        settings (TLS) the daemons were started with."""
+        security = (
+            {"security.auth": "token", "security.token_file": self.token_file}
+            if self.token_file
+            else {"security.auth": "none"}
+        )
+        return load_config(ClientConfig, environ=self._env, overrides={"manager": self.address, **security})
+
+    def wait_members(self, timeout: float = 30.0) -> None:
+        """Wait until the manager lists every running server as READY.
+
+        Raises:
+            UnavailableError: naming the servers that are not READY, with their state and reason.
+        """
+        wanted = {s.ready["id"]: s for s in self.servers if s.running and s.ready}
+        deadline = time.monotonic() + timeout
+        with ManagerClient(self.client_config(), peer_name="kspeed-up") as client:
+            while True:
+                error: KSpeedError | None = None
+                try:
+                    records = {r.id: r for r in client.servers()}
+                except KSpeedError as exc:
+                    records, error = {}, exc
+                late = [sid for sid in wanted if sid not in records or records[sid].state != READY]
+                if not late:
+                    return
+                if time.monotonic() > deadline:
+                    detail = "; ".join(
+                        f"{wanted[sid].name} ({sid}) is "
+                        + (
+                            f"{state_name(records[sid].state)}: {records[sid].state_reason}"
+                            if sid in records
+                            else "not registered"
+                        )
+                        + f"; log: {wanted[sid].log_tail(2)}"
+                        for sid in late
+                    )
+                    raise UnavailableError(
+                        f"servers not READY after {timeout:.0f}s: {detail}" + (f" (manager: {error})" if error else "")
+                    )
+                time.sleep(0.05)
 
     def start_manager(self, timeout: float = 30.0) -> None:
         """(Re)start the manager process; a restart binds the ports of the first start."""
@@ -246,11 +305,13 @@ class LocalCluster:
         server.start()
         server.wait_ready(timeout)
 
-    def add_server(self, timeout: float = 30.0) -> Daemon:
-        """Start one more server."""
+    def add_server(self, timeout: float = 30.0, *, member: bool = True) -> Daemon:
+        """Start one more server and (with ``member``) wait until the manager lists it READY."""
         server = self._server(len(self.servers))
         self.servers.append(server)
         self.start_server(server, timeout)
+        if member:
+            self.wait_members(timeout)
         return server
 
     def stop(self) -> dict[str, int | None]:

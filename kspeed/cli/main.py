@@ -18,8 +18,9 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 
-from kspeed.cli.cluster import LocalCluster, wait_for
+from kspeed.cli.cluster import LocalCluster
 from kspeed.cli.tables import dataset_table, job_table, status_table
 from kspeed.config import ClientConfig, add_arguments, load_config, parse_bytes
 from kspeed.control.manager_client import ManagerClient
@@ -57,6 +58,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    watch = _Watch(cluster)
     try:
         cluster.start_manager()
         _say(f"manager grpc {cluster.address}")
@@ -67,29 +69,48 @@ def cmd_up(args: argparse.Namespace) -> int:
         else:
             _say("auth: off (loopback-only cluster; pass --token-file to require a token)")
         for _ in range(args.servers):
-            server = cluster.add_server()
+            server = cluster.add_server(member=False)
             _say(f"server {server.ready['id']} grpc {server.ready['grpc']} http http://{server.ready['http']}")
-        config = load_config(ClientConfig, overrides={"manager": cluster.address, **_token_overrides(args)})
-        with ManagerClient(config, peer_name="kspeed-up") as client:
-            wait_for(
-                lambda: sum(r.state == READY for r in client.servers()) == args.servers,
-                30,
-                f"{args.servers} server(s) to be ready",
-            )
-        _say(f"state {state_dir}{'' if keep else ' (removed on exit)'}; logs in {state_dir}/logs")
-        _say(f"ready: {args.servers} server(s). Try: kspeed status --manager {cluster.address}. Ctrl-C to stop.")
+        cluster.wait_members(timeout=60)
+        _say(f"state {state_dir}{'' if keep else ' (removed on a clean exit)'}; logs in {state_dir}/logs")
+        _say(f"ready: {args.servers} server(s) READY. Try: kspeed status --manager {cluster.address}. Ctrl-C to stop.")
         while not stop.wait(0.5):
-            dead = [d.name for d in [cluster.manager, *cluster.servers] if not d.running]
-            if dead:
-                _say(f"stopping: {', '.join(dead)} exited unexpectedly (see {state_dir}/logs)")
+            if not watch.check():
                 return 1
         return 0
     finally:
         _say("stopping the local cluster")
         cluster.stop()
-        if not keep:
+        if watch.exited:
+            _say(f"kept {state_dir} for the logs of {', '.join(watch.exited)}; remove it when done")
+        elif not keep:
             shutil.rmtree(state_dir, ignore_errors=True)
         _say("stopped")
+
+
+class _Watch:
+    """Reports daemons of a local cluster that exit; a dead server is the manager's to mark failed."""
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.cluster = cluster
+        self.exited: list[str] = []
+
+    def check(self) -> bool:
+        """Report newly exited daemons; False once the manager has exited (the cluster cannot go on)."""
+        for daemon in [*self.cluster.servers, self.cluster.manager]:
+            if daemon.name in self.exited or daemon.running or daemon.process is None:
+                continue
+            self.exited.append(daemon.name)
+            what = f"{daemon.name} ({daemon.ready.get('id', '?')})" if daemon is not self.cluster.manager else "manager"
+            _say(
+                f"{what} exited with status {daemon.process.returncode} at {time.strftime('%H:%M:%S')}; its log: "
+                f"{daemon.log_file}"
+            )
+            if daemon is self.cluster.manager:
+                _say("stopping: the cluster cannot run without its manager")
+                return False
+            _say("the cluster keeps running; the manager marks the server failed (kspeed status shows it)")
+        return True
 
 
 def _token_overrides(args: argparse.Namespace) -> dict[str, str]:

@@ -27,10 +27,11 @@ from kspeed.control.http import HttpEndpoint, json_response, metrics_route, text
 from kspeed.control.status import status_dict
 from kspeed.manager.calls import ServerCalls
 from kspeed.manager.datasets import DatasetCatalog
-from kspeed.manager.membership import Membership, Timers
+from kspeed.manager.membership import JOINING, Membership, Timers
 from kspeed.manager.metrics import ManagerMetrics
 from kspeed.manager.service import ManagerService
 from kspeed.manager.store import Store
+from kspeed.proto import kspeed_pb2
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,9 @@ class Manager:
             self.store, Timers(config.heartbeat_interval, config.suspect_after, config.fail_after)
         )
         self.calls = ServerCalls(config.security, config.server_call_timeout)
-        self.catalog = DatasetCatalog(self.store, self.membership, self.calls, lease_ttl=config.lease_ttl)
+        self.catalog = DatasetCatalog(
+            self.store, self.membership, self.calls, lease_ttl=config.lease_ttl, join_wait=config.join_wait
+        )
         self.service = ManagerService(self.membership, self.catalog, self.store.cluster_id, config.heartbeat_interval)
         self.metrics = ManagerMetrics(self.membership)
         self.health = HealthServicer()
@@ -56,6 +59,8 @@ class Manager:
         self._ready = False
         self._server: grpc.aio.Server | None = None
         self._http: HttpEndpoint | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._probes: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         """Bind gRPC and HTTP, start the timers and the prober."""
@@ -79,6 +84,8 @@ class Manager:
             },
         )
         await self._server.start()
+        self._loop = asyncio.get_running_loop()
+        self.membership.subscribe(self._on_membership)
         self._tasks = [
             asyncio.create_task(self._tick_loop(), name="tick"),
             asyncio.create_task(self._probe_loop(), name="probe"),
@@ -118,6 +125,16 @@ class Manager:
             await asyncio.gather(*(self._probe(sid, address, inc) for sid, address, inc in targets))
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), timeout=self.config.probe_interval)
+
+    def _on_membership(self, record: kspeed_pb2.ServerRecord, revision: int) -> None:
+        """Probe a server that just registered at once, so it is READY without waiting for the next round."""
+        if record.state == JOINING and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._probe_soon, record.id, record.address, record.incarnation)
+
+    def _probe_soon(self, server_id: str, address: str, incarnation: int) -> None:
+        task = asyncio.create_task(self._probe(server_id, address, incarnation), name=f"probe-{server_id}")
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
 
     async def _probe(self, server_id: str, address: str, incarnation: int) -> None:
         ok, detail = await self.calls.probe(address, self.config.probe_timeout)

@@ -21,7 +21,7 @@ from kspeed import names, wire
 from kspeed.errors import CapacityError, ConflictError, KSpeedError, NotFoundError, ProtocolError, UnavailableError
 from kspeed.manager.allocator import ServerCapacity, allocate
 from kspeed.manager.calls import ServerCalls
-from kspeed.manager.membership import READY, Membership
+from kspeed.manager.membership import JOINING, READY, Membership
 from kspeed.manager.store import Store
 from kspeed.proto import kspeed_pb2
 
@@ -34,6 +34,7 @@ _KINDS = ("", "auto", "dir", "list", "manifest", "npy")
 _LABELS = ("", "dirname")
 MAX_URI = 4096
 MAX_HOLDER = 256
+JOIN_POLL = 0.05  # seconds between looks at servers that are still joining
 
 
 def validate_spec(spec: kspeed_pb2.DatasetSpec) -> None:
@@ -65,9 +66,11 @@ class DatasetCatalog:
         calls: ServerCalls,
         *,
         lease_ttl: float,
+        join_wait: float = 30.0,
         wall: Callable[[], float] = time.time,
     ) -> None:
         self._store = store
+        self._join_wait = join_wait
         self._membership = membership
         self._calls = calls
         self._lease_ttl = lease_ttl
@@ -199,9 +202,7 @@ class DatasetCatalog:
             return reply
 
     async def _allocate(self, spec: kspeed_pb2.DatasetSpec, owner: kspeed_pb2.DatasetOwner) -> kspeed_pb2.DatasetInfo:
-        ready = [r for r in self._membership.snapshot() if r.state == READY]
-        if not ready:
-            raise UnavailableError(f"dataset {spec.name!r}: no ready server to hold it")
+        ready = await self._ready_servers(spec.name)
         sizes_of = {r.inventory.region_size for r in ready}
         region_size = max(sizes_of, key=lambda size: sum(r.inventory.region_size == size for r in ready))
         ready = [r for r in ready if r.inventory.region_size == region_size]
@@ -256,6 +257,37 @@ class DatasetCatalog:
             len(info.shares),
         )
         return info
+
+    async def _ready_servers(self, name: str) -> list[kspeed_pb2.ServerRecord]:
+        """The READY servers, once no server is still joining (or ``join_wait`` has passed).
+
+        Servers that registered moments ago are JOINING until their first health probe; a dataset
+        created right after ``kspeed up`` (or a server start) waits for them instead of failing or
+        landing on fewer servers than the cluster has.
+
+        Raises:
+            UnavailableError: no server is READY after the wait (the joining ones are named).
+        """
+        deadline = time.monotonic() + self._join_wait
+        while True:
+            records = self._membership.snapshot()
+            joining = [r.id for r in records if r.state == JOINING]
+            if not joining or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(JOIN_POLL)
+        ready = [r for r in records if r.state == READY]
+        if not ready:
+            waited = f"; still joining after {self._join_wait:g}s: {', '.join(joining)}" if joining else ""
+            raise UnavailableError(f"dataset {name!r}: no ready server to hold it{waited}")
+        if joining:
+            log.warning(
+                "dataset %s: allocating on %d ready server(s); %s still joining after %gs",
+                name,
+                len(ready),
+                ", ".join(joining),
+                self._join_wait,
+            )
+        return ready
 
     def _free_regions(self, record: kspeed_pb2.ServerRecord) -> int:
         """Regions of ``record`` not promised to any dataset (the manager's own bookkeeping)."""
