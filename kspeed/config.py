@@ -30,6 +30,7 @@ __all__ = [
     "SecurityConfig",
     "ServerConfig",
     "gpu_environment",
+    "launcher_environment",
     "load_config",
     "parse_address",
     "parse_bytes",
@@ -565,6 +566,21 @@ def _rail_names() -> list[str]:
     from kspeed.rdma.rails import rail_names  # the rails' registry is the one list of rail names
 
     return rail_names()
+
+
+def launcher_environment(environ: Mapping[str, str] | None = None) -> dict[str, int]:
+    """The rank and world size a launcher (torchrun, SLURM wrappers) gave this process, read here.
+
+    Returns the valid ones of ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``
+    as integers (a value that is not a non-negative integer is left out).
+    """
+    environ = os.environ if environ is None else environ
+    out = {}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        raw = environ.get(name, "").strip()
+        if raw.isdigit():
+            out[name] = int(raw)
+    return out
 
 
 def gpu_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:

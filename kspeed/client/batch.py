@@ -10,12 +10,13 @@ collected, or at once when :meth:`Batch.release` is called.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.utils.dlpack
+from torch.utils.data._utils.collate import default_collate_fn_map
 
 from kspeed.errors import DatasetError, StateError
 
@@ -28,6 +29,9 @@ WAV_HEADER = 44
 class Batch:
     """One batch of samples, in the sampler's order.
 
+    Unpacks as ``samples, labels = batch`` (a training loop's ``inputs, targets``); ``len(batch)`` is
+    its number of samples.
+
     Attributes:
         ids: ``int64`` sample IDs.
         labels: ``int64`` labels (-1 where the dataset has none).
@@ -36,50 +40,80 @@ class Batch:
         index: its batch number within the epoch.
     """
 
-    __slots__ = ("_finalizer", "_lengths", "_stride", "epoch", "ids", "index", "labels", "samples")
+    __slots__ = ("_base", "_finalizer", "_footprint", "_meta", "_source", "epoch", "ids", "index", "labels", "samples")
 
     def __init__(
         self,
-        *,
-        epoch: int,
-        index: int,
-        ids: torch.Tensor,
-        labels: torch.Tensor,
-        samples: list[torch.Tensor],
-        lengths: np.ndarray,
+        base: torch.Tensor,
+        footprint: int,
+        meta: BatchMeta,
         finalizer: weakref.finalize,
-        stride: int,
+        source: Batch | None = None,
     ) -> None:
-        self.epoch = epoch
-        self.index = index
-        self.ids = ids
-        self.labels = labels
-        self.samples = samples
-        self._lengths = lengths
+        self.epoch = meta.epoch
+        self.index = meta.index
+        self.ids = torch.from_numpy(meta.ids.copy())
+        self.labels = torch.from_numpy(meta.labels.copy())
+        self.samples = split_samples(base, meta.offsets, meta.lengths, footprint)
+        self._base: torch.Tensor | None = base
+        self._footprint = footprint
+        self._meta = meta
         self._finalizer = finalizer
-        self._stride = stride
+        self._source = source  # the batch this one was copied from, alive until this one is
 
     def __len__(self) -> int:
         return len(self.samples)
 
+    def __iter__(self) -> Iterator[list[torch.Tensor] | torch.Tensor]:
+        """``samples, labels = batch``."""
+        return iter((self.samples, self.labels))
+
     def __repr__(self) -> str:
-        state = "released" if self.released else f"{int(self._lengths.sum())} bytes"
+        state = "released" if self.released else f"{int(self._meta.lengths.sum())} bytes on {self.device}"
         return f"Batch(epoch={self.epoch}, index={self.index}, samples={len(self)}, {state})"
 
     @property
     def lengths(self) -> np.ndarray:
         """Sample lengths in bytes."""
-        return self._lengths
+        return self._meta.lengths
+
+    @property
+    def device(self) -> torch.device:
+        """Where the batch's bytes are."""
+        return self._live_base().device
 
     @property
     def released(self) -> bool:
         """Whether the ring range was given back (views may then see newer bytes)."""
         return not self._finalizer.alive
 
-    def _sample(self, i: int) -> torch.Tensor:
-        if self.released:
+    def _live_base(self) -> torch.Tensor:
+        if self.released or self._base is None:
             raise StateError(f"batch {self.index} of epoch {self.epoch} was released; its bytes may be overwritten")
+        return self._base
+
+    def _sample(self, i: int) -> torch.Tensor:
+        self._live_base()
         return self.samples[i]
+
+    def to(self, device: str | torch.device, non_blocking: bool = False) -> Batch:
+        """The batch on ``device``: one copy of its whole range, the samples as views of the copy.
+
+        The copy keeps this batch (and so its ring range) alive for as long as it lives itself, so
+        a ``non_blocking`` copy never reads bytes the servers are already overwriting. On the
+        batch's own device it returns the batch itself.
+        """
+        target = torch.device(device)
+        base = self._live_base()
+        if target == base.device or (target.type == base.device.type and target.index is None):
+            return self
+        moved = base.to(target, non_blocking=non_blocking)
+        return Batch(moved, self._footprint, self._meta, weakref.finalize(moved, _nothing), source=self)
+
+    def pin_memory(self) -> Batch:
+        """The batch copied into page-locked host memory (what ``DataLoader(pin_memory=True)`` calls)."""
+        pinned = self._live_base().pin_memory()
+        return Batch(pinned, self._footprint, self._meta, weakref.finalize(pinned, _nothing), source=self)
 
     def numpy(self, i: int) -> np.ndarray:
         """Sample ``i`` as a ``uint8`` numpy array (no copy)."""
@@ -128,18 +162,19 @@ class Batch:
         Raises:
             StateError: the samples' lengths differ (use :attr:`samples`).
         """
-        if self.released:
-            raise StateError(f"batch {self.index} of epoch {self.epoch} was released")
-        if len(self._lengths) == 0:
-            return torch.empty((0, 0), dtype=torch.uint8)
-        length = int(self._lengths[0])
-        if (self._lengths != length).any():
+        base = self._live_base()
+        lengths = self._meta.lengths
+        if len(lengths) == 0:
+            return torch.empty((0, 0), dtype=torch.uint8, device=base.device)
+        length = int(lengths[0])
+        if (lengths != length).any():
             raise StateError(
-                f"batch {self.index} of epoch {self.epoch} holds samples of {int(self._lengths.min())}.."
-                f"{int(self._lengths.max())} bytes; a stacked view needs equal lengths"
+                f"batch {self.index} of epoch {self.epoch} holds samples of {int(lengths.min())}.."
+                f"{int(lengths.max())} bytes; a stacked view needs equal lengths"
             )
-        base = self.samples[0]
-        return base.as_strided((len(self._lengths), length), (self._stride, 1))
+        offsets = self._meta.offsets
+        stride = int(offsets[1] - offsets[0]) if len(offsets) > 1 else 0
+        return base.as_strided((len(lengths), length), (stride, 1))
 
     def release(self) -> None:
         """Give the ring range back now, without waiting for the views to be collected.
@@ -148,6 +183,25 @@ class Batch:
         """
         self._finalizer()
         self.samples = []
+        self._base = None
+        if self._source is not None:
+            self._source.release()
+
+
+def _nothing() -> None:
+    """The finalizer of a batch's copy: its memory is torch's, nothing to give back."""
+
+
+def _refuse_collate(batch: object, *, collate_fn_map: object = None) -> object:
+    raise StateError(
+        "DataLoader(dataset, batch_size=N) collates KSpeed batches into batches of batches: a KSpeedDataset "
+        "already yields whole batches. Use DataLoader(dataset, batch_size=None) and set the batch size with "
+        "client.dataset(..., batch_size=N)"
+    )
+
+
+# DataLoader's default collation meets a Batch only when batch_size is not None: refuse it, naming the fix.
+default_collate_fn_map[Batch] = _refuse_collate
 
 
 @dataclass(frozen=True)
@@ -180,17 +234,7 @@ def make_batch(base: torch.Tensor, footprint: int, meta: BatchMeta, finalizer: w
         meta: which batch it is and where its samples lie.
         finalizer: gives the range back once the batch is released or no view of it remains.
     """
-    offsets = meta.offsets
-    return Batch(
-        epoch=meta.epoch,
-        index=meta.index,
-        ids=torch.from_numpy(meta.ids.copy()),
-        labels=torch.from_numpy(meta.labels.copy()),
-        samples=split_samples(base, offsets, meta.lengths, footprint),
-        lengths=meta.lengths,
-        finalizer=finalizer,
-        stride=int(offsets[1] - offsets[0]) if len(offsets) > 1 else 0,
-    )
+    return Batch(base, footprint, meta, finalizer)
 
 
 def ring_batch(ring: np.ndarray, offset: int, footprint: int, meta: BatchMeta, on_free: Callable[[int], None]) -> Batch:

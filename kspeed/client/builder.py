@@ -10,6 +10,7 @@ failure half-way closes what was already built.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import pwd
@@ -37,7 +38,7 @@ from .pacing import Pacer
 from .plans import EpochPlanner
 from .pump import Pump
 from .rail_choice import ServerPlace, choose_rail, local_address_towards, needs_pacing
-from .sampling import EpochOrders
+from .sampling import EpochOrders, job_rank
 from .stats import RankStats, StatsReporter, default_job
 
 __all__ = ["MAX_IO_THREADS", "MIN_RING", "RING_BATCHES", "FeedParts", "build_feed", "ring_size"]
@@ -165,6 +166,11 @@ def build_feed(
         UnavailableError: a server is unreachable (named).
     """
     name = info.spec.name
+    if options.sampler is None:  # the built-in sampler splits each epoch over the job's ranks
+        rank, world_size, source = job_rank(options.rank, options.world_size)
+        if source != "given":
+            log.info("dataset %s: rank %d of %d, from %s", name, rank, world_size, source)
+        options = dataclasses.replace(options, rank=rank, world_size=world_size)
     places = {link.server_id: (places or {}).get(link.server_id) or ServerPlace(link.address) for link in links}
     requested = options.ring_bytes if options.ring_bytes is not None else config.ring_bytes
     if requested < 0:

@@ -110,8 +110,17 @@ class KSpeedDataset(IterableDataset):
         return _EpochIterator(self, plan, first, self._iterations)
 
     def __len__(self) -> int:
-        """Batches per epoch for this rank."""
+        """Batches per epoch for this rank, as ``len()`` of a ``DataLoader`` counts batches.
+
+        :attr:`samples_per_epoch` counts this rank's samples, :attr:`num_samples` the dataset's.
+        """
         return self._orders.num_batches()
+
+    @property
+    def samples_per_epoch(self) -> int:
+        """Samples this rank receives per epoch (with ``drop_last``, the dropped ones not counted)."""
+        n = self._orders.samples_per_epoch()
+        return n - n % self.batch_size if self._orders.drop_last else n
 
     def __reduce__(self) -> Any:
         raise StateError(NO_WORKERS)

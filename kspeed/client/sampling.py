@@ -14,14 +14,16 @@ Two kinds of samplers are told apart because the next epoch may be planned early
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import numpy as np
-from torch.utils.data import Dataset, DistributedSampler, SequentialSampler
+import torch.distributed as dist
+from torch.utils.data import BatchSampler, Dataset, DistributedSampler, SequentialSampler
 
+from kspeed.config import launcher_environment
 from kspeed.errors import ConfigError, DatasetError
 
-__all__ = ["EpochOrders"]
+__all__ = ["EpochOrders", "job_rank"]
 
 _DETERMINISTIC = (DistributedSampler, SequentialSampler)
 
@@ -37,6 +39,33 @@ class _IdRange(Dataset[int]):
 
     def __getitem__(self, index: int) -> int:
         return index
+
+
+def job_rank(
+    rank: int | None, world_size: int | None, environ: Mapping[str, int] | None = None
+) -> tuple[int, int, str]:
+    """This process's rank and the job's world size, and where they came from.
+
+    Given values win; what is missing comes from the initialised ``torch.distributed`` process
+    group, else from the launcher's ``RANK``/``WORLD_SIZE`` (torchrun), else rank 0 of 1: the
+    same sources ``DistributedSampler`` uses, so every rank reads its own part of each epoch.
+
+    Args:
+        rank: the rank the caller gave, if any.
+        world_size: the world size the caller gave, if any.
+        environ: the launcher's variables (default :func:`kspeed.config.launcher_environment`).
+    """
+    if rank is not None and world_size is not None:
+        return rank, world_size, "given"
+    if dist.is_available() and dist.is_initialized():
+        found, source = (dist.get_rank(), dist.get_world_size()), "the torch.distributed process group"
+    else:
+        env = launcher_environment() if environ is None else environ
+        if "RANK" in env and "WORLD_SIZE" in env:
+            found, source = (env["RANK"], env["WORLD_SIZE"]), "the launcher's RANK and WORLD_SIZE"
+        else:
+            found, source = (0, 1), "no process group or launcher (a single process)"
+    return (found[0] if rank is None else rank), (found[1] if world_size is None else world_size), source
 
 
 def _describe(sampler: object) -> str:
@@ -86,6 +115,14 @@ class EpochOrders:
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.seed = seed
+        if isinstance(sampler, BatchSampler):
+            raise ConfigError(
+                "a BatchSampler yields lists of sample IDs; pass its sampler and batch size instead: "
+                "client.dataset(spec, batch_size=batch_sampler.batch_size, sampler=batch_sampler.sampler, "
+                "drop_last=batch_sampler.drop_last)",
+                field="sampler",
+                value=type(sampler).__name__,
+            )
         if sampler is not None and (rank is not None or world_size is not None):
             raise ConfigError(
                 "give either a sampler or rank/world_size (which build a DistributedSampler), not both",
@@ -147,7 +184,15 @@ class EpochOrders:
                 sampler.set_epoch(epoch)
         else:
             sampler = self.sampler
-        ids = np.fromiter((int(i) for i in sampler), dtype=np.int64)
+        try:
+            ids = np.fromiter((int(i) for i in sampler), dtype=np.int64)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"sampler {self.identity} must yield one sample ID at a time ({exc}); for a sampler of batches, "
+                "pass its underlying sampler and set batch_size",
+                field="sampler",
+                value=self.identity,
+            ) from exc
         if self.drop_last:
             ids = ids[: len(ids) - len(ids) % self.batch_size]
         bad = np.flatnonzero((ids < 0) | (ids >= self.num_samples))

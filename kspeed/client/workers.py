@@ -1,20 +1,27 @@
-"""A pool of spawned processes that turn delivered sample bytes into collated training batches.
+"""Pools that turn delivered sample bytes into collated training batches, as ``DataLoader`` workers do.
 
-Until preprocessing runs on the servers, a wrapped folder dataset's own loader and transforms run
-on the client, in processes started with ``spawn`` (the client's gRPC channels and receive ring do
-not survive ``fork``). A task is one batch: its bytes as one buffer with sample offsets, and its
-targets; the worker returns the batch collated as a ``DataLoader`` worker would, so tensors come
-back through torch's shared-memory reductions rather than the pipe. The checks of the stages
-(picklable, loader works on a file object) run in the caller, before any worker starts.
+A wrapped folder dataset's own loader and transforms run on the client: in processes started with
+``spawn`` (:class:`TransformPool`; the client's gRPC channels and receive ring do not survive
+``fork``), or in the training process itself with ``num_workers=0`` (:class:`InlinePool`). A task
+is one batch: its bytes as one buffer with sample offsets, its targets and its file names; the pool
+returns the batch collated as a ``DataLoader`` worker would, so tensors come back through torch's
+shared-memory reductions rather than the pipe. A loader that opens a path is given a scratch file
+of the sample's bytes under the sample's own name (:class:`ScratchFiles`). The checks of the stages
+(picklable, how the loader takes a sample) run in the caller, before any worker starts.
 """
 
 from __future__ import annotations
 
+import atexit
 import io
 import logging
+import os
 import pickle
+import shutil
+import tempfile
 import threading
 import traceback
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, fields
@@ -26,13 +33,16 @@ from torch.utils.data import default_collate
 from kspeed.errors import ConfigError, StateError
 
 __all__ = [
+    "InlinePool",
     "SampleFailure",
+    "ScratchFiles",
     "Stages",
     "TransformPool",
     "check_loader",
     "check_picklable",
     "pil_file_loader",
     "resolve_loader",
+    "run_batch",
 ]
 
 log = logging.getLogger(__name__)
@@ -43,6 +53,9 @@ _TORCHVISION_LOADERS = ("pil_loader", "default_loader")
 
 # Set once per worker process by _init: (loader, transform, target_transform, collate_fn).
 _STAGES: Stages | None = None
+_SCRATCH: ScratchFiles | None = None
+#: Scratch directories are named ``<prefix><pid>-<random>``.
+SCRATCH_PREFIX = "kspeed-loader-"
 
 
 class SampleFailure(Exception):
@@ -86,38 +99,38 @@ def resolve_loader(loader: Any) -> Callable[..., Any]:
     return loader
 
 
-def check_loader(loader: Callable[..., Any], path: str) -> None:
-    """Refuse a loader that reads ``path`` by name but fails on its bytes as ``io.BytesIO``.
+def check_loader(loader: Callable[..., Any], path: str) -> str:
+    """How ``loader`` takes a sample: ``"file"`` (a binary file object) or ``"path"`` (a file name).
 
-    When the client cannot read ``path`` or the loader fails on the path too (a bad file), the
-    check passes: iterating names that sample if it fails.
-
-    Raises:
-        ConfigError: the loader accepts a path only (named, with the error it raised).
+    A file object is tried first (no file is written per sample then); a loader that fails on one
+    but reads ``path`` by name is given a path. When the client cannot read ``path``, or the
+    loader fails on both (a bad file), it is given file objects: iterating names that sample if it
+    fails.
     """
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as exc:
         log.debug("loader check skipped: cannot read %s here: %s", path, exc)
-        return
+        return "file"
     try:
         loader(io.BytesIO(data))
-        return
+        return "file"
     except Exception as exc:
         on_file = exc
     try:
         loader(path)
     except Exception:
-        return
+        return "file"
     name = getattr(loader, "__qualname__", repr(loader))
-    raise ConfigError(
-        f"loader {name} reads {path} by path but fails on a file object "
-        f"({type(on_file).__name__}: {on_file}); KSpeed hands the loader each sample's bytes as "
-        "io.BytesIO: pass loader= a function of a binary file object (PIL.Image.open accepts one)",
-        field="loader",
-        value=name,
-    ) from on_file
+    log.info(
+        "loader %s fails on a file object (%s: %s) but reads a path: it is given a scratch file of each "
+        "sample's bytes under the sample's own file name",
+        name,
+        type(on_file).__name__,
+        on_file,
+    )
+    return "path"
 
 
 @dataclass(frozen=True)
@@ -125,20 +138,23 @@ class Stages:
     """What turns one sample's bytes into training input, as a ``DataLoader`` over the dataset would.
 
     Attributes:
-        loader: binary file object -> sample (e.g. a decoded image).
+        loader: binary file object (or path) -> sample (e.g. a decoded image).
         transform: applied to each loaded sample, or ``None``.
         target_transform: applied to each target, or ``None``.
         collate_fn: list of ``(sample, target)`` pairs -> batch.
+        loader_takes: ``"file"``: the loader gets an ``io.BytesIO`` of the sample's bytes;
+            ``"path"``: a scratch file of them named like the sample's file (:class:`ScratchFiles`).
     """
 
     loader: Callable[..., Any]
     transform: Callable[..., Any] | None = None
     target_transform: Callable[..., Any] | None = None
     collate_fn: Callable[..., Any] = default_collate
+    loader_takes: str = "file"
 
     def named(self) -> dict[str, Any]:
-        """Each stage by its name."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """Each stage by its name (the callables only)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "loader_takes"}
 
 
 def check_picklable(stages: Stages | Mapping[str, Any]) -> None:
@@ -159,39 +175,157 @@ def check_picklable(stages: Stages | Mapping[str, Any]) -> None:
             ) from exc
 
 
+class ScratchFiles:
+    """Files holding samples' bytes under their own file names, for loaders that open a path.
+
+    Loaders choose decoders by a file's extension, so each sample is written as
+    ``<dir>/<position>/<its file name>``: never the original file (that would read the local disk the
+    servers are there to spare) and never a name without its suffix. The directory lives in
+    ``/dev/shm`` when there is one, is named after this process, and is removed by :meth:`close` (or
+    at exit); one left by a killed process is removed by the next one that starts.
+    """
+
+    def __init__(self) -> None:
+        root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        _remove_orphans(root)
+        self.dir = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-", dir=root)
+        self._made: set[int] = set()
+        self._finalizer = weakref.finalize(self, shutil.rmtree, self.dir, True)
+
+    def path(self, position: int, name: str, data: memoryview) -> str:
+        """Write ``data`` as ``name`` in the slot of batch position ``position`` and return its path."""
+        folder = os.path.join(self.dir, str(position))
+        if position not in self._made:
+            os.makedirs(folder, exist_ok=True)
+            self._made.add(position)
+        path = os.path.join(folder, os.path.basename(name) or "sample")
+        with open(path, "wb") as f:
+            f.write(data)
+        return path
+
+    def close(self) -> None:
+        """Remove the directory."""
+        self._finalizer()
+
+
+def _remove_orphans(root: str) -> None:
+    """Remove the scratch directories of processes that no longer exist."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        if not name.startswith(SCRATCH_PREFIX):
+            continue
+        pid = name[len(SCRATCH_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _init(stages: Stages) -> None:
-    global _STAGES
+    global _STAGES, _SCRATCH
     torch.set_num_threads(1)  # as DataLoader workers: one thread each, the pool gives the parallelism
     _STAGES = stages
+    _SCRATCH = ScratchFiles() if stages.loader_takes == "path" else None
+    if _SCRATCH is not None:
+        atexit.register(_SCRATCH.close)
 
 
 def _describe(exc: BaseException) -> str:
     return "".join(traceback.format_exception_only(type(exc), exc)).strip()
 
 
-def _run(buffer: bytes | bytearray, offsets: Sequence[int], targets: Sequence[Any]) -> Any:
-    """Load, transform and collate one batch in a worker (``offsets`` has one more entry than samples)."""
-    stages = _STAGES
-    if stages is None:
-        raise StateError("transform worker used before its initializer ran")
-    loader, transform, target_transform = stages.loader, stages.transform, stages.target_transform
-    collate_fn = stages.collate_fn
+def run_batch(
+    stages: Stages,
+    scratch: ScratchFiles | None,
+    buffer: bytes | bytearray,
+    offsets: Sequence[int],
+    targets: Sequence[Any],
+    names: Sequence[str],
+) -> Any:
+    """Load, transform and collate one batch (``offsets`` has one more entry than samples).
+
+    Raises:
+        SampleFailure: a sample (by position) or the collation failed.
+    """
     view = memoryview(buffer)
     items = []
     for i, target in enumerate(targets):
+        data = view[offsets[i] : offsets[i + 1]]
         try:
-            item = loader(io.BytesIO(view[offsets[i] : offsets[i + 1]]))
-            if transform is not None:
-                item = transform(item)
-            if target_transform is not None:
-                target = target_transform(target)
+            source = io.BytesIO(data) if scratch is None else scratch.path(i, names[i], data)
+            item = stages.loader(source)
+            if stages.transform is not None:
+                item = stages.transform(item)
+            if stages.target_transform is not None:
+                target = stages.target_transform(target)
         except Exception as exc:
             raise SampleFailure(i, _describe(exc)) from None
         items.append((item, target))
     try:
-        return collate_fn(items)
+        return stages.collate_fn(items)
     except Exception as exc:
         raise SampleFailure(None, _describe(exc)) from None
+
+
+def _run(buffer: bytes | bytearray, offsets: Sequence[int], targets: Sequence[Any], names: Sequence[str]) -> Any:
+    """One batch in a worker process, with the stages its initializer received."""
+    if _STAGES is None:
+        raise StateError("transform worker used before its initializer ran")
+    return run_batch(_STAGES, _SCRATCH, buffer, offsets, targets, names)
+
+
+class InlinePool:
+    """The stages run in the calling process, one batch at a time (``num_workers=0``, as ``DataLoader``).
+
+    Args:
+        stages: the loader, transforms and collation.
+    """
+
+    workers = 0
+
+    def __init__(self, stages: Stages) -> None:
+        self._stages = stages
+        self._scratch = ScratchFiles() if stages.loader_takes == "path" else None
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran."""
+        return self._closed
+
+    def submit(
+        self, buffer: bytes | bytearray, offsets: Sequence[int], targets: Sequence[Any], names: Sequence[str]
+    ) -> Future:
+        """Run one batch now; the future holds the collated batch or the :class:`SampleFailure`."""
+        if self._closed:
+            raise StateError("the transform pool is closed; iterate the wrapped dataset again to start a new one")
+        future: Future = Future()
+        try:
+            future.set_result(run_batch(self._stages, self._scratch, buffer, offsets, targets, names))
+        except SampleFailure as exc:
+            future.set_exception(exc)
+        return future
+
+    def pids(self) -> list[int]:
+        """No worker processes."""
+        return []
+
+    def close(self) -> None:
+        """Remove the scratch files, if any."""
+        self._closed = True
+        if self._scratch is not None:
+            self._scratch.close()
 
 
 class TransformPool:
@@ -215,11 +349,13 @@ class TransformPool:
         """Whether :meth:`close` ran."""
         return self._executor is None
 
-    def submit(self, buffer: bytes | bytearray, offsets: Sequence[int], targets: Sequence[Any]) -> Future:
+    def submit(
+        self, buffer: bytes | bytearray, offsets: Sequence[int], targets: Sequence[Any], names: Sequence[str]
+    ) -> Future:
         """Queue one batch; the future yields the collated batch or raises :class:`SampleFailure`."""
         if self._executor is None:
             raise StateError("the transform pool is closed; iterate the wrapped dataset again to start a new one")
-        return self._executor.submit(_run, buffer, offsets, targets)
+        return self._executor.submit(_run, buffer, offsets, targets, names)
 
     def pids(self) -> list[int]:
         """Process IDs of the running workers."""

@@ -45,7 +45,15 @@ from kspeed.errors import ConfigError, DatasetError, KSpeedError, StateError
 from .dataset import KSpeedDataset
 from .options import FeedOptions
 from .spec import DatasetSpec
-from .workers import SampleFailure, Stages, TransformPool, check_loader, check_picklable, resolve_loader
+from .workers import (
+    InlinePool,
+    SampleFailure,
+    Stages,
+    TransformPool,
+    check_loader,
+    check_picklable,
+    resolve_loader,
+)
 
 if TYPE_CHECKING:
     from .client import KSpeedClient
@@ -164,11 +172,11 @@ class WrappedDataset(IterableDataset):
         inner: the KSpeed dataset over the folder's files (sample ``i`` = ``paths[i]``).
         paths: each sample's file, for error messages.
         targets: each sample's target.
-        loader: binary file object -> sample.
+        loader: binary file object (or, if it only takes paths, a path) -> sample.
         transform: applied to each loaded sample, or ``None``.
         target_transform: applied to each target, or ``None``.
         collate_fn: list of ``(sample, target)`` pairs -> batch.
-        num_workers: worker processes (default: up to 4, one per CPU).
+        num_workers: worker processes (default: up to 4, one per CPU; 0: in the training process).
         prefetch: batches in flight (default: 2 per worker).
 
     Raises:
@@ -191,9 +199,12 @@ class WrappedDataset(IterableDataset):
         super().__init__()
         self._closed = True
         workers = DEFAULT_WORKERS if num_workers is None else num_workers
-        for field, value in (("num_workers", workers), ("prefetch", 1 if prefetch is None else prefetch)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"{field} must be a positive integer, got {value!r}", field=field, value=value)
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+            raise ConfigError(
+                f"num_workers must be a non-negative integer, got {workers!r}", field="num_workers", value=workers
+            )
+        if prefetch is not None and (isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch <= 0):
+            raise ConfigError(f"prefetch must be a positive integer, got {prefetch!r}", field="prefetch", value=prefetch)
         if len(paths) != inner.num_samples or len(targets) != inner.num_samples:
             raise ConfigError(
                 f"dataset {inner.name!r} has {inner.num_samples} samples but {len(paths)} paths and "
@@ -203,10 +214,10 @@ class WrappedDataset(IterableDataset):
         self._inner = inner
         self._paths = list(paths)
         self._targets = list(targets)
-        self._stages = Stages(loader, transform, target_transform, collate_fn)
+        self._stages = Stages(loader, transform, target_transform, collate_fn, check_loader(loader, self._paths[0]))
         self.num_workers = workers
-        self.prefetch = prefetch if prefetch is not None else PREFETCH_PER_WORKER * workers
-        self._pool: TransformPool | None = None
+        self.prefetch = prefetch if prefetch is not None else max(PREFETCH_PER_WORKER * workers, 1)
+        self._pool: TransformPool | InlinePool | None = None
         self._delivered = 0
         self._closed = False
 
@@ -239,10 +250,12 @@ class WrappedDataset(IterableDataset):
         batches = iter(self._inner)
         self._delivered = self._inner.state_dict()["batches"]
         if self._pool is None:
-            self._pool = TransformPool(self.num_workers, self._stages)
+            self._pool = (
+                TransformPool(self.num_workers, self._stages) if self.num_workers else InlinePool(self._stages)
+            )
         return self._deliver(batches, self._pool)
 
-    def _deliver(self, batches: Iterator[Any], pool: TransformPool) -> Iterator[Any]:
+    def _deliver(self, batches: Iterator[Any], pool: TransformPool | InlinePool) -> Iterator[Any]:
         pending: deque[_Task] = deque()
         try:
             for batch in batches:
@@ -261,7 +274,7 @@ class WrappedDataset(IterableDataset):
             self._stop_pool()
             raise
 
-    def _submit(self, pool: TransformPool, batch: Any) -> _Task:
+    def _submit(self, pool: TransformPool | InlinePool, batch: Any) -> _Task:
         """Copy the batch's bytes into one buffer, give its ring range back and queue it."""
         lengths = np.asarray(batch.lengths, dtype=np.int64)
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
@@ -274,7 +287,8 @@ class WrappedDataset(IterableDataset):
         ids = batch.ids.tolist()
         epoch, index = batch.epoch, batch.index
         batch.release()
-        future = pool.submit(buffer, offsets.tolist(), [self._targets[i] for i in ids])
+        names = [os.path.basename(self._paths[i]) for i in ids] if self._stages.loader_takes == "path" else []
+        future = pool.submit(buffer, offsets.tolist(), [self._targets[i] for i in ids], names)
         return _Task(future, epoch, index, ids)
 
     def _collect(self, task: _Task) -> Any:
@@ -388,7 +402,8 @@ class WrapOptions:
 
     Attributes:
         collate_fn: list of ``(sample, target)`` pairs -> batch (default ``default_collate``).
-        loader: replaces the dataset's ``loader``; called on a binary file object.
+        loader: replaces the dataset's ``loader``; called on a binary file object, or on a path to a
+            scratch file of the sample's bytes if it only takes paths.
         num_workers: transform worker processes (default: up to 4, one per CPU).
         prefetch: batches in flight in the workers (default: 2 per worker).
         list_dir: where to write the list file when one is needed (default ``<root>/.kspeed``).
@@ -420,8 +435,8 @@ def wrap(client: KSpeedClient, dataset: Any, options: FeedOptions, wrapping: Wra
         target_transform=getattr(dataset, "target_transform", None),
         collate_fn=wrapping.collate_fn if wrapping.collate_fn is not None else default_collate,
     )
-    check_picklable(stages)
-    check_loader(stages.loader, paths[0])
+    if wrapping.num_workers != 0:  # the stages travel to spawned workers
+        check_picklable(stages)
     spec = folder_spec(paths, list_dir=wrapping.list_dir, name=wrapping.name)
     inner = client.open(spec, options)
     try:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import time
 import gc
+import time
+import warnings
 
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 from kspeed.errors import CapacityError, ConfigError, StateError
 from kspeed.rdma.rails import available_rails
@@ -198,3 +199,51 @@ def test_ring_full_of_held_batches_is_an_error_not_a_hang(make_ds):
         for batch in ds:
             held.append(batch)
     assert len(held) >= 2
+
+
+def test_a_batch_is_a_pytorch_citizen(make_ds, samples):
+    ds, _ = make_ds(batch_size=8, shuffle=False)
+    assert len(ds) == -(-N_SAMPLES // 8) and ds.samples_per_epoch == N_SAMPLES  # len() counts batches
+    batch = next(iter(ds))
+    images, labels = batch  # unpacks as (samples, labels), like (inputs, targets)
+    assert images is batch.samples and torch.equal(labels, batch.labels) and len(batch) == 8
+    assert batch.to("cpu") is batch and batch.device == torch.device("cpu")
+    moved = batch.to("meta")  # a copy on another device: one copy of the range, views of it
+    assert moved.device.type == "meta" and [s.numel() for s in moved.samples] == batch.lengths.tolist()
+    moved.release()
+    assert batch.released  # the copy held the original's range; releasing the copy releases both
+
+
+def test_dataloader_with_a_batch_size_is_refused_by_name(make_ds):
+    ds, _ = make_ds(batch_size=4)
+    with pytest.raises(StateError, match=r"DataLoader\(dataset, batch_size=None\).*client.dataset\(.*batch_size"):
+        next(iter(DataLoader(ds, batch_size=2)))
+    pinned = DataLoader(ds, batch_size=None, pin_memory=True)  # without an accelerator torch skips pinning
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert sum(len(b) for b in pinned) == N_SAMPLES
+
+
+def test_a_batch_sampler_is_refused_with_what_to_do(make_ds):
+    with pytest.raises(ConfigError, match=r"BatchSampler.*sampler=batch_sampler.sampler"):
+        make_ds(sampler=BatchSampler(SequentialSampler(range(N_SAMPLES)), 4, False))
+
+    class Batches:  # a sampler of batches that is not a BatchSampler
+        def __iter__(self):
+            return iter([[0, 1], [2, 3]])
+
+        def __len__(self):
+            return 2
+
+    ds, _ = make_ds(sampler=Batches(), batch_size=2)
+    with pytest.raises(ConfigError, match="must yield one sample ID at a time"):
+        next(iter(ds))
+
+
+def test_rank_and_world_size_come_from_the_launcher_unless_given(monkeypatch):
+    from kspeed.client.sampling import job_rank
+
+    assert job_rank(None, None, {}) == (0, 1, "no process group or launcher (a single process)")
+    assert job_rank(None, None, {"RANK": 3, "WORLD_SIZE": 4})[:2] == (3, 4)
+    assert job_rank(1, 2, {"RANK": 3, "WORLD_SIZE": 4}) == (1, 2, "given")
+    assert job_rank(None, 8, {"RANK": 3, "WORLD_SIZE": 4})[:2] == (3, 8)  # what is given wins, per field

@@ -12,6 +12,7 @@ import pytest
 import simplejpeg
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
+from torchvision.datasets import ImageFolder
 
 from kspeed.client.options import FeedOptions
 from kspeed.client.workers import check_loader, check_picklable, pil_file_loader, resolve_loader
@@ -66,32 +67,17 @@ class FailOn:
         return simplejpeg.decode_jpeg(data)
 
 
-class FolderDataset:
-    """The shape of torchvision's ImageFolder: ``.samples``, ``.loader``, ``.transform``, ``.target_transform``."""
+class PathRecorder:
+    """A loader that opens a path (like cv2.imread or np.load) and records what it was given."""
 
-    def __init__(self, root, transform=None, target_transform=None, loader=jpeg_loader):
-        self.classes = sorted(os.listdir(root))
-        self.samples = [
-            (os.path.join(root, c, f), i)
-            for i, c in enumerate(self.classes)
-            for f in sorted(os.listdir(os.path.join(root, c)))
-        ]
-        self.targets = [t for _, t in self.samples]
-        self.loader = loader
-        self.transform = transform
-        self.target_transform = target_transform
+    def __init__(self, seen):
+        self.seen = seen
 
-    def __len__(self):
-        return len(self.samples)
-
-    def __getitem__(self, index):
-        path, target = self.samples[index]
-        sample = self.loader(path)
-        if self.transform is not None:
-            sample = self.transform(sample)
-        if self.target_transform is not None:
-            target = self.target_transform(target)
-        return sample, target
+    def __call__(self, path):
+        assert isinstance(path, str), f"a path loader got {type(path).__name__}"
+        self.seen.append(path)
+        with open(path, "rb") as f:
+            return simplejpeg.decode_jpeg(f.read())
 
 
 def make_jpegs(root, classes=CLASSES, per_class=PER_CLASS, seed=0):
@@ -125,7 +111,7 @@ def alive(pid):
 
 @pytest.fixture
 def folder(tmp_path):
-    return FolderDataset(make_jpegs(tmp_path / "imgs"), transform=to_normalized_tensor)
+    return ImageFolder(str(make_jpegs(tmp_path / "imgs")), transform=to_normalized_tensor, loader=jpeg_loader)
 
 
 @pytest.fixture
@@ -230,6 +216,28 @@ def test_loader_error_names_the_file_and_stops_the_workers(folder, make_wrapped)
     assert not any(alive(pid) for pid in pids)
 
 
+def test_no_workers_runs_in_the_training_process(folder, make_wrapped):
+    wrapped = make_wrapped(sampler=SequentialSampler(folder), num_workers=0)
+    assert_same_batches(list(wrapped), list(DataLoader(folder, batch_size=8, sampler=SequentialSampler(folder))))
+    assert wrapped.worker_pids() == [] and multiprocessing.active_children() == []
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_loader_that_opens_a_path_gets_the_bytes_under_the_file_name(folder, make_wrapped, workers, tmp_path):
+    seen = multiprocessing.Manager().list() if workers else []
+    folder.loader = PathRecorder(seen)
+    wrapped = make_wrapped(sampler=SequentialSampler(folder), num_workers=workers)
+    reference = ImageFolder(folder.root, transform=to_normalized_tensor, loader=jpeg_loader)
+    assert_same_batches(list(wrapped), list(DataLoader(reference, batch_size=8, sampler=SequentialSampler(reference))))
+    originals = {p for p, _ in folder.samples}
+    loaded = [p for p in seen if p not in (folder.samples[0][0],)]  # the first one was the wrap-time check
+    assert loaded and not originals & set(loaded)  # never the original file ...
+    names = [os.path.basename(p) for p in loaded]
+    assert sorted(set(names)) == sorted({os.path.basename(p) for p in originals})  # ... but under its name
+    wrapped.close()
+    assert not any(os.path.exists(p) for p in loaded)  # the scratch files are gone with the pool
+
+
 def test_close_leaves_no_worker_process(folder, make_wrapped):
     wrapped = make_wrapped(sampler=SequentialSampler(folder))
     for _ in zip(range(2), wrapped):  # stop mid-epoch with batches in flight
@@ -263,12 +271,11 @@ def test_folder_spec_uses_the_tree_when_it_matches_else_a_list(folder, tmp_path)
 
 def test_stage_checks(folder, tmp_path):
     path = folder.samples[0][0]
-    check_loader(jpeg_loader, path)  # accepts a file object
-    with pytest.raises(ConfigError, match=r"reads .* by path but fails on a file object"):
-        check_loader(path_only_loader, path)
+    assert check_loader(jpeg_loader, path) == "file"  # accepts a file object: no file is written per sample
+    assert check_loader(path_only_loader, path) == "path"  # opens its argument by name
     broken = tmp_path / "broken.jpg"
     broken.write_bytes(b"not a jpeg")
-    check_loader(jpeg_loader, str(broken))  # a bad file is not a bad loader: iteration names it
+    assert check_loader(jpeg_loader, str(broken)) == "file"  # a bad file is not a bad loader: iteration names it
     with pytest.raises(ConfigError, match=r"transform .* cannot be pickled"):
         check_picklable({"loader": jpeg_loader, "transform": lambda x: x})
     with pytest.raises(ConfigError, match="loader must be callable"):
@@ -280,7 +287,7 @@ def test_stage_checks(folder, tmp_path):
 
 
 def test_bad_arguments_are_named(folder, make_wrapped):
-    with pytest.raises(ConfigError, match="num_workers must be a positive integer"):
-        make_wrapped(num_workers=0)
+    with pytest.raises(ConfigError, match="num_workers must be a non-negative integer"):
+        make_wrapped(num_workers=-1)
     with pytest.raises(ConfigError, match="prefetch must be a positive integer"):
         make_wrapped(prefetch=-1)
