@@ -310,6 +310,13 @@ class ManagerConfig(DaemonConfig):
     lease_ttl: float = option(
         30.0, "lifetime of a job's dataset lease unless renewed", parse=parse_duration, env="KSPEED_LEASE_TTL"
     )
+    verify_on_attach: bool = option(
+        True,
+        "list a dataset's backend again when a job attaches to it (at most once a minute) and refuse it when "
+        "its files changed since registration",
+        parse=_parse_bool,
+        env="KSPEED_VERIFY_ON_ATTACH",
+    )
     join_wait: float = option(
         30.0,
         "longest a new dataset waits for servers that are still joining (registered, not yet probed)",
@@ -401,6 +408,19 @@ class ServerConfig(DaemonConfig):
     )
     scrub_interval: float = option(
         3600.0, "seconds between integrity scrubs of loaded data", parse=parse_duration, env="KSPEED_SCRUB_INTERVAL"
+    )
+    change_check_interval: float = option(
+        300.0,
+        "how often each share's backend files are compared with the listing (size and mtime/etag)",
+        parse=parse_duration,
+        env="KSPEED_CHANGE_CHECK_INTERVAL",
+    )
+    change_check_budget: int = option(
+        1000,
+        "backend files compared per share and interval, round robin (on an object store each is a request; "
+        "0: only at attach and on every backend read)",
+        parse=_parse_int,
+        env="KSPEED_CHANGE_CHECK_BUDGET",
     )
     feeders: int = option(
         0,

@@ -16,7 +16,8 @@ operating system and the transports are converted at the boundary (``raise ... f
     ├── DatasetError             a dataset cannot be listed, loaded or served
     │   ├── BackendError         the backend storage refused or failed a read
     │   ├── AccessDeniedError    a URI outside the operator's allow-list
-    │   └── IntegrityError       a checksum mismatch
+    │   ├── IntegrityError       a checksum mismatch
+    │   └── ChangedError         a backend file changed or vanished after it was listed
     └── TransportError           the data plane failed
         ├── RailUnavailableError a rail is unknown or unusable on this host
         ├── RangeError           a write outside the granted range
@@ -30,6 +31,7 @@ __all__ = [
     "AuthError",
     "BackendError",
     "CapacityError",
+    "ChangedError",
     "ConfigError",
     "ConflictError",
     "DatasetError",
@@ -132,6 +134,27 @@ class AccessDeniedError(DatasetError):
 
 class IntegrityError(DatasetError):
     """A sample's bytes do not match their checksum."""
+
+
+class ChangedError(DatasetError):
+    """A backend file changed or vanished after it was listed: its cached bytes are stale, never served.
+
+    Args:
+        message: what changed and what to do.
+        dataset: the dataset's name.
+        sample: the sample's ID.
+        path: the sample's backend path.
+        what: what differs (``"deleted"``, ``"size 10 -> 12 bytes"``, ``"modified ..."``).
+    """
+
+    sample: int | None
+
+    def __init__(
+        self, message: str, *, dataset: str | None = None, sample: int | None = None, path: str = "", what: str = ""
+    ) -> None:
+        super().__init__(message, dataset=dataset, sample=sample)
+        self.path = path
+        self.what = what
 
 
 class TransportError(KSpeedError):

@@ -3,7 +3,8 @@
 After a server's feeder connects to a client's receive ring it says HELLO; from then on the client
 sends GRANTS (the right to write one range of positions of one batch of one epoch at a ring
 offset) and the server answers each grant with one write-with-immediate whose immediate is the
-grant's tag. A server that cannot serve a grant says ERROR instead of staying silent. Nothing per
+grant's tag. A server that cannot serve a grant says ERROR instead of staying silent, and a server
+that ends a feed for good (its dataset was removed) says CLOSING with the reason first. Nothing per
 sample travels here: the positions of a grant map to samples and offsets through the epoch plan
 and :func:`kspeed.layout.batch_layout`, which both sides hold.
 
@@ -32,12 +33,14 @@ __all__ = [
     "MAX_GENERATION",
     "MAX_PROBE",
     "PROBE_EPOCH",
+    "Closing",
     "DropPlan",
     "Grant",
     "GrantError",
     "Hello",
     "Message",
     "decode",
+    "encode_closing",
     "encode_drop_plan",
     "encode_error",
     "encode_grants",
@@ -46,7 +49,7 @@ __all__ = [
     "tag_generation",
 ]
 
-_HELLO, _GRANTS, _ERROR, _DROP_PLAN = 1, 2, 3, 4
+_HELLO, _GRANTS, _ERROR, _DROP_PLAN, _CLOSING = 1, 2, 3, 4, 5
 
 #: One grant on the wire. ``first``/``end`` are positions within the batch; ``ring_offset`` is where
 #: the batch starts, relative to the ring key the feed was opened with.
@@ -107,8 +110,15 @@ class DropPlan:
     epoch: int
 
 
+@dataclass(frozen=True)
+class Closing:
+    """Writer -> receiver: the server ends this feed for good (e.g. the dataset was removed), and why."""
+
+    reason: str
+
+
 #: A decoded feed message; grants arrive as a :data:`GRANT_DTYPE` array.
-Message = Hello | GrantError | DropPlan | np.ndarray
+Message = Hello | GrantError | DropPlan | Closing | np.ndarray
 
 
 def make_tag(generation: int, seq: int) -> int:
@@ -140,6 +150,11 @@ def encode_error(error: GrantError) -> bytes:
     return bytes([_ERROR]) + head + error.text.encode()[:_MAX_ERROR_TEXT]
 
 
+def encode_closing(closing: Closing) -> bytes:
+    """Writer -> receiver: the feed ends, and why."""
+    return bytes([_CLOSING]) + closing.reason.encode()[:_MAX_ERROR_TEXT]
+
+
 def encode_drop_plan(epoch: int) -> bytes:
     """Receiver -> writer: the plan of ``epoch`` will not be granted again."""
     return bytes([_DROP_PLAN]) + _DROP.pack(epoch)
@@ -167,6 +182,8 @@ def decode(message: bytes) -> Message:
             return GrantError(epoch, batch, tag, bytes(body[_ERROR_HEAD.size :]).decode(errors="replace"))
         if kind == _DROP_PLAN:
             return DropPlan(_DROP.unpack_from(body)[0])
+        if kind == _CLOSING:
+            return Closing(bytes(body).decode(errors="replace"))
     except (ValueError, KeyError, TypeError, struct.error) as exc:
         raise ProtocolError(f"malformed feed message of kind {kind}: {exc}") from exc
     raise ProtocolError(f"unknown feed message kind {kind}")

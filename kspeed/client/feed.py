@@ -141,6 +141,7 @@ class Feed:
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
         self.progress = 0  # bumped by every completion, error and fence (waiters wake on a change)
+        self.ended = ""  # why a server ended the feed for good (e.g. the dataset was removed)
         self.granting = granting
         self.receiver: Receiver = get_rail(rail).listen(options)
         try:
@@ -205,9 +206,12 @@ class Feed:
         Call :meth:`flush` to send the queued grants (paced: the pacing thread sends them).
 
         Raises:
+            DatasetError: a server ended the feed for good (its dataset was removed, named).
             PeerLostError: a server that owes part of the batch was fenced (named, with why).
         """
         with self.lock:
+            if self.ended:
+                raise DatasetError(self._ended_text(), dataset=self.dataset)
             owed = np.flatnonzero(plan.owed[:, batch]).tolist()
             for index in owed:
                 if self.paths[index].lost:
@@ -242,6 +246,7 @@ class Feed:
             for start in range(0, len(rows), _GRANTS_PER_MESSAGE):
                 self.receiver.send(path.conn, grants.encode_grants(rows[start : start + _GRANTS_PER_MESSAGE]))
         except PeerLostError as exc:
+            self.take_messages()  # a server that ends the feed says why before it goes
             self.fence(path.link.server_id, f"sending grants failed: {exc}")
 
     def discard(self, slot: Slot) -> None:
@@ -279,6 +284,7 @@ class Feed:
             if conn is not None:
                 return
             raise PeerLostError(f"dataset {self.dataset!r}: the {self.rail} receiver failed: {exc}") from exc
+        self.take_messages()  # a server that ends the feed says why before it goes
         self.fence(path.link.server_id, str(exc))
 
     def accept(self, done: Completions) -> None:
@@ -325,6 +331,8 @@ class Feed:
                 self._hello(conn, decoded)
             elif isinstance(decoded, grants.GrantError):
                 self._error(conn, decoded)
+            elif isinstance(decoded, grants.Closing):
+                self._closing(conn, decoded.reason)
 
     def _hello(self, conn: int, hello: grants.Hello) -> None:
         path = next((p for p in self.paths if p.link.server_id == hello.server), None)
@@ -335,6 +343,20 @@ class Feed:
         path.conn = conn
         path.last_heard = time.monotonic()
         self._by_conn[conn] = path
+
+    def _ended_text(self) -> str:
+        return self.ended if repr(self.dataset) in self.ended else f"dataset {self.dataset!r}: {self.ended}"
+
+    def _closing(self, conn: int, reason: str) -> None:
+        """A server ends the feed for good (its dataset was removed): every later batch fails, naming why.
+
+        Taken even when the connection was already cut: the reason says more than the cut did.
+        """
+        self.ended = self.ended or reason
+        path = self._by_conn.get(conn)
+        log.error("dataset %s: %s ended the feed: %s", self.dataset, path.link.name if path else "a server", reason)
+        if path is not None:
+            self.fence(path.link.server_id, reason)
 
     def _error(self, conn: int, error: grants.GrantError) -> None:
         path = self._by_conn.get(conn)
@@ -382,6 +404,8 @@ class Feed:
         failure = self.granting.failure
         if failure is not None:
             raise failure
+        if self.ended:
+            raise DatasetError(self._ended_text(), dataset=self.dataset)
         if slot.error:
             self.discard(slot)
             raise DatasetError(

@@ -204,7 +204,9 @@ class WrappedDataset(IterableDataset):
                 f"num_workers must be a non-negative integer, got {workers!r}", field="num_workers", value=workers
             )
         if prefetch is not None and (isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch <= 0):
-            raise ConfigError(f"prefetch must be a positive integer, got {prefetch!r}", field="prefetch", value=prefetch)
+            raise ConfigError(
+                f"prefetch must be a positive integer, got {prefetch!r}", field="prefetch", value=prefetch
+            )
         if len(paths) != inner.num_samples or len(targets) != inner.num_samples:
             raise ConfigError(
                 f"dataset {inner.name!r} has {inner.num_samples} samples but {len(paths)} paths and "
@@ -250,9 +252,7 @@ class WrappedDataset(IterableDataset):
         batches = iter(self._inner)
         self._delivered = self._inner.state_dict()["batches"]
         if self._pool is None:
-            self._pool = (
-                TransformPool(self.num_workers, self._stages) if self.num_workers else InlinePool(self._stages)
-            )
+            self._pool = TransformPool(self.num_workers, self._stages) if self.num_workers else InlinePool(self._stages)
         return self._deliver(batches, self._pool)
 
     def _deliver(self, batches: Iterator[Any], pool: TransformPool | InlinePool) -> Iterator[Any]:

@@ -67,9 +67,10 @@ class ManagerClient:
         """Every dataset."""
         return list(self.call("ListDatasets", kspeed_pb2.ListDatasetsRequest()).datasets)
 
-    def remove_dataset(self, name: str) -> None:
-        """Remove a dataset and free its memory on the servers."""
-        self.call("RemoveDataset", kspeed_pb2.DatasetRequest(name=name), timeout=max(self.config.timeout, 60.0))
+    def remove_dataset(self, name: str, *, force: bool = False) -> None:
+        """Remove a dataset and free its memory on the servers (refused while jobs hold it, unless ``force``)."""
+        request = kspeed_pb2.RemoveDatasetRequest(name=name, force=force)
+        self.call("RemoveDataset", request, timeout=max(self.config.timeout, 60.0))
 
     def preload(self, name: str) -> kspeed_pb2.DatasetInfo:
         """Start (or join) the preload; returns at once."""

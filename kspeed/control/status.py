@@ -67,6 +67,8 @@ def dataset_dict(info: kspeed_pb2.DatasetInfo) -> dict:
         "region_size": info.region_size,
         "leases": info.leases,
         "classes": list(info.class_names),
+        "changes": list(info.changes),
+        "changed_reason": info.changed_reason,
         "progress": {
             "samples_loaded": p.samples_loaded,
             "samples_total": p.samples_total,

@@ -50,7 +50,12 @@ class Manager:
         )
         self.calls = ServerCalls(config.security, config.server_call_timeout)
         self.catalog = DatasetCatalog(
-            self.store, self.membership, self.calls, lease_ttl=config.lease_ttl, join_wait=config.join_wait
+            self.store,
+            self.membership,
+            self.calls,
+            lease_ttl=config.lease_ttl,
+            join_wait=config.join_wait,
+            verify_on_attach=config.verify_on_attach,
         )
         self.service = ManagerService(self.membership, self.catalog, self.store.cluster_id, config.heartbeat_interval)
         self.metrics = ManagerMetrics(self.membership)

@@ -18,7 +18,17 @@ import time
 from collections.abc import Callable
 
 from kspeed import names, wire
-from kspeed.errors import CapacityError, ConflictError, KSpeedError, NotFoundError, ProtocolError, UnavailableError
+from kspeed.errors import (
+    CapacityError,
+    ChangedError,
+    ConflictError,
+    DatasetError,
+    KSpeedError,
+    NotFoundError,
+    ProtocolError,
+    StateError,
+    UnavailableError,
+)
 from kspeed.manager.allocator import ServerCapacity, allocate
 from kspeed.manager.calls import ServerCalls
 from kspeed.manager.membership import JOINING, READY, Membership
@@ -34,6 +44,8 @@ _KINDS = ("", "auto", "dir", "list", "manifest", "npy")
 _LABELS = ("", "dirname")
 MAX_URI = 4096
 MAX_HOLDER = 256
+VERIFY_TTL = 60.0  # seconds a successful attach-time listing holds for further attaches
+CHANGES_SHOWN = 5
 JOIN_POLL = 0.05  # seconds between looks at servers that are still joining
 
 
@@ -67,8 +79,11 @@ class DatasetCatalog:
         *,
         lease_ttl: float,
         join_wait: float = 30.0,
+        verify_on_attach: bool = True,
         wall: Callable[[], float] = time.time,
     ) -> None:
+        self._verify_on_attach = verify_on_attach
+        self._verified: dict[str, float] = {}
         self._store = store
         self._join_wait = join_wait
         self._membership = membership
@@ -128,7 +143,11 @@ class DatasetCatalog:
                 info.server_addresses[share.server_id] = record.address
         total.samples_total = info.fingerprint.count
         total.bytes_total = info.fingerprint.total_bytes
-        if total.running:
+        changes = [c for status in info.share_status for c in status.changes]
+        info.changes.extend(changes[:CHANGES_SHOWN])
+        if info.changed_reason or changes:
+            info.state = DState.DATASET_STATE_CHANGED
+        elif total.running:
             info.state = DState.DATASET_STATE_LOADING
         elif unreachable or total.error_count:
             info.state = DState.DATASET_STATE_DEGRADED
@@ -191,6 +210,7 @@ class DatasetCatalog:
                         f"kind={existing.spec.kind or 'auto'!r} labels={existing.spec.labels!r} "
                         f"quota={existing.spec.quota_bytes}; remove it first or use another name"
                     )
+                await self._verify(existing)
             else:
                 self._datasets[spec.name] = await self._allocate(spec, owner)
                 self._store.save_dataset(self._datasets[spec.name])
@@ -200,6 +220,71 @@ class DatasetCatalog:
                 reply.lease.CopyFrom(self._new_lease(spec.name, request.holder, request.lease_ttl_s))
             reply.dataset.CopyFrom(self.get(spec.name))
             return reply
+
+    async def _verify(self, info: kspeed_pb2.DatasetInfo) -> None:
+        """Before a job attaches: list the backend again and refuse a dataset whose files changed.
+
+        One listing per :data:`VERIFY_TTL` per dataset, so the ranks of a job attaching together
+        share it. A changed fingerprint makes every holder compare its whole share with its listing
+        (``CheckShare``) to name the changed samples; the dataset is marked changed for good.
+
+        Raises:
+            ChangedError: the dataset's backend changed since registration (the first changes named).
+        """
+        name = info.spec.name
+        now = time.monotonic()
+        if not info.changed_reason and (
+            not self._verify_on_attach or now - self._verified.get(name, -1e9) < VERIFY_TTL
+        ):
+            return
+        if not info.changed_reason:
+            ready = [r for r in self._membership.snapshot() if r.state == READY]
+            holders = {s.server_id for s in info.shares}
+            lister = next((r for r in ready if r.id in holders), ready[0] if ready else None)
+            if lister is None:
+                return  # nobody can list now; the servers' own checks still run
+            try:
+                described = await self._calls.call(lister.address, lister.id, "DescribeDataset", info.spec)
+                fresh: kspeed_pb2.Fingerprint = described.fingerprint
+            except DatasetError as exc:  # e.g. the backend root itself is gone
+                fresh, why = kspeed_pb2.Fingerprint(), str(exc)
+            else:
+                why = ""
+            if fresh == info.fingerprint:
+                self._verified[name] = now
+                return
+            old, new = info.fingerprint, fresh
+            info.changed_reason = why or (
+                f"the backend's listing changed since registration ({old.count} samples, {old.total_bytes} bytes, "
+                f"{old.digest[:12]} -> {new.count} samples, {new.total_bytes} bytes, {new.digest[:12]})"
+            )
+            self._store.save_dataset(info)
+            log.error("dataset %s: %s", name, info.changed_reason)
+            await self._check_shares(info)
+        live = self._live(info)
+        named = "; ".join(live.changes) or "the changed samples are being determined"
+        raise ChangedError(
+            f"dataset {name!r}: {info.changed_reason or 'backend files changed after they were loaded'}: {named}; "
+            f"its cached bytes are stale and not served: remove it (kspeed dataset rm {name} --force) and register it "
+            "again",
+            dataset=name,
+        )
+
+    async def _check_shares(self, info: kspeed_pb2.DatasetInfo) -> None:
+        """Have every holder compare its whole share with its listing now; their reports name the changes."""
+        name = info.spec.name
+        states = {r.id: r for r in self._membership.snapshot()}
+        for share in info.shares:
+            record = states.get(share.server_id)
+            if record is None or record.state != READY:
+                continue
+            request = kspeed_pb2.CheckShareRequest(name=name)
+            try:
+                status = await self._calls.call(record.address, record.id, "CheckShare", request)
+            except KSpeedError as exc:
+                log.warning("dataset %s: %s could not check its share: %s", name, record.id, exc)
+                continue
+            self._share_status[(name, share.server_id)] = status
 
     async def _allocate(self, spec: kspeed_pb2.DatasetSpec, owner: kspeed_pb2.DatasetOwner) -> kspeed_pb2.DatasetInfo:
         ready = await self._ready_servers(spec.name)
@@ -306,10 +391,22 @@ class DatasetCatalog:
                 # The server reconciles at its next registration; the region is not lost for good.
                 log.warning("dataset %s: could not drop share on %s: %s", name, share.server_id, exc)
 
-    async def remove(self, name: str) -> None:
-        """Remove a dataset: drop its shares on the servers and forget it and its leases."""
+    async def remove(self, name: str, *, force: bool = False) -> None:
+        """Remove a dataset: drop its shares on the servers and forget it and its leases.
+
+        Raises:
+            StateError: jobs hold leases on it and ``force`` is not set (the holders are named).
+        """
         async with self._locks.setdefault(name, asyncio.Lock()):
             info = self.get(name)
+            held = [lease for lease in self._leases.values() if lease.dataset == name]
+            if held and not force:
+                holders = "; ".join(lease.holder or lease.id for lease in held[:5])
+                raise StateError(
+                    f"dataset {name!r} is in use: {len(held)} job lease(s) hold it ({holders}); stop those jobs, or "
+                    f"remove it anyway with force (kspeed dataset rm {name} --force): their feeds then end with an "
+                    "error naming the removal"
+                )
             addresses = dict(info.server_addresses)
             await self._drop_shares(name, list(info.shares), addresses)
             del self._datasets[name]

@@ -183,9 +183,9 @@ class ManagerService:
         return kspeed_pb2.ListDatasetsReply(datasets=self._catalog.datasets())
 
     async def RemoveDataset(
-        self, request: kspeed_pb2.DatasetRequest, context: grpc.aio.ServicerContext
+        self, request: kspeed_pb2.RemoveDatasetRequest, context: grpc.aio.ServicerContext
     ) -> kspeed_pb2.RemoveDatasetReply:
-        await self._catalog.remove(request.name)
+        await self._catalog.remove(request.name, force=request.force)
         return kspeed_pb2.RemoveDatasetReply()
 
     async def PreloadDataset(

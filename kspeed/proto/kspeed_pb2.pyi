@@ -29,6 +29,7 @@ class DatasetState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DATASET_STATE_LOADING: _ClassVar[DatasetState]
     DATASET_STATE_READY: _ClassVar[DatasetState]
     DATASET_STATE_DEGRADED: _ClassVar[DatasetState]
+    DATASET_STATE_CHANGED: _ClassVar[DatasetState]
 SERVER_STATE_UNSPECIFIED: ServerState
 SERVER_STATE_JOINING: ServerState
 SERVER_STATE_READY: ServerState
@@ -43,6 +44,7 @@ DATASET_STATE_ALLOCATED: DatasetState
 DATASET_STATE_LOADING: DatasetState
 DATASET_STATE_READY: DatasetState
 DATASET_STATE_DEGRADED: DatasetState
+DATASET_STATE_CHANGED: DatasetState
 
 class PeerVersion(_message.Message):
     __slots__ = ("protocol_versions", "features", "software_version")
@@ -295,16 +297,22 @@ class PreloadProgress(_message.Message):
     def __init__(self, samples_loaded: _Optional[int] = ..., samples_total: _Optional[int] = ..., bytes_loaded: _Optional[int] = ..., bytes_total: _Optional[int] = ..., bytes_per_s: _Optional[float] = ..., running: _Optional[bool] = ..., error_count: _Optional[int] = ..., errors: _Optional[_Iterable[str]] = ..., samples_read: _Optional[int] = ...) -> None: ...
 
 class ShareStatus(_message.Message):
-    __slots__ = ("dataset", "progress", "regions_sealed", "integrity_repairs")
+    __slots__ = ("dataset", "progress", "regions_sealed", "integrity_repairs", "changed_samples", "changes", "samples_checked")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     REGIONS_SEALED_FIELD_NUMBER: _ClassVar[int]
     INTEGRITY_REPAIRS_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_CHECKED_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     progress: PreloadProgress
     regions_sealed: int
     integrity_repairs: int
-    def __init__(self, dataset: _Optional[str] = ..., progress: _Optional[_Union[PreloadProgress, _Mapping]] = ..., regions_sealed: _Optional[int] = ..., integrity_repairs: _Optional[int] = ...) -> None: ...
+    changed_samples: int
+    changes: _containers.RepeatedScalarFieldContainer[str]
+    samples_checked: int
+    def __init__(self, dataset: _Optional[str] = ..., progress: _Optional[_Union[PreloadProgress, _Mapping]] = ..., regions_sealed: _Optional[int] = ..., integrity_repairs: _Optional[int] = ..., changed_samples: _Optional[int] = ..., changes: _Optional[_Iterable[str]] = ..., samples_checked: _Optional[int] = ...) -> None: ...
 
 class Lease(_message.Message):
     __slots__ = ("id", "dataset", "holder", "ttl_s", "expires_unix")
@@ -321,7 +329,7 @@ class Lease(_message.Message):
     def __init__(self, id: _Optional[str] = ..., dataset: _Optional[str] = ..., holder: _Optional[str] = ..., ttl_s: _Optional[float] = ..., expires_unix: _Optional[float] = ...) -> None: ...
 
 class DatasetInfo(_message.Message):
-    __slots__ = ("spec", "owner", "state", "fingerprint", "region_size", "shares", "progress", "share_status", "class_names", "leases", "created_unix", "server_addresses")
+    __slots__ = ("spec", "owner", "state", "fingerprint", "region_size", "shares", "progress", "share_status", "class_names", "leases", "created_unix", "server_addresses", "changes", "changed_reason")
     class ServerAddressesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -341,6 +349,8 @@ class DatasetInfo(_message.Message):
     LEASES_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
     SERVER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_REASON_FIELD_NUMBER: _ClassVar[int]
     spec: DatasetSpec
     owner: DatasetOwner
     state: DatasetState
@@ -353,7 +363,9 @@ class DatasetInfo(_message.Message):
     leases: int
     created_unix: float
     server_addresses: _containers.ScalarMap[str, str]
-    def __init__(self, spec: _Optional[_Union[DatasetSpec, _Mapping]] = ..., owner: _Optional[_Union[DatasetOwner, str]] = ..., state: _Optional[_Union[DatasetState, str]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., region_size: _Optional[int] = ..., shares: _Optional[_Iterable[_Union[Share, _Mapping]]] = ..., progress: _Optional[_Union[PreloadProgress, _Mapping]] = ..., share_status: _Optional[_Iterable[_Union[ShareStatus, _Mapping]]] = ..., class_names: _Optional[_Iterable[str]] = ..., leases: _Optional[int] = ..., created_unix: _Optional[float] = ..., server_addresses: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    changes: _containers.RepeatedScalarFieldContainer[str]
+    changed_reason: str
+    def __init__(self, spec: _Optional[_Union[DatasetSpec, _Mapping]] = ..., owner: _Optional[_Union[DatasetOwner, str]] = ..., state: _Optional[_Union[DatasetState, str]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., region_size: _Optional[int] = ..., shares: _Optional[_Iterable[_Union[Share, _Mapping]]] = ..., progress: _Optional[_Union[PreloadProgress, _Mapping]] = ..., share_status: _Optional[_Iterable[_Union[ShareStatus, _Mapping]]] = ..., class_names: _Optional[_Iterable[str]] = ..., leases: _Optional[int] = ..., created_unix: _Optional[float] = ..., server_addresses: _Optional[_Mapping[str, str]] = ..., changes: _Optional[_Iterable[str]] = ..., changed_reason: _Optional[str] = ...) -> None: ...
 
 class CreateDatasetRequest(_message.Message):
     __slots__ = ("spec", "owner", "holder", "lease_ttl_s")
@@ -393,9 +405,25 @@ class ListDatasetsReply(_message.Message):
     datasets: _containers.RepeatedCompositeFieldContainer[DatasetInfo]
     def __init__(self, datasets: _Optional[_Iterable[_Union[DatasetInfo, _Mapping]]] = ...) -> None: ...
 
+class RemoveDatasetRequest(_message.Message):
+    __slots__ = ("name", "force")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    force: bool
+    def __init__(self, name: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
+
 class RemoveDatasetReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class CheckShareRequest(_message.Message):
+    __slots__ = ("name", "limit")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    limit: int
+    def __init__(self, name: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
     __slots__ = ("lease_id",)

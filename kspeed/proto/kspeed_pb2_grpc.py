@@ -89,7 +89,7 @@ class ManagerStub:
                 _registered_method=True)
         self.RemoveDataset = channel.unary_unary(
                 '/kspeed.v1.Manager/RemoveDataset',
-                request_serializer=kspeed__pb2.DatasetRequest.SerializeToString,
+                request_serializer=kspeed__pb2.RemoveDatasetRequest.SerializeToString,
                 response_deserializer=kspeed__pb2.RemoveDatasetReply.FromString,
                 _registered_method=True)
         self.PreloadDataset = channel.unary_unary(
@@ -194,7 +194,8 @@ class ManagerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RemoveDataset(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Refused while jobs hold leases on the dataset, unless forced.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -292,7 +293,7 @@ def add_ManagerServicer_to_server(servicer, server):
             ),
             'RemoveDataset': grpc.unary_unary_rpc_method_handler(
                     servicer.RemoveDataset,
-                    request_deserializer=kspeed__pb2.DatasetRequest.FromString,
+                    request_deserializer=kspeed__pb2.RemoveDatasetRequest.FromString,
                     response_serializer=kspeed__pb2.RemoveDatasetReply.SerializeToString,
             ),
             'PreloadDataset': grpc.unary_unary_rpc_method_handler(
@@ -624,7 +625,7 @@ class Manager:
             request,
             target,
             '/kspeed.v1.Manager/RemoveDataset',
-            kspeed__pb2.DatasetRequest.SerializeToString,
+            kspeed__pb2.RemoveDatasetRequest.SerializeToString,
             kspeed__pb2.RemoveDatasetReply.FromString,
             options,
             channel_credentials,
@@ -833,6 +834,11 @@ class ServerStub:
                 request_serializer=kspeed__pb2.DatasetRequest.SerializeToString,
                 response_deserializer=kspeed__pb2.DropDatasetReply.FromString,
                 _registered_method=True)
+        self.CheckShare = channel.unary_unary(
+                '/kspeed.v1.Server/CheckShare',
+                request_serializer=kspeed__pb2.CheckShareRequest.SerializeToString,
+                response_deserializer=kspeed__pb2.ShareStatus.FromString,
+                _registered_method=True)
         self.Lookup = channel.stream_stream(
                 '/kspeed.v1.Server/Lookup',
                 request_serializer=kspeed__pb2.LookupRequest.SerializeToString,
@@ -890,6 +896,13 @@ class ServerServicer:
 
     def DropDataset(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CheckShare(self, request, context):
+        """Compare the share's backend files with the listing (sizes, mtimes or etags); changes are reported.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -955,6 +968,11 @@ def add_ServerServicer_to_server(servicer, server):
                     servicer.DropDataset,
                     request_deserializer=kspeed__pb2.DatasetRequest.FromString,
                     response_serializer=kspeed__pb2.DropDatasetReply.SerializeToString,
+            ),
+            'CheckShare': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckShare,
+                    request_deserializer=kspeed__pb2.CheckShareRequest.FromString,
+                    response_serializer=kspeed__pb2.ShareStatus.SerializeToString,
             ),
             'Lookup': grpc.stream_stream_rpc_method_handler(
                     servicer.Lookup,
@@ -1117,6 +1135,33 @@ class Server:
             '/kspeed.v1.Server/DropDataset',
             kspeed__pb2.DatasetRequest.SerializeToString,
             kspeed__pb2.DropDatasetReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckShare(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kspeed.v1.Server/CheckShare',
+            kspeed__pb2.CheckShareRequest.SerializeToString,
+            kspeed__pb2.ShareStatus.FromString,
             options,
             channel_credentials,
             insecure,

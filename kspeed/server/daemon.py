@@ -89,7 +89,13 @@ class Server:
         backend = Backend(AllowList(cfg.backend_allow, name="--backend-allow"), cfg.backend_options)
         pool = MemoryPool.open(self.pool_dir(), cfg.memory, region_size=cfg.region_size)
         host = self.host = DatasetHost(
-            pool, backend, self.state_dir, preload_threads=cfg.preload_threads, scrub_interval=cfg.scrub_interval
+            pool,
+            backend,
+            self.state_dir,
+            preload_threads=cfg.preload_threads,
+            scrub_interval=cfg.scrub_interval,
+            change_check_interval=cfg.change_check_interval,
+            change_check_budget=cfg.change_check_budget,
         )
         host.restore()
         options = RailOptions(token=cfg.security.data_plane_token(), io_timeout=cfg.data_io_timeout)
@@ -97,7 +103,12 @@ class Server:
         self.feeders = FeederPool(
             count, self.id, options, self.host, plan_timeout=cfg.plan_timeout, log_level=cfg.log_level
         )
-        self.host.on_drop = self.feeders.close_dataset
+        host.on_drop = self.feeders.close_dataset
+        feeders = self.feeders
+        host.on_changed = lambda name, changes: feeders.mark_changed(
+            name, {c.sample: f"{c.path}: {c.what}" for c in changes}
+        )
+        host.watch.start()
         self._grpc = grpc.server(
             futures.ThreadPoolExecutor(GRPC_THREADS, thread_name_prefix="kspeed-rpc"),
             interceptors=rpc.server_interceptors(cfg.security, aio=False),

@@ -24,6 +24,7 @@ from kspeed import wire
 from kspeed.errors import ConfigError, DatasetError, KSpeedError, NotFoundError
 from kspeed.proto import kspeed_pb2
 from kspeed.server.backend import Backend
+from kspeed.server.changes import Change, ChangeLog, ChangeWatch
 from kspeed.server.integrity import SampleStore
 from kspeed.server.pool import MemoryPool, RegionState
 from kspeed.server.preload import Preloader
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 
 ASSIGNMENTS_FILE = "assignments.json"
 MAX_REPORTED_ERRORS = 5
+REMEMBERED_DROPS = 256  # dropped datasets whose reason is kept for later calls about them
 
 
 def fingerprint_pb(source: Source) -> kspeed_pb2.Fingerprint:
@@ -71,6 +73,11 @@ class Hosted:
     def name(self) -> str:
         return self.request.spec.name
 
+    @property
+    def changes(self) -> ChangeLog:
+        """The share's samples whose backend file changed since the listing."""
+        return self.preloader.changes
+
 
 class DatasetHost:
     """All dataset shares of one server.
@@ -91,6 +98,8 @@ class DatasetHost:
         *,
         preload_threads: int = 16,
         scrub_interval: float = 0.0,
+        change_check_interval: float = 300.0,
+        change_check_budget: int = 0,
     ) -> None:
         self.pool = pool
         self.backend = backend
@@ -99,7 +108,30 @@ class DatasetHost:
         self._scrub_interval = scrub_interval
         self._lock = threading.RLock()
         self._hosted: dict[str, Hosted] = {}
-        self.on_drop: Callable[[str], None] = lambda name: None  # e.g. close the dataset's feeds
+        self._dropped: dict[str, str] = {}  # recently dropped datasets and why, to answer with the reason
+        self.on_drop: Callable[[str, str], None] = lambda name, reason: None  # e.g. close the dataset's feeds
+        self.on_changed: Callable[[str, list[Change]], None] = lambda name, changes: None  # e.g. tell the feeders
+        self.watch = ChangeWatch(self._checks, interval=change_check_interval, budget=change_check_budget)
+
+    # -- backend changes -------------------------------------------------------------------------
+
+    def _checks(self) -> list[tuple[ChangeLog, Callable[[np.ndarray], list[Change]]]]:
+        with self._lock:
+            return [(h.changes, h.source.check) for h in self._hosted.values()]
+
+    def check(self, name: str, limit: int = 0) -> kspeed_pb2.ShareStatus:
+        """Compare ``name``'s backend files with the listing now: all of the share, or the next ``limit``.
+
+        Raises:
+            NotFoundError: the dataset is not hosted here.
+            BackendError: the backend cannot be asked.
+        """
+        hosted = self.get(name)
+        changes = hosted.changes
+        ids = np.arange(changes.lo, changes.hi, dtype=np.int64) if limit <= 0 else changes.next_batch(limit)
+        changes.record(hosted.source.check(ids))
+        changes.counted(len(ids))
+        return self.status(name)
 
     # -- assignments -----------------------------------------------------------------------------
 
@@ -185,6 +217,9 @@ class DatasetHost:
                     hi=share.end_id,
                     first_region=share.first_region,
                     threads=self._threads,
+                    changes=ChangeLog(
+                        name, share.first_id, share.end_id, on_change=lambda changes: self.on_changed(name, changes)
+                    ),
                 )
             except KSpeedError:
                 self.pool.release(name)
@@ -193,6 +228,7 @@ class DatasetHost:
             if self._scrub_interval > 0:
                 store.start_scrub(self._scrub_interval)
             self._hosted[name] = Hosted(request, source, preloader, store)
+            self._dropped.pop(name, None)
             self._save_assignments()
             log.info(
                 "dataset %s: holding samples %d..%d in %d region(s)",
@@ -203,9 +239,16 @@ class DatasetHost:
             )
             return self.status(name)
 
-    def drop(self, name: str) -> None:
-        """Stop serving ``name`` and free its regions (waits for a running preload to finish)."""
-        self.on_drop(name)
+    def drop(self, name: str, reason: str = "") -> None:
+        """Stop serving ``name`` and free its regions (waits for a running preload to finish).
+
+        The dataset's feeds end first; their clients are told ``reason`` (default: it was removed).
+        """
+        reason = reason or f"dataset {name!r} was removed from the cluster"
+        self._dropped[name] = reason
+        while len(self._dropped) > REMEMBERED_DROPS:
+            self._dropped.pop(next(iter(self._dropped)))
+        self.on_drop(name, reason)
         with self._lock:
             hosted = self._hosted.pop(name, None)
             if hosted is not None:
@@ -226,7 +269,8 @@ class DatasetHost:
         """
         hosted = self._hosted.get(name)
         if hosted is None:
-            raise NotFoundError(f"dataset {name!r} is not hosted on this server")
+            why = self._dropped.get(name)
+            raise NotFoundError(f"dataset {name!r} is not hosted on this server" + (f": {why}" if why else ""))
         return hosted
 
     def names(self) -> list[str]:
@@ -246,10 +290,14 @@ class DatasetHost:
         result = hosted.preloader.result()
         errors = [str(e) for e in result.errors[:MAX_REPORTED_ERRORS]]
         sealed = sum(1 for r in self.pool.regions(name) if r.state is RegionState.SEALED)
+        changes = hosted.changes
         return kspeed_pb2.ShareStatus(
             dataset=name,
             regions_sealed=sealed,
             integrity_repairs=hosted.store.counters["repaired"],
+            changed_samples=changes.count,
+            changes=[str(c) for c in changes.first()],
+            samples_checked=changes.checked,
             progress=kspeed_pb2.PreloadProgress(
                 samples_loaded=p.samples_done,
                 samples_total=p.samples_total,
@@ -281,8 +329,14 @@ class DatasetHost:
         return reply
 
     def read(self, name: str, ids: np.ndarray) -> kspeed_pb2.ReadReply:
-        """The verified bytes of ``ids`` (all owned here), back to back."""
-        data, lengths = self.get(name).store.read_many(ids)
+        """The verified bytes of ``ids`` (all owned here), back to back.
+
+        Raises:
+            ChangedError: a sample's backend file changed since the listing (named).
+        """
+        hosted = self.get(name)
+        hosted.changes.refuse(ids, "read")
+        data, lengths = hosted.store.read_many(ids)
         return kspeed_pb2.ReadReply(data=bytes(data), lengths=wire.pack_u32(lengths))
 
     def nbytes(self, name: str, ids: np.ndarray) -> int:
@@ -302,7 +356,8 @@ class DatasetHost:
         return (self.pool.region_count - self.pool.counts()[RegionState.FREE]) * self.pool.region_size
 
     def close(self) -> None:
-        """Stop scrubs and wait for running preloads."""
+        """Stop the change checks and scrubs and wait for running preloads."""
+        self.watch.stop()
         with self._lock:
             for hosted in self._hosted.values():
                 hosted.store.stop_scrub()

@@ -26,11 +26,21 @@ from kspeed.rdma.options import RailOptions
 from kspeed.rdma.rails import available_rails
 from kspeed.server import feeder_process
 from kspeed.server.datasets import DatasetHost
-from kspeed.server.feeder_process import CloseFeed, Command, InstallPlan, OpenFeed, PlanPart, Reply, Stop
+from kspeed.server.feeder_process import (
+    CloseFeed,
+    Command,
+    InstallPlan,
+    MarkChanged,
+    OpenFeed,
+    PlanPart,
+    Reply,
+    Stop,
+)
 
 log = logging.getLogger(__name__)
 
 COMMAND_TIMEOUT = 30.0
+REMEMBERED_ENDS = 1024  # ended feeds whose reason is kept for later calls about them
 MAX_PLAN = 1 << 28  # samples per plan
 
 
@@ -74,6 +84,7 @@ class FeederPool:
         self._plan_timeout = plan_timeout
         self._lock = threading.Lock()
         self._feeds: dict[str, _FeedInfo] = {}
+        self._ended: dict[str, str] = {}  # feeds the server ended and why, to answer with the reason
         ctx = mp.get_context("spawn")  # never fork: the pool is mapped and gRPC threads run
         self._feeders: list[_Feeder] = []
         for _ in range(max(count, 1)):
@@ -127,7 +138,10 @@ class FeederPool:
             current = self._feeds.get(request.feed_id)
             index = current.feeder if current else min(range(len(self._feeders)), key=lambda i: self._feeders[i].feeds)
         self._command(
-            index, OpenFeed(request.feed_id, request.rail, request.material, request.ring_key, request.generation)
+            index,
+            OpenFeed(
+                request.feed_id, request.dataset, request.rail, request.material, request.ring_key, request.generation
+            ),
         )
         with self._lock:
             if current is None:
@@ -145,6 +159,9 @@ class FeederPool:
     def _feed(self, feed_id: str) -> _FeedInfo:
         info = self._feeds.get(feed_id)
         if info is None:
+            why = self._ended.get(feed_id)
+            if why:
+                raise DatasetError(f"feed {feed_id!r} ended: {why}")
             raise NotFoundError(f"feed {feed_id!r} is not open on this server (call OpenFeed first)")
         return info
 
@@ -175,6 +192,7 @@ class FeederPool:
                 f"feed {feed_id}: sample {int(owned_ids[k])} has length {int(length[k])} here, the "
                 f"plan says {int(lengths[owned][k])}; look it up again"
             )
+        hosted.changes.refuse(owned_ids, f"an epoch plan of feed {feed_id} needs")
         self._wait_loaded(info.dataset, hosted, owned_ids)
         by_vindex = {r.vindex: r for r in self._host.pool.regions(info.dataset)}
         needed = np.unique(vregion)
@@ -194,9 +212,14 @@ class FeederPool:
             src=src.astype(np.int64),
             length=length.astype(np.int64),
             dst=layout.offsets[owned],
+            ids=owned_ids.astype(np.int64),
         )
         paths = {int(by_vindex[v].index): str(by_vindex[v].path) for v in needed.tolist()}
-        self._command(info.feeder, InstallPlan(feed_id, epoch, plan, paths))
+        try:
+            self._command(info.feeder, InstallPlan(feed_id, epoch, plan, paths))
+        except errors.PeerLostError:
+            self._feed(feed_id)  # ended meanwhile (its dataset removed)? say so rather than "not connected"
+            raise
         return kspeed_pb2.PlanReply(owned=len(owned), owned_bytes=int(length.sum()))
 
     def _wait_loaded(self, dataset: str, hosted, ids: np.ndarray) -> None:
@@ -219,21 +242,36 @@ class FeederPool:
                 sample=int(missing[0]),
             )
 
-    def close(self, feed_id: str) -> None:
-        """Close a feed (its data-plane connection and plans)."""
+    def close(self, feed_id: str, reason: str = "") -> None:
+        """Close a feed (its data-plane connection and plans); a ``reason`` is told to the client first."""
         info = self._feed(feed_id)
-        self._command(info.feeder, CloseFeed(feed_id))
+        if reason:
+            self._ended[feed_id] = reason
+            while len(self._ended) > REMEMBERED_ENDS:
+                self._ended.pop(next(iter(self._ended)))
+        self._command(info.feeder, CloseFeed(feed_id, reason))
         with self._lock:
             self._feeds.pop(feed_id, None)
             self._feeders[info.feeder].feeds -= 1
 
-    def close_dataset(self, dataset: str) -> None:
-        """Close every feed of a dataset (before its regions are released)."""
-        for feed_id in [k for k, v in self._feeds.items() if v.dataset == dataset]:
+    def close_dataset(self, dataset: str, reason: str = "") -> None:
+        """Close every feed of a dataset (before its regions are released), telling the clients ``reason``."""
+        feeds = [k for k, v in self._feeds.items() if v.dataset == dataset]
+        if feeds:
+            log.info("dataset %s: closing %d feed(s): %s", dataset, len(feeds), reason or "dropped")
+        for feed_id in feeds:
             try:
-                self.close(feed_id)
+                self.close(feed_id, reason)
             except errors.KSpeedError as exc:
                 log.warning("feed %s: close failed: %s", feed_id, exc)
+
+    def mark_changed(self, dataset: str, what: dict[int, str]) -> None:
+        """Tell every feeder to refuse the grants that need these changed samples (ID -> what changed)."""
+        for index in range(len(self._feeders)):
+            try:
+                self._command(index, MarkChanged(dataset, np.array(sorted(what), dtype=np.int64), what))
+            except errors.KSpeedError as exc:
+                log.warning("feeder %d: cannot tell it about changed samples of %s: %s", index, dataset, exc)
 
     def count(self) -> int:
         """Open feeds."""

@@ -50,6 +50,7 @@ class PlanPart:
         src: per owned position, the sample's offset in that region.
         length: per owned position, the sample's length.
         dst: per owned position, the sample's offset within its batch (kspeed.layout.batch_layout).
+        ids: per owned position, the sample's ID.
     """
 
     starts: np.ndarray
@@ -58,6 +59,7 @@ class PlanPart:
     src: np.ndarray
     length: np.ndarray
     dst: np.ndarray
+    ids: np.ndarray
 
 
 class RegionMaps:
@@ -79,13 +81,17 @@ class RegionMaps:
 class FeedWriter:
     """One client's data-plane path and the thread that serves its grants."""
 
-    def __init__(self, feed_id: str, writer: Writer, key: RegionKey, regions: RegionMaps) -> None:
+    def __init__(self, feed_id: str, dataset: str, writer: Writer, key: RegionKey, regions: RegionMaps) -> None:
         self.feed_id = feed_id
+        self.dataset = dataset
+        self.changed: dict[int, str] = {}  # samples whose backend file changed since listing: never served
+        self._changed_ids = np.zeros(0, dtype=np.int64)
         self.writer = writer
         self.key = key
         self.regions = regions
         self.plans: dict[int, PlanPart] = {}
         self.served = 0
+        self._reason = ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"feed-{feed_id}", daemon=True)
 
@@ -95,6 +101,11 @@ class FeedWriter:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    def mark_changed(self, what: dict[int, str]) -> None:
+        """Refuse from now on the grants that need these samples (ID -> what changed)."""
+        self.changed = {**self.changed, **what}
+        self._changed_ids = np.array(sorted(self.changed), dtype=np.int64)
 
     def install(self, epoch: int, plan: PlanPart) -> None:
         """Add an epoch plan (dropping the oldest beyond :data:`MAX_PLANS`)."""
@@ -120,6 +131,8 @@ class FeedWriter:
             log.warning("feed %s: closed after error: %s", self.feed_id, exc)
         finally:
             with contextlib.suppress(KSpeedError):
+                if self._reason:  # the feed ends for good: the client learns why before the connection goes
+                    self.writer.send(grants.encode_closing(grants.Closing(self._reason)))
                 self.writer.close()
 
     def _probe(self, grant: np.void) -> None:
@@ -154,6 +167,15 @@ class FeedWriter:
             lo = int(plan.starts[index]) + int(grant["first"])
             hi = min(int(plan.starts[index]) + int(grant["end"]), int(plan.starts[index + 1]))
             i, j = np.searchsorted(plan.positions, (lo, hi))
+            if len(self._changed_ids):
+                hit = np.flatnonzero(np.isin(plan.ids[i:j], self._changed_ids))
+                if len(hit):
+                    sample = int(plan.ids[i + hit[0]])
+                    why = (
+                        f"dataset {self.dataset!r} sample {sample}: {self.changed[sample]}; its cached bytes are stale"
+                    )
+                    self.writer.send(grants.encode_error(grants.GrantError(epoch, index, tag, why)))
+                    continue
             regions.append(plan.region[i:j])
             src.append(plan.src[i:j])
             length.append(plan.length[i:j])
@@ -177,7 +199,9 @@ class FeedWriter:
             )
         self.served += len(tags)
 
-    def close(self) -> None:
+    def close(self, reason: str = "") -> None:
+        """Stop serving; with a ``reason``, tell the client why first (it ends the feed with that)."""
+        self._reason = reason  # sent by the serving thread itself, never beside one of its writes
         self._stop.set()
         self._thread.join(timeout=RECV_TIMEOUT * 4)
         with contextlib.suppress(KSpeedError):
@@ -192,6 +216,7 @@ class OpenFeed:
     """Connect to a client's ring over ``rail`` and serve its grants (replacing a feed of the same id)."""
 
     feed_id: str
+    dataset: str
     rail: str
     material: bytes
     ring_key: bytes
@@ -210,9 +235,19 @@ class InstallPlan:
 
 @dataclass(frozen=True)
 class CloseFeed:
-    """Stop serving a feed and close its connection."""
+    """Stop serving a feed and close its connection; a ``reason`` is told to the client first."""
 
     feed_id: str
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class MarkChanged:
+    """Refuse the grants that need these samples of ``dataset``: their backend files changed since listing."""
+
+    dataset: str
+    ids: np.ndarray
+    what: dict[int, str]
 
 
 @dataclass(frozen=True)
@@ -225,7 +260,7 @@ class Stop:
     """Close every feed and exit."""
 
 
-Command = OpenFeed | InstallPlan | CloseFeed | Report | Stop
+Command = OpenFeed | InstallPlan | CloseFeed | MarkChanged | Report | Stop
 
 
 @dataclass(frozen=True)
@@ -246,6 +281,7 @@ class Feeder:
         self.options = options
         self.regions = RegionMaps()
         self.feeds: dict[str, FeedWriter] = {}
+        self.changed: dict[str, dict[int, str]] = {}  # per dataset, samples never to serve
 
     def obey(self, command: Command) -> Reply:
         """Carry out one command (not :class:`Stop`).
@@ -264,7 +300,12 @@ class Feeder:
         elif isinstance(command, CloseFeed):
             feed = self.feeds.pop(command.feed_id, None)
             if feed is not None:
-                feed.close()
+                feed.close(command.reason)
+        elif isinstance(command, MarkChanged):
+            self.changed.setdefault(command.dataset, {}).update(command.what)
+            for feed in self.feeds.values():
+                if feed.dataset == command.dataset:
+                    feed.mark_changed(command.what)
         elif isinstance(command, Report):
             return Reply(True, feeds={k: (f.alive, f.served) for k, f in self.feeds.items()})
         else:
@@ -282,7 +323,8 @@ class Feeder:
         except KSpeedError:
             writer.close()
             raise
-        feed = self.feeds[command.feed_id] = FeedWriter(command.feed_id, writer, key, self.regions)
+        feed = self.feeds[command.feed_id] = FeedWriter(command.feed_id, command.dataset, writer, key, self.regions)
+        feed.mark_changed(self.changed.get(command.dataset, {}))
         feed.start()
 
     def close(self) -> None:

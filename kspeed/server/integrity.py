@@ -16,7 +16,7 @@ import threading
 import google_crc32c
 import numpy as np
 
-from kspeed.errors import IntegrityError
+from kspeed.errors import ChangedError, IntegrityError
 from kspeed.server.preload import Preloader
 
 __all__ = ["SampleStore", "ScrubReport"]
@@ -71,7 +71,7 @@ class SampleStore:
         dst = np.frombuffer(out, dtype=np.uint8, count=int(length))
         pos = int(sample_id) - self.index.lo
         if not self.index.loaded[pos]:
-            self.preloader.source.read_into(int(sample_id), dst)
+            self._backend_read(int(sample_id), dst)
             self._count("backend_reads")
             return int(length)
         src = self.preloader.region_array(int(region))[int(offset) : int(offset) + int(length)]
@@ -163,12 +163,20 @@ class SampleStore:
             self._scrub_thread.join()
             self._scrub_thread = None
 
+    def _backend_read(self, sample_id: int, out: np.ndarray) -> None:
+        """Read a sample from the backend; a file that changed since the listing is recorded, then raised."""
+        try:
+            self.preloader.source.read_into(sample_id, out)
+        except ChangedError as exc:
+            self.preloader.changed([exc])
+            raise
+
     def _repair(self, sample_id: int) -> np.ndarray:
         """Re-read a corrupt sample from the backend into its place; returns the good bytes."""
         pos = sample_id - self.index.lo
         off, n = int(self.index.offset[pos]), int(self.index.length[pos])
         fresh = np.empty(n, dtype=np.uint8)
-        self.preloader.source.read_into(sample_id, fresh)
+        self._backend_read(sample_id, fresh)
         if google_crc32c.value(fresh) != int(self.index.crc[pos]):
             raise IntegrityError(
                 f"dataset {self.dataset!r} sample {sample_id}: pool copy is corrupt and the backend's bytes "

@@ -17,9 +17,12 @@ Four kinds, all giving sample IDs ``0..N-1`` and per-sample sizes as an int64 ar
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import os
 import posixpath
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import fsspec
 import numpy as np
@@ -28,7 +31,7 @@ from numpy.lib import format as npy_format
 from kspeed.errors import DatasetError
 from kspeed.server.backend import Backend
 
-__all__ = ["SOURCE_KINDS", "Keys", "Listing", "list_dataset"]
+__all__ = ["SOURCE_KINDS", "Keys", "Listing", "list_dataset", "stamp"]
 
 SOURCE_KINDS = ("dir", "list", "manifest", "npy")
 _MAX_SIZE_DIGITS = 18
@@ -66,6 +69,9 @@ class Listing:
         row_offset: ``npy`` only: byte offset of row 0 (the header's length).
         labels: int64 class index per sample, or ``None``.
         classes: class names, label i being ``classes[i]``.
+        stamps: per sample, the :func:`stamp` of its file (``dir`` and ``list``; ``None`` for
+            ``manifest``, whose sizes are all it records, and ``npy``).
+        file_stamp: ``npy`` only: the :func:`stamp` of the one file.
     """
 
     kind: str
@@ -76,6 +82,8 @@ class Listing:
     row_offset: int = 0
     labels: np.ndarray | None = None
     classes: Sequence[str] = ()
+    stamps: np.ndarray | None = None
+    file_stamp: float = 0.0
 
 
 def list_dataset(
@@ -100,12 +108,25 @@ def _tag(info: dict) -> str:
     return ""
 
 
+def stamp(info: Mapping[str, Any]) -> float:
+    """A file's version as one float: its mtime where the backend reports one, else a hash of its etag.
+
+    A local file's stamp is its ``st_mtime`` exactly (so an ``fstat`` of an open file can be
+    compared with it); another backend's is a 48-bit hash of the tag it reports (exact in a float).
+    """
+    mtime = info.get("mtime")
+    if isinstance(mtime, (int, float)):
+        return float(mtime)
+    digest = hashlib.blake2b(_tag(dict(info)).encode(), digest_size=6).digest()
+    return float(int.from_bytes(digest, "little"))
+
+
 def _open_dir(
     backend: Backend, dataset: str, uri: str, fs: fsspec.AbstractFileSystem, root: str, protocol: str
 ) -> Listing:
     entries = fs.find(root, detail=True, withdirs=False)
     prefix = root.rstrip("/") + "/"
-    rel: list[tuple[str, int, str]] = []
+    rel: list[tuple[str, int, str, float]] = []
     for name, info in entries.items():
         key = name[len(prefix) :] if name.startswith(prefix) else name
         if any(part.startswith(".") for part in key.split("/")):
@@ -114,11 +135,17 @@ def _open_dir(
             backend.allow.check(f"{protocol}://{name}", dataset=dataset, sample=key)
         elif info.get("type") != "file":
             continue
-        rel.append((key, int(info.get("size") or 0), _tag(info)))
+        version = stamp(info)
+        if info.get("islink") and backend.is_local(protocol):
+            version = os.stat(
+                name
+            ).st_mtime  # the target's, as a read of the file sees it (the listing gives the link's)
+        rel.append((key, int(info.get("size") or 0), _tag(info), version))
     rel.sort()
-    keys = [k for k, _, _ in rel]
-    sizes = np.fromiter((s for _, s, _ in rel), dtype=np.int64, count=len(rel))
-    tags = "\n".join(t for _, _, t in rel).encode()
+    keys = [k for k, _, _, _ in rel]
+    sizes = np.fromiter((s for _, s, _, _ in rel), dtype=np.int64, count=len(rel))
+    tags = "\n".join(t for _, _, t, _ in rel).encode()
+    stamps = np.fromiter((s for _, _, _, s in rel), dtype=np.float64, count=len(rel))
     labels: np.ndarray | None = None
     classes: tuple[str, ...] = ()
     if keys and all("/" in k for k in keys):
@@ -126,7 +153,9 @@ def _open_dir(
         classes = tuple(sorted(set(tops)))
         lookup = {c: i for i, c in enumerate(classes)}
         labels = np.fromiter((lookup[t] for t in tops), dtype=np.int64, count=len(tops))
-    return Listing("dir", root, sizes, tags, keys=Keys.from_strings(keys), labels=labels, classes=classes)
+    return Listing(
+        "dir", root, sizes, tags, keys=Keys.from_strings(keys), labels=labels, classes=classes, stamps=stamps
+    )
 
 
 def _open_list(
@@ -137,6 +166,7 @@ def _open_list(
     paths: list[str] = []
     sizes: list[int] = []
     tags: list[str] = []
+    stamps: list[float] = []
     for lineno, line in enumerate(text.splitlines(), 1):
         line = line.strip()
         if not line or line.startswith("#"):
@@ -158,8 +188,14 @@ def _open_list(
         paths.append(path)
         sizes.append(int(info.get("size") or 0))
         tags.append(_tag(info))
+        stamps.append(stamp(info))
     return Listing(
-        "list", base, np.asarray(sizes, dtype=np.int64), "\n".join(tags).encode(), keys=Keys.from_strings(paths)
+        "list",
+        base,
+        np.asarray(sizes, dtype=np.int64),
+        "\n".join(tags).encode(),
+        keys=Keys.from_strings(paths),
+        stamps=np.asarray(stamps, dtype=np.float64),
     )
 
 
@@ -263,4 +299,4 @@ def _open_npy(
             dataset=dataset,
         )
     tags = f"{_tag(info)} shape={shape} dtype={dtype.str} size={size}".encode()
-    return Listing("npy", root, np.full(count, row, dtype=np.int64), tags, row_offset=header)
+    return Listing("npy", root, np.full(count, row, dtype=np.int64), tags, row_offset=header, file_stamp=stamp(info))

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kspeed.errors import DatasetError
+from kspeed.server.changes import Change
 from kspeed.server.checksum import crc32c_extend
 
 __all__ = ["PIECE", "LocalReader", "fd_path"]
@@ -88,13 +89,24 @@ class LocalReader:
             return crcs, errors
         dirs: dict[str, int | None] = {}
         scratch = bytearray(1)
-        readv, close = os.readv, os.close
+        readv, close, fstat = os.readv, os.close, os.fstat
+        stamps = self.source.stamps
+        listed = stamps[np.asarray(ids, dtype=np.int64)].tolist() if stamps is not None else None
         try:
             for j, (i, path) in enumerate(zip(ids, self.source.paths(ids), strict=True)):
                 off, size = offsets[j], sizes[j]
                 try:
                     fd = self._open(path, i, dirs)
                     try:
+                        # The file must be the one listed: same size, and its mtime is the stamp.
+                        if listed is not None:
+                            st = fstat(fd)
+                            if st.st_size != size:
+                                errors.append(self.source.size_changed(i, size, st.st_size))
+                                continue
+                            if st.st_mtime != listed[j]:
+                                errors.append(self.source.changed_error(Change(i, path, "modified (a new mtime)")))
+                                continue
                         if size < PIECE:  # the common case, one call: the sample and a byte beyond
                             got = readv(fd, [view[off : off + size], scratch])
                             if 0 < got < size:
@@ -105,6 +117,9 @@ class LocalReader:
                             got, crc = _read(fd, out, view, off, size, scratch, checksum)
                     finally:
                         close(fd)
+                except FileNotFoundError:
+                    errors.append(self.source.changed_error(Change(i, path, "deleted")))
+                    continue
                 except OSError as exc:
                     errors.append(
                         self.backend.error(exc, f"read {self.protocol}://{path}", dataset=self.dataset, sample=i)

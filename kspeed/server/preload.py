@@ -23,10 +23,12 @@ import functools
 import logging
 import threading
 import time
+from collections.abc import Iterable
 
 import numpy as np
 
-from kspeed.errors import DatasetError, StateError
+from kspeed.errors import ChangedError, DatasetError, StateError
+from kspeed.server.changes import Change, ChangeLog
 from kspeed.server.crew import Crew, ThreadTuner
 from kspeed.server.index import SampleIndex
 from kspeed.server.pool import MemoryPool, RegionState
@@ -118,6 +120,8 @@ class Preloader:
         threads: at most this many backend reads in flight (the job tunes how many it uses).
         batch_bytes: a task reads consecutive samples up to this many bytes (at least one sample).
         save_interval_s: while loading, save the index at most this often (and at the end).
+        changes: where samples whose backend file changed since the listing are recorded (a new
+            log when not given; :mod:`kspeed.server.changes`).
 
     Raises:
         StateError: the pool does not hold the regions the share needs.
@@ -134,6 +138,7 @@ class Preloader:
         threads: int = 16,
         batch_bytes: int = 1 << 20,
         save_interval_s: float = 5.0,
+        changes: ChangeLog | None = None,
     ) -> None:
         self.source, self.pool, self.dataset = source, pool, source.dataset
         hi = source.count if hi is None else hi
@@ -142,6 +147,7 @@ class Preloader:
                 f"dataset {self.dataset!r}: share {lo}..{hi} outside 0..{source.count}", dataset=self.dataset
             )
         self.threads, self.batch_bytes, self.save_interval_s = max(threads, 1), batch_bytes, save_interval_s
+        self.changes = changes if changes is not None else ChangeLog(self.dataset, lo, hi)
         self.index_path = pool.side_path(self.dataset, INDEX_FILE)
         self.index = SampleIndex.load(
             self.index_path,
@@ -335,9 +341,16 @@ class Preloader:
             self._errors.extend(errors)
             self._read_samples += int(ok.sum())
             self._read_bytes += int(sizes[ok].sum())
+        self.changed(errors)
         if pending.finish(k, b - a):
             self._maybe_seal(k)
         return (b - a) + int(sizes.sum()) / _BYTES_PER_UNIT
+
+    def changed(self, errors: Iterable[DatasetError]) -> None:
+        """Record the samples among ``errors`` whose backend file changed since the listing."""
+        self.changes.record(
+            Change(e.sample, e.path, e.what) for e in errors if isinstance(e, ChangedError) and e.sample is not None
+        )
 
     def _maybe_seal(self, k: int) -> None:
         a, b = int(self.index.bounds[k]), int(self.index.bounds[k + 1])

@@ -65,8 +65,14 @@ class ServerService:
     def DropDataset(
         self, request: kspeed_pb2.DatasetRequest, context: grpc.ServicerContext
     ) -> kspeed_pb2.DropDatasetReply:
-        self._host.drop(request.name)  # closes the dataset's feeds first (DatasetHost.on_drop)
+        # Closes the dataset's feeds first (DatasetHost.on_drop): their clients are told why.
+        self._host.drop(request.name, f"dataset {request.name!r} was removed from the cluster (kspeed dataset rm)")
         return kspeed_pb2.DropDatasetReply()
+
+    def CheckShare(
+        self, request: kspeed_pb2.CheckShareRequest, context: grpc.ServicerContext
+    ) -> kspeed_pb2.ShareStatus:
+        return self._host.check(request.name, int(request.limit))
 
     def Lookup(
         self, requests: Iterator[kspeed_pb2.LookupRequest], context: grpc.ServicerContext

@@ -10,18 +10,20 @@ protocols through their fsspec file system.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
 import posixpath
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from kspeed.errors import DatasetError, NotFoundError
+from kspeed.errors import BackendError, ChangedError, DatasetError, NotFoundError
 from kspeed.server.backend import Backend
+from kspeed.server.changes import Change
 from kspeed.server.checksum import crc32c
-from kspeed.server.listing import SOURCE_KINDS, Keys, list_dataset
+from kspeed.server.listing import SOURCE_KINDS, Keys, list_dataset, stamp
 from kspeed.server.localread import LocalReader, fd_path
 
 __all__ = ["SOURCE_KINDS", "Fingerprint", "Source", "open_source"]
@@ -61,6 +63,8 @@ class Source:
         classes: class names, label i being ``classes[i]``.
         fingerprint: see :class:`Fingerprint`.
         row_offset: ``npy`` only: byte offset of row 0 in the file.
+        stamps: per sample, the stamp of its file at listing (``None`` where the kind records none).
+        file_stamp: ``npy`` only: the stamp of the one file at listing.
     """
 
     def __init__(
@@ -78,6 +82,8 @@ class Source:
         row_offset: int = 0,
         labels: np.ndarray | None = None,
         classes: Sequence[str] = (),
+        stamps: np.ndarray | None = None,
+        file_stamp: float = 0.0,
     ) -> None:
         self.backend, self.dataset, self.uri, self.kind = backend, dataset, uri, kind
         self.root, self.protocol = root, protocol
@@ -88,6 +94,8 @@ class Source:
         self.classes = tuple(classes)
         self._keys = keys
         self.row_offset = row_offset
+        self.stamps = stamps
+        self.file_stamp = file_stamp
         self._local = LocalReader(self) if protocol == "file" else None
         h = hashlib.sha256(kind.encode() + b"\0" + self.sizes.tobytes() + b"\0" + tags)
         self.fingerprint = Fingerprint(len(self.sizes), int(self.sizes.sum()), h.hexdigest())
@@ -165,7 +173,13 @@ class Source:
             return size
         path = self.path(i)
         what = f"read {self.protocol}://{path}"
-        with self.backend.errors(what, dataset=self.dataset, sample=i), self.fs.open(path, "rb") as f:
+        try:
+            return self._read_remote(i, path, what, view, size)
+        except FileNotFoundError:
+            raise self.changed_error(Change(i, path, "deleted")) from None
+
+    def _read_remote(self, i: int, path: str, what: str, view: memoryview, size: int) -> int:
+        with self._not_found_passes(what, i), self.fs.open(path, "rb") as f:
             if self.backend.is_local(self.protocol):
                 # The path the open descriptor really names: no symlink or '..' can escape, and no
                 # race between checking and opening.
@@ -178,6 +192,17 @@ class Source:
         if got != size or extra:
             raise self.size_changed(i, size, got + len(extra))
         return size
+
+    @contextlib.contextmanager
+    def _not_found_passes(self, what: str, sample: int) -> Iterator[None]:
+        """:meth:`Backend.errors`, except that a missing file stays ``FileNotFoundError`` (a change)."""
+        try:
+            with self.backend.errors(what, dataset=self.dataset, sample=sample):
+                yield
+        except BackendError as exc:
+            if isinstance(exc.__cause__, FileNotFoundError):
+                raise exc.__cause__ from None
+            raise
 
     def read_run(
         self, ids: Sequence[int], out: np.ndarray, offsets: Sequence[int], sizes: Sequence[int]
@@ -205,14 +230,56 @@ class Source:
             crcs[j] = crc32c(dst)
         return crcs, errors
 
-    def size_changed(self, sample_id: int, listed: int, found: int) -> DatasetError:
+    def size_changed(self, sample_id: int, listed: int, found: int) -> ChangedError:
         """The error for a sample whose backend size (``found``) differs from the ``listed`` one."""
         shown = f"more than {listed}" if found > listed else str(found)
-        return DatasetError(
-            f"dataset {self.dataset!r} sample {sample_id} ({self.key(sample_id)}): size changed since listing "
-            f"({listed} bytes listed, {shown} bytes found); the backend changed: register the dataset again",
+        return self.changed_error(Change(sample_id, self.key(sample_id), f"size {listed} -> {shown} bytes"))
+
+    def check(self, ids: Sequence[int] | np.ndarray) -> list[Change]:
+        """Compare the backend files of ``ids`` with the listing: size, and stamp where one was listed.
+
+        A missing file is a change ("deleted"). For ``npy`` the one file is compared once and every
+        asked sample changes with it.
+
+        Raises:
+            BackendError: the backend cannot tell (unreachable, refused): nothing is known changed.
+        """
+        ids = [int(i) for i in ids]
+        if not ids:
+            return []
+        if self.kind == "npy":
+            what = self._differs(self.root, self.row_offset + int(self.sizes.sum()), self.file_stamp, exact=False)
+            return [Change(i, f"{self.root}[{i}]", what) for i in ids] if what else []
+        changes = []
+        for i, path in zip(ids, self.paths(ids), strict=True):
+            listed = None if self.stamps is None else float(self.stamps[i])
+            what = self._differs(path, int(self.sizes[i]), listed, exact=True)
+            if what:
+                changes.append(Change(i, path, what))
+        return changes
+
+    def _differs(self, path: str, size: int, listed: float | None, *, exact: bool) -> str:
+        """What differs between ``path`` now and its listing ("" when nothing)."""
+        with self.backend.errors(f"stat {self.protocol}://{path}", dataset=self.dataset):
+            try:
+                info = self.fs.info(path)
+            except FileNotFoundError:
+                return "deleted"
+        found = int(info.get("size") or 0)
+        if (found != size) if exact else (found < size):
+            return f"size {size} -> {found} bytes"
+        if listed is not None and stamp(info) != listed:
+            return "modified (a new mtime or etag)"
+        return ""
+
+    def changed_error(self, change: Change) -> ChangedError:
+        """The error of a read that met a changed file."""
+        return ChangedError(
+            f"dataset {self.dataset!r} {change} after it was listed; register the dataset again",
             dataset=self.dataset,
-            sample=sample_id,
+            sample=change.sample,
+            path=change.path,
+            what=change.what,
         )
 
     def reopen(self) -> Source:
@@ -295,6 +362,8 @@ def open_source(backend: Backend, dataset: str, uri: str, *, kind: str = "auto")
         row_offset=found.row_offset,
         labels=found.labels,
         classes=found.classes,
+        stamps=found.stamps,
+        file_stamp=found.file_stamp,
     )
     if source.count == 0:
         raise DatasetError(f"dataset {dataset!r}: {uri} holds no samples", dataset=dataset)

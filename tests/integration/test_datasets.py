@@ -15,7 +15,7 @@ import pytest
 
 from kspeed.cli.cluster import wait_for
 from kspeed.control.progress import follow_preload
-from kspeed.errors import AccessDeniedError, ConflictError, DatasetError, NotFoundError, ProtocolError
+from kspeed.errors import AccessDeniedError, ConflictError, DatasetError, NotFoundError, ProtocolError, StateError
 from kspeed.proto import kspeed_pb2, kspeed_pb2_grpc
 from tests.helpers import client_for
 
@@ -163,7 +163,10 @@ def test_bad_input_is_named_and_changes_nothing(data_cluster, tmp_path):
         assert exc.value.code() == grpc.StatusCode.NOT_FOUND and "'ok'" in exc.value.details()
 
         job = client.create_dataset(spec(name="jobds", uri=str(tmp_path / "ok")), holder="test")
-        client.remove_dataset("jobds")
+        with pytest.raises(StateError, match=r"'jobds' is in use: 1 job lease\(s\) hold it \(test\).*--force"):
+            client.remove_dataset("jobds")  # a job holds it: refused, and nothing changed
+        assert client.dataset("jobds").leases == 1
+        client.remove_dataset("jobds", force=True)
         with pytest.raises(NotFoundError, match=r"jobds.*removed"):
             client.renew_lease(job.lease.id)
 
@@ -181,7 +184,9 @@ def test_unreadable_and_changed_files_fail_alone(data_cluster, tmp_path):
         assert "2 sample(s) failed" in str(exc.value)
         assert "sample 5" in str(exc.value) and "sample 20" in str(exc.value)
         info = client.dataset("mixed")
-        assert info.state == DS.DATASET_STATE_DEGRADED
+        assert info.state == DS.DATASET_STATE_CHANGED  # files changed after the listing: never served stale
+        assert any("sample 5" in c and "deleted" in c for c in info.changes)
+        assert any("sample 20" in c and "size" in c for c in info.changes)
         assert info.progress.samples_loaded == len(files) - 2
         share = next(s for s in info.shares if s.first_id <= 3 < s.end_id)
         stub = server_stubs(data_cluster, info)[share.server_id]

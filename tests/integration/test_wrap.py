@@ -5,16 +5,17 @@ from __future__ import annotations
 import multiprocessing
 
 from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
+from torchvision.datasets import ImageFolder
 
 from kspeed import KSpeedClient
 from kspeed.cli.cluster import wait_for
-from tests.client.test_wrap import FolderDataset, alive, assert_same_batches, make_jpegs, to_normalized_tensor
+from tests.client.test_wrap import alive, assert_same_batches, jpeg_loader, make_jpegs, to_normalized_tensor
 from tests.integration.test_client import config_for
 
 
 def test_wrap_caches_the_files_and_yields_what_a_dataloader_would(cluster_factory, tmp_path):
     root = make_jpegs(tmp_path / "imgs")
-    folder = FolderDataset(root, transform=to_normalized_tensor)
+    folder = ImageFolder(str(root), transform=to_normalized_tensor, loader=jpeg_loader)
     cluster = cluster_factory(
         2, server_args=["--backend-allow", str(tmp_path), "--memory", "16MiB", "--region-size", "1MiB"]
     )
@@ -40,7 +41,7 @@ def test_wrap_caches_the_files_and_yields_what_a_dataloader_would(cluster_factor
         assert again.name == wrapped.name and len(again) == 8
 
         # Another order and a subset of the files: registered as a list, served with the built-in shuffle.
-        subset = FolderDataset(root, transform=to_normalized_tensor)
+        subset = ImageFolder(str(root), transform=to_normalized_tensor, loader=jpeg_loader)
         subset.samples = subset.samples[::-1][:-3]
         subset.targets = [t for _, t in subset.samples]
         shuffled = client.wrap(subset, batch_size=8, seed=3, num_workers=1, ring_bytes=8 << 20, quiet=True)

@@ -8,7 +8,7 @@ import google_crc32c
 import numpy as np
 import pytest
 
-from kspeed.errors import AccessDeniedError, BackendError, DatasetError
+from kspeed.errors import AccessDeniedError, ChangedError, DatasetError
 from kspeed.server.checksum import GIL_FREE_MIN, crc32c, crc32c_extend
 from kspeed.server.localread import PIECE
 from kspeed.server.sources import open_source
@@ -43,8 +43,9 @@ def test_run_reports_each_failed_sample_and_reads_the_rest(tmp_path, backend):
     (tmp_path / "d" / keys[3]).write_bytes(b"x" * 99)
     out, offsets, crcs, errors = read_all(src)
     assert [e.sample for e in errors] == [1, 2, 3]
-    assert isinstance(errors[0], BackendError) and keys[1] in str(errors[0])
-    assert "more than 100" in str(errors[1]) and "99 bytes found" in str(errors[2])
+    assert isinstance(errors[0], ChangedError) and keys[1] in str(errors[0]) and errors[0].what == "deleted"
+    assert "size 100 -> more than 100 bytes" in str(errors[1]) and "size 100 -> 99 bytes" in str(errors[2])
+    assert isinstance(errors[1], ChangedError) and isinstance(errors[2], ChangedError)
     assert all(isinstance(e, DatasetError) and e.dataset == "ds" for e in errors)
     assert out[offsets[4] : offsets[4] + 100].tobytes() == files[keys[4]] and crcs[4] != 0
 
@@ -54,10 +55,10 @@ def test_symlink_inside_the_tree_is_followed_and_outside_refused(tmp_path, backe
     keys = sorted(files)
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "x.bin").write_bytes(files[keys[0]])
-    src = open_source(backend, "ds", str(tmp_path / "d"))
     target = tmp_path / "d" / keys[0]
     target.unlink()
     os.symlink(tmp_path / "other" / "x.bin", target)  # still under the allowed tmp_path
+    src = open_source(backend, "ds", str(tmp_path / "d"))
     assert src.read(0) == files[keys[0]]
     target.unlink()
     os.symlink("/etc/hostname", target)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
 import pytest
 
-from kspeed.errors import DatasetError, IntegrityError, NotFoundError, StateError
+from kspeed.errors import ChangedError, DatasetError, IntegrityError, NotFoundError, StateError
 from kspeed.server.integrity import SampleStore
 from kspeed.server.pool import MemoryPool, RegionState
 from kspeed.server.preload import Preloader
@@ -119,6 +120,7 @@ def test_restart_readopts_sealed_regions_and_loads_only_the_rest(tmp_path, backe
 def test_per_sample_errors_are_reported_and_the_rest_stays_usable(tmp_path, backend, pool):
     files, _src, pre = make(tmp_path, backend, pool, [100] * 10)
     keys = sorted(files)
+    stats = {k: os.stat(tmp_path / "d" / k) for k in (keys[3], keys[7])}
     (tmp_path / "d" / keys[3]).unlink()
     (tmp_path / "d" / keys[7]).write_bytes(b"x" * 5)
     result = pre.preload(timeout=30)
@@ -128,8 +130,9 @@ def test_per_sample_errors_are_reported_and_the_rest_stays_usable(tmp_path, back
     assert pool.regions("ds")[0].state is RegionState.FILLING
     store = SampleStore(pre)
     assert store.read(2) == files[keys[2]]
-    (tmp_path / "d" / keys[3]).write_bytes(files[keys[3]])
-    (tmp_path / "d" / keys[7]).write_bytes(files[keys[7]])
+    for key in (keys[3], keys[7]):  # the files come back as listed (same bytes, same mtime): a passing outage
+        (tmp_path / "d" / key).write_bytes(files[key])
+        os.utime(tmp_path / "d" / key, ns=(stats[key].st_atime_ns, stats[key].st_mtime_ns))
     assert store.read(3) == files[keys[3]] and store.counters["backend_reads"] == 1
     retry = pre.preload(timeout=30)
     assert retry.complete and retry.read_samples == 2
@@ -156,9 +159,13 @@ def test_corruption_with_changed_backend_raises_instead_of_returning_bad_bytes(t
     files, _src, pre = make(tmp_path, backend, pool, [64] * 4)
     pre.preload(timeout=30)
     keys = sorted(files)
+    listed = os.stat(tmp_path / "d" / keys[1])
     (tmp_path / "d" / keys[1]).write_bytes(b"\0" * 64)
     pre.region_array(int(pre.index.region[1]))[int(pre.index.offset[1])] ^= 1
-    with pytest.raises(IntegrityError, match="'ds' sample 1"):
+    with pytest.raises(ChangedError, match=r"'ds' sample 1 .*modified"):  # the repair's read sees a new mtime
+        SampleStore(pre).read(1)
+    os.utime(tmp_path / "d" / keys[1], ns=(listed.st_atime_ns, listed.st_mtime_ns))
+    with pytest.raises(IntegrityError, match="'ds' sample 1"):  # same mtime, other bytes: the checksum tells
         SampleStore(pre).read(1)
 
 

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from kspeed.errors import AccessDeniedError, BackendError, DatasetError, NotFoundError
+from kspeed.errors import AccessDeniedError, ChangedError, DatasetError, NotFoundError
 from kspeed.server.sources import open_source
 from tests.server.datasets import write_tree
 
@@ -146,13 +146,14 @@ def test_read_errors_name_dataset_and_sample(tmp_path, backend):
     keys = sorted(files)
     src = open_source(backend, "ds", str(tmp_path / "d"))
     (tmp_path / "d" / keys[0]).write_bytes(b"short")
-    with pytest.raises(DatasetError, match=r"'ds' sample 0 .*size changed.*10 bytes listed, 5 bytes found"):
+    with pytest.raises(ChangedError, match=r"'ds' sample 0 \(.*\): size 10 -> 5 bytes after it was listed") as err:
         src.read(0)
+    assert (err.value.sample, err.value.what) == (0, "size 10 -> 5 bytes")
     (tmp_path / "d" / keys[1]).write_bytes(b"z" * (len(files[keys[1]]) + 1))
     with pytest.raises(DatasetError, match=f"more than {len(files[keys[1]])}"):
         src.read(1)
     (tmp_path / "d" / keys[2]).unlink()
-    with pytest.raises(BackendError, match="'ds' sample 2") as err:
+    with pytest.raises(ChangedError, match=r"'ds' sample 2 .*deleted") as err:  # a listed file that vanished
         src.read(2)
     assert err.value.sample == 2
     with pytest.raises(NotFoundError, match="no sample 3"):

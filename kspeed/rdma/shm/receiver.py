@@ -71,6 +71,7 @@ class ShmReceiver(Receiver):
         self._new: deque[tuple[int, socket.socket]] = deque()
         self._errors: deque[KSpeedError] = deque()
         self._messages: list[tuple[int, bytes]] = []
+        self._early: list[Completions] = []  # completions read outside poll(), returned by the next one
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -182,7 +183,7 @@ class ShmReceiver(Receiver):
     def poll(self, timeout: float | None = 0.0) -> Completions:
         if self._errors:
             raise self._errors.popleft()
-        parts: list[Completions] = []
+        parts, self._early = self._early, []
         had_messages = len(self._messages)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -220,6 +221,9 @@ class ShmReceiver(Receiver):
             sock.sendall(framing.frame(framing.MSG, message))
         except OSError as exc:
             err = framing.lost(f"sending to shm writer {conn}", exc, conn)
+            # What the writer sent before it went (its last completions, a message saying why it
+            # ends) is still in the socket: take it in before the socket goes.
+            self._read(conn, sock, self._early)
             self._drop(conn, None)
             raise err from exc
 
