@@ -278,7 +278,18 @@ class DaemonConfig:
         parse=_parse_int,
         env="KSPEED_PARENT_PID",
     )
+    http_open: tuple[str, ...] = option(
+        ("/healthz", "/readyz", "/metrics"),
+        "HTTP routes served without the bearer token when auth is on (the others, such as the manager's "
+        "/v1/status, need it)",
+        parse=_parse_list,
+        env="KSPEED_HTTP_OPEN",
+    )
     security: SecurityConfig = dataclasses.field(default_factory=SecurityConfig)
+
+    def http_token(self) -> str:
+        """The token HTTP routes other than :attr:`http_open` require ("" when auth is off)."""
+        return self.security.token if self.security.auth == "token" else ""
 
 
 def default_of(name: str, value: Any) -> Any:

@@ -19,10 +19,13 @@ def client_for(cluster: LocalCluster) -> ManagerClient:
     return ManagerClient(load_config(ClientConfig, environ={}, overrides=overrides))
 
 
-def http_get(address: str, path: str) -> tuple[int, str]:
-    """GET ``http://address/path`` and return (status, body)."""
+def http_get(address: str, path: str, token: str = "") -> tuple[int, str]:
+    """GET ``http://address/path`` (with a bearer ``token`` if given) and return (status, body)."""
+    request = urllib.request.Request(f"http://{address}{path}")
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
     try:
-        with urllib.request.urlopen(f"http://{address}{path}", timeout=5) as response:
+        with urllib.request.urlopen(request, timeout=5) as response:
             return response.status, response.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()

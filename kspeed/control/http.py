@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from kspeed.control.rpc import token_ok
 from kspeed.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -41,17 +42,40 @@ def metrics_route(registry: CollectorRegistry) -> Route:
 class HttpEndpoint:
     """Serves fixed GET routes on ``address`` until :meth:`close`.
 
+    Args:
+        address: ``host:port`` to bind.
+        routes: path -> route.
+        token: when set, every route but the ``open_routes`` needs ``Authorization: Bearer <token>``.
+        open_routes: routes served without the token (health, readiness and metrics by default).
+
     Raises:
         ConfigError: when the address cannot be bound.
     """
 
-    def __init__(self, address: str, routes: Mapping[str, Route]) -> None:
+    def __init__(
+        self,
+        address: str,
+        routes: Mapping[str, Route],
+        *,
+        token: str = "",
+        open_routes: Collection[str] = ("/healthz", "/readyz", "/metrics"),
+    ) -> None:
         host, _, port = address.rpartition(":")
         table = dict(routes)
+        free = frozenset(open_routes)
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
-                route = table.get(self.path.split("?", 1)[0])
+                path = self.path.split("?", 1)[0]
+                route = table.get(path)
+                if (
+                    route is not None
+                    and token
+                    and path not in free
+                    and not token_ok(self.headers.get("Authorization"), token)
+                ):
+                    self._answer(*text_response("missing or wrong bearer token", 401))
+                    return
                 if route is None:
                     status, ctype, body = text_response(f"no route {self.path}; try {', '.join(sorted(table))}", 404)
                 else:
@@ -60,9 +84,14 @@ class HttpEndpoint:
                     except Exception:
                         log.exception("HTTP route %s failed", self.path)
                         status, ctype, body = text_response("internal error", 500)
+                self._answer(status, ctype, body)
+
+            def _answer(self, status: int, ctype: str, body: bytes) -> None:
                 self.send_response(status)
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(body)))
+                if status == 401:
+                    self.send_header("WWW-Authenticate", "Bearer")
                 self.end_headers()
                 self.wfile.write(body)
 

@@ -27,6 +27,9 @@ from kspeed.proto import kspeed_pb2
 log = logging.getLogger(__name__)
 
 AUTH_HEADER = "authorization"
+#: Methods answered without a token: health checks reveal nothing but SERVING or not, and
+#: Kubernetes' gRPC probes (and load balancers) send no credentials.
+OPEN_METHODS = "/grpc.health.v1.Health/"
 ERROR_HEADER = "kspeed-error"  # trailing metadata naming the kspeed.errors class of a failure
 
 # kspeed.errors class -> gRPC status, most specific first.
@@ -104,6 +107,16 @@ def _token_ok(metadata: Sequence[tuple[str, Any]] | None, token: str) -> bool:
     return False
 
 
+def _allowed(details: grpc.HandlerCallDetails, token: str) -> bool:
+    method = getattr(details, "method", "") or ""
+    return method.startswith(OPEN_METHODS) or _token_ok(details.invocation_metadata, token)
+
+
+def token_ok(header: str | None, token: str) -> bool:
+    """Whether an HTTP ``Authorization`` header carries the bearer ``token`` (compared in constant time)."""
+    return header is not None and hmac.compare_digest(header.encode(), f"Bearer {token}".encode())
+
+
 def _deny(handler: grpc.RpcMethodHandler | None, aio: bool) -> grpc.RpcMethodHandler | None:
     if handler is None:
         return None
@@ -133,7 +146,7 @@ class TokenInterceptor(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails) -> Any:
         handler = continuation(handler_call_details)
-        if _token_ok(handler_call_details.invocation_metadata, self._token):
+        if _allowed(handler_call_details, self._token):
             return handler
         return _deny(handler, aio=False)
 
@@ -146,7 +159,7 @@ class AioTokenInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails) -> Any:
         handler = await continuation(handler_call_details)
-        if _token_ok(handler_call_details.invocation_metadata, self._token):
+        if _allowed(handler_call_details, self._token):
             return handler
         return _deny(handler, aio=True)
 

@@ -17,7 +17,7 @@ import signal
 import sys
 
 import grpc
-from grpc_health.v1 import health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from kspeed.config import ManagerConfig, add_arguments, load_config
@@ -35,6 +35,7 @@ from kspeed.proto import kspeed_pb2
 
 log = logging.getLogger(__name__)
 
+SERVICE = "kspeed.v1.Manager"  # the name its grpc.health.v1 status is registered under
 TICK_FRACTION = 0.25  # the timers are evaluated at this fraction of the heartbeat interval
 
 
@@ -87,8 +88,11 @@ class Manager:
                 "/metrics": metrics_route(self.metrics.registry),
                 "/v1/status": lambda: json_response(status_dict(self.service.status())),
             },
+            token=cfg.http_token(),
+            open_routes=cfg.http_open,
         )
         await self._server.start()
+        await self.health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
         self._loop = asyncio.get_running_loop()
         self.membership.subscribe(self._on_membership)
         self._tasks = [

@@ -40,6 +40,7 @@ from kspeed.server.service import ServerService
 log = logging.getLogger(__name__)
 
 GRPC_THREADS = 16
+SERVICE = "kspeed.v1.Server"  # the name its grpc.health.v1 status is registered under
 
 
 class Server:
@@ -128,9 +129,12 @@ class Server:
                 "/readyz": self._readyz,
                 "/metrics": metrics_route(self.metrics.registry),
             },
+            token=cfg.http_token(),
+            open_routes=cfg.http_open,
         )
         http_address = inv.advertised(cfg.http_listen, self._http.address, "")
         self._grpc.start()
+        self.health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
         self._serving = True
         self.metrics.info.info({"id": self.id, "version": __version__, "address": self.address})
         self.metrics.memory.set(cfg.memory)
@@ -191,7 +195,8 @@ class Server:
         """Report NOT_SERVING, drain, deregister (unless the manager refused us) and release everything."""
         self._stopped.set()
         self.health.enter_graceful_shutdown()
-        self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ("", SERVICE):
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         if self.agent is not None:
             self.agent.stop(deregister=self.fatal is None, reason="shutdown")
         if self._grpc is not None:

@@ -11,6 +11,7 @@ import time
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kspeed.cli.cluster import wait_for
 from kspeed.proto import kspeed_pb2, kspeed_pb2_grpc
@@ -153,6 +154,30 @@ def test_auth_refuses_missing_or_wrong_token_and_changes_nothing(cluster_factory
     with client_for(cluster) as client:
         assert "intruder" not in states(client)
         assert client.status().revision == revision
+
+
+def test_health_answers_without_a_token_and_status_needs_one(cluster_factory, tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token\n")
+    cluster = cluster_factory(1, token_file=str(token_file))
+    serving = health_pb2.HealthCheckResponse.SERVING
+    for address, service in (
+        (cluster.address, "kspeed.v1.Manager"),
+        (cluster.servers[0].ready["grpc"], "kspeed.v1.Server"),
+    ):
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))  # no token, as a Kubernetes probe
+        for name in ("", service):
+            assert health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status == serving
+        with pytest.raises(grpc.RpcError) as info:
+            health.Check(health_pb2.HealthCheckRequest(service="kspeed.v1.Nothing"), timeout=5)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert http_get(cluster.http_address, "/v1/status")[0] == 401  # the cluster's layout needs the token
+    code, body = http_get(cluster.http_address, "/v1/status", token="s3cret-token")
+    assert code == 200 and json.loads(body)["servers"]
+    assert http_get(cluster.http_address, "/v1/status", token="wrong")[0] == 401
+    for path in ("/healthz", "/readyz", "/metrics"):  # open by default (http_open)
+        assert http_get(cluster.http_address, path)[0] == 200
+        assert http_get(cluster.servers[0].ready["http"], path)[0] == 200
 
 
 def _raw(cluster, method: str, payload: bytes):
