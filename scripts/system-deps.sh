@@ -18,6 +18,20 @@ if [ ${#want[@]} -gt 0 ]; then
     echo "note: install these Debian packages for the full test suite: ${want[*]} (tests that need them skip)"
   fi
 fi
+# promtool (Prometheus' metrics linter) from Debian's prometheus package, extracted into the venv
+# rather than installed (the package would also install and start a Prometheus service).
+if [ ! -x "$venv/bin/promtool" ] && ! command -v promtool >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  work=$(mktemp -d)
+  fetch() { (cd "$work" && apt-get download prometheus >/dev/null 2>&1); }
+  fetch || { [ "$(id -u)" = 0 ] && apt-get update -qq >/dev/null 2>&1 && fetch; }
+  if ls "$work"/prometheus_*.deb >/dev/null 2>&1 && dpkg -x "$work"/prometheus_*.deb "$work/x" \
+    && [ -x "$work/x/usr/bin/promtool" ]; then
+    cp "$work/x/usr/bin/promtool" "$venv/bin/promtool"
+  else
+    echo "note: could not fetch promtool (Debian's prometheus package); the metrics lint test will skip"
+  fi
+  rm -rf "$work"
+fi
 # Make the distribution's pyverbs importable from the venv (a .pth line, not a copy).
 site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 if [ -d /usr/lib/python3/dist-packages/pyverbs ]; then

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kspeed.client.histogram import Histogram
 from kspeed.grants import Grant
 
 __all__ = ["GAIN", "SIZE_CLASSES", "DrainRate", "LatencyTable", "Pacer", "SubGrant"]
@@ -220,6 +221,7 @@ class Pacer:
         self._flat = 0
         self._limited = False
         self._latencies: collections.deque[float] = collections.deque(maxlen=RECENT)
+        self.latency_histogram = Histogram()
         self.sent = 0
         self.completed = 0
 
@@ -351,6 +353,7 @@ class Pacer:
         self.tables[grant.path].observe(grant.nbytes, latency, grant.clean)
         self.rate.on_complete(grant.nbytes, grant.app_limited, now)
         self._latencies.append(latency)
+        self.latency_histogram.observe(latency)
         self.completed += 1
 
     @property
@@ -381,4 +384,5 @@ class Pacer:
             "sub_batches_completed": self.completed,
             "sub_batch_latency_p50_ms": float(np.percentile(lat, 50)) if len(lat) else 0.0,
             "sub_batch_latency_p99_ms": float(np.percentile(lat, 99)) if len(lat) else 0.0,
+            "sub_batch_latency_seconds": self.latency_histogram.as_dict(),
         }

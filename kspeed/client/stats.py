@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
+from kspeed.client.histogram import Histogram
 from kspeed.control.manager_client import ManagerClient
 from kspeed.errors import KSpeedError
 from kspeed.proto import kspeed_pb2
@@ -45,6 +46,7 @@ class RankStats:
         self.wait_total_s = 0.0
         self.server_bytes = np.zeros(len(self.servers), dtype=np.int64)
         self._waits: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        self.wait_histogram = Histogram()
         self._started: float | None = None
         self._lock = threading.Lock()
 
@@ -60,9 +62,10 @@ class RankStats:
             self.wait_total_s += wait_s
             self.server_bytes += per_server[: len(self.servers)]
             self._waits.append(wait_s)
+        self.wait_histogram.observe(wait_s)
 
     def summary(self) -> dict:
-        """The local figures (waits in milliseconds over the recent window)."""
+        """The local figures: waits in milliseconds over the recent window, and every wait as a histogram."""
         with self._lock:
             waits = np.asarray(self._waits, dtype=np.float64) * 1e3
             elapsed = time.monotonic() - self._started if self._started is not None else 0.0
@@ -76,6 +79,7 @@ class RankStats:
                 "wait_total_s": self.wait_total_s,
                 "server_bytes": dict(zip(self.servers, self.server_bytes.tolist())),
             }
+        out["wait_seconds"] = self.wait_histogram.as_dict()
         if len(waits):
             out.update(
                 wait_mean_ms=float(waits.mean()),
@@ -180,7 +184,7 @@ class PrometheusCollector:
         self._dataset = dataset
 
     def collect(self) -> Iterator:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily
 
         s = self._dataset.stats()
         labels = ["dataset"]
@@ -194,10 +198,9 @@ class PrometheusCollector:
             family = CounterMetricFamily(f"kspeed_client_{metric}", doc, labels=labels)
             family.add_metric(name, value)
             yield family
-        for metric in ("wait_p50_ms", "wait_p99_ms", "wait_max_ms"):
-            gauge = GaugeMetricFamily(f"kspeed_client_{metric}", "Recent batch data wait", labels=labels)
-            gauge.add_metric(name, s[metric])
-            yield gauge
+        yield _histogram(
+            "kspeed_client_batch_wait_seconds", "Time next() waited for each batch", name, s["wait_seconds"]
+        )
         per_server = CounterMetricFamily(
             "kspeed_client_server_bytes", "Bytes each server wrote", labels=["dataset", "server"]
         )
@@ -217,13 +220,17 @@ def _pacing_metrics(dataset: str, pacing: dict) -> Iterator:
         ("pacing_window_bytes", "window_bytes", "Bytes allowed in flight towards this process"),
         ("pacing_in_flight_bytes", "in_flight_bytes", "Bytes granted and not yet completed"),
         ("pacing_sub_batch_bytes", "sub_batch_bytes", "Target bytes of one server's sub-batch"),
-        ("pacing_drain_rate_bytes", "drain_rate", "Measured delivery rate, bytes per second"),
-        ("pacing_sub_batch_latency_p50_ms", "sub_batch_latency_p50_ms", "Sub-batch latency"),
-        ("pacing_sub_batch_latency_p99_ms", "sub_batch_latency_p99_ms", "Sub-batch latency"),
+        ("pacing_drain_rate_bytes_per_second", "drain_rate", "Measured delivery rate"),
     ):
         family = GaugeMetricFamily(f"kspeed_client_{metric}", doc, labels=["dataset"])
         family.add_metric([dataset], pacing[key])
         yield family
+    yield _histogram(
+        "kspeed_client_pacing_sub_batch_latency_seconds",
+        "Seconds from a sub-batch's grant to its completion",
+        [dataset],
+        pacing["sub_batch_latency_seconds"],
+    )
     sent = CounterMetricFamily("kspeed_client_pacing_sub_batches", "Sub-batches granted", labels=["dataset"])
     sent.add_metric([dataset], pacing["sub_batches_sent"])
     yield sent
@@ -236,3 +243,12 @@ def _pacing_metrics(dataset: str, pacing: dict) -> Iterator:
         if seconds is not None:
             table.add_metric([dataset, size_class], seconds)
     yield table
+
+
+def _histogram(metric: str, doc: str, labels: list[str], figures: dict):
+    """A histogram family from :meth:`Histogram.as_dict` figures, labelled by dataset."""
+    from prometheus_client.core import HistogramMetricFamily
+
+    family = HistogramMetricFamily(metric, doc, labels=["dataset"])
+    family.add_metric(labels, figures["buckets"], figures["sum"])
+    return family

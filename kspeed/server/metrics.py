@@ -33,7 +33,7 @@ class _HostCollector(Collector):
         nbytes = GaugeMetricFamily(
             "kspeed_server_preload_bytes", "Bytes of each hosted share", labels=["dataset", "kind"]
         )
-        rate = GaugeMetricFamily("kspeed_server_preload_rate_bytes", "Preload read rate (bytes/s)", labels=["dataset"])
+        rate = GaugeMetricFamily("kspeed_server_preload_rate_bytes_per_second", "Preload read rate", labels=["dataset"])
         errors = GaugeMetricFamily("kspeed_server_preload_errors", "Samples that failed to load", labels=["dataset"])
         integrity = CounterMetricFamily(
             "kspeed_server_integrity_events", "crc32c checks that found trouble", labels=["dataset", "event"]

@@ -174,9 +174,9 @@ def test_paced_feed_delivers_sub_batches_exactly(fed, rail):
         exported = generate_latest(registry).decode()
         for metric in (
             "kspeed_client_pacing_window_bytes",
-            "kspeed_client_pacing_drain_rate_bytes",
+            "kspeed_client_pacing_drain_rate_bytes_per_second",
             'kspeed_client_pacing_latency_seconds{dataset="imgs",size_class="32KiB"}',
-            "kspeed_client_pacing_sub_batch_latency_p99_ms",
+            'kspeed_client_pacing_sub_batch_latency_seconds_bucket{dataset="imgs",le="+Inf"}',
             "kspeed_client_batches_total",
         ):
             assert metric in exported
