@@ -269,6 +269,12 @@ class DaemonConfig:
     log_level: str = option(
         "info", "log level", parse=_choice("debug", "info", "warning", "error"), env="KSPEED_LOG_LEVEL"
     )
+    log_format: str = option(
+        "text",
+        "log format: text, or json (one object per line, for log collectors)",
+        parse=_choice("text", "json"),
+        env="KSPEED_LOG_FORMAT",
+    )
     ready_file: str = option(
         "", "write the bound addresses as JSON to this file once ready", env="KSPEED_{SECTION}_READY_FILE"
     )

@@ -1,10 +1,9 @@
-"""Start-up plumbing shared by the daemons: logging, state directory, ready file, fatal errors."""
+"""Start-up plumbing shared by the daemons: state directory, ready file, fatal errors."""
 
 from __future__ import annotations
 
 import ctypes
 import json
-import logging
 import os
 import signal
 import sys
@@ -12,15 +11,6 @@ import tempfile
 from collections.abc import Callable
 
 from kspeed.errors import ConfigError, KSpeedError
-
-
-def setup_logging(level: str) -> None:
-    """One log format for every daemon, on stderr."""
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
 
 
 def ensure_state_dir(path: str, field: str) -> str:

@@ -22,8 +22,9 @@ from grpc_health.v1._async import HealthServicer
 
 from kspeed.config import ManagerConfig, add_arguments, load_config
 from kspeed.control import rpc
-from kspeed.control.daemon import die_with_parent, ensure_state_dir, run_main, setup_logging, write_ready_file
+from kspeed.control.daemon import die_with_parent, ensure_state_dir, run_main, write_ready_file
 from kspeed.control.http import HttpEndpoint, json_response, metrics_route, text_response
+from kspeed.control.logs import LogSettings
 from kspeed.control.status import status_dict
 from kspeed.manager.calls import ServerCalls
 from kspeed.manager.datasets import DatasetCatalog
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def body() -> None:
         config = load_config(ManagerConfig, args)
-        setup_logging(config.log_level)
+        LogSettings(config.log_level, config.log_format).apply("manager")
         die_with_parent(config.parent_pid)
 
         async def serve() -> None:

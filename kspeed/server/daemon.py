@@ -22,8 +22,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kspeed._version import __version__
 from kspeed.config import ServerConfig, add_arguments, load_config
 from kspeed.control import rpc
-from kspeed.control.daemon import die_with_parent, ensure_state_dir, run_main, setup_logging, write_ready_file
+from kspeed.control.daemon import die_with_parent, ensure_state_dir, run_main, write_ready_file
 from kspeed.control.http import HttpEndpoint, metrics_route, text_response
+from kspeed.control.logs import LogSettings
 from kspeed.errors import KSpeedError
 from kspeed.proto import kspeed_pb2
 from kspeed.rdma.options import RailOptions
@@ -102,7 +103,12 @@ class Server:
         options = RailOptions(token=cfg.security.data_plane_token(), io_timeout=cfg.data_io_timeout)
         count = cfg.feeders or min(4, inv.usable_cores(cfg.cores))
         self.feeders = FeederPool(
-            count, self.id, options, self.host, plan_timeout=cfg.plan_timeout, log_level=cfg.log_level
+            count,
+            self.id,
+            options,
+            self.host,
+            plan_timeout=cfg.plan_timeout,
+            logs=LogSettings(cfg.log_level, cfg.log_format),
         )
         host.on_drop = self.feeders.close_dataset
         feeders = self.feeders
@@ -226,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def body() -> None:
         config = load_config(ServerConfig, args)
-        setup_logging(config.log_level)
+        LogSettings(config.log_level, config.log_format).apply("server")
         die_with_parent(config.parent_pid)
         server = Server(config)
         try:

@@ -19,6 +19,7 @@ from multiprocessing.connection import Connection
 import numpy as np
 
 from kspeed import errors, names
+from kspeed.control.logs import LogSettings
 from kspeed.errors import DatasetError, NotFoundError, ProtocolError, UnavailableError
 from kspeed.layout import batch_layout
 from kspeed.proto import kspeed_pb2
@@ -67,7 +68,7 @@ class FeederPool:
         options: data-plane options (token, timeouts) for every feed.
         host: the datasets this server holds.
         plan_timeout: longest a plan waits for its samples to be preloaded.
-        log_level: log level of the feeder processes.
+        logs: log level and format of the feeder processes.
     """
 
     def __init__(
@@ -78,7 +79,7 @@ class FeederPool:
         host: DatasetHost,
         *,
         plan_timeout: float,
-        log_level: str = "info",
+        logs: LogSettings | None = None,
     ) -> None:
         self._host = host
         self._plan_timeout = plan_timeout
@@ -91,7 +92,7 @@ class FeederPool:
             ours, theirs = ctx.Pipe()
             process = ctx.Process(
                 target=feeder_process.serve,
-                args=(theirs, server_id, options, log_level),
+                args=(theirs, server_id, options, logs or LogSettings()),
                 daemon=True,
                 name="kspeed-feeder",
             )

@@ -20,6 +20,7 @@ from multiprocessing.connection import Connection
 import numpy as np
 
 from kspeed import grants
+from kspeed.control.logs import LogSettings
 from kspeed.errors import KSpeedError, PeerLostError, ProtocolError
 from kspeed.rdma.base import RegionKey, Writer
 from kspeed.rdma.options import RailOptions
@@ -332,12 +333,9 @@ class Feeder:
             feed.close()
 
 
-def serve(conn: Connection, server_id: str, options: RailOptions, log_level: str) -> None:
+def serve(conn: Connection, server_id: str, options: RailOptions, logs: LogSettings) -> None:
     """Entry point of a feeder process: obey commands from the server until told to stop."""
-    logging.basicConfig(
-        level=getattr(logging, log_level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s[feeder %(process)d]: %(message)s",
-    )
+    logs.apply("feeder", helper=True)
     feeder = Feeder(server_id, options)
     while True:
         try:

@@ -308,3 +308,15 @@ def test_many_watch_streams_do_not_hold_the_manager(cluster):
 
     counts = asyncio.run(watch_all(200))  # more streams than the server daemon has threads
     assert len(counts) == 200 and all(c >= 1 for c in counts)
+
+
+def test_json_log_format_writes_one_object_per_line(cluster_factory):
+    cluster = cluster_factory(1, manager_args=["--log-format", "json"], server_args=["--log-format", "json"])
+    cluster.stop()  # shutdown logs too, and the logs are complete
+    for daemon, process in ((cluster.manager, "manager"), (cluster.servers[0], "server")):
+        with open(daemon.log_file, encoding="utf-8") as fh:
+            lines = [line for line in fh.read().splitlines() if line.strip()]
+        assert lines, f"{daemon.name} logged nothing"
+        records = [json.loads(line) for line in lines]  # every line is one JSON object
+        assert {r["process"] for r in records} <= {process, "feeder"} and process in {r["process"] for r in records}
+        assert all({"time", "level", "logger", "message", "pid"} <= set(r) for r in records)
