@@ -190,8 +190,9 @@ class SecurityConfig:
     tls_ca: str = option("", "PEM CA bundle to verify daemons with (enables TLS on channels)", env="KSPEED_TLS_CA")
 
     def validate(self) -> None:
-        """Resolve the token from its file and check that the settings fit together."""
-        if self.token_file:
+        """Resolve the token from its file and check that the settings fit together (without auth,
+        a token file is not read)."""
+        if self.token_file and self.auth == "token":
             try:
                 with open(self.token_file, encoding="utf-8") as fh:
                     self.token = fh.read().strip()
