@@ -7,3 +7,8 @@ PROTOCOL_VERSIONS: tuple[int, ...] = (1,)
 
 # Optional capabilities announced at registration; peers use them only when both sides list them.
 FEATURES: tuple[str, ...] = ("membership-watch", "health-probe")
+
+
+def version_line(program: str) -> str:
+    """What ``--version`` prints: the program, the package version and the protocol versions."""
+    return f"{program} {__version__} (protocol {', '.join(f'v{v}' for v in PROTOCOL_VERSIONS)})"

@@ -15,7 +15,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, TypeVar
 
 import yaml
@@ -29,6 +29,9 @@ __all__ = [
     "ManagerConfig",
     "SecurityConfig",
     "ServerConfig",
+    "add_arguments",
+    "format_bytes",
+    "format_duration",
     "gpu_environment",
     "launcher_environment",
     "load_config",
@@ -156,12 +159,51 @@ def _choice(*choices: str) -> Callable[[object], str]:
             raise ValueError(f"expected one of {', '.join(choices)}")
         return text
 
+    parse.choices = choices  # type: ignore[attr-defined]
     return parse
 
 
-def option(default: Any, help: str, *, parse: Callable[[object], Any] = _parse_str, env: str = "") -> Any:
-    """Declare a configuration field with its help text, parser and environment variable."""
-    kwargs: dict[str, Any] = {"metadata": {"help": help, "parse": parse, "env": env}}
+def format_bytes(value: int) -> str:
+    """A byte size as :func:`parse_bytes` reads it back: the largest IEC unit that divides it."""
+    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if value and value % size == 0:
+            return f"{value // size}{unit}"
+    return str(value)
+
+
+def format_duration(seconds: float) -> str:
+    """A duration as :func:`parse_duration` reads it back (``300ms``, ``5s``, ``10m``, ``1h``)."""
+    for unit, size in (("h", 3600.0), ("m", 60.0)):
+        if seconds >= size and (seconds / size).is_integer():
+            return f"{seconds / size:.0f}{unit}"
+    if seconds < 1:
+        return f"{seconds * 1e3:g}ms"
+    return f"{seconds:g}s"
+
+
+# How each parser's values are named and shown on the command line: (metavar, formatter).
+_FLAG_STYLE: dict[Callable[[object], Any], tuple[str, Callable[[Any], str]]] = {
+    parse_bytes: ("SIZE", format_bytes),
+    parse_duration: ("DURATION", format_duration),
+    parse_address: ("HOST:PORT", str),
+    _parse_optional_address: ("HOST:PORT", str),
+    _parse_int: ("N", str),
+    _parse_bool: ("BOOL", lambda v: "true" if v else "false"),
+    _parse_list: ("A,B,...", ",".join),
+    _parse_mapping: ("JSON", json.dumps),
+    _parse_name: ("NAME", str),
+    _parse_str: ("TEXT", str),
+}
+
+
+def option(
+    default: Any, help: str, *, parse: Callable[[object], Any] = _parse_str, env: str = "", metavar: str = ""
+) -> Any:
+    """Declare a configuration field with its help text, parser and environment variable.
+
+    ``metavar`` names the value in ``--help`` (default: from the parser, e.g. SIZE or DURATION).
+    """
+    kwargs: dict[str, Any] = {"metadata": {"help": help, "parse": parse, "env": env, "metavar": metavar}}
     if isinstance(default, (list, dict, set)):
         kwargs["default_factory"] = lambda: type(default)(default)
     else:
@@ -183,11 +225,13 @@ class SecurityConfig:
         parse=_choice("token", "none"),
         env="KSPEED_AUTH",
     )
-    token_file: str = option("", "file holding the bearer token", env="KSPEED_TOKEN_FILE")
-    token: str = option("", "the bearer token itself (prefer token_file)", env="KSPEED_TOKEN")
-    tls_cert: str = option("", "PEM certificate of this daemon's gRPC server", env="KSPEED_TLS_CERT")
-    tls_key: str = option("", "PEM private key of this daemon's gRPC server", env="KSPEED_TLS_KEY")
-    tls_ca: str = option("", "PEM CA bundle to verify daemons with (enables TLS on channels)", env="KSPEED_TLS_CA")
+    token_file: str = option("", "file holding the bearer token", env="KSPEED_TOKEN_FILE", metavar="FILE")
+    token: str = option("", "the bearer token itself (prefer token_file)", env="KSPEED_TOKEN", metavar="TOKEN")
+    tls_cert: str = option("", "PEM certificate of this daemon's gRPC server", env="KSPEED_TLS_CERT", metavar="FILE")
+    tls_key: str = option("", "PEM private key of this daemon's gRPC server", env="KSPEED_TLS_KEY", metavar="FILE")
+    tls_ca: str = option(
+        "", "PEM CA bundle to verify daemons with (enables TLS on channels)", env="KSPEED_TLS_CA", metavar="FILE"
+    )
 
     def validate(self) -> None:
         """Resolve the token from its file and check that the settings fit together (without auth,
@@ -263,6 +307,7 @@ class DaemonConfig:
         "",
         "state directory (manager: its database; server: its identity and assignments)",
         env="KSPEED_{SECTION}_STATE_DIR",
+        metavar="DIR",
     )
     max_request_bytes: int = option(
         0, "largest accepted gRPC request", parse=parse_bytes, env="KSPEED_MAX_REQUEST_BYTES"
@@ -277,7 +322,10 @@ class DaemonConfig:
         env="KSPEED_LOG_FORMAT",
     )
     ready_file: str = option(
-        "", "write the bound addresses as JSON to this file once ready", env="KSPEED_{SECTION}_READY_FILE"
+        "",
+        "write the bound addresses as JSON to this file once ready",
+        env="KSPEED_{SECTION}_READY_FILE",
+        metavar="FILE",
     )
     parent_pid: int = option(
         0,
@@ -291,6 +339,7 @@ class DaemonConfig:
         "/v1/status, need it)",
         parse=_parse_list,
         env="KSPEED_HTTP_OPEN",
+        metavar="PATH,...",
     )
     security: SecurityConfig = dataclasses.field(default_factory=SecurityConfig)
 
@@ -383,7 +432,10 @@ class ServerConfig(DaemonConfig):
         env="KSPEED_SERVER_ADVERTISE",
     )
     server_id: str = option(
-        "", "stable server id (default: generated once and kept in state_dir)", env="KSPEED_SERVER_ID"
+        "",
+        "stable server id (default: generated once and kept in state_dir)",
+        env="KSPEED_SERVER_ID",
+        metavar="ID",
     )
     memory: int = option(1024**3, "memory this server may pool", parse=parse_bytes, env="KSPEED_SERVER_MEMORY")
     region_size: int = option(128 * 1024**2, "bytes per registered region", parse=parse_bytes, env="KSPEED_REGION_SIZE")
@@ -395,12 +447,14 @@ class ServerConfig(DaemonConfig):
         "data-plane rails to offer (default: every rail usable on this host)",
         parse=_parse_list,
         env="KSPEED_SERVER_TRANSPORTS",
+        metavar="RAIL,...",
     )
     pool_dir: str = option(
         "",
         "directory of the pool's region files (default: /dev/shm/kspeed-pool-<id> if "
         "/dev/shm exists, else <state_dir>/pool); re-adopted after a restart",
         env="KSPEED_SERVER_POOL_DIR",
+        metavar="DIR",
     )
     keep_pool_on_exit: bool = option(
         True,
@@ -414,6 +468,7 @@ class ServerConfig(DaemonConfig):
         "prefixes such as /data,s3://bucket/prefix (default: none)",
         parse=_parse_list,
         env="KSPEED_BACKEND_ALLOW",
+        metavar="PREFIX,...",
     )
     backend_options: dict = option(
         {},
@@ -425,7 +480,7 @@ class ServerConfig(DaemonConfig):
         16, "backend reads in flight per preload", parse=_parse_int, env="KSPEED_PRELOAD_THREADS"
     )
     scrub_interval: float = option(
-        3600.0, "seconds between integrity scrubs of loaded data", parse=parse_duration, env="KSPEED_SCRUB_INTERVAL"
+        3600.0, "time between integrity scrubs of loaded data", parse=parse_duration, env="KSPEED_SCRUB_INTERVAL"
     )
     change_check_interval: float = option(
         300.0,
@@ -448,7 +503,7 @@ class ServerConfig(DaemonConfig):
     )
     data_io_timeout: float = option(
         10.0,
-        "seconds without progress after which a client's data-plane path is declared lost",
+        "time without progress after which a client's data-plane path is declared lost",
         parse=parse_duration,
         env="KSPEED_DATA_IO_TIMEOUT",
     )
@@ -504,6 +559,7 @@ class ClientConfig:
         "shared-memory rail for co-located servers, a network rail otherwise) or a rail's name",
         parse=_parse_name,
         env="KSPEED_RAIL",
+        metavar="RAIL",
     )
     ring_bytes: int = option(
         0, "size of each dataset's receive ring (0: max(256MiB, 4 batches))", parse=parse_bytes, env="KSPEED_RING_BYTES"
@@ -519,12 +575,14 @@ class ClientConfig:
         "address the tcp receiver listens on and advertises (default: loopback when every "
         "server is local, else the local address that routes to the servers)",
         env="KSPEED_DATA_HOST",
+        metavar="HOST",
     )
     nic: str = option(
         "",
         "force the data plane onto this NIC, e.g. mlx5_2 (an unknown NIC is an error; default: "
         "the NIC nearest this process's GPU)",
         env="KSPEED_NIC",
+        metavar="NIC",
     )
     pin_threads: bool = option(
         True,
@@ -537,6 +595,7 @@ class ClientConfig:
         "name of the training job, shared by its ranks, under which per-rank statistics are "
         "reported to the manager (e.g. $TORCHELASTIC_RUN_ID; empty: user@host)",
         env="KSPEED_JOB",
+        metavar="NAME",
     )
     stats_interval: float = option(
         5.0,
@@ -674,21 +733,44 @@ def _read_yaml(path: str) -> Mapping[str, Any]:
     return data
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
-    """Add one ``--flag`` per config field (dashes for underscores) plus ``--config``."""
-    parser.add_argument("--config", help="YAML configuration file (env KSPEED_CONFIG)")
+#: The fields every ``kspeed`` command that talks to a manager takes: where, how long, credentials.
+CONNECTION_FIELDS = ("manager", "timeout", "auth", "token_file", "token", "tls_ca")
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type, *, only: Collection[str] | None = None) -> None:
+    """Add one ``--flag`` per config field (dashes for underscores) plus ``--config``.
+
+    Args:
+        parser: the parser to extend; the credentials go to their own ``security`` group.
+        cls: the configuration the flags set (read back by :func:`load_config`).
+        only: field names to offer (``security`` for every credential); default every field.
+    """
+    parser.add_argument("--config", metavar="FILE", help="YAML configuration file (env KSPEED_CONFIG)")
+    security = parser.add_argument_group("security", "bearer token and TLS (the shared `security` section)")
     defaults = cls()
     for holder, field in _leaf_fields(cls):
-        flag = "--" + field.name.replace("_", "-")
+        if only is not None and field.name not in only and (holder or field.name) not in only:
+            continue
+        metavar, show = _flag_style(field)
         default = getattr(defaults.security if holder else defaults, field.name)
-        shown = ",".join(default) if isinstance(default, tuple) else default
-        env = _env(field, _SECTIONS[cls])
-        parser.add_argument(
-            flag,
+        shown = f"; default {show(default)}" if default not in ("", (), {}) else ""
+        (security if holder else parser).add_argument(
+            "--" + field.name.replace("_", "-"),
             dest=f"cfg_{holder}_{field.name}",
             default=None,
-            help=f"{field.metadata['help']} (env {env}; default {shown!r})",
+            metavar=metavar,
+            help=f"{field.metadata['help']} (env {_env(field, _SECTIONS[cls])}{shown})",
         )
+
+
+def _flag_style(field: dataclasses.Field) -> tuple[str, Callable[[Any], str]]:
+    """The field's metavar (its own, its choices, or its parser's) and how its default is shown."""
+    parse = field.metadata["parse"]
+    choices = getattr(parse, "choices", None)
+    metavar, show = _FLAG_STYLE.get(parse, ("TEXT", str))
+    if choices:
+        metavar = "{" + ",".join(choices) + "}"
+    return field.metadata["metavar"] or metavar, show
 
 
 def load_config(

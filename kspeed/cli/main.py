@@ -1,11 +1,11 @@
 """The ``kspeed`` command: run a local cluster and look at a running one.
 
-kspeed up [--servers N] [--port P] [--http-port H] [--state-dir DIR]
-kspeed status [--manager HOST:PORT] [--json] [--job JOB]
-kspeed dataset add NAME URI [--kind K] [--labels dirname] [--quota BYTES]
-kspeed dataset list | show NAME | rm NAME
+kspeed up [--servers N] [--port PORT] [--http-port PORT] [--state-dir DIR] [--memory SIZE]
+kspeed status [--manager HOST:PORT] [--json] [--job NAME]
+kspeed dataset add NAME URI [--kind K] [--labels dirname] [--quota SIZE]
+kspeed dataset list [--json] | show NAME | rm NAME [--force]
 kspeed preload NAME
-kspeed demo
+kspeed demo [--servers N]
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ import tempfile
 import threading
 import time
 
+from kspeed._version import version_line
 from kspeed.cli.cluster import LocalCluster
 from kspeed.cli.tables import dataset_table, job_table, status_table
-from kspeed.config import ClientConfig, add_arguments, load_config, parse_bytes
+from kspeed.config import CONNECTION_FIELDS, ClientConfig, add_arguments, format_bytes, load_config, parse_bytes
 from kspeed.control.manager_client import ManagerClient
 from kspeed.control.progress import follow_preload
-from kspeed.control.status import dataset_dict, job_dict, status_dict
+from kspeed.control.status import dataset_dict, human_bytes, job_dict, status_dict
 from kspeed.errors import KSpeedError
 from kspeed.proto import kspeed_pb2
 
@@ -123,9 +124,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     """Print the cluster as a table (or JSON)."""
     config = load_config(ClientConfig, args)
     with ManagerClient(config, peer_name="kspeed-cli") as client:
-        job_name = getattr(args, "cfg__job", None)  # only `--job NAME` on the command line, not KSPEED_JOB
-        if job_name:
-            job = client.call("GetJobStats", kspeed_pb2.JobRequest(job=job_name))
+        if args.job:
+            job = client.call("GetJobStats", kspeed_pb2.JobRequest(job=args.job))
             _say(json.dumps(job_dict(job), indent=2, sort_keys=True) if args.json else job_table(job))
             return 0
         status = client.status()
@@ -144,34 +144,30 @@ def cmd_dataset(args: argparse.Namespace) -> int:
     """Manage datasets: add (operator-owned), list, show, rm."""
     with _client(args) as client:
         if args.action == "add":
-            if not args.name or not args.uri:
-                raise KSpeedError("usage: kspeed dataset add NAME URI")
-            quota = parse_bytes(args.quota) if args.quota else 0
+            try:
+                quota = parse_bytes(args.quota) if args.quota else 0
+            except ValueError as exc:
+                raise KSpeedError(f"--quota {args.quota!r}: {exc}") from None
             spec = kspeed_pb2.DatasetSpec(
                 name=args.name, uri=args.uri, kind=args.kind, labels=args.labels, quota_bytes=quota
             )
             reply = client.create_dataset(spec, operator=True)
             verb = "registered" if reply.created else "already registered"
             info = reply.dataset
+            size = human_bytes(info.fingerprint.total_bytes)
             _say(
-                f"{verb} {info.spec.name}: {info.fingerprint.count} samples, {info.fingerprint.total_bytes} bytes "
-                f"on {len(info.shares)} server(s)"
+                f"{verb} {info.spec.name}: {info.fingerprint.count:,} samples, {size} on {len(info.shares)} server(s)"
+                + (f", quota {format_bytes(quota)}" if quota else "")
             )
         elif args.action == "list":
             datasets = client.datasets()
             _say(json.dumps([dataset_dict(d) for d in datasets], indent=2) if args.json else dataset_table(datasets))
         elif args.action == "show":
-            _say(json.dumps(dataset_dict(client.dataset(_need_name(args))), indent=2, sort_keys=True))
+            _say(json.dumps(dataset_dict(client.dataset(args.name)), indent=2, sort_keys=True))
         elif args.action == "rm":
-            client.remove_dataset(_need_name(args))
+            client.remove_dataset(args.name, force=args.force)
             _say(f"removed {args.name}")
     return 0
-
-
-def _need_name(args: argparse.Namespace) -> str:
-    if not args.name:
-        raise KSpeedError(f"usage: kspeed dataset {args.action} NAME")
-    return args.name
 
 
 def cmd_preload(args: argparse.Namespace) -> int:
@@ -188,50 +184,134 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run(servers=args.servers)
 
 
+EXAMPLES = """\
+examples:
+  kspeed up --servers 2                          run a local cluster (one manager, 2 servers) in the foreground
+  kspeed status --manager 10.0.0.5:7070          servers, pooled memory and datasets
+  kspeed status --job resnet50                   per-rank delivery statistics of a training job
+  kspeed dataset add imgs /data/train --labels dirname --quota 200GiB
+  kspeed preload imgs                            load it into the servers' memory (progress bar)
+  kspeed dataset rm imgs --force                 remove it even while a job holds it
+
+Every command that talks to a manager reads the `client` and `security` sections of --config
+(or KSPEED_CONFIG) and KSPEED_* variables; see deploy/config/kspeed.yaml.
+"""
+
+
+def _command(sub, name: str, help: str, examples: str = "", *, manager: bool = True) -> argparse.ArgumentParser:
+    """A subcommand; ``manager``: it talks to a manager, so it takes the connection flags (and only those)."""
+    parser = sub.add_parser(
+        name,
+        help=help,
+        description=help[0].upper() + help[1:] + ".",
+        epilog=f"examples:\n{examples}" if examples else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    if manager:
+        add_arguments(parser, ClientConfig, only=CONNECTION_FIELDS)
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``kspeed``."""
-    parser = argparse.ArgumentParser(prog="kspeed", description="KSpeed data-provisioning service")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="kspeed",
+        description="KSpeed: datasets preloaded and preprocessed on spare nodes, written into training processes.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=version_line("kspeed"))
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    up = sub.add_parser("up", help="run a local cluster (one manager, N servers) in the foreground")
-    up.add_argument("--servers", type=int, default=2, help="number of servers (default 2)")
-    up.add_argument("--port", type=int, default=7070, help="manager gRPC port on 127.0.0.1 (0: any free port)")
-    up.add_argument("--http-port", type=int, default=7080, help="manager HTTP port on 127.0.0.1 (0: any)")
-    up.add_argument("--state-dir", default="", help="keep state here (default: a temporary directory)")
-    up.add_argument("--token-file", default="", help="require this bearer token on every RPC")
-    up.add_argument("--memory", default="256MiB", help="memory each server may pool (default 256MiB)")
-    up.add_argument("--region-size", default="128MiB", help="bytes per region (default 128MiB)")
+    up = _command(
+        sub,
+        "up",
+        "run a local cluster (one manager, N servers on loopback) in the foreground",
+        "  kspeed up                                      2 servers, manager on 127.0.0.1:7070\n"
+        "  kspeed up --servers 4 --memory 2GiB --port 0   any free ports (printed first)\n"
+        "  kspeed up --token-file ~/.kspeed-token         require a bearer token\n",
+        manager=False,
+    )
+    up.add_argument("--servers", type=int, default=2, metavar="N", help="number of servers (default 2)")
+    up.add_argument(
+        "--port", type=int, default=7070, metavar="PORT", help="manager gRPC port on 127.0.0.1 (default 7070; 0: any)"
+    )
+    up.add_argument(
+        "--http-port", type=int, default=7080, metavar="PORT", help="manager HTTP port (default 7080; 0: any)"
+    )
+    up.add_argument(
+        "--state-dir", default="", metavar="DIR", help="keep state and logs here (default: a temporary directory)"
+    )
+    up.add_argument("--token-file", default="", metavar="FILE", help="require the bearer token in FILE on every RPC")
+    up.add_argument("--memory", default="256MiB", metavar="SIZE", help="memory each server may pool (default 256MiB)")
+    up.add_argument("--region-size", default="128MiB", metavar="SIZE", help="bytes per region (default 128MiB)")
     up.add_argument(
         "--backend-allow",
         default="",
-        help="backend prefixes the servers may read, comma-separated "
-        "(default: the current directory and the system temporary directory)",
+        metavar="PREFIX,...",
+        help="backend prefixes the servers may read (default: the current and the temporary directory)",
     )
     up.set_defaults(func=cmd_up)
 
-    status = sub.add_parser("status", help="print the cluster as a table")
-    add_arguments(status, ClientConfig)
-    status.add_argument("--json", action="store_true", help="print JSON (the same as /v1/status)")
+    status = _command(
+        sub,
+        "status",
+        "print the cluster: servers, pooled memory, datasets (or one job's ranks)",
+        "  kspeed status --manager 10.0.0.5:7070\n"
+        "  kspeed status --json                  the same as GET /v1/status\n"
+        "  kspeed status --job resnet50          data wait and throughput per rank, and their spread\n",
+    )
+    status.add_argument("--job", default="", metavar="NAME", help="show this training job's ranks instead")
+    status.add_argument("--json", action="store_true", help="print JSON")
     status.set_defaults(func=cmd_status)
 
-    dataset = sub.add_parser("dataset", help="manage datasets (add, list, show, rm)")
-    dataset.add_argument("action", choices=("add", "list", "show", "rm"))
-    dataset.add_argument("name", nargs="?", default="")
-    dataset.add_argument("uri", nargs="?", default="", help="backend URI (add): directory, list, manifest, .npy")
-    dataset.add_argument("--kind", default="auto", choices=("auto", "dir", "list", "manifest", "npy"))
-    dataset.add_argument("--labels", default="", choices=("", "dirname"), help="dirname: class of the parent dir")
-    dataset.add_argument("--quota", default="", help="most pooled memory the dataset may take (e.g. 20GiB)")
-    dataset.add_argument("--json", action="store_true", help="list as JSON")
-    add_arguments(dataset, ClientConfig)
-    dataset.set_defaults(func=cmd_dataset)
+    dataset = sub.add_parser("dataset", help="manage datasets: add, list, show, rm", description="Manage datasets.")
+    actions = dataset.add_subparsers(dest="action", required=True, metavar="ACTION")
+    add = _command(
+        actions,
+        "add",
+        "register an operator-owned dataset (kept until removed)",
+        "  kspeed dataset add imgs /data/train --labels dirname\n"
+        "  kspeed dataset add shards s3://bucket/train.manifest --kind manifest --quota 500GiB\n",
+    )
+    add.add_argument("name", metavar="NAME", help="the dataset's name")
+    add.add_argument("uri", metavar="URI", help="backend URI: a directory, a list or manifest file, or a .npy array")
+    add.add_argument(
+        "--kind", default="auto", choices=("auto", "dir", "list", "manifest", "npy"), help="(default auto)"
+    )
+    add.add_argument(
+        "--labels", default="", choices=("dirname",), help="dirname: a sample's class is its parent directory"
+    )
+    add.add_argument("--quota", default="", metavar="SIZE", help="most pooled memory the dataset may take (e.g. 20GiB)")
+    add.set_defaults(func=cmd_dataset)
+    listing = _command(actions, "list", "list the datasets")
+    listing.add_argument("--json", action="store_true", help="print JSON")
+    listing.set_defaults(func=cmd_dataset)
+    show = _command(actions, "show", "show one dataset as JSON (shares, progress, changes, leases)")
+    show.add_argument("name", metavar="NAME", help="the dataset's name")
+    show.set_defaults(func=cmd_dataset)
+    remove = _command(
+        actions,
+        "rm",
+        "remove a dataset and free its memory",
+        "  kspeed dataset rm imgs            refused while a job holds a lease on it\n"
+        "  kspeed dataset rm imgs --force    the jobs reading it get an error naming the removal\n",
+    )
+    remove.add_argument("name", metavar="NAME", help="the dataset's name")
+    remove.add_argument("--force", action="store_true", help="remove it even while jobs hold leases on it")
+    remove.set_defaults(func=cmd_dataset)
 
-    preload = sub.add_parser("preload", help="load a dataset into the servers' memory, with a progress bar")
-    preload.add_argument("name")
-    add_arguments(preload, ClientConfig)
+    preload = _command(
+        sub,
+        "preload",
+        "load a dataset into the servers' memory, with a progress bar",
+        "  kspeed preload imgs\n",
+    )
+    preload.add_argument("name", metavar="NAME", help="the dataset's name")
     preload.set_defaults(func=cmd_preload)
 
-    demo = sub.add_parser("demo", help="a short tour of a local cluster (make demo)")
-    demo.add_argument("--servers", type=int, default=2, help="number of servers (default 2)")
+    demo = _command(sub, "demo", "a short tour of a local cluster (make demo)", manager=False)
+    demo.add_argument("--servers", type=int, default=2, metavar="N", help="number of servers (default 2)")
     demo.set_defaults(func=cmd_demo)
     return parser
 

@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
 from kspeed.control.manager_client import ManagerClient
+from kspeed.control.progress import PreloadSummary, follow_preload
 from kspeed.errors import ConfigError, StateError
 from kspeed.proto import kspeed_pb2
 
@@ -190,19 +192,27 @@ class KSpeedDataset(IterableDataset):
 
     # -- operations ------------------------------------------------------------------------------
 
-    def preload(self, timeout: float | None = None) -> kspeed_pb2.DatasetInfo:
-        """Start (or join) the servers' preload and wait for it, with a progress bar unless quiet.
+    def preload(self, *, quiet: bool | None = None, timeout: float | None = None) -> PreloadSummary:
+        """Start (or join) the servers' preload and wait for it, with a progress bar on stderr.
+
+        Args:
+            quiet: no progress bar (default: as the dataset was opened).
+            timeout: give up after this many seconds (default: wait).
+
+        Returns:
+            what the servers hold now: state, samples, bytes, servers and how long this call waited.
 
         Raises:
-            DatasetError: samples failed to load (named).
+            DatasetError: samples failed to load (named), or the timeout passed.
             StateError: the dataset was closed or has no manager.
         """
-        from kspeed.control.progress import follow_preload
-
         self._check_open()
         if self._manager is None:
             raise StateError(f"dataset {self.name!r} was built without a manager connection; preload needs one")
-        return follow_preload(self._manager, self.name, out=None if self._quiet else sys.stderr, timeout=timeout)
+        quiet = self._quiet if quiet is None else quiet
+        started = time.monotonic()
+        info = follow_preload(self._manager, self.name, out=None if quiet else sys.stderr, timeout=timeout)
+        return PreloadSummary.of(info, time.monotonic() - started)
 
     def fence(self, server_id: str, reason: str = "fenced by the client") -> int:
         """Cut one server's data-plane path (see docs/feeding.md, Fencing); returns grants quarantined."""

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
+from kspeed.control.progress import PreloadSummary
 from kspeed.errors import ConfigError, DatasetError, KSpeedError, StateError
 
 from .dataset import KSpeedDataset
@@ -338,9 +339,9 @@ class WrappedDataset(IterableDataset):
         self._inner.load_state_dict(state)
         self._delivered = self._inner.state_dict()["batches"]
 
-    def preload(self, timeout: float | None = None) -> Any:
-        """Start (or join) the servers' preload of the files and wait for it."""
-        return self._inner.preload(timeout)
+    def preload(self, *, quiet: bool | None = None, timeout: float | None = None) -> PreloadSummary:
+        """Start (or join) the servers' preload of the files and wait for it (see :meth:`KSpeedDataset.preload`)."""
+        return self._inner.preload(quiet=quiet, timeout=timeout)
 
     def stats(self) -> dict[str, Any]:
         """The KSpeed dataset's delivery figures and the transform workers in use."""

@@ -1,33 +1,51 @@
-"""Follow a dataset's preload and draw it as a progress bar (CLI and client library)."""
+"""Follow a dataset's preload with a ``tqdm`` progress bar (CLI and client library)."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from typing import TextIO
 
+from tqdm import tqdm
+
 from kspeed.control.manager_client import ManagerClient
-from kspeed.control.status import human_bytes
+from kspeed.control.status import dataset_state_name, human_bytes
 from kspeed.errors import DatasetError
 from kspeed.proto import kspeed_pb2
 
-BAR = 30
+__all__ = ["PreloadSummary", "follow_preload"]
+
 POLL = 0.25
 
 
-def progress_line(info: kspeed_pb2.DatasetInfo, rate: float) -> str:
-    """One line: bar, percent, samples, bytes, rate and ETA."""
-    p = info.progress
-    total = p.samples_total or 1
-    done = p.samples_loaded / total
-    filled = int(BAR * done)
-    left = p.bytes_total - p.bytes_loaded
-    eta = f"ETA {left / rate:5.1f}s" if rate > 0 and left > 0 else "ETA     -"
-    return (
-        f"{info.spec.name} [{'#' * filled}{'.' * (BAR - filled)}] {100 * done:5.1f}%  "
-        f"{p.samples_loaded}/{p.samples_total} samples  {human_bytes(p.bytes_loaded)}/{human_bytes(p.bytes_total)}"
-        f"  {human_bytes(rate)}/s  {eta}"
-    )
+@dataclasses.dataclass(frozen=True)
+class PreloadSummary:
+    """A finished preload: what is in the servers' memory now."""
+
+    dataset: str
+    state: str  # ready, degraded, changed...
+    samples: int
+    bytes: int
+    servers: int
+    seconds: float  # how long this call waited (0 when it was already loaded)
+
+    @classmethod
+    def of(cls, info: kspeed_pb2.DatasetInfo, seconds: float) -> PreloadSummary:
+        return cls(
+            dataset=info.spec.name,
+            state=dataset_state_name(info.state),
+            samples=info.progress.samples_loaded,
+            bytes=info.progress.bytes_loaded,
+            servers=len(info.shares),
+            seconds=seconds,
+        )
+
+    def __str__(self) -> str:
+        return (
+            f"{self.dataset}: {self.state}, {self.samples:,} samples ({human_bytes(self.bytes)}) "
+            f"on {self.servers} server(s)"
+        )
 
 
 def follow_preload(
@@ -38,34 +56,34 @@ def follow_preload(
     Args:
         client: a manager client.
         name: the dataset.
-        out: where to draw the bar (a TTY gets one updating line); None for quiet.
+        out: where ``tqdm`` draws the bar (samples, bytes, rate, ETA); None for quiet.
         timeout: give up after this many seconds.
 
     Raises:
-        DatasetError: samples failed to load (the first errors are named).
+        DatasetError: samples failed to load (the first errors are named), or the timeout passed.
     """
     info = client.preload(name)
     started = time.monotonic()
-    last_bytes, last_time, rate = info.progress.bytes_loaded, started, 0.0
-    tty = out is not None and out.isatty()
-    while True:
-        p = info.progress
-        if not p.running and (p.samples_loaded == p.samples_total or p.error_count):
-            break
-        if timeout is not None and time.monotonic() - started > timeout:
-            raise DatasetError(f"dataset {name!r}: preload not finished after {timeout:.0f}s", dataset=name)
-        time.sleep(POLL)
-        info = client.dataset(name)
-        now = time.monotonic()
-        if now > last_time:
-            rate = 0.7 * rate + 0.3 * max(info.progress.bytes_loaded - last_bytes, 0) / (now - last_time)
-        last_bytes, last_time = info.progress.bytes_loaded, now
-        if out is not None and tty:
-            out.write("\r" + progress_line(info, rate))
-            out.flush()
-    if out is not None:
-        out.write(("\r" if tty else "") + progress_line(info, rate) + "\n")
-        out.flush()
+    bar = tqdm(
+        total=info.progress.samples_total,
+        desc=name,
+        unit=" samples",
+        file=out,
+        disable=out is None,
+        mininterval=POLL,
+        dynamic_ncols=True,
+        bar_format="{desc} {percentage:3.0f}%|{bar}| {n}/{total} samples{postfix} [{elapsed}<{remaining}]",
+    )
+    with bar:
+        while True:
+            _draw(bar, info, started)
+            p = info.progress
+            if not p.running and (p.samples_loaded == p.samples_total or p.error_count):
+                break
+            if timeout is not None and time.monotonic() - started > timeout:
+                raise DatasetError(f"dataset {name!r}: preload not finished after {timeout:.0f}s", dataset=name)
+            time.sleep(POLL)
+            info = client.dataset(name)
     if info.progress.error_count:
         raise DatasetError(
             f"dataset {name!r}: {info.progress.error_count} sample(s) failed to load: "
@@ -73,3 +91,13 @@ def follow_preload(
             dataset=name,
         )
     return info
+
+
+def _draw(bar: tqdm, info: kspeed_pb2.DatasetInfo, started: float) -> None:
+    """Move the bar to the dataset's progress; bytes and the byte rate go in its postfix."""
+    p = info.progress
+    bar.total = p.samples_total
+    bar.update(p.samples_loaded - bar.n)
+    elapsed = time.monotonic() - started
+    rate = p.bytes_per_s or (p.bytes_loaded / elapsed if elapsed > 0 else 0.0)
+    bar.set_postfix_str(f", {human_bytes(p.bytes_loaded)}/{human_bytes(p.bytes_total)}, {human_bytes(rate)}/s")

@@ -46,7 +46,7 @@ def server_dict(record: kspeed_pb2.ServerRecord) -> dict:
     }
 
 
-def _dataset_state(state: int) -> str:
+def dataset_state_name(state: int) -> str:
     return kspeed_pb2.DatasetState.Name(state).removeprefix("DATASET_STATE_").lower()
 
 
@@ -60,7 +60,7 @@ def dataset_dict(info: kspeed_pb2.DatasetInfo) -> dict:
         "labels": info.spec.labels,
         "quota_bytes": info.spec.quota_bytes,
         "owner": kspeed_pb2.DatasetOwner.Name(info.owner).removeprefix("DATASET_OWNER_").lower(),
-        "state": _dataset_state(info.state),
+        "state": dataset_state_name(info.state),
         "samples": info.fingerprint.count,
         "bytes": info.fingerprint.total_bytes,
         "fingerprint": info.fingerprint.digest,

@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
+from kspeed._version import version_line
 from kspeed.config import ManagerConfig, add_arguments, load_config
 from kspeed.control import rpc
 from kspeed.control.daemon import die_with_parent, ensure_state_dir, run_main, write_ready_file
@@ -180,6 +181,7 @@ class Manager:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``kspeed-manager``."""
     parser = argparse.ArgumentParser(prog="kspeed-manager", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=version_line("kspeed-manager"))
     add_arguments(parser, ManagerConfig)
     args = parser.parse_args(argv)
 

@@ -19,7 +19,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kspeed._version import __version__
+from kspeed._version import __version__, version_line
 from kspeed.config import ServerConfig, add_arguments, load_config
 from kspeed.control import rpc
 from kspeed.control.daemon import die_with_parent, ensure_state_dir, run_main, write_ready_file
@@ -227,6 +227,7 @@ class Server:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``kspeed-server``."""
     parser = argparse.ArgumentParser(prog="kspeed-server", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=version_line("kspeed-server"))
     add_arguments(parser, ServerConfig)
     args = parser.parse_args(argv)
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -61,7 +63,8 @@ def test_a_file_rewritten_after_preload_is_never_served(watched, tmp_path):
     keys = list(files)
     job = client()
     ds = job.dataset(spec, batch_size=8, shuffle=False, quiet=True)
-    ds.preload()
+    loaded = ds.preload(quiet=True)
+    assert (loaded.state, loaded.samples) == ("ready", len(files)) and loaded.servers >= 1 and "ready" in str(loaded)
     assert sum(len(b) for b in ds) == len(files)  # all served while the backend is as listed
     victim = next(i for i, k in enumerate(keys) if files[k])  # a sample with bytes
     rewrite_keeping_size(tmp_path / "imgs" / keys[victim], files[keys[victim]])
@@ -94,8 +97,17 @@ def test_a_deleted_file_and_a_changed_listing_refuse_a_new_job(watched, tmp_path
     assert status.state == DS.DATASET_STATE_CHANGED and status.changed_reason
 
 
+def kspeed_cli(cluster, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kspeed.cli", *args, "--manager", cluster.address, "--auth", "none"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 def test_rm_of_a_dataset_in_use_is_refused_and_forced_removal_is_named_to_the_job(watched):
-    _, client, _, spec = watched
+    cluster, client, _, spec = watched
     job = client()
     ds = job.dataset(spec, batch_size=8, quiet=True)
     it = iter(ds)
@@ -103,8 +115,11 @@ def test_rm_of_a_dataset_in_use_is_refused_and_forced_removal_is_named_to_the_jo
     operator = client().manager
     with pytest.raises(StateError, match=r"'imgs' is in use: 1 job lease.*--force"):
         operator.remove_dataset("imgs")
+    refused = kspeed_cli(cluster, "dataset", "rm", "imgs")
+    assert refused.returncode == 1 and "in use" in refused.stderr and "--force" in refused.stderr
     assert next(it) is not None  # refused and nothing changed: the job goes on
-    operator.remove_dataset("imgs", force=True)
+    forced = kspeed_cli(cluster, "dataset", "rm", "imgs", "--force")
+    assert forced.returncode == 0 and "removed imgs" in forced.stdout, forced.stderr
     deadline = time.monotonic() + 20
     with pytest.raises(DatasetError, match=r"'imgs' was removed from the cluster"):
         while time.monotonic() < deadline:

@@ -1,0 +1,88 @@
+"""The ``kspeed`` command line: readable help, only the flags a command uses, examples that parse."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from kspeed import __version__
+from kspeed.cli.main import EXAMPLES, build_parser
+from kspeed.config import format_bytes, format_duration, parse_bytes, parse_duration
+
+COMMANDS = [
+    ("up",), ("status",), ("dataset", "add"), ("dataset", "list"), ("dataset", "show"), ("dataset", "rm"),
+    ("preload",), ("demo",),
+]  # fmt: skip
+TRAINING_FLAGS = ["--pacing", "on", "--nic", "mlx5_9", "--rail", "tcp", "--ring-bytes", "1GiB"]
+
+
+def help_of(*command: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "kspeed.cli", *command, "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+def test_help_names_values_readably(command):
+    text = help_of(*command)
+    assert "CFG_" not in text and "usage: kspeed " + " ".join(command) in text
+    # Every flag's value is named by what it is (HOST:PORT, SIZE, DURATION, FILE...), never by a dest.
+    metavars = set(re.findall(r"--[a-z-]+ ([A-Z][A-Z:,._]*|\{[a-z,]+\})", text))
+    assert metavars <= {"HOST:PORT", "DURATION", "SIZE", "FILE", "TOKEN", "N", "PORT", "DIR", "NAME", "PREFIX,...",
+                        "{token,none}", "{auto,dir,list,manifest,npy}", "{dirname}"}, metavars  # fmt: skip
+
+
+@pytest.mark.parametrize("command", [("status",), ("dataset", "list"), ("preload", "imgs")], ids=" ".join)
+def test_commands_refuse_flags_they_do_not_use(command, capsys):
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args([*command, *TRAINING_FLAGS])
+    assert exited.value.code == 2
+    assert "unrecognized arguments: --pacing on --nic mlx5_9" in capsys.readouterr().err
+
+
+def test_version_names_package_and_protocol():
+    done = subprocess.run([sys.executable, "-m", "kspeed.cli", "--version"], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == f"kspeed {__version__} (protocol v1)"
+    for daemon in ("kspeed.manager", "kspeed.server"):
+        out = subprocess.run([sys.executable, "-m", daemon, "--version"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and __version__ in out.stdout
+
+
+def _example_lines(text: str) -> list[list[str]]:
+    return [
+        shlex.split(line.split("  ", 2)[1].strip())[1:] for line in text.splitlines() if line.startswith("  kspeed ")
+    ]
+
+
+def test_every_example_in_the_help_parses():
+    parser = build_parser()
+    examples = _example_lines(EXAMPLES)
+    for command in COMMANDS:
+        text = help_of(*command)
+        if "examples:" in text:
+            examples += _example_lines(text.split("examples:")[-1])
+    assert len(examples) >= 10
+    for argv in examples:
+        args = parser.parse_args(argv)
+        assert isinstance(args, argparse.Namespace) and args.func is not None, argv
+    assert build_parser().parse_args(["dataset", "rm", "imgs", "--force"]).force is True
+
+
+@pytest.mark.parametrize("value", [0, 1, 1000, 4096, 3 << 20, 128 << 20, 64 << 30, 2 << 40, (1 << 20) + 1])
+def test_sizes_are_shown_as_they_are_read(value):
+    assert parse_bytes(format_bytes(value)) == value
+    if value and value % 1024 == 0:
+        assert format_bytes(value)[-3:] in ("KiB", "MiB", "GiB", "TiB")
+
+
+@pytest.mark.parametrize("value", [0.003, 0.25, 1.0, 2.5, 60.0, 300.0, 3600.0, 7200.0, 90.0])
+def test_durations_are_shown_as_they_are_read(value):
+    shown = format_duration(value)
+    assert parse_duration(shown) == pytest.approx(value) and shown[-1] in "smh"
