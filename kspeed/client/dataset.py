@@ -119,6 +119,17 @@ class KSpeedDataset(IterableDataset):
         return self._orders.num_batches()
 
     @property
+    def rank(self) -> int | None:
+        """This process's rank in the built-in sampler's split (given, or from the process group or
+        torchrun's ``RANK``); None with a sampler of your own."""
+        return self._orders.rank
+
+    @property
+    def world_size(self) -> int | None:
+        """Ranks sharing each epoch in the built-in sampler's split; None with a sampler of your own."""
+        return self._orders.world_size
+
+    @property
     def samples_per_epoch(self) -> int:
         """Samples this rank receives per epoch (with ``drop_last``, the dropped ones not counted)."""
         n = self._orders.samples_per_epoch()

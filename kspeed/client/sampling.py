@@ -115,6 +115,9 @@ class EpochOrders:
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.seed = seed
+        #: the built-in sampler's split of each epoch (None with a sampler of the caller's)
+        self.rank: int | None = None
+        self.world_size: int | None = None
         if isinstance(sampler, BatchSampler):
             raise ConfigError(
                 "a BatchSampler yields lists of sample IDs; pass its sampler and batch size instead: "
@@ -141,6 +144,7 @@ class EpochOrders:
             sampler = DistributedSampler(
                 _IdRange(num_samples), num_replicas=world, rank=me, shuffle=shuffle, seed=seed, drop_last=False
             )
+            self.rank, self.world_size = me, world
         self.sampler = sampler
         self.deterministic = type(sampler) in _DETERMINISTIC
         self.identity = _describe(sampler)
