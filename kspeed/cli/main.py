@@ -23,6 +23,7 @@ import time
 from kspeed._version import version_line
 from kspeed.cli.cluster import LocalCluster
 from kspeed.cli.tables import dataset_table, job_table, status_table
+from kspeed.client.spec import DatasetSpec
 from kspeed.config import CONNECTION_FIELDS, ClientConfig, add_arguments, format_bytes, load_config, parse_bytes
 from kspeed.control.manager_client import ManagerClient
 from kspeed.control.progress import follow_preload
@@ -148,10 +149,8 @@ def cmd_dataset(args: argparse.Namespace) -> int:
                 quota = parse_bytes(args.quota) if args.quota else 0
             except ValueError as exc:
                 raise KSpeedError(f"--quota {args.quota!r}: {exc}") from None
-            spec = kspeed_pb2.DatasetSpec(
-                name=args.name, uri=args.uri, kind=args.kind, labels=args.labels, quota_bytes=quota
-            )
-            reply = client.create_dataset(spec, operator=True)
+            spec = DatasetSpec(name=args.name, uri=args.uri, kind=args.kind, labels=args.labels, quota_bytes=quota)
+            reply = client.create_dataset(spec.to_proto(), operator=True)
             verb = "registered" if reply.created else "already registered"
             info = reply.dataset
             size = human_bytes(info.fingerprint.total_bytes)

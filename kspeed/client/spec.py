@@ -6,6 +6,7 @@ that made it, before any daemon is asked.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from kspeed import names
@@ -26,7 +27,8 @@ class DatasetSpec:
         name: the dataset's name in the cluster: 1-128 letters, digits, ``.``, ``_`` or ``-``,
             starting with a letter or digit.
         uri: a directory tree, list file, manifest file or ``.npy`` (path or fsspec URL) that the
-            servers' operator allows.
+            servers' operator allows. A relative path is made absolute against this process's
+            working directory (the servers read the same path: a local cluster, or a shared mount).
         kind: how to read ``uri``: ``auto`` (default), ``dir``, ``list``, ``manifest`` or ``npy``.
         labels: ``""`` (no labels) or ``"dirname"`` (class index of each sample's parent directory).
         quota_bytes: most pooled memory the dataset may take (0: no quota).
@@ -49,6 +51,8 @@ class DatasetSpec:
                 field="uri",
                 value=self.uri,
             )
+        if "://" not in self.uri and not os.path.isabs(self.uri):
+            object.__setattr__(self, "uri", os.path.abspath(self.uri))
         if self.kind not in KINDS:
             raise ConfigError(
                 f"DatasetSpec.kind {self.kind!r} of dataset {self.name!r} is not one of {', '.join(KINDS)}",

@@ -41,3 +41,10 @@ def test_bad_fields_are_named(field, value):
     with pytest.raises(ConfigError, match=field) as exc:
         DatasetSpec(**args)
     assert exc.value.field == field
+
+
+def test_a_relative_path_is_made_absolute_and_urls_are_kept(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert DatasetSpec(name="a", uri="data/imgs").uri == str(tmp_path / "data" / "imgs")
+    assert DatasetSpec(name="b", uri="s3://bucket/train").uri == "s3://bucket/train"
+    assert DatasetSpec(name="c", uri="/data/imgs").uri == "/data/imgs"
