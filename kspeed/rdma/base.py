@@ -390,7 +390,18 @@ class Writer(ABC):
 
     @abstractmethod
     def close(self) -> None:
-        """Close the connection and unmap whatever was mapped."""
+        """Close the connection and unmap whatever was mapped.
+
+        Only the thread that writes may close: a write in progress in another thread would touch
+        released memory. To stop a writing thread, call :meth:`interrupt` and let it close.
+        """
+
+    @abstractmethod
+    def interrupt(self) -> None:
+        """Make I/O blocked in another thread fail soon with :class:`PeerLostError`, releasing nothing.
+
+        Safe from any thread, any number of times; the writing thread then closes the writer.
+        """
 
     def __enter__(self) -> Writer:
         return self

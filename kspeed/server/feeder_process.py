@@ -201,12 +201,19 @@ class FeedWriter:
         self.served += len(tags)
 
     def close(self, reason: str = "") -> None:
-        """Stop serving; with a ``reason``, tell the client why first (it ends the feed with that)."""
+        """Stop serving; with a ``reason``, tell the client why first (it ends the feed with that).
+
+        The serving thread closes the writer itself (no write of it can meet released memory); a
+        thread blocked on a stalled client is interrupted after a short grace.
+        """
         self._reason = reason  # sent by the serving thread itself, never beside one of its writes
         self._stop.set()
         self._thread.join(timeout=RECV_TIMEOUT * 4)
-        with contextlib.suppress(KSpeedError):
-            self.writer.close()
+        if self._thread.is_alive():
+            self.writer.interrupt()
+            self._thread.join(timeout=RECV_TIMEOUT * 4)
+        if self._thread.is_alive():
+            log.warning("feed %s: serving thread still busy after close; it closes the writer when done", self.feed_id)
 
 
 # -- the commands of the server's main process (kspeed.server.feeder_pool), sent over a pipe ------------

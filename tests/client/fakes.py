@@ -105,29 +105,36 @@ class FakeServer:
         self._close_writer()
 
     def _close_writer(self) -> None:
+        """Stop the serving thread; it closes its writer (never closed under a write in progress)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=5)
-        if self._writer is not None:
-            with contextlib.suppress(KSpeedError):
-                self._writer.close()
+            self._thread.join(timeout=0.5)
+            if self._thread.is_alive() and self._writer is not None:
+                self._writer.interrupt()  # blocked on a client that stopped reading
+            self._thread.join(timeout=10)
+            assert not self._thread.is_alive(), f"fake {self.server_id}: serving thread did not stop"
+        self._thread = None
         self._writer = None
 
     # -- data plane ------------------------------------------------------------------------------
 
     def _serve(self, writer, stop: threading.Event) -> None:
-        with contextlib.suppress(KSpeedError):
-            while not stop.is_set():
-                message = writer.recv(0.05)
-                if message is None:
-                    continue
-                decoded = grants.decode(message)
-                if isinstance(decoded, grants.DropPlan):
-                    self.plans.pop(decoded.epoch, None)
-                if not isinstance(decoded, np.ndarray):
-                    continue
-                for grant in decoded:
-                    self._answer(writer, grant)
+        try:
+            with contextlib.suppress(KSpeedError):
+                while not stop.is_set():
+                    message = writer.recv(0.05)
+                    if message is None:
+                        continue
+                    decoded = grants.decode(message)
+                    if isinstance(decoded, grants.DropPlan):
+                        self.plans.pop(decoded.epoch, None)
+                    if not isinstance(decoded, np.ndarray):
+                        continue
+                    for grant in decoded:
+                        self._answer(writer, grant)
+        finally:
+            with contextlib.suppress(KSpeedError):
+                writer.close()
 
     def _answer(self, writer, grant) -> None:
         epoch, batch, tag = int(grant["epoch"]), int(grant["batch"]), int(grant["tag"])

@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -386,3 +387,38 @@ def test_link_cut_detected(rail, options):
             writer.wait()
         subprocess.run(["ip", "link", "del", "kspc0"], capture_output=True)
         subprocess.run(["ip", "netns", "del", NETNS], capture_output=True)
+
+
+def test_interrupt_wakes_a_blocked_writer_and_releases_nothing(rail, options):
+    with get_rail(rail).listen(options) as rx:
+        ring = rx.register(1 << 16)
+        wr = get_rail(rail).connect(rx.material, options)
+        try:
+            wr.write(ring.key, b"before", 0, imm=1)
+            assert _poll_until(rx, 1)[0] == [1]
+            outcome: list[BaseException | None] = []
+
+            def wait_for_message() -> None:
+                try:
+                    wr.recv(timeout=None)  # the receiver never sends: blocked until interrupted
+                    outcome.append(None)
+                except BaseException as exc:
+                    outcome.append(exc)
+
+            waiter = threading.Thread(target=wait_for_message)
+            waiter.start()
+            time.sleep(0.2)
+            assert waiter.is_alive()
+            t0 = time.monotonic()
+            wr.interrupt()
+            wr.interrupt()  # idempotent
+            waiter.join(timeout=IO_TIMEOUT + 2)
+            assert not waiter.is_alive() and time.monotonic() - t0 < IO_TIMEOUT + 2
+            assert len(outcome) == 1 and isinstance(outcome[0], PeerLostError), outcome
+            with pytest.raises(PeerLostError):  # interrupted: every later I/O fails the same way
+                wr.write(ring.key, b"after", 0, imm=2)
+                wr.send(b"x")
+            with contextlib.suppress(PeerLostError):  # the receiver may see the writer gone
+                assert 2 not in rx.poll(0.2).imm.tolist()  # a failed write is never completed
+        finally:
+            wr.close()  # nothing was released under the interrupted thread; closing still works

@@ -200,6 +200,10 @@ class ShmWriter(Writer):
                 self._sock.settimeout(self._options.io_timeout)
         return self._messages.popleft() if self._messages else None
 
+    def interrupt(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+
     def close(self) -> None:
         if self._sock.fileno() >= 0:
             with contextlib.suppress(OSError):

@@ -170,6 +170,12 @@ class TcpWriter(Writer):
                 raise framing.lost("tcp receiver closed the message connection", None, self.conn)
         return self._messages.popleft() if self._messages else None
 
+    def interrupt(self) -> None:
+        for sock in (getattr(self, "_bulk", None), self._msg):
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
     def close(self) -> None:
         bulk = getattr(self, "_bulk", None)
         if bulk is not None and bulk.fileno() >= 0:
