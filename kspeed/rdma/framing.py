@@ -7,16 +7,18 @@ buffer and split all complete frames at once, so many completions cost one sysca
 from __future__ import annotations
 
 import os
+import select
 import socket
 import struct
+import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from kspeed.errors import PeerLostError, TransportError
 
 from .base import MAX_MESSAGE
 
-__all__ = ["HEADER", "FrameReader", "check_peer_uid", "frame", "lost", "peer_uid"]
+__all__ = ["HEADER", "FrameReader", "check_peer_uid", "frame", "lost", "peer_uid", "readable", "send_draining"]
 
 HEADER = struct.Struct("<II")
 #: Largest frame accepted: a message, or a batch of completions.
@@ -37,6 +39,45 @@ REPLY = 9  # payload: json reply on a control socket
 def frame(kind: int, payload: bytes = b"") -> bytes:
     """Encode one frame."""
     return HEADER.pack(kind, len(payload)) + payload
+
+
+def readable(sock: socket.socket) -> bool:
+    """Whether ``sock`` has bytes (or an end) to read now (poll: any descriptor number)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
+
+
+def send_draining(sock: socket.socket, data: bytes, timeout: float, drain: Callable[[], None]) -> None:
+    """Send all of ``data``, taking in what the peer sends (``drain``) while its buffer is full.
+
+    Both ends of a rail's socket send (grants one way, completions the other) and each has one
+    thread that both sends and reads. A plain ``sendall`` on each side could wait for the other
+    forever once both buffers fill; a sender that keeps reading while it waits cannot.
+
+    Raises:
+        TimeoutError: no byte could be sent for ``timeout`` seconds.
+        OSError: the socket failed (the caller names it with :func:`lost`).
+    """
+    view = memoryview(data)
+    deadline = time.monotonic() + timeout
+    poller = select.poll()  # (not select(): descriptors above 1023 are common on a busy server)
+    poller.register(sock, select.POLLIN | select.POLLOUT)
+    while view.nbytes:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("no progress sending")
+        events = 0
+        for _, mask in poller.poll(remaining * 1e3):
+            events |= mask
+        if events & (select.POLLOUT | select.POLLERR | select.POLLHUP):
+            sent = sock.send(view)  # writable: some bytes go at once (an error is raised here)
+            view = view[sent:]
+            deadline = time.monotonic() + timeout
+        elif events & select.POLLIN:
+            drain()
+            if sock.fileno() < 0:
+                raise ConnectionResetError("the connection was closed while sending")
 
 
 def lost(what: str, exc: BaseException | None = None, conn: int | None = None) -> PeerLostError:

@@ -422,3 +422,32 @@ def test_interrupt_wakes_a_blocked_writer_and_releases_nothing(rail, options):
                 assert 2 not in rx.poll(0.2).imm.tolist()  # a failed write is never completed
         finally:
             wr.close()  # nothing was released under the interrupted thread; closing still works
+
+
+def test_both_ends_sending_at_once_never_deadlock(rail, options):
+    # Completions flood one way while messages flood the other, and neither side reads until it has
+    # sent everything: with plain blocking sends both socket buffers fill and each waits forever.
+    count, messages = 30_000, 3_000
+    with get_rail(rail).listen(options) as rx:
+        ring = rx.register(1 << 16)
+        with get_rail(rail).connect(rx.material, options) as wr:
+            failures: list[BaseException] = []
+            got: list[bytes | None] = []
+
+            def serve() -> None:  # as a server's feed thread: write everything, then read
+                try:
+                    for i in range(count):
+                        wr.write(ring.key, b"", 0, imm=i + 1)
+                    got.extend(wr.recv(10.0) for _ in range(messages))
+                except BaseException as exc:
+                    failures.append(exc)
+
+            writer = threading.Thread(target=serve)
+            writer.start()
+            for i in range(messages):
+                rx.send(wr.conn, i.to_bytes(4, "little") + bytes(1020))
+            imms = _poll_until(rx, count, 30)[0]  # the receiver reads once it has sent everything
+            writer.join(timeout=30)
+            assert not writer.is_alive() and failures == []
+            assert sorted(imms) == list(range(1, count + 1))  # every completion, once
+            assert [int.from_bytes(m[:4], "little") for m in got if m] == list(range(messages))

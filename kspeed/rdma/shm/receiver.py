@@ -218,7 +218,12 @@ class ShmReceiver(Receiver):
         if sock is None:
             raise framing.lost(f"no shm writer {conn} connected", None, conn)
         try:
-            sock.sendall(framing.frame(framing.MSG, message))
+            framing.send_draining(
+                sock,
+                framing.frame(framing.MSG, message),
+                self._options.io_timeout,
+                lambda: self._read(conn, sock, self._early),  # its completions, while it waits for us
+            )
         except OSError as exc:
             err = framing.lost(f"sending to shm writer {conn}", exc, conn)
             # What the writer sent before it went (its last completions, a message saying why it

@@ -13,7 +13,6 @@ import array
 import contextlib
 import json
 import os
-import select
 import socket
 from collections import deque
 from collections.abc import Iterable
@@ -68,8 +67,8 @@ class ShmWriter(Writer):
 
     def _pump(self, blocking: bool, until_welcome: bool = False) -> dict | None:
         """Read what the receiver sent (regions, messages); returns the welcome when it comes."""
-        if not blocking and not select.select([self._sock], [], [], 0)[0]:
-            return None  # (a socket with a timeout ignores MSG_DONTWAIT, so ask select)
+        if not blocking and not framing.readable(self._sock):
+            return None  # (a socket with a timeout ignores MSG_DONTWAIT, so ask first)
         try:
             n = self._reader.recv_with_fds(self._sock, 4)
         except BlockingIOError:
@@ -124,9 +123,13 @@ class ShmWriter(Writer):
 
     def _notify(self, imms: bytes) -> None:
         try:
-            self._sock.sendall(framing.frame(framing.IMMS, imms))
+            self._send(framing.frame(framing.IMMS, imms))
         except OSError as exc:
             raise framing.lost("notifying shm receiver", exc, self.conn) from exc
+
+    def _send(self, data: bytes) -> None:
+        """Send, taking in the receiver's messages (grants) while we wait for it to read ours."""
+        framing.send_draining(self._sock, data, self._options.io_timeout, lambda: self._pump(blocking=False))
 
     def write(self, key: RegionKey, srcs: Sources, offset: int = 0, imm: int | None = None) -> None:
         dst = self._target(key)
@@ -182,7 +185,7 @@ class ShmWriter(Writer):
         if len(message) > MAX_MESSAGE:
             raise TransportError(f"message of {len(message)} bytes exceeds {MAX_MESSAGE}")
         try:
-            self._sock.sendall(framing.frame(framing.MSG, message))
+            self._send(framing.frame(framing.MSG, message))
         except OSError as exc:
             raise framing.lost("sending to shm receiver", exc, self.conn) from exc
 

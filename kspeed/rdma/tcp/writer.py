@@ -14,6 +14,7 @@ import logging
 import os
 import select
 import socket
+import time
 from collections import deque
 from collections.abc import Iterable
 
@@ -152,22 +153,26 @@ class TcpWriter(Writer):
             raise framing.lost("sending to tcp receiver", exc, self.conn) from exc
 
     def recv(self, timeout: float | None = 0.0) -> bytes | None:
-        if self._messages:
-            return self._messages.popleft()
+        deadline = None if timeout is None else time.monotonic() + timeout
         sock = self._message_socket()
-        ready = select.select([sock], [], [], timeout)[0]
-        if ready:
-            try:
-                n = self._msg_reader.recv(sock, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                n = -1
-            except OSError as exc:
-                raise framing.lost("reading from tcp receiver", exc, self.conn) from exc
-            for kind, payload in self._msg_reader.frames():
-                if kind == framing.MSG:
-                    self._messages.append(payload)
-            if n == 0:
-                raise framing.lost("tcp receiver closed the message connection", None, self.conn)
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        while not self._messages:  # a part of a frame is not a message: wait on for the rest
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if poller.poll(None if remaining is None else remaining * 1e3):
+                try:
+                    n = self._msg_reader.recv(sock, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    n = -1
+                except OSError as exc:
+                    raise framing.lost("reading from tcp receiver", exc, self.conn) from exc
+                for kind, payload in self._msg_reader.frames():
+                    if kind == framing.MSG:
+                        self._messages.append(payload)
+                if n == 0:
+                    raise framing.lost("tcp receiver closed the message connection", None, self.conn)
+            if remaining == 0:
+                break
         return self._messages.popleft() if self._messages else None
 
     def interrupt(self) -> None:
