@@ -48,7 +48,7 @@ def readable(sock: socket.socket) -> bool:
     return bool(poller.poll(0))
 
 
-def send_draining(sock: socket.socket, data: bytes, timeout: float, drain: Callable[[], None]) -> None:
+def send_draining(sock: socket.socket, data: bytes, timeout: float, drain: Callable[[], object]) -> None:
     """Send all of ``data``, taking in what the peer sends (``drain``) while its buffer is full.
 
     Both ends of a rail's socket send (grants one way, completions the other) and each has one
