@@ -427,7 +427,7 @@ def test_interrupt_wakes_a_blocked_writer_and_releases_nothing(rail, options):
 def test_both_ends_sending_at_once_never_deadlock(rail, options):
     # Completions flood one way while messages flood the other, and neither side reads until it has
     # sent everything: with plain blocking sends both socket buffers fill and each waits forever.
-    count, messages = 30_000, 3_000
+    count, messages = 30_000, 20_000
     with get_rail(rail).listen(options) as rx:
         ring = rx.register(1 << 16)
         with get_rail(rail).connect(rx.material, options) as wr:

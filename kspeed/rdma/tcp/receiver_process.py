@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 _READ_BUDGET = 16 << 20  # bytes read from one connection before serving the others
+_MESSAGE_BACKLOG = 64 << 20  # messages queued for one writer that is not reading them, at most
 _U32 = struct.Struct("<I")
 
 
@@ -72,6 +73,8 @@ class _Bulk:
         self.last = time.monotonic()
         self.msg_sock: socket.socket | None = None
         self.msg_reader = framing.FrameReader(1 << 16)
+        self.msg_out = bytearray()  # messages for the writer its socket has not taken yet
+        self.msg_stalled_since: float | None = None
 
 
 class ReceiverProcess:
@@ -165,10 +168,11 @@ class ReceiverProcess:
             if bulk is None or bulk.consumer is not c or bulk.msg_sock is None:
                 self._to_consumer(c, framing.LOST, _U32.pack(conn) + b"no such writer connected")
                 return
-            try:
-                bulk.msg_sock.sendall(framing.frame(framing.MSG, payload[4:]))
-            except OSError as exc:
-                self._drop_bulk(bulk, f"sending a message failed: {exc}")
+            if len(bulk.msg_out) + len(payload) > _MESSAGE_BACKLOG:
+                self._drop_bulk(bulk, f"it left more than {_MESSAGE_BACKLOG >> 20} MiB of messages unread")
+                return
+            bulk.msg_out += framing.frame(framing.MSG, payload[4:])
+            self._flush_messages(bulk)
         else:
             raise TransportError(f"unknown control frame type {kind}")
 
@@ -262,6 +266,31 @@ class ReceiverProcess:
                 owner.msg_sock = sock
                 self.sel.register(sock, selectors.EVENT_READ, ("msg", owner))
 
+    def _flush_messages(self, bulk: _Bulk) -> None:
+        """Send what the writer's message socket takes now; wait for it to be writable for the rest.
+
+        Never a blocking send: this loop serves every writer, and a writer busy sending bulk data
+        reads its messages only between writes.
+        """
+        sock = bulk.msg_sock
+        if sock is None or not bulk.msg_out:
+            return
+        try:
+            sent = sock.send(bulk.msg_out, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:
+            self._drop_bulk(bulk, f"sending a message failed: {exc}")
+            return
+        del bulk.msg_out[:sent]
+        waiting = bool(bulk.msg_out)
+        if not waiting:
+            bulk.msg_stalled_since = None
+        elif sent or bulk.msg_stalled_since is None:
+            bulk.msg_stalled_since = time.monotonic()
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if waiting else 0)
+        self.sel.modify(sock, events, ("msg", bulk))
+
     def _drop_bulk(self, bulk: _Bulk, reason: str | None) -> None:
         if self.bulks.pop(bulk.conn, None) is None:
             return
@@ -305,6 +334,8 @@ class ReceiverProcess:
             self.sel.unregister(msg_sock)
             msg_sock.close()
             bulk.msg_sock = None
+            bulk.msg_out.clear()  # nobody left to read them
+            bulk.msg_stalled_since = None
 
     def _bulk_readable(self, bulk: _Bulk) -> None:
         sock = bulk.sock
@@ -379,6 +410,8 @@ class ReceiverProcess:
         for bulk in list(self.bulks.values()):
             if (bulk.dst is not None or bulk.hdr_got) and now - bulk.last > limit:
                 self._drop_bulk(bulk, f"writer stalled mid-write for more than {limit} s")
+            elif bulk.msg_stalled_since is not None and now - bulk.msg_stalled_since > limit:
+                self._drop_bulk(bulk, f"writer stopped reading its messages for more than {limit} s")
         for c in list(self.consumers.values()):
             if c.stalled_since is not None and now - c.stalled_since > limit:
                 log.warning("consumer %d stopped reading completions for %.1f s; dropping it", c.cid, limit)
@@ -392,7 +425,7 @@ class ReceiverProcess:
     def run(self) -> None:
         tick = min(0.5, self.options.io_timeout / 4)
         while True:
-            for key, _ in self.sel.select(tick):
+            for key, events in self.sel.select(tick):
                 data = key.data
                 if isinstance(data, _Bulk):
                     if data.conn in self.bulks:
@@ -401,7 +434,9 @@ class ReceiverProcess:
                     if data.cid in self.consumers:
                         self._consumer_readable(data)
                 elif isinstance(data, tuple):
-                    if data[1].conn in self.bulks and data[1].msg_sock is not None:
+                    if events & selectors.EVENT_WRITE and data[1].conn in self.bulks:
+                        self._flush_messages(data[1])
+                    if events & selectors.EVENT_READ and data[1].conn in self.bulks and data[1].msg_sock is not None:
                         self._msg_readable(data[1])
                 elif data == "listen":
                     self._accept_writer()
