@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import json
 import os
@@ -9,8 +10,14 @@ import signal
 import sys
 import tempfile
 from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 from kspeed.errors import ConfigError, KSpeedError
+
+if TYPE_CHECKING:
+    from kspeed.config import DaemonConfig
+
+DaemonConfigT = TypeVar("DaemonConfigT", bound="DaemonConfig")
 
 
 def ensure_state_dir(path: str, field: str) -> str:
@@ -69,3 +76,39 @@ def run_main(prog: str, body: Callable[[], int | None]) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def daemon_main(
+    argv: list[str] | None,
+    *,
+    component: str,
+    config_class: type[DaemonConfigT],
+    description: str,
+    serve: Callable[[DaemonConfigT], None],
+) -> int:
+    """The whole ``main`` of a daemon: flags, configuration, logging, then ``serve(config)``.
+
+    Args:
+        argv: the command line (default ``sys.argv[1:]``).
+        component: ``manager`` or ``server``; the program is ``kspeed-<component>``.
+        config_class: the daemon's configuration (its fields become the flags).
+        description: the first line of ``--help``.
+        serve: runs the daemon until it is stopped.
+    """
+    from kspeed._version import version_line
+    from kspeed.config import add_arguments, load_config
+    from kspeed.control.logs import LogSettings
+
+    prog = f"kspeed-{component}"
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--version", action="version", version=version_line(prog))
+    add_arguments(parser, config_class)
+    args = parser.parse_args(argv)
+
+    def body() -> None:
+        config = load_config(config_class, args)
+        LogSettings(config.log_level, config.log_format).apply(component)
+        die_with_parent(config.parent_pid)
+        serve(config)
+
+    return run_main(prog, body)

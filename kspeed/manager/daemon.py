@@ -8,7 +8,6 @@ cleanly.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
@@ -20,12 +19,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from kspeed._version import version_line
-from kspeed.config import ManagerConfig, add_arguments, load_config
+from kspeed.config import ManagerConfig
 from kspeed.control import rpc
-from kspeed.control.daemon import die_with_parent, ensure_state_dir, run_main, write_ready_file
+from kspeed.control.daemon import daemon_main, ensure_state_dir, write_ready_file
 from kspeed.control.http import HttpEndpoint, json_response, metrics_route, text_response
-from kspeed.control.logs import LogSettings
 from kspeed.control.status import status_dict
 from kspeed.manager.calls import ServerCalls
 from kspeed.manager.datasets import DatasetCatalog
@@ -180,28 +177,23 @@ class Manager:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``kspeed-manager``."""
-    parser = argparse.ArgumentParser(prog="kspeed-manager", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--version", action="version", version=version_line("kspeed-manager"))
-    add_arguments(parser, ManagerConfig)
-    args = parser.parse_args(argv)
 
-    def body() -> None:
-        config = load_config(ManagerConfig, args)
-        LogSettings(config.log_level, config.log_format).apply("manager")
-        die_with_parent(config.parent_pid)
+    async def serve(config: ManagerConfig) -> None:
+        manager = Manager(config)
+        try:
+            await manager.start()
+        except BaseException:
+            await manager.stop()
+            raise
+        await manager.run_until_stopped()
 
-        async def serve() -> None:
-            manager = Manager(config)
-            try:
-                await manager.start()
-            except BaseException:
-                await manager.stop()
-                raise
-            await manager.run_until_stopped()
-
-        asyncio.run(serve())
-
-    return run_main("kspeed-manager", body)
+    return daemon_main(
+        argv,
+        component="manager",
+        config_class=ManagerConfig,
+        description=__doc__.split("\n\n")[0],
+        serve=lambda config: asyncio.run(serve(config)),
+    )
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ It starts empty, registers with the manager and reports its inventory, heartbeat
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
@@ -19,10 +18,10 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kspeed._version import __version__, version_line
-from kspeed.config import ServerConfig, add_arguments, load_config
+from kspeed._version import __version__
+from kspeed.config import ServerConfig
 from kspeed.control import rpc
-from kspeed.control.daemon import die_with_parent, ensure_state_dir, run_main, write_ready_file
+from kspeed.control.daemon import daemon_main, ensure_state_dir, write_ready_file
 from kspeed.control.http import HttpEndpoint, metrics_route, text_response
 from kspeed.control.logs import LogSettings
 from kspeed.errors import KSpeedError
@@ -226,15 +225,8 @@ class Server:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``kspeed-server``."""
-    parser = argparse.ArgumentParser(prog="kspeed-server", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--version", action="version", version=version_line("kspeed-server"))
-    add_arguments(parser, ServerConfig)
-    args = parser.parse_args(argv)
 
-    def body() -> None:
-        config = load_config(ServerConfig, args)
-        LogSettings(config.log_level, config.log_format).apply("server")
-        die_with_parent(config.parent_pid)
+    def serve(config: ServerConfig) -> None:
         server = Server(config)
         try:
             server.start()
@@ -243,7 +235,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         server.run_until_stopped()
 
-    return run_main("kspeed-server", body)
+    return daemon_main(
+        argv, component="server", config_class=ServerConfig, description=__doc__.split("\n\n")[0], serve=serve
+    )
 
 
 if __name__ == "__main__":
