@@ -507,15 +507,39 @@ class ServerConfig(DaemonConfig):
         parse=parse_duration,
         env="KSPEED_DATA_IO_TIMEOUT",
     )
-    plan_timeout: float = option(
-        600.0,
-        "longest a plan waits for the samples it needs to be preloaded",
+    production_window: int = option(
+        0,
+        "pool memory reserved for samples produced ahead of the plans that are not at home yet "
+        "(whole regions; 0: an eighth of memory, at least one region)",
+        parse=parse_bytes,
+        env="KSPEED_PRODUCTION_WINDOW",
+    )
+    production_depth: int = option(
+        1024,
+        "samples of each feed's plan made resident ahead of the first one not written yet",
+        parse=_parse_int,
+        env="KSPEED_PRODUCTION_DEPTH",
+    )
+    production_threads: int = option(
+        8,
+        "backend reads in flight for production (beside the preload's)",
+        parse=_parse_int,
+        env="KSPEED_PRODUCTION_THREADS",
+    )
+    production_timeout: float = option(
+        60.0,
+        "longest a grant waits for its samples to be produced before the client gets an error naming them",
         parse=parse_duration,
-        env="KSPEED_PLAN_TIMEOUT",
+        env="KSPEED_PRODUCTION_TIMEOUT",
     )
     drain_timeout: float = option(
         10.0, "longest wait for in-flight work on SIGTERM", parse=parse_duration, env="KSPEED_DRAIN_TIMEOUT"
     )
+
+    def window_bytes(self) -> int:
+        """The production window: :attr:`production_window`, or an eighth of memory; whole regions, at least one."""
+        wanted = self.production_window or self.memory // 8
+        return max(self.region_size, wanted - wanted % self.region_size)
 
     def validate(self) -> None:
         """Check cross-field rules."""
@@ -538,6 +562,13 @@ class ServerConfig(DaemonConfig):
                 f"server.transports: unknown rail(s) {', '.join(unknown)}; known: {', '.join(_rail_names())}",
                 field="server.transports",
                 value=",".join(self.transports),
+            )
+        if self.memory and self.production_window >= self.memory:
+            raise ConfigError(
+                f"server.production_window: {self.production_window} bytes leave nothing of the "
+                f"{self.memory} bytes of memory for datasets",
+                field="server.production_window",
+                value=self.production_window,
             )
         if self.server_id:
             names.SERVER_ID.check(

@@ -43,8 +43,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kspeed.client.histogram import Histogram
 from kspeed.grants import Grant
+from kspeed.histogram import Histogram
 
 __all__ = ["GAIN", "SIZE_CLASSES", "DrainRate", "LatencyTable", "Pacer", "SubGrant"]
 

@@ -19,9 +19,9 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from kspeed.client.histogram import Histogram
 from kspeed.control.manager_client import ManagerClient
 from kspeed.errors import KSpeedError
+from kspeed.histogram import Histogram
 from kspeed.proto import kspeed_pb2
 
 __all__ = ["PrometheusCollector", "RankStats", "StatsReporter"]

@@ -31,6 +31,7 @@ def server_dict(record: kspeed_pb2.ServerRecord) -> dict:
         "regions": {
             "total": inv.regions_total,
             "free": inv.regions_free,
+            "window": inv.regions_window,
             "allocated": inv.regions_allocated,
             "filling": inv.regions_filling,
             "sealed": inv.regions_sealed,

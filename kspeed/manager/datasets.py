@@ -377,8 +377,9 @@ class DatasetCatalog:
     def _free_regions(self, record: kspeed_pb2.ServerRecord) -> int:
         """Regions of ``record`` not promised to any dataset (the manager's own bookkeeping)."""
         promised = sum(s.num_regions for d in self._datasets.values() for s in d.shares if s.server_id == record.id)
-        total = record.inventory.regions_total or record.inventory.memory_bytes // max(record.inventory.region_size, 1)
-        return max(int(total) - promised, 0)
+        inv = record.inventory
+        total = inv.regions_total or inv.memory_bytes // max(inv.region_size, 1)
+        return max(int(total) - int(inv.regions_window) - promised, 0)
 
     async def _drop_shares(self, name: str, shares: list[kspeed_pb2.Share], addresses: dict[str, str]) -> None:
         for share in shares:

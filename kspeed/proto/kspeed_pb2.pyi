@@ -87,7 +87,7 @@ class Nic(_message.Message):
     def __init__(self, name: _Optional[str] = ..., pci_bus_id: _Optional[str] = ..., numa_node: _Optional[int] = ...) -> None: ...
 
 class ServerInventory(_message.Message):
-    __slots__ = ("hostname", "memory_bytes", "region_size", "cores", "transports", "nics", "memory_used_bytes", "regions_total", "regions_free", "regions_allocated", "regions_filling", "regions_sealed")
+    __slots__ = ("hostname", "memory_bytes", "region_size", "cores", "transports", "nics", "memory_used_bytes", "regions_total", "regions_free", "regions_allocated", "regions_filling", "regions_sealed", "regions_window")
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     REGION_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,7 @@ class ServerInventory(_message.Message):
     REGIONS_ALLOCATED_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FILLING_FIELD_NUMBER: _ClassVar[int]
     REGIONS_SEALED_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_WINDOW_FIELD_NUMBER: _ClassVar[int]
     hostname: str
     memory_bytes: int
     region_size: int
@@ -112,7 +113,8 @@ class ServerInventory(_message.Message):
     regions_allocated: int
     regions_filling: int
     regions_sealed: int
-    def __init__(self, hostname: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., region_size: _Optional[int] = ..., cores: _Optional[int] = ..., transports: _Optional[_Iterable[str]] = ..., nics: _Optional[_Iterable[_Union[Nic, _Mapping]]] = ..., memory_used_bytes: _Optional[int] = ..., regions_total: _Optional[int] = ..., regions_free: _Optional[int] = ..., regions_allocated: _Optional[int] = ..., regions_filling: _Optional[int] = ..., regions_sealed: _Optional[int] = ...) -> None: ...
+    regions_window: int
+    def __init__(self, hostname: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., region_size: _Optional[int] = ..., cores: _Optional[int] = ..., transports: _Optional[_Iterable[str]] = ..., nics: _Optional[_Iterable[_Union[Nic, _Mapping]]] = ..., memory_used_bytes: _Optional[int] = ..., regions_total: _Optional[int] = ..., regions_free: _Optional[int] = ..., regions_allocated: _Optional[int] = ..., regions_filling: _Optional[int] = ..., regions_sealed: _Optional[int] = ..., regions_window: _Optional[int] = ...) -> None: ...
 
 class ServerRecord(_message.Message):
     __slots__ = ("id", "address", "http_address", "state", "inventory", "registered_unix", "last_heartbeat_unix", "incarnation", "protocol_version", "software_version", "state_reason")

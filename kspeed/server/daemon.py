@@ -34,8 +34,9 @@ from kspeed.server.backend import Backend
 from kspeed.server.datasets import DatasetHost
 from kspeed.server.feeder_pool import FeederPool
 from kspeed.server.metrics import ServerMetrics
-from kspeed.server.pool import MemoryPool, RegionState
+from kspeed.server.pool import WINDOW_OWNER, MemoryPool, RegionState
 from kspeed.server.service import ServerService
+from kspeed.server.window import ProductionWindow
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class Server:
         self.id = inv.server_id(config, self.state_dir)
         self.host: DatasetHost | None = None
         self.feeders: FeederPool | None = None
-        self.metrics = ServerMetrics(lambda: self.host)
+        self.metrics = ServerMetrics(lambda: self.host, lambda: self.feeders.production if self.feeders else None)
         self.health = health.HealthServicer()
         self._stopped = threading.Event()
         self.fatal: KSpeedError | None = None
@@ -66,10 +67,12 @@ class Server:
         if self.host is None:
             return inv.inventory(self.config)
         counts = self.host.pool.counts()
+        window = len(self.host.pool.regions(WINDOW_OWNER))
         report = inv.inventory(self.config, memory_used=self.host.memory_used())
         report.regions_total = self.host.pool.region_count
         report.regions_free = counts[RegionState.FREE]
-        report.regions_allocated = counts[RegionState.ALLOCATED]
+        report.regions_window = window
+        report.regions_allocated = counts[RegionState.ALLOCATED] - window
         report.regions_filling = counts[RegionState.FILLING]
         report.regions_sealed = counts[RegionState.SEALED]
         return report
@@ -89,6 +92,7 @@ class Server:
             rpc.check_bindable(address)
         backend = Backend(AllowList(cfg.backend_allow, name="--backend-allow"), cfg.backend_options)
         pool = MemoryPool.open(self.pool_dir(), cfg.memory, region_size=cfg.region_size)
+        window = ProductionWindow(pool, cfg.window_bytes())
         host = self.host = DatasetHost(
             pool,
             backend,
@@ -106,7 +110,10 @@ class Server:
             self.id,
             options,
             self.host,
-            plan_timeout=cfg.plan_timeout,
+            window,
+            production_timeout=cfg.production_timeout,
+            production_depth=cfg.production_depth,
+            production_threads=cfg.production_threads,
             logs=LogSettings(cfg.log_level, cfg.log_format),
         )
         host.on_drop = self.feeders.close_dataset

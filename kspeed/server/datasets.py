@@ -26,7 +26,7 @@ from kspeed.proto import kspeed_pb2
 from kspeed.server.backend import Backend
 from kspeed.server.changes import Change, ChangeLog, ChangeWatch
 from kspeed.server.integrity import SampleStore
-from kspeed.server.pool import MemoryPool, RegionState
+from kspeed.server.pool import WINDOW_OWNER, MemoryPool, RegionState
 from kspeed.server.preload import Preloader
 from kspeed.server.sources import Source, open_source
 
@@ -352,8 +352,9 @@ class DatasetHost:
         return self.get(name).request.fingerprint.count
 
     def memory_used(self) -> int:
-        """Pool bytes allocated to datasets."""
-        return (self.pool.region_count - self.pool.counts()[RegionState.FREE]) * self.pool.region_size
+        """Pool bytes allocated to datasets (not the production window)."""
+        held = sum(1 for r in self.pool.regions() if r.dataset not in (None, WINDOW_OWNER))
+        return held * self.pool.region_size
 
     def close(self) -> None:
         """Stop the change checks and scrubs and wait for running preloads."""

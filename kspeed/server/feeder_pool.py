@@ -1,10 +1,11 @@
 """The server's feeder processes and the feeds they serve (the main process's side).
 
 The main process validates ``OpenFeed`` and ``CommitPlan`` requests, turns an epoch plan into the
-arrays a feeder needs (which plan positions this server owns, where each sample sits in the pool
-and where it goes within its batch), and hands both to the feeder process that owns the feed.
-Feeders then serve grants on their own, without the main process, so one server fills several
-clients at once.
+arrays a feeder needs (which plan positions this server owns and where each sample goes within its
+batch) and hands it, through :mod:`kspeed.server.production` (which adds where each sample is now
+and makes the rest resident in plan order), to the feeder process that owns the feed. ``CommitPlan``
+returns at once; feeders serve grants on their own as their samples become resident, so one server
+fills several clients at once, and report back over an event pipe what they wrote.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import threading
-import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -27,16 +27,10 @@ from kspeed.rdma.options import RailOptions
 from kspeed.rdma.rails import available_rails
 from kspeed.server import feeder_process
 from kspeed.server.datasets import DatasetHost
-from kspeed.server.feeder_process import (
-    CloseFeed,
-    Command,
-    InstallPlan,
-    MarkChanged,
-    OpenFeed,
-    PlanPart,
-    Reply,
-    Stop,
-)
+from kspeed.server.feed_writer import FeedProgress, Freed, PlanPart
+from kspeed.server.feeder_process import CloseFeed, Command, MarkChanged, OpenFeed, Reply, Stop
+from kspeed.server.production import Production
+from kspeed.server.window import ProductionWindow
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +43,9 @@ MAX_PLAN = 1 << 28  # samples per plan
 class _Feeder:
     process: mp.process.BaseProcess
     conn: Connection
+    events: Connection
     lock: threading.Lock
+    reader: threading.Thread | None = None
     feeds: int = 0
 
 
@@ -67,7 +63,10 @@ class FeederPool:
         server_id: this server's id (sent to clients in HELLO).
         options: data-plane options (token, timeouts) for every feed.
         host: the datasets this server holds.
-        plan_timeout: longest a plan waits for its samples to be preloaded.
+        window: the production window.
+        production_timeout: longest a grant waits for its samples to be produced.
+        production_depth: samples made resident ahead of each feed's next one.
+        production_threads: producer threads.
         logs: log level and format of the feeder processes.
     """
 
@@ -77,12 +76,14 @@ class FeederPool:
         server_id: str,
         options: RailOptions,
         host: DatasetHost,
+        window: ProductionWindow,
         *,
-        plan_timeout: float,
+        production_timeout: float = 60.0,
+        production_depth: int = 1024,
+        production_threads: int = 8,
         logs: LogSettings | None = None,
     ) -> None:
         self._host = host
-        self._plan_timeout = plan_timeout
         self._lock = threading.Lock()
         self._feeds: dict[str, _FeedInfo] = {}
         self._ended: dict[str, str] = {}  # feeds the server ended and why, to answer with the reason
@@ -90,16 +91,40 @@ class FeederPool:
         self._feeders: list[_Feeder] = []
         for _ in range(max(count, 1)):
             ours, theirs = ctx.Pipe()
+            events, their_events = ctx.Pipe(duplex=False)
             process = ctx.Process(
                 target=feeder_process.serve,
-                args=(theirs, server_id, options, logs or LogSettings()),
+                args=(theirs, their_events, server_id, options, logs or LogSettings(), production_timeout),
                 daemon=True,
                 name="kspeed-feeder",
             )
             process.start()
             theirs.close()
-            self._feeders.append(_Feeder(process, ours, threading.Lock()))
+            their_events.close()
+            self._feeders.append(_Feeder(process, ours, events, threading.Lock()))
+        self.production = Production(window, host, self._command, depth=production_depth, threads=production_threads)
+        for index, worker in enumerate(self._feeders):
+            worker.reader = threading.Thread(
+                target=self._read_events, args=(index,), name=f"feeder-{index}-events", daemon=True
+            )
+            worker.reader.start()
         log.info("started %d feeder process(es)", len(self._feeders))
+
+    def _read_events(self, index: int) -> None:
+        """Hand a feeder's reports to production until the feeder exits."""
+        events = self._feeders[index].events
+        while True:
+            try:
+                event = events.recv()
+            except (EOFError, OSError):
+                return
+            try:
+                if isinstance(event, FeedProgress):
+                    self.production.progress(index, event)
+                elif isinstance(event, Freed):
+                    self.production.freed(index, event.tickets)
+            except Exception:  # a bug must not stop the reports of the other feeds
+                log.exception("feeder %d: cannot take in its report %r", index, type(event).__name__)
 
     def _command(self, index: int, command: Command) -> Reply:
         worker = self._feeders[index]
@@ -169,11 +194,14 @@ class FeederPool:
     def commit_plan(
         self, feed_id: str, epoch: int, batch_size: int, ids: np.ndarray, lengths: np.ndarray
     ) -> kspeed_pb2.PlanReply:
-        """Install an epoch plan on the feed's feeder, once every owned sample of it is loaded.
+        """Install an epoch plan on the feed's feeder; its samples are made resident in plan order.
+
+        Returns at once: grants are answered as their samples become resident (the preload of
+        the share starts, what the plan needs first).
 
         Raises:
             ProtocolError: lengths that disagree with this server's index, or a bad batch size.
-            DatasetError: owned samples of the plan failed to load (named).
+            ChangedError: owned samples of the plan changed in the backend since the listing.
         """
         info = self._feed(feed_id)
         if batch_size <= 0 or len(ids) != len(lengths) or len(ids) > MAX_PLAN:
@@ -184,8 +212,8 @@ class FeederPool:
         hosted = self._host.get(info.dataset)
         index = hosted.preloader.index
         owned = np.flatnonzero(index.owns(ids))
-        owned_ids = ids[owned]
-        vregion, src, length, _ = index.locate(owned_ids)
+        owned_ids = ids[owned].astype(np.int64)
+        length = index.length[owned_ids - index.lo]
         wrong = np.flatnonzero(length != lengths[owned])
         if len(wrong):
             k = int(wrong[0])
@@ -194,54 +222,24 @@ class FeederPool:
                 f"plan says {int(lengths[owned][k])}; look it up again"
             )
         hosted.changes.refuse(owned_ids, f"an epoch plan of feed {feed_id} needs")
-        self._wait_loaded(info.dataset, hosted, owned_ids)
-        by_vindex = {r.vindex: r for r in self._host.pool.regions(info.dataset)}
-        needed = np.unique(vregion)
-        missing = [int(v) for v in needed if int(v) not in by_vindex]
-        if missing:
-            raise DatasetError(
-                f"dataset {info.dataset!r}: regions {missing[:4]} of this share are not held", dataset=info.dataset
-            )
-        pool_index = np.zeros(int(needed.max()) + 1 if len(needed) else 0, dtype=np.int64)
-        for v in needed.tolist():
-            pool_index[v] = by_vindex[v].index
         layout = batch_layout(lengths, batch_size)
+        none = np.zeros(len(owned), dtype=np.int64)
         plan = PlanPart(
             starts=layout.starts,
             positions=owned.astype(np.int64),
-            region=pool_index[vregion] if len(owned) else np.zeros(0, np.int64),
-            src=src.astype(np.int64),
+            ids=owned_ids,
             length=length.astype(np.int64),
             dst=layout.offsets[owned],
-            ids=owned_ids.astype(np.int64),
+            region=none - 1,
+            src=none.copy(),
+            ticket=none.copy(),
         )
-        paths = {int(by_vindex[v].index): str(by_vindex[v].path) for v in needed.tolist()}
         try:
-            self._command(info.feeder, InstallPlan(feed_id, epoch, plan, paths))
+            self.production.install(feed_id, info.feeder, info.dataset, epoch, plan)
         except errors.PeerLostError:
             self._feed(feed_id)  # ended meanwhile (its dataset removed)? say so rather than "not connected"
             raise
         return kspeed_pb2.PlanReply(owned=len(owned), owned_bytes=int(length.sum()))
-
-    def _wait_loaded(self, dataset: str, hosted, ids: np.ndarray) -> None:
-        index = hosted.preloader.index
-        loaded = index.loaded[ids - index.lo]
-        if loaded.all():
-            return
-        log.info("dataset %s: a plan needs %d samples not loaded yet; preloading", dataset, int((~loaded).sum()))
-        hosted.preloader.start()
-        deadline = time.monotonic() + self._plan_timeout
-        while not hosted.preloader.wait(1.0):
-            if time.monotonic() > deadline:
-                raise UnavailableError(f"dataset {dataset!r}: still preloading after {self._plan_timeout:.0f}s")
-        missing = ids[~index.loaded[ids - index.lo]]
-        if len(missing):
-            raise DatasetError(
-                f"dataset {dataset!r}: {len(missing)} sample(s) of the plan failed to load (first: "
-                f"{missing[:5].tolist()}); see the preload errors",
-                dataset=dataset,
-                sample=int(missing[0]),
-            )
 
     def close(self, feed_id: str, reason: str = "") -> None:
         """Close a feed (its data-plane connection and plans); a ``reason`` is told to the client first."""
@@ -251,6 +249,7 @@ class FeederPool:
             while len(self._ended) > REMEMBERED_ENDS:
                 self._ended.pop(next(iter(self._ended)))
         self._command(info.feeder, CloseFeed(feed_id, reason))
+        self.production.drop_feed(feed_id)
         with self._lock:
             self._feeds.pop(feed_id, None)
             self._feeders[info.feeder].feeds -= 1
@@ -265,6 +264,7 @@ class FeederPool:
                 self.close(feed_id, reason)
             except errors.KSpeedError as exc:
                 log.warning("feed %s: close failed: %s", feed_id, exc)
+        self.production.drop_dataset(dataset)
 
     def mark_changed(self, dataset: str, what: dict[int, str]) -> None:
         """Tell every feeder to refuse the grants that need these changed samples (ID -> what changed)."""
@@ -279,7 +279,8 @@ class FeederPool:
         return len(self._feeds)
 
     def stop(self) -> None:
-        """Stop every feeder process."""
+        """Stop the producers and every feeder process."""
+        self.production.stop()
         for worker in self._feeders:
             try:
                 with worker.lock:
@@ -292,3 +293,6 @@ class FeederPool:
                 worker.process.kill()
                 worker.process.join()
             worker.conn.close()
+            if worker.reader is not None:
+                worker.reader.join(timeout=5)
+            worker.events.close()

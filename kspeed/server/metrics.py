@@ -6,11 +6,13 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Info
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from kspeed.server.datasets import DatasetHost
+    from kspeed.server.production import Production
 
 
 class _HostCollector(Collector):
@@ -51,12 +53,58 @@ class _HostCollector(Collector):
         yield from (samples, nbytes, rate, errors, integrity)
 
 
+class _ProductionCollector(Collector):
+    """The production window and the producers, read at scrape time (docs/feeding.md, Production)."""
+
+    def __init__(self, production: Callable[[], Production | None]) -> None:
+        self._production = production
+
+    def collect(self) -> Iterator[Metric]:
+        production = self._production()
+        if production is None:
+            return
+        window = production.window
+        fill = GaugeMetricFamily("kspeed_server_window_bytes", "Production window bytes", labels=["kind"])
+        fill.add_metric(["capacity"], window.capacity)
+        fill.add_metric(["used"], window.used)
+        fill.add_metric(["peak"], window.peak)
+        yield fill
+        for name, value, doc in (
+            ("kspeed_server_produced_samples", production.produced_samples, "Samples produced into the window"),
+            ("kspeed_server_produced_bytes", production.produced_bytes, "Bytes produced into the window"),
+            ("kspeed_server_production_failures", production.failed_samples, "Samples a plan needed that failed"),
+            ("kspeed_server_window_full", production.window_full, "Times a producer found the window full"),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+        yield GaugeMetricFamily(
+            "kspeed_server_production_rate_bytes_per_second",
+            "Bytes produced per second, recently",
+            value=production.rate(),
+        )
+        yield GaugeMetricFamily(
+            "kspeed_server_grants_waiting",
+            "Grants waiting for their samples to be produced",
+            value=production.waiting(),
+        )
+        waits = production.waits.as_dict()
+        family = HistogramMetricFamily(
+            "kspeed_server_grant_wait_seconds", "How long grants that had to wait for production waited"
+        )
+        family.add_metric([], waits["buckets"], waits["sum"])
+        yield family
+
+
 class ServerMetrics:
     """Every metric the server exports."""
 
-    def __init__(self, host: Callable[[], DatasetHost | None] = lambda: None) -> None:
+    def __init__(
+        self,
+        host: Callable[[], DatasetHost | None] = lambda: None,
+        production: Callable[[], Production | None] = lambda: None,
+    ) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_HostCollector(host))
+        self.registry.register(_ProductionCollector(production))
         self.info = Info("kspeed_server", "Identity of this server", registry=self.registry)
         self.registered = Gauge(
             "kspeed_server_registered", "1 while registered with the manager", registry=self.registry

@@ -40,6 +40,7 @@ from kspeed.errors import CapacityError, ConfigError, DatasetError, StateError
 
 __all__ = [
     "DEFAULT_REGION_SIZE",
+    "WINDOW_OWNER",
     "MemoryPool",
     "RegionInfo",
     "RegionState",
@@ -84,8 +85,15 @@ class RegionInfo:
     path: Path
 
 
+#: The owner of the regions reserved for the production window (:mod:`kspeed.server.window`); no
+#: dataset can take this name (dataset names start with a letter or digit).
+WINDOW_OWNER = "_window"
+
+
 def check_dataset_name(name: str) -> str:
-    """Return ``name`` if it can name files in the pool directory, else raise DatasetError."""
+    """Return ``name`` if it can own regions (a dataset's name, or :data:`WINDOW_OWNER`), else raise DatasetError."""
+    if name == WINDOW_OWNER:
+        return name
     return names.DATASET.check(name, DatasetError, what="invalid dataset name", dataset=str(name))
 
 

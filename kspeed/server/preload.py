@@ -14,6 +14,12 @@ whose reads mostly wait.
 Concurrent :meth:`Preloader.preload` calls join the one running job; a sample whose loaded flag
 is set is never read again; after a restart, regions the pool re-adopted as SEALED (and whose
 samples the saved index records) are kept and only the rest is reloaded.
+
+The preload shares the share's samples with the producers of :mod:`kspeed.server.production`
+through :class:`~kspeed.server.residency.Residency` claims, so no sample is read twice: what the
+committed plans need soonest is pushed with :meth:`Preloader.prioritize` and read first, in plan
+order (the producers take the next few of each plan into the window), then the rest in ID order;
+samples the producers read into the window come home with :meth:`Preloader.adopt`, a copy.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -32,6 +39,7 @@ from kspeed.server.changes import Change, ChangeLog
 from kspeed.server.crew import Crew, ThreadTuner
 from kspeed.server.index import SampleIndex
 from kspeed.server.pool import MemoryPool, RegionState
+from kspeed.server.residency import HOME, Residency
 from kspeed.server.sources import Source
 
 __all__ = ["PreloadResult", "Preloader", "Progress"]
@@ -167,9 +175,16 @@ class Preloader:
                 f"{wanted.stop - 1}, pool lacks {missing[:8]}; allocate them first"
             )
         self._pool_index = [held[v].index for v in wanted]
+        self._pool_index_array = np.asarray(self._pool_index, dtype=np.int64)
         self._arrays = [pool.array(i) for i in self._pool_index]
         self._reconcile()
+        self.residency = Residency(lo, self.index.loaded)
+        #: called with the IDs that came home (loaded or adopted), and with failed IDs and their reasons
+        self.on_home: Callable[[np.ndarray], None] = lambda ids: None
+        self.on_failed: Callable[[np.ndarray, list[str]], None] = lambda ids, reasons: None
+        self._urgent: deque[np.ndarray] = deque()  # IDs to read before the rest, in order (plans)
         self._lock = threading.Lock()
+        self._seal_lock = threading.Lock()
         self._job: threading.Thread | None = None
         self._done = threading.Event()
         self._done.set()
@@ -273,7 +288,13 @@ class Preloader:
     def _run(self) -> None:
         try:
             pending = _Pending(
-                self._prepare(), self.index.bounds, self.index.length, self.index.lo, self.batch_bytes, self.threads
+                self._prepare(),
+                self.index.bounds,
+                self.index.length,
+                self.index.lo,
+                self.batch_bytes,
+                self.threads,
+                self._urgent,
             )
             tuner = ThreadTuner(self.threads)
             crew = Crew(pending.claim, functools.partial(self._load, pending), tuner, name=f"preload-{self.dataset}")
@@ -309,8 +330,7 @@ class Preloader:
             state = self.pool.region(pool_index).state
             if state is RegionState.SEALED:
                 continue
-            if state is RegionState.ALLOCATED:
-                self.pool.begin_fill(pool_index)
+            self._ensure_filling(k)
             a, b = int(self.index.bounds[k]), int(self.index.bounds[k + 1])
             ids = np.flatnonzero(~self.index.loaded[a - self.index.lo : b - self.index.lo]) + a
             if len(ids):
@@ -323,15 +343,18 @@ class Preloader:
         if time.monotonic() - self._last_save > self.save_interval_s:
             self._save_index()
 
-    def _load(self, pending: _Pending, task: tuple[int, int, int]) -> float:
+    def _load(self, pending: _Pending, task: tuple[int, np.ndarray]) -> float:
         """Read one task's samples into their region; returns its work units for the tuner."""
-        k, a, b = task
-        ids = pending.ids[a:b]
+        k, wanted = task
+        ids = self.residency.claim(wanted, retry_failed_after=0.0)  # a producer may have taken some
+        if not len(ids):
+            self._maybe_seal(k)
+            return 0.0
         pos = ids - self.index.lo
         offsets, sizes = self.index.offset[pos], self.index.length[pos]
         t0 = time.perf_counter()
         crcs, errors = self.source.read_run(ids.tolist(), self._arrays[k], offsets.tolist(), sizes.tolist())
-        pending.observe(b - a, time.perf_counter() - t0)
+        pending.observe(len(ids), time.perf_counter() - t0)
         ok = np.ones(len(ids), dtype=bool)
         if errors:
             ok &= ~np.isin(ids, np.array([e.sample for e in errors], dtype=np.int64))
@@ -341,16 +364,58 @@ class Preloader:
             self._errors.extend(errors)
             self._read_samples += int(ok.sum())
             self._read_bytes += int(sizes[ok].sum())
+        self.residency.settle(ids[ok], HOME)
+        if errors:
+            failed = [e for e in errors if e.sample is not None]
+            self.residency.fail(np.array([e.sample for e in failed], dtype=np.int64), [str(e) for e in failed])
+            self.on_failed(np.array([e.sample for e in failed], dtype=np.int64), [str(e) for e in failed])
+        self.on_home(ids[ok])
         self.changed(errors)
-        if pending.finish(k, b - a):
+        self._maybe_seal(k)
+        return len(ids) + int(sizes.sum()) / _BYTES_PER_UNIT
+
+    def prioritize(self, ids: np.ndarray) -> None:
+        """Read these IDs (owned here, in this order) before the rest; starts the job if none runs."""
+        ids = np.asarray(ids, dtype=np.int64)
+        pos = ids - self.index.lo
+        ids = ids[~self.index.loaded[pos]]
+        if len(ids):
+            self._urgent.append(ids)
+            self.start()
+
+    def home(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(pool region index, offset)`` of each sample's home place (loaded or not)."""
+        pos = np.asarray(ids, dtype=np.int64) - self.index.lo
+        k = self.index.region[pos].astype(np.int64) - self.index.first_region
+        return self._pool_index_array[k], self.index.offset[pos]
+
+    def adopt(self, ids: np.ndarray, sources: list[np.ndarray], crcs: np.ndarray) -> None:
+        """Bring samples home from elsewhere (the production window): copy, record, seal what is complete."""
+        ids = np.asarray(ids, dtype=np.int64)
+        pos = ids - self.index.lo
+        ks = self.index.region[pos].astype(np.int64) - self.index.first_region
+        for j, k in enumerate(ks.tolist()):
+            self._ensure_filling(k)
+            offset = int(self.index.offset[pos[j]])
+            self._arrays[k][offset : offset + len(sources[j])] = sources[j]
+        with self._lock:
+            self.index.crc[pos] = crcs
+            self.index.loaded[pos] = True
+        self.residency.settle(ids, HOME)
+        for k in np.unique(ks).tolist():
             self._maybe_seal(k)
-        return (b - a) + int(sizes.sum()) / _BYTES_PER_UNIT
 
     def changed(self, errors: Iterable[DatasetError]) -> None:
         """Record the samples among ``errors`` whose backend file changed since the listing."""
         self.changes.record(
             Change(e.sample, e.path, e.what) for e in errors if isinstance(e, ChangedError) and e.sample is not None
         )
+
+    def _ensure_filling(self, k: int) -> None:
+        """Open region ``k`` for writing if it is still only allocated."""
+        with self._seal_lock:
+            if self.pool.region(self._pool_index[k]).state is RegionState.ALLOCATED:
+                self.pool.begin_fill(self._pool_index[k])
 
     def _maybe_seal(self, k: int) -> None:
         a, b = int(self.index.bounds[k]), int(self.index.bounds[k + 1])
@@ -359,8 +424,10 @@ class Preloader:
         if complete and self.pool.region(pool_index).state is RegionState.FILLING:
             # The index goes to disk before the region is marked sealed: a restart re-adopts a
             # sealed region only if the saved index records every sample in it.
-            self._save_index()
-            self.pool.seal(pool_index)
+            with self._seal_lock:
+                if self.pool.region(pool_index).state is RegionState.FILLING:
+                    self._save_index()
+                    self.pool.seal(pool_index)
 
     def _save_index(self) -> None:
         with self._lock:
@@ -376,22 +443,33 @@ class Preloader:
 
 
 class _Pending:
-    """The samples a job still has to load, handed out as tasks ``(region k, start, stop)``.
+    """The samples a job still has to load, handed out as tasks ``(region k, IDs)``.
 
-    A task covers ``ids[start:stop]``: consecutive pending samples of one region, about
-    :data:`TASK_S` worth at the measured time per sample or a quarter of a thread's share of
-    what is left, whichever is more, at most ``batch_bytes`` (but at least one sample). The
-    first tasks hold one sample each, so the thread tuner gets its first measurements quickly.
+    IDs pushed to ``urgent`` (the plans' order) go first, a few of one region per task; then the
+    rest in ID order: consecutive pending samples of one region, about :data:`TASK_S` worth at the
+    measured time per sample or a quarter of a thread's share of what is left, whichever is more,
+    at most ``batch_bytes`` (but at least one sample). The first tasks hold one sample each, so the
+    thread tuner gets its first measurements quickly. A sample is handed out once per job.
     """
 
     def __init__(
-        self, ids: np.ndarray, bounds: np.ndarray, lengths: np.ndarray, lo: int, batch_bytes: int, threads: int
+        self,
+        ids: np.ndarray,
+        bounds: np.ndarray,
+        lengths: np.ndarray,
+        lo: int,
+        batch_bytes: int,
+        threads: int,
+        urgent: deque[np.ndarray] | None = None,
     ) -> None:
         self.ids = ids
+        self._bounds = bounds
+        self._lo = lo
         self._region = (np.searchsorted(bounds, ids, side="right") - 1).tolist()
         self._region_end = np.searchsorted(ids, bounds[1:], side="left").tolist()
         self._cum = np.concatenate(([0], np.cumsum(lengths[ids - lo])))
-        self._left = np.bincount(np.asarray(self._region, dtype=np.int64), minlength=len(bounds) - 1).tolist()
+        self._handed = np.zeros(len(lengths), dtype=bool)
+        self._urgent: deque[np.ndarray] = urgent if urgent is not None else deque()
         self._batch_bytes = max(int(batch_bytes), 1)
         self._threads = max(int(threads), 1)
         self._next = 0
@@ -399,33 +477,56 @@ class _Pending:
         self._per_sample_s = 0.0
         self._lock = threading.Lock()
 
-    def claim(self) -> tuple[int, int, int] | None:
+    def _count(self, left: int) -> int:
+        if self._observed < _FIRST_SINGLE_TASKS:
+            return 1
+        # Long enough to amortize the bookkeeping, and no more tasks than a few per thread
+        # (on a slow backend many small tasks only make the threads fight for the GIL).
+        return max(int(TASK_S / self._per_sample_s) if self._per_sample_s > 0 else 1, left // (4 * self._threads), 1)
+
+    def claim(self) -> tuple[int, np.ndarray] | None:
         """The next task, or ``None`` when every sample has been handed out."""
         with self._lock:
-            a = self._next
-            if a >= len(self.ids):
-                return None
-            k = self._region[a]
-            count = 1
-            if self._observed >= _FIRST_SINGLE_TASKS:
-                # Long enough to amortize the bookkeeping, and no more tasks than a few per thread
-                # (on a slow backend many small tasks only make the threads fight for the GIL).
-                count = max(int(TASK_S / self._per_sample_s), (len(self.ids) - a) // (4 * self._threads), 1)
-            limit = int(np.searchsorted(self._cum, self._cum[a] + self._batch_bytes, side="right")) - 1
-            b = max(min(a + count, self._region_end[k], limit), a + 1)
-            self._next = b
-            return k, a, b
+            task = self._claim_urgent()
+            if task is not None:
+                return task
+            while self._next < len(self.ids):
+                a = self._next
+                k = self._region[a]
+                limit = int(np.searchsorted(self._cum, self._cum[a] + self._batch_bytes, side="right")) - 1
+                b = max(min(a + self._count(len(self.ids) - a), self._region_end[k], limit), a + 1)
+                self._next = b
+                ids = self.ids[a:b]
+                ids = ids[~self._handed[ids - self._lo]]
+                if len(ids):
+                    self._handed[ids - self._lo] = True
+                    return k, ids
+            return None
+
+    def _claim_urgent(self) -> tuple[int, np.ndarray] | None:
+        """Up to a task's worth of the urgent IDs, those of the first one's region, in order."""
+        while self._urgent:
+            head = self._urgent[0]
+            head = head[~self._handed[head - self._lo]]
+            if not len(head):
+                self._urgent.popleft()
+                continue
+            regions = np.searchsorted(self._bounds, head[:64], side="right") - 1
+            same = int(np.argmin(regions == regions[0])) if not (regions == regions[0]).all() else len(regions)
+            take = head[: min(same, self._count(len(head)), 64)]
+            rest = head[len(take) :]
+            if len(rest):
+                self._urgent[0] = rest
+            else:
+                self._urgent.popleft()
+            self._handed[take - self._lo] = True
+            return int(regions[0]), take
+        return None
 
     def observe(self, samples: int, seconds: float) -> None:
         """Account a task's reading time (a moving average of the time per sample)."""
         per_sample = seconds / max(samples, 1)
         with self._lock:
             old = self._per_sample_s
-            self._per_sample_s = per_sample if old is None else 0.7 * old + 0.3 * per_sample
+            self._per_sample_s = per_sample if not old else 0.7 * old + 0.3 * per_sample
             self._observed += 1
-
-    def finish(self, k: int, samples: int) -> bool:
-        """Count a task of region ``k`` done; True once all of the region's tasks are."""
-        with self._lock:
-            self._left[k] -= samples
-            return self._left[k] == 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from kspeed.client.histogram import Histogram
+from kspeed.histogram import Histogram
 
 
 def test_buckets_are_cumulative_with_inclusive_upper_bounds():

@@ -1,7 +1,8 @@
 """A latency histogram with fixed bucket bounds in seconds, cheap to observe from any thread.
 
 Prometheus aggregates histograms across ranks and time (quantiles of gauges cannot be), so the
-client exports its waits and sub-batch latencies this way (``kspeed.client.stats``).
+client exports its batch waits and sub-batch latencies this way (``kspeed.client.stats``), and a
+server how long grants waited for production (``kspeed.server.metrics``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,393 @@
+"""One feed in a feeder process: the thread that answers a client's grants when their samples are ready.
+
+A grant names plan positions (docs/feeding.md). Each owned position has a location the main
+process keeps current (:mod:`kspeed.server.production`): a pool region and offset (the sample's
+home, or a slot of the production window), or none yet. A grant whose samples all have one is
+written at once, up to :data:`GRANTS_PER_WRITE` grants with one vectorized write per region, the
+last op of each carrying the grant's tag; a grant that needs a sample not produced yet waits
+(grants behind it that are ready do not), up to ``production_timeout`` seconds, after which the
+client gets an ERROR naming the sample; a sample whose production failed fails its grants at once
+with the reason. What was written is reported to the main process (window slots are reclaimed
+from those reports), with how long grants waited.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kspeed import grants
+from kspeed.errors import KSpeedError, PeerLostError
+from kspeed.rdma.base import RegionKey, Writer
+
+__all__ = ["FeedProgress", "FeedWriter", "FeederShared", "PlanPart"]
+
+log = logging.getLogger(__name__)
+
+RECV_TIMEOUT = 0.5  # how often an idle feed thread looks up from waiting for grants
+WAIT_POLL = 0.002  # how often a feed with waiting grants looks for newly produced samples
+MAX_PLANS = 3  # epoch plans a feed keeps (the current one, the next one, one spare)
+GRANTS_PER_WRITE = 8  # grants served by one write: fewer calls, yet the first tags are not held back long
+REPORT_EVERY = 0.02  # seconds between progress reports to the main process (at most)
+WANT_AFTER = 1.0  # a grant still waiting after this asks the main process for its samples
+
+
+@functools.cache
+def _filler() -> np.ndarray:
+    """What probes write (allocated by the first probe)."""
+    return np.zeros(grants.MAX_PROBE, dtype=np.uint8)
+
+
+@dataclass
+class PlanPart:
+    """The positions of one epoch plan this server owns, with where their bytes are now and go.
+
+    Attributes:
+        starts: plan index of each batch's first position, plus the plan's length.
+        positions: sorted plan positions owned by this server.
+        ids: per owned position, the sample's ID.
+        length: per owned position, the sample's length.
+        dst: per owned position, the sample's offset within its batch (kspeed.layout.batch_layout).
+        region: per owned position, the pool region holding the sample now (-1: not produced yet).
+        src: per owned position, the sample's offset in that region.
+        ticket: per owned position, the window slot's ticket (0: at home).
+    """
+
+    starts: np.ndarray
+    positions: np.ndarray
+    ids: np.ndarray
+    length: np.ndarray
+    dst: np.ndarray
+    region: np.ndarray
+    src: np.ndarray
+    ticket: np.ndarray
+    _order: np.ndarray | None = field(default=None, repr=False)
+
+    def where(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(owned positions, index into ids)`` of every occurrence of ``ids`` in the plan."""
+        if self._order is None:
+            self._order = np.argsort(self.ids, kind="stable")
+        order = self._order
+        ordered = self.ids[order]
+        ids = np.asarray(ids, dtype=np.int64)
+        lo = np.searchsorted(ordered, ids, side="left")
+        hi = np.searchsorted(ordered, ids, side="right")
+        counts = hi - lo
+        total = int(counts.sum())
+        if not total:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        starts = np.cumsum(counts) - counts
+        at = np.repeat(lo, counts) + (np.arange(total) - np.repeat(starts, counts))
+        return order[at], np.repeat(np.arange(len(ids)), counts)
+
+    def locate(self, ids: np.ndarray, region: np.ndarray, src: np.ndarray, ticket: np.ndarray) -> np.ndarray:
+        """Set the location of ``ids``; returns the tickets they had (for the window's bookkeeping)."""
+        at, which = self.where(ids)
+        old = self.ticket[at].copy()
+        self.region[at] = region[which]
+        self.src[at] = src[which]
+        self.ticket[at] = ticket[which]
+        return old
+
+
+@dataclass(frozen=True)
+class FeedProgress:
+    """Reported by a feeder: grants written (rows of epoch, batch, first, end), grants waiting now,
+    and the seconds each grant that had to wait waited."""
+
+    feed_id: str
+    written: np.ndarray
+    waiting: int
+    waited: tuple[float, ...] = ()
+    wanted: np.ndarray | None = None  # sample IDs a long-waiting grant needs, asked for again
+
+
+class FeederShared:
+    """What the feeds of one feeder process share with its command loop: one lock over every plan's
+    locations, the reads in progress per window ticket, failed samples, and the event pipe."""
+
+    def __init__(self, send_event) -> None:
+        self.lock = threading.Lock()
+        self.in_use: dict[int, int] = {}
+        self.draining: set[int] = set()  # tickets to report freed once no read uses them
+        self.failed: dict[str, dict[int, str]] = {}  # per dataset, samples whose production failed
+        self._send = send_event
+        self._send_lock = threading.Lock()
+
+    def send(self, event: object) -> None:
+        with self._send_lock, contextlib.suppress(OSError, ValueError):
+            self._send(event)
+
+    def hold(self, tickets: np.ndarray) -> None:
+        for t in tickets.tolist():
+            self.in_use[t] = self.in_use.get(t, 0) + 1
+
+    def let_go(self, tickets: np.ndarray) -> list[int]:
+        """Drop reads of ``tickets``; returns those now free to reuse (no read left, and retired)."""
+        freed = []
+        for t in tickets.tolist():
+            left = self.in_use.get(t, 0) - 1
+            if left > 0:
+                self.in_use[t] = left
+                continue
+            self.in_use.pop(t, None)
+            if t in self.draining:
+                self.draining.discard(t)
+                freed.append(t)
+        return freed
+
+    def retire(self, tickets: list[int]) -> list[int]:
+        """Tickets no longer located anywhere: those still being read are reported later; returns them."""
+        busy = [t for t in tickets if self.in_use.get(t, 0) > 0]
+        self.draining.update(busy)
+        return busy
+
+
+class FeedWriter:
+    """One client's data-plane path and the thread that serves its grants."""
+
+    def __init__(
+        self,
+        feed_id: str,
+        dataset: str,
+        writer: Writer,
+        key: RegionKey,
+        regions,
+        shared: FeederShared,
+        *,
+        production_timeout: float = 60.0,
+    ) -> None:
+        self.feed_id = feed_id
+        self.dataset = dataset
+        self.changed: dict[int, str] = {}  # samples whose backend file changed since listing: never served
+        self._changed_ids = np.zeros(0, dtype=np.int64)
+        self.writer = writer
+        self.key = key
+        self.regions = regions
+        self.shared = shared
+        self.production_timeout = production_timeout
+        self.plans: dict[int, PlanPart] = {}
+        self.served = 0
+        self._pending: deque[list] = deque()  # [grant, arrival, asked for again]
+        self._written: list[tuple[int, int, int, int]] = []
+        self._waited: list[float] = []
+        self._wanted: list[np.ndarray] = []
+        self._last_report = time.monotonic()
+        self._last_waiting = 0
+        self._reason = ""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"feed-{feed_id}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def mark_changed(self, what: dict[int, str]) -> None:
+        """Refuse from now on the grants that need these samples (ID -> what changed)."""
+        self.changed = {**self.changed, **what}
+        self._changed_ids = np.array(sorted(self.changed), dtype=np.int64)
+
+    def install(self, epoch: int, plan: PlanPart) -> list[int]:
+        """Add an epoch plan (dropping the oldest beyond :data:`MAX_PLANS`); returns the epochs dropped."""
+        self.plans[epoch] = plan
+        dropped = sorted(self.plans)[:-MAX_PLANS]
+        for old in dropped:
+            self.plans.pop(old, None)
+        return dropped
+
+    # -- the feed thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                unreported = self._written or self._waited or len(self._pending) != self._last_waiting
+                message = self.writer.recv(WAIT_POLL if self._pending else REPORT_EVERY if unreported else RECV_TIMEOUT)
+                if message is not None:
+                    decoded = grants.decode(message)
+                    if isinstance(decoded, np.ndarray):
+                        now = time.monotonic()
+                        self._pending.extend([grant, now, False] for grant in decoded)
+                    elif isinstance(decoded, grants.DropPlan):
+                        self.plans.pop(decoded.epoch, None)
+                if self._pending:
+                    self._serve_pending()
+                self._report()
+        except PeerLostError as exc:
+            log.info("feed %s: client gone (%s)", self.feed_id, exc)
+        except KSpeedError as exc:
+            log.warning("feed %s: closed after error: %s", self.feed_id, exc)
+        finally:
+            self._report(force=True)
+            with contextlib.suppress(KSpeedError):
+                if self._reason:  # the feed ends for good: the client learns why before the connection goes
+                    self.writer.send(grants.encode_closing(grants.Closing(self._reason)))
+                self.writer.close()
+
+    def _report(self, force: bool = False) -> None:
+        now = time.monotonic()
+        waiting = len(self._pending)
+        changed = self._written or self._waited or self._wanted or waiting != self._last_waiting
+        if not changed or (not force and now - self._last_report < REPORT_EVERY and len(self._written) < 256):
+            return
+        written = np.array(self._written, dtype=np.int64).reshape(-1, 4)
+        wanted = np.concatenate(self._wanted) if self._wanted else None
+        self.shared.send(FeedProgress(self.feed_id, written, waiting, tuple(self._waited), wanted))
+        self._written, self._waited, self._wanted = [], [], []
+        self._last_report, self._last_waiting = now, waiting
+
+    def _serve_pending(self) -> None:
+        """Write every pending grant whose samples are ready (in arrival order); fail the hopeless."""
+        now = time.monotonic()
+        ready: list[tuple[np.void, PlanPart | None, int, int]] = []
+        keep: deque[list] = deque()
+        for entry in self._pending:
+            grant, arrival, asked = entry
+            epoch, index, tag = int(grant["epoch"]), int(grant["batch"]), int(grant["tag"])
+            if epoch == grants.PROBE_EPOCH:
+                self._probe(grant)
+                continue
+            plan = self.plans.get(epoch)
+            if plan is None or index >= len(plan.starts) - 1:
+                why = f"no plan for epoch {epoch}" if plan is None else f"epoch {epoch} has no batch {index}"
+                self._refuse(epoch, index, tag, why)
+                continue
+            lo = int(plan.starts[index]) + int(grant["first"])
+            hi = min(int(plan.starts[index]) + int(grant["end"]), int(plan.starts[index + 1]))
+            i, j = (int(x) for x in np.searchsorted(plan.positions, (lo, hi)))
+            why = self._hopeless(plan, i, j, now - arrival)
+            if why:
+                self._refuse(epoch, index, tag, why)
+                continue
+            if (plan.region[i:j] < 0).any():
+                if not asked and now - arrival > WANT_AFTER:
+                    self._wanted.append(plan.ids[i:j][plan.region[i:j] < 0])
+                    entry[2] = True
+                keep.append(entry)
+                continue
+            if now - arrival > WAIT_POLL:
+                self._waited.append(now - arrival)
+            ready.append((grant, plan, i, j))
+        self._pending = keep
+        for start in range(0, len(ready), GRANTS_PER_WRITE):
+            self._write(ready[start : start + GRANTS_PER_WRITE])
+
+    def _hopeless(self, plan: PlanPart, i: int, j: int, waited: float) -> str:
+        """Why a grant of positions ``i:j`` can never be served, or ""."""
+        ids = plan.ids[i:j]
+        if len(self._changed_ids):
+            hit = np.flatnonzero(np.isin(ids, self._changed_ids))
+            if len(hit):
+                sample = int(ids[hit[0]])
+                return f"dataset {self.dataset!r} sample {sample}: {self.changed[sample]}; its cached bytes are stale"
+        missing = ids[plan.region[i:j] < 0]
+        if not len(missing):
+            return ""
+        failed = self.shared.failed.get(self.dataset)
+        if failed:
+            for sample in missing.tolist():
+                if sample in failed:
+                    return f"dataset {self.dataset!r} sample {sample} could not be produced: {failed[sample]}"
+        if waited > self.production_timeout:
+            return (
+                f"dataset {self.dataset!r} sample {int(missing[0])} was not produced within "
+                f"{self.production_timeout:g}s (the server is still reading it from the backend)"
+            )
+        return ""
+
+    def _refuse(self, epoch: int, index: int, tag: int, why: str) -> None:
+        self.writer.send(grants.encode_error(grants.GrantError(epoch, index, tag, why)))
+
+    def _probe(self, grant: np.void) -> None:
+        """Write filler of the probed size (docs/feeding.md, Pacing); a bad size is an ERROR, named."""
+        nbytes, tag = int(grant["end"]), int(grant["tag"])
+        if not 0 < nbytes <= grants.MAX_PROBE:
+            self._refuse(grants.PROBE_EPOCH, 0, tag, f"probe of {nbytes} bytes is outside 1..{grants.MAX_PROBE}")
+            return
+        self.writer.write_batch(
+            self.key,
+            _filler(),
+            np.zeros(1, np.int64),
+            np.array([nbytes], np.int64),
+            np.array([int(grant["ring_offset"])], np.int64),
+            imms=[tag],
+        )
+
+    def _write(self, ready: list[tuple[np.void, PlanPart | None, int, int]]) -> None:
+        """Serve ready grants with one vectorized write per pool region; their tags follow the bytes."""
+        parts, tags, served = [], [], []
+        with self.shared.lock:  # a consistent snapshot of the locations, and the window slots held
+            for grant, plan, i, j in ready:
+                assert plan is not None
+                if (plan.region[i:j] < 0).any():  # moved away since it was found ready: wait again
+                    self._pending.appendleft([grant, time.monotonic(), False])
+                    continue
+                served.append(grant)
+                parts.append(
+                    (
+                        plan.region[i:j].copy(),
+                        plan.src[i:j].copy(),
+                        plan.length[i:j],
+                        plan.dst[i:j] + int(grant["ring_offset"]),
+                        plan.ticket[i:j].copy(),
+                    )
+                )
+                tags.append(int(grant["tag"]))
+            if not parts:
+                return
+            region, src_at, nbytes, dst_at, tickets = (np.concatenate(a) for a in zip(*parts, strict=True))
+            held = tickets[tickets > 0]
+            self.shared.hold(held)
+        try:
+            groups = np.unique(region)
+            if len(groups) == 0:  # nothing of ours in these ranges: still exactly one completion each
+                self.writer.write_batch(self.key, b"", src_at, nbytes, dst_at, imms=tags)
+            for n, r in enumerate(groups.tolist()):
+                mask = region == r if len(groups) > 1 else slice(None)
+                self.writer.write_batch(
+                    self.key,
+                    self.regions.get(r),
+                    src_at[mask],
+                    nbytes[mask],
+                    dst_at[mask],
+                    imms=tags if n == len(groups) - 1 else None,
+                )
+        finally:
+            with self.shared.lock:
+                freed = self.shared.let_go(held)
+            if freed:
+                self.shared.send(Freed(tuple(freed)))
+        self.served += len(tags)
+        for grant in served:
+            self._written.append((int(grant["epoch"]), int(grant["batch"]), int(grant["first"]), int(grant["end"])))
+
+    def close(self, reason: str = "") -> None:
+        """Stop serving; with a ``reason``, tell the client why first (it ends the feed with that).
+
+        The serving thread closes the writer itself (no write of it can meet released memory); a
+        thread blocked on a stalled client is interrupted after a short grace.
+        """
+        self._reason = reason  # sent by the serving thread itself, never beside one of its writes
+        self._stop.set()
+        self._thread.join(timeout=RECV_TIMEOUT * 4)
+        if self._thread.is_alive():
+            self.writer.interrupt()
+            self._thread.join(timeout=RECV_TIMEOUT * 4)
+        if self._thread.is_alive():
+            log.warning("feed %s: serving thread still busy after close; it closes the writer when done", self.feed_id)
+
+
+@dataclass(frozen=True)
+class Freed:
+    """Reported by a feeder: window tickets that no read uses any more, after they were retired."""
+
+    tickets: tuple[int, ...]

@@ -1,0 +1,488 @@
+"""Production: samples made resident in the order the committed plans will consume them.
+
+A committed plan says, for each feed, which of this server's samples its client will need and in
+what order. Production keeps, per feed, the position of the first sample not written yet (the
+feeders report what they wrote) and makes the next :attr:`Production.depth` samples resident ahead
+of it: a sample at home (in its place in the share's pool regions) is served from there with no
+copy; one that is not is produced into the production window (:mod:`kspeed.server.window`) by
+producer threads, today reading it from the backend. Feeders answer a grant once every sample it
+covers is resident (:mod:`kspeed.server.feed_writer`).
+
+Each feed may hold at most its fair share of the window (the capacity over the feeds with work),
+so a client that stops reading cannot starve the others. A window slot is retired once no
+installed plan still needs its sample unwritten: the sample is first copied home (so the preload
+never reads it again), then every feeder is told its new place; the slot is reused when no feeder
+is still reading it. A re-grant after a fence that needs a retired sample finds it at home (or,
+when it has no home, asks for it and waits while it is produced again).
+
+The background preload (:mod:`kspeed.server.preload`) runs beside it and reads what the plans need
+after the producers' depth first, then the rest; claims on the share's
+:class:`~kspeed.server.residency.Residency` keep the two from reading a sample twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+
+import numpy as np
+
+from kspeed.errors import KSpeedError
+from kspeed.histogram import Histogram
+from kspeed.server.datasets import DatasetHost
+from kspeed.server.feed_writer import MAX_PLANS, FeedProgress, PlanPart
+from kspeed.server.feeder_process import Command, Failed, InstallPlan, Locate, Reply
+from kspeed.server.preload import Preloader
+from kspeed.server.residency import ABSENT, FAILED, HOME, WINDOW
+from kspeed.server.window import ProductionWindow, Slot
+
+__all__ = ["Production"]
+
+log = logging.getLogger(__name__)
+
+TASK_SAMPLES = 8  # samples one producer reads per task
+RETRY_FAILED_S = 5.0  # a failed sample still needed is read again after this long
+RATE_SPAN_S = 5.0  # the producer rate is measured over about this long
+
+
+@dataclasses.dataclass
+class _Plan:
+    """One installed plan of one feed, as production follows it."""
+
+    epoch: int
+    ids: np.ndarray  # owned samples in plan order
+    positions: np.ndarray  # their plan positions
+    starts: np.ndarray  # plan index of each batch's first position
+    written: np.ndarray  # per owned position, written to the client
+    next: int = 0  # first owned position not written
+
+    def mark(self, batch: int, first: int, end: int) -> np.ndarray:
+        """Record a written grant; returns the samples of positions written for the first time."""
+        if not 0 <= batch < len(self.starts) - 1:
+            return np.zeros(0, np.int64)
+        lo = int(self.starts[batch]) + first
+        hi = min(int(self.starts[batch]) + end, int(self.starts[batch + 1]))
+        i, j = (int(x) for x in np.searchsorted(self.positions, (lo, hi)))
+        fresh = ~self.written[i:j]
+        self.written[i:j] = True
+        while self.next < len(self.written) and self.written[self.next]:
+            self.next += 1
+        return self.ids[i:j][fresh]
+
+    def unwritten(self) -> np.ndarray:
+        return self.ids[~self.written]
+
+
+@dataclasses.dataclass
+class _Feed:
+    feed_id: str
+    dataset: str
+    feeder: int
+    plans: dict[int, _Plan] = dataclasses.field(default_factory=dict)
+    held: int = 0  # window bytes produced for this feed and not retired
+    waiting: int = 0  # grants its feeder reported waiting on production
+
+
+@dataclasses.dataclass
+class _Draining:
+    slot: Slot
+    feeders: set[int]
+
+
+class _Share:
+    """One dataset's production state: what its plans still need, and its window slots."""
+
+    def __init__(self, dataset: str, preloader: Preloader) -> None:
+        self.dataset = dataset
+        self.preloader = preloader
+        self.residency = preloader.residency
+        self.lo = preloader.index.lo
+        self.need = np.zeros(len(preloader.index.length), dtype=np.int32)
+        self.slots: dict[int, tuple[Slot, int, str]] = {}  # sample -> (slot, crc, feed produced for)
+
+    def home_paths(self) -> dict[int, str]:
+        return {r.index: str(r.path) for r in self.preloader.pool.regions(self.dataset)}
+
+
+class Production:
+    """The production of one server's samples for its feeds.
+
+    Args:
+        window: the production window.
+        host: the server's datasets.
+        tell: sends a command to feeder ``i`` and returns its reply (raises on failure).
+        depth: samples made resident ahead of each feed's first unwritten one.
+        threads: producer threads.
+    """
+
+    def __init__(
+        self,
+        window: ProductionWindow,
+        host: DatasetHost,
+        tell: Callable[[int, Command], Reply],
+        *,
+        depth: int = 1024,
+        threads: int = 8,
+    ) -> None:
+        self.window = window
+        self.host = host
+        self.depth = max(int(depth), 1)
+        self._tell = tell
+        self._lock = threading.RLock()
+        self._work = threading.Condition(self._lock)
+        self._shares: dict[str, _Share] = {}
+        self._feeds: dict[str, _Feed] = {}
+        self._urgent: deque[tuple[str, np.ndarray]] = deque()
+        self._draining: dict[int, _Draining] = {}
+        self._turn = itertools.count()
+        self._stop = threading.Event()
+        self.produced_samples = 0
+        self.produced_bytes = 0
+        self.failed_samples = 0
+        self.window_full = 0  # times a producer found the window full
+        self.waits = Histogram()
+        self._recent: deque[tuple[float, int]] = deque()
+        self._threads = [
+            threading.Thread(target=self._produce_loop, name=f"producer-{n}", daemon=True)
+            for n in range(max(int(threads), 1))
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    # -- feeds and plans (called by the feeder pool) ---------------------------------------------
+
+    def install(self, feed_id: str, feeder: int, dataset: str, epoch: int, plan: PlanPart) -> None:
+        """Follow a newly committed plan and hand it to its feeder with the samples' current places.
+
+        Raises:
+            KSpeedError: the feeder refused the plan (its feed is gone); nothing is followed.
+        """
+        share = self._share(dataset)
+        with self._lock:
+            feed = self._feeds.get(feed_id)
+            if feed is None or feed.dataset != dataset:
+                feed = self._feeds[feed_id] = _Feed(feed_id, dataset, feeder)
+            feed.feeder = feeder
+            self._forget(share, feed, feed.plans.pop(epoch, None))
+            follow = _Plan(epoch, plan.ids, plan.positions, plan.starts, np.zeros(len(plan.ids), dtype=bool))
+            plan.region, plan.src, plan.ticket = self._places(share, plan.ids)
+            paths = {**share.home_paths(), **self.window.paths}
+            self._tell(feeder, InstallPlan(feed_id, epoch, plan, paths))
+            feed.plans[epoch] = follow
+            np.add.at(share.need, plan.ids - share.lo, 1)
+            for old in sorted(feed.plans)[:-MAX_PLANS]:  # as the feeder keeps them
+                self._forget(share, feed, feed.plans.pop(old))
+            self._work.notify_all()
+        share.preloader.prioritize(plan.ids)
+
+    def drop_feed(self, feed_id: str) -> None:
+        """Stop following a closed feed (its samples in the window are retired when nobody else needs them)."""
+        with self._lock:
+            feed = self._feeds.pop(feed_id, None)
+            share = self._shares.get(feed.dataset) if feed else None
+            if feed is None or share is None:
+                return
+            for plan in list(feed.plans.values()):
+                self._forget(share, feed, plan)
+
+    def drop_dataset(self, dataset: str) -> None:
+        """Forget a dropped dataset (its feeds are closed): free its window slots."""
+        with self._lock:
+            share = self._shares.pop(dataset, None)
+            for feed_id in [f for f, feed in self._feeds.items() if feed.dataset == dataset]:
+                self._feeds.pop(feed_id)
+            self._urgent = deque((d, ids) for d, ids in self._urgent if d != dataset)
+            if share is None:
+                return
+            for slot, _, _ in share.slots.values():
+                self.window.free(slot)
+            share.slots.clear()
+
+    def progress(self, feeder: int, event: FeedProgress) -> None:
+        """A feeder's report: grants written (slots may retire), grants waiting, waits, samples wanted."""
+        for seconds in event.waited:
+            self.waits.observe(seconds)
+        with self._lock:
+            feed = self._feeds.get(event.feed_id)
+            share = self._shares.get(feed.dataset) if feed else None
+            if feed is None or share is None:
+                return
+            feed.waiting = event.waiting
+            done: list[np.ndarray] = []
+            for epoch, batch, first, end in event.written.tolist():
+                plan = feed.plans.get(epoch)
+                if plan is not None:
+                    done.append(plan.mark(batch, first, end))
+            if done:
+                ids = np.concatenate(done)
+                np.subtract.at(share.need, ids - share.lo, 1)
+                self._retire(share, ids)
+            if event.wanted is not None and len(event.wanted):
+                # A re-grant (after a fence) of samples already written and retired: produce them
+                # again (they go home once written, as nothing else needs them).
+                self._urgent.append((share.dataset, event.wanted))
+                self._work.notify_all()
+
+    def freed(self, feeder: int, tickets: Iterable[int]) -> None:
+        """A feeder no longer reads these retired window tickets."""
+        with self._lock:
+            for ticket in tickets:
+                entry = self._draining.get(ticket)
+                if entry is None:
+                    continue
+                entry.feeders.discard(feeder)
+                if not entry.feeders:
+                    del self._draining[ticket]
+                    self.window.free(entry.slot)
+
+    # -- state -----------------------------------------------------------------------------------
+
+    def _share(self, dataset: str) -> _Share:
+        preloader = self.host.get(dataset).preloader
+        with self._lock:
+            share = self._shares.get(dataset)
+            if share is None or share.preloader is not preloader:
+                if share is not None:
+                    self.drop_dataset(dataset)
+                share = self._shares[dataset] = _Share(dataset, preloader)
+                preloader.on_home = functools.partial(self._came_home, share)
+                preloader.on_failed = functools.partial(self._failed, share)
+            return share
+
+    def _places(self, share: _Share, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Where ``ids`` are now: (pool region or -1, offset, window ticket or 0)."""
+        region = np.full(len(ids), -1, dtype=np.int64)
+        src = np.zeros(len(ids), dtype=np.int64)
+        ticket = np.zeros(len(ids), dtype=np.int64)
+        state = share.residency.of(ids)
+        home = state == HOME
+        if home.any():
+            region[home], src[home] = share.preloader.home(ids[home])
+        for k in np.flatnonzero(state == WINDOW).tolist():
+            slot = share.slots[int(ids[k])][0]
+            region[k], src[k], ticket[k] = slot.region, slot.offset, slot.ticket
+        return region, src, ticket
+
+    def _broadcast(self, dataset: str, command: Command) -> dict[int, Reply]:
+        """Send ``command`` to every feeder with a feed of ``dataset``; replies by feeder."""
+        feeders = sorted({feed.feeder for feed in self._feeds.values() if feed.dataset == dataset})
+        replies = {}
+        for index in feeders:
+            try:
+                replies[index] = self._tell(index, command)
+            except KSpeedError as exc:
+                log.warning("feeder %d: cannot tell it where samples of %s are: %s", index, dataset, exc)
+        return replies
+
+    def _forget(self, share: _Share, feed: _Feed, plan: _Plan | None) -> None:
+        if plan is None:
+            return
+        ids = plan.unwritten()
+        np.subtract.at(share.need, ids - share.lo, 1)
+        self._retire(share, ids)
+
+    def _came_home(self, share: _Share, ids: np.ndarray) -> None:
+        """The preload loaded ``ids`` at home: feeders of the plans that need them learn where."""
+        with self._lock:
+            if self._shares.get(share.dataset) is not share:
+                return
+            ids = ids[share.need[ids - share.lo] > 0]
+            if len(ids):
+                region, src = share.preloader.home(ids)
+                self._broadcast(share.dataset, Locate(share.dataset, ids, region, src, np.zeros(len(ids), np.int64)))
+
+    def _failed(self, share: _Share, ids: np.ndarray, reasons: list[str]) -> None:
+        with self._lock:
+            if self._shares.get(share.dataset) is not share:
+                return
+            needed = share.need[ids - share.lo] > 0
+            if needed.any():
+                self.failed_samples += int(needed.sum())
+                why = tuple(r for r, n in zip(reasons, needed.tolist(), strict=True) if n)
+                self._broadcast(share.dataset, Failed(share.dataset, ids[needed], why))
+
+    def _retire(self, share: _Share, ids: np.ndarray) -> None:
+        """Retire the window slots of ``ids`` that no plan needs unwritten any more: home, then reuse."""
+        ids = np.unique(ids)
+        ids = ids[share.need[ids - share.lo] <= 0]
+        ids = np.array([i for i in ids.tolist() if i in share.slots], dtype=np.int64)
+        if not len(ids):
+            return
+        entries = [share.slots.pop(i) for i in ids.tolist()]
+        share.preloader.adopt(
+            ids, [self.window.view(slot) for slot, _, _ in entries], np.array([c for _, c, _ in entries], np.uint32)
+        )
+        region, src = share.preloader.home(ids)
+        replies = self._broadcast(share.dataset, Locate(share.dataset, ids, region, src, np.zeros(len(ids), np.int64)))
+        busy: dict[int, set[int]] = {}
+        for index, reply in replies.items():
+            for ticket in reply.busy:
+                busy.setdefault(ticket, set()).add(index)
+        for slot, _, owner in entries:
+            feed = self._feeds.get(owner)
+            if feed is not None:
+                feed.held -= slot.nbytes
+            if slot.ticket in busy:
+                self._draining[slot.ticket] = _Draining(slot, busy[slot.ticket])
+            else:
+                self.window.free(slot)
+
+    # -- the producers ---------------------------------------------------------------------------
+
+    def _next_work(self) -> tuple[_Share, str, np.ndarray] | None:
+        """The next samples to produce: asked-for ones first, then each feed's next absent ones."""
+        while self._urgent:
+            dataset, ids = self._urgent.popleft()
+            share = self._shares.get(dataset)
+            if share is not None:
+                taken = share.residency.claim(ids[:TASK_SAMPLES], retry_failed_after=0.0)
+                if len(ids) > TASK_SAMPLES:
+                    self._urgent.appendleft((dataset, ids[TASK_SAMPLES:]))
+                if len(taken):
+                    return share, "", taken
+        feeds = list(self._feeds.values())
+        busy = [f for f in feeds if any(p.next < len(p.ids) for p in f.plans.values())]
+        if not busy:
+            return None
+        fair = self.window.capacity // len(busy)
+        start = next(self._turn) % len(busy)
+        for feed in busy[start:] + busy[:start]:
+            share = self._shares.get(feed.dataset)
+            if share is None or feed.held >= fair:
+                continue
+            budget = self.depth
+            for epoch in sorted(feed.plans):
+                plan = feed.plans[epoch]
+                span = plan.ids[plan.next : plan.next + budget]
+                budget -= len(span)
+                state = share.residency.of(span)
+                wanted = span[(state == ABSENT) | (state == FAILED)]
+                if len(wanted):
+                    taken = share.residency.claim(wanted[:TASK_SAMPLES], retry_failed_after=RETRY_FAILED_S)
+                    if len(taken):
+                        return share, feed.feed_id, taken
+                if budget <= 0:
+                    break
+        return None
+
+    def _produce_loop(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                work = self._next_work()
+                if work is None:
+                    self._work.wait(0.05)
+                    continue
+            try:
+                self._produce(*work)
+            except Exception:  # a bug: log it, give the samples back, keep producing
+                log.exception("dataset %s: producing samples %s failed", work[0].dataset, work[2][:4].tolist())
+                work[0].residency.settle(work[2], ABSENT)
+
+    def _produce(self, share: _Share, feed_id: str, ids: np.ndarray) -> None:
+        """Read ``ids`` (claimed) from the backend into window slots and tell the feeders where they are."""
+        lengths = share.preloader.index.length[ids - share.lo]
+        ids, lengths = self._adopt_big(share, ids, lengths)
+        slots: list[Slot] = []
+        for n in lengths.tolist():
+            slot = self.window.place(n)
+            if slot is None:
+                break
+            slots.append(slot)
+        if len(slots) < len(ids):  # the window is full: give back what did not fit, wait for room
+            share.residency.settle(ids[len(slots) :], ABSENT)
+            ids = ids[: len(slots)]
+            with self._lock:
+                self.window_full += 1
+            if not slots:
+                self.window.wait_for_room(0.05)
+                return
+        crcs = np.zeros(len(ids), dtype=np.uint32)
+        errors = []
+        for region in sorted({s.region for s in slots}):
+            at = [k for k, s in enumerate(slots) if s.region == region]
+            got, failed = share.preloader.source.read_run(
+                [int(ids[k]) for k in at],
+                self.window.region_array(region),
+                [slots[k].offset for k in at],
+                [slots[k].nbytes for k in at],
+            )
+            crcs[at] = got
+            errors.extend(failed)
+        bad = {e.sample: str(e) for e in errors if isinstance(e.sample, int)}
+        share.preloader.changed(errors)
+        ok = np.array([int(i) not in bad for i in ids.tolist()], dtype=bool)
+        with self._lock:
+            if self._shares.get(share.dataset) is not share:  # dropped meanwhile
+                for slot in slots:
+                    self.window.free(slot)
+                return
+            for k in np.flatnonzero(~ok).tolist():
+                self.window.free(slots[k])
+            if (~ok).any():
+                failed_ids = ids[~ok]
+                reasons = [bad[int(i)] for i in failed_ids.tolist()]
+                share.residency.fail(failed_ids, reasons)
+                self._failed(share, failed_ids, reasons)
+            good = ids[ok]
+            if not len(good):
+                return
+            feed = self._feeds.get(feed_id)
+            for k in np.flatnonzero(ok).tolist():
+                share.slots[int(ids[k])] = (slots[k], int(crcs[k]), feed_id)
+                if feed is not None:
+                    feed.held += slots[k].nbytes
+            share.residency.settle(good, WINDOW)
+            nbytes = int(lengths[ok].sum())
+            self.produced_samples += len(good)
+            self.produced_bytes += nbytes
+            self._recent.append((time.monotonic(), nbytes))
+            placed = [slots[k] for k in np.flatnonzero(ok).tolist()]
+            self._broadcast(
+                share.dataset,
+                Locate(
+                    share.dataset,
+                    good,
+                    np.array([s.region for s in placed], np.int64),
+                    np.array([s.offset for s in placed], np.int64),
+                    np.array([s.ticket for s in placed], np.int64),
+                ),
+            )
+            self._retire(share, good)  # produced for a plan dropped meanwhile
+
+    def _adopt_big(self, share: _Share, ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Samples larger than a window region cannot be staged: they are read straight home."""
+        big = ~np.array([self.window.fits(n) for n in lengths.tolist()], dtype=bool)
+        if not big.any():
+            return ids, lengths
+        share.residency.settle(ids[big], ABSENT)
+        share.preloader.prioritize(ids[big])
+        return ids[~big], lengths[~big]
+
+    # -- figures ---------------------------------------------------------------------------------
+
+    def rate(self) -> float:
+        """Bytes per second produced over about the last :data:`RATE_SPAN_S` seconds."""
+        now = time.monotonic()
+        with self._lock:
+            while self._recent and now - self._recent[0][0] > RATE_SPAN_S:
+                self._recent.popleft()
+            return sum(n for _, n in self._recent) / RATE_SPAN_S
+
+    def waiting(self) -> int:
+        """Grants the feeders last reported waiting on production."""
+        with self._lock:
+            return sum(feed.waiting for feed in self._feeds.values())
+
+    def stop(self) -> None:
+        """Stop the producers."""
+        self._stop.set()
+        with self._lock:
+            self._work.notify_all()
+        for thread in self._threads:
+            thread.join(timeout=5)
