@@ -9,9 +9,10 @@ producer threads, today reading it from the backend. Feeders answer a grant once
 covers is resident (:mod:`kspeed.server.feed_writer`).
 
 Each feed may hold at most its fair share of the window (the capacity over the feeds with work),
-so a client that stops reading cannot starve the others. A window slot is retired once no
-installed plan still needs its sample unwritten: the sample is first copied home (so the preload
-never reads it again), then every feeder is told its new place; the slot is reused when no feeder
+so a client that stops reading cannot starve the others. A window slot is retired once its sample
+is no longer within any feed's **horizon** (the unwritten positions among the next ``depth`` of
+its plans): the sample is first copied home (so the preload never reads it again, and a later
+epoch finds it there), then every feeder is told its new place; the slot is reused when no feeder
 is still reading it. A re-grant after a fence that needs a retired sample finds it at home (or,
 when it has no home, asks for it and waits while it is produced again).
 
@@ -39,7 +40,7 @@ from kspeed.server.datasets import DatasetHost
 from kspeed.server.feed_writer import MAX_PLANS, FeedProgress, PlanPart
 from kspeed.server.feeder_process import Command, Failed, InstallPlan, Locate, Reply
 from kspeed.server.preload import Preloader
-from kspeed.server.residency import ABSENT, FAILED, HOME, WINDOW
+from kspeed.server.residency import ABSENT, FAILED, HOME, READING, WINDOW
 from kspeed.server.window import ProductionWindow, Slot
 
 __all__ = ["Production"]
@@ -75,8 +76,10 @@ class _Plan:
             self.next += 1
         return self.ids[i:j][fresh]
 
-    def unwritten(self) -> np.ndarray:
-        return self.ids[~self.written]
+    def ahead(self, budget: int) -> np.ndarray:
+        """The unwritten samples among the next ``budget`` positions from :attr:`next`."""
+        span = slice(self.next, self.next + budget)
+        return self.ids[span][~self.written[span]]
 
 
 @dataclasses.dataclass
@@ -96,14 +99,14 @@ class _Draining:
 
 
 class _Share:
-    """One dataset's production state: what its plans still need, and its window slots."""
+    """One dataset's production state: its window slots."""
 
     def __init__(self, dataset: str, preloader: Preloader) -> None:
         self.dataset = dataset
         self.preloader = preloader
         self.residency = preloader.residency
         self.lo = preloader.index.lo
-        self.need = np.zeros(len(preloader.index.length), dtype=np.int32)
+        self.size = len(preloader.index.length)
         self.slots: dict[int, tuple[Slot, int, str]] = {}  # sample -> (slot, crc, feed produced for)
 
     def home_paths(self) -> dict[int, str]:
@@ -169,15 +172,15 @@ class Production:
             if feed is None or feed.dataset != dataset:
                 feed = self._feeds[feed_id] = _Feed(feed_id, dataset, feeder)
             feed.feeder = feeder
-            self._forget(share, feed, feed.plans.pop(epoch, None))
+            feed.plans.pop(epoch, None)
             follow = _Plan(epoch, plan.ids, plan.positions, plan.starts, np.zeros(len(plan.ids), dtype=bool))
             plan.region, plan.src, plan.ticket = self._places(share, plan.ids)
             paths = {**share.home_paths(), **self.window.paths}
             self._tell(feeder, InstallPlan(feed_id, epoch, plan, paths))
             feed.plans[epoch] = follow
-            np.add.at(share.need, plan.ids - share.lo, 1)
             for old in sorted(feed.plans)[:-MAX_PLANS]:  # as the feeder keeps them
-                self._forget(share, feed, feed.plans.pop(old))
+                feed.plans.pop(old)
+            self._sweep(share)
             self._work.notify_all()
         share.preloader.prioritize(plan.ids)
 
@@ -186,10 +189,8 @@ class Production:
         with self._lock:
             feed = self._feeds.pop(feed_id, None)
             share = self._shares.get(feed.dataset) if feed else None
-            if feed is None or share is None:
-                return
-            for plan in list(feed.plans.values()):
-                self._forget(share, feed, plan)
+            if feed is not None and share is not None:
+                self._sweep(share)
 
     def drop_dataset(self, dataset: str) -> None:
         """Forget a dropped dataset (its feeds are closed): free its window slots."""
@@ -214,15 +215,12 @@ class Production:
             if feed is None or share is None:
                 return
             feed.waiting = event.waiting
-            done: list[np.ndarray] = []
             for epoch, batch, first, end in event.written.tolist():
                 plan = feed.plans.get(epoch)
                 if plan is not None:
-                    done.append(plan.mark(batch, first, end))
-            if done:
-                ids = np.concatenate(done)
-                np.subtract.at(share.need, ids - share.lo, 1)
-                self._retire(share, ids)
+                    plan.mark(batch, first, end)
+            if len(event.written):
+                self._sweep(share)
             if event.wanted is not None and len(event.wanted):
                 # A re-grant (after a fence) of samples already written and retired: produce them
                 # again (they go home once written, as nothing else needs them).
@@ -280,19 +278,33 @@ class Production:
                 log.warning("feeder %d: cannot tell it where samples of %s are: %s", index, dataset, exc)
         return replies
 
-    def _forget(self, share: _Share, feed: _Feed, plan: _Plan | None) -> None:
-        if plan is None:
+    def _horizon(self, share: _Share) -> np.ndarray:
+        """The samples within some feed's horizon (needed unwritten, ``depth`` positions ahead)."""
+        parts = [np.zeros(0, np.int64)]
+        for feed in self._feeds.values():
+            if feed.dataset != share.dataset:
+                continue
+            budget = self.depth
+            for epoch in sorted(feed.plans):
+                plan = feed.plans[epoch]
+                parts.append(plan.ahead(budget))
+                budget -= max(len(plan.ids) - plan.next, 0)
+                if budget <= 0:
+                    break
+        return np.concatenate(parts)
+
+    def _sweep(self, share: _Share) -> None:
+        """Retire the window slots of samples no feed's horizon holds any more."""
+        if not share.slots:
             return
-        ids = plan.unwritten()
-        np.subtract.at(share.need, ids - share.lo, 1)
-        self._retire(share, ids)
+        held = np.fromiter(share.slots.keys(), dtype=np.int64, count=len(share.slots))
+        self._retire(share, held[~np.isin(held, self._horizon(share))])
 
     def _came_home(self, share: _Share, ids: np.ndarray) -> None:
-        """The preload loaded ``ids`` at home: feeders of the plans that need them learn where."""
+        """The preload loaded ``ids`` at home: feeders of the dataset's feeds learn where."""
         with self._lock:
             if self._shares.get(share.dataset) is not share:
                 return
-            ids = ids[share.need[ids - share.lo] > 0]
             if len(ids):
                 region, src = share.preloader.home(ids)
                 self._broadcast(share.dataset, Locate(share.dataset, ids, region, src, np.zeros(len(ids), np.int64)))
@@ -301,17 +313,13 @@ class Production:
         with self._lock:
             if self._shares.get(share.dataset) is not share:
                 return
-            needed = share.need[ids - share.lo] > 0
-            if needed.any():
-                self.failed_samples += int(needed.sum())
-                why = tuple(r for r, n in zip(reasons, needed.tolist(), strict=True) if n)
-                self._broadcast(share.dataset, Failed(share.dataset, ids[needed], why))
+            if len(ids):
+                self.failed_samples += len(ids)
+                self._broadcast(share.dataset, Failed(share.dataset, ids, tuple(reasons)))
 
     def _retire(self, share: _Share, ids: np.ndarray) -> None:
-        """Retire the window slots of ``ids`` that no plan needs unwritten any more: home, then reuse."""
-        ids = np.unique(ids)
-        ids = ids[share.need[ids - share.lo] <= 0]
-        ids = np.array([i for i in ids.tolist() if i in share.slots], dtype=np.int64)
+        """Retire the window slots of ``ids``: copy them home, tell the feeders, reuse the slots."""
+        ids = np.array([i for i in np.unique(ids).tolist() if i in share.slots], dtype=np.int64)
         if not len(ids):
             return
         entries = [share.slots.pop(i) for i in ids.tolist()]
@@ -380,28 +388,43 @@ class Production:
                     continue
             try:
                 self._produce(*work)
-            except Exception:  # a bug: log it, give the samples back, keep producing
+            except Exception:  # a bug: log it (the samples were given back), keep producing
                 log.exception("dataset %s: producing samples %s failed", work[0].dataset, work[2][:4].tolist())
-                work[0].residency.settle(work[2], ABSENT)
 
     def _produce(self, share: _Share, feed_id: str, ids: np.ndarray) -> None:
         """Read ``ids`` (claimed) from the backend into window slots and tell the feeders where they are."""
         lengths = share.preloader.index.length[ids - share.lo]
         ids, lengths = self._adopt_big(share, ids, lengths)
         slots: list[Slot] = []
-        for n in lengths.tolist():
-            slot = self.window.place(n)
-            if slot is None:
-                break
-            slots.append(slot)
-        if len(slots) < len(ids):  # the window is full: give back what did not fit, wait for room
-            share.residency.settle(ids[len(slots) :], ABSENT)
-            ids = ids[: len(slots)]
+        placed = False
+        try:
+            for n in lengths.tolist():
+                slot = self.window.place(n)
+                if slot is None:
+                    break
+                slots.append(slot)
+            if len(slots) < len(ids):  # the window is full: give back what did not fit, wait for room
+                share.residency.settle(ids[len(slots) :], ABSENT)
+                ids, lengths = ids[: len(slots)], lengths[: len(slots)]
+                with self._lock:
+                    self.window_full += 1
+                if not slots:
+                    self.window.wait_for_room(0.05)
+                    return
+            crcs, bad = self._read(share, ids, slots)
             with self._lock:
-                self.window_full += 1
-            if not slots:
-                self.window.wait_for_room(0.05)
-                return
+                if self._shares.get(share.dataset) is not share:  # dropped meanwhile
+                    return
+                self._settle(share, feed_id, ids, lengths, slots, crcs, bad)
+                placed = True
+        finally:
+            if not placed:
+                for slot in slots:
+                    self.window.free(slot)
+                share.residency.settle(ids[share.residency.of(ids) == READING], ABSENT)
+
+    def _read(self, share: _Share, ids: np.ndarray, slots: list[Slot]) -> tuple[np.ndarray, dict[int, str]]:
+        """Read ``ids`` into their slots; returns their crc32c and the failed ones with why."""
         crcs = np.zeros(len(ids), dtype=np.uint32)
         errors = []
         for region in sorted({s.region for s in slots}):
@@ -414,46 +437,53 @@ class Production:
             )
             crcs[at] = got
             errors.extend(failed)
-        bad = {e.sample: str(e) for e in errors if isinstance(e.sample, int)}
         share.preloader.changed(errors)
+        return crcs, {e.sample: str(e) for e in errors if isinstance(e.sample, int)}
+
+    def _settle(
+        self,
+        share: _Share,
+        feed_id: str,
+        ids: np.ndarray,
+        lengths: np.ndarray,
+        slots: list[Slot],
+        crcs: np.ndarray,
+        bad: dict[int, str],
+    ) -> None:
+        """Record produced samples (and failed ones) and tell the feeders; under the lock."""
         ok = np.array([int(i) not in bad for i in ids.tolist()], dtype=bool)
-        with self._lock:
-            if self._shares.get(share.dataset) is not share:  # dropped meanwhile
-                for slot in slots:
-                    self.window.free(slot)
-                return
-            for k in np.flatnonzero(~ok).tolist():
-                self.window.free(slots[k])
-            if (~ok).any():
-                failed_ids = ids[~ok]
-                reasons = [bad[int(i)] for i in failed_ids.tolist()]
-                share.residency.fail(failed_ids, reasons)
-                self._failed(share, failed_ids, reasons)
-            good = ids[ok]
-            if not len(good):
-                return
-            feed = self._feeds.get(feed_id)
-            for k in np.flatnonzero(ok).tolist():
-                share.slots[int(ids[k])] = (slots[k], int(crcs[k]), feed_id)
-                if feed is not None:
-                    feed.held += slots[k].nbytes
-            share.residency.settle(good, WINDOW)
-            nbytes = int(lengths[ok].sum())
-            self.produced_samples += len(good)
-            self.produced_bytes += nbytes
-            self._recent.append((time.monotonic(), nbytes))
-            placed = [slots[k] for k in np.flatnonzero(ok).tolist()]
-            self._broadcast(
+        for k in np.flatnonzero(~ok).tolist():
+            self.window.free(slots[k])
+        if (~ok).any():
+            failed_ids = ids[~ok]
+            reasons = [bad[int(i)] for i in failed_ids.tolist()]
+            share.residency.fail(failed_ids, reasons)
+            self._failed(share, failed_ids, reasons)
+        good = ids[ok]
+        if not len(good):
+            return
+        feed = self._feeds.get(feed_id)
+        placed = [slots[k] for k in np.flatnonzero(ok).tolist()]
+        for sample, slot, crc in zip(good.tolist(), placed, crcs[ok].tolist(), strict=True):
+            share.slots[sample] = (slot, crc, feed_id)
+            if feed is not None:
+                feed.held += slot.nbytes
+        share.residency.settle(good, WINDOW)
+        nbytes = int(lengths[ok].sum())
+        self.produced_samples += len(good)
+        self.produced_bytes += nbytes
+        self._recent.append((time.monotonic(), nbytes))
+        self._broadcast(
+            share.dataset,
+            Locate(
                 share.dataset,
-                Locate(
-                    share.dataset,
-                    good,
-                    np.array([s.region for s in placed], np.int64),
-                    np.array([s.offset for s in placed], np.int64),
-                    np.array([s.ticket for s in placed], np.int64),
-                ),
-            )
-            self._retire(share, good)  # produced for a plan dropped meanwhile
+                good,
+                np.array([s.region for s in placed], np.int64),
+                np.array([s.offset for s in placed], np.int64),
+                np.array([s.ticket for s in placed], np.int64),
+            ),
+        )
+        self._sweep(share)  # what no horizon holds (produced for a plan dropped meanwhile) goes home
 
     def _adopt_big(self, share: _Share, ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Samples larger than a window region cannot be staged: they are read straight home."""
