@@ -189,6 +189,7 @@ class Production:
         with self._lock:
             feed = self._feeds.pop(feed_id, None)
             share = self._shares.get(feed.dataset) if feed else None
+            self.window.forget(feed_id)
             if feed is not None and share is not None:
                 self._sweep(share)
 
@@ -358,7 +359,8 @@ class Production:
         busy = [f for f in feeds if any(p.next < len(p.ids) for p in f.plans.values())]
         if not busy:
             return None
-        fair = self.window.capacity // len(busy)
+        # Open chunks round a feed's share up; every feed may hold at least one.
+        fair = max(self.window.capacity // len(busy) - self.window.chunk, self.window.chunk)
         start = next(self._turn) % len(busy)
         for feed in busy[start:] + busy[:start]:
             share = self._shares.get(feed.dataset)
@@ -399,7 +401,7 @@ class Production:
         placed = False
         try:
             for n in lengths.tolist():
-                slot = self.window.place(n)
+                slot = self.window.place(n, feed_id)
                 if slot is None:
                     break
                 slots.append(slot)

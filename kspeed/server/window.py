@@ -4,12 +4,12 @@ Producers (today the backend reader of :mod:`kspeed.server.production`; next pre
 failover re-reader and the streaming loader) write samples that are not resident in their home
 region into the window, in the order the committed plans will consume them; feeders write them
 from there into the clients' rings. The window is whole pool regions reserved at start (so the
-manager never allocates them to a dataset), cut into equal **chunks**. Samples are placed back to
-back in the open chunk (a bump allocator); a sample larger than a chunk takes consecutive free
-chunks of one region. A chunk is reused once every sample placed in it has been freed, so one
-sample a slow client still needs pins one chunk, never the window. What the window holds is
-counted in whole chunks, so :attr:`ProductionWindow.used` can never exceed
-:attr:`ProductionWindow.capacity`.
+manager never allocates them to a dataset), cut into equal **chunks**. Each owner (a feed) has
+its own open chunk, where its samples are placed back to back (a bump allocator); a sample larger
+than a chunk takes consecutive free chunks of one region. A chunk is reused once every sample
+placed in it has been freed, so a sample a slow client still needs pins one chunk of its own
+feed's, never another feed's room. What the window holds is counted in whole chunks, so
+:attr:`ProductionWindow.used` can never exceed :attr:`ProductionWindow.capacity`.
 """
 
 from __future__ import annotations
@@ -92,8 +92,7 @@ class ProductionWindow:
         self.capacity = total * self.chunk
         self._live = np.zeros(total, dtype=np.int64)  # samples placed in each chunk and not freed
         self._taken = np.zeros(total, dtype=bool)  # chunk handed out (open, full or owned by a big sample)
-        self._open = -1  # the chunk samples are bumped into
-        self._fill = 0  # bytes used in the open chunk
+        self._open: dict[str, list[int]] = {}  # per owner, [its open chunk, bytes used in it]
         self._tickets = count(1)
         self._cond = threading.Condition()
         self.peak = 0
@@ -108,15 +107,15 @@ class ProductionWindow:
             return self._used()
 
     def _used(self) -> int:
-        idle = self._open >= 0 and self._live[self._open] == 0  # the open chunk, emptied
-        return (int(self._taken.sum()) - int(idle)) * self.chunk
+        idle = sum(1 for chunk, _ in self._open.values() if self._live[chunk] == 0)  # open chunks, emptied
+        return (int(self._taken.sum()) - idle) * self.chunk
 
     def fits(self, nbytes: int) -> bool:
         """Whether a sample of ``nbytes`` can ever be placed (it must fit one region)."""
         return nbytes <= self.region_size
 
-    def place(self, nbytes: int) -> Slot | None:
-        """Room for one sample of ``nbytes``, or ``None`` when the window is full now.
+    def place(self, nbytes: int, owner: str = "") -> Slot | None:
+        """Room for one sample of ``nbytes`` in ``owner``'s chunks, or ``None`` when the window is full now.
 
         Raises:
             CapacityError: the sample is larger than a region (it can never be placed).
@@ -127,24 +126,37 @@ class ProductionWindow:
         with self._cond:
             if size > self.chunk:
                 return self._place_big(nbytes, size)
-            if (self._open < 0 or self._fill + size > self.chunk) and not self._open_chunk():
+            current = self._open.get(owner)
+            if (current is None or current[1] + size > self.chunk) and not self._open_chunk(owner):
                 return None
-            chunk, offset = self._open, self._fill
-            self._fill += size
+            current = self._open[owner]
+            chunk, offset = current
+            current[1] += size
             self._live[chunk] += 1
             return self._slot(chunk, offset, nbytes, 0)
 
-    def _open_chunk(self) -> bool:
-        if self._open >= 0 and self._live[self._open] == 0:
-            self._taken[self._open] = False  # the old open chunk emptied meanwhile
+    def _open_chunk(self, owner: str) -> bool:
+        self._close_chunk(owner)
         free = np.flatnonzero(~self._taken)
         if not len(free):
-            self._open = -1
             return False
-        self._open, self._fill = int(free[0]), 0
-        self._taken[self._open] = True
+        chunk = int(free[0])
+        self._open[owner] = [chunk, 0]
+        self._taken[chunk] = True
         self._note_peak()
         return True
+
+    def _close_chunk(self, owner: str) -> None:
+        """Stop bumping into ``owner``'s open chunk; it is reused once its samples are freed."""
+        current = self._open.pop(owner, None)
+        if current is not None and self._live[current[0]] == 0:
+            self._taken[current[0]] = False
+
+    def forget(self, owner: str) -> None:
+        """An owner is gone (its feed closed): its open chunk goes back once its samples are freed."""
+        with self._cond:
+            self._close_chunk(owner)
+            self._cond.notify_all()
 
     def _place_big(self, nbytes: int, size: int) -> Slot | None:
         need = -(-size // self.chunk)
@@ -178,10 +190,12 @@ class ProductionWindow:
             self._live[chunk] -= 1
             if slot.own_chunks:
                 self._taken[chunk : chunk + slot.own_chunks] = False
-            elif self._live[chunk] == 0 and chunk != self._open:
-                self._taken[chunk] = False
             elif self._live[chunk] == 0:
-                self._fill = 0  # the open chunk emptied: fill it again from the start
+                opener = next((o for o, (c, _) in self._open.items() if c == chunk), None)
+                if opener is None:
+                    self._taken[chunk] = False
+                else:
+                    self._open[opener][1] = 0  # an open chunk emptied: fill it again from the start
             self._cond.notify_all()
 
     def wait_for_room(self, timeout: float) -> None:

@@ -1,0 +1,188 @@
+"""Production: samples made resident in plan order, a depth ahead, through a bounded window."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kspeed.layout import batch_layout
+from kspeed.server.feed_writer import FeederShared, FeedProgress, PlanPart
+from kspeed.server.feeder_process import Failed, InstallPlan, Locate, Reply
+from kspeed.server.production import Production
+from kspeed.server.residency import HOME
+from kspeed.server.window import ProductionWindow
+from tests.server.datasets import REGION
+from tests.server.test_preload import make
+
+
+class Feeders:
+    """Stands in for the feeder processes: applies what production tells them to their plans."""
+
+    def __init__(self) -> None:
+        self.plans: dict[tuple[str, int], PlanPart] = {}
+        self.log: list[object] = []
+        self.lock = threading.Lock()
+
+    def tell(self, index: int, command) -> Reply:
+        with self.lock:
+            self.log.append(command)
+            if isinstance(command, InstallPlan):
+                self.plans[command.feed_id, command.epoch] = command.plan
+            elif isinstance(command, Locate):
+                for plan in self.plans.values():
+                    plan.locate(command.ids, command.region, command.src, command.ticket)
+        return Reply(True)
+
+    def located(self) -> list[Locate]:
+        with self.lock:
+            return [c for c in self.log if isinstance(c, Locate)]
+
+
+class Host:
+    def __init__(self, preloader) -> None:
+        self.preloader = preloader
+
+    def get(self, name):
+        return self
+
+
+def plan_of(ids: np.ndarray, lengths: np.ndarray, batch: int) -> PlanPart:
+    layout = batch_layout(lengths, batch)
+    n = len(ids)
+    return PlanPart(
+        starts=layout.starts,
+        positions=np.arange(n, dtype=np.int64),
+        ids=ids.astype(np.int64),
+        length=lengths.astype(np.int64),
+        dst=layout.offsets,
+        region=np.full(n, -1, np.int64),
+        src=np.zeros(n, np.int64),
+        ticket=np.zeros(n, np.int64),
+    )
+
+
+def written(plan: PlanPart, batches: range) -> np.ndarray:
+    return np.array([(0, b, 0, 1 << 30) for b in batches], dtype=np.int64).reshape(-1, 4)
+
+
+def wait(predicate, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def produced(tmp_path, backend, pool):
+    """A share of 300 samples behind a 2 ms-per-file backend, a window of one region, production running."""
+    sizes = np.random.default_rng(3).integers(1, 20_000, 300)
+    window = ProductionWindow(pool, REGION)
+    files, src, pre = make(tmp_path, backend, pool, sizes, uri=f"slowfile://{tmp_path / 'd'}", threads=2)
+    feeders = Feeders()
+    production = Production(window, Host(pre), feeders.tell, depth=40, threads=3)
+    yield files, src, pre, window, feeders, production
+    production.stop()
+
+
+def check_bytes(files, plan: PlanPart, pool, upto: int) -> None:
+    keys = sorted(files)
+    for k in range(upto):
+        assert plan.region[k] >= 0, f"position {k} not resident"
+        start, n = int(plan.src[k]), int(plan.length[k])
+        assert pool.array(int(plan.region[k]))[start : start + n].tobytes() == files[keys[int(plan.ids[k])]]
+
+
+def test_the_plan_is_produced_in_order_a_depth_ahead_then_goes_home(produced, pool):
+    files, src, pre, window, feeders, production = produced
+    ids = np.random.default_rng(4).permutation(300)
+    plan = plan_of(ids, pre.index.length[ids], 10)
+    production.install("f", 0, "ds", 0, plan)
+    mine = feeders.plans["f", 0]
+    wait(lambda: (mine.region[:40] >= 0).all())
+    check_bytes(files, mine, pool, 40)  # the first depth of the plan is resident, byte exact
+    into_window = np.concatenate([c.ids[c.ticket > 0] for c in feeders.located()])
+    assert len(into_window) and set(into_window.tolist()) <= set(ids[:40].tolist())  # never beyond the depth
+    assert window.used > 0
+    # The client took the first 20 batches: their samples leave the window for home, nothing is read twice.
+    production.progress(0, FeedProgress("f", written(mine, range(20)), 0))
+    wait(lambda: (pre.residency.of(ids[:200]) == HOME).all())
+    pre.preload(timeout=60)
+    check_bytes(files, mine, pool, 300)
+    assert src.reads.max() == 1 and src.reads.sum() == 300
+    production.progress(0, FeedProgress("f", written(mine, range(30)), 0))
+    wait(lambda: window.used == 0)
+    assert (mine.ticket == 0).all() and window.peak <= window.capacity
+
+
+def test_a_full_window_holds_production_back_until_samples_are_written(tmp_path, backend, pool):
+    sizes = np.full(100, 60_000)
+    window = ProductionWindow(pool, REGION)  # 16 chunks of 64 KiB: one sample each
+    files, _src, pre = make(tmp_path, backend, pool, sizes, uri=f"slowfile://{tmp_path / 'd'}", threads=1)
+    feeders = Feeders()
+    production = Production(window, Host(pre), feeders.tell, depth=100, threads=2)
+    try:
+        ids = np.arange(100)
+        pre_start = pre.start
+        pre.start = lambda: None  # no preload: only the window can hold samples
+        plan = plan_of(ids, pre.index.length[ids], 4)
+        production.install("f", 0, "ds", 0, plan)
+        mine = feeders.plans["f", 0]
+        wait(lambda: production.window_full > 0)
+        assert (mine.region >= 0).sum() <= 16 and window.used <= window.capacity
+        for b in range(25):  # the client takes a batch at a time; the window keeps following
+            wait(lambda b=b: (mine.region[4 * b : 4 * b + 4] >= 0).all())
+            check_bytes(files, mine, pool, 4 * b + 4)
+            production.progress(0, FeedProgress("f", written(mine, range(b + 1)), 0))
+            assert window.used <= window.capacity
+        assert window.peak <= window.capacity
+        pre.start = pre_start
+    finally:
+        production.stop()
+
+
+def test_a_feed_that_stops_reading_leaves_the_others_their_share(tmp_path, backend, pool):
+    sizes = np.full(200, 30_000)
+    window = ProductionWindow(pool, REGION)
+    _files, _src, pre = make(tmp_path, backend, pool, sizes, uri=f"slowfile://{tmp_path / 'd'}", threads=1)
+    pre.start = lambda: None
+    feeders = Feeders()
+    production = Production(window, Host(pre), feeders.tell, depth=200, threads=2)
+    try:
+        stuck = plan_of(np.arange(100), pre.index.length[:100], 10)
+        moving = plan_of(np.arange(100, 200), pre.index.length[100:], 10)
+        production.install("stuck", 0, "ds", 0, stuck)
+        production.install("moving", 1, "ds", 0, moving)
+        mine = feeders.plans["moving", 0]
+        for b in range(10):  # "stuck" never reports a write; "moving" still gets every batch
+            wait(lambda b=b: (mine.region[10 * b : 10 * b + 10] >= 0).all())
+            production.progress(1, FeedProgress("moving", written(mine, range(b + 1)), 0))
+        assert window.peak <= window.capacity
+    finally:
+        production.stop()
+
+
+def test_a_failed_read_is_told_to_the_feeders_with_its_reason(produced, tmp_path):
+    files, _src, pre, _window, feeders, production = produced
+    victim = 5
+    (tmp_path / "d" / sorted(files)[victim]).unlink()
+    production.install("f", 0, "ds", 0, plan_of(np.arange(50), pre.index.length[:50], 10))
+    wait(lambda: any(isinstance(c, Failed) and victim in c.ids.tolist() for c in feeders.log))
+    failed = next(c for c in feeders.log if isinstance(c, Failed) and victim in c.ids.tolist())
+    assert "deleted" in failed.reasons[failed.ids.tolist().index(victim)] and production.failed_samples >= 1
+
+
+def test_plan_locations_follow_duplicates_and_window_reads_are_counted():
+    plan = plan_of(np.array([7, 3, 7, 9]), np.array([1, 2, 1, 4]), 2)
+    old = plan.locate(np.array([7, 9]), np.array([5, 6]), np.array([100, 200]), np.array([11, 12]))
+    assert old.tolist() == [0, 0, 0]
+    assert plan.region.tolist() == [5, -1, 5, 6] and plan.src.tolist() == [100, 0, 100, 200]
+    assert plan.ticket.tolist() == [11, 0, 11, 12]
+    events = []
+    shared = FeederShared(events.append)
+    shared.hold(np.array([11, 11, 12]))
+    assert shared.retire([11, 13]) == [11]  # 11 is being read; 13 is free at once
+    assert shared.let_go(np.array([11])) == [] and shared.let_go(np.array([11, 12])) == [11]
+    assert shared.in_use == {}
