@@ -46,6 +46,7 @@ demo: venv
 
 bench: venv
 	@$(VPY) bench/rails.py --json bench/results/rails.json
+	@$(VPY) bench/first_batch.py --json bench/results/first_batch.json --png bench/results/first_batch.png
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -182,6 +182,7 @@ class Production:
                 feed.plans.pop(old)
             self._sweep(share)
             self._work.notify_all()
+        log.debug("feed %s: plan of epoch %d installed, %d samples of it here", feed_id, epoch, len(plan.ids))
         share.preloader.prioritize(plan.ids)
 
     def drop_feed(self, feed_id: str) -> None:
@@ -485,6 +486,7 @@ class Production:
                 np.array([s.ticket for s in placed], np.int64),
             ),
         )
+        log.debug("dataset %s: produced %d sample(s) into the window", share.dataset, len(good))
         self._sweep(share)  # what no horizon holds (produced for a plan dropped meanwhile) goes home
 
     def _adopt_big(self, share: _Share, ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
