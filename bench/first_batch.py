@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _common import machine_info, write_json
 
-from kspeed import DatasetSpec, KSpeedClient
+from kspeed import DatasetSpec, KSpeedClient, KSpeedError
 from kspeed.cli.cluster import LocalCluster
 from kspeed.config import ClientConfig, load_config
 from kspeed.server.backend import ThrottledFileSystem
@@ -118,7 +118,7 @@ def serve_while_producing(state: Path, root: Path, args: argparse.Namespace) -> 
             while not stop.wait(0.05):
                 try:
                     progress = client.manager.dataset("slow").progress
-                except Exception:  # noqa: BLE001 - not registered yet
+                except KSpeedError:  # not registered yet
                     continue
                 loaded.append((time.perf_counter() - started, progress.samples_loaded))
 
