@@ -31,6 +31,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 import numpy as np
 
@@ -43,13 +44,46 @@ from kspeed.server.preload import Preloader
 from kspeed.server.residency import ABSENT, FAILED, HOME, READING, WINDOW
 from kspeed.server.window import ProductionWindow, Slot
 
-__all__ = ["Production"]
+__all__ = ["BackendReader", "Producer", "Production"]
 
 log = logging.getLogger(__name__)
 
 TASK_SAMPLES = 8  # samples one producer reads per task
 RETRY_FAILED_S = 5.0  # a failed sample still needed is read again after this long
 RATE_SPAN_S = 5.0  # the producer rate is measured over about this long
+
+
+class Producer(Protocol):
+    """What fills window slots: the backend reader today; preprocessing workers, the failover
+    re-reader and the streaming loader plug in here."""
+
+    def produce(
+        self, preloader: Preloader, ids: np.ndarray, slots: list[Slot], window: ProductionWindow
+    ) -> tuple[np.ndarray, dict[int, str]]:
+        """Write the bytes of ``ids`` into their ``slots``; returns their crc32c and the failed ones with why."""
+        ...
+
+
+class BackendReader:
+    """The producer of raw samples: reads them from the backend, checksumming as they land."""
+
+    def produce(
+        self, preloader: Preloader, ids: np.ndarray, slots: list[Slot], window: ProductionWindow
+    ) -> tuple[np.ndarray, dict[int, str]]:
+        crcs = np.zeros(len(ids), dtype=np.uint32)
+        errors = []
+        for region in sorted({s.region for s in slots}):
+            at = [k for k, s in enumerate(slots) if s.region == region]
+            got, failed = preloader.source.read_run(
+                [int(ids[k]) for k in at],
+                window.region_array(region),
+                [slots[k].offset for k in at],
+                [slots[k].nbytes for k in at],
+            )
+            crcs[at] = got
+            errors.extend(failed)
+        preloader.changed(errors)  # a file changed since the listing is recorded for the whole share
+        return crcs, {e.sample: str(e) for e in errors if isinstance(e.sample, int)}
 
 
 @dataclasses.dataclass
@@ -122,6 +156,7 @@ class Production:
         tell: sends a command to feeder ``i`` and returns its reply (raises on failure).
         depth: samples made resident ahead of each feed's first unwritten one.
         threads: producer threads.
+        producer: what fills the window (default: the backend reader).
     """
 
     def __init__(
@@ -132,8 +167,10 @@ class Production:
         *,
         depth: int = 1024,
         threads: int = 8,
+        producer: Producer | None = None,
     ) -> None:
         self.window = window
+        self.producer = producer or BackendReader()
         self.host = host
         self.depth = max(int(depth), 1)
         self._tell = tell
@@ -414,7 +451,7 @@ class Production:
                 if not slots:
                     self.window.wait_for_room(0.05)
                     return
-            crcs, bad = self._read(share, ids, slots)
+            crcs, bad = self.producer.produce(share.preloader, ids, slots, self.window)
             with self._lock:
                 if self._shares.get(share.dataset) is not share:  # dropped meanwhile
                     return
@@ -425,23 +462,6 @@ class Production:
                 for slot in slots:
                     self.window.free(slot)
                 share.residency.settle(ids[share.residency.of(ids) == READING], ABSENT)
-
-    def _read(self, share: _Share, ids: np.ndarray, slots: list[Slot]) -> tuple[np.ndarray, dict[int, str]]:
-        """Read ``ids`` into their slots; returns their crc32c and the failed ones with why."""
-        crcs = np.zeros(len(ids), dtype=np.uint32)
-        errors = []
-        for region in sorted({s.region for s in slots}):
-            at = [k for k, s in enumerate(slots) if s.region == region]
-            got, failed = share.preloader.source.read_run(
-                [int(ids[k]) for k in at],
-                self.window.region_array(region),
-                [slots[k].offset for k in at],
-                [slots[k].nbytes for k in at],
-            )
-            crcs[at] = got
-            errors.extend(failed)
-        share.preloader.changed(errors)
-        return crcs, {e.sample: str(e) for e in errors if isinstance(e.sample, int)}
 
     def _settle(
         self,
