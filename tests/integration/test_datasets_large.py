@@ -40,11 +40,21 @@ def test_ten_thousand_mixed_files_end_to_end(cluster_factory, tmp_path, shm_root
         keys.append(rel)
     keys.sort()
     total = int(sizes.sum())
-    per_server = f"{(total // 2 + (64 << 20)) >> 20}MiB"
+    window = 32 << 20  # one region of production window beside the share
+    per_server = f"{(total // 2 + (64 << 20) + window) >> 20}MiB"
     cluster = cluster_factory(
         2,
         pool_root=shm_root,
-        server_args=["--backend-allow", str(tmp_path), "--memory", per_server, "--region-size", "32MiB"],
+        server_args=[
+            "--backend-allow",
+            str(tmp_path),
+            "--memory",
+            per_server,
+            "--region-size",
+            "32MiB",
+            "--production-window",
+            str(window),
+        ],
     )
     with client_for(cluster) as client:
         wait_for(lambda: len([r for r in client.servers() if r.state == 2]) == 2, 20, "ready")
