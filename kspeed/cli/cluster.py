@@ -266,31 +266,46 @@ class LocalCluster:
         """
         wanted = {s.ready["id"]: s for s in self.servers if s.running and s.ready}
         deadline = time.monotonic() + timeout
-        with ManagerClient(self.client_config(), peer_name="kspeed-up") as client:
-            while True:
-                error: KSpeedError | None = None
-                try:
-                    records = {r.id: r for r in client.servers()}
-                except KSpeedError as exc:
-                    records, error = {}, exc
-                late = [sid for sid in wanted if sid not in records or records[sid].state != READY]
-                if not late:
-                    return
-                if time.monotonic() > deadline:
-                    detail = "; ".join(
-                        f"{wanted[sid].name} ({sid}) is "
-                        + (
-                            f"{state_name(records[sid].state)}: {records[sid].state_reason}"
-                            if sid in records
-                            else "not registered"
-                        )
-                        + f"; log: {wanted[sid].log_tail(2)}"
-                        for sid in late
-                    )
-                    raise UnavailableError(
-                        f"servers not READY after {timeout:.0f}s: {detail}" + (f" (manager: {error})" if error else "")
-                    )
-                time.sleep(0.05)
+        while True:
+            error: KSpeedError | None = None
+            try:
+                records = self._members()
+            except KSpeedError as exc:
+                records, error = {}, exc
+            late = [sid for sid in wanted if records.get(sid, ("", ""))[0] != "ready"]
+            if not late:
+                return
+            if time.monotonic() > deadline:
+                detail = "; ".join(
+                    f"{wanted[sid].name} ({sid}) is "
+                    + (f"{records[sid][0]}: {records[sid][1]}" if sid in records else "not registered")
+                    + f"; log: {wanted[sid].log_tail(2)}"
+                    for sid in late
+                )
+                raise UnavailableError(
+                    f"servers not READY after {timeout:.0f}s: {detail}" + (f" (manager: {error})" if error else "")
+                )
+            time.sleep(0.05)
+
+    def _members(self) -> dict[str, tuple[str, str]]:
+        """Each server the manager knows: its state and why. Asked from the manager's own network
+        when it runs under a launch prefix (a network namespace the caller may not reach).
+
+        Raises:
+            KSpeedError: the manager cannot be asked.
+        """
+        prefix = list(self._launch_prefix("manager")) if self._launch_prefix is not None else []
+        if not prefix:
+            with ManagerClient(self.client_config(), peer_name="kspeed-up") as client:
+                return {r.id: (state_name(r.state), r.state_reason) for r in client.servers()}
+        config = self.client_config()
+        argv = [*prefix, sys.executable, "-m", "kspeed.cli", "status", "--json", "--manager", self.address]
+        argv += ["--auth", config.security.auth]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=self._env)
+        if done.returncode != 0:
+            raise UnavailableError(f"kspeed status in the manager's network failed: {done.stderr.strip()[-300:]}")
+        servers = json.loads(done.stdout)["servers"]
+        return {s["id"]: (s["state"], s.get("state_reason", "")) for s in servers}
 
     def start_manager(self, timeout: float = 30.0) -> None:
         """(Re)start the manager process; a restart binds the ports of the first start."""
