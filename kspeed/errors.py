@@ -17,7 +17,8 @@ operating system and the transports are converted at the boundary (``raise ... f
     │   ├── BackendError         the backend storage refused or failed a read
     │   ├── AccessDeniedError    a URI outside the operator's allow-list
     │   ├── IntegrityError       a checksum mismatch
-    │   └── ChangedError         a backend file changed or vanished after it was listed
+    │   ├── ChangedError         a backend file changed or vanished after it was listed
+    │   └── PreprocessError      a preprocessing stage failed on a sample, or its output broke its declaration
     └── TransportError           the data plane failed
         ├── RailUnavailableError a rail is unknown or unusable on this host
         ├── RangeError           a write outside the granted range
@@ -39,6 +40,7 @@ __all__ = [
     "KSpeedError",
     "NotFoundError",
     "PeerLostError",
+    "PreprocessError",
     "ProtocolError",
     "RailUnavailableError",
     "RangeError",
@@ -155,6 +157,33 @@ class ChangedError(DatasetError):
         super().__init__(message, dataset=dataset, sample=sample)
         self.path = path
         self.what = what
+
+
+class PreprocessError(DatasetError):
+    """A preprocessing stage failed on a sample, or produced what its declaration does not allow.
+
+    Args:
+        message: what failed, naming the sample and the stage.
+        dataset: the dataset's name, when known.
+        sample: the sample's ID, when known.
+        stage: the failing stage's index in the pipeline, when known.
+        op: the failing stage's op name, when known.
+    """
+
+    sample: int | None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        dataset: str | None = None,
+        sample: int | None = None,
+        stage: int | None = None,
+        op: str = "",
+    ) -> None:
+        super().__init__(message, dataset=dataset, sample=sample)
+        self.stage = stage
+        self.op = op
 
 
 class TransportError(KSpeedError):

@@ -1,0 +1,333 @@
+"""Pipelines: ordered stages of preprocessing, sent as data, placed per stage.
+
+A :class:`Pipeline` is what every sample of a dataset goes through before the training loop sees
+it: built-in ops (:mod:`kspeed.preprocess.ops`), torchvision transforms re-created from their
+parameters (``"torchvision.transforms:RandomResizedCrop"``) or user functions named by import path
+(``"pkg.module:function"``, called as ``function(x, rng, **params)``). It travels as op names and
+JSON parameters, never pickled, and is part of the dataset's identity (:class:`kspeed.DatasetSpec`).
+
+Each stage has a place: ``server`` (the servers' worker processes, producing into their
+production window), ``client`` (the training node's worker processes) or ``gpu`` (torch ops on
+the device after delivery). Places run in that order. The last ``server`` stage declares its
+:class:`Output` (a fixed shape and dtype, or a maximum size with each sample's real shape in a
+small header), so the client lays out its receive ring before the bytes exist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import re
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from kspeed.errors import ConfigError
+
+__all__ = ["HEADER", "KINDS", "PLACES", "Output", "Pipeline", "Stage"]
+
+PLACES = ("server", "client", "gpu")
+KINDS = ("array", "pil", "tensor")
+#: Header of a variable-shape sample: payload bytes, dtype code, ndim, up to six dimensions.
+_HEADER = struct.Struct("<IHH6I")
+HEADER = _HEADER.size
+MAX_DIMS = 6
+#: Dtypes a stage may declare (a code in the header of variable outputs).
+DTYPES = ("uint8", "int8", "uint16", "int16", "int32", "int64", "float16", "float32", "float64", "bool")
+MAX_STAGES = 64
+MAX_PARAMS = 64 * 1024
+_USER_OP = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """What a stage produces, as the receive ring holds it.
+
+    Attributes:
+        shape: a fixed shape (every sample exactly this); empty when ``max_bytes`` is given.
+        dtype: the element type, one of :data:`DTYPES`.
+        max_bytes: a variable shape of at most this many bytes; each sample then starts with a
+            :data:`HEADER`-byte header giving its real shape.
+        kind: what the next stage receives: ``array`` (numpy), ``pil`` (a PIL image, from an HWC
+            or HW uint8 array) or ``tensor`` (torch).
+
+    Raises:
+        ConfigError: neither or both of ``shape`` and ``max_bytes``, a bad dtype or kind.
+    """
+
+    shape: tuple[int, ...] = ()
+    dtype: str = "uint8"
+    max_bytes: int = 0
+    kind: str = "array"
+
+    def __post_init__(self) -> None:
+        shape = tuple(self.shape)
+        object.__setattr__(self, "shape", shape)
+        if bool(shape) == bool(self.max_bytes):
+            raise ConfigError(
+                f"an output declares either a fixed shape or max_bytes, got shape={shape} max_bytes={self.max_bytes}",
+                field="output",
+                value=(shape, self.max_bytes),
+            )
+        if len(shape) > MAX_DIMS or any(isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in shape):
+            raise ConfigError(
+                f"output shape {shape} must be 1-{MAX_DIMS} positive integers", field="output.shape", value=shape
+            )
+        if isinstance(self.max_bytes, bool) or not isinstance(self.max_bytes, int) or self.max_bytes < 0:
+            raise ConfigError(
+                f"output max_bytes {self.max_bytes!r} must be a positive integer",
+                field="output.max_bytes",
+                value=self.max_bytes,
+            )
+        if self.dtype not in DTYPES:
+            raise ConfigError(
+                f"output dtype {self.dtype!r} is not one of {', '.join(DTYPES)}", field="output.dtype", value=self.dtype
+            )
+        if self.kind not in KINDS:
+            raise ConfigError(
+                f"output kind {self.kind!r} is not one of {', '.join(KINDS)}", field="output.kind", value=self.kind
+            )
+        if self.nbytes >= 1 << 32:
+            raise ConfigError(f"output of {self.nbytes} bytes is larger than 4 GiB", field="output", value=shape)
+
+    @property
+    def fixed(self) -> bool:
+        """Whether every sample has the declared shape."""
+        return bool(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one sample takes in the ring (with its header, for a variable shape)."""
+        if self.shape:
+            return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+        return HEADER + self.max_bytes
+
+    def check(self, array: np.ndarray) -> str:
+        """Why ``array`` does not match this declaration, or ``""``."""
+        if array.dtype != np.dtype(self.dtype):
+            return f"dtype {array.dtype} where {self.dtype} is declared"
+        if self.shape and tuple(array.shape) != self.shape:
+            return f"shape {tuple(array.shape)} where {self.shape} is declared"
+        if not self.shape and (array.nbytes > self.max_bytes or array.ndim > MAX_DIMS):
+            return f"{array.nbytes} bytes in {array.ndim} dimensions where at most {self.max_bytes} bytes are declared"
+        return ""
+
+    def encode(self, array: np.ndarray, out: np.ndarray) -> int:
+        """Write ``array`` (checked first) into ``out`` (uint8, at least :attr:`nbytes`); returns bytes written.
+
+        Raises:
+            ValueError: ``array`` does not match the declaration (the message says how).
+        """
+        why = self.check(array)
+        if why:
+            raise ValueError(why)
+        payload = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        if self.shape:
+            out[: payload.nbytes] = payload
+            return payload.nbytes
+        dims = [*array.shape, *([0] * (MAX_DIMS - array.ndim))]
+        out[:HEADER] = np.frombuffer(
+            _HEADER.pack(payload.nbytes, DTYPES.index(self.dtype), array.ndim, *dims), dtype=np.uint8
+        )
+        out[HEADER : HEADER + payload.nbytes] = payload
+        return HEADER + payload.nbytes
+
+    def decode(self, data: np.ndarray) -> np.ndarray:
+        """The array a sample's ring bytes hold (a view of ``data``, uint8).
+
+        Raises:
+            ValueError: a variable sample's header is inconsistent.
+        """
+        if self.shape:
+            return data[: self.nbytes].view(np.dtype(self.dtype)).reshape(self.shape)
+        size, code, ndim, *dims = _HEADER.unpack(data[:HEADER].tobytes())
+        shape = tuple(dims[:ndim])
+        dtype = np.dtype(DTYPES[code]) if code < len(DTYPES) else None
+        if dtype is None or ndim > MAX_DIMS or size > self.max_bytes or math.prod(shape) * dtype.itemsize != size:
+            raise ValueError(f"bad sample header (size {size}, dtype code {code}, shape {shape})")
+        return data[HEADER : HEADER + size].view(dtype).reshape(shape)
+
+    def to_proto(self):
+        from kspeed.proto import kspeed_pb2
+
+        return kspeed_pb2.TensorSpec(shape=list(self.shape), dtype=self.dtype, max_bytes=self.max_bytes, kind=self.kind)
+
+    @classmethod
+    def from_proto(cls, message) -> Output:
+        return cls(tuple(message.shape), message.dtype or "uint8", message.max_bytes, message.kind or "array")
+
+
+def _canonical(params: Mapping[str, Any], op: str) -> str:
+    try:
+        text = json.dumps(params, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"parameters of stage {op!r} are not JSON data ({exc}); a pipeline is sent as data, never pickled",
+            field=f"{op}.params",
+            value=params,
+        ) from exc
+    if len(text) > MAX_PARAMS:
+        raise ConfigError(f"parameters of stage {op!r} exceed {MAX_PARAMS} bytes of JSON", field=f"{op}.params")
+    return text
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One stage of a pipeline.
+
+    Attributes:
+        op: a built-in op (``"random_resized_crop"``), ``"torchvision.transforms:<Class>"`` or a
+            user function ``"pkg.module:function"`` (imported by a server only if its operator
+            allows the module).
+        params: the op's keyword parameters, JSON data.
+        place: ``server``, ``client`` or ``gpu``.
+        output: what the stage produces; required on the last ``server`` stage.
+
+    Raises:
+        ConfigError: a malformed op name, parameters that are not JSON data or that a built-in op
+            does not take, an unknown place.
+    """
+
+    op: str
+    params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    place: str = "server"
+    output: Output | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.op, str) or not self.op:
+            raise ConfigError(f"stage op must be a non-empty string, got {self.op!r}", field="op", value=self.op)
+        if not isinstance(self.params, Mapping):
+            raise ConfigError(f"parameters of stage {self.op!r} must be a mapping", field=f"{self.op}.params")
+        object.__setattr__(self, "params", json.loads(_canonical(self.params, self.op)))
+        if self.place not in PLACES:
+            raise ConfigError(
+                f"stage {self.op!r}: place {self.place!r} is not one of {', '.join(PLACES)}",
+                field=f"{self.op}.place",
+                value=self.place,
+            )
+        if ":" in self.op:
+            if not _USER_OP.match(self.op):
+                raise ConfigError(f"stage op {self.op!r} is not 'package.module:function'", field="op", value=self.op)
+        else:
+            from kspeed.preprocess import ops
+
+            ops.get(self.op)
+            ops.check_params(self.op, self.params)
+
+    @property
+    def params_json(self) -> str:
+        """The parameters as canonical JSON (sorted keys, compact): how they travel."""
+        return _canonical(self.params, self.op)
+
+    @property
+    def module(self) -> str:
+        """The module a server must import (``""`` for a built-in op)."""
+        return self.op.split(":", 1)[0] if ":" in self.op else ""
+
+
+class Pipeline:
+    """An ordered list of stages (see the module docstring).
+
+    Args:
+        stages: the stages, ``server`` ones first, then ``client``, then ``gpu``.
+
+    Raises:
+        ConfigError: places out of order, no stages or too many, or a last ``server`` stage
+            without a declared output.
+    """
+
+    def __init__(self, stages: Iterable[Stage]) -> None:
+        self.stages: tuple[Stage, ...] = tuple(stages)
+        if not self.stages or len(self.stages) > MAX_STAGES:
+            raise ConfigError(f"a pipeline has 1-{MAX_STAGES} stages, got {len(self.stages)}", field="pipeline")
+        for k, stage in enumerate(self.stages):
+            if not isinstance(stage, Stage):
+                raise ConfigError(f"pipeline stage {k} is a {type(stage).__name__}, not a Stage", field="pipeline")
+        order = [PLACES.index(s.place) for s in self.stages]
+        if order != sorted(order):
+            places = ", ".join(f"{k}:{s.op}@{s.place}" for k, s in enumerate(self.stages))
+            raise ConfigError(
+                f"pipeline stages must be placed server first, then client, then gpu; got {places}",
+                field="pipeline.place",
+            )
+        self.server_stages = sum(s.place == "server" for s in self.stages)
+        self.gpu_from = next((k for k, s in enumerate(self.stages) if s.place == "gpu"), len(self.stages))
+        if self.server_stages and self.stages[self.server_stages - 1].output is None:
+            stage = self.stages[self.server_stages - 1]
+            raise ConfigError(
+                f"stage {self.server_stages - 1} ({stage.op}) is the last one on the servers and declares no "
+                "output: give it output=Output(shape=..., dtype=...) or Output(max_bytes=...)",
+                field="pipeline.output",
+            )
+
+    def output(self, stages: int) -> Output:
+        """The declared output after the first ``stages`` stages.
+
+        Raises:
+            ConfigError: that stage declares none.
+        """
+        stage = self.stages[stages - 1]
+        if stage.output is None:
+            raise ConfigError(
+                f"stage {stages - 1} ({stage.op}) declares no output, so the pipeline cannot be cut after it",
+                field="pipeline.output",
+            )
+        return stage.output
+
+    def with_places(self, places: Sequence[str]) -> Pipeline:
+        """The same stages placed otherwise (one place per stage)."""
+        if len(places) != len(self.stages):
+            raise ConfigError(f"{len(places)} places for {len(self.stages)} stages", field="pipeline.place")
+        return Pipeline(dataclasses.replace(s, place=p) for s, p in zip(self.stages, places, strict=True))
+
+    @property
+    def modules(self) -> list[str]:
+        """The modules a server must be allowed to import for its stages."""
+        return sorted({s.module for s in self.stages if s.module})
+
+    def to_proto(self):
+        """The pipeline as the dataset's identity carries it (places are the client's choice, not sent)."""
+        from kspeed.proto import kspeed_pb2
+
+        return kspeed_pb2.Pipeline(
+            stages=[
+                kspeed_pb2.Stage(
+                    op=s.op, params=s.params_json, output=s.output.to_proto() if s.output is not None else None
+                )
+                for s in self.stages
+            ]
+        )
+
+    @classmethod
+    def from_proto(cls, message, server_stages: int | None = None) -> Pipeline:
+        """A pipeline received as data; the first ``server_stages`` stages are placed on the servers.
+
+        Raises:
+            ConfigError: malformed stages or parameters (named).
+        """
+        stages = []
+        count = len(message.stages) if server_stages is None else server_stages
+        for k, stage in enumerate(message.stages):
+            try:
+                params = json.loads(stage.params or "{}")
+            except ValueError as exc:
+                raise ConfigError(f"stage {k} ({stage.op}): parameters are not JSON: {exc}", field="pipeline") from exc
+            if not isinstance(params, dict):
+                raise ConfigError(f"stage {k} ({stage.op}): parameters are not a JSON object", field="pipeline")
+            output = Output.from_proto(stage.output) if stage.HasField("output") else None
+            stages.append(Stage(stage.op, params, "server" if k < count else "client", output))
+        return cls(stages)
+
+    def digest(self) -> str:
+        """A hash of the stages and outputs (the pipeline's identity)."""
+        return hashlib.sha256(self.to_proto().SerializeToString(deterministic=True)).hexdigest()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Pipeline) and self.stages == other.stages
+
+    def __repr__(self) -> str:
+        return "Pipeline([" + ", ".join(f"{s.op}@{s.place}" for s in self.stages) + "])"

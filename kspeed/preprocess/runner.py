@@ -1,0 +1,201 @@
+"""Running a pipeline's stages on a sample, identically in every process that runs them.
+
+A :class:`Runner` resolves each stage once (a built-in op, a torchvision transform re-created from
+its parameters, or a user function imported by path if the caller's allow-list admits its module)
+and then runs any contiguous range of stages on one sample. Every random stage draws from a
+generator seeded by ``(seed, epoch, sample, stage index)`` (:mod:`kspeed.preprocess.rng`), so the
+client, a server or a 50/50 split of them produce the same augmentation. torchvision transforms
+draw from torch's global generator; they are seeded right before each call, so a runner must only
+be used where nothing else draws from it concurrently (a single-threaded worker process).
+
+Values flow as the ops want them: decoders take the sample's bytes, built-in ops numpy arrays,
+torchvision transforms PIL images or tensors (an HWC uint8 array becomes a PIL image before one);
+at a cut between places a value is written as the stage's declared :class:`~kspeed.preprocess.pipeline.Output`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kspeed.errors import AccessDeniedError, ConfigError, PreprocessError
+from kspeed.preprocess import ops, rng
+from kspeed.preprocess.pipeline import Output, Pipeline, Stage
+
+__all__ = ["Runner", "allowed", "to_array"]
+
+TORCHVISION = "torchvision.transforms"
+
+
+def allowed(module: str, rules: Sequence[str]) -> bool:
+    """Whether ``module`` is one of ``rules`` or inside a package that one of them names."""
+    return any(module == rule or module.startswith(rule + ".") for rule in rules)
+
+
+def to_array(value: Any) -> np.ndarray:
+    """A stage's value as a numpy array (a PIL image as HWC uint8, a tensor as its CPU array)."""
+    if isinstance(value, np.ndarray):
+        return value
+    if hasattr(value, "numpy") and hasattr(value, "detach"):  # a torch tensor
+        return value.detach().cpu().contiguous().numpy()
+    return np.asarray(value)
+
+
+def _as_image_input(value: Any) -> Any:
+    """What a torchvision transform receives: an HWC/HW uint8 array becomes a PIL image."""
+    from kspeed.preprocess import transforms
+
+    if isinstance(value, np.ndarray):
+        if value.dtype == np.uint8 and (value.ndim == 2 or (value.ndim == 3 and value.shape[2] in (1, 3, 4))):
+            return transforms.from_array(value, "pil")
+        return transforms.from_array(value, "tensor")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    index: int
+    stage: Stage
+    call: Callable[[Any, int, int, int], Any]  # (value, seed, epoch, sample) -> value
+
+
+class Runner:
+    """The resolved stages of one pipeline.
+
+    Args:
+        pipeline: the pipeline.
+        allow: modules user functions may come from (``None``: any; the client runs its own code).
+            torchvision transforms need ``torchvision.transforms`` in it too.
+        dataset: the dataset's name, for error messages.
+
+    Raises:
+        AccessDeniedError: a stage's module is not allowed (the message names it and the rule).
+        ConfigError: a stage cannot be resolved (unknown op, a module that does not import).
+    """
+
+    def __init__(self, pipeline: Pipeline, *, allow: Sequence[str] | None = None, dataset: str = "") -> None:
+        self.pipeline = pipeline
+        self.dataset = dataset
+        self._steps = [self._resolve(k, stage, allow) for k, stage in enumerate(pipeline.stages)]
+
+    def _resolve(self, index: int, stage: Stage, allow: Sequence[str] | None) -> _Step:
+        where = f"dataset {self.dataset!r} stage {index} ({stage.op})"
+        module = stage.module
+        if module and allow is not None and not allowed(module, allow):
+            raise AccessDeniedError(
+                f"{where}: module {module!r} is not on this server's preprocess allow-list "
+                f"({', '.join(allow) or 'empty'}); the operator adds it to server.preprocess_allow",
+                dataset=self.dataset or None,
+            )
+        params = dict(stage.params)
+        if module in (TORCHVISION, f"{TORCHVISION}.v2"):
+            from kspeed.preprocess import transforms
+
+            transform = transforms.build(stage.op, params)
+            random = transforms.is_random(stage.op)
+
+            def call_transform(value: Any, seed: int, epoch: int, sample: int) -> Any:
+                return transforms.apply(
+                    transform, _as_image_input(value), rng.torch_seed(seed, epoch, sample, index) if random else None
+                )
+
+            return _Step(index, stage, call_transform)
+        if module:
+            try:
+                function = getattr(importlib.import_module(module), stage.op.split(":", 1)[1])
+            except (ImportError, AttributeError) as exc:
+                raise ConfigError(f"{where}: cannot import it: {exc}", field="pipeline", value=stage.op) from exc
+            if not callable(function):
+                raise ConfigError(f"{where}: not a function", field="pipeline", value=stage.op)
+
+            def call_user(value: Any, seed: int, epoch: int, sample: int) -> Any:
+                return function(value, rng.sample_rng(seed, epoch, sample, index), **params)
+
+            return _Step(index, stage, call_user)
+        op = ops.get(stage.op)
+
+        def call_op(value: Any, seed: int, epoch: int, sample: int) -> Any:
+            if not op.takes_bytes and not isinstance(value, np.ndarray):
+                value = to_array(value)
+            generator = rng.sample_rng(seed, epoch, sample, index) if op.random else None
+            return ops.apply(op, value, generator, params)
+
+        return _Step(index, stage, call_op)
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def stage_name(self, index: int) -> str:
+        """``"<index>:<op>"``, how per-stage figures name a stage."""
+        return f"{index}:{self.pipeline.stages[index].op}"
+
+    def run(self, value: Any, *, seed: int, epoch: int, sample: int, start: int = 0, stop: int | None = None) -> Any:
+        """Stages ``start`` to ``stop`` (exclusive; default: to the end) on one sample.
+
+        Raises:
+            PreprocessError: a stage failed (naming the sample, the stage and why).
+        """
+        for step in self._steps[start:stop]:
+            try:
+                value = step.call(value, seed, epoch, sample)
+            except Exception as exc:
+                raise PreprocessError(
+                    f"dataset {self.dataset!r} sample {sample}: stage {step.index} ({step.stage.op}) failed: "
+                    f"{type(exc).__name__}: {exc}",
+                    dataset=self.dataset or None,
+                    sample=sample,
+                    stage=step.index,
+                    op=step.stage.op,
+                ) from exc
+        return value
+
+    def produce(self, data: Any, out: np.ndarray, *, seed: int, epoch: int, sample: int, stop: int) -> int:
+        """Run stages ``0..stop`` on a sample's raw bytes and write the result into ``out`` as
+        stage ``stop - 1`` declares it; returns the bytes written.
+
+        Raises:
+            PreprocessError: a stage failed, or its result does not match its declaration.
+        """
+        return self.write(self.run(data, seed=seed, epoch=epoch, sample=sample, stop=stop), out, stop, sample=sample)
+
+    def write(self, value: Any, out: np.ndarray, stop: int, *, sample: int) -> int:
+        """Write the value after the first ``stop`` stages into ``out`` as stage ``stop - 1`` declares it.
+
+        Raises:
+            PreprocessError: the value does not match the declaration.
+        """
+        output = self.pipeline.output(stop)
+        try:
+            return output.encode(to_array(value), out)
+        except ValueError as exc:
+            stage = self.pipeline.stages[stop - 1]
+            raise PreprocessError(
+                f"dataset {self.dataset!r} sample {sample}: stage {stop - 1} ({stage.op}) produced {exc}",
+                dataset=self.dataset or None,
+                sample=sample,
+                stage=stop - 1,
+                op=stage.op,
+            ) from exc
+
+    def receive(self, data: np.ndarray, stages: int, *, sample: int) -> Any:
+        """The value after the first ``stages`` stages, from the bytes a server produced (a view of ``data``).
+
+        Raises:
+            PreprocessError: a variable-shape header is inconsistent.
+        """
+        output: Output = self.pipeline.output(stages)
+        try:
+            array = output.decode(data)
+        except ValueError as exc:
+            raise PreprocessError(
+                f"dataset {self.dataset!r} sample {sample}: {exc}", dataset=self.dataset or None, sample=sample
+            ) from exc
+        if output.kind == "array":
+            return array
+        from kspeed.preprocess import transforms
+
+        return transforms.from_array(np.ascontiguousarray(array), output.kind)
