@@ -532,6 +532,21 @@ class ServerConfig(DaemonConfig):
         parse=parse_duration,
         env="KSPEED_PRODUCTION_TIMEOUT",
     )
+    preprocess_workers: int = option(
+        0,
+        "worker processes that run the server stages of datasets' pipelines, started on first use "
+        "(0: one per usable core)",
+        parse=_parse_int,
+        env="KSPEED_PREPROCESS_WORKERS",
+    )
+    preprocess_allow: tuple[str, ...] = option(
+        ("torchvision.transforms",),
+        "modules whose functions pipelines may name as stages (packages admit their submodules); "
+        "torchvision.transforms lets the servers re-create torchvision's common transforms",
+        parse=_parse_list,
+        env="KSPEED_PREPROCESS_ALLOW",
+        metavar="MODULE,...",
+    )
     drain_timeout: float = option(
         10.0, "longest wait for in-flight work on SIGTERM", parse=parse_duration, env="KSPEED_DRAIN_TIMEOUT"
     )

@@ -78,6 +78,13 @@ class Batch:
         return self._meta.lengths
 
     @property
+    def remote(self) -> np.ndarray:
+        """Per sample, whether the servers ran the pipeline's server stages on it (all ``False`` without)."""
+        if self._meta.remote is None:
+            return np.zeros(len(self._meta.ids), dtype=bool)
+        return self._meta.remote
+
+    @property
     def device(self) -> torch.device:
         """Where the batch's bytes are."""
         return self._live_base().device
@@ -215,6 +222,8 @@ class BatchMeta:
         labels: their labels.
         offsets: each sample's offset within the batch.
         lengths: each sample's length.
+        remote: per sample, whether the servers ran the pipeline's server stages on it
+            (``None``: every sample is the raw one).
     """
 
     epoch: int
@@ -223,6 +232,7 @@ class BatchMeta:
     labels: np.ndarray
     offsets: np.ndarray
     lengths: np.ndarray
+    remote: np.ndarray | None = None
 
 
 def make_batch(base: torch.Tensor, footprint: int, meta: BatchMeta, finalizer: weakref.finalize) -> Batch:

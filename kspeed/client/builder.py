@@ -35,7 +35,7 @@ from .granting import Granting, Paced, Unpaced
 from .links import Link
 from .options import FeedOptions
 from .pacing import Pacer
-from .plans import EpochPlanner
+from .plans import EpochPlanner, PlanPrep
 from .pump import Pump
 from .rail_choice import ServerPlace, choose_rail, local_address_towards, needs_pacing
 from .sampling import EpochOrders, job_rank
@@ -102,12 +102,13 @@ class FeedParts:
         }
 
 
-def ring_size(info: kspeed_pb2.DatasetInfo, batch_size: int, requested: int) -> int:
-    """``requested``, or (for 0) room for :data:`RING_BATCHES` batches of average samples, at least :data:`MIN_RING`."""
+def ring_size(info: kspeed_pb2.DatasetInfo, batch_size: int, requested: int, sample_bytes: int = 0) -> int:
+    """``requested``, or (for 0) room for :data:`RING_BATCHES` batches of average samples (at least
+    ``sample_bytes`` each: what the servers' preprocessing makes of one), at least :data:`MIN_RING`."""
     if requested:
         return requested
     count = max(int(info.fingerprint.count), 1)
-    average = -(-int(info.fingerprint.total_bytes) // count)
+    average = max(-(-int(info.fingerprint.total_bytes) // count), sample_bytes)
     per_sample = -(-average // SAMPLE_ALIGN) * SAMPLE_ALIGN
     return max(MIN_RING, RING_BATCHES * batch_size * per_sample)
 
@@ -148,6 +149,7 @@ def build_feed(
     options: FeedOptions,
     places: Mapping[str, ServerPlace] | None = None,
     manager: ManagerClient | None = None,
+    prep: PlanPrep | None = None,
 ) -> FeedParts:
     """Build every part of this rank's feed of ``info`` from its servers' ``links``.
 
@@ -158,6 +160,7 @@ def build_feed(
         options: the feed's options.
         places: per server id, where it runs and which rails it offers (default: only its address).
         manager: reports the rank's statistics when given.
+        prep: how the dataset's pipeline is split between the servers and this client.
 
     Raises:
         ConfigError: a bad option (named) or a CUDA device while none is available.
@@ -187,7 +190,7 @@ def build_feed(
         dataset=name,
     )
     delivery = make_delivery(options.device)
-    ring_bytes = ring_size(info, options.batch_size, requested)
+    ring_bytes = ring_size(info, options.batch_size, requested, prep.nbytes if prep is not None else 0)
     # The NIC and cores nearest this process's GPU (no preference without a GPU or NIC); a forced
     # NIC that does not exist is an error here, never a silent fallback.
     placement = place(environ=gpu_environment(), nic=config.nic or None)
@@ -233,6 +236,7 @@ def build_feed(
             labelled=bool(info.spec.labels),
             ring_bytes=ring_bytes,
             pool=io,
+            prep=prep,
         )
         pump = Pump(feed, planner, orders.deterministic, thread_cores=cores, delivery=delivery)
         stats = RankStats([link.server_id for link in links])

@@ -14,6 +14,7 @@ import socket
 from typing import Any
 
 import torch
+from torch.utils.data import default_collate
 
 from kspeed.config import ClientConfig, load_config, parse_address
 from kspeed.control.manager_client import ManagerClient
@@ -23,9 +24,11 @@ from .builder import build_feed
 from .dataset import KSpeedDataset
 from .lease import LeaseKeeper
 from .links import ServerLink
+from .offload import attached_pipeline, plan_prep
 from .options import FeedOptions
 from .rail_choice import ServerPlace
 from .spec import DatasetSpec
+from .workers import sample_bytes
 from .wrap import WrapOptions, WrappedDataset, wrap
 
 __all__ = ["KSpeedClient"]
@@ -85,8 +88,21 @@ class KSpeedClient:
         ring_bytes: int | None = None,
         quiet: bool = False,
         device: str | torch.device = "cpu",
-    ) -> KSpeedDataset:
+        offload: float | None = None,
+        transform: Any = None,
+        collate_fn: Any = None,
+        num_workers: int | None = None,
+        prefetch: int | None = None,
+    ) -> KSpeedDataset | WrappedDataset:
         """Register (or attach to) a dataset under a job lease and open this rank's feed.
+
+        Without a pipeline or ``transform`` this returns a :class:`KSpeedDataset` of raw
+        :class:`~kspeed.client.batch.Batch` es. With a pipeline (``spec.pipeline``) or a
+        ``transform``, it returns a :class:`~kspeed.client.wrap.WrappedDataset` yielding
+        ``collate_fn`` of the prepared samples (with their labels if the dataset has any): the
+        servers run the pipeline's ``server`` stages for ``offload`` of each batch's samples, client
+        worker processes run the rest and ``transform`` (which, without a pipeline, gets each
+        sample's bytes as a uint8 array), and ``gpu`` stages run on ``device``.
 
         Args:
             spec: the dataset's definition, or the name of a dataset already registered.
@@ -105,6 +121,13 @@ class KSpeedClient:
             device: ``"cpu"`` (default: zero-copy views of the receive ring), ``"cuda"`` or ``"cuda:N"``
                 (each batch copied asynchronously to that GPU); a CUDA device while none is
                 available is a ``ConfigError``.
+            offload: with a pipeline, the share (0..1) of each batch's samples whose ``server``
+                stages run on the servers (default: all; 0: none).
+            transform: applied to each prepared sample in the client's workers.
+            collate_fn: list of samples (or ``(sample, label)`` pairs) -> batch (default
+                ``default_collate``).
+            num_workers: client worker processes (default: up to 4, one per CPU; 0: inline).
+            prefetch: batches in flight in the workers (default: 2 per worker).
 
         Raises:
             ConfigError: a bad argument (named).
@@ -124,10 +147,26 @@ class KSpeedClient:
             ring_bytes=ring_bytes,
             quiet=quiet,
             device=device,
+            offload=offload,
         )
         ds = self.open(spec, options)
-        self._datasets.append(ds)
-        return ds
+        if ds.pipeline is None and transform is None:
+            self._datasets.append(ds)
+            return ds
+        try:
+            prepared = WrappedDataset(
+                ds,
+                loader=sample_bytes if ds.pipeline is None else None,
+                transform=transform,
+                collate_fn=collate_fn if collate_fn is not None else default_collate,
+                num_workers=num_workers,
+                prefetch=prefetch,
+            )
+        except BaseException:
+            ds.close()
+            raise
+        self._datasets.append(prepared)
+        return prepared
 
     def open(self, spec: DatasetSpec | str, options: FeedOptions) -> KSpeedDataset:
         """:meth:`dataset` with its options as one object (the caller closes the dataset).
@@ -151,9 +190,10 @@ class KSpeedClient:
         links: list[ServerLink] = []
         try:
             info = reply.dataset
+            records = self._manager.servers()
             places = {
                 record.id: ServerPlace(record.address, record.inventory.hostname, tuple(record.inventory.transports))
-                for record in self._manager.servers()
+                for record in records
             }
             for share in info.shares:
                 address = info.server_addresses.get(share.server_id)
@@ -163,8 +203,19 @@ class KSpeedClient:
                         "manager knows no address for it (is it registered?)"
                     )
                 links.append(ServerLink(share.server_id, address, self.config))
-            parts = build_feed(info, links, config=self.config, options=options, places=places, manager=self._manager)
-            return KSpeedDataset(info, parts, options=options, manager=self._manager, lease=lease)
+            pipeline = spec.pipeline if isinstance(spec, DatasetSpec) else attached_pipeline(proto.pipeline)
+            prep = plan_prep(
+                proto.name,
+                pipeline,
+                options,
+                {r.id: dict(r.inventory.libraries) for r in records if r.id in {s.server_id for s in info.shares}},
+            )
+            parts = build_feed(
+                info, links, config=self.config, options=options, places=places, manager=self._manager, prep=prep
+            )
+            return KSpeedDataset(
+                info, parts, options=options, manager=self._manager, lease=lease, pipeline=pipeline, prep=prep
+            )
         except BaseException:
             for link in links:
                 link.close()

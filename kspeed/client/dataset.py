@@ -34,13 +34,14 @@ from torch.utils.data import IterableDataset, get_worker_info
 from kspeed.control.manager_client import ManagerClient
 from kspeed.control.progress import PreloadSummary, follow_preload
 from kspeed.errors import ConfigError, StateError
+from kspeed.preprocess.pipeline import Pipeline
 from kspeed.proto import kspeed_pb2
 
 from .batch import Batch
 from .builder import FeedParts
 from .lease import LeaseKeeper
 from .options import FeedOptions
-from .plans import EpochPlan
+from .plans import EpochPlan, PlanPrep
 
 __all__ = ["KSpeedDataset"]
 
@@ -66,6 +67,9 @@ class KSpeedDataset(IterableDataset):
         options: the feed's options.
         manager: a ``ManagerClient`` for :meth:`preload`.
         lease: the lease keeper to stop on :meth:`close`.
+        pipeline: the dataset's pipeline with this rank's places (its batches are then raw or
+            server-preprocessed bytes; :class:`kspeed.client.wrap.WrappedDataset` runs the rest).
+        prep: how the plans split the pipeline's server stages.
     """
 
     def __init__(
@@ -76,9 +80,15 @@ class KSpeedDataset(IterableDataset):
         options: FeedOptions,
         manager: ManagerClient | None = None,
         lease: LeaseKeeper | None = None,
+        pipeline: Pipeline | None = None,
+        prep: PlanPrep | None = None,
     ) -> None:
         super().__init__()
         self.name = info.spec.name
+        self.pipeline = pipeline
+        self.prep = prep
+        self.seed = options.seed
+        self.labelled = bool(info.spec.labels)
         self.batch_size = options.batch_size
         self.num_samples = int(info.fingerprint.count)
         self.class_names = list(info.class_names)

@@ -7,6 +7,7 @@ s2 at 10.0.0.7:7071 is unreachable" reaches the training script instead of a bar
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -23,6 +24,17 @@ PLAN_CHUNK = 1 << 18  # IDs per PlanChunk (3 MiB per message)
 PLAN_DEADLINE = 120.0  # CommitPlan streams the whole plan; the server returns at once (it produces as it serves)
 
 
+@dataclass(frozen=True)
+class RemoteSplit:
+    """What a plan asks the servers to preprocess: per position ``remote``, the first ``stages``
+    stages of the dataset's pipeline, random ones drawing from ``(seed, epoch, sample, stage)``."""
+
+    remote: np.ndarray
+    stages: int
+    seed: int
+    epoch: int
+
+
 class Link(Protocol):
     """What a feed needs of one server: :class:`ServerLink`, or a test double."""
 
@@ -37,7 +49,13 @@ class Link(Protocol):
     def open_feed(self, request: kspeed_pb2.OpenFeedRequest) -> kspeed_pb2.OpenFeedReply: ...
 
     def commit_plan(
-        self, feed_id: str, epoch: int, batch_size: int, ids: np.ndarray, lengths: np.ndarray
+        self,
+        feed_id: str,
+        epoch: int,
+        batch_size: int,
+        ids: np.ndarray,
+        lengths: np.ndarray,
+        split: RemoteSplit | None = None,
     ) -> kspeed_pb2.PlanReply: ...
 
     def close_feed(self, feed_id: str) -> None: ...
@@ -100,9 +118,15 @@ class ServerLink:
             return self._stub.OpenFeed(request, timeout=max(self._timeout, 30.0), metadata=self._metadata)
 
     def commit_plan(
-        self, feed_id: str, epoch: int, batch_size: int, ids: np.ndarray, lengths: np.ndarray
+        self,
+        feed_id: str,
+        epoch: int,
+        batch_size: int,
+        ids: np.ndarray,
+        lengths: np.ndarray,
+        split: RemoteSplit | None = None,
     ) -> kspeed_pb2.PlanReply:
-        """Hand over an epoch plan; returns once the server holds every sample it owns in it."""
+        """Hand over an epoch plan (with the positions the server preprocesses); returns at once."""
 
         def chunks() -> Iterator[kspeed_pb2.PlanChunk]:
             for start in range(0, max(len(ids), 1), PLAN_CHUNK):
@@ -110,8 +134,12 @@ class ServerLink:
                     ids=wire.pack_i64(ids[start : start + PLAN_CHUNK]),
                     lengths=wire.pack_u32(lengths[start : start + PLAN_CHUNK]),
                 )
+                if split is not None:
+                    chunk.remote = np.packbits(split.remote[start : start + PLAN_CHUNK]).tobytes()
                 if start == 0:
                     chunk.feed_id, chunk.epoch, chunk.batch_size = feed_id, epoch, batch_size
+                    if split is not None:
+                        chunk.server_stages, chunk.seed, chunk.seed_epoch = split.stages, split.seed, split.epoch
                 yield chunk
 
         with rpc.map_rpc_errors(self.name):

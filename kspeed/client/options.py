@@ -38,6 +38,8 @@ class FeedOptions:
         quiet: no progress bar in ``preload()``.
         device: where batches are delivered: ``"cpu"`` (zero-copy ring views), ``"cuda"`` or
             ``"cuda:N"``.
+        offload: with a pipeline, the share of each batch's samples whose ``server`` stages run
+            on the servers (the rest run them on this client); ``None``: all of them.
 
     Raises:
         ConfigError: a field is invalid (named), or an unknown option was given to
@@ -55,9 +57,18 @@ class FeedOptions:
     ring_bytes: int | None = None
     quiet: bool = False
     device: str | torch.device = "cpu"
+    offload: float | None = None
 
     def __post_init__(self) -> None:
         _positive_int("batch_size", self.batch_size)
+        if self.offload is not None and (
+            isinstance(self.offload, bool)
+            or not isinstance(self.offload, int | float)
+            or not 0.0 <= float(self.offload) <= 1.0
+        ):
+            raise ConfigError(
+                f"offload must be a fraction between 0 and 1, got {self.offload!r}", field="offload", value=self.offload
+            )
         if self.ring_bytes is not None:
             _non_negative_int("ring_bytes", self.ring_bytes)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):

@@ -18,12 +18,37 @@ import numpy as np
 from kspeed.errors import CapacityError, DatasetError, ProtocolError
 from kspeed.layout import BatchLayout, batch_layout
 
-from .links import Link
+from .links import Link, RemoteSplit
 from .sampling import EpochOrders
 
-__all__ = ["EpochPlan", "EpochPlanner", "check_fits", "make_plan"]
+__all__ = ["EpochPlan", "EpochPlanner", "PlanPrep", "check_fits", "make_plan", "remote_positions"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PlanPrep:
+    """How a plan splits preprocessing between the servers and this client.
+
+    Attributes:
+        server_stages: leading pipeline stages the servers run for remote samples.
+        fraction: share of each batch's samples preprocessed on the servers (0..1).
+        seed: the job's seed (random stages draw from ``(seed, epoch, sample, stage)``).
+        nbytes: ring bytes of a sample after the server stages (their declared output).
+    """
+
+    server_stages: int
+    fraction: float
+    seed: int
+    nbytes: int
+
+
+def remote_positions(count: int, batch_size: int, fraction: float) -> np.ndarray:
+    """Which of ``count`` plan positions the servers preprocess: within every batch, the counters
+    ``floor((k + 1) * fraction) > floor(k * fraction)`` of its ``k``-th sample, so each batch holds
+    the ratio to within one sample."""
+    k = np.arange(count, dtype=np.int64) % max(batch_size, 1)
+    return np.floor((k + 1) * fraction + 1e-9) > np.floor(k * fraction + 1e-9)
 
 
 @dataclass(eq=False)
@@ -41,6 +66,7 @@ class EpochPlan:
         layout: where every sample lands relative to its batch.
         owed: ``(servers, batches)`` booleans: which servers write something in which batch.
         deterministic: the order is a function of (seed, epoch), so the plan may be reused.
+        remote: per position, whether the servers preprocess it (``None``: no pipeline on them).
     """
 
     epoch: int
@@ -53,6 +79,7 @@ class EpochPlan:
     owed: np.ndarray
     deterministic: bool
     slots: int = field(default=0)
+    remote: np.ndarray | None = None
 
     @property
     def num_batches(self) -> int:
@@ -81,6 +108,7 @@ def make_plan(
     deterministic: bool,
     ring_bytes: int,
     pool: ThreadPoolExecutor | None = None,
+    prep: PlanPrep | None = None,
 ) -> EpochPlan:
     """Look ``ids`` up on every server, check the answers, and commit the plan to every server.
 
@@ -96,6 +124,7 @@ def make_plan(
         deterministic: whether the order may be reused for the same epoch.
         ring_bytes: ring capacity (a batch larger than it is refused here).
         pool: threads to talk to several servers at once.
+        prep: how preprocessing is split (remote samples take the server stages' output size).
 
     Raises:
         DatasetError: a sample is owned by no server (named).
@@ -127,14 +156,18 @@ def make_plan(
             dataset=dataset,
             sample=sample,
         )
+    remote = None
+    if prep is not None and prep.fraction > 0:
+        remote = remote_positions(n, batch_size, prep.fraction)
+        lengths[remote] = prep.nbytes
     layout = batch_layout(lengths, batch_size)
     check_fits(layout, ring_bytes, dataset, epoch)
     owed = np.zeros((len(links), layout.num_batches), dtype=bool)
     if n:
         for index in range(len(links)):
             owed[index] = np.add.reduceat((owner == index).astype(np.int64), layout.starts[:-1]) > 0
-    plan = EpochPlan(epoch, feed_epoch, ids, lengths, labels, owner, layout, owed, deterministic)
-    _commit_all(links, plan, feed_id, batch_size, pool)
+    plan = EpochPlan(epoch, feed_epoch, ids, lengths, labels, owner, layout, owed, deterministic, remote=remote)
+    _commit_all(links, plan, feed_id, batch_size, pool, prep)
     log.debug(
         "dataset %s: epoch %d planned as pass %d (%d samples, %d batches)",
         dataset,
@@ -164,14 +197,22 @@ def check_fits(layout: BatchLayout, ring_bytes: int, dataset: str, epoch: int) -
 
 
 def _commit_all(
-    links: Sequence[Link], plan: EpochPlan, feed_id: str, batch_size: int, pool: ThreadPoolExecutor | None
+    links: Sequence[Link],
+    plan: EpochPlan,
+    feed_id: str,
+    batch_size: int,
+    pool: ThreadPoolExecutor | None,
+    prep: PlanPrep | None,
 ) -> None:
     args = (feed_id, plan.feed_epoch, batch_size, plan.ids, plan.lengths)
+    split = None
+    if plan.remote is not None and prep is not None:
+        split = RemoteSplit(plan.remote, prep.server_stages, prep.seed, plan.epoch)
     if pool is None or len(links) == 1:
         for link in links:
-            link.commit_plan(*args)
+            link.commit_plan(*args, split)
         return
-    for future in [pool.submit(link.commit_plan, *args) for link in links]:
+    for future in [pool.submit(link.commit_plan, *args, split) for link in links]:
         future.result()
 
 
@@ -190,6 +231,7 @@ class EpochPlanner:
         labelled: whether lookup replies carry labels.
         ring_bytes: ring capacity.
         pool: threads to talk to several servers at once.
+        prep: how preprocessing is split between the servers and this client.
     """
 
     def __init__(
@@ -203,8 +245,10 @@ class EpochPlanner:
         labelled: bool,
         ring_bytes: int,
         pool: ThreadPoolExecutor | None = None,
+        prep: PlanPrep | None = None,
     ) -> None:
         self._links = list(links)
+        self._prep = prep
         self._dataset = dataset
         self._feed_id = feed_id
         self._orders = orders
@@ -228,4 +272,5 @@ class EpochPlanner:
             deterministic=self._orders.deterministic,
             ring_bytes=self._ring_bytes,
             pool=self._pool,
+            prep=self._prep,
         )

@@ -186,7 +186,13 @@ class Pump:
         layout = plan.layout
         lo, hi = int(layout.starts[batch]), int(layout.starts[batch + 1])
         meta = BatchMeta(
-            plan.epoch, batch, plan.ids[lo:hi], plan.labels[lo:hi], layout.offsets[lo:hi], layout.lengths[lo:hi]
+            plan.epoch,
+            batch,
+            plan.ids[lo:hi],
+            plan.labels[lo:hi],
+            layout.offsets[lo:hi],
+            layout.lengths[lo:hi],
+            plan.remote[lo:hi] if plan.remote is not None else None,
         )
         footprint = RingAllocator.footprint(int(layout.batch_bytes[batch]))
         result = self.delivery.deliver(self.feed.ring, slot.offset, footprint, meta, self.feed.allocator.release_later)

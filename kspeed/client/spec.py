@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from kspeed import names
 from kspeed.errors import ConfigError
+from kspeed.preprocess.pipeline import Pipeline
 
 __all__ = ["DatasetSpec"]
 
@@ -32,6 +33,9 @@ class DatasetSpec:
         kind: how to read ``uri``: ``auto`` (default), ``dir``, ``list``, ``manifest`` or ``npy``.
         labels: ``""`` (no labels) or ``"dirname"`` (class index of each sample's parent directory).
         quota_bytes: most pooled memory the dataset may take (0: no quota).
+        pipeline: what every sample goes through before the training loop sees it
+            (:class:`kspeed.preprocess.Pipeline`); part of the dataset's identity (its stages and
+            outputs, not where they run).
 
     Raises:
         ConfigError: a field is invalid (the message names it).
@@ -42,6 +46,7 @@ class DatasetSpec:
     kind: str = "auto"
     labels: str = ""
     quota_bytes: int = 0
+    pipeline: Pipeline | None = None
 
     def __post_init__(self) -> None:
         names.DATASET.check(self.name, ConfigError, what="DatasetSpec.name", field="name", value=self.name)
@@ -71,11 +76,22 @@ class DatasetSpec:
                 field="quota_bytes",
                 value=self.quota_bytes,
             )
+        if self.pipeline is not None and not isinstance(self.pipeline, Pipeline):
+            raise ConfigError(
+                f"DatasetSpec.pipeline of dataset {self.name!r} must be a kspeed.preprocess.Pipeline, "
+                f"got {type(self.pipeline).__name__}",
+                field="pipeline",
+            )
 
     def to_proto(self):
         """The protobuf message sent to the manager."""
         from kspeed.proto import kspeed_pb2
 
         return kspeed_pb2.DatasetSpec(
-            name=self.name, uri=self.uri, kind=self.kind, labels=self.labels, quota_bytes=self.quota_bytes
+            name=self.name,
+            uri=self.uri,
+            kind=self.kind,
+            labels=self.labels,
+            quota_bytes=self.quota_bytes,
+            pipeline=self.pipeline.to_proto() if self.pipeline is not None else None,
         )

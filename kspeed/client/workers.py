@@ -20,6 +20,7 @@ import pickle
 import shutil
 import tempfile
 import threading
+import time
 import traceback
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -27,12 +28,17 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, fields
 from typing import Any
 
+import numpy as np
 import torch.multiprocessing
 from torch.utils.data import default_collate
 
 from kspeed.errors import ConfigError, StateError
+from kspeed.preprocess.pipeline import Pipeline
+from kspeed.preprocess.runner import Runner
 
 __all__ = [
+    "Delivered",
+    "Draw",
     "InlinePool",
     "SampleFailure",
     "ScratchFiles",
@@ -43,6 +49,7 @@ __all__ = [
     "pil_file_loader",
     "resolve_loader",
     "run_batch",
+    "sample_bytes",
 ]
 
 log = logging.getLogger(__name__)
@@ -54,6 +61,7 @@ _TORCHVISION_LOADERS = ("pil_loader", "default_loader")
 # Set once per worker process by _init: (loader, transform, target_transform, collate_fn).
 _STAGES: Stages | None = None
 _SCRATCH: ScratchFiles | None = None
+_RUNNER: Runner | None = None
 #: Scratch directories are named ``<prefix><pid>-<random>``.
 SCRATCH_PREFIX = "kspeed-loader-"
 
@@ -79,6 +87,11 @@ def pil_file_loader(file: io.BytesIO) -> Any:
 
     image = Image.open(file)
     return image.convert("RGB")
+
+
+def sample_bytes(file: io.BytesIO) -> np.ndarray:
+    """The loader of a dataset without a pipeline: a sample's bytes as a uint8 array."""
+    return np.frombuffer(file.getvalue(), dtype=np.uint8)
 
 
 def resolve_loader(loader: Any) -> Callable[..., Any]:
@@ -144,17 +157,47 @@ class Stages:
         collate_fn: list of ``(sample, target)`` pairs -> batch.
         loader_takes: ``"file"``: the loader gets an ``io.BytesIO`` of the sample's bytes;
             ``"path"``: a scratch file of them named like the sample's file (:class:`ScratchFiles`).
+        pipeline: instead of ``loader`` and ``transform``: the dataset's pipeline, whose stages
+            before ``client_stop`` run here (from ``server_stages`` on for samples the servers
+            preprocessed), seeded per sample from ``seed``.
+        seed: the job's seed.
+        server_stages: the stages the servers run for their share of each batch.
+        client_stop: the first stage not run on the client CPU (the GPU's).
     """
 
-    loader: Callable[..., Any]
+    loader: Callable[..., Any] | None
     transform: Callable[..., Any] | None = None
     target_transform: Callable[..., Any] | None = None
     collate_fn: Callable[..., Any] = default_collate
     loader_takes: str = "file"
+    pipeline: Pipeline | None = None
+    seed: int = 0
+    server_stages: int = 0
+    client_stop: int | None = None
 
     def named(self) -> dict[str, Any]:
-        """Each stage by its name (the callables only)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "loader_takes"}
+        """Each callable stage by its name."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name in _CALLABLES}
+
+
+_CALLABLES = ("loader", "transform", "target_transform", "collate_fn")
+
+
+@dataclass(frozen=True)
+class Draw:
+    """What a batch's pipeline stages need to know about it: the epoch, the IDs, which the servers preprocessed."""
+
+    epoch: int
+    ids: tuple[int, ...]
+    remote: tuple[bool, ...]
+
+
+@dataclass(frozen=True)
+class Delivered:
+    """A collated batch and the seconds each client-side stage took on it (by stage name)."""
+
+    value: Any
+    seconds: dict[str, float]
 
 
 def check_picklable(stages: Stages | Mapping[str, Any]) -> None:
@@ -245,6 +288,38 @@ def _describe(exc: BaseException) -> str:
     return "".join(traceback.format_exception_only(type(exc), exc)).strip()
 
 
+def _runner(stages: Stages) -> Runner:
+    """The resolved pipeline of ``stages`` (once per process)."""
+    global _RUNNER
+    if _RUNNER is None or _RUNNER.pipeline is not stages.pipeline:
+        if stages.pipeline is None:
+            raise StateError("no pipeline to run")
+        _RUNNER = Runner(stages.pipeline)
+    return _RUNNER
+
+
+def _prepare(stages: Stages, data: memoryview, draw: Draw, i: int, seconds: dict[str, float]) -> Any:
+    """Run one sample through the pipeline's client-side stages (timing each)."""
+    runner = _runner(stages)
+    sample = draw.ids[i]
+    start = 0
+    value: Any = data
+    if draw.remote[i]:
+        begun = time.perf_counter()
+        value = runner.receive(np.frombuffer(data, dtype=np.uint8), stages.server_stages, sample=sample)
+        start = stages.server_stages
+        seconds["receive"] = seconds.get("receive", 0.0) + time.perf_counter() - begun
+    stop = len(runner) if stages.client_stop is None else stages.client_stop
+    for k in range(start, stop):
+        begun = time.perf_counter()
+        value = runner.run(value, seed=stages.seed, epoch=draw.epoch, sample=sample, start=k, stop=k + 1)
+        name = f"{k}:{stages.pipeline.stages[k].op}" if stages.pipeline is not None else str(k)
+        seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - begun
+    if isinstance(value, np.ndarray) and not value.flags.writeable:
+        value = value.copy()  # torch wants writable arrays; a view of the batch's buffer is not
+    return value
+
+
 def run_batch(
     stages: Stages,
     scratch: ScratchFiles | None,
@@ -252,37 +327,58 @@ def run_batch(
     offsets: Sequence[int],
     targets: Sequence[Any],
     names: Sequence[str],
-) -> Any:
+    draw: Draw | None = None,
+) -> Delivered:
     """Load, transform and collate one batch (``offsets`` has one more entry than samples).
+
+    With a pipeline (``stages.pipeline``), ``draw`` says the batch's epoch, IDs and which samples
+    the servers preprocessed.
 
     Raises:
         SampleFailure: a sample (by position) or the collation failed.
     """
     view = memoryview(buffer)
     items = []
+    seconds: dict[str, float] = {}
     for i, target in enumerate(targets):
         data = view[offsets[i] : offsets[i + 1]]
         try:
-            source = io.BytesIO(data) if scratch is None else scratch.path(i, names[i], data)
-            item = stages.loader(source)
-            if stages.transform is not None:
-                item = stages.transform(item)
+            if stages.pipeline is not None and draw is not None:
+                item = _prepare(stages, data, draw, i, seconds)
+            else:
+                if stages.loader is None:
+                    raise StateError("a batch without a loader or a pipeline")
+                begun = time.perf_counter()
+                source = io.BytesIO(data) if scratch is None else scratch.path(i, names[i], data)
+                item = stages.loader(source)
+                if stages.transform is not None:
+                    item = stages.transform(item)
+                seconds["transform"] = seconds.get("transform", 0.0) + time.perf_counter() - begun
             if stages.target_transform is not None:
                 target = stages.target_transform(target)
         except Exception as exc:
             raise SampleFailure(i, _describe(exc)) from None
-        items.append((item, target))
+        items.append((item, target) if target is not None else item)
     try:
-        return stages.collate_fn(items)
+        begun = time.perf_counter()
+        value = stages.collate_fn(items)
+        seconds["collate"] = time.perf_counter() - begun
+        return Delivered(value, seconds)
     except Exception as exc:
         raise SampleFailure(None, _describe(exc)) from None
 
 
-def _run(buffer: bytes | bytearray, offsets: Sequence[int], targets: Sequence[Any], names: Sequence[str]) -> Any:
+def _run(
+    buffer: bytes | bytearray,
+    offsets: Sequence[int],
+    targets: Sequence[Any],
+    names: Sequence[str],
+    draw: Draw | None = None,
+) -> Delivered:
     """One batch in a worker process, with the stages its initializer received."""
     if _STAGES is None:
         raise StateError("transform worker used before its initializer ran")
-    return run_batch(_STAGES, _SCRATCH, buffer, offsets, targets, names)
+    return run_batch(_STAGES, _SCRATCH, buffer, offsets, targets, names, draw)
 
 
 class InlinePool:
@@ -305,14 +401,19 @@ class InlinePool:
         return self._closed
 
     def submit(
-        self, buffer: bytes | bytearray, offsets: Sequence[int], targets: Sequence[Any], names: Sequence[str]
+        self,
+        buffer: bytes | bytearray,
+        offsets: Sequence[int],
+        targets: Sequence[Any],
+        names: Sequence[str],
+        draw: Draw | None = None,
     ) -> Future:
-        """Run one batch now; the future holds the collated batch or the :class:`SampleFailure`."""
+        """Run one batch now; the future holds the :class:`Delivered` batch or the :class:`SampleFailure`."""
         if self._closed:
             raise StateError("the transform pool is closed; iterate the wrapped dataset again to start a new one")
         future: Future = Future()
         try:
-            future.set_result(run_batch(self._stages, self._scratch, buffer, offsets, targets, names))
+            future.set_result(run_batch(self._stages, self._scratch, buffer, offsets, targets, names, draw))
         except SampleFailure as exc:
             future.set_exception(exc)
         return future
@@ -350,12 +451,17 @@ class TransformPool:
         return self._executor is None
 
     def submit(
-        self, buffer: bytes | bytearray, offsets: Sequence[int], targets: Sequence[Any], names: Sequence[str]
+        self,
+        buffer: bytes | bytearray,
+        offsets: Sequence[int],
+        targets: Sequence[Any],
+        names: Sequence[str],
+        draw: Draw | None = None,
     ) -> Future:
-        """Queue one batch; the future yields the collated batch or raises :class:`SampleFailure`."""
+        """Queue one batch; the future yields the :class:`Delivered` batch or raises :class:`SampleFailure`."""
         if self._executor is None:
             raise StateError("the transform pool is closed; iterate the wrapped dataset again to start a new one")
-        return self._executor.submit(_run, buffer, offsets, targets, names)
+        return self._executor.submit(_run, buffer, offsets, targets, names, draw)
 
     def pids(self) -> list[int]:
         """Process IDs of the running workers."""

@@ -1,5 +1,5 @@
-"""Serve a torchvision-style folder dataset from KSpeed: its files cached on the servers, its own
-loader and transforms applied on the client.
+"""Serve a torchvision-style folder dataset from KSpeed: its files cached on the servers, its
+loader and transforms run on the servers when they can be sent as data, else on the client.
 
 Usage (normally through :meth:`kspeed.KSpeedClient.wrap`)::
 
@@ -18,15 +18,22 @@ file of absolute paths in a hidden ``.kspeed`` directory under that root (``list
 The dataset's name is a hash of the paths, so wrapping the same files again attaches to the data
 already cached. Targets never travel: the client looks them up by the delivered sample IDs.
 
-Until preprocessing runs on the servers, the loader, transforms and ``collate_fn`` run in spawned
-worker processes (:mod:`kspeed.client.workers`); the loader gets each sample's bytes as an
-``io.BytesIO`` (torchvision's path-based ``pil_loader``/``default_loader`` are swapped for the
-same PIL code on a file object). They must therefore be picklable (module-level functions or
-objects), and the batches keep the sampler's order.
+When the loader is torchvision's PIL loader and every transform is one of torchvision's common
+ones (:func:`kspeed.client.offload.folder_pipeline`), the dataset gets a pipeline: the servers
+decode and run the transforms up to the last uint8 one, re-created from their parameters and
+seeded per sample, and the client runs the float rest (``ToTensor``, ``Normalize``) and
+``collate_fn``; the dataset's name then also hashes the pipeline. Otherwise (or with
+``offload=0``, or when the servers refuse the pipeline) the loader, transforms and ``collate_fn``
+run in spawned worker processes (:mod:`kspeed.client.workers`), and why is logged once; the
+loader gets each sample's bytes as an ``io.BytesIO`` (torchvision's path-based
+``pil_loader``/``default_loader`` are swapped for the same PIL code on a file object). They must
+therefore be picklable (module-level functions or objects), and the batches keep the sampler's
+order.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -41,12 +48,16 @@ import numpy as np
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
 from kspeed.control.progress import PreloadSummary
-from kspeed.errors import ConfigError, DatasetError, KSpeedError, StateError
+from kspeed.errors import AccessDeniedError, ConfigError, DatasetError, KSpeedError, StateError
+from kspeed.preprocess.pipeline import Pipeline
 
 from .dataset import KSpeedDataset
+from .gpu_stages import GpuStages
+from .offload import folder_pipeline
 from .options import FeedOptions
 from .spec import DatasetSpec
 from .workers import (
+    Draw,
     InlinePool,
     SampleFailure,
     Stages,
@@ -111,8 +122,10 @@ def _write_list(path: str, paths: Sequence[str]) -> None:
     os.replace(tmp, path)
 
 
-def folder_spec(paths: Sequence[str], *, list_dir: str | None = None, name: str | None = None) -> DatasetSpec:
-    """The dataset spec whose sample ``i`` is the file ``paths[i]`` (absolute paths).
+def folder_spec(
+    paths: Sequence[str], *, list_dir: str | None = None, name: str | None = None, pipeline: Pipeline | None = None
+) -> DatasetSpec:
+    """The dataset spec whose sample ``i`` is the file ``paths[i]`` (absolute paths), with ``pipeline``.
 
     A ``dir`` spec over the common root when the paths are exactly its non-hidden files in sorted
     order, else a ``list`` file written to ``list_dir`` (default ``<root>/.kspeed``).
@@ -126,9 +139,10 @@ def folder_spec(paths: Sequence[str], *, list_dir: str | None = None, name: str 
     keys = [os.path.relpath(p, root).replace(os.sep, "/") for p in paths]
     kind = "dir" if keys == sorted(keys) and _tree_keys(root) == keys else "list"
     digest = hashlib.sha256("\n".join([kind, *paths]).encode()).hexdigest()
-    name = name or f"wrap-{digest[:24]}"
+    list_name = name or f"wrap-{digest[:24]}"  # the list file is the same with or without a pipeline
+    name = name or (f"{list_name}-{pipeline.digest()[:12]}" if pipeline is not None else list_name)
     if kind == "dir":
-        return DatasetSpec(name=name, uri=root, kind="dir")
+        return DatasetSpec(name=name, uri=root, kind="dir", pipeline=pipeline)
     for p in paths:
         if "\n" in p or p != p.strip():
             raise ConfigError(
@@ -137,7 +151,7 @@ def folder_spec(paths: Sequence[str], *, list_dir: str | None = None, name: str 
                 value=p,
             )
     directory = list_dir if list_dir is not None else os.path.join(root, LIST_DIR)
-    uri = os.path.join(os.path.abspath(directory), f"{name}.list")
+    uri = os.path.join(os.path.abspath(directory), f"{list_name}.list")
     try:
         os.makedirs(directory, exist_ok=True)
         _write_list(uri, paths)
@@ -149,7 +163,7 @@ def folder_spec(paths: Sequence[str], *, list_dir: str | None = None, name: str 
             value=directory,
         ) from exc
     log.info("wrapped %d files as dataset %s (list %s)", len(paths), name, uri)
-    return DatasetSpec(name=name, uri=uri, kind="list")
+    return DatasetSpec(name=name, uri=uri, kind="list", pipeline=pipeline)
 
 
 # -- iteration -------------------------------------------------------------------------------------
@@ -169,12 +183,18 @@ class WrappedDataset(IterableDataset):
     Yields what ``DataLoader(folder, batch_size, sampler)`` would: ``collate_fn`` of
     ``(transform(loader(file)), target_transform(target))`` pairs, in the sampler's order.
 
+    With a pipeline (``inner.pipeline``, e.g. the loader and transforms offloaded by :func:`wrap`)
+    the samples the servers preprocessed arrive as their server stages' output and only the
+    client-side stages run here (the rest run all stages), each seeded by ``(seed, epoch, sample,
+    stage)``; ``gpu`` stages then run on the collated batch on ``inner.device``.
+
     Args:
         inner: the KSpeed dataset over the folder's files (sample ``i`` = ``paths[i]``).
-        paths: each sample's file, for error messages.
-        targets: each sample's target.
-        loader: binary file object (or, if it only takes paths, a path) -> sample.
-        transform: applied to each loaded sample, or ``None``.
+        paths: each sample's file, for error messages (``None``: samples are named by ID).
+        targets: each sample's target (``None``: the dataset's labels, if it has any).
+        loader: binary file object (or, if it only takes paths, a path) -> sample; ``None`` with a
+            pipeline.
+        transform: applied to each loaded (or pipeline-prepared) sample, or ``None``.
         target_transform: applied to each target, or ``None``.
         collate_fn: list of ``(sample, target)`` pairs -> batch.
         num_workers: worker processes (default: up to 4, one per CPU; 0: in the training process).
@@ -188,9 +208,9 @@ class WrappedDataset(IterableDataset):
         self,
         inner: KSpeedDataset,
         *,
-        paths: Sequence[str],
-        targets: Sequence[Any],
-        loader: Callable[..., Any],
+        paths: Sequence[str] | None = None,
+        targets: Sequence[Any] | None = None,
+        loader: Callable[..., Any] | None = None,
         transform: Callable[..., Any] | None = None,
         target_transform: Callable[..., Any] | None = None,
         collate_fn: Callable[..., Any] = default_collate,
@@ -208,16 +228,32 @@ class WrappedDataset(IterableDataset):
             raise ConfigError(
                 f"prefetch must be a positive integer, got {prefetch!r}", field="prefetch", value=prefetch
             )
-        if len(paths) != inner.num_samples or len(targets) != inner.num_samples:
-            raise ConfigError(
-                f"dataset {inner.name!r} has {inner.num_samples} samples but {len(paths)} paths and "
-                f"{len(targets)} targets were given",
-                field="samples",
-            )
+        for given in (paths, targets):
+            if given is not None and len(given) != inner.num_samples:
+                raise ConfigError(
+                    f"dataset {inner.name!r} has {inner.num_samples} samples but {len(given)} paths or targets "
+                    "were given",
+                    field="samples",
+                )
         self._inner = inner
-        self._paths = list(paths)
-        self._targets = list(targets)
-        self._stages = Stages(loader, transform, target_transform, collate_fn, check_loader(loader, self._paths[0]))
+        self._paths = list(paths) if paths is not None else None
+        self._targets = list(targets) if targets is not None else None
+        pipeline = inner.pipeline
+        self._stages = Stages(
+            None if pipeline is not None else loader,
+            transform,
+            target_transform,
+            collate_fn,
+            check_loader(loader, self._paths[0]) if loader is not None and pipeline is None and self._paths else "file",
+            pipeline=pipeline,
+            seed=inner.seed,
+            server_stages=inner.prep.server_stages if inner.prep is not None else 0,
+            client_stop=pipeline.gpu_from if pipeline is not None else None,
+        )
+        if pipeline is None and loader is None:
+            raise ConfigError(f"dataset {inner.name!r}: a loader or a pipeline is needed", field="loader")
+        self._gpu = GpuStages(pipeline, inner.seed, inner.device) if pipeline is not None else None
+        self._seconds: dict[str, float] = {}
         self.num_workers = workers
         self.prefetch = prefetch if prefetch is not None else max(PREFETCH_PER_WORKER * workers, 1)
         self._pool: TransformPool | InlinePool | None = None
@@ -287,9 +323,17 @@ class WrappedDataset(IterableDataset):
         del dst
         ids = batch.ids.tolist()
         epoch, index = batch.epoch, batch.index
+        if self._targets is not None:
+            targets = [self._targets[i] for i in ids]
+        elif self._inner.labelled:
+            targets = batch.labels.tolist()
+        else:
+            targets = [None] * len(ids)
+        draw = Draw(epoch, tuple(ids), tuple(bool(r) for r in batch.remote.tolist()))
         batch.release()
-        names = [os.path.basename(self._paths[i]) for i in ids] if self._stages.loader_takes == "path" else []
-        future = pool.submit(buffer, offsets.tolist(), [self._targets[i] for i in ids], names)
+        paths = self._paths
+        names = [os.path.basename(paths[i]) for i in ids] if paths and self._stages.loader_takes == "path" else []
+        future = pool.submit(buffer, offsets.tolist(), targets, names, draw)
         return _Task(future, epoch, index, ids)
 
     def _collect(self, task: _Task) -> Any:
@@ -302,9 +346,9 @@ class WrappedDataset(IterableDataset):
                     f"collating {where} ({len(task.ids)} samples) failed: {exc.text}", dataset=self.name
                 ) from exc
             sample = task.ids[exc.position]
+            named = f"sample {sample} ({self._paths[sample]})" if self._paths else f"sample {sample}"
             raise DatasetError(
-                f"sample {sample} ({self._paths[sample]}) in {where}: the wrapped dataset's loader or "
-                f"transforms failed: {exc.text}",
+                f"{named} in {where}: the loader, pipeline stages or transforms failed on the client: {exc.text}",
                 dataset=self.name,
                 sample=sample,
             ) from exc
@@ -317,7 +361,11 @@ class WrappedDataset(IterableDataset):
                 f"{where} failed in a transform worker: {type(exc).__name__}: {exc}", dataset=self.name
             ) from exc
         self._delivered += 1
-        return result
+        for name, seconds in result.seconds.items():
+            self._seconds[name] = self._seconds.get(name, 0.0) + seconds
+        if self._gpu is not None:
+            return self._gpu.apply(result.value, task.epoch, task.ids)
+        return result.value
 
     def worker_pids(self) -> list[int]:
         """Process IDs of the running transform workers (none before the first iteration or after close)."""
@@ -344,8 +392,12 @@ class WrappedDataset(IterableDataset):
         return self._inner.preload(quiet=quiet, timeout=timeout)
 
     def stats(self) -> dict[str, Any]:
-        """The KSpeed dataset's delivery figures and the transform workers in use."""
-        return {**self._inner.stats(), "workers": len(self.worker_pids())}
+        """The KSpeed dataset's delivery figures, the transform workers in use and the seconds each
+        client-side stage took (summed over workers; ``receive``: decoding the servers' output)."""
+        seconds = dict(self._seconds)
+        if self._gpu is not None:
+            seconds.update(self._gpu.seconds)
+        return {**self._inner.stats(), "workers": len(self.worker_pids()), "client_stage_seconds": seconds}
 
     def _check_open(self) -> None:
         if self._closed:
@@ -438,8 +490,20 @@ def wrap(client: KSpeedClient, dataset: Any, options: FeedOptions, wrapping: Wra
     )
     if wrapping.num_workers != 0:  # the stages travel to spawned workers
         check_picklable(stages)
-    spec = folder_spec(paths, list_dir=wrapping.list_dir, name=wrapping.name)
-    inner = client.open(spec, options)
+    pipeline, why = (None, "offload=0") if options.offload == 0 else folder_pipeline(stages.loader, stages.transform)
+    inner = None
+    if pipeline is not None:
+        spec = folder_spec(paths, list_dir=wrapping.list_dir, name=wrapping.name, pipeline=pipeline)
+        try:
+            inner = client.open(spec, options)
+            stages = dataclasses.replace(stages, loader=None, transform=None)
+            log.info("dataset %s: loader and transforms offloaded to the servers (%s)", spec.name, pipeline)
+        except (AccessDeniedError, ConfigError) as exc:
+            why = f"the servers refused its pipeline: {exc}"
+    if inner is None:
+        log.info("wrapped dataset: its loader and transforms run in client workers (%s)", why)
+        spec = folder_spec(paths, list_dir=wrapping.list_dir, name=wrapping.name)
+        inner = client.open(spec, options)
     try:
         if inner.num_samples != len(paths):
             raise DatasetError(

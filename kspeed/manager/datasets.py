@@ -65,7 +65,13 @@ def validate_spec(spec: kspeed_pb2.DatasetSpec) -> None:
 
 
 def _same_definition(a: kspeed_pb2.DatasetSpec, b: kspeed_pb2.DatasetSpec) -> bool:
-    return (a.uri, a.kind or "auto", a.labels, a.quota_bytes) == (b.uri, b.kind or "auto", b.labels, b.quota_bytes)
+    return (a.uri, a.kind or "auto", a.labels, a.quota_bytes, a.pipeline) == (
+        b.uri,
+        b.kind or "auto",
+        b.labels,
+        b.quota_bytes,
+        b.pipeline,
+    )
 
 
 class DatasetCatalog:
@@ -208,7 +214,8 @@ class DatasetCatalog:
                     raise ConflictError(
                         f"dataset {spec.name!r} is already registered as uri={existing.spec.uri!r} "
                         f"kind={existing.spec.kind or 'auto'!r} labels={existing.spec.labels!r} "
-                        f"quota={existing.spec.quota_bytes}; remove it first or use another name"
+                        f"quota={existing.spec.quota_bytes} and {len(existing.spec.pipeline.stages)} pipeline "
+                        "stage(s) (a pipeline is part of a dataset's identity); remove it first or use another name"
                     )
                 await self._verify(existing)
             else:

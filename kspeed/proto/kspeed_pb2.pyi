@@ -87,7 +87,14 @@ class Nic(_message.Message):
     def __init__(self, name: _Optional[str] = ..., pci_bus_id: _Optional[str] = ..., numa_node: _Optional[int] = ...) -> None: ...
 
 class ServerInventory(_message.Message):
-    __slots__ = ("hostname", "memory_bytes", "region_size", "cores", "transports", "nics", "memory_used_bytes", "regions_total", "regions_free", "regions_allocated", "regions_filling", "regions_sealed", "regions_window")
+    __slots__ = ("hostname", "memory_bytes", "region_size", "cores", "transports", "nics", "memory_used_bytes", "regions_total", "regions_free", "regions_allocated", "regions_filling", "regions_sealed", "regions_window", "libraries", "preprocess_workers")
+    class LibrariesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     REGION_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +108,8 @@ class ServerInventory(_message.Message):
     REGIONS_FILLING_FIELD_NUMBER: _ClassVar[int]
     REGIONS_SEALED_FIELD_NUMBER: _ClassVar[int]
     REGIONS_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    LIBRARIES_FIELD_NUMBER: _ClassVar[int]
+    PREPROCESS_WORKERS_FIELD_NUMBER: _ClassVar[int]
     hostname: str
     memory_bytes: int
     region_size: int
@@ -114,7 +123,9 @@ class ServerInventory(_message.Message):
     regions_filling: int
     regions_sealed: int
     regions_window: int
-    def __init__(self, hostname: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., region_size: _Optional[int] = ..., cores: _Optional[int] = ..., transports: _Optional[_Iterable[str]] = ..., nics: _Optional[_Iterable[_Union[Nic, _Mapping]]] = ..., memory_used_bytes: _Optional[int] = ..., regions_total: _Optional[int] = ..., regions_free: _Optional[int] = ..., regions_allocated: _Optional[int] = ..., regions_filling: _Optional[int] = ..., regions_sealed: _Optional[int] = ..., regions_window: _Optional[int] = ...) -> None: ...
+    libraries: _containers.ScalarMap[str, str]
+    preprocess_workers: int
+    def __init__(self, hostname: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., region_size: _Optional[int] = ..., cores: _Optional[int] = ..., transports: _Optional[_Iterable[str]] = ..., nics: _Optional[_Iterable[_Union[Nic, _Mapping]]] = ..., memory_used_bytes: _Optional[int] = ..., regions_total: _Optional[int] = ..., regions_free: _Optional[int] = ..., regions_allocated: _Optional[int] = ..., regions_filling: _Optional[int] = ..., regions_sealed: _Optional[int] = ..., regions_window: _Optional[int] = ..., libraries: _Optional[_Mapping[str, str]] = ..., preprocess_workers: _Optional[int] = ...) -> None: ...
 
 class ServerRecord(_message.Message):
     __slots__ = ("id", "address", "http_address", "state", "inventory", "registered_unix", "last_heartbeat_unix", "incarnation", "protocol_version", "software_version", "state_reason")
@@ -237,18 +248,48 @@ class MembershipEvent(_message.Message):
     def __init__(self, revision: _Optional[int] = ..., snapshot: _Optional[bool] = ..., servers: _Optional[_Iterable[_Union[ServerRecord, _Mapping]]] = ...) -> None: ...
 
 class DatasetSpec(_message.Message):
-    __slots__ = ("name", "uri", "kind", "labels", "quota_bytes")
+    __slots__ = ("name", "uri", "kind", "labels", "quota_bytes", "pipeline")
     NAME_FIELD_NUMBER: _ClassVar[int]
     URI_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
     name: str
     uri: str
     kind: str
     labels: str
     quota_bytes: int
-    def __init__(self, name: _Optional[str] = ..., uri: _Optional[str] = ..., kind: _Optional[str] = ..., labels: _Optional[str] = ..., quota_bytes: _Optional[int] = ...) -> None: ...
+    pipeline: Pipeline
+    def __init__(self, name: _Optional[str] = ..., uri: _Optional[str] = ..., kind: _Optional[str] = ..., labels: _Optional[str] = ..., quota_bytes: _Optional[int] = ..., pipeline: _Optional[_Union[Pipeline, _Mapping]] = ...) -> None: ...
+
+class TensorSpec(_message.Message):
+    __slots__ = ("shape", "dtype", "max_bytes", "kind")
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    max_bytes: int
+    kind: str
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., max_bytes: _Optional[int] = ..., kind: _Optional[str] = ...) -> None: ...
+
+class Stage(_message.Message):
+    __slots__ = ("op", "params", "output")
+    OP_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    op: str
+    params: str
+    output: TensorSpec
+    def __init__(self, op: _Optional[str] = ..., params: _Optional[str] = ..., output: _Optional[_Union[TensorSpec, _Mapping]] = ...) -> None: ...
+
+class Pipeline(_message.Message):
+    __slots__ = ("stages",)
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    stages: _containers.RepeatedCompositeFieldContainer[Stage]
+    def __init__(self, stages: _Optional[_Iterable[_Union[Stage, _Mapping]]] = ...) -> None: ...
 
 class Fingerprint(_message.Message):
     __slots__ = ("count", "total_bytes", "digest")
@@ -524,18 +565,26 @@ class OpenFeedReply(_message.Message):
     def __init__(self, server_id: _Optional[str] = ..., feeder: _Optional[int] = ...) -> None: ...
 
 class PlanChunk(_message.Message):
-    __slots__ = ("feed_id", "epoch", "batch_size", "ids", "lengths")
+    __slots__ = ("feed_id", "epoch", "batch_size", "ids", "lengths", "remote", "server_stages", "seed", "seed_epoch")
     FEED_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_FIELD_NUMBER: _ClassVar[int]
+    SERVER_STAGES_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    SEED_EPOCH_FIELD_NUMBER: _ClassVar[int]
     feed_id: str
     epoch: int
     batch_size: int
     ids: bytes
     lengths: bytes
-    def __init__(self, feed_id: _Optional[str] = ..., epoch: _Optional[int] = ..., batch_size: _Optional[int] = ..., ids: _Optional[bytes] = ..., lengths: _Optional[bytes] = ...) -> None: ...
+    remote: bytes
+    server_stages: int
+    seed: int
+    seed_epoch: int
+    def __init__(self, feed_id: _Optional[str] = ..., epoch: _Optional[int] = ..., batch_size: _Optional[int] = ..., ids: _Optional[bytes] = ..., lengths: _Optional[bytes] = ..., remote: _Optional[bytes] = ..., server_stages: _Optional[int] = ..., seed: _Optional[int] = ..., seed_epoch: _Optional[int] = ...) -> None: ...
 
 class PlanReply(_message.Message):
     __slots__ = ("owned", "owned_bytes")

@@ -35,6 +35,7 @@ from kspeed.server.datasets import DatasetHost
 from kspeed.server.feeder_pool import FeederPool
 from kspeed.server.metrics import ServerMetrics
 from kspeed.server.pool import WINDOW_OWNER, MemoryPool, RegionState
+from kspeed.server.prep_pool import PrepPool
 from kspeed.server.service import ServerService
 from kspeed.server.window import ProductionWindow
 
@@ -101,10 +102,16 @@ class Server:
             scrub_interval=cfg.scrub_interval,
             change_check_interval=cfg.change_check_interval,
             change_check_budget=cfg.change_check_budget,
+            preprocess_allow=cfg.preprocess_allow,
         )
         host.restore()
         options = RailOptions(token=cfg.security.data_plane_token(), io_timeout=cfg.data_io_timeout)
         count = cfg.feeders or min(4, inv.usable_cores(cfg.cores))
+        self.prep = PrepPool(
+            cfg.preprocess_workers or inv.usable_cores(cfg.cores),
+            cfg.preprocess_allow,
+            LogSettings(cfg.log_level, cfg.log_format),
+        )
         self.feeders = FeederPool(
             count,
             self.id,
@@ -114,6 +121,7 @@ class Server:
             production_timeout=cfg.production_timeout,
             production_depth=cfg.production_depth,
             production_threads=cfg.production_threads,
+            prep=self.prep,
             logs=LogSettings(cfg.log_level, cfg.log_format),
         )
         host.on_drop = self.feeders.close_dataset

@@ -22,6 +22,8 @@ import numpy as np
 
 from kspeed import wire
 from kspeed.errors import ConfigError, DatasetError, KSpeedError, NotFoundError
+from kspeed.preprocess.pipeline import Pipeline
+from kspeed.preprocess.runner import Runner
 from kspeed.proto import kspeed_pb2
 from kspeed.server.backend import Backend
 from kspeed.server.changes import Change, ChangeLog, ChangeWatch
@@ -100,8 +102,10 @@ class DatasetHost:
         scrub_interval: float = 0.0,
         change_check_interval: float = 300.0,
         change_check_budget: int = 0,
+        preprocess_allow: tuple[str, ...] = (),
     ) -> None:
         self.pool = pool
+        self.preprocess_allow = preprocess_allow
         self.backend = backend
         self._path = os.path.join(state_dir, ASSIGNMENTS_FILE)
         self._threads = preload_threads
@@ -157,7 +161,12 @@ class DatasetHost:
                 log.error("dataset %s: cannot take the assigned share: %s", request.spec.name, exc)
 
     def describe(self, spec: kspeed_pb2.DatasetSpec) -> kspeed_pb2.DescribeDatasetReply:
-        """List a dataset's backend for the manager (sizes in ID order, classes, fingerprint)."""
+        """List a dataset's backend for the manager (sizes in ID order, classes, fingerprint).
+
+        A pipeline is checked first: every stage must resolve here (built-in ops with their
+        parameters, modules on the operator's preprocess allow-list).
+        """
+        self.check_pipeline(spec)
         source = open_source(self.backend, spec.name, spec.uri, kind=spec.kind or "auto")
         if spec.labels == "dirname" and source.labels is None:
             raise DatasetError(
@@ -170,6 +179,16 @@ class DatasetHost:
             class_names=list(source.classes),
         )
 
+    def check_pipeline(self, spec: kspeed_pb2.DatasetSpec) -> None:
+        """Refuse a pipeline this server could not run, with the reason.
+
+        Raises:
+            AccessDeniedError: a stage's module is not on the allow-list.
+            ConfigError: a stage cannot be resolved or has bad parameters.
+        """
+        if spec.pipeline.stages:
+            Runner(Pipeline.from_proto(spec.pipeline), allow=self.preprocess_allow, dataset=spec.name)
+
     def assign(self, request: kspeed_pb2.AssignShareRequest) -> kspeed_pb2.ShareStatus:
         """Hold ``request.share`` of the dataset (idempotent; a different share replaces the old one).
 
@@ -179,6 +198,7 @@ class DatasetHost:
             ConfigError: the manager's region size is not this pool's.
         """
         name = request.spec.name
+        self.check_pipeline(request.spec)
         with self._lock:
             current = self._hosted.get(name)
             if current is not None and current.request == request:

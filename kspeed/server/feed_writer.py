@@ -58,6 +58,8 @@ class PlanPart:
         region: per owned position, the pool region holding the sample now (-1: not produced yet).
         src: per owned position, the sample's offset in that region.
         ticket: per owned position, the window slot's ticket (0: at home).
+        processed: per owned position, whether it is produced here by the dataset's pipeline
+            (placed per plan, see :meth:`place`) rather than served as the raw sample (located by ID).
     """
 
     starts: np.ndarray
@@ -68,6 +70,7 @@ class PlanPart:
     region: np.ndarray
     src: np.ndarray
     ticket: np.ndarray
+    processed: np.ndarray | None = None
     _order: np.ndarray | None = field(default=None, repr=False)
 
     def where(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -88,12 +91,23 @@ class PlanPart:
         return order[at], np.repeat(np.arange(len(ids)), counts)
 
     def locate(self, ids: np.ndarray, region: np.ndarray, src: np.ndarray, ticket: np.ndarray) -> np.ndarray:
-        """Set the location of ``ids``; returns the tickets they had (for the window's bookkeeping)."""
+        """Set the location of raw samples ``ids``; returns the tickets they had (for the window's bookkeeping)."""
         at, which = self.where(ids)
+        if self.processed is not None:
+            raw = ~self.processed[at]
+            at, which = at[raw], which[raw]
         old = self.ticket[at].copy()
         self.region[at] = region[which]
         self.src[at] = src[which]
         self.ticket[at] = ticket[which]
+        return old
+
+    def place(self, at: np.ndarray, region: np.ndarray, src: np.ndarray, ticket: np.ndarray) -> np.ndarray:
+        """Set the location of processed owned positions ``at``; returns the tickets they had."""
+        old = self.ticket[at].copy()
+        self.region[at] = region
+        self.src[at] = src
+        self.ticket[at] = ticket
         return old
 
 

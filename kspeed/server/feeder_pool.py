@@ -20,8 +20,9 @@ import numpy as np
 
 from kspeed import errors, names
 from kspeed.control.logs import LogSettings
-from kspeed.errors import DatasetError, NotFoundError, ProtocolError, UnavailableError
+from kspeed.errors import ConfigError, DatasetError, NotFoundError, ProtocolError, UnavailableError
 from kspeed.layout import batch_layout
+from kspeed.preprocess.pipeline import Pipeline
 from kspeed.proto import kspeed_pb2
 from kspeed.rdma.options import RailOptions
 from kspeed.rdma.rails import available_rails
@@ -29,7 +30,8 @@ from kspeed.server import feeder_process
 from kspeed.server.datasets import DatasetHost
 from kspeed.server.feed_writer import FeedProgress, Freed, PlanPart
 from kspeed.server.feeder_process import CloseFeed, Command, MarkChanged, OpenFeed, Reply, Stop
-from kspeed.server.production import Production
+from kspeed.server.prep_pool import PrepPool
+from kspeed.server.production import PrepSpec, Production
 from kspeed.server.window import ProductionWindow
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,7 @@ class FeederPool:
         production_timeout: longest a grant waits for its samples to be produced.
         production_depth: samples made resident ahead of each feed's next one.
         production_threads: producer threads.
+        prep: the preprocessing workers (server stages of pipelines).
         logs: log level and format of the feeder processes.
     """
 
@@ -81,6 +84,7 @@ class FeederPool:
         production_timeout: float = 60.0,
         production_depth: int = 1024,
         production_threads: int = 8,
+        prep: PrepPool | None = None,
         logs: LogSettings | None = None,
     ) -> None:
         self._host = host
@@ -102,7 +106,9 @@ class FeederPool:
             theirs.close()
             their_events.close()
             self._feeders.append(_Feeder(process, ours, events, threading.Lock()))
-        self.production = Production(window, host, self._command, depth=production_depth, threads=production_threads)
+        self.production = Production(
+            window, host, self._command, depth=production_depth, threads=production_threads, prep=prep
+        )
         for index, worker in enumerate(self._feeders):
             worker.reader = threading.Thread(
                 target=self._read_events, args=(index,), name=f"feeder-{index}-events", daemon=True
@@ -192,19 +198,37 @@ class FeederPool:
         return info
 
     def commit_plan(
-        self, feed_id: str, epoch: int, batch_size: int, ids: np.ndarray, lengths: np.ndarray
+        self,
+        feed_id: str,
+        epoch: int,
+        batch_size: int,
+        ids: np.ndarray,
+        lengths: np.ndarray,
+        *,
+        processed: np.ndarray | None = None,
+        server_stages: int = 0,
+        seed: int = 0,
+        seed_epoch: int = 0,
     ) -> kspeed_pb2.PlanReply:
         """Install an epoch plan on the feed's feeder; its samples are made resident in plan order.
 
         Returns at once: grants are answered as their samples become resident (the preload of
-        the share starts, what the plan needs first).
+        the share starts, what the plan needs first). Positions marked ``processed`` are run
+        through the first ``server_stages`` stages of the dataset's pipeline here (their lengths
+        are that stage's declared output).
 
         Raises:
-            ProtocolError: lengths that disagree with this server's index, or a bad batch size.
+            ProtocolError: lengths that disagree with this server's index or the pipeline's
+                declared output, a bad batch size, processed positions without a pipeline.
             ChangedError: owned samples of the plan changed in the backend since the listing.
         """
         info = self._feed(feed_id)
-        if batch_size <= 0 or len(ids) != len(lengths) or len(ids) > MAX_PLAN:
+        if (
+            batch_size <= 0
+            or len(ids) != len(lengths)
+            or len(ids) > MAX_PLAN
+            or (processed is not None and len(processed) != len(ids))
+        ):
             raise ProtocolError(
                 f"feed {feed_id}: plan of {len(ids)} IDs with {len(lengths)} lengths and batch size "
                 f"{batch_size} is malformed"
@@ -213,13 +237,19 @@ class FeederPool:
         index = hosted.preloader.index
         owned = np.flatnonzero(index.owns(ids))
         owned_ids = ids[owned].astype(np.int64)
-        length = index.length[owned_ids - index.lo]
+        length = index.length[owned_ids - index.lo].astype(np.int64)
+        mine = processed[owned] if processed is not None else None
+        prep = None
+        if mine is not None and mine.any():
+            prep = self._prep_spec(info.dataset, hosted.request.spec, server_stages, seed, seed_epoch)
+            length[mine] = prep.nbytes
         wrong = np.flatnonzero(length != lengths[owned])
         if len(wrong):
             k = int(wrong[0])
             raise ProtocolError(
-                f"feed {feed_id}: sample {int(owned_ids[k])} has length {int(length[k])} here, the "
-                f"plan says {int(lengths[owned][k])}; look it up again"
+                f"feed {feed_id}: sample {int(owned_ids[k])} has length {int(length[k])} here"
+                f"{' after the server stages' if mine is not None and mine[k] else ''}, the plan says "
+                f"{int(lengths[owned][k])}; look it up again"
             )
         hosted.changes.refuse(owned_ids, f"an epoch plan of feed {feed_id} needs")
         layout = batch_layout(lengths, batch_size)
@@ -233,13 +263,29 @@ class FeederPool:
             region=none - 1,
             src=none.copy(),
             ticket=none.copy(),
+            processed=mine if prep is not None else None,
         )
         try:
-            self.production.install(feed_id, info.feeder, info.dataset, epoch, plan)
+            self.production.install(feed_id, info.feeder, info.dataset, epoch, plan, prep)
         except errors.PeerLostError:
             self._feed(feed_id)  # ended meanwhile (its dataset removed)? say so rather than "not connected"
             raise
         return kspeed_pb2.PlanReply(owned=len(owned), owned_bytes=int(length.sum()))
+
+    def _prep_spec(self, dataset: str, spec: kspeed_pb2.DatasetSpec, stages: int, seed: int, epoch: int) -> PrepSpec:
+        """How processed positions of a plan are produced: the dataset's first ``stages`` stages."""
+        if self.production.prep is None:
+            raise ProtocolError(f"dataset {dataset!r}: this server runs no preprocessing workers")
+        count = len(spec.pipeline.stages)
+        if not 1 <= stages <= count:
+            raise ProtocolError(
+                f"dataset {dataset!r}: a plan asks for {stages} server stage(s) of a pipeline of {count}"
+            )
+        try:
+            output = Pipeline.from_proto(spec.pipeline, stages).output(stages)
+        except ConfigError as exc:
+            raise ProtocolError(f"dataset {dataset!r}: {exc}") from exc
+        return PrepSpec(spec.pipeline.SerializeToString(deterministic=True), stages, seed, epoch, output.nbytes)
 
     def close(self, feed_id: str, reason: str = "") -> None:
         """Close a feed (its data-plane connection and plans); a ``reason`` is told to the client first."""

@@ -100,6 +100,20 @@ class Locate:
 
 
 @dataclass(frozen=True)
+class Place:
+    """Processed positions ``at`` (owned indices) of a feed's plan of ``epoch`` are now at
+    ``region``/``src``/``ticket`` (``region`` -1: released). The reply's ``busy`` lists the window
+    tickets they left that a read still uses."""
+
+    feed_id: str
+    epoch: int
+    at: np.ndarray
+    region: np.ndarray
+    src: np.ndarray
+    ticket: np.ndarray
+
+
+@dataclass(frozen=True)
 class Failed:
     """Samples of ``dataset`` that could not be produced, with why: their grants fail at once."""
 
@@ -113,7 +127,7 @@ class Stop:
     """Close every feed and exit."""
 
 
-Command = OpenFeed | InstallPlan | CloseFeed | MarkChanged | Locate | Failed | Stop
+Command = OpenFeed | InstallPlan | CloseFeed | MarkChanged | Locate | Place | Failed | Stop
 
 
 @dataclass(frozen=True)
@@ -164,6 +178,8 @@ class Feeder:
                     feed.mark_changed(command.what)
         elif isinstance(command, Locate):
             return Reply(True, busy=tuple(self.locate(command)))
+        elif isinstance(command, Place):
+            return Reply(True, busy=tuple(self.place(command)))
         elif isinstance(command, Failed):
             with self.shared.lock:
                 self.shared.failed.setdefault(command.dataset, {}).update(
@@ -188,6 +204,23 @@ class Feeder:
                     old = plan.locate(command.ids, command.region, command.src, command.ticket)
                     retired.update(t for t in old.tolist() if t > 0)
             retired.difference_update(command.ticket.tolist())
+            return self.shared.retire(sorted(retired))
+
+    def place(self, command: Place) -> list[int]:
+        """Apply new locations to processed positions of one plan; returns the retired tickets still read."""
+        feed = self.feeds.get(command.feed_id)
+        if feed is None:
+            raise PeerLostError(f"feed {command.feed_id!r} is not connected (the client left?)")
+        with self.shared.lock:
+            plan = feed.plans.get(command.epoch)
+            if plan is None:
+                return []
+            failed = self.shared.failed.get(feed.dataset)
+            if failed:
+                for sample in plan.ids[command.at[command.region >= 0]].tolist():
+                    failed.pop(sample, None)
+            old = plan.place(command.at, command.region, command.src, command.ticket)
+            retired = {t for t in old.tolist() if t > 0} - set(command.ticket.tolist())
             return self.shared.retire(sorted(retired))
 
     def open(self, command: OpenFeed) -> None:

@@ -8,6 +8,7 @@ import socket
 
 from kspeed.config import ServerConfig
 from kspeed.errors import ConfigError
+from kspeed.preprocess.versions import libraries
 from kspeed.proto import kspeed_pb2
 from kspeed.rdma.rails import available_rails
 
@@ -72,6 +73,8 @@ def inventory(config: ServerConfig, memory_used: int = 0) -> kspeed_pb2.ServerIn
         transports=list(config.transports or available_rails()),
         nics=rdma_nics(),
         memory_used_bytes=memory_used,
+        libraries=libraries(),
+        preprocess_workers=config.preprocess_workers or usable_cores(config.cores),
     )
 
 

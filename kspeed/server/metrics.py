@@ -92,6 +92,24 @@ class _ProductionCollector(Collector):
         )
         family.add_metric([], waits["buckets"], waits["sum"])
         yield family
+        prep = production.prep
+        if prep is None:
+            return
+        yield GaugeMetricFamily(
+            "kspeed_server_preprocess_workers", "Preprocessing worker processes", value=prep.workers
+        )
+        for name, value, doc in (
+            ("kspeed_server_preprocessed_samples", prep.samples, "Samples run through server stages of pipelines"),
+            ("kspeed_server_preprocess_busy_seconds", prep.busy_seconds, "Seconds preprocessing workers were busy"),
+            ("kspeed_server_preprocess_worker_restarts", prep.restarts, "Preprocessing workers replaced after dying"),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+        stages = CounterMetricFamily(
+            "kspeed_server_preprocess_stage_seconds", "Seconds spent in each server stage", labels=["stage"]
+        )
+        for name, value in sorted(prep.stage_seconds.items()):
+            stages.add_metric([name], value)
+        yield stages
 
 
 class ServerMetrics:

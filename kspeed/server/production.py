@@ -23,6 +23,7 @@ after the producers' depth first, then the rest; claims on the share's
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -39,12 +40,13 @@ from kspeed.errors import KSpeedError
 from kspeed.histogram import Histogram
 from kspeed.server.datasets import DatasetHost
 from kspeed.server.feed_writer import MAX_PLANS, FeedProgress, PlanPart
-from kspeed.server.feeder_process import Command, Failed, InstallPlan, Locate, Reply
+from kspeed.server.feeder_process import Command, Failed, InstallPlan, Locate, Place, Reply
 from kspeed.server.preload import Preloader
+from kspeed.server.prep_pool import PrepPool, PrepTask
 from kspeed.server.residency import ABSENT, FAILED, HOME, READING, WINDOW
 from kspeed.server.window import ProductionWindow, Slot
 
-__all__ = ["BackendReader", "Producer", "Production"]
+__all__ = ["BackendReader", "PrepSpec", "Producer", "Production"]
 
 log = logging.getLogger(__name__)
 
@@ -96,24 +98,56 @@ class _Plan:
     starts: np.ndarray  # plan index of each batch's first position
     written: np.ndarray  # per owned position, written to the client
     next: int = 0  # first owned position not written
+    processed: np.ndarray | None = None  # per owned position, run through the server stages here
+    prep: PrepSpec | None = None  # how (with processed positions)
+    state: np.ndarray | None = None  # per processed position: ABSENT, READING (being produced), WINDOW, FAILED
+    slots: dict[int, Slot] = dataclasses.field(default_factory=dict)  # owned index -> its produced slot
 
-    def mark(self, batch: int, first: int, end: int) -> np.ndarray:
-        """Record a written grant; returns the samples of positions written for the first time."""
+    def mark(self, batch: int, first: int, end: int) -> tuple[int, int]:
+        """Record a written grant; returns the range of owned indices it covered."""
         if not 0 <= batch < len(self.starts) - 1:
-            return np.zeros(0, np.int64)
+            return 0, 0
         lo = int(self.starts[batch]) + first
         hi = min(int(self.starts[batch]) + end, int(self.starts[batch + 1]))
         i, j = (int(x) for x in np.searchsorted(self.positions, (lo, hi)))
-        fresh = ~self.written[i:j]
         self.written[i:j] = True
         while self.next < len(self.written) and self.written[self.next]:
             self.next += 1
-        return self.ids[i:j][fresh]
+        return i, j
+
+    def raw(self, span: slice) -> np.ndarray:
+        """Mask of the positions of ``span`` served as raw samples (not processed here)."""
+        if self.processed is None:
+            return np.ones(len(self.ids[span]), dtype=bool)
+        return ~self.processed[span]
 
     def ahead(self, budget: int) -> np.ndarray:
-        """The unwritten samples among the next ``budget`` positions from :attr:`next`."""
+        """The unwritten raw samples among the next ``budget`` positions from :attr:`next`."""
         span = slice(self.next, self.next + budget)
-        return self.ids[span][~self.written[span]]
+        return self.ids[span][~self.written[span] & self.raw(span)]
+
+
+@dataclasses.dataclass(frozen=True)
+class PrepSpec:
+    """The server stages a plan's processed positions go through."""
+
+    pipeline: bytes  # serialized kspeed.v1.Pipeline
+    stages: int
+    seed: int
+    epoch: int  # the user's epoch random stages draw from (plans are numbered per feed otherwise)
+    nbytes: int  # the declared output's size in the ring
+
+
+@dataclasses.dataclass
+class _Work:
+    """Samples a producer makes resident: raw ones (``at`` is None) or processed positions of a plan."""
+
+    share: _Share
+    feed_id: str
+    ids: np.ndarray
+    epoch: int = -1
+    at: np.ndarray | None = None
+    plan: _Plan | None = None
 
 
 @dataclasses.dataclass
@@ -156,7 +190,9 @@ class Production:
         tell: sends a command to feeder ``i`` and returns its reply (raises on failure).
         depth: samples made resident ahead of each feed's first unwritten one.
         threads: producer threads.
-        producer: what fills the window (default: the backend reader).
+        producer: what fills the window with raw samples (default: the backend reader).
+        prep: the worker processes that run pipelines' server stages (plans with processed
+            positions need it).
     """
 
     def __init__(
@@ -168,8 +204,10 @@ class Production:
         depth: int = 1024,
         threads: int = 8,
         producer: Producer | None = None,
+        prep: PrepPool | None = None,
     ) -> None:
         self.window = window
+        self.prep = prep
         self.producer = producer or BackendReader()
         self.host = host
         self.depth = max(int(depth), 1)
@@ -179,6 +217,7 @@ class Production:
         self._shares: dict[str, _Share] = {}
         self._feeds: dict[str, _Feed] = {}
         self._urgent: deque[tuple[str, np.ndarray]] = deque()
+        self._urgent_prep: deque[tuple[str, int, np.ndarray]] = deque()  # (feed, epoch, owned indices)
         self._draining: dict[int, _Draining] = {}
         self._turn = itertools.count()
         self._stop = threading.Event()
@@ -197,26 +236,43 @@ class Production:
 
     # -- feeds and plans (called by the feeder pool) ---------------------------------------------
 
-    def install(self, feed_id: str, feeder: int, dataset: str, epoch: int, plan: PlanPart) -> None:
+    def install(
+        self, feed_id: str, feeder: int, dataset: str, epoch: int, plan: PlanPart, prep: PrepSpec | None = None
+    ) -> None:
         """Follow a newly committed plan and hand it to its feeder with the samples' current places.
+
+        ``plan.processed`` marks the positions that go through ``prep`` (the server stages of the
+        dataset's pipeline) here: they are produced into the window per epoch, never at home.
 
         Raises:
             KSpeedError: the feeder refused the plan (its feed is gone); nothing is followed.
         """
         share = self._share(dataset)
+        processed = plan.processed if plan.processed is not None and plan.processed.any() else None
         with self._lock:
             feed = self._feeds.get(feed_id)
             if feed is None or feed.dataset != dataset:
                 feed = self._feeds[feed_id] = _Feed(feed_id, dataset, feeder)
             feed.feeder = feeder
-            feed.plans.pop(epoch, None)
-            follow = _Plan(epoch, plan.ids, plan.positions, plan.starts, np.zeros(len(plan.ids), dtype=bool))
+            self._forget_plan(feed, feed.plans.pop(epoch, None))
+            follow = _Plan(
+                epoch,
+                plan.ids,
+                plan.positions,
+                plan.starts,
+                np.zeros(len(plan.ids), dtype=bool),
+                processed=processed,
+                prep=prep if processed is not None else None,
+                state=np.zeros(len(plan.ids), dtype=np.int8) if processed is not None else None,
+            )
             plan.region, plan.src, plan.ticket = self._places(share, plan.ids)
+            if processed is not None:
+                plan.region[processed], plan.src[processed], plan.ticket[processed] = -1, 0, 0
             paths = {**share.home_paths(), **self.window.paths}
             self._tell(feeder, InstallPlan(feed_id, epoch, plan, paths))
             feed.plans[epoch] = follow
             for old in sorted(feed.plans)[:-MAX_PLANS]:  # as the feeder keeps them
-                feed.plans.pop(old)
+                self._forget_plan(feed, feed.plans.pop(old))
             self._sweep(share)
             self._work.notify_all()
         log.debug("feed %s: plan of epoch %d installed, %d samples of it here", feed_id, epoch, len(plan.ids))
@@ -227,6 +283,9 @@ class Production:
         with self._lock:
             feed = self._feeds.pop(feed_id, None)
             share = self._shares.get(feed.dataset) if feed else None
+            if feed is not None:
+                for plan in feed.plans.values():
+                    self._forget_plan(feed, plan)
             self.window.forget(feed_id)
             if feed is not None and share is not None:
                 self._sweep(share)
@@ -236,6 +295,8 @@ class Production:
         with self._lock:
             share = self._shares.pop(dataset, None)
             for feed_id in [f for f, feed in self._feeds.items() if feed.dataset == dataset]:
+                for plan in self._feeds[feed_id].plans.values():
+                    self._forget_plan(self._feeds[feed_id], plan)
                 self._feeds.pop(feed_id)
             self._urgent = deque((d, ids) for d, ids in self._urgent if d != dataset)
             if share is None:
@@ -257,10 +318,18 @@ class Production:
             for epoch, batch, first, end in event.written.tolist():
                 plan = feed.plans.get(epoch)
                 if plan is not None:
-                    plan.mark(batch, first, end)
+                    i, j = plan.mark(batch, first, end)
+                    if plan.slots:
+                        self._release(feed, plan, i, j)
             if len(event.written):
                 self._sweep(share)
             if event.wanted is not None and len(event.wanted):
+                for plan in feed.plans.values():
+                    if plan.processed is None or plan.state is None:
+                        continue
+                    at = np.flatnonzero(np.isin(plan.ids, event.wanted) & plan.processed & (plan.state == ABSENT))
+                    if len(at):  # a re-grant of positions written and released: produce them again
+                        self._urgent_prep.append((feed.feed_id, plan.epoch, at))
                 # A re-grant (after a fence) of samples already written and retired: produce them
                 # again (they go home once written, as nothing else needs them).
                 self._urgent.append((share.dataset, event.wanted))
@@ -277,6 +346,38 @@ class Production:
                 if not entry.feeders:
                     del self._draining[ticket]
                     self.window.free(entry.slot)
+
+    def _forget_plan(self, feed: _Feed, plan: _Plan | None) -> None:
+        """Free the processed slots of a plan no longer followed (its feeder dropped it too); under the lock."""
+        if plan is None:
+            return
+        for slot in plan.slots.values():
+            feed.held -= slot.nbytes
+            self.window.free(slot)
+        plan.slots.clear()
+
+    def _release(self, feed: _Feed, plan: _Plan, i: int, j: int) -> None:
+        """Processed positions ``i:j`` were written: their slots are reused once the feeder no longer
+        reads them (a re-grant after a fence has them produced again, identically); under the lock."""
+        at = [k for k in range(i, j) if k in plan.slots]
+        if not at:
+            return
+        slots = [plan.slots.pop(k) for k in at]
+        if plan.state is not None:
+            plan.state[at] = ABSENT
+        none = np.zeros(len(at), np.int64)
+        try:
+            busy = set(
+                self._tell(feed.feeder, Place(feed.feed_id, plan.epoch, np.array(at), none - 1, none, none)).busy
+            )
+        except KSpeedError:
+            busy = set()  # the feed is gone: nothing reads its slots any more
+        for slot in slots:
+            feed.held -= slot.nbytes
+            if slot.ticket in busy:
+                self._draining[slot.ticket] = _Draining(slot, {feed.feeder})
+            else:
+                self.window.free(slot)
 
     # -- state -----------------------------------------------------------------------------------
 
@@ -382,8 +483,22 @@ class Production:
 
     # -- the producers ---------------------------------------------------------------------------
 
-    def _next_work(self) -> tuple[_Share, str, np.ndarray] | None:
+    def _next_work(self) -> _Work | None:
         """The next samples to produce: asked-for ones first, then each feed's next absent ones."""
+        while self._urgent_prep:
+            feed_id, epoch, at = self._urgent_prep.popleft()
+            feed = self._feeds.get(feed_id)
+            plan = feed.plans.get(epoch) if feed else None
+            share = self._shares.get(feed.dataset) if feed else None
+            if feed is None or plan is None or plan.state is None or share is None:
+                continue
+            at = at[plan.state[at] == ABSENT]
+            if len(at) > TASK_SAMPLES:
+                self._urgent_prep.appendleft((feed_id, epoch, at[TASK_SAMPLES:]))
+                at = at[:TASK_SAMPLES]
+            if len(at):
+                plan.state[at] = READING
+                return _Work(share, feed_id, plan.ids[at], epoch, at, plan)
         while self._urgent:
             dataset, ids = self._urgent.popleft()
             share = self._shares.get(dataset)
@@ -392,7 +507,7 @@ class Production:
                 if len(ids) > TASK_SAMPLES:
                     self._urgent.appendleft((dataset, ids[TASK_SAMPLES:]))
                 if len(taken):
-                    return share, "", taken
+                    return _Work(share, "", taken)
         feeds = list(self._feeds.values())
         busy = [f for f in feeds if any(p.next < len(p.ids) for p in f.plans.values())]
         if not busy:
@@ -407,14 +522,22 @@ class Production:
             budget = self.depth
             for epoch in sorted(feed.plans):
                 plan = feed.plans[epoch]
-                span = plan.ids[plan.next : plan.next + budget]
+                window = slice(plan.next, plan.next + budget)
+                span = plan.ids[window]
                 budget -= len(span)
+                if plan.processed is not None and plan.state is not None:
+                    todo = plan.processed[window] & (plan.state[window] == ABSENT) & ~plan.written[window]
+                    at = np.flatnonzero(todo)[:TASK_SAMPLES] + plan.next
+                    if len(at):
+                        plan.state[at] = READING
+                        return _Work(share, feed.feed_id, plan.ids[at], epoch, at, plan)
+                    span = span[plan.raw(window)]
                 state = share.residency.of(span)
                 wanted = span[(state == ABSENT) | (state == FAILED)]
                 if len(wanted):
                     taken = share.residency.claim(wanted[:TASK_SAMPLES], retry_failed_after=RETRY_FAILED_S)
                     if len(taken):
-                        return share, feed.feed_id, taken
+                        return _Work(share, feed.feed_id, taken)
                 if budget <= 0:
                     break
         return None
@@ -427,9 +550,12 @@ class Production:
                     self._work.wait(0.05)
                     continue
             try:
-                self._produce(*work)
+                if work.plan is None:
+                    self._produce(work.share, work.feed_id, work.ids)
+                else:
+                    self._produce_processed(work)
             except Exception:  # a bug: log it (the samples were given back), keep producing
-                log.exception("dataset %s: producing samples %s failed", work[0].dataset, work[2][:4].tolist())
+                log.exception("dataset %s: producing samples %s failed", work.share.dataset, work.ids[:4].tolist())
 
     def _produce(self, share: _Share, feed_id: str, ids: np.ndarray) -> None:
         """Read ``ids`` (claimed) from the backend into window slots and tell the feeders where they are."""
@@ -462,6 +588,132 @@ class Production:
                 for slot in slots:
                     self.window.free(slot)
                 share.residency.settle(ids[share.residency.of(ids) == READING], ABSENT)
+
+    def _produce_processed(self, work: _Work) -> None:
+        """Run claimed positions of a plan through the server stages into window slots; tell the feeder."""
+        plan, at, ids, share = work.plan, work.at, work.ids, work.share
+        assert plan is not None and at is not None and plan.prep is not None and plan.state is not None
+        prep = plan.prep
+        slots: list[Slot] = []
+        placed = False
+        try:
+            for _ in range(len(at)):
+                slot = self.window.place(prep.nbytes, work.feed_id)
+                if slot is None:
+                    break
+                slots.append(slot)
+            if len(slots) < len(at):
+                with self._lock:
+                    plan.state[at[len(slots) :]] = ABSENT
+                    self.window_full += 1
+                at, ids = at[: len(slots)], ids[: len(slots)]
+                if not slots:
+                    self.window.wait_for_room(0.05)
+                    placed = True
+                    return
+            inputs, bad = self._raw_inputs(share, ids)
+            keep = [k for k in range(len(ids)) if int(ids[k]) not in bad]
+            results: dict[int, int | str] = {int(ids[k]): bad[int(ids[k])] for k in range(len(ids)) if k not in keep}
+            if keep:
+                if self.prep is None:
+                    raise KSpeedError("this server has no preprocessing workers")
+                task = PrepTask(
+                    share.dataset,
+                    prep.pipeline,
+                    prep.stages,
+                    prep.seed,
+                    prep.epoch,
+                    tuple(int(ids[k]) for k in keep),
+                    tuple(inputs[k] for k in keep),
+                    tuple((self.window.paths[slots[k].region], slots[k].offset, slots[k].nbytes) for k in keep),
+                )
+                for k, result in zip(keep, self.prep.run(task), strict=True):
+                    results[int(ids[k])] = result
+            with self._lock:
+                feed = self._feeds.get(work.feed_id)
+                if feed is None or feed.plans.get(work.epoch) is not plan:  # dropped meanwhile
+                    return
+                self._settle_processed(share, feed, plan, at, ids, slots, [results[int(i)] for i in ids])
+                placed = True
+        finally:
+            if not placed:
+                for slot in slots:
+                    self.window.free(slot)
+                with self._lock:
+                    plan.state[at[plan.state[at] == READING]] = ABSENT
+
+    def _raw_inputs(self, share: _Share, ids: np.ndarray) -> tuple[list[bytes | tuple[str, int, int]], dict[int, str]]:
+        """Each sample's raw bytes for a worker: its home (mapped by the worker) or read from the backend now."""
+        lengths = share.preloader.index.length[ids - share.lo]
+        inputs: list[bytes | tuple[str, int, int]] = [b""] * len(ids)
+        home = share.residency.of(ids) == HOME
+        if home.any():
+            paths = share.home_paths()
+            region, src = share.preloader.home(ids[home])
+            for k, r, o in zip(np.flatnonzero(home).tolist(), region.tolist(), src.tolist(), strict=True):
+                inputs[k] = (paths[r], o, int(lengths[k]))
+        away = np.flatnonzero(~home)
+        if not len(away):
+            return inputs, {}
+        offsets = np.zeros(len(away) + 1, dtype=np.int64)
+        np.cumsum(lengths[away], out=offsets[1:])
+        buffer = np.empty(max(int(offsets[-1]), 1), dtype=np.uint8)
+        _, errors = share.preloader.source.read_run(
+            [int(ids[k]) for k in away], buffer, offsets[:-1].tolist(), lengths[away].tolist()
+        )
+        share.preloader.changed(errors)
+        for n, k in enumerate(away.tolist()):
+            inputs[k] = buffer[offsets[n] : offsets[n + 1]].tobytes()
+        return inputs, {e.sample: str(e) for e in errors if isinstance(e.sample, int)}
+
+    def _settle_processed(
+        self,
+        share: _Share,
+        feed: _Feed,
+        plan: _Plan,
+        at: np.ndarray,
+        ids: np.ndarray,
+        slots: list[Slot],
+        results: list[int | str],
+    ) -> None:
+        """Record processed positions and tell the feeder where they are (or why they failed); under the lock."""
+        assert plan.state is not None
+        ok = np.array([not isinstance(r, str) for r in results], dtype=bool)
+        for k in np.flatnonzero(~ok).tolist():
+            self.window.free(slots[k])
+        if (~ok).any():
+            plan.state[at[~ok]] = FAILED
+            reasons = tuple(str(r) for r in results if isinstance(r, str))
+            self.failed_samples += len(reasons)
+            log.warning("dataset %s: %d sample(s) failed preprocessing: %s", share.dataset, len(reasons), reasons[0])
+            with contextlib.suppress(KSpeedError):
+                self._tell(feed.feeder, Failed(share.dataset, ids[~ok], reasons))
+        good = np.flatnonzero(ok)
+        if not len(good):
+            return
+        placed = [slots[k] for k in good.tolist()]
+        for k, slot in zip(at[good].tolist(), placed, strict=True):
+            plan.slots[k] = slot
+            feed.held += slot.nbytes
+        plan.state[at[good]] = WINDOW
+        nbytes = int(sum(int(results[k]) for k in good.tolist()))
+        self.produced_samples += len(good)
+        self.produced_bytes += nbytes
+        self._recent.append((time.monotonic(), nbytes))
+        try:
+            self._tell(
+                feed.feeder,
+                Place(
+                    feed.feed_id,
+                    plan.epoch,
+                    at[good],
+                    np.array([s.region for s in placed], np.int64),
+                    np.array([s.offset for s in placed], np.int64),
+                    np.array([s.ticket for s in placed], np.int64),
+                ),
+            )
+        except KSpeedError as exc:  # the feed is gone; its plans are forgotten with it
+            log.debug("feed %s: cannot place processed samples: %s", feed.feed_id, exc)
 
     def _settle(
         self,
@@ -534,9 +786,11 @@ class Production:
             return sum(feed.waiting for feed in self._feeds.values())
 
     def stop(self) -> None:
-        """Stop the producers."""
+        """Stop the producers and the preprocessing workers they use."""
         self._stop.set()
         with self._lock:
             self._work.notify_all()
+        if self.prep is not None:
+            self.prep.close()
         for thread in self._threads:
             thread.join(timeout=5)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import grpc
+import numpy as np
 
 from kspeed import wire
 from kspeed._version import PROTOCOL_VERSIONS, __version__
@@ -108,19 +109,35 @@ class ServerService:
         self, requests: Iterator[kspeed_pb2.PlanChunk], context: grpc.ServicerContext
     ) -> kspeed_pb2.PlanReply:
         head = None
-        ids, lengths = [], []
+        ids, lengths, remote = [], [], []
         for chunk in requests:
             head = head or chunk
             if len(chunk.ids) % 8 or len(chunk.lengths) % 4 or len(chunk.ids) // 8 != len(chunk.lengths) // 4:
                 raise ProtocolError("CommitPlan: each chunk needs int64 ids and as many uint32 lengths")
+            count = len(chunk.ids) // 8
+            if chunk.remote and len(chunk.remote) != (count + 7) // 8:
+                raise ProtocolError(f"CommitPlan: a chunk of {count} IDs needs {(count + 7) // 8} bytes of remote bits")
             ids.append(chunk.ids)
             lengths.append(chunk.lengths)
+            bits = np.frombuffer(chunk.remote, dtype=np.uint8)
+            remote.append(np.unpackbits(bits, count=count).astype(bool) if len(bits) else np.zeros(count, bool))
         if head is None or not head.feed_id:
             raise ProtocolError("CommitPlan: the first chunk must name the feed")
         dataset = self._feeders.dataset_of(head.feed_id)
         all_ids = decode_ids(b"".join(ids), dataset, self._host.count(dataset))
         all_lengths = wire.unpack_u32(b"".join(lengths), "CommitPlan: lengths")
-        return self._feeders.commit_plan(head.feed_id, head.epoch, head.batch_size, all_ids, all_lengths)
+        processed = np.concatenate(remote) if remote else np.zeros(0, bool)
+        return self._feeders.commit_plan(
+            head.feed_id,
+            head.epoch,
+            head.batch_size,
+            all_ids,
+            all_lengths,
+            processed=processed if processed.any() else None,
+            server_stages=head.server_stages,
+            seed=head.seed,
+            seed_epoch=head.seed_epoch,
+        )
 
     def CloseFeed(
         self, request: kspeed_pb2.CloseFeedRequest, context: grpc.ServicerContext

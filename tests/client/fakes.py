@@ -19,7 +19,7 @@ from kspeed import grants
 from kspeed.client.builder import build_feed
 from kspeed.client.dataset import KSpeedDataset
 from kspeed.config import ClientConfig, load_config
-from kspeed.errors import KSpeedError, NotFoundError
+from kspeed.errors import KSpeedError, NotFoundError, ProtocolError
 from kspeed.layout import batch_layout
 from kspeed.proto import kspeed_pb2
 from kspeed.rdma.base import RegionKey
@@ -92,7 +92,9 @@ class FakeServer:
         self._thread.start()
         return kspeed_pb2.OpenFeedReply(server_id=self.server_id)
 
-    def commit_plan(self, feed_id: str, epoch: int, batch_size: int, ids: np.ndarray, lengths: np.ndarray):
+    def commit_plan(self, feed_id: str, epoch: int, batch_size: int, ids: np.ndarray, lengths: np.ndarray, split=None):
+        if split is not None:
+            raise ProtocolError(f"{self.server_id}: this fake server runs no pipeline stages")
         layout = batch_layout(lengths, batch_size)
         self.plans[epoch] = _Plan(layout.starts, layout.offsets, np.asarray(ids).copy())
         return kspeed_pb2.PlanReply()

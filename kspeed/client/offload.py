@@ -1,0 +1,114 @@
+"""Where a dataset's pipeline runs for this rank: how much of each batch the servers preprocess.
+
+A pipeline's ``server`` stages run on the servers for a fraction of each batch's samples
+(``offload=``, all of them by default) and on this client's workers for the rest; the split is
+exact per batch (:func:`kspeed.client.plans.remote_positions`). The same sample must come out the
+same wherever it was preprocessed, so a split that would mix library versions (between this
+client and the servers, or among the servers) is refused with the versions named.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from kspeed.errors import ConfigError
+from kspeed.preprocess.pipeline import Output, Pipeline, Stage
+from kspeed.preprocess.versions import libraries, mismatch
+from kspeed.proto import kspeed_pb2
+
+from .options import FeedOptions
+from .plans import PlanPrep
+
+__all__ = ["attached_pipeline", "folder_pipeline", "plan_prep"]
+
+log = logging.getLogger(__name__)
+
+
+def attached_pipeline(message: kspeed_pb2.Pipeline) -> Pipeline | None:
+    """The pipeline of a dataset attached by name: every stage up to the last that declares its
+    output runs on the servers, the rest on this client."""
+    if not message.stages:
+        return None
+    declared = [k for k, stage in enumerate(message.stages) if stage.HasField("output")]
+    return Pipeline.from_proto(message, declared[-1] + 1 if declared else 0)
+
+
+def plan_prep(
+    dataset: str, pipeline: Pipeline | None, options: FeedOptions, servers: Mapping[str, Mapping[str, str]]
+) -> PlanPrep | None:
+    """How this rank's plans split the pipeline (``None``: the servers preprocess nothing).
+
+    Args:
+        dataset: the dataset's name (for messages).
+        pipeline: its pipeline with this rank's places.
+        options: the feed's options (``offload``, ``seed``).
+        servers: per server of the dataset, the libraries it reported.
+
+    Raises:
+        ConfigError: the split would mix library versions (named).
+    """
+    if pipeline is None or not pipeline.server_stages:
+        return None
+    fraction = 1.0 if options.offload is None else float(options.offload)
+    if fraction <= 0.0:
+        return None
+    problems = []
+    reports = sorted(servers.items())
+    if reports:
+        first_id, first = reports[0]
+        for server_id, theirs in reports[1:]:
+            problems += [f"servers {first_id} and {server_id}: {m}" for m in mismatch(dict(first), dict(theirs))]
+    if fraction < 1.0:
+        ours = libraries()
+        for server_id, theirs in reports:
+            problems += [f"this client and server {server_id}: {m}" for m in mismatch(ours, dict(theirs))]
+    if problems:
+        raise ConfigError(
+            f"dataset {dataset!r}: preprocessing split {fraction:g} would give samples different bytes depending "
+            f"on where they run ({'; '.join(problems[:4])}); install the same versions everywhere, or use "
+            "offload=1.0 (servers only) or offload=0 (this client only)",
+            field="offload",
+            value=fraction,
+        )
+    stages = pipeline.server_stages
+    return PlanPrep(stages, fraction, options.seed, pipeline.output(stages).nbytes)
+
+
+def folder_pipeline(loader: Any, transform: Any) -> tuple[Pipeline | None, str]:
+    """The pipeline that runs a folder dataset's loader and transforms on the servers, or why not.
+
+    Possible when the loader is torchvision's PIL loader (an exact ``decode_image`` to RGB) and
+    every transform can be sent as data (:func:`kspeed.preprocess.transforms.describe`). The
+    servers run the transforms up to the last one that yields uint8 (float stages such as
+    ``ToTensor``/``Normalize`` would send 4x the bytes: they stay on this client), which must give
+    a fixed size so the ring can be laid out before the bytes exist.
+    """
+    from kspeed.preprocess import transforms
+
+    from .workers import pil_file_loader
+
+    if loader is not pil_file_loader:
+        return None, "its loader is not torchvision's PIL loader"
+    if transform is None:
+        return None, "it has no transforms that give a fixed size"
+    try:
+        described = transforms.describe(transform)
+    except ConfigError as exc:
+        return None, str(exc)
+    produced = transforms.Produces("pil", "uint8", None)
+    cut = transforms.default_cut(described, produced)
+    for op, params in described[:cut]:
+        produced = transforms.produces(op, params, produced)
+    if cut == 0 or produced.size is None:
+        return None, "no leading uint8 transform gives a fixed size (e.g. a crop), so nothing is worth sending"
+    height, width = produced.size
+    if produced.kind == "pil":
+        output = Output(shape=(height, width, 3), dtype="uint8", kind="pil")
+    else:
+        output = Output(shape=(3, height, width), dtype=produced.dtype, kind="tensor")
+    stages = [Stage("decode_image", {"mode": "RGB"}, "server")]
+    for k, (op, params) in enumerate(described):
+        stages.append(Stage(op, params, "server" if k < cut else "client", output if k == cut - 1 else None))
+    return Pipeline(stages), ""

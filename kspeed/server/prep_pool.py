@@ -1,0 +1,269 @@
+"""Preprocessing worker processes: a server's CPUs running the server stages of pipelines.
+
+Producers (:mod:`kspeed.server.production`) hand a :class:`PrepTask` to a free worker and wait for
+its answer: for each sample, the raw bytes (from its home region, mapped by the worker, or read
+from the backend by the producer and sent along) go through the pipeline's leading stages and the
+result is written straight into the sample's production-window slot, which the worker maps too.
+Workers are spawned (never forked: the server's gRPC threads and mappings must not be inherited),
+run one task at a time single-threaded (torchvision's transforms seed torch's global generator per
+sample), and resolve each pipeline once against the operator's module allow-list. A worker that
+dies is replaced and its task done again once by the new one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import queue
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+from kspeed.control.logs import LogSettings
+from kspeed.errors import KSpeedError, StateError
+
+__all__ = ["PrepPool", "PrepTask"]
+
+log = logging.getLogger(__name__)
+
+JOIN_TIMEOUT = 5.0
+MAX_STAGE_NAMES = 64  # stages with their own time figure (a bounded metric label set)
+TASK_TIMEOUT = 300.0  # a task that takes longer is a hung user function: its worker is replaced
+
+
+@dataclasses.dataclass(frozen=True)
+class PrepTask:
+    """Samples to run through a pipeline's first ``stages`` stages into window slots.
+
+    Attributes:
+        dataset: the dataset's name (for messages).
+        pipeline: the pipeline (a serialized ``kspeed.v1.Pipeline``).
+        stages: how many leading stages to run.
+        seed: the job's seed.
+        epoch: the epoch (random stages draw from ``(seed, epoch, sample, stage)``).
+        samples: the sample IDs.
+        inputs: per sample, its raw bytes, or ``(region file, offset, length)`` of its home.
+        outputs: per sample, ``(window region file, offset, capacity)``.
+    """
+
+    dataset: str
+    pipeline: bytes
+    stages: int
+    seed: int
+    epoch: int
+    samples: tuple[int, ...]
+    inputs: tuple[bytes | tuple[str, int, int], ...]
+    outputs: tuple[tuple[str, int, int], ...]
+
+
+class _Maps:
+    """Region files mapped by a worker, remapped when a path names a new file."""
+
+    def __init__(self) -> None:
+        self._maps: dict[str, tuple[int, np.ndarray]] = {}
+
+    def get(self, path: str, writable: bool) -> np.ndarray:
+        from kspeed.server.pool import map_region
+
+        inode = os.stat(path).st_ino
+        entry = self._maps.get(path)
+        if entry is None or entry[0] != inode:
+            array = np.frombuffer(map_region(path, writable=writable), dtype=np.uint8)
+            entry = self._maps[path] = (inode, array)
+        return entry[1]
+
+
+def _work(conn: Connection, allow: tuple[str, ...], logs: LogSettings) -> None:
+    """Entry point of a worker process: run tasks until the pipe closes."""
+    logs.apply("prep", helper=True)
+    with contextlib.suppress(ImportError):
+        import torch
+
+        torch.set_num_threads(1)
+    from kspeed.preprocess.pipeline import Pipeline
+    from kspeed.preprocess.runner import Runner
+    from kspeed.proto import kspeed_pb2
+
+    runners: dict[bytes, Runner | KSpeedError] = {}
+    inputs, outputs = _Maps(), _Maps()
+    while True:
+        try:
+            task: PrepTask = conn.recv()
+        except (EOFError, OSError):
+            return
+        runner = runners.get(task.pipeline)
+        if runner is None:
+            try:
+                message = kspeed_pb2.Pipeline.FromString(task.pipeline)
+                runner = Runner(Pipeline.from_proto(message), allow=allow, dataset=task.dataset)
+            except KSpeedError as exc:
+                runner = exc
+            if len(runners) > 16:
+                runners.clear()
+            runners[task.pipeline] = runner
+        results: list[int | str] = []
+        seconds: dict[str, float] = {}
+        for sample, source, (path, offset, capacity) in zip(task.samples, task.inputs, task.outputs, strict=True):
+            if isinstance(runner, KSpeedError):
+                results.append(str(runner))
+                continue
+            try:
+                if isinstance(source, bytes):
+                    data: Any = source
+                else:
+                    home, at, length = source
+                    data = inputs.get(home, False)[at : at + length]
+                out = outputs.get(path, True)[offset : offset + capacity]
+                for k in range(task.stages):
+                    begun = time.perf_counter()
+                    data = runner.run(data, seed=task.seed, epoch=task.epoch, sample=sample, start=k, stop=k + 1)
+                    name = runner.stage_name(k)
+                    seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - begun
+                results.append(runner.write(data, out, task.stages, sample=sample))
+            except KSpeedError as exc:
+                results.append(str(exc))
+            except OSError as exc:
+                results.append(f"dataset {task.dataset!r} sample {sample}: cannot map its bytes: {exc}")
+        conn.send((results, seconds))
+
+
+class _Worker:
+    def __init__(self, ctx: Any, allow: tuple[str, ...], logs: LogSettings, number: int) -> None:
+        ours, theirs = ctx.Pipe()
+        self.conn = ours
+        self.process = ctx.Process(target=_work, args=(theirs, allow, logs), name=f"kspeed-prep-{number}", daemon=True)
+        self.process.start()
+        theirs.close()
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError):
+            self.conn.close()
+        self.process.join(JOIN_TIMEOUT)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(JOIN_TIMEOUT)
+
+
+class PrepPool:
+    """``workers`` preprocessing processes; :meth:`run` hands a task to a free one.
+
+    Args:
+        workers: number of processes (started at once).
+        allow: modules user functions (and ``torchvision.transforms``) may come from.
+        logs: how the workers log.
+    """
+
+    def __init__(self, workers: int, allow: tuple[str, ...], logs: LogSettings) -> None:
+        self.allow = tuple(allow)
+        self._logs = logs
+        self._ctx = mp.get_context("spawn")
+        self._lock = threading.Lock()
+        self._closed = False
+        self._count = 0
+        self._idle: queue.Queue[_Worker] = queue.Queue()
+        self.workers = max(int(workers), 1)
+        self.restarts = 0
+        self.busy_seconds = 0.0
+        self.samples = 0
+        self.stage_seconds: dict[str, float] = {}  # per "<index>:<op>", summed over workers
+        self._started = False
+
+    def _start(self) -> None:
+        """Spawn the workers on the first task (a server without pipelines never starts them)."""
+        with self._lock:
+            if self._started or self._closed:
+                return
+            self._started = True
+            for _ in range(self.workers):
+                self._idle.put(self._spawn())
+
+    def _spawn(self) -> _Worker:
+        self._count += 1
+        return _Worker(self._ctx, self.allow, self._logs, self._count)
+
+    def run(self, task: PrepTask) -> list[int | str]:
+        """Run ``task`` on a free worker; per sample, the bytes written or why it failed.
+
+        A worker that dies during the task is replaced and the task run once more on the new one.
+
+        Raises:
+            StateError: the pool is closed.
+        """
+        self._start()
+        results: list[int | str] = []
+        for _ in range(2):  # a worker that dies is replaced and the task run once more
+            worker = self._take()
+            started = time.monotonic()
+            try:
+                worker.conn.send(task)
+                if not worker.conn.poll(TASK_TIMEOUT):
+                    raise TimeoutError(f"no answer within {TASK_TIMEOUT:g}s")
+                results, seconds = worker.conn.recv()
+            except (EOFError, OSError, TimeoutError) as exc:
+                code = worker.process.exitcode
+                log.warning(
+                    "dataset %s: preprocessing worker %d lost during %d sample(s) (%s, exit code %s); replacing it",
+                    task.dataset,
+                    worker.process.pid,
+                    len(task.samples),
+                    exc,
+                    code,
+                )
+                worker.stop()
+                with self._lock:
+                    self.restarts += 1
+                    if self._closed:
+                        raise StateError("the preprocessing pool is closed") from exc
+                    worker = self._spawn()
+                self._idle.put(worker)
+                why = f"the preprocessing worker died twice on these samples (exit code {code})"
+                results = [f"dataset {task.dataset!r} sample {s}: {why}" for s in task.samples]
+                continue
+            with self._lock:
+                self.busy_seconds += time.monotonic() - started
+                self.samples += len(task.samples)
+                for name, value in seconds.items():
+                    if name in self.stage_seconds or len(self.stage_seconds) < MAX_STAGE_NAMES:
+                        self.stage_seconds[name] = self.stage_seconds.get(name, 0.0) + value
+            self._idle.put(worker)
+            break
+        return results
+
+    def _take(self) -> _Worker:
+        while True:
+            if self._closed:
+                raise StateError("the preprocessing pool is closed")
+            try:
+                return self._idle.get(timeout=0.5)
+            except queue.Empty:
+                continue
+
+    def pids(self) -> list[int]:
+        """Process IDs of the idle workers (all of them when nothing runs)."""
+        return sorted(w.process.pid for w in list(self._idle.queue) if w.process.pid is not None)
+
+    def close(self) -> None:
+        """Stop every worker (waiting for those running a task a moment, then killing them)."""
+        with self._lock:
+            self._closed = True
+            started = self._started
+        if not started:
+            return
+        deadline = time.monotonic() + JOIN_TIMEOUT
+        stopped = 0
+        while stopped < self.workers and time.monotonic() < deadline:
+            try:
+                self._idle.get(timeout=0.1).stop()
+                stopped += 1
+            except queue.Empty:
+                continue
+        for process in mp.active_children():
+            if process.name.startswith("kspeed-prep-"):
+                process.kill()
+                process.join(JOIN_TIMEOUT)
