@@ -98,17 +98,18 @@ class _ProductionCollector(Collector):
         yield GaugeMetricFamily(
             "kspeed_server_preprocess_workers", "Preprocessing worker processes", value=prep.workers
         )
-        for name, value, doc in (
+        counters: tuple[tuple[str, float, str], ...] = (
             ("kspeed_server_preprocessed_samples", prep.samples, "Samples run through server stages of pipelines"),
             ("kspeed_server_preprocess_busy_seconds", prep.busy_seconds, "Seconds preprocessing workers were busy"),
             ("kspeed_server_preprocess_worker_restarts", prep.restarts, "Preprocessing workers replaced after dying"),
-        ):
-            yield CounterMetricFamily(name, doc, value=value)
+        )
+        for name, count, doc in counters:
+            yield CounterMetricFamily(name, doc, value=count)
         stages = CounterMetricFamily(
             "kspeed_server_preprocess_stage_seconds", "Seconds spent in each server stage", labels=["stage"]
         )
-        for name, value in sorted(prep.stage_seconds.items()):
-            stages.add_metric([name], value)
+        for stage, seconds in sorted(prep.stage_seconds.items()):
+            stages.add_metric([stage], seconds)
         yield stages
 
 
