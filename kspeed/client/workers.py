@@ -49,6 +49,7 @@ __all__ = [
     "pil_file_loader",
     "resolve_loader",
     "run_batch",
+    "run_samples",
     "sample_bytes",
 ]
 
@@ -338,10 +339,28 @@ def run_batch(
         SampleFailure: a sample (by position) or the collation failed.
     """
     view = memoryview(buffer)
+    return run_samples(
+        stages, scratch, [view[offsets[i] : offsets[i + 1]] for i in range(len(targets))], targets, names, draw
+    )
+
+
+def run_samples(
+    stages: Stages,
+    scratch: ScratchFiles | None,
+    samples: Sequence[memoryview],
+    targets: Sequence[Any],
+    names: Sequence[str],
+    draw: Draw | None = None,
+) -> Delivered:
+    """:func:`run_batch` over one buffer per sample.
+
+    Raises:
+        SampleFailure: a sample (by position) or the collation failed.
+    """
     items = []
     seconds: dict[str, float] = {}
     for i, target in enumerate(targets):
-        data = view[offsets[i] : offsets[i + 1]]
+        data = samples[i]
         try:
             if stages.pipeline is not None and draw is not None:
                 item = _prepare(stages, data, draw, i, seconds)

@@ -65,6 +65,7 @@ from .workers import (
     check_loader,
     check_picklable,
     resolve_loader,
+    run_samples,
 )
 
 if TYPE_CHECKING:
@@ -312,7 +313,13 @@ class WrappedDataset(IterableDataset):
             raise
 
     def _submit(self, pool: TransformPool | InlinePool, batch: Any) -> _Task:
-        """Copy the batch's bytes into one buffer, give its ring range back and queue it."""
+        """Copy the batch's bytes into one buffer, give its ring range back and queue it.
+
+        A batch the servers preprocessed whole, with no client stage left but the default
+        collation, is collated here straight from the ring (one copy, no worker round trip).
+        """
+        if self._collates_here(batch):
+            return self._collate_here(batch)
         lengths = np.asarray(batch.lengths, dtype=np.int64)
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
@@ -323,18 +330,44 @@ class WrappedDataset(IterableDataset):
         del dst
         ids = batch.ids.tolist()
         epoch, index = batch.epoch, batch.index
-        if self._targets is not None:
-            targets = [self._targets[i] for i in ids]
-        elif self._inner.labelled:
-            targets = batch.labels.tolist()
-        else:
-            targets = [None] * len(ids)
+        targets = self._targets_of(batch, ids)
         draw = Draw(epoch, tuple(ids), tuple(bool(r) for r in batch.remote.tolist()))
         batch.release()
         paths = self._paths
         names = [os.path.basename(paths[i]) for i in ids] if paths and self._stages.loader_takes == "path" else []
         future = pool.submit(buffer, offsets.tolist(), targets, names, draw)
         return _Task(future, epoch, index, ids)
+
+    def _targets_of(self, batch: Any, ids: list[int]) -> list[Any]:
+        if self._targets is not None:
+            return [self._targets[i] for i in ids]
+        if self._inner.labelled:
+            return batch.labels.tolist()
+        return [None] * len(ids)
+
+    def _collates_here(self, batch: Any) -> bool:
+        stages = self._stages
+        return (
+            stages.pipeline is not None
+            and stages.transform is None
+            and stages.collate_fn is default_collate
+            and stages.client_stop == stages.server_stages
+            and len(batch) > 0
+            and bool(batch.remote.all())
+        )
+
+    def _collate_here(self, batch: Any) -> _Task:
+        ids = batch.ids.tolist()
+        draw = Draw(batch.epoch, tuple(ids), (True,) * len(ids))
+        future: Future = Future()
+        try:
+            views = [memoryview(sample.numpy()) for sample in batch.samples]
+            future.set_result(run_samples(self._stages, None, views, self._targets_of(batch, ids), [], draw))
+        except SampleFailure as exc:
+            future.set_exception(exc)
+        finally:
+            batch.release()  # default_collate copied the samples out of the ring
+        return _Task(future, batch.epoch, batch.index, ids)
 
     def _collect(self, task: _Task) -> Any:
         where = f"batch {task.index} of epoch {task.epoch} of dataset {self.name!r}"
