@@ -174,6 +174,8 @@ def main() -> int:
     root = work / "photos"
     dataset_bytes = write_photos(root, args.images)
 
+    from urllib.request import urlopen
+
     import torch
     from torch.utils.data import DataLoader, RandomSampler
     from torchvision.datasets import ImageFolder
@@ -181,7 +183,6 @@ def main() -> int:
     from kspeed import KSpeedClient
     from kspeed.cli.cluster import LocalCluster, wait_for
     from kspeed.config import ClientConfig, load_config
-    from urllib.request import urlopen
 
     # The daemons inherit the affinity of the process that spawns them: start them on the server core.
     os.sched_setaffinity(0, server_core)
@@ -214,7 +215,9 @@ def main() -> int:
 
         folder = ImageFolder(str(root), transform=transform())
         sampler = RandomSampler(folder, generator=torch.Generator().manual_seed(0))
-        loader = DataLoader(folder, batch_size=args.batch, sampler=sampler, num_workers=2, persistent_workers=True)
+        loader: DataLoader | None = DataLoader(
+            folder, batch_size=args.batch, sampler=sampler, num_workers=2, persistent_workers=True
+        )
         workers: list[int] = []
 
         def loader_pids() -> list[int]:
@@ -224,7 +227,7 @@ def main() -> int:
             return [os.getpid(), *workers]
 
         results["dataloader"] = run_epochs(lambda: loader, args.epochs, step, loader_pids)
-        del loader
+        loader = None  # its workers exit: the training core is the KSpeed client's now
         print(f"DataLoader: {results['dataloader']['samples_per_s']:.1f} samples/s")
 
         for label, offload in [("kspeed_local", 0.0), ("kspeed_offloaded", 1.0), *[(f"split_{f}", f) for f in SPLITS]]:
