@@ -29,10 +29,7 @@ log = logging.getLogger(__name__)
 def attached_pipeline(message: kspeed_pb2.Pipeline) -> Pipeline | None:
     """The pipeline of a dataset attached by name: every stage up to the last that declares its
     output runs on the servers, the rest on this client."""
-    if not message.stages:
-        return None
-    declared = [k for k, stage in enumerate(message.stages) if stage.HasField("output")]
-    return Pipeline.from_proto(message, declared[-1] + 1 if declared else 0)
+    return Pipeline.from_proto(message) if message.stages else None
 
 
 def plan_prep(

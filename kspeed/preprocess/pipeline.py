@@ -304,13 +304,17 @@ class Pipeline:
 
     @classmethod
     def from_proto(cls, message, server_stages: int | None = None) -> Pipeline:
-        """A pipeline received as data; the first ``server_stages`` stages are placed on the servers.
+        """A pipeline received as data; the first ``server_stages`` stages are placed on the servers
+        (default: every stage up to the last that declares its output), the rest on the client.
 
         Raises:
             ConfigError: malformed stages or parameters (named).
         """
         stages = []
-        count = len(message.stages) if server_stages is None else server_stages
+        if server_stages is None:
+            declared = [k for k, stage in enumerate(message.stages) if stage.HasField("output")]
+            server_stages = declared[-1] + 1 if declared else 0
+        count = server_stages
         for k, stage in enumerate(message.stages):
             try:
                 params = json.loads(stage.params or "{}")

@@ -71,16 +71,19 @@ class Runner:
         allow: modules user functions may come from (``None``: any; the client runs its own code).
             torchvision transforms need ``torchvision.transforms`` in it too.
         dataset: the dataset's name, for error messages.
+        stages: resolve only the first this many stages (a server resolves only those it runs).
 
     Raises:
         AccessDeniedError: a stage's module is not allowed (the message names it and the rule).
         ConfigError: a stage cannot be resolved (unknown op, a module that does not import).
     """
 
-    def __init__(self, pipeline: Pipeline, *, allow: Sequence[str] | None = None, dataset: str = "") -> None:
+    def __init__(
+        self, pipeline: Pipeline, *, allow: Sequence[str] | None = None, dataset: str = "", stages: int | None = None
+    ) -> None:
         self.pipeline = pipeline
         self.dataset = dataset
-        self._steps = [self._resolve(k, stage, allow) for k, stage in enumerate(pipeline.stages)]
+        self._steps = [self._resolve(k, stage, allow) for k, stage in enumerate(pipeline.stages[:stages])]
 
     def _resolve(self, index: int, stage: Stage, allow: Sequence[str] | None) -> _Step:
         where = f"dataset {self.dataset!r} stage {index} ({stage.op})"

@@ -180,14 +180,16 @@ class DatasetHost:
         )
 
     def check_pipeline(self, spec: kspeed_pb2.DatasetSpec) -> None:
-        """Refuse a pipeline this server could not run, with the reason.
+        """Refuse a pipeline whose server stages (up to the last declared output) this server could
+        not run, with the reason; client and GPU stages are the client's to run.
 
         Raises:
             AccessDeniedError: a stage's module is not on the allow-list.
             ConfigError: a stage cannot be resolved or has bad parameters.
         """
         if spec.pipeline.stages:
-            Runner(Pipeline.from_proto(spec.pipeline), allow=self.preprocess_allow, dataset=spec.name)
+            pipeline = Pipeline.from_proto(spec.pipeline)
+            Runner(pipeline, allow=self.preprocess_allow, dataset=spec.name, stages=pipeline.server_stages)
 
     def assign(self, request: kspeed_pb2.AssignShareRequest) -> kspeed_pb2.ShareStatus:
         """Hold ``request.share`` of the dataset (idempotent; a different share replaces the old one).

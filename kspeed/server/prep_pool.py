@@ -90,23 +90,25 @@ def _work(conn: Connection, allow: tuple[str, ...], logs: LogSettings) -> None:
     from kspeed.preprocess.runner import Runner
     from kspeed.proto import kspeed_pb2
 
-    runners: dict[bytes, Runner | KSpeedError] = {}
+    runners: dict[tuple[bytes, int], Runner | KSpeedError] = {}
     inputs, outputs = _Maps(), _Maps()
     while True:
         try:
             task: PrepTask = conn.recv()
         except (EOFError, OSError):
             return
-        runner = runners.get(task.pipeline)
+        key = (task.pipeline, task.stages)
+        runner = runners.get(key)
         if runner is None:
             try:
                 message = kspeed_pb2.Pipeline.FromString(task.pipeline)
-                runner = Runner(Pipeline.from_proto(message), allow=allow, dataset=task.dataset)
+                pipeline = Pipeline.from_proto(message, task.stages)
+                runner = Runner(pipeline, allow=allow, dataset=task.dataset, stages=task.stages)
             except KSpeedError as exc:
                 runner = exc
             if len(runners) > 16:
                 runners.clear()
-            runners[task.pipeline] = runner
+            runners[key] = runner
         results: list[int | str] = []
         seconds: dict[str, float] = {}
         for sample, source, (path, offset, capacity) in zip(task.samples, task.inputs, task.outputs, strict=True):

@@ -1,0 +1,280 @@
+"""Pipelines as data, their runner, the per-batch split and the servers' preprocessing workers (no daemon)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import threading
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from kspeed.client.offload import attached_pipeline, plan_prep
+from kspeed.client.options import FeedOptions
+from kspeed.client.plans import remote_positions
+from kspeed.control.logs import LogSettings
+from kspeed.errors import AccessDeniedError, ConfigError, PreprocessError
+from kspeed.preprocess import Output, Pipeline, Stage
+from kspeed.preprocess.pipeline import HEADER
+from kspeed.preprocess.runner import Runner
+from kspeed.preprocess.versions import libraries
+from kspeed.server.prep_pool import PrepPool, PrepTask
+
+CROP = Output(shape=(3, 16, 16), dtype="uint8")
+
+
+def jpeg(seed: int, height: int = 40, width: int = 48) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="JPEG", quality=90)
+    return buffer.getvalue()
+
+
+def augment(**places: str) -> Pipeline:
+    return Pipeline(
+        [
+            Stage("decode_image", {"mode": "RGB"}, places.get("decode", "server")),
+            Stage("random_resized_crop", {"size": [16, 16]}, places.get("crop", "server")),
+            Stage("flip", {"p": 0.5}, places.get("flip", "server")),
+            Stage("to_chw", {}, places.get("chw", "server"), output=CROP),
+            Stage("cast", {"dtype": "float32"}, places.get("cast", "client")),
+        ]
+    )
+
+
+# -- outputs ----------------------------------------------------------------------------------------
+
+
+def test_a_fixed_output_round_trips_and_names_a_mismatch():
+    array = np.arange(3 * 16 * 16, dtype=np.uint8).reshape(3, 16, 16)
+    out = np.zeros(CROP.nbytes, np.uint8)
+    assert CROP.encode(array, out) == 768 and np.array_equal(CROP.decode(out), array)
+    with pytest.raises(ValueError, match=r"shape \(3, 16, 15\) where \(3, 16, 16\) is declared"):
+        CROP.encode(array[:, :, :15], out)
+    with pytest.raises(ValueError, match="dtype float32 where uint8"):
+        CROP.encode(array.astype(np.float32), out)
+
+
+def test_a_variable_output_carries_its_shape_in_a_header():
+    output = Output(max_bytes=1000, dtype="int16")
+    out = np.zeros(output.nbytes, np.uint8)
+    array = np.arange(30, dtype=np.int16).reshape(5, 6)
+    assert output.nbytes == HEADER + 1000
+    assert output.encode(array, out) == HEADER + 60
+    assert np.array_equal(output.decode(out), array)
+    with pytest.raises(ValueError, match="at most 1000 bytes"):
+        output.encode(np.zeros(600, np.int16), out)
+    out[:4] = 255  # a size beyond the maximum
+    with pytest.raises(ValueError, match="bad sample header"):
+        output.decode(out)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({}, "output"),
+        ({"shape": (2, 2), "max_bytes": 8}, "output"),
+        ({"shape": (2, -1)}, "output.shape"),
+        ({"shape": (2,), "dtype": "object"}, "output.dtype"),
+        ({"shape": (2,), "kind": "image"}, "output.kind"),
+    ],
+)
+def test_bad_outputs_are_named(kwargs, field):
+    with pytest.raises(ConfigError) as caught:
+        Output(**kwargs)
+    assert caught.value.field == field
+
+
+# -- stages and pipelines ---------------------------------------------------------------------------
+
+
+def test_stages_are_checked_when_made():
+    with pytest.raises(ConfigError, match="not 'package.module:function'"):
+        Stage("os:system;rm")
+    with pytest.raises(ConfigError, match="not JSON data"):
+        Stage("flip", {"p": object()})
+    with pytest.raises(ConfigError, match="flip"):
+        Stage("flip", {"probability": 0.5})
+    with pytest.raises(ConfigError, match="place 'tpu'"):
+        Stage("flip", place="tpu")
+    with pytest.raises(ConfigError, match="unknown|not one"):
+        Stage("sharpen")
+
+
+def test_places_run_server_then_client_then_gpu_and_the_cut_declares_its_output():
+    with pytest.raises(ConfigError, match="server first, then client, then gpu"):
+        augment(decode="client")
+    with pytest.raises(ConfigError, match=r"stage 2 \(flip\) is the last one on the servers and declares no output"):
+        Pipeline([Stage("decode_image"), Stage("random_resized_crop", {"size": 8}), Stage("flip")])
+    pipeline = augment()
+    assert (pipeline.server_stages, pipeline.gpu_from, pipeline.output(4)) == (4, 5, CROP)
+
+
+def test_a_pipeline_travels_as_data_and_keeps_its_identity():
+    pipeline = augment()
+    message = pipeline.to_proto()
+    assert all(json.loads(stage.params) is not None for stage in message.stages)  # JSON, never pickles
+    back = Pipeline.from_proto(type(message).FromString(message.SerializeToString()), 4)
+    assert back == pipeline and back.digest() == pipeline.digest()
+    assert augment(cast="gpu").digest() == pipeline.digest()  # places are the rank's, not the identity
+    other = Pipeline([*pipeline.stages[:4], Stage("cast", {"dtype": "float16"}, "client")])
+    assert other.digest() != pipeline.digest()
+    assert attached_pipeline(message) == pipeline  # by name: up to the last declared output on the servers
+
+
+# -- the runner -------------------------------------------------------------------------------------
+
+
+def test_produced_then_received_equals_run_locally_and_randomness_follows_seed_epoch_sample():
+    runner = Runner(augment())
+    data = jpeg(1)
+    out = np.zeros(CROP.nbytes, np.uint8)
+    runner.produce(data, out, seed=7, epoch=2, sample=11, stop=4)
+    received = runner.receive(out, 4, sample=11)
+    local = runner.run(data, seed=7, epoch=2, sample=11, stop=4)
+    assert np.array_equal(received, local)
+    finished = runner.run(received, seed=7, epoch=2, sample=11, start=4)
+    assert finished.dtype == np.float32 and np.array_equal(finished, local.astype(np.float32) / 255)
+    crops = {runner.run(data, seed=7, epoch=e, sample=s, stop=4).tobytes() for e in range(3) for s in range(3)}
+    assert len(crops) == 9  # another epoch or another sample: another crop
+
+
+def test_runner_errors_name_the_sample_the_stage_and_why():
+    runner = Runner(augment(), dataset="imgs")
+    with pytest.raises(PreprocessError, match=r"dataset 'imgs' sample 5: stage 0 \(decode_image\) failed") as caught:
+        runner.run(b"not an image", seed=0, epoch=0, sample=5)
+    assert (caught.value.sample, caught.value.stage, caught.value.op) == (5, 0, "decode_image")
+    squeezed = Pipeline([Stage("decode_image"), Stage("to_chw", output=CROP)])
+    with pytest.raises(PreprocessError, match=r"sample 3: stage 1 \(to_chw\) produced shape \(3, 40, 48\)"):
+        Runner(squeezed).produce(jpeg(2), np.zeros(CROP.nbytes, np.uint8), seed=0, epoch=0, sample=3, stop=2)
+
+
+def test_user_functions_need_the_allow_list():
+    pipeline = Pipeline([Stage("tests.integration.prep_functions:fail_on_height", {"height": 7}, output=CROP)])
+    with pytest.raises(AccessDeniedError, match="'tests.integration.prep_functions' is not on this server's"):
+        Runner(pipeline, allow=("torchvision.transforms",))
+    Runner(pipeline, allow=("tests",))  # a package admits its modules
+    with pytest.raises(ConfigError, match="cannot import it"):
+        Runner(Pipeline([Stage("tests.integration.prep_functions:missing", output=CROP)]), allow=("tests",))
+
+
+def test_torchvision_stages_get_pil_images_and_match_torchvision():
+    from torchvision import transforms
+
+    pipeline = Pipeline(
+        [
+            Stage("decode_image", {"mode": "RGB"}),
+            Stage("torchvision.transforms:CenterCrop", {"size": [16, 16]}),
+            Stage("torchvision.transforms:PILToTensor", {}, output=CROP),
+        ]
+    )
+    data = jpeg(3)
+    got = Runner(pipeline, allow=("torchvision.transforms",)).run(data, seed=0, epoch=0, sample=0)
+    want = transforms.Compose([transforms.CenterCrop(16), transforms.PILToTensor()])(
+        Image.open(io.BytesIO(data)).convert("RGB")
+    )
+    assert got.equal(want)
+
+
+# -- the split --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.25, 0.5, 0.3, 0.75, 1.0])
+def test_the_split_holds_per_batch(fraction):
+    remote = remote_positions(100, 8, fraction)
+    for start in range(0, 100, 8):
+        batch = remote[start : start + 8]
+        assert abs(int(batch.sum()) - fraction * len(batch)) < 1
+    assert remote.sum() == (100 if fraction == 1.0 else 0 if fraction == 0.0 else remote.sum())
+
+
+def test_a_split_that_would_mix_versions_is_refused_naming_them():
+    ours = libraries()
+    other = {**ours, "Pillow": "0.0.1"}
+    options = FeedOptions(batch_size=4, offload=0.5)
+    with pytest.raises(ConfigError, match=r"Pillow .* here, 0\.0\.1 there"):
+        plan_prep("imgs", augment(), options, {"s1": other})
+    prep = plan_prep("imgs", augment(), options, {"s1": ours, "s2": ours})
+    assert prep is not None and (prep.server_stages, prep.fraction, prep.nbytes) == (4, 0.5, CROP.nbytes)
+    # All on the servers: the client's versions do not matter, the servers' among themselves do.
+    assert plan_prep("imgs", augment(), FeedOptions(batch_size=4), {"s1": other}) is not None
+    with pytest.raises(ConfigError, match="servers s1 and s2"):
+        plan_prep("imgs", augment(), FeedOptions(batch_size=4), {"s1": ours, "s2": other})
+    assert plan_prep("imgs", augment(), FeedOptions(batch_size=4, offload=0), {"s1": other}) is None
+
+
+# -- the servers' preprocessing workers -------------------------------------------------------------
+
+
+@pytest.fixture
+def pool():
+    workers = PrepPool(1, ("tests",), LogSettings())
+    yield workers
+    workers.close()
+
+
+def window(tmp_path, slots: int) -> tuple[str, np.memmap]:
+    path = str(tmp_path / "window")
+    with open(path, "wb") as f:
+        f.truncate(CROP.nbytes * slots)
+    return path, np.memmap(path, dtype=np.uint8, mode="r")
+
+
+def task(pipeline: Pipeline, path: str, inputs: list, stages: int = 4) -> PrepTask:
+    return PrepTask(
+        "imgs",
+        pipeline.to_proto().SerializeToString(),
+        stages,
+        7,
+        1,
+        tuple(range(len(inputs))),
+        tuple(inputs),
+        tuple((path, k * CROP.nbytes, CROP.nbytes) for k in range(len(inputs))),
+    )
+
+
+def test_workers_write_into_window_slots_what_the_client_would_compute(pool, tmp_path):
+    path, mapped = window(tmp_path, 3)
+    home = tmp_path / "home"
+    data = [jpeg(k) for k in range(3)]
+    home.write_bytes(data[2])
+    results = pool.run(task(augment(), path, [data[0], b"broken", (str(home), 0, len(data[2]))]))
+    assert results[0] == results[2] == CROP.nbytes
+    assert isinstance(results[1], str) and "sample 1: stage 0 (decode_image) failed" in results[1]
+    runner = Runner(augment())
+    for k in (0, 2):
+        got = mapped[k * CROP.nbytes : (k + 1) * CROP.nbytes].reshape(3, 16, 16)
+        assert np.array_equal(got, runner.run(data[k], seed=7, epoch=1, sample=k, stop=4))
+    assert pool.samples == 3 and set(pool.stage_seconds) >= {"0:decode_image", "3:to_chw"}
+
+
+def test_a_worker_that_dies_is_replaced_and_its_task_done_again(pool, tmp_path):
+    path, mapped = window(tmp_path, 1)
+    gate = str(tmp_path / "gate")
+    pipeline = Pipeline(
+        [
+            Stage("decode_image"),
+            Stage("tests.integration.prep_functions:hold", {"gate": gate}),
+            Stage("center_crop", {"size": [16, 16]}),
+            Stage("to_chw", output=CROP),
+        ]
+    )
+    answer: list = []
+    runner = threading.Thread(target=lambda: answer.append(pool.run(task(pipeline, path, [jpeg(4)]))))
+    runner.start()
+    announced = tmp_path.glob("gate.*")
+    for _ in range(500):
+        announced = list(tmp_path.glob("gate.*"))
+        if announced:
+            break
+        threading.Event().wait(0.01)
+    assert announced, "the worker never started the task"
+    first = int(announced[0].name.split(".")[1])
+    os.kill(first, signal.SIGKILL)  # mid-task
+    (tmp_path / "gate").touch()  # the replacement passes
+    runner.join(30)
+    assert answer and answer[0] == [CROP.nbytes]
+    assert pool.restarts == 1 and first not in pool.pids()
