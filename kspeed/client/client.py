@@ -93,6 +93,7 @@ class KSpeedClient:
         collate_fn: Any = None,
         num_workers: int | None = None,
         prefetch: int | None = None,
+        on_error: str = "raise",
     ) -> KSpeedDataset | WrappedDataset:
         """Register (or attach to) a dataset under a job lease and open this rank's feed.
 
@@ -128,6 +129,8 @@ class KSpeedClient:
                 ``default_collate``).
             num_workers: client worker processes (default: up to 4, one per CPU; 0: inline).
             prefetch: batches in flight in the workers (default: 2 per worker).
+            on_error: ``"raise"`` (default) or ``"skip"``: a sample whose preparation fails is
+                left out of its batch, logged with its ID and counted in ``stats()["skipped"]``.
 
         Raises:
             ConfigError: a bad argument (named).
@@ -148,6 +151,7 @@ class KSpeedClient:
             quiet=quiet,
             device=device,
             offload=offload,
+            on_error=on_error,
         )
         ds = self.open(spec, options)
         if ds.pipeline is None and transform is None:

@@ -89,6 +89,7 @@ class KSpeedDataset(IterableDataset):
         self.prep = prep
         self.seed = options.seed
         self.labelled = bool(info.spec.labels)
+        self.on_error = options.on_error
         self.batch_size = options.batch_size
         self.num_samples = int(info.fingerprint.count)
         self.class_names = list(info.class_names)

@@ -33,6 +33,7 @@ class RemoteSplit:
     stages: int
     seed: int
     epoch: int
+    skip: bool = False
 
 
 class Link(Protocol):
@@ -140,6 +141,7 @@ class ServerLink:
                     chunk.feed_id, chunk.epoch, chunk.batch_size = feed_id, epoch, batch_size
                     if split is not None:
                         chunk.server_stages, chunk.seed, chunk.seed_epoch = split.stages, split.seed, split.epoch
+                        chunk.skip_failed = split.skip
                 yield chunk
 
         with rpc.map_rpc_errors(self.name):

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kspeed.errors import ConfigError
-from kspeed.preprocess.pipeline import Output, Pipeline, Stage
+from kspeed.preprocess.pipeline import STATUS, Output, Pipeline, Stage
 from kspeed.preprocess.versions import libraries, mismatch
 from kspeed.proto import kspeed_pb2
 
@@ -70,7 +70,9 @@ def plan_prep(
             value=fraction,
         )
     stages = pipeline.server_stages
-    return PlanPrep(stages, fraction, options.seed, pipeline.output(stages).nbytes)
+    skip = options.on_error == "skip"
+    nbytes = pipeline.output(stages).nbytes + (STATUS if skip else 0)
+    return PlanPrep(stages, fraction, options.seed, nbytes, skip)
 
 
 def folder_pipeline(loader: Any, transform: Any) -> tuple[Pipeline | None, str]:

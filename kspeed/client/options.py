@@ -40,6 +40,10 @@ class FeedOptions:
             ``"cuda:N"``.
         offload: with a pipeline, the share of each batch's samples whose ``server`` stages run
             on the servers (the rest run them on this client); ``None``: all of them.
+        on_error: with a pipeline or transforms, what a sample whose preparation fails (a corrupt
+            image, a stage that raises, an output unlike its declaration) does: ``"raise"`` ends
+            the iteration with an error naming it; ``"skip"`` leaves it out of its batch, logged
+            and counted (``stats()["skipped"]``).
 
     Raises:
         ConfigError: a field is invalid (named), or an unknown option was given to
@@ -58,8 +62,13 @@ class FeedOptions:
     quiet: bool = False
     device: str | torch.device = "cpu"
     offload: float | None = None
+    on_error: str = "raise"
 
     def __post_init__(self) -> None:
+        if self.on_error not in ("raise", "skip"):
+            raise ConfigError(
+                f"on_error must be 'raise' or 'skip', got {self.on_error!r}", field="on_error", value=self.on_error
+            )
         _positive_int("batch_size", self.batch_size)
         if self.offload is not None and (
             isinstance(self.offload, bool)

@@ -34,13 +34,16 @@ class PlanPrep:
         server_stages: leading pipeline stages the servers run for remote samples.
         fraction: share of each batch's samples preprocessed on the servers (0..1).
         seed: the job's seed (random stages draw from ``(seed, epoch, sample, stage)``).
-        nbytes: ring bytes of a sample after the server stages (their declared output).
+        nbytes: ring bytes of a sample after the server stages (their declared output, and the
+            status word when skipping).
+        skip: a sample whose server stages fail arrives as a failure record (``on_error="skip"``).
     """
 
     server_stages: int
     fraction: float
     seed: int
     nbytes: int
+    skip: bool = False
 
 
 def remote_positions(count: int, batch_size: int, fraction: float) -> np.ndarray:
@@ -207,7 +210,7 @@ def _commit_all(
     args = (feed_id, plan.feed_epoch, batch_size, plan.ids, plan.lengths)
     split = None
     if plan.remote is not None and prep is not None:
-        split = RemoteSplit(plan.remote, prep.server_stages, prep.seed, plan.epoch)
+        split = RemoteSplit(plan.remote, prep.server_stages, prep.seed, plan.epoch, prep.skip)
     if pool is None or len(links) == 1:
         for link in links:
             link.commit_plan(*args, split)

@@ -32,8 +32,8 @@ import numpy as np
 import torch.multiprocessing
 from torch.utils.data import default_collate
 
-from kspeed.errors import ConfigError, StateError
-from kspeed.preprocess.pipeline import Pipeline
+from kspeed.errors import ConfigError, PreprocessError, StateError
+from kspeed.preprocess.pipeline import STATUS, Pipeline, read_status
 from kspeed.preprocess.runner import Runner
 
 __all__ = [
@@ -164,6 +164,9 @@ class Stages:
         seed: the job's seed.
         server_stages: the stages the servers run for their share of each batch.
         client_stop: the first stage not run on the client CPU (the GPU's).
+        dataset: the dataset's name, for messages.
+        skip: a sample whose preparation fails is left out of its batch (reported in
+            :attr:`Delivered.skipped`); the servers' samples then start with a status word.
     """
 
     loader: Callable[..., Any] | None
@@ -175,6 +178,8 @@ class Stages:
     seed: int = 0
     server_stages: int = 0
     client_stop: int | None = None
+    skip: bool = False
+    dataset: str = ""
 
     def named(self) -> dict[str, Any]:
         """Each callable stage by its name."""
@@ -199,6 +204,7 @@ class Delivered:
 
     value: Any
     seconds: dict[str, float]
+    skipped: tuple[tuple[int, str], ...] = ()  # (position in the batch, why) of samples left out
 
 
 def check_picklable(stages: Stages | Mapping[str, Any]) -> None:
@@ -295,7 +301,7 @@ def _runner(stages: Stages) -> Runner:
     if _RUNNER is None or _RUNNER.pipeline is not stages.pipeline:
         if stages.pipeline is None:
             raise StateError("no pipeline to run")
-        _RUNNER = Runner(stages.pipeline)
+        _RUNNER = Runner(stages.pipeline, dataset=stages.dataset)
     return _RUNNER
 
 
@@ -307,7 +313,13 @@ def _prepare(stages: Stages, data: memoryview, draw: Draw, i: int, seconds: dict
     value: Any = data
     if draw.remote[i]:
         begun = time.perf_counter()
-        value = runner.receive(np.frombuffer(data, dtype=np.uint8), stages.server_stages, sample=sample)
+        received = np.frombuffer(data, dtype=np.uint8)
+        if stages.skip:
+            failure = read_status(received)
+            if failure:
+                raise PreprocessError(f"on a server: {failure}", sample=sample)
+            received = received[STATUS:]
+        value = runner.receive(received, stages.server_stages, sample=sample)
         start = stages.server_stages
         seconds["receive"] = seconds.get("receive", 0.0) + time.perf_counter() - begun
     stop = len(runner) if stages.client_stop is None else stages.client_stop
@@ -359,6 +371,7 @@ def run_samples(
     """
     items = []
     seconds: dict[str, float] = {}
+    skipped: list[tuple[int, str]] = []
     for i, target in enumerate(targets):
         data = samples[i]
         try:
@@ -376,13 +389,16 @@ def run_samples(
             if stages.target_transform is not None:
                 target = stages.target_transform(target)
         except Exception as exc:
-            raise SampleFailure(i, _describe(exc)) from None
+            if not stages.skip:
+                raise SampleFailure(i, _describe(exc)) from None
+            skipped.append((i, _describe(exc)))
+            continue
         items.append((item, target) if target is not None else item)
     try:
         begun = time.perf_counter()
         value = stages.collate_fn(items)
         seconds["collate"] = time.perf_counter() - begun
-        return Delivered(value, seconds)
+        return Delivered(value, seconds, tuple(skipped))
     except Exception as exc:
         raise SampleFailure(None, _describe(exc)) from None
 

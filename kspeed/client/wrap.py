@@ -250,7 +250,10 @@ class WrappedDataset(IterableDataset):
             seed=inner.seed,
             server_stages=inner.prep.server_stages if inner.prep is not None else 0,
             client_stop=pipeline.gpu_from if pipeline is not None else None,
+            skip=inner.on_error == "skip",
+            dataset=inner.name,
         )
+        self._skipped = 0
         if pipeline is None and loader is None:
             raise ConfigError(f"dataset {inner.name!r}: a loader or a pipeline is needed", field="loader")
         self._gpu = GpuStages(pipeline, inner.seed, inner.device) if pipeline is not None else None
@@ -394,6 +397,11 @@ class WrappedDataset(IterableDataset):
                 f"{where} failed in a transform worker: {type(exc).__name__}: {exc}", dataset=self.name
             ) from exc
         self._delivered += 1
+        for position, why in result.skipped:
+            sample = task.ids[position]
+            named = f"sample {sample} ({self._paths[sample]})" if self._paths else f"sample {sample}"
+            log.warning("dataset %s: %s left out of %s (on_error='skip'): %s", self.name, named, where, why)
+        self._skipped += len(result.skipped)
         for name, seconds in result.seconds.items():
             self._seconds[name] = self._seconds.get(name, 0.0) + seconds
         if self._gpu is not None:
@@ -430,7 +438,12 @@ class WrappedDataset(IterableDataset):
         seconds = dict(self._seconds)
         if self._gpu is not None:
             seconds.update(self._gpu.seconds)
-        return {**self._inner.stats(), "workers": len(self.worker_pids()), "client_stage_seconds": seconds}
+        return {
+            **self._inner.stats(),
+            "workers": len(self.worker_pids()),
+            "client_stage_seconds": seconds,
+            "skipped": self._skipped,
+        }
 
     def _check_open(self) -> None:
         if self._closed:

@@ -28,7 +28,7 @@ import numpy as np
 
 from kspeed.errors import ConfigError
 
-__all__ = ["HEADER", "KINDS", "PLACES", "Output", "Pipeline", "Stage"]
+__all__ = ["HEADER", "KINDS", "PLACES", "STATUS", "Output", "Pipeline", "Stage", "read_status", "write_status"]
 
 PLACES = ("server", "client", "gpu")
 KINDS = ("array", "pil", "tensor")
@@ -38,6 +38,10 @@ HEADER = _HEADER.size
 MAX_DIMS = 6
 #: Dtypes a stage may declare (a code in the header of variable outputs).
 DTYPES = ("uint8", "int8", "uint16", "int16", "int32", "int64", "float16", "float32", "float64", "bool")
+#: With ``on_error="skip"`` a server-preprocessed sample starts with this status word: 0 and the
+#: sample, or 1, the length and the UTF-8 reason it failed (so a failure travels with its bytes).
+_STATUS = struct.Struct("<II")
+STATUS = _STATUS.size
 MAX_STAGES = 64
 MAX_PARAMS = 64 * 1024
 _USER_OP = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
@@ -159,6 +163,20 @@ class Output:
     @classmethod
     def from_proto(cls, message) -> Output:
         return cls(tuple(message.shape), message.dtype or "uint8", message.max_bytes, message.kind or "array")
+
+
+def write_status(out: np.ndarray, failure: str = "") -> None:
+    """Write a sample's status word at the start of ``out`` (and the reason, when it failed)."""
+    text = failure.encode()[: max(len(out) - STATUS, 0)]
+    out[:STATUS] = np.frombuffer(_STATUS.pack(1 if failure else 0, len(text)), dtype=np.uint8)
+    if text:
+        out[STATUS : STATUS + len(text)] = np.frombuffer(text, dtype=np.uint8)
+
+
+def read_status(data: np.ndarray) -> str:
+    """The reason a sample with a status word failed, or ``""``."""
+    failed, length = _STATUS.unpack(data[:STATUS].tobytes())
+    return bytes(data[STATUS : STATUS + length]).decode(errors="replace") if failed else ""
 
 
 def _canonical(params: Mapping[str, Any], op: str) -> str:

@@ -565,7 +565,7 @@ class OpenFeedReply(_message.Message):
     def __init__(self, server_id: _Optional[str] = ..., feeder: _Optional[int] = ...) -> None: ...
 
 class PlanChunk(_message.Message):
-    __slots__ = ("feed_id", "epoch", "batch_size", "ids", "lengths", "remote", "server_stages", "seed", "seed_epoch")
+    __slots__ = ("feed_id", "epoch", "batch_size", "ids", "lengths", "remote", "server_stages", "seed", "seed_epoch", "skip_failed")
     FEED_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -575,6 +575,7 @@ class PlanChunk(_message.Message):
     SERVER_STAGES_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     SEED_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SKIP_FAILED_FIELD_NUMBER: _ClassVar[int]
     feed_id: str
     epoch: int
     batch_size: int
@@ -584,7 +585,8 @@ class PlanChunk(_message.Message):
     server_stages: int
     seed: int
     seed_epoch: int
-    def __init__(self, feed_id: _Optional[str] = ..., epoch: _Optional[int] = ..., batch_size: _Optional[int] = ..., ids: _Optional[bytes] = ..., lengths: _Optional[bytes] = ..., remote: _Optional[bytes] = ..., server_stages: _Optional[int] = ..., seed: _Optional[int] = ..., seed_epoch: _Optional[int] = ...) -> None: ...
+    skip_failed: bool
+    def __init__(self, feed_id: _Optional[str] = ..., epoch: _Optional[int] = ..., batch_size: _Optional[int] = ..., ids: _Optional[bytes] = ..., lengths: _Optional[bytes] = ..., remote: _Optional[bytes] = ..., server_stages: _Optional[int] = ..., seed: _Optional[int] = ..., seed_epoch: _Optional[int] = ..., skip_failed: _Optional[bool] = ...) -> None: ...
 
 class PlanReply(_message.Message):
     __slots__ = ("owned", "owned_bytes")

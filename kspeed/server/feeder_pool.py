@@ -22,7 +22,7 @@ from kspeed import errors, names
 from kspeed.control.logs import LogSettings
 from kspeed.errors import ConfigError, DatasetError, NotFoundError, ProtocolError, UnavailableError
 from kspeed.layout import batch_layout
-from kspeed.preprocess.pipeline import Pipeline
+from kspeed.preprocess.pipeline import STATUS, Pipeline
 from kspeed.proto import kspeed_pb2
 from kspeed.rdma.options import RailOptions
 from kspeed.rdma.rails import available_rails
@@ -209,6 +209,7 @@ class FeederPool:
         server_stages: int = 0,
         seed: int = 0,
         seed_epoch: int = 0,
+        skip_failed: bool = False,
     ) -> kspeed_pb2.PlanReply:
         """Install an epoch plan on the feed's feeder; its samples are made resident in plan order.
 
@@ -241,7 +242,7 @@ class FeederPool:
         mine = processed[owned] if processed is not None else None
         prep = None
         if mine is not None and mine.any():
-            prep = self._prep_spec(info.dataset, hosted.request.spec, server_stages, seed, seed_epoch)
+            prep = self._prep_spec(info.dataset, hosted.request.spec, server_stages, seed, seed_epoch, skip_failed)
             length[mine] = prep.nbytes
         wrong = np.flatnonzero(length != lengths[owned])
         if len(wrong):
@@ -272,7 +273,9 @@ class FeederPool:
             raise
         return kspeed_pb2.PlanReply(owned=len(owned), owned_bytes=int(length.sum()))
 
-    def _prep_spec(self, dataset: str, spec: kspeed_pb2.DatasetSpec, stages: int, seed: int, epoch: int) -> PrepSpec:
+    def _prep_spec(
+        self, dataset: str, spec: kspeed_pb2.DatasetSpec, stages: int, seed: int, epoch: int, skip: bool
+    ) -> PrepSpec:
         """How processed positions of a plan are produced: the dataset's first ``stages`` stages."""
         if self.production.prep is None:
             raise ProtocolError(f"dataset {dataset!r}: this server runs no preprocessing workers")
@@ -285,7 +288,8 @@ class FeederPool:
             output = Pipeline.from_proto(spec.pipeline, stages).output(stages)
         except ConfigError as exc:
             raise ProtocolError(f"dataset {dataset!r}: {exc}") from exc
-        return PrepSpec(spec.pipeline.SerializeToString(deterministic=True), stages, seed, epoch, output.nbytes)
+        nbytes = output.nbytes + (STATUS if skip else 0)
+        return PrepSpec(spec.pipeline.SerializeToString(deterministic=True), stages, seed, epoch, nbytes, skip)
 
     def close(self, feed_id: str, reason: str = "") -> None:
         """Close a feed (its data-plane connection and plans); a ``reason`` is told to the client first."""

@@ -27,6 +27,9 @@ import numpy as np
 
 from kspeed.control.logs import LogSettings
 from kspeed.errors import KSpeedError, StateError
+from kspeed.preprocess.pipeline import STATUS, Pipeline, write_status
+from kspeed.preprocess.runner import Runner
+from kspeed.proto import kspeed_pb2
 
 __all__ = ["PrepPool", "PrepTask"]
 
@@ -50,6 +53,8 @@ class PrepTask:
         samples: the sample IDs.
         inputs: per sample, its raw bytes, or ``(region file, offset, length)`` of its home.
         outputs: per sample, ``(window region file, offset, capacity)``.
+        skip: each output starts with a status word; a failed sample's slot gets its failure
+            record (the reason is still returned).
     """
 
     dataset: str
@@ -60,6 +65,7 @@ class PrepTask:
     samples: tuple[int, ...]
     inputs: tuple[bytes | tuple[str, int, int], ...]
     outputs: tuple[tuple[str, int, int], ...]
+    skip: bool = False
 
 
 class _Maps:
@@ -86,10 +92,6 @@ def _work(conn: Connection, allow: tuple[str, ...], logs: LogSettings) -> None:
         import torch
 
         torch.set_num_threads(1)
-    from kspeed.preprocess.pipeline import Pipeline
-    from kspeed.preprocess.runner import Runner
-    from kspeed.proto import kspeed_pb2
-
     runners: dict[tuple[bytes, int], Runner | KSpeedError] = {}
     inputs, outputs = _Maps(), _Maps()
     while True:
@@ -112,27 +114,49 @@ def _work(conn: Connection, allow: tuple[str, ...], logs: LogSettings) -> None:
         results: list[int | str] = []
         seconds: dict[str, float] = {}
         for sample, source, (path, offset, capacity) in zip(task.samples, task.inputs, task.outputs, strict=True):
-            if isinstance(runner, KSpeedError):
-                results.append(str(runner))
-                continue
             try:
-                if isinstance(source, bytes):
-                    data: Any = source
-                else:
-                    home, at, length = source
-                    data = inputs.get(home, False)[at : at + length]
                 out = outputs.get(path, True)[offset : offset + capacity]
-                for k in range(task.stages):
-                    begun = time.perf_counter()
-                    data = runner.run(data, seed=task.seed, epoch=task.epoch, sample=sample, start=k, stop=k + 1)
-                    name = runner.stage_name(k)
-                    seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - begun
-                results.append(runner.write(data, out, task.stages, sample=sample))
-            except KSpeedError as exc:
-                results.append(str(exc))
             except OSError as exc:
-                results.append(f"dataset {task.dataset!r} sample {sample}: cannot map its bytes: {exc}")
+                results.append(f"dataset {task.dataset!r} sample {sample}: cannot map its window slot: {exc}")
+                continue
+            if isinstance(runner, KSpeedError):
+                result: int | str = str(runner)
+            else:
+                result = _run_one(runner, task, sample, source, inputs, out[STATUS:] if task.skip else out, seconds)
+            if task.skip:  # the slot says how it went; a failure travels to the client as its record
+                write_status(out, result if isinstance(result, str) else "")
+                if not isinstance(result, str):
+                    result += STATUS
+            results.append(result)
         conn.send((results, seconds))
+
+
+def _run_one(
+    runner: Runner,
+    task: PrepTask,
+    sample: int,
+    source: bytes | tuple[str, int, int],
+    inputs: _Maps,
+    out: np.ndarray,
+    seconds: dict[str, float],
+) -> int | str:
+    """Run one sample's server stages into ``out``; the bytes written, or why it failed."""
+    try:
+        if isinstance(source, bytes):
+            data: Any = source
+        else:
+            home, at, length = source
+            data = inputs.get(home, False)[at : at + length]
+        for k in range(task.stages):
+            begun = time.perf_counter()
+            data = runner.run(data, seed=task.seed, epoch=task.epoch, sample=sample, start=k, stop=k + 1)
+            name = runner.stage_name(k)
+            seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - begun
+        return runner.write(data, out, task.stages, sample=sample)
+    except KSpeedError as exc:
+        return str(exc)
+    except OSError as exc:
+        return f"dataset {task.dataset!r} sample {sample}: cannot map its bytes: {exc}"
 
 
 class _Worker:

@@ -135,7 +135,8 @@ class PrepSpec:
     stages: int
     seed: int
     epoch: int  # the user's epoch random stages draw from (plans are numbered per feed otherwise)
-    nbytes: int  # the declared output's size in the ring
+    nbytes: int  # the declared output's size in the ring (with the status word when skipping)
+    skip: bool = False  # a sample whose stages fail is sent as a failure record, not failing its grant
 
 
 @dataclasses.dataclass
@@ -626,6 +627,7 @@ class Production:
                     tuple(int(ids[k]) for k in keep),
                     tuple(inputs[k] for k in keep),
                     tuple((self.window.paths[slots[k].region], slots[k].offset, slots[k].nbytes) for k in keep),
+                    prep.skip,
                 )
                 for k, result in zip(keep, self.prep.run(task), strict=True):
                     results[int(ids[k])] = result
@@ -677,7 +679,12 @@ class Production:
         results: list[int | str],
     ) -> None:
         """Record processed positions and tell the feeder where they are (or why they failed); under the lock."""
-        assert plan.state is not None
+        assert plan.state is not None and plan.prep is not None
+        failures = [str(r) for r in results if isinstance(r, str)]
+        if failures and plan.prep.skip:  # the failure records were written in the slots: serve them
+            self.failed_samples += len(failures)
+            log.warning("dataset %s: %d sample(s) skipped: %s", share.dataset, len(failures), failures[0])
+            results = [len(r) if isinstance(r, str) else r for r in results]
         ok = np.array([not isinstance(r, str) for r in results], dtype=bool)
         for k in np.flatnonzero(~ok).tolist():
             self.window.free(slots[k])

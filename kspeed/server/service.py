@@ -137,6 +137,7 @@ class ServerService:
             server_stages=head.server_stages,
             seed=head.seed,
             seed_epoch=head.seed_epoch,
+            skip_failed=head.skip_failed,
         )
 
     def CloseFeed(
