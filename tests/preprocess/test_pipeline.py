@@ -18,7 +18,7 @@ from kspeed.client.plans import remote_positions
 from kspeed.control.logs import LogSettings
 from kspeed.errors import AccessDeniedError, ConfigError, PreprocessError
 from kspeed.preprocess import Output, Pipeline, Stage
-from kspeed.preprocess.pipeline import HEADER
+from kspeed.preprocess.pipeline import HEADER, STATUS, read_status
 from kspeed.preprocess.runner import Runner
 from kspeed.preprocess.versions import libraries
 from kspeed.server.prep_pool import PrepPool, PrepTask
@@ -278,3 +278,27 @@ def test_a_worker_that_dies_is_replaced_and_its_task_done_again(pool, tmp_path):
     runner.join(30)
     assert answer and answer[0] == [CROP.nbytes]
     assert pool.restarts == 1 and first not in pool.pids()
+
+
+def test_when_skipping_a_failure_travels_in_the_sample_slot(pool, tmp_path):
+    path = str(tmp_path / "window")
+    size = CROP.nbytes + STATUS
+    with open(path, "wb") as f:
+        f.truncate(size * 2)
+    skipping = PrepTask(
+        "imgs",
+        augment().to_proto().SerializeToString(),
+        4,
+        7,
+        1,
+        (0, 1),
+        (jpeg(0), b"broken"),
+        ((path, 0, size), (path, size, size)),
+        skip=True,
+    )
+    results = pool.run(skipping)
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    assert results[0] == size and read_status(mapped[:size]) == ""
+    assert isinstance(results[1], str) and "stage 0 (decode_image) failed" in read_status(mapped[size:])
+    want = Runner(augment()).run(jpeg(0), seed=7, epoch=1, sample=0, stop=4)
+    assert np.array_equal(mapped[STATUS:size].reshape(3, 16, 16), want)
