@@ -92,7 +92,7 @@ def test_bad_outputs_are_named(kwargs, field):
 
 
 def test_stages_are_checked_when_made():
-    with pytest.raises(ConfigError, match="not 'package.module:function'"):
+    with pytest.raises(ConfigError, match=r"not 'package\.module:function'"):
         Stage("os:system;rm")
     with pytest.raises(ConfigError, match="not JSON data"):
         Stage("flip", {"p": object()})
