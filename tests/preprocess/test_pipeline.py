@@ -100,7 +100,7 @@ def test_stages_are_checked_when_made():
         Stage("flip", {"probability": 0.5})
     with pytest.raises(ConfigError, match="place 'tpu'"):
         Stage("flip", place="tpu")
-    with pytest.raises(ConfigError, match="unknown|not one"):
+    with pytest.raises(ConfigError, match=r"unknown|not one"):
         Stage("sharpen")
 
 
@@ -154,7 +154,7 @@ def test_runner_errors_name_the_sample_the_stage_and_why():
 
 def test_user_functions_need_the_allow_list():
     pipeline = Pipeline([Stage("tests.integration.prep_functions:fail_on_height", {"height": 7}, output=CROP)])
-    with pytest.raises(AccessDeniedError, match="'tests.integration.prep_functions' is not on this server's"):
+    with pytest.raises(AccessDeniedError, match=r"'tests\.integration\.prep_functions' is not on this server"):
         Runner(pipeline, allow=("torchvision.transforms",))
     Runner(pipeline, allow=("tests",))  # a package admits its modules
     with pytest.raises(ConfigError, match="cannot import it"):
@@ -252,7 +252,7 @@ def test_workers_write_into_window_slots_what_the_client_would_compute(pool, tmp
 
 
 def test_a_worker_that_dies_is_replaced_and_its_task_done_again(pool, tmp_path):
-    path, mapped = window(tmp_path, 1)
+    path, _ = window(tmp_path, 1)
     gate = str(tmp_path / "gate")
     pipeline = Pipeline(
         [
