@@ -326,6 +326,8 @@ def _prepare(stages: Stages, data: memoryview, draw: Draw, i: int, seconds: dict
     for k in range(start, stop):
         begun = time.perf_counter()
         value = runner.run(value, seed=stages.seed, epoch=draw.epoch, sample=sample, start=k, stop=k + 1)
+        if k + 1 == stages.server_stages:  # the servers' part, done here: held to its declaration too
+            runner.check(value, k + 1, sample=sample)
         name = f"{k}:{stages.pipeline.stages[k].op}" if stages.pipeline is not None else str(k)
         seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - begun
     if isinstance(value, np.ndarray) and not value.flags.writeable:

@@ -248,7 +248,7 @@ class WrappedDataset(IterableDataset):
             check_loader(loader, self._paths[0]) if loader is not None and pipeline is None and self._paths else "file",
             pipeline=pipeline,
             seed=inner.seed,
-            server_stages=inner.prep.server_stages if inner.prep is not None else 0,
+            server_stages=pipeline.server_stages if pipeline is not None else 0,
             client_stop=pipeline.gpu_from if pipeline is not None else None,
             skip=inner.on_error == "skip",
             dataset=inner.name,

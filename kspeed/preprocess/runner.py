@@ -171,18 +171,31 @@ class Runner:
         Raises:
             PreprocessError: the value does not match the declaration.
         """
-        output = self.pipeline.output(stop)
         try:
-            return output.encode(to_array(value), out)
+            return self.pipeline.output(stop).encode(to_array(value), out)
         except ValueError as exc:
-            stage = self.pipeline.stages[stop - 1]
-            raise PreprocessError(
-                f"dataset {self.dataset!r} sample {sample}: stage {stop - 1} ({stage.op}) produced {exc}",
-                dataset=self.dataset or None,
-                sample=sample,
-                stage=stop - 1,
-                op=stage.op,
-            ) from exc
+            raise self._unlike(stop, sample, str(exc)) from exc
+
+    def check(self, value: Any, stop: int, *, sample: int) -> None:
+        """Check the value after the first ``stop`` stages against stage ``stop - 1``'s declaration,
+        as :meth:`write` does on a server, so a sample fails alike wherever it is prepared.
+
+        Raises:
+            PreprocessError: the value does not match the declaration.
+        """
+        why = self.pipeline.output(stop).check(to_array(value))
+        if why:
+            raise self._unlike(stop, sample, why)
+
+    def _unlike(self, stop: int, sample: int, why: str) -> PreprocessError:
+        stage = self.pipeline.stages[stop - 1]
+        return PreprocessError(
+            f"dataset {self.dataset!r} sample {sample}: stage {stop - 1} ({stage.op}) produced {why}",
+            dataset=self.dataset or None,
+            sample=sample,
+            stage=stop - 1,
+            op=stage.op,
+        )
 
     def receive(self, data: np.ndarray, stages: int, *, sample: int) -> Any:
         """The value after the first ``stages`` stages, from the bytes a server produced (a view of ``data``).
