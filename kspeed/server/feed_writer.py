@@ -71,6 +71,7 @@ class PlanPart:
     src: np.ndarray
     ticket: np.ndarray
     processed: np.ndarray | None = None
+    failures: dict[int, str] = field(default_factory=dict)  # processed owned index -> why it failed
     _order: np.ndarray | None = field(default=None, repr=False)
 
     def where(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -303,17 +304,25 @@ class FeedWriter:
             if len(hit):
                 sample = int(ids[hit[0]])
                 return f"dataset {self.dataset!r} sample {sample}: {self.changed[sample]}; its cached bytes are stale"
-        missing = ids[plan.region[i:j] < 0]
-        if not len(missing):
+        absent = plan.region[i:j] < 0
+        if not absent.any():
             return ""
+        if plan.failures:  # processed positions of this plan whose server stages failed
+            for k in np.flatnonzero(absent).tolist():
+                if i + k in plan.failures:
+                    return plan.failures[i + k]
+        if plan.processed is not None:
+            absent &= ~plan.processed[i:j]
+        missing = ids[absent]
         failed = self.shared.failed.get(self.dataset)
         if failed:
             for sample in missing.tolist():
                 if sample in failed:
                     return f"dataset {self.dataset!r} sample {sample} could not be produced: {failed[sample]}"
         if waited > self.production_timeout:
+            late = int(missing[0]) if len(missing) else int(ids[np.flatnonzero(plan.region[i:j] < 0)[0]])
             return (
-                f"dataset {self.dataset!r} sample {int(missing[0])} was not produced within "
+                f"dataset {self.dataset!r} sample {late} was not produced within "
                 f"{self.production_timeout:g}s (the server is still reading it from the backend)"
             )
         return ""

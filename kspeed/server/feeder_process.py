@@ -102,8 +102,9 @@ class Locate:
 @dataclass(frozen=True)
 class Place:
     """Processed positions ``at`` (owned indices) of a feed's plan of ``epoch`` are now at
-    ``region``/``src``/``ticket`` (``region`` -1: released). The reply's ``busy`` lists the window
-    tickets they left that a read still uses."""
+    ``region``/``src``/``ticket`` (``region`` -1: released), or, with ``reasons``, failed for
+    those reasons (their grants fail at once). The reply's ``busy`` lists the window tickets they
+    left that a read still uses."""
 
     feed_id: str
     epoch: int
@@ -111,6 +112,7 @@ class Place:
     region: np.ndarray
     src: np.ndarray
     ticket: np.ndarray
+    reasons: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -215,10 +217,10 @@ class Feeder:
             plan = feed.plans.get(command.epoch)
             if plan is None:
                 return []
-            failed = self.shared.failed.get(feed.dataset)
-            if failed:
-                for sample in plan.ids[command.at[command.region >= 0]].tolist():
-                    failed.pop(sample, None)
+            if command.reasons:
+                plan.failures.update(zip(command.at.tolist(), command.reasons, strict=True))
+            for k in command.at[command.region >= 0].tolist():
+                plan.failures.pop(k, None)
             old = plan.place(command.at, command.region, command.src, command.ticket)
             retired = {t for t in old.tolist() if t > 0} - set(command.ticket.tolist())
             return self.shared.retire(sorted(retired))

@@ -693,8 +693,9 @@ class Production:
             reasons = tuple(str(r) for r in results if isinstance(r, str))
             self.failed_samples += len(reasons)
             log.warning("dataset %s: %d sample(s) failed preprocessing: %s", share.dataset, len(reasons), reasons[0])
-            with contextlib.suppress(KSpeedError):
-                self._tell(feed.feeder, Failed(share.dataset, ids[~ok], reasons))
+            none = np.zeros(len(reasons), np.int64)
+            with contextlib.suppress(KSpeedError):  # this plan's grants of them fail (another plan may skip them)
+                self._tell(feed.feeder, Place(feed.feed_id, plan.epoch, at[~ok], none - 1, none, none, reasons))
         good = np.flatnonzero(ok)
         if not len(good):
             return

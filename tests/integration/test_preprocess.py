@@ -366,6 +366,13 @@ def test_a_corrupt_jpeg_is_named_wherever_it_is_decoded(start, tmp_path):
         message = str(caught.value)
         assert f"sample {VICTIM}" in message, offload
         assert "stage 0 (decode_image) failed: ValueError: cannot decode image" in message, offload
+    # on_error="skip": the sample is left out of its batch and counted, the others arrive as ever
+    for offload in (1.0, 0.5, 0.0):
+        with opened(client, spec, offload, on_error="skip") as ds:
+            got = list(ds)  # no labels: each batch is the samples' tensor
+            assert ds.stats()["skipped"] == 1, offload
+        assert sum(len(b) for b in got) == len(photos.keys) - 1, offload
+        assert [len(b) for b in got].count(BATCH - 1) == 1, offload
 
 
 def test_a_user_function_that_raises_is_named_with_its_error(start):
