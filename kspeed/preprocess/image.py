@@ -68,6 +68,16 @@ def decode_image(data: bytes | bytearray | memoryview | np.ndarray, *, mode: str
     Raises:
         ValueError: the bytes are not an image Pillow can decode, or ``mode`` is unknown.
     """
+    return np.array(decode_pil(data, mode=mode))
+
+
+def decode_pil(data: bytes | bytearray | memoryview | np.ndarray, *, mode: str = "RGB") -> Image.Image:
+    """:func:`decode_image` as the PIL image itself (the same pixels, without the array copy), for
+    a pipeline whose next stage is a torchvision transform.
+
+    Raises:
+        ValueError: the bytes are not an image Pillow can decode, or ``mode`` is unknown.
+    """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
     if isinstance(data, np.ndarray):
@@ -76,10 +86,9 @@ def decode_image(data: bytes | bytearray | memoryview | np.ndarray, *, mode: str
         data = np.ascontiguousarray(data).reshape(-1).data
     try:
         with Image.open(io.BytesIO(data)) as img:
-            converted = img.convert(mode)
+            return img.convert(mode)
     except _DECODE_ERRORS as exc:
         raise ValueError(f"cannot decode image: {exc}") from exc
-    return np.array(converted)
 
 
 def resize(

@@ -120,6 +120,15 @@ class Runner:
 
             return _Step(index, stage, call_user)
         op = ops.get(stage.op)
+        following = self.pipeline.stages[index + 1] if index + 1 < len(self.pipeline.stages) else None
+        if stage.op == "decode_image" and following is not None and following.module.startswith(TORCHVISION):
+            # The same decode, kept as the PIL image the torchvision transform takes (no array round trip).
+            from kspeed.preprocess.image import decode_pil
+
+            def call_decode(value: Any, seed: int, epoch: int, sample: int) -> Any:
+                return decode_pil(value, **params)
+
+            return _Step(index, stage, call_decode)
 
         def call_op(value: Any, seed: int, epoch: int, sample: int) -> Any:
             if not op.takes_bytes and not isinstance(value, np.ndarray):

@@ -37,6 +37,7 @@ MAX_PLANS = 3  # epoch plans a feed keeps (the current one, the next one, one sp
 GRANTS_PER_WRITE = 8  # grants served by one write: fewer calls, yet the first tags are not held back long
 REPORT_EVERY = 0.02  # seconds between progress reports to the main process (at most)
 WANT_AFTER = 1.0  # a grant still waiting after this asks the main process for its samples
+RESCAN_EVERY = 0.25  # waiting grants are looked at again this often even when no sample moved
 
 
 @functools.cache
@@ -122,6 +123,7 @@ class FeedProgress:
     waiting: int
     waited: tuple[float, ...] = ()
     wanted: np.ndarray | None = None  # sample IDs a long-waiting grant needs, asked for again
+    wanted_at: tuple[tuple[int, np.ndarray], ...] = ()  # (epoch, owned indices) of processed ones
 
 
 class FeederShared:
@@ -133,6 +135,7 @@ class FeederShared:
         self.in_use: dict[int, int] = {}
         self.draining: set[int] = set()  # tickets to report freed once no read uses them
         self.failed: dict[str, dict[int, str]] = {}  # per dataset, samples whose production failed
+        self.moves = 0  # bumped whenever a location, a plan or a failure changes: waiting grants may be ready
         self._send = send_event
         self._send_lock = threading.Lock()
 
@@ -194,9 +197,12 @@ class FeedWriter:
         self._written: list[tuple[int, int, int, int]] = []
         self._waited: list[float] = []
         self._wanted: list[np.ndarray] = []
+        self._wanted_at: list[tuple[int, np.ndarray]] = []
         self._last_report = time.monotonic()
         self._last_waiting = 0
         self._reason = ""
+        self._seen_moves = -1
+        self._last_scan = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"feed-{feed_id}", daemon=True)
 
@@ -234,7 +240,7 @@ class FeedWriter:
                         self._pending.extend([grant, now, False] for grant in decoded)
                     elif isinstance(decoded, grants.DropPlan):
                         self.plans.pop(decoded.epoch, None)
-                if self._pending:
+                if self._pending and self._worth_a_scan(message is not None):
                     self._serve_pending()
                 self._report()
         except PeerLostError as exc:
@@ -248,16 +254,28 @@ class FeedWriter:
                     self.writer.send(grants.encode_closing(grants.Closing(self._reason)))
                 self.writer.close()
 
+    def _worth_a_scan(self, arrived: bool) -> bool:
+        """Whether waiting grants may have become ready (or hopeless): grants arrived, samples
+        moved, or :data:`RESCAN_EVERY` passed. Scanning only then keeps a feed whose grants wait on
+        production from burning the server's CPU."""
+        now = time.monotonic()
+        moves = self.shared.moves
+        if arrived or moves != self._seen_moves or now - self._last_scan > RESCAN_EVERY:
+            self._seen_moves, self._last_scan = moves, now
+            return True
+        return False
+
     def _report(self, force: bool = False) -> None:
         now = time.monotonic()
         waiting = len(self._pending)
-        changed = self._written or self._waited or self._wanted or waiting != self._last_waiting
+        changed = self._written or self._waited or self._wanted or self._wanted_at or waiting != self._last_waiting
         if not changed or (not force and now - self._last_report < REPORT_EVERY and len(self._written) < 256):
             return
         written = np.array(self._written, dtype=np.int64).reshape(-1, 4)
         wanted = np.concatenate(self._wanted) if self._wanted else None
-        self.shared.send(FeedProgress(self.feed_id, written, waiting, tuple(self._waited), wanted))
-        self._written, self._waited, self._wanted = [], [], []
+        progress = FeedProgress(self.feed_id, written, waiting, tuple(self._waited), wanted, tuple(self._wanted_at))
+        self.shared.send(progress)
+        self._written, self._waited, self._wanted, self._wanted_at = [], [], [], []
         self._last_report, self._last_waiting = now, waiting
 
     def _serve_pending(self) -> None:
@@ -285,7 +303,11 @@ class FeedWriter:
                 continue
             if (plan.region[i:j] < 0).any():
                 if not asked and now - arrival > WANT_AFTER:
-                    self._wanted.append(plan.ids[i:j][plan.region[i:j] < 0])
+                    absent = plan.region[i:j] < 0
+                    if plan.processed is not None:  # produced per plan: asked for by position
+                        self._wanted_at.append((epoch, i + np.flatnonzero(absent & plan.processed[i:j])))
+                        absent &= ~plan.processed[i:j]
+                    self._wanted.append(plan.ids[i:j][absent])
                     entry[2] = True
                 keep.append(entry)
                 continue

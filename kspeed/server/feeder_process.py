@@ -160,6 +160,7 @@ class Feeder:
         Raises:
             KSpeedError: the command failed (the caller turns it into a reply).
         """
+        self.shared.moves += 1  # whatever changed, waiting grants are worth another look
         if isinstance(command, OpenFeed):
             self.open(command)
         elif isinstance(command, InstallPlan):

@@ -324,13 +324,13 @@ class Production:
                         self._release(feed, plan, i, j)
             if len(event.written):
                 self._sweep(share)
+            for epoch, at in event.wanted_at:
+                plan = feed.plans.get(epoch)
+                if plan is not None and plan.state is not None and len(at):
+                    # a re-grant of positions written and released: produce them again (identically)
+                    self._urgent_prep.append((feed.feed_id, epoch, at[plan.state[at] == ABSENT]))
+                    self._work.notify_all()
             if event.wanted is not None and len(event.wanted):
-                for plan in feed.plans.values():
-                    if plan.processed is None or plan.state is None:
-                        continue
-                    at = np.flatnonzero(np.isin(plan.ids, event.wanted) & plan.processed & (plan.state == ABSENT))
-                    if len(at):  # a re-grant of positions written and released: produce them again
-                        self._urgent_prep.append((feed.feed_id, plan.epoch, at))
                 # A re-grant (after a fence) of samples already written and retired: produce them
                 # again (they go home once written, as nothing else needs them).
                 self._urgent.append((share.dataset, event.wanted))
