@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import threading
 import time
@@ -38,6 +39,7 @@ GRANTS_PER_WRITE = 8  # grants served by one write: fewer calls, yet the first t
 REPORT_EVERY = 0.02  # seconds between progress reports to the main process (at most)
 WANT_AFTER = 1.0  # a grant still waiting after this asks the main process for its samples
 RESCAN_EVERY = 0.25  # waiting grants are looked at again this often even when no sample moved
+HEAD_GRANTS = 16  # when samples moved, the oldest waiting grants looked at
 
 
 @functools.cache
@@ -240,8 +242,10 @@ class FeedWriter:
                         self._pending.extend([grant, now, False] for grant in decoded)
                     elif isinstance(decoded, grants.DropPlan):
                         self.plans.pop(decoded.epoch, None)
-                if self._pending and self._worth_a_scan(message is not None):
-                    self._serve_pending()
+                if self._pending:
+                    look = self._worth_a_scan(message is not None)
+                    if look:
+                        self._serve_pending(None if look == "all" else HEAD_GRANTS)
                 self._report()
         except PeerLostError as exc:
             log.info("feed %s: client gone (%s)", self.feed_id, exc)
@@ -254,16 +258,20 @@ class FeedWriter:
                     self.writer.send(grants.encode_closing(grants.Closing(self._reason)))
                 self.writer.close()
 
-    def _worth_a_scan(self, arrived: bool) -> bool:
-        """Whether waiting grants may have become ready (or hopeless): grants arrived, samples
-        moved, or :data:`RESCAN_EVERY` passed. Scanning only then keeps a feed whose grants wait on
-        production from burning the server's CPU."""
+    def _worth_a_scan(self, arrived: bool) -> str:
+        """How much of the waiting grants to look at: ``"all"`` every :data:`RESCAN_EVERY` (what
+        became hopeless, what to ask for again) or when grants arrived, ``"head"`` when samples
+        moved, ``""`` otherwise. Looking only then keeps a feed whose grants wait on production
+        from burning the server's CPU."""
         now = time.monotonic()
         moves = self.shared.moves
-        if arrived or moves != self._seen_moves or now - self._last_scan > RESCAN_EVERY:
+        if arrived or now - self._last_scan > RESCAN_EVERY:
             self._seen_moves, self._last_scan = moves, now
-            return True
-        return False
+            return "all"
+        if moves != self._seen_moves:
+            self._seen_moves = moves
+            return "head"
+        return ""
 
     def _report(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -278,12 +286,22 @@ class FeedWriter:
         self._written, self._waited, self._wanted, self._wanted_at = [], [], [], []
         self._last_report, self._last_waiting = now, waiting
 
-    def _serve_pending(self) -> None:
-        """Write every pending grant whose samples are ready (in arrival order); fail the hopeless."""
+    def _serve_pending(self, head: int | None = None) -> None:
+        """Write every pending grant whose samples are ready (in arrival order); fail the hopeless.
+
+        With ``head``, only the first ``head`` pending grants are looked at (samples are produced
+        in plan order, so when some moved it is the oldest grants that became ready); the others
+        keep their place for the next full look.
+        """
         now = time.monotonic()
         ready: list[tuple[np.void, PlanPart | None, int, int]] = []
         keep: deque[list] = deque()
-        for entry in self._pending:
+        pending = self._pending
+        rest: deque[list] = deque()
+        if head is not None and len(pending) > head:
+            rest = deque(itertools.islice(pending, head, None))
+            pending = deque(itertools.islice(pending, head))
+        for entry in pending:
             grant, arrival, asked = entry
             epoch, index, tag = int(grant["epoch"]), int(grant["batch"]), int(grant["tag"])
             if epoch == grants.PROBE_EPOCH:
@@ -314,6 +332,7 @@ class FeedWriter:
             if now - arrival > WAIT_POLL:
                 self._waited.append(now - arrival)
             ready.append((grant, plan, i, j))
+        keep.extend(rest)
         self._pending = keep
         for start in range(0, len(ready), GRANTS_PER_WRITE):
             self._write(ready[start : start + GRANTS_PER_WRITE])
