@@ -47,6 +47,7 @@ demo: venv
 bench: venv
 	@$(VPY) bench/rails.py --json bench/results/rails.json
 	@$(VPY) bench/first_batch.py --json bench/results/first_batch.json --png bench/results/first_batch.png
+	@$(VPY) bench/preprocess.py --json bench/results/preprocess.json --png bench/results/preprocess.png
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

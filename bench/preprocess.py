@@ -220,7 +220,7 @@ def main() -> int:
             "--region-size",
             "16MiB",
             "--production-window",
-            "64MiB",
+            "128MiB",
         ],
     )
     cluster.start()

@@ -51,6 +51,7 @@ __all__ = ["BackendReader", "PrepSpec", "Producer", "Production"]
 log = logging.getLogger(__name__)
 
 TASK_SAMPLES = 8  # samples one producer reads per task
+PREP_TASK_SAMPLES = 16  # samples one preprocessing task runs (fewer round trips; still a few ms of work)
 RETRY_FAILED_S = 5.0  # a failed sample still needed is read again after this long
 RATE_SPAN_S = 5.0  # the producer rate is measured over about this long
 
@@ -528,7 +529,7 @@ class Production:
                 budget -= len(span)
                 if plan.processed is not None and plan.state is not None:
                     todo = plan.processed[window] & (plan.state[window] == ABSENT) & ~plan.written[window]
-                    at = np.flatnonzero(todo)[:TASK_SAMPLES] + plan.next
+                    at = np.flatnonzero(todo)[:PREP_TASK_SAMPLES] + plan.next
                     if len(at):
                         plan.state[at] = READING
                         return _Work(share, feed.feed_id, plan.ids[at], epoch, at, plan)
