@@ -5,17 +5,14 @@ Everything runs on CPU tensors; the tests marked ``gpu`` repeat the comparisons 
 
 from __future__ import annotations
 
-import io
-
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-from sklearn.datasets import load_sample_images
 
 from kspeed.errors import ConfigError
 from kspeed.preprocess import gpu, image, tensor, volume
 from kspeed.preprocess.rng import sample_rng
+from tests.preprocess.photos import jpeg_crop
 
 NO_GPU = not torch.cuda.is_available()
 MEAN = [0.485, 0.456, 0.406]
@@ -30,10 +27,7 @@ def ulps(a: np.ndarray, b: np.ndarray) -> int:
 @pytest.fixture(scope="module")
 def jpeg() -> bytes:
     """A real photograph, 400x360, as JPEG q90."""
-    china = load_sample_images().images[0][10:410, 100:460]
-    buf = io.BytesIO()
-    Image.fromarray(china).save(buf, format="JPEG", quality=90)
-    return buf.getvalue()
+    return jpeg_crop(0, slice(10, 410), slice(100, 460))
 
 
 @pytest.fixture(scope="module")

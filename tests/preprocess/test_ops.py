@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from sklearn.datasets import load_sample_images
 from torchvision.transforms import functional as F
 
 from kspeed.errors import ConfigError
 from kspeed.preprocess import image, ops
 from kspeed.preprocess.rng import sample_rng
+from tests.preprocess.photos import jpeg_crop
 
 # name -> (random, takes_bytes)
 EXPECTED = {
@@ -39,10 +39,7 @@ EXPECTED = {
 @pytest.fixture(scope="module")
 def jpeg() -> bytes:
     """A real photograph, 360x480, as JPEG q90."""
-    flower = load_sample_images().images[1][20:380, 50:530]
-    buf = io.BytesIO()
-    Image.fromarray(flower).save(buf, format="JPEG", quality=90)
-    return buf.getvalue()
+    return jpeg_crop(1, slice(20, 380), slice(50, 530))
 
 
 def test_registry_holds_the_builtin_ops_with_their_kinds():
