@@ -39,8 +39,10 @@ def _children(pid: int) -> set[int]:
 
 
 def _shm_entries() -> set[str]:
-    """Entries of /dev/shm, minus the semaphores of multiprocessing queues used by the tests themselves."""
-    return {name for name in os.listdir("/dev/shm") if not name.startswith("sem.mp-")}
+    """Entries of /dev/shm, minus the semaphores of multiprocessing queues used by the tests themselves
+    (``sem.mp-*``, or ``sem.loky-<this pid>-*`` once joblib's loky has renamed them)."""
+    ours = ("sem.mp-", f"sem.loky-{os.getpid()}-")
+    return {name for name in os.listdir("/dev/shm") if not name.startswith(ours)}
 
 
 def _alive(pid: int) -> bool:

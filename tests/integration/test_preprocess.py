@@ -23,7 +23,6 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from sklearn.datasets import load_sample_images
 from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
 from torchvision.datasets import ImageFolder
 from torchvision.transforms import CenterCrop, Compose, Grayscale, Normalize, PILToTensor, Resize, ToTensor
@@ -38,6 +37,7 @@ from tests.conftest import FAST_MANAGER
 from tests.helpers import http_get
 from tests.integration.test_client import config_for
 from tests.integration.test_production import metric
+from tests.preprocess.photos import sample_photographs
 
 REPO = Path(__file__).resolve().parents[2]
 SERVER_CPU = "default"  # the servers' ATEN_CPU_CAPABILITY; this process keeps its own
@@ -73,7 +73,7 @@ def make_photos(root: Path) -> Photos:
     """48 crops of 300-500 px of the two photographs, JPEG quality 90, the victim's height unique."""
     rng = np.random.default_rng(0)
     keys = []
-    for c, (name, picture) in enumerate(zip(CLASSES, load_sample_images().images)):
+    for c, (name, picture) in enumerate(zip(CLASSES, sample_photographs())):
         (root / name).mkdir(parents=True)
         for i in range(PER_CLASS):
             height = VICTIM_HEIGHT if c * PER_CLASS + i == VICTIM else int(rng.integers(VICTIM_HEIGHT + 1, 421))

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from sklearn.datasets import load_sample_images
 from torchvision.datasets.folder import pil_loader
 from torchvision.transforms import InterpolationMode, RandomResizedCrop
 from torchvision.transforms import functional as F
 
 from kspeed.preprocess import image
 from kspeed.preprocess.rng import sample_rng
+from tests.preprocess.photos import sample_photographs
 
 MODES = {
     "nearest": InterpolationMode.NEAREST,
@@ -29,7 +29,7 @@ MODES = {
 @pytest.fixture(scope="module")
 def photos(tmp_path_factory) -> dict[str, tuple[bytes, str]]:
     """Two photographs (portrait 400x360, landscape 360x480) as JPEG q90 and PNG: name -> (bytes, path)."""
-    china, flower = load_sample_images().images
+    china, flower = sample_photographs()
     crops = {"china": china[10:410, 100:460], "flower": flower[20:380, 50:530]}
     folder = tmp_path_factory.mktemp("photos")
     out = {}
