@@ -263,11 +263,19 @@ def test_server_restart_mid_preload_keeps_sealed_regions(cluster_factory, tmp_pa
         server.signal(signal.SIGKILL)
         server.process.wait(10)
         cluster.start_server(server)
-        status = wait_for(
-            lambda: client.dataset("slow").share_status[0].regions_sealed and client.dataset("slow").share_status[0],
+        # The share status the manager holds is the killed server's until the restarted one (at a
+        # new port) has registered and reported.
+        wait_for(
+            lambda: [r.address for r in client.servers() if r.state == 2] == [server.ready["grpc"]],
             20,
-            "the restarted server to report its share",
+            "the manager to list the restarted server",
         )
+
+        def restarted_status():  # the killed server's last report was mid-preload (running)
+            status = client.dataset("slow").share_status[0]
+            return status if status.regions_sealed and not status.progress.running else None
+
+        status = wait_for(restarted_status, 20, "the restarted server to report its share")
         adopted = status.progress.samples_loaded
         assert 0 < adopted < len(files)
         info = follow_preload(client, "slow", out=None, timeout=120)
