@@ -23,8 +23,6 @@ after the producers' depth first, then the rest; claims on the share's
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
 import itertools
 import logging
@@ -32,7 +30,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Protocol
 
 import numpy as np
 
@@ -40,9 +37,19 @@ from kspeed.errors import KSpeedError
 from kspeed.histogram import Histogram
 from kspeed.server.datasets import DatasetHost
 from kspeed.server.feed_writer import MAX_PLANS, FeedProgress, PlanPart
-from kspeed.server.feeder_process import Command, Failed, InstallPlan, Locate, Place, Reply
-from kspeed.server.preload import Preloader
-from kspeed.server.prep_pool import PrepPool, PrepTask
+from kspeed.server.feeder_process import Command, Failed, InstallPlan, Locate, Reply
+from kspeed.server.prep_pool import PrepPool
+from kspeed.server.prep_production import ProcessedProduction
+from kspeed.server.production_state import (
+    BackendReader,
+    Draining,
+    FeedState,
+    PlanState,
+    PrepSpec,
+    Producer,
+    ShareState,
+    Work,
+)
 from kspeed.server.residency import ABSENT, FAILED, HOME, READING, WINDOW
 from kspeed.server.window import ProductionWindow, Slot
 
@@ -56,134 +63,7 @@ RETRY_FAILED_S = 5.0  # a failed sample still needed is read again after this lo
 RATE_SPAN_S = 5.0  # the producer rate is measured over about this long
 
 
-class Producer(Protocol):
-    """What fills window slots: the backend reader today; preprocessing workers, the failover
-    re-reader and the streaming loader plug in here."""
-
-    def produce(
-        self, preloader: Preloader, ids: np.ndarray, slots: list[Slot], window: ProductionWindow
-    ) -> tuple[np.ndarray, dict[int, str]]:
-        """Write the bytes of ``ids`` into their ``slots``; returns their crc32c and the failed ones with why."""
-        ...
-
-
-class BackendReader:
-    """The producer of raw samples: reads them from the backend, checksumming as they land."""
-
-    def produce(
-        self, preloader: Preloader, ids: np.ndarray, slots: list[Slot], window: ProductionWindow
-    ) -> tuple[np.ndarray, dict[int, str]]:
-        crcs = np.zeros(len(ids), dtype=np.uint32)
-        errors = []
-        for region in sorted({s.region for s in slots}):
-            at = [k for k, s in enumerate(slots) if s.region == region]
-            got, failed = preloader.source.read_run(
-                [int(ids[k]) for k in at],
-                window.region_array(region),
-                [slots[k].offset for k in at],
-                [slots[k].nbytes for k in at],
-            )
-            crcs[at] = got
-            errors.extend(failed)
-        preloader.changed(errors)  # a file changed since the listing is recorded for the whole share
-        return crcs, {e.sample: str(e) for e in errors if isinstance(e.sample, int)}
-
-
-@dataclasses.dataclass
-class _Plan:
-    """One installed plan of one feed, as production follows it."""
-
-    epoch: int
-    ids: np.ndarray  # owned samples in plan order
-    positions: np.ndarray  # their plan positions
-    starts: np.ndarray  # plan index of each batch's first position
-    written: np.ndarray  # per owned position, written to the client
-    next: int = 0  # first owned position not written
-    processed: np.ndarray | None = None  # per owned position, run through the server stages here
-    prep: PrepSpec | None = None  # how (with processed positions)
-    state: np.ndarray | None = None  # per processed position: ABSENT, READING (being produced), WINDOW, FAILED
-    slots: dict[int, Slot] = dataclasses.field(default_factory=dict)  # owned index -> its produced slot
-
-    def mark(self, batch: int, first: int, end: int) -> tuple[int, int]:
-        """Record a written grant; returns the range of owned indices it covered."""
-        if not 0 <= batch < len(self.starts) - 1:
-            return 0, 0
-        lo = int(self.starts[batch]) + first
-        hi = min(int(self.starts[batch]) + end, int(self.starts[batch + 1]))
-        i, j = (int(x) for x in np.searchsorted(self.positions, (lo, hi)))
-        self.written[i:j] = True
-        while self.next < len(self.written) and self.written[self.next]:
-            self.next += 1
-        return i, j
-
-    def raw(self, span: slice) -> np.ndarray:
-        """Mask of the positions of ``span`` served as raw samples (not processed here)."""
-        if self.processed is None:
-            return np.ones(len(self.ids[span]), dtype=bool)
-        return ~self.processed[span]
-
-    def ahead(self, budget: int) -> np.ndarray:
-        """The unwritten raw samples among the next ``budget`` positions from :attr:`next`."""
-        span = slice(self.next, self.next + budget)
-        return self.ids[span][~self.written[span] & self.raw(span)]
-
-
-@dataclasses.dataclass(frozen=True)
-class PrepSpec:
-    """The server stages a plan's processed positions go through."""
-
-    pipeline: bytes  # serialized kspeed.v1.Pipeline
-    stages: int
-    seed: int
-    epoch: int  # the user's epoch random stages draw from (plans are numbered per feed otherwise)
-    nbytes: int  # the declared output's size in the ring (with the status word when skipping)
-    skip: bool = False  # a sample whose stages fail is sent as a failure record, not failing its grant
-
-
-@dataclasses.dataclass
-class _Work:
-    """Samples a producer makes resident: raw ones (``at`` is None) or processed positions of a plan."""
-
-    share: _Share
-    feed_id: str
-    ids: np.ndarray
-    epoch: int = -1
-    at: np.ndarray | None = None
-    plan: _Plan | None = None
-
-
-@dataclasses.dataclass
-class _Feed:
-    feed_id: str
-    dataset: str
-    feeder: int
-    plans: dict[int, _Plan] = dataclasses.field(default_factory=dict)
-    held: int = 0  # window bytes produced for this feed and not retired
-    waiting: int = 0  # grants its feeder reported waiting on production
-
-
-@dataclasses.dataclass
-class _Draining:
-    slot: Slot
-    feeders: set[int]
-
-
-class _Share:
-    """One dataset's production state: its window slots."""
-
-    def __init__(self, dataset: str, preloader: Preloader) -> None:
-        self.dataset = dataset
-        self.preloader = preloader
-        self.residency = preloader.residency
-        self.lo = preloader.index.lo
-        self.size = len(preloader.index.length)
-        self.slots: dict[int, tuple[Slot, int, str]] = {}  # sample -> (slot, crc, feed produced for)
-
-    def home_paths(self) -> dict[int, str]:
-        return {r.index: str(r.path) for r in self.preloader.pool.regions(self.dataset)}
-
-
-class Production:
+class Production(ProcessedProduction):
     """The production of one server's samples for its feeds.
 
     Args:
@@ -216,11 +96,11 @@ class Production:
         self._tell = tell
         self._lock = threading.RLock()
         self._work = threading.Condition(self._lock)
-        self._shares: dict[str, _Share] = {}
-        self._feeds: dict[str, _Feed] = {}
+        self._shares: dict[str, ShareState] = {}
+        self._feeds: dict[str, FeedState] = {}
         self._urgent: deque[tuple[str, np.ndarray]] = deque()
         self._urgent_prep: deque[tuple[str, int, np.ndarray]] = deque()  # (feed, epoch, owned indices)
-        self._draining: dict[int, _Draining] = {}
+        self._draining: dict[int, Draining] = {}
         self._turn = itertools.count()
         self._stop = threading.Event()
         self.produced_samples = 0
@@ -254,10 +134,10 @@ class Production:
         with self._lock:
             feed = self._feeds.get(feed_id)
             if feed is None or feed.dataset != dataset:
-                feed = self._feeds[feed_id] = _Feed(feed_id, dataset, feeder)
+                feed = self._feeds[feed_id] = FeedState(feed_id, dataset, feeder)
             feed.feeder = feeder
             self._forget_plan(feed, feed.plans.pop(epoch, None))
-            follow = _Plan(
+            follow = PlanState(
                 epoch,
                 plan.ids,
                 plan.positions,
@@ -349,53 +229,21 @@ class Production:
                     del self._draining[ticket]
                     self.window.free(entry.slot)
 
-    def _forget_plan(self, feed: _Feed, plan: _Plan | None) -> None:
-        """Free the processed slots of a plan no longer followed (its feeder dropped it too); under the lock."""
-        if plan is None:
-            return
-        for slot in plan.slots.values():
-            feed.held -= slot.nbytes
-            self.window.free(slot)
-        plan.slots.clear()
-
-    def _release(self, feed: _Feed, plan: _Plan, i: int, j: int) -> None:
-        """Processed positions ``i:j`` were written: their slots are reused once the feeder no longer
-        reads them (a re-grant after a fence has them produced again, identically); under the lock."""
-        at = [k for k in range(i, j) if k in plan.slots]
-        if not at:
-            return
-        slots = [plan.slots.pop(k) for k in at]
-        if plan.state is not None:
-            plan.state[at] = ABSENT
-        none = np.zeros(len(at), np.int64)
-        try:
-            busy = set(
-                self._tell(feed.feeder, Place(feed.feed_id, plan.epoch, np.array(at), none - 1, none, none)).busy
-            )
-        except KSpeedError:
-            busy = set()  # the feed is gone: nothing reads its slots any more
-        for slot in slots:
-            feed.held -= slot.nbytes
-            if slot.ticket in busy:
-                self._draining[slot.ticket] = _Draining(slot, {feed.feeder})
-            else:
-                self.window.free(slot)
-
     # -- state -----------------------------------------------------------------------------------
 
-    def _share(self, dataset: str) -> _Share:
+    def _share(self, dataset: str) -> ShareState:
         preloader = self.host.get(dataset).preloader
         with self._lock:
             share = self._shares.get(dataset)
             if share is None or share.preloader is not preloader:
                 if share is not None:
                     self.drop_dataset(dataset)
-                share = self._shares[dataset] = _Share(dataset, preloader)
+                share = self._shares[dataset] = ShareState(dataset, preloader)
                 preloader.on_home = functools.partial(self._came_home, share)
                 preloader.on_failed = functools.partial(self._failed, share)
             return share
 
-    def _places(self, share: _Share, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _places(self, share: ShareState, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Where ``ids`` are now: (pool region or -1, offset, window ticket or 0)."""
         region = np.full(len(ids), -1, dtype=np.int64)
         src = np.zeros(len(ids), dtype=np.int64)
@@ -420,7 +268,7 @@ class Production:
                 log.warning("feeder %d: cannot tell it where samples of %s are: %s", index, dataset, exc)
         return replies
 
-    def _horizon(self, share: _Share) -> np.ndarray:
+    def _horizon(self, share: ShareState) -> np.ndarray:
         """The samples within some feed's horizon (needed unwritten, ``depth`` positions ahead)."""
         parts = [np.zeros(0, np.int64)]
         for feed in self._feeds.values():
@@ -435,14 +283,14 @@ class Production:
                     break
         return np.concatenate(parts)
 
-    def _sweep(self, share: _Share) -> None:
+    def _sweep(self, share: ShareState) -> None:
         """Retire the window slots of samples no feed's horizon holds any more."""
         if not share.slots:
             return
         held = np.fromiter(share.slots.keys(), dtype=np.int64, count=len(share.slots))
         self._retire(share, held[~np.isin(held, self._horizon(share))])
 
-    def _came_home(self, share: _Share, ids: np.ndarray) -> None:
+    def _came_home(self, share: ShareState, ids: np.ndarray) -> None:
         """The preload loaded ``ids`` at home: feeders of the dataset's feeds learn where."""
         with self._lock:
             if self._shares.get(share.dataset) is not share:
@@ -451,7 +299,7 @@ class Production:
                 region, src = share.preloader.home(ids)
                 self._broadcast(share.dataset, Locate(share.dataset, ids, region, src, np.zeros(len(ids), np.int64)))
 
-    def _failed(self, share: _Share, ids: np.ndarray, reasons: list[str]) -> None:
+    def _failed(self, share: ShareState, ids: np.ndarray, reasons: list[str]) -> None:
         with self._lock:
             if self._shares.get(share.dataset) is not share:
                 return
@@ -459,7 +307,7 @@ class Production:
                 self.failed_samples += len(ids)
                 self._broadcast(share.dataset, Failed(share.dataset, ids, tuple(reasons)))
 
-    def _retire(self, share: _Share, ids: np.ndarray) -> None:
+    def _retire(self, share: ShareState, ids: np.ndarray) -> None:
         """Retire the window slots of ``ids``: copy them home, tell the feeders, reuse the slots."""
         ids = np.array([i for i in np.unique(ids).tolist() if i in share.slots], dtype=np.int64)
         if not len(ids):
@@ -479,13 +327,13 @@ class Production:
             if feed is not None:
                 feed.held -= slot.nbytes
             if slot.ticket in busy:
-                self._draining[slot.ticket] = _Draining(slot, busy[slot.ticket])
+                self._draining[slot.ticket] = Draining(slot, busy[slot.ticket])
             else:
                 self.window.free(slot)
 
     # -- the producers ---------------------------------------------------------------------------
 
-    def _next_work(self) -> _Work | None:
+    def _next_work(self) -> Work | None:
         """The next samples to produce: asked-for ones first, then each feed's next absent ones."""
         while self._urgent_prep:
             feed_id, epoch, at = self._urgent_prep.popleft()
@@ -500,7 +348,7 @@ class Production:
                 at = at[:TASK_SAMPLES]
             if len(at):
                 plan.state[at] = READING
-                return _Work(share, feed_id, plan.ids[at], epoch, at, plan)
+                return Work(share, feed_id, plan.ids[at], epoch, at, plan)
         while self._urgent:
             dataset, ids = self._urgent.popleft()
             share = self._shares.get(dataset)
@@ -509,7 +357,7 @@ class Production:
                 if len(ids) > TASK_SAMPLES:
                     self._urgent.appendleft((dataset, ids[TASK_SAMPLES:]))
                 if len(taken):
-                    return _Work(share, "", taken)
+                    return Work(share, "", taken)
         feeds = list(self._feeds.values())
         busy = [f for f in feeds if any(p.next < len(p.ids) for p in f.plans.values())]
         if not busy:
@@ -532,14 +380,14 @@ class Production:
                     at = np.flatnonzero(todo)[:PREP_TASK_SAMPLES] + plan.next
                     if len(at):
                         plan.state[at] = READING
-                        return _Work(share, feed.feed_id, plan.ids[at], epoch, at, plan)
+                        return Work(share, feed.feed_id, plan.ids[at], epoch, at, plan)
                     span = span[plan.raw(window)]
                 state = share.residency.of(span)
                 wanted = span[(state == ABSENT) | (state == FAILED)]
                 if len(wanted):
                     taken = share.residency.claim(wanted[:TASK_SAMPLES], retry_failed_after=RETRY_FAILED_S)
                     if len(taken):
-                        return _Work(share, feed.feed_id, taken)
+                        return Work(share, feed.feed_id, taken)
                 if budget <= 0:
                     break
         return None
@@ -559,7 +407,7 @@ class Production:
             except Exception:  # a bug: log it (the samples were given back), keep producing
                 log.exception("dataset %s: producing samples %s failed", work.share.dataset, work.ids[:4].tolist())
 
-    def _produce(self, share: _Share, feed_id: str, ids: np.ndarray) -> None:
+    def _produce(self, share: ShareState, feed_id: str, ids: np.ndarray) -> None:
         """Read ``ids`` (claimed) from the backend into window slots and tell the feeders where they are."""
         lengths = share.preloader.index.length[ids - share.lo]
         ids, lengths = self._adopt_big(share, ids, lengths)
@@ -591,142 +439,9 @@ class Production:
                     self.window.free(slot)
                 share.residency.settle(ids[share.residency.of(ids) == READING], ABSENT)
 
-    def _produce_processed(self, work: _Work) -> None:
-        """Run claimed positions of a plan through the server stages into window slots; tell the feeder."""
-        plan, at, ids, share = work.plan, work.at, work.ids, work.share
-        assert plan is not None and at is not None and plan.prep is not None and plan.state is not None
-        prep = plan.prep
-        slots: list[Slot] = []
-        placed = False
-        try:
-            for _ in range(len(at)):
-                slot = self.window.place(prep.nbytes, work.feed_id)
-                if slot is None:
-                    break
-                slots.append(slot)
-            if len(slots) < len(at):
-                with self._lock:
-                    plan.state[at[len(slots) :]] = ABSENT
-                    self.window_full += 1
-                at, ids = at[: len(slots)], ids[: len(slots)]
-                if not slots:
-                    self.window.wait_for_room(0.05)
-                    placed = True
-                    return
-            inputs, bad = self._raw_inputs(share, ids)
-            keep = [k for k in range(len(ids)) if int(ids[k]) not in bad]
-            results: dict[int, int | str] = {int(ids[k]): bad[int(ids[k])] for k in range(len(ids)) if k not in keep}
-            if keep:
-                if self.prep is None:
-                    raise KSpeedError("this server has no preprocessing workers")
-                task = PrepTask(
-                    share.dataset,
-                    prep.pipeline,
-                    prep.stages,
-                    prep.seed,
-                    prep.epoch,
-                    tuple(int(ids[k]) for k in keep),
-                    tuple(inputs[k] for k in keep),
-                    tuple((self.window.paths[slots[k].region], slots[k].offset, slots[k].nbytes) for k in keep),
-                    prep.skip,
-                )
-                for k, result in zip(keep, self.prep.run(task), strict=True):
-                    results[int(ids[k])] = result
-            with self._lock:
-                feed = self._feeds.get(work.feed_id)
-                if feed is None or feed.plans.get(work.epoch) is not plan:  # dropped meanwhile
-                    return
-                self._settle_processed(share, feed, plan, at, ids, slots, [results[int(i)] for i in ids])
-                placed = True
-        finally:
-            if not placed:
-                for slot in slots:
-                    self.window.free(slot)
-                with self._lock:
-                    plan.state[at[plan.state[at] == READING]] = ABSENT
-
-    def _raw_inputs(self, share: _Share, ids: np.ndarray) -> tuple[list[bytes | tuple[str, int, int]], dict[int, str]]:
-        """Each sample's raw bytes for a worker: its home (mapped by the worker) or read from the backend now."""
-        lengths = share.preloader.index.length[ids - share.lo]
-        inputs: list[bytes | tuple[str, int, int]] = [b""] * len(ids)
-        home = share.residency.of(ids) == HOME
-        if home.any():
-            paths = share.home_paths()
-            region, src = share.preloader.home(ids[home])
-            for k, r, o in zip(np.flatnonzero(home).tolist(), region.tolist(), src.tolist(), strict=True):
-                inputs[k] = (paths[r], o, int(lengths[k]))
-        away = np.flatnonzero(~home)
-        if not len(away):
-            return inputs, {}
-        offsets = np.zeros(len(away) + 1, dtype=np.int64)
-        np.cumsum(lengths[away], out=offsets[1:])
-        buffer = np.empty(max(int(offsets[-1]), 1), dtype=np.uint8)
-        _, errors = share.preloader.source.read_run(
-            [int(ids[k]) for k in away], buffer, offsets[:-1].tolist(), lengths[away].tolist()
-        )
-        share.preloader.changed(errors)
-        for n, k in enumerate(away.tolist()):
-            inputs[k] = buffer[offsets[n] : offsets[n + 1]].tobytes()
-        return inputs, {e.sample: str(e) for e in errors if isinstance(e.sample, int)}
-
-    def _settle_processed(
-        self,
-        share: _Share,
-        feed: _Feed,
-        plan: _Plan,
-        at: np.ndarray,
-        ids: np.ndarray,
-        slots: list[Slot],
-        results: list[int | str],
-    ) -> None:
-        """Record processed positions and tell the feeder where they are (or why they failed); under the lock."""
-        assert plan.state is not None and plan.prep is not None
-        failures = [str(r) for r in results if isinstance(r, str)]
-        if failures and plan.prep.skip:  # the failure records were written in the slots: serve them
-            self.failed_samples += len(failures)
-            log.warning("dataset %s: %d sample(s) skipped: %s", share.dataset, len(failures), failures[0])
-            results = [len(r) if isinstance(r, str) else r for r in results]
-        ok = np.array([not isinstance(r, str) for r in results], dtype=bool)
-        for k in np.flatnonzero(~ok).tolist():
-            self.window.free(slots[k])
-        if (~ok).any():
-            plan.state[at[~ok]] = FAILED
-            reasons = tuple(str(r) for r in results if isinstance(r, str))
-            self.failed_samples += len(reasons)
-            log.warning("dataset %s: %d sample(s) failed preprocessing: %s", share.dataset, len(reasons), reasons[0])
-            none = np.zeros(len(reasons), np.int64)
-            with contextlib.suppress(KSpeedError):  # this plan's grants of them fail (another plan may skip them)
-                self._tell(feed.feeder, Place(feed.feed_id, plan.epoch, at[~ok], none - 1, none, none, reasons))
-        good = np.flatnonzero(ok)
-        if not len(good):
-            return
-        placed = [slots[k] for k in good.tolist()]
-        for k, slot in zip(at[good].tolist(), placed, strict=True):
-            plan.slots[k] = slot
-            feed.held += slot.nbytes
-        plan.state[at[good]] = WINDOW
-        nbytes = int(sum(int(results[k]) for k in good.tolist()))
-        self.produced_samples += len(good)
-        self.produced_bytes += nbytes
-        self._recent.append((time.monotonic(), nbytes))
-        try:
-            self._tell(
-                feed.feeder,
-                Place(
-                    feed.feed_id,
-                    plan.epoch,
-                    at[good],
-                    np.array([s.region for s in placed], np.int64),
-                    np.array([s.offset for s in placed], np.int64),
-                    np.array([s.ticket for s in placed], np.int64),
-                ),
-            )
-        except KSpeedError as exc:  # the feed is gone; its plans are forgotten with it
-            log.debug("feed %s: cannot place processed samples: %s", feed.feed_id, exc)
-
     def _settle(
         self,
-        share: _Share,
+        share: ShareState,
         feed_id: str,
         ids: np.ndarray,
         lengths: np.ndarray,
@@ -770,7 +485,7 @@ class Production:
         log.debug("dataset %s: produced %d sample(s) into the window", share.dataset, len(good))
         self._sweep(share)  # what no horizon holds (produced for a plan dropped meanwhile) goes home
 
-    def _adopt_big(self, share: _Share, ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _adopt_big(self, share: ShareState, ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Samples larger than a window region cannot be staged: they are read straight home."""
         big = ~np.array([self.window.fits(n) for n in lengths.tolist()], dtype=bool)
         if not big.any():
