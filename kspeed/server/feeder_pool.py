@@ -20,7 +20,7 @@ import numpy as np
 
 from kspeed import errors, names
 from kspeed.control.logs import LogSettings
-from kspeed.errors import ConfigError, DatasetError, NotFoundError, ProtocolError, UnavailableError
+from kspeed.errors import CapacityError, ConfigError, DatasetError, NotFoundError, ProtocolError, UnavailableError
 from kspeed.layout import batch_layout
 from kspeed.preprocess.pipeline import STATUS, Pipeline
 from kspeed.proto import kspeed_pb2
@@ -289,6 +289,12 @@ class FeederPool:
         except ConfigError as exc:
             raise ProtocolError(f"dataset {dataset!r}: {exc}") from exc
         nbytes = output.nbytes + (STATUS if skip else 0)
+        if not self.production.window.fits(nbytes):
+            raise CapacityError(
+                f"dataset {dataset!r}: a sample of {nbytes} bytes after {stages} server stage(s) does not fit "
+                f"a production window region of {self.production.window.region_size} bytes; raise the "
+                "servers' region_size or run those stages on the client (offload=0)"
+            )
         return PrepSpec(spec.pipeline.SerializeToString(deterministic=True), stages, seed, epoch, nbytes, skip)
 
     def close(self, feed_id: str, reason: str = "") -> None:

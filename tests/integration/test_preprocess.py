@@ -29,7 +29,7 @@ from torchvision.transforms import CenterCrop, Compose, Grayscale, Normalize, PI
 
 from kspeed import DatasetSpec, KSpeedClient
 from kspeed.cli.cluster import LocalCluster, wait_for
-from kspeed.errors import AccessDeniedError, DatasetError, NotFoundError
+from kspeed.errors import AccessDeniedError, CapacityError, DatasetError, NotFoundError
 from kspeed.preprocess import Output, Pipeline, Stage
 from kspeed.preprocess.runner import Runner
 from tests.client.test_wrap import assert_same_batches
@@ -410,3 +410,25 @@ def test_a_killed_preprocessing_worker_is_replaced_and_the_epoch_completes(start
         batches = epoch.result(timeout=60)
     assert_same_batches(batches, expected(pipeline, photos, list(range(len(photos.keys))), 0))
     assert total(cluster, RESTARTS) - restarts >= 1
+
+
+def test_an_output_larger_than_a_window_region_is_refused_at_the_plan(start):
+    _, client, photos = start()
+    huge = Pipeline(
+        [
+            Stage("decode_image", {"mode": "RGB"}),
+            Stage("resize", {"size": [700, 700]}),
+            Stage("to_chw", output=Output(shape=(3, 700, 700), dtype="uint8")),  # 1.4 MiB > a 1 MiB region
+        ]
+    )
+    spec = DatasetSpec(name="huge", uri=str(photos.root), pipeline=huge)
+    room = 64 << 20  # the ring holds such batches: only the window cannot
+
+    def feed(offload: float):
+        return client.dataset(spec, BATCH, shuffle=False, offload=offload, num_workers=0, ring_bytes=room, quiet=True)
+
+    with feed(1.0) as ds, pytest.raises(CapacityError) as caught:
+        next(iter(ds))
+    assert "1470000 bytes after 3 server stage(s) does not fit a production window region" in str(caught.value)
+    with feed(0.0) as ds:  # on the client it is only a large sample
+        assert next(iter(ds)).shape == (BATCH, 3, 700, 700)
