@@ -21,7 +21,7 @@ import json
 import math
 import re
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -97,11 +97,6 @@ class Output:
             )
         if self.nbytes >= 1 << 32:
             raise ConfigError(f"output of {self.nbytes} bytes is larger than 4 GiB", field="output", value=shape)
-
-    @property
-    def fixed(self) -> bool:
-        """Whether every sample has the declared shape."""
-        return bool(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -295,17 +290,6 @@ class Pipeline:
                 field="pipeline.output",
             )
         return stage.output
-
-    def with_places(self, places: Sequence[str]) -> Pipeline:
-        """The same stages placed otherwise (one place per stage)."""
-        if len(places) != len(self.stages):
-            raise ConfigError(f"{len(places)} places for {len(self.stages)} stages", field="pipeline.place")
-        return Pipeline(dataclasses.replace(s, place=p) for s, p in zip(self.stages, places, strict=True))
-
-    @property
-    def modules(self) -> list[str]:
-        """The modules a server must be allowed to import for its stages."""
-        return sorted({s.module for s in self.stages if s.module})
 
     def to_proto(self):
         """The pipeline as the dataset's identity carries it (places are the client's choice, not sent)."""

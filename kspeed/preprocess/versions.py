@@ -33,9 +33,9 @@ def libraries() -> dict[str, str]:
     return found
 
 
-def mismatch(ours: dict[str, str], theirs: dict[str, str], needed: tuple[str, ...] = ()) -> list[str]:
-    """The libraries whose versions differ between two sides (``needed`` ones also when one side lacks them)."""
-    names = sorted((set(ours) & set(theirs)) | set(needed))
+def mismatch(ours: dict[str, str], theirs: dict[str, str]) -> list[str]:
+    """The libraries both sides have whose versions differ."""
+    names = sorted(set(ours) & set(theirs))
     return [
         f"{name} {ours.get(name, 'missing')} here, {theirs.get(name, 'missing')} there"
         for name in names
