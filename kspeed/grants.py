@@ -56,7 +56,7 @@ _HELLO, _GRANTS, _ERROR, _DROP_PLAN, _CLOSING = 1, 2, 3, 4, 5
 GRANT_DTYPE = np.dtype(
     [("epoch", "<u4"), ("batch", "<u4"), ("ring_offset", "<u8"), ("first", "<u4"), ("end", "<u4"), ("tag", "<u4")]
 )
-_ERROR_HEAD = struct.Struct("<III")
+_ERROR_HEAD = struct.Struct("<IIIq")
 _DROP = struct.Struct("<I")
 MAX_GENERATION = 255
 PROBE_EPOCH = 0xFFFFFFFF
@@ -95,12 +95,14 @@ class Hello:
 
 @dataclass(frozen=True)
 class GrantError:
-    """Writer -> receiver: the grant tagged ``tag`` (``batch`` of pass ``epoch``) cannot be served, and why."""
+    """Writer -> receiver: the grant tagged ``tag`` (``batch`` of pass ``epoch``) cannot be served, and
+    why; ``sample`` is the sample it failed on, where one did (-1: none)."""
 
     epoch: int
     batch: int
     tag: int
     text: str
+    sample: int = -1
 
 
 @dataclass(frozen=True)
@@ -146,7 +148,7 @@ def encode_grants(grants: Sequence[Grant] | np.ndarray) -> bytes:
 
 def encode_error(error: GrantError) -> bytes:
     """Writer -> receiver: a grant that cannot be served, and why."""
-    head = _ERROR_HEAD.pack(error.epoch, error.batch, error.tag)
+    head = _ERROR_HEAD.pack(error.epoch, error.batch, error.tag, error.sample)
     return bytes([_ERROR]) + head + error.text.encode()[:_MAX_ERROR_TEXT]
 
 
@@ -178,8 +180,9 @@ def decode(message: bytes) -> Message:
                 raise ProtocolError(f"grant message of {len(body)} bytes is not whole grants")
             return np.frombuffer(body, dtype=GRANT_DTYPE)
         if kind == _ERROR:
-            epoch, batch, tag = _ERROR_HEAD.unpack_from(body)
-            return GrantError(epoch, batch, tag, bytes(body[_ERROR_HEAD.size :]).decode(errors="replace"))
+            epoch, batch, tag, sample = _ERROR_HEAD.unpack_from(body)
+            text = bytes(body[_ERROR_HEAD.size :]).decode(errors="replace")
+            return GrantError(epoch, batch, tag, text, sample)
         if kind == _DROP_PLAN:
             return DropPlan(_DROP.unpack_from(body)[0])
         if kind == _CLOSING:

@@ -211,6 +211,7 @@ class KSpeedClient:
             prep = plan_prep(
                 proto.name,
                 pipeline,
+                pipeline.cached_stages(proto.cache) if pipeline is not None else 0,
                 options,
                 {r.id: dict(r.inventory.libraries) for r in records if r.id in {s.server_id for s in info.shares}},
             )
@@ -240,6 +241,7 @@ class KSpeedClient:
         list_dir: str | None = None,
         name: str | None = None,
         preload: bool = True,
+        cache: str = "",
         **options: Any,
     ) -> WrappedDataset:
         """Serve a torchvision-style folder dataset (``.samples``, ``.loader``, transforms) from the servers.
@@ -261,6 +263,9 @@ class KSpeedClient:
             list_dir: where to write the list file when one is needed (default ``<root>/.kspeed``).
             name: the dataset's name in the cluster (default: from a hash of the paths).
             preload: wait for the servers to cache the files before returning.
+            cache: ``"preprocessed"``: the servers keep each image after the leading transforms
+                that are not random and give a fixed size (``Resize``, ``CenterCrop``), applied
+                once at preload, and run the rest every epoch; ``""``: they keep the files.
             **options: the other options of :meth:`dataset` (``seed``, ``shuffle``, ``drop_last``,
                 ``rank``, ``world_size``, ``rail``, ``ring_bytes``, ``quiet``).
 
@@ -274,7 +279,7 @@ class KSpeedClient:
             self,
             dataset,
             FeedOptions.from_kwargs(batch_size, sampler, **options),
-            WrapOptions(collate_fn, loader, num_workers, prefetch, list_dir, name, preload),
+            WrapOptions(collate_fn, loader, num_workers, prefetch, list_dir, name, preload, cache),
         )
         self._datasets.append(wrapped)  # close() closes it: its workers, then its KSpeed dataset
         return wrapped

@@ -70,6 +70,9 @@ class KSpeedDataset(IterableDataset):
         pipeline: the dataset's pipeline with this rank's places (its batches are then raw or
             server-preprocessed bytes; :class:`kspeed.client.wrap.WrappedDataset` runs the rest).
         prep: how the plans split the pipeline's server stages.
+
+    Raises:
+        ConfigError: the dataset's ``cache`` does not fit its pipeline.
     """
 
     def __init__(
@@ -86,6 +89,8 @@ class KSpeedDataset(IterableDataset):
         super().__init__()
         self.name = info.spec.name
         self.pipeline = pipeline
+        #: leading stages the servers keep applied (a dataset cached preprocessed): every sample arrives past them
+        self.cached_stages = pipeline.cached_stages(info.spec.cache) if pipeline is not None else 0
         self.prep = prep
         self.seed = options.seed
         self.labelled = bool(info.spec.labels)

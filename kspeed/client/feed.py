@@ -91,6 +91,7 @@ class Slot:
     discarded: bool = False
     fenced: bool = False
     error: str = ""
+    error_sample: int | None = None  # the sample a server's error named, where it named one
     errors_from: list[str] = field(default_factory=list)
     settled: bool = False
 
@@ -368,7 +369,9 @@ class Feed:
         self.counters["server_errors"] += 1
         self.progress += 1
         slot = entry.slot
-        slot.error = slot.error or error.text
+        if not slot.error:
+            slot.error = error.text
+            slot.error_sample = error.sample if error.sample >= 0 else None
         slot.errors_from.append(path.link.name)
         self._owed_one(slot, entry.path)
         self._settle(slot)
@@ -412,6 +415,7 @@ class Feed:
                 f"dataset {self.dataset!r}: batch {slot.batch} of epoch {slot.plan.epoch} failed "
                 f"on {', '.join(slot.errors_from)}: {slot.error}",
                 dataset=self.dataset,
+                sample=slot.error_sample,
             )
         if slot.fenced:
             lost = [p for p in self.paths if p.lost and slot.plan.owed[p.index, slot.batch]]

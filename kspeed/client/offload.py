@@ -33,20 +33,25 @@ def attached_pipeline(message: kspeed_pb2.Pipeline) -> Pipeline | None:
 
 
 def plan_prep(
-    dataset: str, pipeline: Pipeline | None, options: FeedOptions, servers: Mapping[str, Mapping[str, str]]
+    dataset: str,
+    pipeline: Pipeline | None,
+    cached: int,
+    options: FeedOptions,
+    servers: Mapping[str, Mapping[str, str]],
 ) -> PlanPrep | None:
-    """How this rank's plans split the pipeline (``None``: the servers preprocess nothing).
+    """How this rank's plans split the pipeline (``None``: the servers preprocess nothing per epoch).
 
     Args:
         dataset: the dataset's name (for messages).
         pipeline: its pipeline with this rank's places.
+        cached: leading stages the servers keep applied (every sample arrives past them).
         options: the feed's options (``offload``, ``seed``).
         servers: per server of the dataset, the libraries it reported.
 
     Raises:
         ConfigError: the split would mix library versions (named).
     """
-    if pipeline is None or not pipeline.server_stages:
+    if pipeline is None or pipeline.server_stages <= cached:
         return None
     fraction = 1.0 if options.offload is None else float(options.offload)
     if fraction <= 0.0:
@@ -75,14 +80,17 @@ def plan_prep(
     return PlanPrep(stages, fraction, options.seed, nbytes, skip)
 
 
-def folder_pipeline(loader: Any, transform: Any) -> tuple[Pipeline | None, str]:
+def folder_pipeline(loader: Any, transform: Any, *, cache: bool = False) -> tuple[Pipeline | None, str]:
     """The pipeline that runs a folder dataset's loader and transforms on the servers, or why not.
 
     Possible when the loader is torchvision's PIL loader (an exact ``decode_image`` to RGB) and
     every transform can be sent as data (:func:`kspeed.preprocess.transforms.describe`). The
     servers run the transforms up to the last one that yields uint8 (float stages such as
     ``ToTensor``/``Normalize`` would send 4x the bytes: they stay on this client), which must give
-    a fixed size so the ring can be laid out before the bytes exist.
+    a fixed size so the ring can be laid out before the bytes exist. With ``cache`` the last of the
+    leading transforms that are not random and give a fixed size declares its output too, so a
+    dataset cached preprocessed keeps the samples as they leave it (e.g. after ``Resize`` and
+    ``CenterCrop``); none such is a reason not to offload.
     """
     from kspeed.preprocess import transforms
 
@@ -98,16 +106,27 @@ def folder_pipeline(loader: Any, transform: Any) -> tuple[Pipeline | None, str]:
         return None, str(exc)
     produced = transforms.Produces("pil", "uint8", None)
     cut = transforms.default_cut(described, produced)
-    for op, params in described[:cut]:
+    outputs: dict[int, Output] = {}
+    deterministic = True
+    for k, (op, params) in enumerate(described[:cut]):
         produced = transforms.produces(op, params, produced)
+        deterministic = deterministic and not transforms.is_random(op)
+        if cache and deterministic and produced.size is not None:
+            outputs = {k: _declared(produced)}
     if cut == 0 or produced.size is None:
         return None, "no leading uint8 transform gives a fixed size (e.g. a crop), so nothing is worth sending"
-    height, width = produced.size
-    if produced.kind == "pil":
-        output = Output(shape=(height, width, 3), dtype="uint8", kind="pil")
-    else:
-        output = Output(shape=(3, height, width), dtype=produced.dtype, kind="tensor")
+    if cache and not outputs:
+        return None, "cache='preprocessed' needs a leading transform that is not random and gives a fixed size"
+    outputs[cut - 1] = _declared(produced)
     stages = [Stage("decode_image", {"mode": "RGB"}, "server")]
     for k, (op, params) in enumerate(described):
-        stages.append(Stage(op, params, "server" if k < cut else "client", output if k == cut - 1 else None))
+        stages.append(Stage(op, params, "server" if k < cut else "client", outputs.get(k)))
     return Pipeline(stages), ""
+
+
+def _declared(produced: Any) -> Output:
+    """How a fixed-size uint8 stage's result travels and is stored."""
+    height, width = produced.size
+    if produced.kind == "pil":
+        return Output(shape=(height, width, 3), dtype="uint8", kind="pil")
+    return Output(shape=(3, height, width), dtype=produced.dtype, kind="tensor")

@@ -36,6 +36,9 @@ class DatasetSpec:
         pipeline: what every sample goes through before the training loop sees it
             (:class:`kspeed.preprocess.Pipeline`); part of the dataset's identity (its stages and
             outputs, not where they run).
+        cache: what the servers keep: ``""`` (the backend's bytes, default) or ``"preprocessed"``
+            (each sample after the pipeline's deterministic leading stages, applied once at preload
+            by the servers' workers; the random rest runs every epoch). Part of the identity too.
 
     Raises:
         ConfigError: a field is invalid (the message names it).
@@ -47,6 +50,7 @@ class DatasetSpec:
     labels: str = ""
     quota_bytes: int = 0
     pipeline: Pipeline | None = None
+    cache: str = ""
 
     def __post_init__(self) -> None:
         names.DATASET.check(self.name, ConfigError, what="DatasetSpec.name", field="name", value=self.name)
@@ -82,6 +86,23 @@ class DatasetSpec:
                 f"got {type(self.pipeline).__name__}",
                 field="pipeline",
             )
+        if self.cache and self.pipeline is None:
+            raise ConfigError(
+                f"DatasetSpec.cache {self.cache!r} of dataset {self.name!r} needs a pipeline", field="cache"
+            )
+        cached = self.pipeline.cached_stages(self.cache) if self.pipeline is not None else 0
+        on_gpu = [k for k in range(cached) if self.pipeline is not None and self.pipeline.stages[k].place == "gpu"]
+        if on_gpu:
+            raise ConfigError(
+                f"dataset {self.name!r}: stage {on_gpu[0]} is placed on the gpu, but cache='preprocessed' applies "
+                f"the first {cached} stage(s) once at preload on the servers",
+                field="cache",
+            )
+
+    @property
+    def cached_stages(self) -> int:
+        """Leading pipeline stages the servers keep applied (see ``cache``)."""
+        return self.pipeline.cached_stages(self.cache) if self.pipeline is not None else 0
 
     def to_proto(self):
         """The protobuf message sent to the manager."""
@@ -94,4 +115,5 @@ class DatasetSpec:
             labels=self.labels,
             quota_bytes=self.quota_bytes,
             pipeline=self.pipeline.to_proto() if self.pipeline is not None else None,
+            cache=self.cache,
         )

@@ -163,6 +163,8 @@ class Stages:
             preprocessed), seeded per sample from ``seed``.
         seed: the job's seed.
         server_stages: the stages the servers run for their share of each batch.
+        cached: the stages every sample has been through when it arrives (a dataset cached
+            preprocessed; its other samples arrive as stage ``cached - 1`` declares them).
         client_stop: the first stage not run on the client CPU (the GPU's).
         dataset: the dataset's name, for messages.
         skip: a sample whose preparation fails is left out of its batch (reported in
@@ -177,6 +179,7 @@ class Stages:
     pipeline: Pipeline | None = None
     seed: int = 0
     server_stages: int = 0
+    cached: int = 0
     client_stop: int | None = None
     skip: bool = False
     dataset: str = ""
@@ -321,6 +324,11 @@ def _prepare(stages: Stages, data: memoryview, draw: Draw, i: int, seconds: dict
             received = received[STATUS:]
         value = runner.receive(received, stages.server_stages, sample=sample)
         start = stages.server_stages
+        seconds["receive"] = seconds.get("receive", 0.0) + time.perf_counter() - begun
+    elif stages.cached:
+        begun = time.perf_counter()
+        value = runner.receive(np.frombuffer(data, dtype=np.uint8), stages.cached, sample=sample)
+        start = stages.cached
         seconds["receive"] = seconds.get("receive", 0.0) + time.perf_counter() - begun
     stop = len(runner) if stages.client_stop is None else stages.client_stop
     for k in range(start, stop):

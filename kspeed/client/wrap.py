@@ -49,7 +49,7 @@ from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
 from kspeed.control.progress import PreloadSummary
 from kspeed.errors import AccessDeniedError, ConfigError, DatasetError, KSpeedError, StateError
-from kspeed.preprocess.pipeline import Pipeline
+from kspeed.preprocess.pipeline import CACHES, Pipeline
 
 from .dataset import KSpeedDataset
 from .gpu_stages import GpuStages
@@ -124,9 +124,15 @@ def _write_list(path: str, paths: Sequence[str]) -> None:
 
 
 def folder_spec(
-    paths: Sequence[str], *, list_dir: str | None = None, name: str | None = None, pipeline: Pipeline | None = None
+    paths: Sequence[str],
+    *,
+    list_dir: str | None = None,
+    name: str | None = None,
+    pipeline: Pipeline | None = None,
+    cache: str = "",
 ) -> DatasetSpec:
-    """The dataset spec whose sample ``i`` is the file ``paths[i]`` (absolute paths), with ``pipeline``.
+    """The dataset spec whose sample ``i`` is the file ``paths[i]`` (absolute paths), with ``pipeline``
+    and ``cache``.
 
     A ``dir`` spec over the common root when the paths are exactly its non-hidden files in sorted
     order, else a ``list`` file written to ``list_dir`` (default ``<root>/.kspeed``).
@@ -141,9 +147,11 @@ def folder_spec(
     kind = "dir" if keys == sorted(keys) and _tree_keys(root) == keys else "list"
     digest = hashlib.sha256("\n".join([kind, *paths]).encode()).hexdigest()
     list_name = name or f"wrap-{digest[:24]}"  # the list file is the same with or without a pipeline
-    name = name or (f"{list_name}-{pipeline.digest()[:12]}" if pipeline is not None else list_name)
+    if name is None:
+        name = f"{list_name}-{pipeline.digest()[:12]}" if pipeline is not None else list_name
+        name += f"-{cache}" if cache else ""
     if kind == "dir":
-        return DatasetSpec(name=name, uri=root, kind="dir", pipeline=pipeline)
+        return DatasetSpec(name=name, uri=root, kind="dir", pipeline=pipeline, cache=cache)
     for p in paths:
         if "\n" in p or p != p.strip():
             raise ConfigError(
@@ -164,7 +172,7 @@ def folder_spec(
             value=directory,
         ) from exc
     log.info("wrapped %d files as dataset %s (list %s)", len(paths), name, uri)
-    return DatasetSpec(name=name, uri=uri, kind="list", pipeline=pipeline)
+    return DatasetSpec(name=name, uri=uri, kind="list", pipeline=pipeline, cache=cache)
 
 
 # -- iteration -------------------------------------------------------------------------------------
@@ -249,6 +257,7 @@ class WrappedDataset(IterableDataset):
             pipeline=pipeline,
             seed=inner.seed,
             server_stages=pipeline.server_stages if pipeline is not None else 0,
+            cached=inner.cached_stages,
             client_stop=pipeline.gpu_from if pipeline is not None else None,
             skip=inner.on_error == "skip",
             dataset=inner.name,
@@ -349,19 +358,20 @@ class WrappedDataset(IterableDataset):
         return [None] * len(ids)
 
     def _collates_here(self, batch: Any) -> bool:
+        """Whether every sample of ``batch`` arrived ready (only decoding and collating left)."""
         stages = self._stages
-        return (
-            stages.pipeline is not None
-            and stages.transform is None
-            and stages.collate_fn is default_collate
-            and stages.client_stop == stages.server_stages
-            and len(batch) > 0
-            and bool(batch.remote.all())
+        if stages.pipeline is None or stages.transform is not None or stages.collate_fn is not default_collate:
+            return False
+        remote = bool(batch.remote.all())
+        local = not batch.remote.any()
+        return len(batch) > 0 and (
+            (remote and stages.client_stop == stages.server_stages)
+            or (local and stages.cached > 0 and stages.client_stop == stages.cached)
         )
 
     def _collate_here(self, batch: Any) -> _Task:
         ids = batch.ids.tolist()
-        draw = Draw(batch.epoch, tuple(ids), (True,) * len(ids))
+        draw = Draw(batch.epoch, tuple(ids), tuple(bool(r) for r in batch.remote.tolist()))
         future: Future = Future()
         try:
             views = [memoryview(sample.numpy()) for sample in batch.samples]
@@ -508,6 +518,9 @@ class WrapOptions:
         list_dir: where to write the list file when one is needed (default ``<root>/.kspeed``).
         name: the dataset's name in the cluster (default: from a hash of the paths).
         preload: wait for the servers to cache the files before returning.
+        cache: ``"preprocessed"``: the servers keep each image after the leading transforms that
+            are not random and give a fixed size (e.g. ``Resize`` and ``CenterCrop``), applied once
+            at preload; ``""`` (default): they keep the files' bytes.
     """
 
     collate_fn: Callable[..., Any] | None = None
@@ -517,6 +530,7 @@ class WrapOptions:
     list_dir: str | None = None
     name: str | None = None
     preload: bool = True
+    cache: str = ""
 
 
 def wrap(client: KSpeedClient, dataset: Any, options: FeedOptions, wrapping: WrapOptions) -> WrappedDataset:
@@ -536,15 +550,33 @@ def wrap(client: KSpeedClient, dataset: Any, options: FeedOptions, wrapping: Wra
     )
     if wrapping.num_workers != 0:  # the stages travel to spawned workers
         check_picklable(stages)
-    pipeline, why = (None, "offload=0") if options.offload == 0 else folder_pipeline(stages.loader, stages.transform)
+    if wrapping.cache not in CACHES:
+        raise ConfigError(
+            f"cache {wrapping.cache!r} is not one of '', 'preprocessed'", field="cache", value=wrapping.cache
+        )
+    pipeline, why = (
+        (None, "offload=0")
+        if options.offload == 0 and not wrapping.cache
+        else folder_pipeline(stages.loader, stages.transform, cache=bool(wrapping.cache))
+    )
+    if wrapping.cache and pipeline is None:
+        raise ConfigError(
+            f"cache={wrapping.cache!r} needs the loader and transforms to run on the servers, and {why}",
+            field="cache",
+            value=wrapping.cache,
+        )
     inner = None
     if pipeline is not None:
-        spec = folder_spec(paths, list_dir=wrapping.list_dir, name=wrapping.name, pipeline=pipeline)
+        spec = folder_spec(
+            paths, list_dir=wrapping.list_dir, name=wrapping.name, pipeline=pipeline, cache=wrapping.cache
+        )
         try:
             inner = client.open(spec, options)
             stages = dataclasses.replace(stages, loader=None, transform=None)
             log.info("dataset %s: loader and transforms offloaded to the servers (%s)", spec.name, pipeline)
         except (AccessDeniedError, ConfigError) as exc:
+            if wrapping.cache:
+                raise
             why = f"the servers refused its pipeline: {exc}"
     if inner is None:
         log.info("wrapped dataset: its loader and transforms run in client workers (%s)", why)

@@ -42,6 +42,7 @@ OPERATOR = kspeed_pb2.DatasetOwner.DATASET_OWNER_OPERATOR
 DState = kspeed_pb2.DatasetState
 _KINDS = ("", "auto", "dir", "list", "manifest", "npy")
 _LABELS = ("", "dirname")
+_CACHES = ("", "preprocessed")
 MAX_URI = 4096
 MAX_HOLDER = 256
 VERIFY_TTL = 60.0  # seconds a successful attach-time listing holds for further attaches
@@ -62,15 +63,20 @@ def validate_spec(spec: kspeed_pb2.DatasetSpec) -> None:
         raise ProtocolError(f"dataset {spec.name!r}: kind {spec.kind!r} is not one of {', '.join(_KINDS[1:])}")
     if spec.labels not in _LABELS:
         raise ProtocolError(f"dataset {spec.name!r}: labels {spec.labels!r} is not one of '', 'dirname'")
+    if spec.cache not in _CACHES:
+        raise ProtocolError(f"dataset {spec.name!r}: cache {spec.cache!r} is not one of '', 'preprocessed'")
+    if spec.cache and not spec.pipeline.stages:
+        raise ProtocolError(f"dataset {spec.name!r}: cache {spec.cache!r} needs a pipeline")
 
 
 def _same_definition(a: kspeed_pb2.DatasetSpec, b: kspeed_pb2.DatasetSpec) -> bool:
-    return (a.uri, a.kind or "auto", a.labels, a.quota_bytes, a.pipeline) == (
+    return (a.uri, a.kind or "auto", a.labels, a.quota_bytes, a.pipeline, a.cache) == (
         b.uri,
         b.kind or "auto",
         b.labels,
         b.quota_bytes,
         b.pipeline,
+        b.cache,
     )
 
 
@@ -214,8 +220,9 @@ class DatasetCatalog:
                     raise ConflictError(
                         f"dataset {spec.name!r} is already registered as uri={existing.spec.uri!r} "
                         f"kind={existing.spec.kind or 'auto'!r} labels={existing.spec.labels!r} "
-                        f"quota={existing.spec.quota_bytes} and {len(existing.spec.pipeline.stages)} pipeline "
-                        "stage(s) (a pipeline is part of a dataset's identity); remove it first or use another name"
+                        f"quota={existing.spec.quota_bytes} cache={existing.spec.cache!r} and "
+                        f"{len(existing.spec.pipeline.stages)} pipeline stage(s) (a pipeline is part of a dataset's "
+                        "identity); remove it first or use another name"
                     )
                 await self._verify(existing)
             else:

@@ -28,9 +28,23 @@ import numpy as np
 
 from kspeed.errors import ConfigError
 
-__all__ = ["HEADER", "KINDS", "PLACES", "STATUS", "Output", "Pipeline", "Stage", "read_status", "write_status"]
+__all__ = [
+    "CACHES",
+    "HEADER",
+    "KINDS",
+    "PLACES",
+    "STATUS",
+    "Output",
+    "Pipeline",
+    "Stage",
+    "read_status",
+    "write_status",
+]
 
 PLACES = ("server", "client", "gpu")
+#: What a dataset's servers keep: the backend's bytes, or each sample after the pipeline's
+#: deterministic leading stages (:meth:`Pipeline.cached_stages`), applied once at preload.
+CACHES = ("", "preprocessed")
 KINDS = ("array", "pil", "tensor")
 #: Header of a variable-shape sample: payload bytes, dtype code, ndim, up to six dimensions.
 _HEADER = struct.Struct("<IHH6I")
@@ -44,6 +58,7 @@ _STATUS = struct.Struct("<II")
 STATUS = _STATUS.size
 MAX_STAGES = 64
 MAX_PARAMS = 64 * 1024
+TORCHVISION = "torchvision.transforms"
 _USER_OP = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -241,6 +256,20 @@ class Stage:
         """The module a server must import (``""`` for a built-in op)."""
         return self.op.split(":", 1)[0] if ":" in self.op else ""
 
+    @property
+    def random(self) -> bool:
+        """Whether the stage may differ between epochs: a random built-in op or torchvision
+        transform, and every user function (nothing says whether it draws from its generator)."""
+        if not self.module:
+            from kspeed.preprocess import ops
+
+            return ops.get(self.op).random
+        if self.module in (TORCHVISION, f"{TORCHVISION}.v2"):
+            from kspeed.preprocess import transforms
+
+            return transforms.is_random(self.op)
+        return True
+
 
 class Pipeline:
     """An ordered list of stages (see the module docstring).
@@ -290,6 +319,41 @@ class Pipeline:
                 field="pipeline.output",
             )
         return stage.output
+
+    def cached_stages(self, cache: str) -> int:
+        """How many leading stages a dataset with this ``cache`` keeps applied in its servers' memory.
+
+        With ``cache="preprocessed"``: the longest run of leading stages that are not random
+        (:attr:`Stage.random`) and end at a stage that declares its output (that declaration is
+        how the cached samples are stored and read back); 0 with ``cache=""``.
+
+        Raises:
+            ConfigError: an unknown ``cache``, or ``"preprocessed"`` with no such run (named).
+        """
+        if cache not in CACHES:
+            raise ConfigError(f"cache {cache!r} is not one of '', 'preprocessed'", field="cache", value=cache)
+        if not cache:
+            return 0
+        cached = 0
+        for k, stage in enumerate(self.stages):
+            if stage.random:
+                break
+            if stage.output is not None:
+                cached = k + 1
+        if not cached:
+            first = self.stages[0]
+            why = (
+                f"its first stage ({first.op}) is random"
+                if first.random
+                else "no stage before the first random one declares its output"
+            )
+            raise ConfigError(
+                f"cache='preprocessed' keeps samples after the pipeline's deterministic leading stages, but {why}; "
+                "declare the output of the last deterministic stage (output=Output(...)) or use cache=''",
+                field="cache",
+                value=cache,
+            )
+        return cached
 
     def to_proto(self):
         """The pipeline as the dataset's identity carries it (places are the client's choice, not sent)."""

@@ -24,11 +24,9 @@ import numpy as np
 
 from kspeed.errors import AccessDeniedError, ConfigError, PreprocessError
 from kspeed.preprocess import ops, rng
-from kspeed.preprocess.pipeline import Output, Pipeline, Stage
+from kspeed.preprocess.pipeline import TORCHVISION, Output, Pipeline, Stage
 
 __all__ = ["Runner", "allowed", "to_array"]
-
-TORCHVISION = "torchvision.transforms"
 
 
 def allowed(module: str, rules: Sequence[str]) -> bool:

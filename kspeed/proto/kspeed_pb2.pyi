@@ -248,20 +248,22 @@ class MembershipEvent(_message.Message):
     def __init__(self, revision: _Optional[int] = ..., snapshot: _Optional[bool] = ..., servers: _Optional[_Iterable[_Union[ServerRecord, _Mapping]]] = ...) -> None: ...
 
 class DatasetSpec(_message.Message):
-    __slots__ = ("name", "uri", "kind", "labels", "quota_bytes", "pipeline")
+    __slots__ = ("name", "uri", "kind", "labels", "quota_bytes", "pipeline", "cache")
     NAME_FIELD_NUMBER: _ClassVar[int]
     URI_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
     name: str
     uri: str
     kind: str
     labels: str
     quota_bytes: int
     pipeline: Pipeline
-    def __init__(self, name: _Optional[str] = ..., uri: _Optional[str] = ..., kind: _Optional[str] = ..., labels: _Optional[str] = ..., quota_bytes: _Optional[int] = ..., pipeline: _Optional[_Union[Pipeline, _Mapping]] = ...) -> None: ...
+    cache: str
+    def __init__(self, name: _Optional[str] = ..., uri: _Optional[str] = ..., kind: _Optional[str] = ..., labels: _Optional[str] = ..., quota_bytes: _Optional[int] = ..., pipeline: _Optional[_Union[Pipeline, _Mapping]] = ..., cache: _Optional[str] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("shape", "dtype", "max_bytes", "kind")

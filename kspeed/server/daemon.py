@@ -54,6 +54,7 @@ class Server:
         self.id = inv.server_id(config, self.state_dir)
         self.host: DatasetHost | None = None
         self.feeders: FeederPool | None = None
+        self.prep: PrepPool | None = None
         self.metrics = ServerMetrics(lambda: self.host, lambda: self.feeders.production if self.feeders else None)
         self.health = health.HealthServicer()
         self._stopped = threading.Event()
@@ -94,6 +95,11 @@ class Server:
         backend = Backend(AllowList(cfg.backend_allow, name="--backend-allow"), cfg.backend_options)
         pool = MemoryPool.open(self.pool_dir(), cfg.memory, region_size=cfg.region_size)
         window = ProductionWindow(pool, cfg.window_bytes())
+        self.prep = PrepPool(
+            cfg.preprocess_workers or inv.usable_cores(cfg.cores),
+            cfg.preprocess_allow,
+            LogSettings(cfg.log_level, cfg.log_format),
+        )
         host = self.host = DatasetHost(
             pool,
             backend,
@@ -103,15 +109,11 @@ class Server:
             change_check_interval=cfg.change_check_interval,
             change_check_budget=cfg.change_check_budget,
             preprocess_allow=cfg.preprocess_allow,
+            prep=self.prep,
         )
         host.restore()
         options = RailOptions(token=cfg.security.data_plane_token(), io_timeout=cfg.data_io_timeout)
         count = cfg.feeders or min(4, inv.usable_cores(cfg.cores))
-        self.prep = PrepPool(
-            cfg.preprocess_workers or inv.usable_cores(cfg.cores),
-            cfg.preprocess_allow,
-            LogSettings(cfg.log_level, cfg.log_format),
-        )
         self.feeders = FeederPool(
             count,
             self.id,
@@ -225,6 +227,8 @@ class Server:
             self._http.close()
         if self.feeders is not None:
             self.feeders.stop()
+        if self.prep is not None:
+            self.prep.close()  # after the feeders' producers; a preload still caching samples then stops
         if self.host is not None:
             self.host.close()
             if self.config.keep_pool_on_exit:

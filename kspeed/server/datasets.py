@@ -26,10 +26,12 @@ from kspeed.preprocess.pipeline import Pipeline
 from kspeed.preprocess.runner import Runner
 from kspeed.proto import kspeed_pb2
 from kspeed.server.backend import Backend
+from kspeed.server.cached_source import CachedSource
 from kspeed.server.changes import Change, ChangeLog, ChangeWatch
 from kspeed.server.integrity import SampleStore
 from kspeed.server.pool import WINDOW_OWNER, MemoryPool, RegionState
 from kspeed.server.preload import Preloader
+from kspeed.server.prep_pool import PrepPool
 from kspeed.server.sources import Source, open_source
 
 log = logging.getLogger(__name__)
@@ -103,9 +105,11 @@ class DatasetHost:
         change_check_interval: float = 300.0,
         change_check_budget: int = 0,
         preprocess_allow: tuple[str, ...] = (),
+        prep: PrepPool | None = None,
     ) -> None:
         self.pool = pool
         self.preprocess_allow = preprocess_allow
+        self.prep = prep
         self.backend = backend
         self._path = os.path.join(state_dir, ASSIGNMENTS_FILE)
         self._threads = preload_threads
@@ -167,7 +171,7 @@ class DatasetHost:
         parameters, modules on the operator's preprocess allow-list).
         """
         self.check_pipeline(spec)
-        source = open_source(self.backend, spec.name, spec.uri, kind=spec.kind or "auto")
+        source = self._open(spec, describing=True)
         if spec.labels == "dirname" and source.labels is None:
             raise DatasetError(
                 f"dataset {spec.name!r}: labels 'dirname' need every sample in a class directory under {spec.uri}",
@@ -190,6 +194,26 @@ class DatasetHost:
         if spec.pipeline.stages:
             pipeline = Pipeline.from_proto(spec.pipeline)
             Runner(pipeline, allow=self.preprocess_allow, dataset=spec.name, stages=pipeline.server_stages)
+            pipeline.cached_stages(spec.cache)
+        elif spec.cache:
+            raise ConfigError(f"dataset {spec.name!r}: cache {spec.cache!r} needs a pipeline", field="cache")
+
+    def _open(self, spec: kspeed_pb2.DatasetSpec, *, describing: bool = False) -> Source:
+        """The dataset's listing, as this server stores its samples (cached preprocessed, or raw).
+
+        Raises:
+            ConfigError: the dataset is cached preprocessed and this server runs no preprocessing workers.
+        """
+        source = open_source(self.backend, spec.name, spec.uri, kind=spec.kind or "auto")
+        if not spec.cache:
+            return source
+        if self.prep is None and not describing:
+            raise ConfigError(
+                f"dataset {spec.name!r} is cached preprocessed and this server runs no preprocessing workers",
+                field="cache",
+            )
+        pipeline = Pipeline.from_proto(spec.pipeline)
+        return CachedSource(source, pipeline, pipeline.cached_stages(spec.cache), self.prep)
 
     def assign(self, request: kspeed_pb2.AssignShareRequest) -> kspeed_pb2.ShareStatus:
         """Hold ``request.share`` of the dataset (idempotent; a different share replaces the old one).
@@ -213,7 +237,7 @@ class DatasetHost:
                     f"server's pool uses {self.pool.region_size}",
                     field="server.region_size",
                 )
-            source = open_source(self.backend, name, request.spec.uri, kind=request.spec.kind or "auto")
+            source = self._open(request.spec)
             if fingerprint_pb(source) != request.fingerprint:
                 raise DatasetError(
                     f"dataset {name!r}: the backend changed since registration (registered: "

@@ -315,9 +315,9 @@ class FeedWriter:
             lo = int(plan.starts[index]) + int(grant["first"])
             hi = min(int(plan.starts[index]) + int(grant["end"]), int(plan.starts[index + 1]))
             i, j = (int(x) for x in np.searchsorted(plan.positions, (lo, hi)))
-            why = self._hopeless(plan, i, j, now - arrival)
+            why, sample = self._hopeless(plan, i, j, now - arrival)
             if why:
-                self._refuse(epoch, index, tag, why)
+                self._refuse(epoch, index, tag, why, sample)
                 continue
             if (plan.region[i:j] < 0).any():
                 if not asked and now - arrival > WANT_AFTER:
@@ -337,21 +337,22 @@ class FeedWriter:
         for start in range(0, len(ready), GRANTS_PER_WRITE):
             self._write(ready[start : start + GRANTS_PER_WRITE])
 
-    def _hopeless(self, plan: PlanPart, i: int, j: int, waited: float) -> str:
-        """Why a grant of positions ``i:j`` can never be served, or ""."""
+    def _hopeless(self, plan: PlanPart, i: int, j: int, waited: float) -> tuple[str, int]:
+        """Why a grant of positions ``i:j`` can never be served and the sample at fault, or ``("", -1)``."""
         ids = plan.ids[i:j]
         if len(self._changed_ids):
             hit = np.flatnonzero(np.isin(ids, self._changed_ids))
             if len(hit):
                 sample = int(ids[hit[0]])
-                return f"dataset {self.dataset!r} sample {sample}: {self.changed[sample]}; its cached bytes are stale"
+                why = f"dataset {self.dataset!r} sample {sample}: {self.changed[sample]}; its cached bytes are stale"
+                return why, sample
         absent = plan.region[i:j] < 0
         if not absent.any():
-            return ""
+            return "", -1
         if plan.failures:  # processed positions of this plan whose server stages failed
             for k in np.flatnonzero(absent).tolist():
                 if i + k in plan.failures:
-                    return plan.failures[i + k]
+                    return plan.failures[i + k], int(ids[k])
         if plan.processed is not None:
             absent &= ~plan.processed[i:j]
         missing = ids[absent]
@@ -359,17 +360,18 @@ class FeedWriter:
         if failed:
             for sample in missing.tolist():
                 if sample in failed:
-                    return f"dataset {self.dataset!r} sample {sample} could not be produced: {failed[sample]}"
+                    return f"dataset {self.dataset!r} sample {sample} could not be produced: {failed[sample]}", sample
         if waited > self.production_timeout:
             late = int(missing[0]) if len(missing) else int(ids[np.flatnonzero(plan.region[i:j] < 0)[0]])
-            return (
+            why = (
                 f"dataset {self.dataset!r} sample {late} was not produced within "
                 f"{self.production_timeout:g}s (the server is still reading it from the backend)"
             )
-        return ""
+            return why, late
+        return "", -1
 
-    def _refuse(self, epoch: int, index: int, tag: int, why: str) -> None:
-        self.writer.send(grants.encode_error(grants.GrantError(epoch, index, tag, why)))
+    def _refuse(self, epoch: int, index: int, tag: int, why: str, sample: int = -1) -> None:
+        self.writer.send(grants.encode_error(grants.GrantError(epoch, index, tag, why, sample)))
 
     def _probe(self, grant: np.void) -> None:
         """Write filler of the probed size (docs/feeding.md, Pacing); a bad size is an ERROR, named."""

@@ -285,9 +285,16 @@ class FeederPool:
                 f"dataset {dataset!r}: a plan asks for {stages} server stage(s) of a pipeline of {count}"
             )
         try:
-            output = Pipeline.from_proto(spec.pipeline, stages).output(stages)
+            pipeline = Pipeline.from_proto(spec.pipeline, stages)
+            output = pipeline.output(stages)
+            cached = pipeline.cached_stages(spec.cache)
         except ConfigError as exc:
             raise ProtocolError(f"dataset {dataset!r}: {exc}") from exc
+        if stages <= cached:
+            raise ProtocolError(
+                f"dataset {dataset!r}: a plan asks for {stages} server stage(s), but its samples are cached "
+                f"after {cached}: there is nothing left to run"
+            )
         nbytes = output.nbytes + (STATUS if skip else 0)
         if not self.production.window.fits(nbytes):
             raise CapacityError(
@@ -295,7 +302,7 @@ class FeederPool:
                 f"a production window region of {self.production.window.region_size} bytes; raise the "
                 "servers' region_size or run those stages on the client (offload=0)"
             )
-        return PrepSpec(spec.pipeline.SerializeToString(deterministic=True), stages, seed, epoch, nbytes, skip)
+        return PrepSpec(spec.pipeline.SerializeToString(deterministic=True), stages, seed, epoch, nbytes, skip, cached)
 
     def close(self, feed_id: str, reason: str = "") -> None:
         """Close a feed (its data-plane connection and plans); a ``reason`` is told to the client first."""

@@ -1,9 +1,12 @@
 """Preprocessing worker processes: a server's CPUs running the server stages of pipelines.
 
 Producers (:mod:`kspeed.server.production`) hand a :class:`PrepTask` to a free worker and wait for
-its answer: for each sample, the raw bytes (from its home region, mapped by the worker, or read
+its answer: for each sample, the stored bytes (from its home region, mapped by the worker, or read
 from the backend by the producer and sent along) go through the pipeline's leading stages and the
-result is written straight into the sample's production-window slot, which the worker maps too.
+result is written straight into the sample's production-window slot, which the worker maps too. A
+dataset cached preprocessed (:mod:`kspeed.server.cached_source`) has its deterministic leading
+stages run once at preload, the results sent back over the pipe; its stored bytes are then those
+stages' declared output, and per-epoch tasks start after them.
 Workers are spawned (never forked: the server's gRPC threads and mappings must not be inherited),
 run one task at a time single-threaded (torchvision's transforms seed torch's global generator per
 sample), and resolve each pipeline once against the operator's module allow-list. A worker that
@@ -20,6 +23,7 @@ import os
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -47,14 +51,17 @@ class PrepTask:
     Attributes:
         dataset: the dataset's name (for messages).
         pipeline: the pipeline (a serialized ``kspeed.v1.Pipeline``).
-        stages: how many leading stages to run.
+        stages: run the stages before this one.
         seed: the job's seed.
         epoch: the epoch (random stages draw from ``(seed, epoch, sample, stage)``).
         samples: the sample IDs.
-        inputs: per sample, its raw bytes, or ``(region file, offset, length)`` of its home.
-        outputs: per sample, ``(window region file, offset, capacity)``.
+        inputs: per sample, its stored bytes, or ``(region file, offset, length)`` of its home.
+        outputs: per sample, ``(window region file, offset, capacity)``; ``None``: each result
+            comes back as the bytes of the declared output.
         skip: each output starts with a status word; a failed sample's slot gets its failure
             record (the reason is still returned).
+        start: the first stage to run; the inputs are stage ``start - 1``'s declared output
+            (0: the backend's bytes).
     """
 
     dataset: str
@@ -64,8 +71,9 @@ class PrepTask:
     epoch: int
     samples: tuple[int, ...]
     inputs: tuple[bytes | tuple[str, int, int], ...]
-    outputs: tuple[tuple[str, int, int], ...]
+    outputs: tuple[tuple[str, int, int], ...] | None
     skip: bool = False
+    start: int = 0
 
 
 class _Maps:
@@ -111,11 +119,12 @@ def _work(conn: Connection, allow: tuple[str, ...], logs: LogSettings) -> None:
             if len(runners) > 16:
                 runners.clear()
             runners[key] = runner
-        results: list[int | str] = []
+        results: list[int | str | bytes] = []
         seconds: dict[str, float] = {}
-        for sample, source, (path, offset, capacity) in zip(task.samples, task.inputs, task.outputs, strict=True):
+        places = task.outputs if task.outputs is not None else [None] * len(task.samples)
+        for sample, source, place in zip(task.samples, task.inputs, places, strict=True):
             try:
-                out = outputs.get(path, True)[offset : offset + capacity]
+                out = _output(runner, task, place, outputs)
             except OSError as exc:
                 results.append(f"dataset {task.dataset!r} sample {sample}: cannot map its window slot: {exc}")
                 continue
@@ -127,8 +136,19 @@ def _work(conn: Connection, allow: tuple[str, ...], logs: LogSettings) -> None:
                 write_status(out, result if isinstance(result, str) else "")
                 if not isinstance(result, str):
                     result += STATUS
-            results.append(result)
+            results.append(out[:result].tobytes() if place is None and isinstance(result, int) else result)
         conn.send((results, seconds))
+
+
+def _output(
+    runner: Runner | KSpeedError, task: PrepTask, place: tuple[str, int, int] | None, maps: _Maps
+) -> np.ndarray:
+    """Where a sample's result goes: its window slot, or a buffer sent back (``place`` None)."""
+    if place is not None:
+        path, offset, capacity = place
+        return maps.get(path, True)[offset : offset + capacity]
+    size = runner.pipeline.output(task.stages).nbytes if isinstance(runner, Runner) else 0
+    return np.empty(size + (STATUS if task.skip else 0), dtype=np.uint8)
 
 
 def _run_one(
@@ -143,11 +163,13 @@ def _run_one(
     """Run one sample's server stages into ``out``; the bytes written, or why it failed."""
     try:
         if isinstance(source, bytes):
-            data: Any = source
+            data: Any = source if not task.start else np.frombuffer(source, dtype=np.uint8)
         else:
             home, at, length = source
             data = inputs.get(home, False)[at : at + length]
-        for k in range(task.stages):
+        if task.start:
+            data = runner.receive(data, task.start, sample=sample)
+        for k in range(task.start, task.stages):
             begun = time.perf_counter()
             data = runner.run(data, seed=task.seed, epoch=task.epoch, sample=sample, start=k, stop=k + 1)
             name = runner.stage_name(k)
@@ -199,6 +221,7 @@ class PrepPool:
         self.samples = 0
         self.stage_seconds: dict[str, float] = {}  # per "<index>:<op>", summed over workers
         self._started = False
+        self._helpers: ThreadPoolExecutor | None = None  # threads of run_all, made on its first call
 
     def _start(self) -> None:
         """Spawn the workers on the first task (a server without pipelines never starts them)."""
@@ -213,8 +236,9 @@ class PrepPool:
         self._count += 1
         return _Worker(self._ctx, self.allow, self._logs, self._count)
 
-    def run(self, task: PrepTask) -> list[int | str]:
-        """Run ``task`` on a free worker; per sample, the bytes written or why it failed.
+    def run(self, task: PrepTask) -> list[int | str | bytes]:
+        """Run ``task`` on a free worker; per sample, the bytes written (or, without outputs, the
+        bytes themselves) or why it failed.
 
         A worker that dies during the task is replaced and the task run once more on the new one.
 
@@ -222,7 +246,7 @@ class PrepPool:
             StateError: the pool is closed.
         """
         self._start()
-        results: list[int | str] = []
+        results: list[int | str | bytes] = []
         for _ in range(2):  # a worker that dies is replaced and the task run once more
             worker = self._take()
             started = time.monotonic()
@@ -261,6 +285,22 @@ class PrepPool:
             break
         return results
 
+    def run_all(self, tasks: list[PrepTask]) -> list[list[int | str | bytes]]:
+        """Run several tasks at once on free workers (as :meth:`run` each); their results in order.
+
+        Raises:
+            StateError: the pool is closed.
+        """
+        if len(tasks) <= 1:
+            return [self.run(task) for task in tasks]
+        with self._lock:
+            if self._closed:
+                raise StateError("the preprocessing pool is closed")
+            if self._helpers is None:
+                self._helpers = ThreadPoolExecutor(self.workers, thread_name_prefix="kspeed-prep-call")
+            helpers = self._helpers
+        return list(helpers.map(self.run, tasks))
+
     def _take(self) -> _Worker:
         while True:
             if self._closed:
@@ -275,10 +315,15 @@ class PrepPool:
         return sorted(w.process.pid for w in list(self._idle.queue) if w.process.pid is not None)
 
     def close(self) -> None:
-        """Stop every worker (waiting for those running a task a moment, then killing them)."""
+        """Stop every worker (waiting for those running a task a moment, then killing them); idempotent."""
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
             started = self._started
+            helpers, self._helpers = self._helpers, None
+        if helpers is not None:
+            helpers.shutdown(wait=False, cancel_futures=True)
         if not started:
             return
         deadline = time.monotonic() + JOIN_TIMEOUT

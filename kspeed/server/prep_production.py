@@ -117,9 +117,10 @@ class ProcessedProduction:
                     tuple(inputs[k] for k in keep),
                     tuple((self.window.paths[slots[k].region], slots[k].offset, slots[k].nbytes) for k in keep),
                     prep.skip,
+                    prep.start,
                 )
                 for k, result in zip(keep, self.prep.run(task), strict=True):
-                    results[int(ids[k])] = result
+                    results[int(ids[k])] = result if not isinstance(result, bytes) else len(result)
             with self._lock:
                 feed = self._feeds.get(work.feed_id)
                 if feed is None or feed.plans.get(work.epoch) is not plan:  # dropped meanwhile
@@ -136,7 +137,7 @@ class ProcessedProduction:
     def _raw_inputs(
         self, share: ShareState, ids: np.ndarray
     ) -> tuple[list[bytes | tuple[str, int, int]], dict[int, str]]:
-        """Each sample's raw bytes for a worker: its home (mapped by the worker) or read from the backend now."""
+        """Each sample's stored bytes for a worker: its home (mapped by the worker) or read from the backend now."""
         lengths = share.preloader.index.length[ids - share.lo]
         inputs: list[bytes | tuple[str, int, int]] = [b""] * len(ids)
         home = share.residency.of(ids) == HOME

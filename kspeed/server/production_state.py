@@ -98,6 +98,7 @@ class PrepSpec:
     epoch: int  # the user's epoch random stages draw from (plans are numbered per feed otherwise)
     nbytes: int  # the declared output's size in the ring (with the status word when skipping)
     skip: bool = False  # a sample whose stages fail is sent as a failure record, not failing its grant
+    start: int = 0  # stages already applied to the stored samples (a dataset cached preprocessed)
 
 
 @dataclasses.dataclass

@@ -169,6 +169,7 @@ def test_feed_errors_are_named(loaded):
             receiver.poll(0.1)
             got = [grants.decode(m) for _, m in receiver.messages()]
         assert got and isinstance(got[0], grants.GrantError) and "no plan for epoch 9" in got[0].text
+        assert got[0].sample == -1  # no sample is at fault
         # Latency probes: filler of the asked size at the asked offset, one completion; a bad size is named.
         memory = ring.array()
         memory[:] = 0xAB

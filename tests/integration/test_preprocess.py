@@ -25,11 +25,20 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
 from torchvision.datasets import ImageFolder
-from torchvision.transforms import CenterCrop, Compose, Grayscale, Normalize, PILToTensor, Resize, ToTensor
+from torchvision.transforms import (
+    CenterCrop,
+    Compose,
+    Grayscale,
+    Normalize,
+    PILToTensor,
+    RandomResizedCrop,
+    Resize,
+    ToTensor,
+)
 
 from kspeed import DatasetSpec, KSpeedClient
 from kspeed.cli.cluster import LocalCluster, wait_for
-from kspeed.errors import AccessDeniedError, CapacityError, DatasetError, NotFoundError
+from kspeed.errors import AccessDeniedError, CapacityError, ConfigError, DatasetError, NotFoundError
 from kspeed.preprocess import Output, Pipeline, Stage
 from kspeed.preprocess.runner import Runner
 from tests.client.test_wrap import assert_same_batches
@@ -366,6 +375,7 @@ def test_a_corrupt_jpeg_is_named_wherever_it_is_decoded(start, tmp_path):
         message = str(caught.value)
         assert f"sample {VICTIM}" in message, offload
         assert "stage 0 (decode_image) failed: ValueError: cannot decode image" in message, offload
+        assert caught.value.sample == VICTIM, offload  # named in the text, and as a field, wherever it failed
     # on_error="skip": the sample is left out of its batch and counted, the others arrive as ever
     for offload in (1.0, 0.5, 0.0):
         with opened(client, spec, offload, on_error="skip") as ds:
@@ -432,3 +442,82 @@ def test_an_output_larger_than_a_window_region_is_refused_at_the_plan(start):
     assert "1470000 bytes after 3 server stage(s) does not fit a production window region" in str(caught.value)
     with feed(0.0) as ds:  # on the client it is only a large sample
         assert next(iter(ds)).shape == (BATCH, 3, 700, 700)
+
+
+# -- cache="preprocessed" --------------------------------------------------------------------------
+
+CACHED_SIDE = 72
+
+
+def cached_pipeline() -> Pipeline:
+    """Decode, resize and center-crop (deterministic: kept by a cache), then a random crop, flip and CHW."""
+    return Pipeline(
+        [
+            Stage("decode_image", {"mode": "RGB"}),
+            Stage("resize", {"size": CACHED_SIDE}),
+            Stage("center_crop", {"size": CACHED_SIDE}, output=Output(shape=(CACHED_SIDE, CACHED_SIDE, 3))),
+            Stage("random_resized_crop", {"size": [SIDE, SIDE]}),
+            Stage("flip", {"p": 0.5}),
+            Stage("to_chw", output=Output(shape=(3, SIDE, SIDE), dtype="uint8")),
+        ]
+    )
+
+
+def test_a_dataset_cached_preprocessed_gives_what_the_whole_pipeline_gives(start):
+    cluster, client, photos = start(servers=2)
+    pipeline = cached_pipeline()
+    spec = DatasetSpec(name="cached", uri=str(photos.root), labels="dirname", pipeline=pipeline, cache="preprocessed")
+    assert spec.cached_stages == 3
+    n = len(photos.keys)
+    for offload, workers in ((1.0, 0), (0.0, 0), (0.5, 1)):
+        with opened(client, spec, offload, num_workers=workers, shuffle=True, seed=SEED) as ds:
+            # The servers keep each photograph as the 72x72x3 pixels stage 2 declares, not its JPEG.
+            assert ds.dataset.cached_stages == 3
+            assert ds.preload().bytes == n * CACHED_SIDE * CACHED_SIDE * 3
+            for epoch in range(2):
+                ds.set_epoch(epoch)
+                want = expected(pipeline, photos, shuffled(n, epoch), epoch)
+                assert_same_batches(list(ds), want)  # uint8 all the way: bit for bit
+            ran_here = set(ds.stats()["client_stage_seconds"])
+        # Decoding and resizing ran once, on the servers: never on this client, whatever the split.
+        assert not any(name.startswith(("0:", "1:", "2:")) for name in ran_here), offload
+        if offload == 0.0:
+            assert {"receive", "3:random_resized_crop", "4:flip", "5:to_chw"} <= ran_here
+    assert server_stages_ran(cluster, "0:decode_image") and server_stages_ran(cluster, "3:random_resized_crop")
+
+
+def test_wrap_caches_a_folders_deterministic_transforms(start):
+    _, client, photos = start()
+    folder = ImageFolder(str(photos.root), transform=Compose([Resize(80), CenterCrop(SIDE), PILToTensor()]))
+    sampler = SequentialSampler(folder)
+    want = list(DataLoader(folder, batch_size=BATCH, sampler=sampler))
+    with client.wrap(
+        folder, BATCH, sampler=sampler, num_workers=0, ring_bytes=RING, quiet=True, cache="preprocessed"
+    ) as wrapped:
+        assert wrapped.dataset.cached_stages == 4  # every stage: each epoch only receives and collates
+        assert wrapped.name.endswith("-preprocessed")
+        for epoch in range(2):
+            wrapped.set_epoch(epoch)
+            assert_same_batches(list(wrapped), want)
+        assert set(wrapped.stats()["client_stage_seconds"]) == {"receive", "collate"}
+    random_first = ImageFolder(str(photos.root), transform=Compose([RandomResizedCrop(SIDE), PILToTensor()]))
+    with pytest.raises(ConfigError, match="needs a leading transform that is not random and gives a fixed size"):
+        client.wrap(random_first, BATCH, num_workers=0, cache="preprocessed")
+
+
+@pytest.mark.timeout(60)
+def test_a_corrupt_jpeg_in_a_cached_dataset_is_named_at_preload_and_when_drawn(start, tmp_path):
+    _, client, photos = start()
+    root = shutil.copytree(photos.root, tmp_path / "photos")
+    corrupt = root / photos.keys[VICTIM]
+    corrupt.write_bytes(corrupt.read_bytes()[:200])
+    spec = DatasetSpec(name="cached-corrupt", uri=str(root), pipeline=cached_pipeline(), cache="preprocessed")
+    with opened(client, spec, 1.0) as ds:
+        with pytest.raises(DatasetError) as at_preload:
+            ds.preload()
+        with pytest.raises(DatasetError) as drawn:
+            list(ds)
+    assert drawn.value.sample == VICTIM
+    for caught in (at_preload, drawn):
+        assert f"sample {VICTIM}" in str(caught.value)
+        assert "stage 0 (decode_image) failed: ValueError: cannot decode image" in str(caught.value)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from kspeed import DatasetSpec
 from kspeed.client.offload import attached_pipeline, plan_prep
 from kspeed.client.options import FeedOptions
 from kspeed.client.plans import remote_positions
@@ -125,6 +126,45 @@ def test_a_pipeline_travels_as_data_and_keeps_its_identity():
     assert attached_pipeline(message) == pipeline  # by name: up to the last declared output on the servers
 
 
+def test_a_cache_keeps_the_deterministic_leading_stages_up_to_a_declared_output():
+    kept = Output(shape=(20, 20, 3), dtype="uint8")
+    resized = Pipeline(
+        [
+            Stage("decode_image", {"mode": "RGB"}),
+            Stage("resize", {"size": [24, 24]}),
+            Stage("center_crop", {"size": 20}, output=kept),
+            Stage("torchvision.transforms:PILToTensor", {}),
+            Stage("flip", {"p": 0.5}),
+            Stage("to_chw", output=Output(shape=(1, 20, 20), dtype="uint8")),
+        ]
+    )
+    assert resized.cached_stages("preprocessed") == 3  # PILToTensor is not random but declares nothing
+    assert resized.cached_stages("") == 0
+    with pytest.raises(ConfigError, match="no stage before the first random one declares its output"):
+        augment().cached_stages("preprocessed")
+    with pytest.raises(ConfigError, match=r"its first stage \(random_resized_crop\) is random"):
+        Pipeline([Stage("random_resized_crop", {"size": 4}, output=CROP)]).cached_stages("preprocessed")
+    user = Pipeline([Stage("tests.integration.prep_functions:hold", {"gate": "x"}, output=CROP)])
+    with pytest.raises(ConfigError, match="is random"):  # nothing says a user function draws nothing
+        user.cached_stages("preprocessed")
+    with pytest.raises(ConfigError, match="cache 'raw' is not one of"):
+        resized.cached_stages("raw")
+
+
+def test_a_dataset_cached_preprocessed_names_what_does_not_fit():
+    kept = Output(shape=(16, 16, 3), dtype="uint8")
+    stages = [Stage("decode_image", {"mode": "RGB"}), Stage("center_crop", {"size": 16}, output=kept)]
+    spec = DatasetSpec(name="imgs", uri="/data", pipeline=Pipeline(stages), cache="preprocessed")
+    assert spec.cached_stages == 2 and spec.to_proto().cache == "preprocessed"
+    with pytest.raises(ConfigError, match="needs a pipeline"):
+        DatasetSpec(name="imgs", uri="/data", cache="preprocessed")
+    on_gpu = Pipeline([Stage("decode_image", {}, "client"), Stage("center_crop", {"size": 16}, "gpu", output=kept)])
+    with pytest.raises(ConfigError, match="stage 1 is placed on the gpu"):
+        DatasetSpec(name="imgs", uri="/data", pipeline=on_gpu, cache="preprocessed")
+    # Every sample arrives past the cached stages: the servers have nothing left to do per epoch.
+    assert plan_prep("imgs", spec.pipeline, 2, FeedOptions(batch_size=4), {}) is None
+
+
 # -- the runner -------------------------------------------------------------------------------------
 
 
@@ -196,14 +236,14 @@ def test_a_split_that_would_mix_versions_is_refused_naming_them():
     other = {**ours, "Pillow": "0.0.1"}
     options = FeedOptions(batch_size=4, offload=0.5)
     with pytest.raises(ConfigError, match=r"Pillow .* here, 0\.0\.1 there"):
-        plan_prep("imgs", augment(), options, {"s1": other})
-    prep = plan_prep("imgs", augment(), options, {"s1": ours, "s2": ours})
+        plan_prep("imgs", augment(), 0, options, {"s1": other})
+    prep = plan_prep("imgs", augment(), 0, options, {"s1": ours, "s2": ours})
     assert prep is not None and (prep.server_stages, prep.fraction, prep.nbytes) == (4, 0.5, CROP.nbytes)
     # All on the servers: the client's versions do not matter, the servers' among themselves do.
-    assert plan_prep("imgs", augment(), FeedOptions(batch_size=4), {"s1": other}) is not None
+    assert plan_prep("imgs", augment(), 0, FeedOptions(batch_size=4), {"s1": other}) is not None
     with pytest.raises(ConfigError, match="servers s1 and s2"):
-        plan_prep("imgs", augment(), FeedOptions(batch_size=4), {"s1": ours, "s2": other})
-    assert plan_prep("imgs", augment(), FeedOptions(batch_size=4, offload=0), {"s1": other}) is None
+        plan_prep("imgs", augment(), 0, FeedOptions(batch_size=4), {"s1": ours, "s2": other})
+    assert plan_prep("imgs", augment(), 0, FeedOptions(batch_size=4, offload=0), {"s1": other}) is None
 
 
 # -- the servers' preprocessing workers -------------------------------------------------------------
@@ -302,3 +342,28 @@ def test_when_skipping_a_failure_travels_in_the_sample_slot(pool, tmp_path):
     assert isinstance(results[1], str) and "stage 0 (decode_image) failed" in read_status(mapped[size:])
     want = Runner(augment()).run(jpeg(0), seed=7, epoch=1, sample=0, stop=4)
     assert np.array_equal(mapped[STATUS:size].reshape(3, 16, 16), want)
+
+
+def test_a_task_can_start_past_cached_stages_and_send_its_results_back(pool, tmp_path):
+    kept = Output(shape=(24, 24, 3), dtype="uint8")
+    pipeline = Pipeline(
+        [
+            Stage("decode_image", {"mode": "RGB"}),
+            Stage("resize", {"size": [24, 24]}, output=kept),
+            Stage("random_resized_crop", {"size": [16, 16]}),
+            Stage("to_chw", output=CROP),
+        ]
+    )
+    message = pipeline.to_proto().SerializeToString()
+    data = [jpeg(k) for k in range(2)]
+    caching = PrepTask("imgs", message, 2, 0, 0, (0, 1), tuple(data), None)
+    stored = pool.run(caching)  # no window slots: the results come back as their bytes
+    assert all(isinstance(r, bytes) and len(r) == kept.nbytes for r in stored)
+    path, mapped = window(tmp_path, 2)
+    slots = tuple((path, k * CROP.nbytes, CROP.nbytes) for k in range(2))
+    epoch = PrepTask("imgs", message, 4, 7, 3, (0, 1), tuple(stored), slots, start=2)
+    assert pool.run(epoch) == [CROP.nbytes, CROP.nbytes]
+    runner = Runner(pipeline)
+    for k in range(2):
+        want = runner.run(data[k], seed=7, epoch=3, sample=k)
+        assert np.array_equal(mapped[k * CROP.nbytes : (k + 1) * CROP.nbytes].reshape(3, 16, 16), want)
