@@ -33,7 +33,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from kspeed.control.manager_client import ManagerClient
 from kspeed.control.progress import PreloadSummary, follow_preload
-from kspeed.errors import ConfigError, StateError
+from kspeed.errors import ConfigError, KSpeedError, StateError
 from kspeed.preprocess.pipeline import Pipeline
 from kspeed.proto import kspeed_pb2
 
@@ -256,6 +256,24 @@ class KSpeedDataset(IterableDataset):
         exports them.
         """
         return self._parts.figures()
+
+    def server_stage_seconds(self) -> dict[str, float] | None:
+        """Seconds the servers' preprocessing workers spent per stage (``"<index>:<op>"``) on this
+        dataset, summed over its servers and every job using it, as their last heartbeats told the
+        manager (caching it preprocessed at preload included); ``None`` when the manager cannot be asked.
+        """
+        if self._manager is None:
+            return None
+        try:
+            info = self._manager.dataset(self.name)
+        except KSpeedError as exc:
+            log.debug("dataset %s: no server stage times: %s", self.name, exc)
+            return None
+        spent: dict[str, float] = {}
+        for status in info.share_status:
+            for stage, seconds in status.stage_seconds.items():
+                spent[stage] = spent.get(stage, 0.0) + seconds
+        return spent
 
     @property
     def rail(self) -> str:

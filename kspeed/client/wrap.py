@@ -443,8 +443,9 @@ class WrappedDataset(IterableDataset):
         return self._inner.preload(quiet=quiet, timeout=timeout)
 
     def stats(self) -> dict[str, Any]:
-        """The KSpeed dataset's delivery figures, the transform workers in use and the seconds each
-        client-side stage took (summed over workers; ``receive``: decoding the servers' output)."""
+        """The KSpeed dataset's delivery figures, the transform workers in use, the seconds each
+        client-side stage took (summed over workers; ``receive``: decoding the servers' output) and
+        each server stage (:meth:`KSpeedDataset.server_stage_seconds`, from the manager)."""
         seconds = dict(self._seconds)
         if self._gpu is not None:
             seconds.update(self._gpu.seconds)
@@ -452,6 +453,7 @@ class WrappedDataset(IterableDataset):
             **self._inner.stats(),
             "workers": len(self.worker_pids()),
             "client_stage_seconds": seconds,
+            "server_stage_seconds": self._inner.server_stage_seconds() if self._inner.pipeline is not None else {},
             "skipped": self._skipped,
         }
 

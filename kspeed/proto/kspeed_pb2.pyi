@@ -342,7 +342,14 @@ class PreloadProgress(_message.Message):
     def __init__(self, samples_loaded: _Optional[int] = ..., samples_total: _Optional[int] = ..., bytes_loaded: _Optional[int] = ..., bytes_total: _Optional[int] = ..., bytes_per_s: _Optional[float] = ..., running: _Optional[bool] = ..., error_count: _Optional[int] = ..., errors: _Optional[_Iterable[str]] = ..., samples_read: _Optional[int] = ...) -> None: ...
 
 class ShareStatus(_message.Message):
-    __slots__ = ("dataset", "progress", "regions_sealed", "integrity_repairs", "changed_samples", "changes", "samples_checked")
+    __slots__ = ("dataset", "progress", "regions_sealed", "integrity_repairs", "changed_samples", "changes", "samples_checked", "stage_seconds")
+    class StageSecondsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     DATASET_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     REGIONS_SEALED_FIELD_NUMBER: _ClassVar[int]
@@ -350,6 +357,7 @@ class ShareStatus(_message.Message):
     CHANGED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     CHANGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_CHECKED_FIELD_NUMBER: _ClassVar[int]
+    STAGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     progress: PreloadProgress
     regions_sealed: int
@@ -357,7 +365,8 @@ class ShareStatus(_message.Message):
     changed_samples: int
     changes: _containers.RepeatedScalarFieldContainer[str]
     samples_checked: int
-    def __init__(self, dataset: _Optional[str] = ..., progress: _Optional[_Union[PreloadProgress, _Mapping]] = ..., regions_sealed: _Optional[int] = ..., integrity_repairs: _Optional[int] = ..., changed_samples: _Optional[int] = ..., changes: _Optional[_Iterable[str]] = ..., samples_checked: _Optional[int] = ...) -> None: ...
+    stage_seconds: _containers.ScalarMap[str, float]
+    def __init__(self, dataset: _Optional[str] = ..., progress: _Optional[_Union[PreloadProgress, _Mapping]] = ..., regions_sealed: _Optional[int] = ..., integrity_repairs: _Optional[int] = ..., changed_samples: _Optional[int] = ..., changes: _Optional[_Iterable[str]] = ..., samples_checked: _Optional[int] = ..., stage_seconds: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class Lease(_message.Message):
     __slots__ = ("id", "dataset", "holder", "ttl_s", "expires_unix")

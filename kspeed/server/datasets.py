@@ -301,6 +301,8 @@ class DatasetHost:
                 hosted.store.stop_scrub()
                 hosted.preloader.wait()
             self.pool.release(name)
+            if self.prep is not None:
+                self.prep.forget(name)
             self._save_assignments()
         if hosted is not None:
             log.info("dataset %s: dropped", name)
@@ -344,6 +346,7 @@ class DatasetHost:
             changed_samples=changes.count,
             changes=[str(c) for c in changes.first()],
             samples_checked=changes.checked,
+            stage_seconds=self.prep.seconds_of(name) if self.prep is not None else {},
             progress=kspeed_pb2.PreloadProgress(
                 samples_loaded=p.samples_done,
                 samples_total=p.samples_total,

@@ -106,10 +106,13 @@ class _ProductionCollector(Collector):
         for name, count, doc in counters:
             yield CounterMetricFamily(name, doc, value=count)
         stages = CounterMetricFamily(
-            "kspeed_server_preprocess_stage_seconds", "Seconds spent in each server stage", labels=["stage"]
+            "kspeed_server_preprocess_stage_seconds",
+            "Seconds spent in each server stage",
+            labels=["dataset", "stage"],
         )
-        for stage, seconds in sorted(prep.stage_seconds.items()):
-            stages.add_metric([stage], seconds)
+        for dataset, spent in sorted(prep.all_seconds().items()):
+            for stage, seconds in sorted(spent.items()):
+                stages.add_metric([dataset, stage], seconds)
         yield stages
 
 

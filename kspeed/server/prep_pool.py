@@ -40,7 +40,7 @@ __all__ = ["PrepPool", "PrepTask"]
 log = logging.getLogger(__name__)
 
 JOIN_TIMEOUT = 5.0
-MAX_STAGE_NAMES = 64  # stages with their own time figure (a bounded metric label set)
+MAX_STAGE_NAMES = 64  # stages of one dataset with their own time figure (a bounded metric label set)
 TASK_TIMEOUT = 300.0  # a task that takes longer is a hung user function: its worker is replaced
 
 
@@ -219,7 +219,8 @@ class PrepPool:
         self.restarts = 0
         self.busy_seconds = 0.0
         self.samples = 0
-        self.stage_seconds: dict[str, float] = {}  # per "<index>:<op>", summed over workers
+        #: per dataset, seconds per "<index>:<op>" stage, summed over workers (until :meth:`forget`)
+        self.stage_seconds: dict[str, dict[str, float]] = {}
         self._started = False
         self._helpers: ThreadPoolExecutor | None = None  # threads of run_all, made on its first call
 
@@ -278,9 +279,10 @@ class PrepPool:
             with self._lock:
                 self.busy_seconds += time.monotonic() - started
                 self.samples += len(task.samples)
+                spent = self.stage_seconds.setdefault(task.dataset, {})
                 for name, value in seconds.items():
-                    if name in self.stage_seconds or len(self.stage_seconds) < MAX_STAGE_NAMES:
-                        self.stage_seconds[name] = self.stage_seconds.get(name, 0.0) + value
+                    if name in spent or len(spent) < MAX_STAGE_NAMES:
+                        spent[name] = spent.get(name, 0.0) + value
             self._idle.put(worker)
             break
         return results
@@ -309,6 +311,21 @@ class PrepPool:
                 return self._idle.get(timeout=0.5)
             except queue.Empty:
                 continue
+
+    def forget(self, dataset: str) -> None:
+        """Drop a dataset's stage times (it is no longer hosted here)."""
+        with self._lock:
+            self.stage_seconds.pop(dataset, None)
+
+    def seconds_of(self, dataset: str) -> dict[str, float]:
+        """A copy of one dataset's stage times."""
+        with self._lock:
+            return dict(self.stage_seconds.get(dataset, {}))
+
+    def all_seconds(self) -> dict[str, dict[str, float]]:
+        """A copy of every dataset's stage times."""
+        with self._lock:
+            return {dataset: dict(spent) for dataset, spent in self.stage_seconds.items()}
 
     def pids(self) -> list[int]:
         """Process IDs of the idle workers (all of them when nothing runs)."""

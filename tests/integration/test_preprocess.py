@@ -142,9 +142,12 @@ def hosted(cluster, dataset: str) -> bool:
 
 def server_stages_ran(cluster, stage: str) -> bool:
     """Whether some server timed ``stage`` (``"<index>:<op>"``)."""
-    label = f'{{stage="{stage}"}}'
     texts = [http_get(server.ready["http"], "/metrics")[1] for server in cluster.servers]
-    return any(f"kspeed_server_preprocess_stage_seconds_total{label}" in text for text in texts)
+    return any(
+        line.startswith("kspeed_server_preprocess_stage_seconds_total{") and f'stage="{stage}"' in line
+        for text in texts
+        for line in text.splitlines()
+    )
 
 
 def environ(pid: int) -> dict[str, str]:
@@ -282,8 +285,11 @@ def test_wrap_runs_a_folders_uint8_transforms_on_the_servers(start):
         for epoch in range(2):
             wrapped.set_epoch(epoch)
             assert_same_batches(list(wrapped), want)
-        # This client only received and collated; the servers decoded and transformed every sample.
+        # This client only received and collated; the servers decoded and transformed every sample,
+        # and say so through the manager.
         assert set(wrapped.stats()["client_stage_seconds"]) == {"receive", "collate"}
+        servers = [f"{k}:{s.op}" for k, s in enumerate(pipeline.stages)]
+        wait_for(lambda: set(wrapped.stats()["server_stage_seconds"]) == set(servers), 10, "server stage times")
     assert total(cluster, PREPROCESSED) - before >= 2 * len(folder)
     assert server_stages_ran(cluster, "3:torchvision.transforms:PILToTensor")
 

@@ -288,7 +288,7 @@ def test_workers_write_into_window_slots_what_the_client_would_compute(pool, tmp
     for k in (0, 2):
         got = mapped[k * CROP.nbytes : (k + 1) * CROP.nbytes].reshape(3, 16, 16)
         assert np.array_equal(got, runner.run(data[k], seed=7, epoch=1, sample=k, stop=4))
-    assert pool.samples == 3 and set(pool.stage_seconds) >= {"0:decode_image", "3:to_chw"}
+    assert pool.samples == 3 and set(pool.seconds_of("imgs")) >= {"0:decode_image", "3:to_chw"}
 
 
 def test_a_worker_that_dies_is_replaced_and_its_task_done_again(pool, tmp_path):

@@ -73,7 +73,8 @@ def test_the_listing_is_the_declared_output_and_a_read_runs_the_cached_stages(ba
         got = out[k * FIXED.nbytes : (k + 1) * FIXED.nbytes]
         want = runner.run(raw.read(k), seed=0, epoch=0, sample=k, stop=2)
         assert np.array_equal(got.reshape(SIDE, SIDE, 3), want) and crcs[k] == crc32c(got)
-    assert prep.stage_seconds.keys() >= {"0:decode_image", "1:resize"} and "2:flip" not in prep.stage_seconds
+    spent = prep.seconds_of("imgs")
+    assert spent.keys() >= {"0:decode_image", "1:resize"} and "2:flip" not in spent
     single = np.empty(FIXED.nbytes, dtype=np.uint8)
     assert cached.read_into(3, single) == FIXED.nbytes and np.array_equal(
         single, out[3 * FIXED.nbytes : 4 * FIXED.nbytes]
