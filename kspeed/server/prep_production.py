@@ -46,6 +46,7 @@ class ProcessedProduction:
     _feeds: dict[str, FeedState]
     _draining: dict[int, Draining]
     _recent: deque[tuple[float, int]]
+    _came_home: Callable[[ShareState, np.ndarray], None]
 
     def _forget_plan(self, feed: FeedState, plan: PlanState | None) -> None:
         """Free the processed slots of a plan no longer followed (its feeder dropped it too); under the lock."""
@@ -137,7 +138,8 @@ class ProcessedProduction:
     def _raw_inputs(
         self, share: ShareState, ids: np.ndarray
     ) -> tuple[list[bytes | tuple[str, int, int]], dict[int, str]]:
-        """Each sample's stored bytes for a worker: its home (mapped by the worker) or read from the backend now."""
+        """Each sample's stored bytes for a worker: its home (mapped by the worker) or read from the
+        backend now (and then brought home, unless the preload is reading it too)."""
         lengths = share.preloader.index.length[ids - share.lo]
         inputs: list[bytes | tuple[str, int, int]] = [b""] * len(ids)
         home = share.residency.of(ids) == HOME
@@ -152,13 +154,26 @@ class ProcessedProduction:
         offsets = np.zeros(len(away) + 1, dtype=np.int64)
         np.cumsum(lengths[away], out=offsets[1:])
         buffer = np.empty(max(int(offsets[-1]), 1), dtype=np.uint8)
-        _, errors = share.preloader.source.read_run(
+        # Those no one else is reading come home too, so the preload does not read them again.
+        claimed = set(share.residency.claim(ids[away]).tolist())
+        crcs, errors = share.preloader.source.read_run(
             [int(ids[k]) for k in away], buffer, offsets[:-1].tolist(), lengths[away].tolist()
         )
         share.preloader.changed(errors)
+        failed = {e.sample: str(e) for e in errors if isinstance(e.sample, int)}
         for n, k in enumerate(away.tolist()):
             inputs[k] = buffer[offsets[n] : offsets[n + 1]].tobytes()
-        return inputs, {e.sample: str(e) for e in errors if isinstance(e.sample, int)}
+        home_now = [n for n, k in enumerate(away.tolist()) if int(ids[k]) in claimed and int(ids[k]) not in failed]
+        if home_now:
+            came = ids[away[home_now]]
+            share.preloader.adopt(
+                came, [buffer[offsets[n] : offsets[n + 1]] for n in home_now], np.asarray(crcs, np.uint32)[home_now]
+            )
+            self._came_home(share, came)
+        unread = np.array([i for i in claimed if i in failed], dtype=np.int64)
+        if len(unread):
+            share.residency.fail(unread, [failed[int(i)] for i in unread.tolist()])
+        return inputs, failed
 
     def _settle_processed(
         self,
