@@ -38,6 +38,9 @@ JOINING, READY, SUSPECT, FAILED, LEFT = (
 )
 LIVE = (JOINING, READY, SUSPECT)
 PROBE_FAILURES_SUSPECT = 2  # consecutive failed probes that make a server suspect
+#: What a server registers with and a heartbeat may not change: where clients reach it (the
+#: hostname decides ``shm`` against ``tcp``), how its memory is carved, what it offers.
+IDENTITY = ("hostname", "memory_bytes", "region_size", "transports")
 
 
 def state_name(state: kspeed_pb2.ServerState) -> str:
@@ -165,19 +168,27 @@ class Membership:
         Raises:
             NotFoundError: the manager does not know this server (or this incarnation of it), or it
                 was declared failed or left: the server must register again.
+            ProtocolError: the inventory changes what the server registered with (:data:`IDENTITY`).
         """
         with self._lock:
             entry = self._entries.get(request.id)
             if entry is None or entry.record.state in (FAILED, LEFT):
                 why = "unknown" if entry is None else state_name(entry.record.state)
                 raise NotFoundError(f"server {request.id!r} is {why} here; register again")
-            if request.incarnation and request.incarnation != entry.record.incarnation:
+            if request.incarnation != entry.record.incarnation:  # 0 is no wildcard: incarnations start at 1
                 raise NotFoundError(
                     f"server {request.id!r}: incarnation {request.incarnation} is stale "
                     f"(current {entry.record.incarnation}); register again"
                 )
-            entry.heard_at = self._clock()
             record = entry.record
+            if request.HasField("inventory"):
+                moved = [f for f in IDENTITY if getattr(request.inventory, f) != getattr(record.inventory, f)]
+                if moved:
+                    raise ProtocolError(
+                        f"server {request.id!r}: a heartbeat may not change its {', '.join(moved)} "
+                        "(what it registered with); register again"
+                    )
+            entry.heard_at = self._clock()
             record.last_heartbeat_unix = self._wall()
             changed = False
             if request.HasField("inventory") and request.inventory != record.inventory:
@@ -203,7 +214,7 @@ class Membership:
             entry = self._entries.get(request.id)
             if entry is None:
                 raise NotFoundError(f"unknown server {request.id!r}")
-            if request.incarnation and request.incarnation != entry.record.incarnation:
+            if request.incarnation != entry.record.incarnation:  # 0 is no wildcard
                 raise ProtocolError(
                     f"server {request.id!r}: incarnation {request.incarnation} is not the "
                     f"current one ({entry.record.incarnation})"

@@ -90,6 +90,24 @@ def test_unknown_and_stale_heartbeats(tmp_path):
     beat(membership, incarnation=2)
 
 
+def test_incarnation_0_is_no_wildcard_and_a_heartbeat_cannot_change_who_a_server_is(tmp_path):
+    membership = make(tmp_path, Clock())
+    register(membership)
+    membership.probe_result("srv-a", 1, True)
+    with pytest.raises(NotFoundError, match="incarnation 0 is stale"):
+        beat(membership, incarnation=0)
+    with pytest.raises(ProtocolError, match="incarnation 0 is not the current one"):
+        membership.deregister(kspeed_pb2.DeregisterServerRequest(id="srv-a"))
+    evil = kspeed_pb2.ServerInventory(hostname="evil", memory_bytes=2**30, region_size=2**27)
+    with pytest.raises(ProtocolError, match="may not change its hostname"):
+        membership.heartbeat(kspeed_pb2.HeartbeatRequest(id="srv-a", incarnation=1, inventory=evil))
+    record = membership.get("srv-a")
+    assert (record.state, record.inventory.hostname) == (READY, "")  # nothing of the refused calls stuck
+    fuller = kspeed_pb2.ServerInventory(memory_bytes=2**30, region_size=2**27, regions_free=3)
+    membership.heartbeat(kspeed_pb2.HeartbeatRequest(id="srv-a", incarnation=1, inventory=fuller))
+    assert membership.get("srv-a").inventory.regions_free == 3  # what changes as it runs is taken
+
+
 def test_deregister(tmp_path):
     membership = make(tmp_path, Clock())
     register(membership)
@@ -100,7 +118,7 @@ def test_deregister(tmp_path):
     assert membership.snapshot() == []
     assert [r.id for r in membership.snapshot(include_left=True)] == ["srv-a"]
     with pytest.raises(NotFoundError):
-        membership.deregister(kspeed_pb2.DeregisterServerRequest(id="srv-b"))
+        membership.deregister(kspeed_pb2.DeregisterServerRequest(id="srv-b", incarnation=1))
 
 
 def test_restart_restores_registry_as_suspect_until_heard(tmp_path):
