@@ -8,6 +8,7 @@ state, forgets ranks that stopped reporting, and answers with the spread across 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -20,6 +21,8 @@ from kspeed.proto import kspeed_pb2
 MAX_RANKS = 1 << 16
 MAX_SERVERS_PER_REPORT = 4096
 REPORT_TTL = 120.0  # a rank silent this long is forgotten
+#: The real-valued figures of a report (each a finite, non-negative number).
+_FIGURES = ("elapsed_s", "wait_total_s", "wait_mean_ms", "wait_p50_ms", "wait_p99_ms", "wait_max_ms")
 
 
 def _spread(values: np.ndarray) -> kspeed_pb2.Spread:
@@ -45,13 +48,26 @@ class JobBoard:
         """Keep a rank's report.
 
         Raises:
-            ProtocolError: a malformed report (job name, rank, sizes).
+            ProtocolError: a malformed report (job or dataset name, rank, sizes, a figure that is
+                negative, infinite or NaN).
         """
         names.JOB.check(stats.job)
         if stats.world_size > MAX_RANKS or stats.rank >= max(stats.world_size, 1):
             raise ProtocolError(f"job {stats.job!r}: rank {stats.rank} of world size {stats.world_size} is invalid")
         if len(stats.server_bytes) > MAX_SERVERS_PER_REPORT or len(stats.dataset) > 128 or len(stats.host) > 256:
             raise ProtocolError(f"job {stats.job!r}: report of rank {stats.rank} is too large")
+        if stats.dataset:
+            names.DATASET.check(stats.dataset)
+        for server in stats.server_bytes:
+            names.SERVER_ID.check(server)
+        if not stats.host.isprintable():
+            raise ProtocolError(f"job {stats.job!r}: rank {stats.rank} names its host with control characters")
+        bad = [f for f in _FIGURES if not (math.isfinite(getattr(stats, f)) and getattr(stats, f) >= 0)]
+        if bad:
+            raise ProtocolError(
+                f"job {stats.job!r}: report of rank {stats.rank} has {', '.join(bad)} that is not a finite "
+                "non-negative number"
+            )
         kept = kspeed_pb2.RankStats()
         kept.CopyFrom(stats)
         kept.report_unix = self._wall()

@@ -63,6 +63,12 @@ def test_latest_report_wins_and_silent_ranks_expire():
         report(0, 1.0, job="a b"),
         report(4, 1.0, world=4),
         kspeed_pb2.RankStats(job="j", rank=0, world_size=1, dataset="x" * 300),
+        kspeed_pb2.RankStats(job="j", rank=0, world_size=1, wait_mean_ms=float("nan")),
+        kspeed_pb2.RankStats(job="j", rank=0, world_size=1, elapsed_s=float("inf")),
+        kspeed_pb2.RankStats(job="j", rank=0, world_size=1, wait_total_s=-1.0),
+        kspeed_pb2.RankStats(job="j", rank=0, world_size=1, dataset="imgs\nFAKE log line"),
+        kspeed_pb2.RankStats(job="j", rank=0, world_size=1, host="node\x1b[2J"),
+        kspeed_pb2.RankStats(job="j", rank=0, world_size=1, server_bytes={"srv a\n": 1}),
     ],
 )
 def test_malformed_reports_are_refused(bad):
