@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kspeed import wire
+from kspeed import names, wire
 from kspeed.errors import ConfigError, DatasetError, KSpeedError, NotFoundError
 from kspeed.preprocess.pipeline import Pipeline
 from kspeed.preprocess.runner import Runner
@@ -289,7 +289,11 @@ class DatasetHost:
         """Stop serving ``name`` and free its regions (waits for a running preload to finish).
 
         The dataset's feeds end first; their clients are told ``reason`` (default: it was removed).
+
+        Raises:
+            ProtocolError: ``name`` is no dataset name at all.
         """
+        names.DATASET.check(name)  # a name that could not be hosted never reaches the logs or the feeders
         reason = reason or f"dataset {name!r} was removed from the cluster"
         self._dropped[name] = reason
         while len(self._dropped) > REMEMBERED_DROPS:
@@ -314,9 +318,11 @@ class DatasetHost:
 
         Raises:
             NotFoundError: this server holds no share of it.
+            ProtocolError: ``name`` is no dataset name at all.
         """
         hosted = self._hosted.get(name)
         if hosted is None:
+            names.DATASET.check(name)
             why = self._dropped.get(name)
             raise NotFoundError(f"dataset {name!r} is not hosted on this server" + (f": {why}" if why else ""))
         return hosted

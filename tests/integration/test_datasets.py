@@ -168,6 +168,15 @@ def test_bad_input_is_named_and_changes_nothing(data_cluster, tmp_path):
                 )
             )
         assert exc.value.code() == grpc.StatusCode.NOT_FOUND and "'ok'" in exc.value.details()
+        # A name that could not be a dataset's is refused as such before it reaches a log line.
+        for call, request in (
+            (stub.DropDataset, kspeed_pb2.DatasetRequest(name="ok\nFORGED log line")),
+            (stub.StartPreload, kspeed_pb2.DatasetRequest(name="x\x1b[2J")),
+        ):
+            with pytest.raises(grpc.RpcError) as exc:
+                call(request, timeout=5)
+            assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "dataset name" in exc.value.details()
+        assert client.dataset("ok").spec.name == "ok"  # nothing was dropped
 
         job = client.create_dataset(spec(name="jobds", uri=str(tmp_path / "ok")), holder="test")
         with pytest.raises(StateError, match=r"'jobds' is in use: 1 job lease\(s\) hold it \(test\).*--force"):
