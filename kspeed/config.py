@@ -610,6 +610,12 @@ class ClientConfig:
     ring_bytes: int = option(
         0, "size of each dataset's receive ring (0: max(256MiB, 4 batches))", parse=parse_bytes, env="KSPEED_RING_BYTES"
     )
+    ring_max_bytes: int = option(
+        0,
+        "largest receive ring a dataset may allocate (0: a quarter of the memory available when it is made)",
+        parse=parse_bytes,
+        env="KSPEED_RING_MAX_BYTES",
+    )
     completion_timeout: float = option(
         60.0,
         "longest a batch waits for a silent server before that server is named in an error",

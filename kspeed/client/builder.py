@@ -23,7 +23,7 @@ from typing import Any
 
 from kspeed.config import ClientConfig, gpu_environment
 from kspeed.control.manager_client import ManagerClient
-from kspeed.errors import ConfigError, KSpeedError
+from kspeed.errors import CapacityError, ConfigError, KSpeedError
 from kspeed.layout import SAMPLE_ALIGN
 from kspeed.proto import kspeed_pb2
 from kspeed.rdma.options import RailOptions
@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 
 MIN_RING = 256 << 20
 RING_BATCHES = 4
+RING_MEMORY_SHARE = 0.25  # of the memory available when a ring is made: the default cap of one ring
 MAX_IO_THREADS = 8  # threads that talk to the servers at once (lookups, commits)
 
 
@@ -102,15 +103,55 @@ class FeedParts:
         }
 
 
-def ring_size(info: kspeed_pb2.DatasetInfo, batch_size: int, requested: int, sample_bytes: int = 0) -> int:
+def available_memory() -> int:
+    """Bytes of memory this host can give without swapping (``MemAvailable``; all of it if unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def ring_cap(configured: int) -> int:
+    """The largest ring a dataset may allocate: ``configured``, or (for 0) a
+    :data:`RING_MEMORY_SHARE` of the memory available now, at least :data:`MIN_RING`."""
+    return configured or max(MIN_RING, int(available_memory() * RING_MEMORY_SHARE))
+
+
+def ring_size(
+    info: kspeed_pb2.DatasetInfo, batch_size: int, requested: int, sample_bytes: int = 0, cap: int = 0
+) -> int:
     """``requested``, or (for 0) room for :data:`RING_BATCHES` batches of average samples (at least
-    ``sample_bytes`` each: what the servers' preprocessing makes of one), at least :data:`MIN_RING`."""
-    if requested:
-        return requested
+    ``sample_bytes`` each: what the servers' preprocessing makes of one), at least :data:`MIN_RING`,
+    and at most ``cap`` (0: no cap).
+
+    Raises:
+        CapacityError: ``requested``, or one batch of average samples, is larger than ``cap``
+            (nothing is allocated yet; the message names the sizes and the settings to change).
+    """
+    name = info.spec.name
     count = max(int(info.fingerprint.count), 1)
     average = max(-(-int(info.fingerprint.total_bytes) // count), sample_bytes)
     per_sample = -(-average // SAMPLE_ALIGN) * SAMPLE_ALIGN
-    return max(MIN_RING, RING_BATCHES * batch_size * per_sample)
+    batch = batch_size * per_sample
+    if cap and batch > cap:
+        raise CapacityError(
+            f"dataset {name!r}: one batch of {batch_size} samples of about {average} bytes takes {batch} bytes, "
+            f"more than the largest receive ring allowed ({cap} bytes: ring_max_bytes, default a quarter of the "
+            "available memory); use a smaller batch_size or raise ring_max_bytes"
+        )
+    if requested:
+        if cap and requested > cap:
+            raise CapacityError(
+                f"dataset {name!r}: a receive ring of {requested} bytes is larger than the largest allowed "
+                f"({cap} bytes: ring_max_bytes, default a quarter of the available memory)"
+            )
+        return requested
+    wanted = max(MIN_RING, RING_BATCHES * batch)
+    return min(wanted, cap) if cap else wanted
 
 
 def _user() -> str:
@@ -190,7 +231,9 @@ def build_feed(
         dataset=name,
     )
     delivery = make_delivery(options.device)
-    ring_bytes = ring_size(info, options.batch_size, requested, prep.nbytes if prep is not None else 0)
+    ring_bytes = ring_size(
+        info, options.batch_size, requested, prep.nbytes if prep is not None else 0, ring_cap(config.ring_max_bytes)
+    )
     # The NIC and cores nearest this process's GPU (no preference without a GPU or NIC); a forced
     # NIC that does not exist is an error here, never a silent fallback.
     placement = place(environ=gpu_environment(), nic=config.nic or None)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
+import threading
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -131,6 +133,18 @@ def test_bad_input_is_named(fed):
     small = client.dataset(spec, batch_size=64, ring_bytes=64 << 10, quiet=True)
     with pytest.raises(CapacityError, match="more than the receive ring's 65536"):
         iter(small)
+    # A ring larger than the cap (default a quarter of the available memory) is refused before
+    # anything is allocated: no descriptor, mapping or thread is left behind.
+    fds, threads = set(os.listdir("/proc/self/fd")), threading.active_count()
+    for batch_size in (10**6, 2**50):
+        with pytest.raises(CapacityError, match="more than the largest receive ring allowed"):
+            client.dataset(spec, batch_size=batch_size, quiet=True)
+    with (
+        KSpeedClient(config=config_for(cluster, ring_max_bytes="1MiB")) as capped,
+        pytest.raises(CapacityError, match="larger than the largest allowed"),
+    ):
+        capped.dataset(spec, 4, ring_bytes=2 << 20)
+    assert set(os.listdir("/proc/self/fd")) <= fds and threading.active_count() <= threads
     ds = client.dataset(spec, batch_size=16, ring_bytes=8 << 20, quiet=True)
     with pytest.raises(StateError, match="num_workers"):
         next(iter(DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context="spawn")))
