@@ -234,14 +234,24 @@ def check_bindable(address: str) -> None:
             ) from exc
 
 
+#: Longest wait between a channel's attempts to reconnect (gRPC's own default grows to 120 s, so a
+#: daemon that came back would be found only long after: a restarted manager would declare healthy
+#: servers failed before they dialled again).
+MAX_RECONNECT_BACKOFF_MS = 1_000
+
+
 def channel_options(max_message_bytes: int = 64 * 1024**2) -> list[tuple[str, Any]]:
-    """Options of every channel: bounded messages, keepalive so a dead peer is noticed."""
+    """Options of every channel: bounded messages, keepalive so a dead peer is noticed, and a
+    reconnect backoff bounded by :data:`MAX_RECONNECT_BACKOFF_MS` so a peer that returns is found at once."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.keepalive_time_ms", 10_000),
         ("grpc.keepalive_timeout_ms", 5_000),
         ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.min_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
     ]
 
 

@@ -22,7 +22,7 @@ from kspeed.server.metrics import ServerMetrics
 log = logging.getLogger(__name__)
 
 CALL_TIMEOUT = 5.0
-MAX_BACKOFF = 5.0
+MAX_BACKOFF = 1.0  # a manager that comes back hears from every server within about a heartbeat
 
 
 class ManagerAgent:

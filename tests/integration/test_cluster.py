@@ -92,6 +92,29 @@ def test_manager_restart_keeps_membership_and_servers_rejoin(cluster):
         assert {r.id: r.incarnation for r in client.servers()} == before  # heartbeats, not re-registration
 
 
+def test_a_manager_back_after_a_long_outage_finds_every_healthy_server_ready(cluster_factory):
+    # Three servers, failed 3 s after their last heartbeat. The manager is away 10 s: gRPC's own
+    # reconnect backoff would by then wait seconds between attempts, so servers would dial the
+    # restarted manager too late and be declared failed although they never stopped.
+    cluster = cluster_factory(3, manager_args=["--suspect-after", "1.5s", "--fail-after", "3s"])
+    with client_for(cluster) as client:
+        wait_for(lambda: all_ready(client, 3), 10, "three servers ready")
+        before = {r.id: r.incarnation for r in client.servers()}
+    assert cluster.manager.stop() == 0
+    time.sleep(10)
+    cluster.start_manager()
+    seen: dict[str, set[int]] = {}
+    with client_for(cluster) as client:
+        deadline = time.monotonic() + 6  # twice the failure timeout
+        while time.monotonic() < deadline:
+            for server_id, state in states(client).items():
+                seen.setdefault(server_id, set()).add(state)
+            time.sleep(0.05)
+        assert all_ready(client, 3)
+        assert {r.id: r.incarnation for r in client.servers()} == before  # the same incarnations: never lost
+    assert all(S.SERVER_STATE_FAILED not in states_seen for states_seen in seen.values()), seen
+
+
 def test_unknown_server_heartbeat_is_not_found_and_server_reregisters(cluster):
     with client_for(cluster) as client:
         wait_for(lambda: all_ready(client, 2), 10, "both servers ready")
