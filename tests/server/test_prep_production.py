@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kspeed.server.prep_production import ProcessedProduction
 from kspeed.server.preload import Preloader
+from kspeed.server.prep_production import ProcessedProduction
 from kspeed.server.production_state import ShareState
 from kspeed.server.residency import HOME
 from kspeed.server.sources import open_source
