@@ -189,17 +189,37 @@ class DatasetCatalog:
         for key in [k for k in self._share_status if k[1] == server_id]:
             del self._share_status[key]
 
-    def on_heartbeat(self, server_id: str, shares: list[kspeed_pb2.ShareStatus]) -> list[str]:
-        """Record the progress a server reports; return the datasets it holds but should not."""
+    def on_heartbeat(
+        self, server_id: str, shares: list[kspeed_pb2.ShareStatus]
+    ) -> tuple[list[str], list[kspeed_pb2.AssignShareRequest]]:
+        """Record the progress a server reports; return the datasets it holds but should not, and
+        the shares it should hold but did not report (its progress is forgotten: not loaded there)."""
         stale = []
+        reported = set()
         for status in shares:
             info = self._datasets.get(status.dataset)
             if info is None or all(s.server_id != server_id for s in info.shares):
-                if status.dataset not in self._locks or not self._locks[status.dataset].locked():
+                if not self._registering(status.dataset):
                     stale.append(status.dataset)  # not while a registration of that name is under way
                 continue
+            reported.add(status.dataset)
             self._share_status[(status.dataset, server_id)] = status
-        return stale
+        missing = []
+        for name, info in self._datasets.items():
+            if name in reported or self._registering(name):
+                continue
+            for share in info.shares:
+                if share.server_id == server_id:
+                    if self._share_status.pop((name, server_id), None) is not None:
+                        log.warning(
+                            "dataset %s: server %s no longer reports its share; assigning it again", name, server_id
+                        )
+                    missing.append(self._assignment(info, share))
+        return stale, missing
+
+    def _registering(self, name: str) -> bool:
+        lock = self._locks.get(name)
+        return lock is not None and lock.locked()
 
     # -- changes ---------------------------------------------------------------------------------
 

@@ -95,9 +95,9 @@ class ManagerService:
         self, request: kspeed_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> kspeed_pb2.HeartbeatReply:
         record = self._membership.heartbeat(request)
-        stale = self._catalog.on_heartbeat(request.id, list(request.shares))
+        stale, missing = self._catalog.on_heartbeat(request.id, list(request.shares))
         return kspeed_pb2.HeartbeatReply(
-            state=record.state, heartbeat_interval_s=self._heartbeat_interval, drop_datasets=stale
+            state=record.state, heartbeat_interval_s=self._heartbeat_interval, drop_datasets=stale, assign=missing
         )
 
     async def DeregisterServer(

@@ -194,14 +194,16 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ..., incarnation: _Optional[int] = ..., inventory: _Optional[_Union[ServerInventory, _Mapping]] = ..., shares: _Optional[_Iterable[_Union[ShareStatus, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("state", "heartbeat_interval_s", "drop_datasets")
+    __slots__ = ("state", "heartbeat_interval_s", "drop_datasets", "assign")
     STATE_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     DROP_DATASETS_FIELD_NUMBER: _ClassVar[int]
+    ASSIGN_FIELD_NUMBER: _ClassVar[int]
     state: ServerState
     heartbeat_interval_s: float
     drop_datasets: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, state: _Optional[_Union[ServerState, str]] = ..., heartbeat_interval_s: _Optional[float] = ..., drop_datasets: _Optional[_Iterable[str]] = ...) -> None: ...
+    assign: _containers.RepeatedCompositeFieldContainer[AssignShareRequest]
+    def __init__(self, state: _Optional[_Union[ServerState, str]] = ..., heartbeat_interval_s: _Optional[float] = ..., drop_datasets: _Optional[_Iterable[str]] = ..., assign: _Optional[_Iterable[_Union[AssignShareRequest, _Mapping]]] = ...) -> None: ...
 
 class DeregisterServerRequest(_message.Message):
     __slots__ = ("id", "incarnation", "reason")

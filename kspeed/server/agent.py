@@ -42,6 +42,7 @@ class ManagerAgent:
         shares: Callable[[], list[kspeed_pb2.ShareStatus]] = list,
         on_registered: Callable[[kspeed_pb2.RegisterServerReply], None] = lambda reply: None,
         on_drop: Callable[[str], None] = lambda name: None,
+        on_assign: Callable[[list[kspeed_pb2.AssignShareRequest]], None] = lambda requests: None,
     ) -> None:
         self._manager = manager_address
         self._metadata = rpc.call_metadata(security)
@@ -56,6 +57,7 @@ class ManagerAgent:
         self._shares = shares
         self._on_registered = on_registered
         self._on_drop = on_drop
+        self._on_assign = on_assign
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kspeed-agent", daemon=True)
         self.incarnation = 0
@@ -105,6 +107,8 @@ class ManagerAgent:
         for name in reply.drop_datasets:
             log.info("the manager no longer assigns dataset %s here; dropping it", name)
             self._on_drop(name)
+        if reply.assign:
+            self._on_assign(list(reply.assign))
 
     def _run(self) -> None:
         backoff = 0.2

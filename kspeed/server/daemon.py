@@ -173,6 +173,7 @@ class Server:
             shares=host.statuses,
             on_registered=lambda reply: host.reconcile(list(reply.assignments)),
             on_drop=host.drop,
+            on_assign=host.retake,
         )
         self.agent.start()
         log.info(

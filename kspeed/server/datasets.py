@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 ASSIGNMENTS_FILE = "assignments.json"
 MAX_REPORTED_ERRORS = 5
 REMEMBERED_DROPS = 256  # dropped datasets whose reason is kept for later calls about them
+RETAKE_INTERVAL = 30.0  # seconds between attempts to take again a share this server failed to take
 
 
 def fingerprint_pb(source: Source) -> kspeed_pb2.Fingerprint:
@@ -120,6 +122,8 @@ class DatasetHost:
         self.on_drop: Callable[[str, str], None] = lambda name, reason: None  # e.g. close the dataset's feeds
         self.on_changed: Callable[[str, list[Change]], None] = lambda name, changes: None  # e.g. tell the feeders
         self.watch = ChangeWatch(self._checks, interval=change_check_interval, budget=change_check_budget)
+        self._retaken: dict[str, float] = {}  # dataset -> when it was last taken again
+        self._retaking: list[threading.Thread] = []
 
     # -- backend changes -------------------------------------------------------------------------
 
@@ -163,6 +167,31 @@ class DatasetHost:
                 self.assign(request)
             except KSpeedError as exc:
                 log.error("dataset %s: cannot take the assigned share: %s", request.spec.name, exc)
+
+    def retake(self, requests: list[kspeed_pb2.AssignShareRequest]) -> None:
+        """Take again shares the manager assigns here that this server did not report (dropped by
+        hand, or lost): each is assigned and reloaded in the background (a listing can take long;
+        heartbeats go on), at most once per :data:`RETAKE_INTERVAL` per dataset."""
+        now = time.monotonic()
+        for request in requests:
+            name = request.spec.name
+            with self._lock:
+                self._retaking = [t for t in self._retaking if t.is_alive()]
+                if name in self._hosted or now - self._retaken.get(name, -RETAKE_INTERVAL) < RETAKE_INTERVAL:
+                    continue
+                self._retaken[name] = now
+                thread = threading.Thread(target=self._retake, args=(request,), name=f"retake-{name}", daemon=True)
+                self._retaking.append(thread)
+            thread.start()
+
+    def _retake(self, request: kspeed_pb2.AssignShareRequest) -> None:
+        name = request.spec.name
+        try:
+            self.assign(request)
+            self.start_preload(name)
+            log.warning("dataset %s: took its share again (the manager assigns it here) and reloads it", name)
+        except KSpeedError as exc:
+            log.error("dataset %s: cannot take the assigned share again: %s", name, exc)
 
     def describe(self, spec: kspeed_pb2.DatasetSpec) -> kspeed_pb2.DescribeDatasetReply:
         """List a dataset's backend for the manager (sizes in ID order, classes, fingerprint).
@@ -412,8 +441,10 @@ class DatasetHost:
         return held * self.pool.region_size
 
     def close(self) -> None:
-        """Stop the change checks and scrubs and wait for running preloads."""
+        """Stop the change checks and scrubs and wait for shares being taken again and running preloads."""
         self.watch.stop()
+        for thread in list(self._retaking):
+            thread.join(timeout=30)
         with self._lock:
             for hosted in self._hosted.values():
                 hosted.store.stop_scrub()

@@ -79,6 +79,27 @@ def data_cluster(cluster_factory, tmp_path):
     )
 
 
+def test_a_share_a_server_dropped_is_noticed_and_taken_again(data_cluster, tmp_path):
+    files = make_tree(tmp_path / "imgs", max_size=32 * 1024)
+    keys = list(files)
+    spec = kspeed_pb2.DatasetSpec(name="imgs", uri=str(tmp_path / "imgs"), labels="dirname")
+    with client_for(data_cluster) as client:
+        wait_for(lambda: len([r for r in client.servers() if r.state == 2]) == 2, 10, "ready")
+        info = client.create_dataset(spec, operator=True).dataset
+        assert follow_preload(client, "imgs", out=None).state == DS.DATASET_STATE_READY
+        share = info.shares[0]
+        stub = server_stubs(data_cluster, info)[share.server_id]
+        stub.DropDataset(kspeed_pb2.DatasetRequest(name="imgs"), timeout=5)  # behind the manager's back
+        # The next heartbeat lacks the share: the manager stops calling the dataset ready...
+        wait_for(lambda: client.dataset("imgs").state != DS.DATASET_STATE_READY, 5, "the missing share noticed")
+        # ...and the server takes it again and reloads it.
+        wait_for(lambda: client.dataset("imgs").state == DS.DATASET_STATE_READY, 20, "the share taken again")
+        ids = np.arange(share.first_id, share.end_id, dtype=np.int64)
+        reply = stub.Read(kspeed_pb2.ReadRequest(dataset="imgs", ids=ids.tobytes()), timeout=5)
+        data, offsets = reply.data, [0, *np.cumsum([len(files[keys[i]]) for i in ids]).tolist()]
+        assert [data[offsets[k] : offsets[k + 1]] for k in range(len(ids))] == [files[keys[i]] for i in ids]
+
+
 def test_register_preload_lookup_read(data_cluster, tmp_path):
     files = make_tree(tmp_path / "imgs", max_size=160 * 1024)
     keys = list(files)
