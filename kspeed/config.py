@@ -547,6 +547,14 @@ class ServerConfig(DaemonConfig):
         env="KSPEED_PREPROCESS_ALLOW",
         metavar="MODULE,...",
     )
+    data_networks: tuple[str, ...] = option(
+        (),
+        "networks (CIDR) whose addresses a feed's receiver may have besides the address its client "
+        "called from: a server dials no other (e.g. a separate data network of multi-homed hosts)",
+        parse=_parse_list,
+        env="KSPEED_DATA_NETWORKS",
+        metavar="CIDR,...",
+    )
     drain_timeout: float = option(
         10.0, "longest wait for in-flight work on SIGTERM", parse=parse_duration, env="KSPEED_DRAIN_TIMEOUT"
     )

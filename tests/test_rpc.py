@@ -8,6 +8,8 @@ import pytest
 from kspeed import errors
 from kspeed.config import SecurityConfig
 from kspeed.control import rpc
+from kspeed.errors import AccessDeniedError, ConfigError
+from kspeed.rdma.options import RailOptions
 
 
 def test_negotiate_picks_highest_common_and_names_both_sides():
@@ -83,3 +85,21 @@ def test_bind_reports_address_in_use():
         server = grpc.server(__import__("concurrent.futures").futures.ThreadPoolExecutor(1))
         with pytest.raises(errors.ConfigError, match=f"127.0.0.1:{port}"):
             rpc.bind(server, f"127.0.0.1:{port}", SecurityConfig(auth="none"))
+
+
+def test_a_callers_addresses_come_from_its_grpc_peer():
+    assert rpc.caller_addresses("ipv4:10.1.2.3:51234") == ("10.1.2.3",)
+    assert rpc.caller_addresses("ipv6:[fe80::1]:51234") == ("fe80::1",)
+    assert rpc.caller_addresses("unix:/run/kspeed.sock") == ("127.0.0.1", "::1")
+    assert rpc.caller_addresses("something-else") == ()
+
+
+def test_a_writer_dials_only_allowed_networks():
+    RailOptions().check_dial("192.0.2.1", 7)  # nothing set: a caller of the rails decides
+    options = RailOptions(dial_allow=("127.0.0.1", "10.0.0.0/8"))
+    options.check_dial("127.0.0.1", 7)
+    options.check_dial("10.200.0.9", 7)
+    with pytest.raises(AccessDeniedError, match=r"receiver 192\.0\.2\.1:7 \(192\.0\.2\.1\) is neither"):
+        options.check_dial("192.0.2.1", 7)
+    with pytest.raises(ConfigError, match="dial_allow"):
+        RailOptions(dial_allow=("10.0.0.0/33",))

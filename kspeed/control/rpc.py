@@ -240,6 +240,19 @@ def check_bindable(address: str) -> None:
 MAX_RECONNECT_BACKOFF_MS = 1_000
 
 
+def caller_addresses(peer: str) -> tuple[str, ...]:
+    """The addresses a gRPC caller (``context.peer()``) called from: its IP, or loopback for a
+    Unix-socket caller (on this host); nothing for a peer gRPC does not describe."""
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv4":
+        return (rest.rsplit(":", 1)[0],)
+    if kind == "ipv6":
+        return (rest.rsplit(":", 1)[0].strip("[]"),)
+    if kind in ("unix", "unix-abstract"):
+        return ("127.0.0.1", "::1")
+    return ()
+
+
 def channel_options(max_message_bytes: int = 64 * 1024**2) -> list[tuple[str, Any]]:
     """Options of every channel: bounded messages, keepalive so a dead peer is noticed, and a
     reconnect backoff bounded by :data:`MAX_RECONNECT_BACKOFF_MS` so a peer that returns is found at once."""

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ipaddress
 import math
+import socket
 from dataclasses import dataclass
 
-from kspeed.errors import ConfigError
+from kspeed.errors import AccessDeniedError, ConfigError
 
 __all__ = ["RailOptions"]
 
@@ -34,6 +36,9 @@ class RailOptions:
         allowed_uids: users besides our own whose processes may connect over Unix sockets.
         socket_buffer: bytes requested for ``SO_SNDBUF``/``SO_RCVBUF`` of bulk sockets; ``None``
             leaves the kernel's autotuning in charge (usually the faster choice).
+        dial_allow: networks (CIDR, or single addresses) a network writer may dial; a receiver
+            elsewhere is refused before any packet is sent. Empty: any (a server always sets it,
+            per feed, to the address its client called from and its ``data_networks``).
     """
 
     token: bytes | None = None
@@ -47,6 +52,7 @@ class RailOptions:
     receiver_name: str | None = None
     allowed_uids: tuple[int, ...] = ()
     socket_buffer: int | None = None
+    dial_allow: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.token is not None and (not isinstance(self.token, bytes) or len(self.token) < 16):
@@ -70,6 +76,32 @@ class RailOptions:
                 "receiver_name may hold only letters, digits, '-' and '_'",
                 field="rdma.receiver_name",
                 value=self.receiver_name,
+            )
+
+        for network in self.dial_allow:
+            try:
+                ipaddress.ip_network(network, strict=False)
+            except ValueError as exc:
+                raise ConfigError(f"dial_allow: {exc}", field="server.data_networks", value=network) from exc
+
+    def check_dial(self, host: str, port: int) -> None:
+        """Refuse to dial ``host`` unless every address it resolves to lies in :attr:`dial_allow`.
+
+        Raises:
+            AccessDeniedError: it does not (or it does not resolve); the message names it and the rule.
+        """
+        if not self.dial_allow:
+            return
+        try:
+            found = {str(info[4][0]) for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
+        except OSError as exc:
+            raise AccessDeniedError(f"receiver {host}:{port} does not resolve ({exc}); not dialled") from exc
+        networks = [ipaddress.ip_network(n, strict=False) for n in self.dial_allow]
+        outside = sorted(a for a in found if not any(ipaddress.ip_address(a.split("%")[0]) in n for n in networks))
+        if outside:
+            raise AccessDeniedError(
+                f"receiver {host}:{port} ({', '.join(outside)}) is neither where the client called from nor in "
+                f"the server's data_networks ({', '.join(self.dial_allow)}); not dialled"
             )
 
     @property

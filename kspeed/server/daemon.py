@@ -112,7 +112,9 @@ class Server:
             prep=self.prep,
         )
         host.restore()
-        options = RailOptions(token=cfg.security.data_plane_token(), io_timeout=cfg.data_io_timeout)
+        options = RailOptions(
+            token=cfg.security.data_plane_token(), io_timeout=cfg.data_io_timeout, dial_allow=cfg.data_networks
+        )
         count = cfg.feeders or min(4, inv.usable_cores(cfg.cores))
         self.feeders = FeederPool(
             count,

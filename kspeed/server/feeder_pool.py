@@ -149,8 +149,9 @@ class FeederPool:
             raise cls(reply.message or f"feeder process {index} failed {what}")
         return reply
 
-    def open(self, request: kspeed_pb2.OpenFeedRequest) -> kspeed_pb2.OpenFeedReply:
-        """Connect a feeder to the client's ring.
+    def open(self, request: kspeed_pb2.OpenFeedRequest, caller: tuple[str, ...] = ()) -> kspeed_pb2.OpenFeedReply:
+        """Connect a feeder to the client's ring, dialling only ``caller`` (the addresses the client
+        called from) or the server's ``data_networks``.
 
         Raises:
             ProtocolError: a malformed request.
@@ -172,7 +173,13 @@ class FeederPool:
         self._command(
             index,
             OpenFeed(
-                request.feed_id, request.dataset, request.rail, request.material, request.ring_key, request.generation
+                request.feed_id,
+                request.dataset,
+                request.rail,
+                request.material,
+                request.ring_key,
+                request.generation,
+                caller,
             ),
         )
         with self._lock:

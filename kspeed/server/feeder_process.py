@@ -11,6 +11,7 @@ any more (docs/feeding.md).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -25,6 +26,9 @@ from kspeed.rdma.options import RailOptions
 from kspeed.rdma.rails import get_rail
 from kspeed.server.feed_writer import FeederShared, FeedWriter, PlanPart
 from kspeed.server.pool import map_region
+
+#: What a feeder dials when nothing says where its client called from (a caller on this host).
+LOOPBACK = ("127.0.0.0/8", "::1/128")
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +62,7 @@ class OpenFeed:
     material: bytes
     ring_key: bytes
     generation: int
+    caller: tuple[str, ...] = ()  # where the client called from: a network rail dials only there (or data_networks)
 
 
 @dataclass(frozen=True)
@@ -230,7 +235,8 @@ class Feeder:
         old = self.feeds.pop(command.feed_id, None)
         if old is not None:
             old.close()
-        writer = get_rail(command.rail).connect(command.material, self.options)
+        allowed = (*command.caller, *self.options.dial_allow) or LOOPBACK
+        writer = get_rail(command.rail).connect(command.material, dataclasses.replace(self.options, dial_allow=allowed))
         try:
             key = RegionKey.from_bytes(command.ring_key)
             writer.send(grants.encode_hello(grants.Hello(command.feed_id, self.server_id, command.generation)))

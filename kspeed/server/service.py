@@ -9,6 +9,7 @@ import numpy as np
 
 from kspeed import wire
 from kspeed._version import PROTOCOL_VERSIONS, __version__
+from kspeed.control import rpc
 from kspeed.errors import ProtocolError
 from kspeed.proto import kspeed_pb2
 from kspeed.server.datasets import DatasetHost, decode_ids
@@ -101,7 +102,7 @@ class ServerService:
         return self._host.read(request.dataset, ids)
 
     def OpenFeed(self, request: kspeed_pb2.OpenFeedRequest, context: grpc.ServicerContext) -> kspeed_pb2.OpenFeedReply:
-        reply = self._feeders.open(request)
+        reply = self._feeders.open(request, rpc.caller_addresses(context.peer()))
         reply.server_id = self._id
         return reply
 

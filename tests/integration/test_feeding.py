@@ -6,6 +6,7 @@ CommitPlan, grant batches and check the bytes that land, on every available rail
 
 from __future__ import annotations
 
+import json
 import time
 
 import grpc
@@ -122,6 +123,40 @@ def test_grants_land_byte_exact(loaded, rail):
             stub.CloseFeed(kspeed_pb2.CloseFeedRequest(feed_id="rank0"), timeout=10)
     finally:
         receiver.close()
+
+
+def test_a_server_dials_only_where_its_client_called_from(loaded):
+    cluster, info, _ = loaded
+    stub = server_stubs(cluster, info)[info.shares[0].server_id]
+
+    def forged(rail: str, **fields) -> bytes:
+        receiver = get_rail(rail).listen(RailOptions(io_timeout=5.0))
+        try:
+            ring = receiver.register(1 << 20)
+            material = json.dumps({**json.loads(receiver.material), **fields}).encode()
+            request = kspeed_pb2.OpenFeedRequest(
+                dataset="feed",
+                feed_id="forged",
+                rail=rail,
+                material=material,
+                ring_key=ring.key.to_bytes(),
+                generation=1,
+            )
+            with pytest.raises(grpc.RpcError) as exc:
+                stub.OpenFeed(request, timeout=10)
+            assert exc.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            return exc.value.details()
+        finally:
+            receiver.close()
+
+    # This test calls from loopback: a receiver anywhere else is refused before a packet is sent
+    # (192.0.2.1 is a documentation address: dialling it would hang, not fail).
+    if "tcp" in available_rails():
+        why = forged("tcp", host="192.0.2.1", port=22)
+        assert "receiver 192.0.2.1:22" in why and "not dialled" in why
+    # The shm rail dials only a KSpeed receiver's socket, never another abstract socket of this user.
+    why = forged("shm", socket="some-other-daemon")
+    assert "'some-other-daemon', not a KSpeed receiver's" in why
 
 
 def test_feed_errors_are_named(loaded):

@@ -39,6 +39,7 @@ from kspeed.rdma.memory import MemfdSegment
 from kspeed.rdma.options import RailOptions
 
 from .writer import HELLO as _HELLO
+from .writer import socket_name
 
 __all__ = ["ShmReceiver"]
 
@@ -58,7 +59,7 @@ class ShmReceiver(Receiver):
         self._options = options
         self._node = socket.gethostname()
         self._secret = os.urandom(32)
-        self._name = f"kspeed-shm-{os.getpid()}-{os.urandom(8).hex()}"
+        self._name = socket_name()
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self._listener.bind("\0" + self._name)
         self._listener.listen(64)

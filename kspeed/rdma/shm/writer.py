@@ -13,13 +13,21 @@ import array
 import contextlib
 import json
 import os
+import re
 import socket
 from collections import deque
 from collections.abc import Iterable
 
 import numpy as np
 
-from kspeed.errors import KSpeedError, PeerLostError, RailUnavailableError, RangeError, TransportError
+from kspeed.errors import (
+    AccessDeniedError,
+    KSpeedError,
+    PeerLostError,
+    RailUnavailableError,
+    RangeError,
+    TransportError,
+)
 from kspeed.rdma import auth, framing
 from kspeed.rdma.base import MAX_MESSAGE, RegionKey, Sources, WriteOp, Writer, as_bytes_view, check_imm, check_range
 from kspeed.rdma.memory import MemfdSegment
@@ -29,6 +37,13 @@ from kspeed.rdma.write_batch import WriteBatch
 __all__ = ["HELLO", "ShmWriter"]
 
 HELLO = b"KSPEED-SHM-v1\x00\x00\x00"
+#: The abstract socket a receiver listens on (:func:`socket_name`); a writer dials no other.
+SOCKET_NAME = re.compile(r"kspeed-shm-[0-9]{1,10}-[0-9a-f]{16}")
+
+
+def socket_name() -> str:
+    """A fresh receiver socket name of this process."""
+    return f"kspeed-shm-{os.getpid()}-{os.urandom(8).hex()}"
 
 
 class ShmWriter(Writer):
@@ -39,6 +54,8 @@ class ShmWriter(Writer):
     def __init__(self, material: bytes, options: RailOptions) -> None:
         info, key = auth.open_material(material, "shm", ("socket", "node"), options.token)
         name, node = str(info["socket"]), info["node"]
+        if not SOCKET_NAME.fullmatch(name):
+            raise AccessDeniedError(f"shm connection material names socket {name[:80]!r}, not a KSpeed receiver's")
         if node != socket.gethostname():
             raise RailUnavailableError(f"shm receiver lives on host {node!r}, not this one; use a network rail")
         self._options = options

@@ -47,6 +47,7 @@ class TcpWriter(Writer):
         except (ValueError, TypeError) as exc:
             raise TransportError(f"malformed tcp connection material: {exc}") from exc
         self._options = options
+        options.check_dial(host, port)
         self._msg_reader = framing.FrameReader(1 << 16)
         self._messages: deque[bytes] = deque()
         self.conn = 0
