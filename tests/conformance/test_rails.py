@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +20,7 @@ from kspeed.errors import AuthError, PeerLostError, RailUnavailableError, RangeE
 from kspeed.rdma.base import RegionKey
 from kspeed.rdma.options import RailOptions
 from kspeed.rdma.rails import available_rails, get_rail
+from kspeed.rdma.tcp.receiver_process import HELLO_TIMEOUT, MAX_HANDSHAKES
 from tests.conformance.conftest import IO_TIMEOUT
 from tests.conformance.rail_workers import pattern, serve_ring, stream_forever, write_patterns
 
@@ -453,3 +456,28 @@ def test_both_ends_sending_at_once_never_deadlock(rail, options):
             assert not writer.is_alive() and failures == []
             assert sorted(imms) == list(range(1, count + 1))  # every completion, once
             assert [int.from_bytes(m[:4], "little") for m in got if m] == list(range(messages))
+
+
+@pytest.mark.skipif("tcp" not in available_rails(), reason="the tcp rail is unavailable here")
+def test_idle_dialers_cannot_grow_the_tcp_receivers_threads():
+    options = RailOptions(io_timeout=5.0)
+    with get_rail("tcp").listen(options) as rx:
+        ring = rx.register(1 << 16)
+        (pid,) = rx.helper_pids
+        port = json.loads(rx.material)["port"]
+        before = len(os.listdir(f"/proc/{pid}/task"))
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(200)]  # never say hello
+        try:
+            time.sleep(0.5)
+            assert len(os.listdir(f"/proc/{pid}/task")) <= before + MAX_HANDSHAKES
+            # The dialers past the cap were closed at once; the rest are dropped when their hello
+            # does not come, and a real writer gets in after them.
+            time.sleep(HELLO_TIMEOUT + 1)
+            assert len(os.listdir(f"/proc/{pid}/task")) <= before + 1
+            with get_rail("tcp").connect(rx.material, options) as writer:
+                writer.write(RegionKey.from_bytes(ring.key.to_bytes()), b"after the flood", 0, imm=7)
+                assert _poll_until(rx, 1)[0] == [7]
+                assert ring.array()[:15].tobytes() == b"after the flood"
+        finally:
+            for sock in idle:
+                sock.close()

@@ -44,6 +44,13 @@ log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 _READ_BUDGET = 16 << 20  # bytes read from one connection before serving the others
 _MESSAGE_BACKLOG = 64 << 20  # messages queued for one writer that is not reading them, at most
+#: Dialers being authenticated at once (a thread each); one more is closed at once, so idle or
+#: hostile connections cannot grow threads without bound.
+MAX_HANDSHAKES = 32
+#: Admitted writer connections at most (a server's feeders each hold one per ring).
+MAX_WRITERS = 4096
+#: Seconds a dialer has to send its hello (a writer sends it as soon as it is connected).
+HELLO_TIMEOUT = 2.0
 _U32 = struct.Struct("<I")
 
 
@@ -107,6 +114,8 @@ class ReceiverProcess:
         self.admitted: queue.SimpleQueue = queue.SimpleQueue()
         self.consumers: dict[int, _Consumer] = {}
         self.bulks: dict[int, _Bulk] = {}
+        self.handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        self.refused = 0  # dialers closed at once: too many handshakes or writers
         self.cids = count(1)
         self.conns = count(1)
         self.ever_attached = False
@@ -217,13 +226,33 @@ class ReceiverProcess:
 
     def _accept_writer(self) -> None:
         sock, addr = self.listener.accept()
+        if len(self.bulks) >= MAX_WRITERS or not self.handshakes.acquire(blocking=False):
+            self.refused += 1
+            if self.refused in (1, 10, 100) or self.refused % 1000 == 0:
+                log.warning(
+                    "refused tcp dialer %s: %d handshakes and %d writers at once at most (%d refused so far)",
+                    addr,
+                    MAX_HANDSHAKES,
+                    MAX_WRITERS,
+                    self.refused,
+                )
+            sock.close()
+            return
         threading.Thread(target=self._handshake, args=(sock, addr), daemon=True).start()
 
     def _handshake(self, sock: socket.socket, addr: object) -> None:
-        """Authenticate a dialer (in its own thread); hand it to the loop through the queue."""
+        """Authenticate a dialer (in its own thread, one of at most :data:`MAX_HANDSHAKES`); hand it
+        to the loop through the queue."""
         try:
-            sock.settimeout(self.options.connect_timeout)
+            self._authenticate(sock, addr)
+        finally:
+            self.handshakes.release()
+
+    def _authenticate(self, sock: socket.socket, addr: object) -> None:
+        try:
+            sock.settimeout(min(self.options.connect_timeout, HELLO_TIMEOUT))
             hello = auth.recv_exact(sock, wire.HELLO.size, "tcp hello")
+            sock.settimeout(self.options.connect_timeout)
             magic, role, cid, conn = wire.HELLO.unpack(hello)
             consumer = self.consumers.get(cid)
             if magic != wire.MAGIC or role not in (wire.BULK, wire.MESSAGES):
