@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import ipaddress
 import json
 import os
 import re
@@ -507,6 +508,19 @@ class ServerConfig(DaemonConfig):
         parse=parse_duration,
         env="KSPEED_DATA_IO_TIMEOUT",
     )
+    rpc_threads: int = option(
+        64,
+        "threads serving gRPC calls; streams (lookups, plans) get all but 8, kept for health and info "
+        "calls, and one caller at most half",
+        parse=_parse_int,
+        env="KSPEED_RPC_THREADS",
+    )
+    stream_idle_timeout: float = option(
+        30.0,
+        "longest a gRPC stream may wait for its caller's next message before it is cancelled",
+        parse=parse_duration,
+        env="KSPEED_STREAM_IDLE_TIMEOUT",
+    )
     production_window: int = option(
         0,
         "pool memory reserved for samples produced ahead of the plans that are not at home yet "
@@ -579,6 +593,23 @@ class ServerConfig(DaemonConfig):
                 field="server.memory",
                 value=self.memory,
             )
+        if not 10 <= self.rpc_threads <= 4096:
+            raise ConfigError(
+                f"server.rpc_threads: {self.rpc_threads} is not between 10 and 4096 (8 are kept for unary calls)",
+                field="server.rpc_threads",
+                value=self.rpc_threads,
+            )
+        if not self.stream_idle_timeout > 0:
+            raise ConfigError(
+                "server.stream_idle_timeout must be positive",
+                field="server.stream_idle_timeout",
+                value=self.stream_idle_timeout,
+            )
+        for network in self.data_networks:
+            try:
+                ipaddress.ip_network(network, strict=False)
+            except ValueError as exc:
+                raise ConfigError(f"server.data_networks: {exc}", field="server.data_networks", value=network) from exc
         unknown = sorted(set(self.transports) - set(_rail_names()))
         if unknown:
             raise ConfigError(

@@ -31,6 +31,7 @@ __all__ = [
     "AccessDeniedError",
     "AuthError",
     "BackendError",
+    "BusyError",
     "CapacityError",
     "ChangedError",
     "ConfigError",
@@ -109,6 +110,10 @@ class StateError(KSpeedError):
 
 class CapacityError(KSpeedError):
     """Not enough of a bounded resource: memory, regions, ring space."""
+
+
+class BusyError(CapacityError):
+    """A server has as many streams open as it serves at once: the same call succeeds shortly."""
 
 
 class DatasetError(KSpeedError):

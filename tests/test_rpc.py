@@ -6,6 +6,7 @@ import grpc
 import pytest
 
 from kspeed import errors
+from kspeed.client import links
 from kspeed.config import SecurityConfig
 from kspeed.control import rpc
 from kspeed.errors import AccessDeniedError, ConfigError
@@ -103,3 +104,17 @@ def test_a_writer_dials_only_allowed_networks():
         options.check_dial("192.0.2.1", 7)
     with pytest.raises(ConfigError, match="dial_allow"):
         RailOptions(dial_allow=("10.0.0.0/33",))
+
+
+def test_a_busy_server_is_asked_again_shortly():
+    answers = iter([errors.BusyError("busy"), errors.BusyError("busy"), "planned"])
+
+    def call():
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    assert links._when_not_busy(call) == "planned"
+    with pytest.raises(errors.CapacityError):  # a real shortage is not retried
+        links._when_not_busy(lambda: (_ for _ in ()).throw(errors.CapacityError("window full")))

@@ -6,15 +6,18 @@ s2 at 10.0.0.7:7071 is unreachable" reaches the training script instead of a bar
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import random
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
 
 from kspeed import wire
 from kspeed.config import ClientConfig
 from kspeed.control import rpc
+from kspeed.errors import BusyError
 from kspeed.proto import kspeed_pb2, kspeed_pb2_grpc
 
 __all__ = ["LOOKUP_CHUNK", "PLAN_CHUNK", "Link", "ServerLink"]
@@ -22,6 +25,9 @@ __all__ = ["LOOKUP_CHUNK", "PLAN_CHUNK", "Link", "ServerLink"]
 LOOKUP_CHUNK = 1 << 16  # IDs per Lookup request (the server accepts up to 1 << 20)
 PLAN_CHUNK = 1 << 18  # IDs per PlanChunk (3 MiB per message)
 PLAN_DEADLINE = 120.0  # CommitPlan streams the whole plan; the server returns at once (it produces as it serves)
+BUSY_RETRY_S = 30.0  # how long a lookup or plan is tried again while the server has no stream free
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -101,14 +107,19 @@ class ServerLink:
                     ids=wire.pack_i64(ids[start : start + LOOKUP_CHUNK]),
                 )
 
-        positions, lengths, labels = [], [], []
         deadline = max(self._timeout, 60.0)
-        with rpc.map_rpc_errors(self.name):
-            replies = self._stub.Lookup(chunks(), timeout=deadline, metadata=self._metadata)
-            for start, reply in zip(range(0, max(len(ids), 1), LOOKUP_CHUNK), replies):
-                positions.append(wire.unpack_u32(reply.positions, f"{self.name}: lookup positions") + start)
-                lengths.append(wire.unpack_u32(reply.lengths, f"{self.name}: lookup lengths"))
-                labels.append(wire.unpack_i64(reply.labels, f"{self.name}: lookup labels"))
+
+        def call() -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+            positions, lengths, labels = [], [], []
+            with rpc.map_rpc_errors(self.name):
+                replies = self._stub.Lookup(chunks(), timeout=deadline, metadata=self._metadata)
+                for start, reply in zip(range(0, max(len(ids), 1), LOOKUP_CHUNK), replies):
+                    positions.append(wire.unpack_u32(reply.positions, f"{self.name}: lookup positions") + start)
+                    lengths.append(wire.unpack_u32(reply.lengths, f"{self.name}: lookup lengths"))
+                    labels.append(wire.unpack_i64(reply.labels, f"{self.name}: lookup labels"))
+            return positions, lengths, labels
+
+        positions, lengths, labels = _when_not_busy(call)
         if not positions:
             return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
         return np.concatenate(positions), np.concatenate(lengths), np.concatenate(labels).astype(np.int64)
@@ -144,8 +155,11 @@ class ServerLink:
                         chunk.skip_failed = split.skip
                 yield chunk
 
-        with rpc.map_rpc_errors(self.name):
-            return self._stub.CommitPlan(chunks(), timeout=PLAN_DEADLINE, metadata=self._metadata)
+        def call() -> kspeed_pb2.PlanReply:
+            with rpc.map_rpc_errors(self.name):
+                return self._stub.CommitPlan(chunks(), timeout=PLAN_DEADLINE, metadata=self._metadata)
+
+        return _when_not_busy(call)
 
     def close_feed(self, feed_id: str) -> None:
         """Tell the server the feed is over."""
@@ -157,3 +171,18 @@ class ServerLink:
     def close(self) -> None:
         """Close the channel."""
         self._channel.close()
+
+
+def _when_not_busy(call: Callable[[], T]) -> T:
+    """``call()``, again after a short, growing pause while the server has no stream free
+    (:class:`~kspeed.errors.BusyError`), for at most :data:`BUSY_RETRY_S` seconds."""
+    give_up = time.monotonic() + BUSY_RETRY_S
+    pause = 0.05
+    while True:
+        try:
+            return call()
+        except BusyError:
+            if time.monotonic() + pause > give_up:
+                raise
+            time.sleep(pause * random.uniform(0.5, 1.5))
+            pause = min(pause * 2, 1.0)

@@ -24,6 +24,7 @@ from kspeed.control import rpc
 from kspeed.control.daemon import daemon_main, ensure_state_dir, write_ready_file
 from kspeed.control.http import HttpEndpoint, metrics_route, text_response
 from kspeed.control.logs import LogSettings
+from kspeed.control.streams import StreamGuard
 from kspeed.errors import KSpeedError
 from kspeed.proto import kspeed_pb2
 from kspeed.rdma.options import RailOptions
@@ -41,7 +42,7 @@ from kspeed.server.window import ProductionWindow
 
 log = logging.getLogger(__name__)
 
-GRPC_THREADS = 16
+UNARY_THREADS = 8  # gRPC threads no stream may take: health checks and info calls always find one
 SERVICE = "kspeed.v1.Server"  # the name its grpc.health.v1 status is registered under
 
 
@@ -55,6 +56,7 @@ class Server:
         self.host: DatasetHost | None = None
         self.feeders: FeederPool | None = None
         self.prep: PrepPool | None = None
+        self.streams: StreamGuard | None = None
         self.metrics = ServerMetrics(lambda: self.host, lambda: self.feeders.production if self.feeders else None)
         self.health = health.HealthServicer()
         self._stopped = threading.Event()
@@ -134,9 +136,11 @@ class Server:
             name, {c.sample: f"{c.path}: {c.what}" for c in changes}
         )
         host.watch.start()
+        streams = max(cfg.rpc_threads - UNARY_THREADS, 1)
+        self.streams = StreamGuard(streams, max(streams // 2, 1), cfg.stream_idle_timeout)
         self._grpc = grpc.server(
-            futures.ThreadPoolExecutor(GRPC_THREADS, thread_name_prefix="kspeed-rpc"),
-            interceptors=rpc.server_interceptors(cfg.security, aio=False),
+            futures.ThreadPoolExecutor(streams + UNARY_THREADS, thread_name_prefix="kspeed-rpc"),
+            interceptors=[*rpc.server_interceptors(cfg.security, aio=False), self.streams],
             options=rpc.server_options(cfg.max_request_bytes),
         )
         service = ServerService(self.id, cfg.manager, self.host, self.feeders, self.inventory, self._registration)
@@ -226,6 +230,8 @@ class Server:
             self.agent.stop(deregister=self.fatal is None, reason="shutdown")
         if self._grpc is not None:
             self._grpc.stop(grace=self.config.drain_timeout).wait()
+        if self.streams is not None:
+            self.streams.close()
         if self._http is not None:
             self._http.close()
         if self.feeders is not None:

@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -14,6 +15,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kspeed.cli.cluster import wait_for
+from kspeed.control import rpc
+from kspeed.errors import BusyError
 from kspeed.proto import kspeed_pb2, kspeed_pb2_grpc
 from tests.helpers import client_for, http_get
 
@@ -113,6 +116,40 @@ def test_a_manager_back_after_a_long_outage_finds_every_healthy_server_ready(clu
         assert all_ready(client, 3)
         assert {r.id: r.incarnation for r in client.servers()} == before  # the same incarnations: never lost
     assert all(S.SERVER_STATE_FAILED not in states_seen for states_seen in seen.values()), seen
+
+
+def test_idle_streams_cannot_starve_health_and_info_calls(cluster_factory):
+    cluster = cluster_factory(1, server_args=["--rpc-threads", "16", "--stream-idle-timeout", "3s"])
+    server = cluster.servers[0]
+    channel = grpc.insecure_channel(server.ready["grpc"])
+    stub = kspeed_pb2_grpc.ServerStub(channel)
+    health = health_pb2_grpc.HealthStub(channel)
+    never = threading.Event()
+
+    def silent():  # a Lookup stream that never sends a request
+        never.wait()
+        yield from ()
+
+    calls = [stub.Lookup(silent(), timeout=60) for _ in range(20)]
+    try:
+        # 16 threads: 8 for streams, 4 of them for one caller; the other 16 streams are refused at once.
+        wait_for(lambda: sum(c.done() for c in calls) >= 16, 5, "the streams past the limits refused")
+        refused = [c for c in calls if c.done()]
+        assert [c.code() for c in refused] == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 16
+        assert isinstance(rpc.error_from_rpc(refused[0], "server"), BusyError)  # clients retry these
+        for _ in range(10):  # health and info answer at once while the streams hold their threads
+            started = time.monotonic()
+            assert health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == 1
+            stub.GetInfo(kspeed_pb2.GetInfoRequest(), timeout=2)
+            assert time.monotonic() - started < 1.0
+        # The idle streams are cancelled after 3 s without a message, giving their threads back.
+        wait_for(lambda: all(c.done() for c in calls), 10, "the idle streams cancelled")
+        assert [c.code() for c in calls].count(grpc.StatusCode.CANCELLED) == 4
+    finally:
+        never.set()
+        channel.close()
+    with client_for(cluster) as client:
+        assert all_ready(client, 1)  # the manager's probes never found it unresponsive
 
 
 def test_unknown_server_heartbeat_is_not_found_and_server_reregisters(cluster):
