@@ -183,8 +183,10 @@ class FeedWriter:
         shared: FeederShared,
         *,
         production_timeout: float = 60.0,
+        generation: int = 0,
     ) -> None:
         self.feed_id = feed_id
+        self.generation = generation  # the client's connection generation this feed serves
         self.dataset = dataset
         self.changed: dict[int, str] = {}  # samples whose backend file changed since listing: never served
         self._changed_ids = np.zeros(0, dtype=np.int64)
@@ -249,14 +251,20 @@ class FeedWriter:
                 self._report()
         except PeerLostError as exc:
             log.info("feed %s: client gone (%s)", self.feed_id, exc)
+            gone = f"its client is gone ({exc})"
         except KSpeedError as exc:
             log.warning("feed %s: closed after error: %s", self.feed_id, exc)
+            gone = f"it failed: {exc}"
+        else:
+            gone = ""
         finally:
             self._report(force=True)
             with contextlib.suppress(KSpeedError):
                 if self._reason:  # the feed ends for good: the client learns why before the connection goes
                     self.writer.send(grants.encode_closing(grants.Closing(self._reason)))
                 self.writer.close()
+        if gone and not self._stop.is_set():  # ended by the client's side, not closed here: reclaim it
+            self.shared.send(FeedGone(self.feed_id, self.generation, gone))
 
     def _worth_a_scan(self, arrived: bool) -> str:
         """How much of the waiting grants to look at: ``"all"`` every :data:`RESCAN_EVERY` (what
@@ -450,6 +458,16 @@ class FeedWriter:
             self._thread.join(timeout=RECV_TIMEOUT * 4)
         if self._thread.is_alive():
             log.warning("feed %s: serving thread still busy after close; it closes the writer when done", self.feed_id)
+
+
+@dataclass(frozen=True)
+class FeedGone:
+    """Reported by a feeder: a feed ended on its own (its client vanished, or its connection
+    failed); the server closes it and reclaims its plans and window slots."""
+
+    feed_id: str
+    generation: int
+    why: str
 
 
 @dataclass(frozen=True)

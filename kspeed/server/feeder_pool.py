@@ -28,7 +28,7 @@ from kspeed.rdma.options import RailOptions
 from kspeed.rdma.rails import available_rails
 from kspeed.server import feeder_process
 from kspeed.server.datasets import DatasetHost
-from kspeed.server.feed_writer import FeedProgress, Freed, PlanPart
+from kspeed.server.feed_writer import FeedGone, FeedProgress, Freed, PlanPart
 from kspeed.server.feeder_process import CloseFeed, Command, MarkChanged, OpenFeed, Reply, Stop
 from kspeed.server.prep_pool import PrepPool
 from kspeed.server.production import PrepSpec, Production
@@ -55,6 +55,7 @@ class _Feeder:
 class _FeedInfo:
     dataset: str
     feeder: int
+    generation: int = 0
 
 
 class FeederPool:
@@ -129,6 +130,8 @@ class FeederPool:
                     self.production.progress(index, event)
                 elif isinstance(event, Freed):
                     self.production.freed(index, event.tickets)
+                elif isinstance(event, FeedGone):  # closed from another thread: this one keeps reading
+                    threading.Thread(target=self._reap, args=(event,), name="kspeed-feed-reaper", daemon=True).start()
             except Exception:  # a bug must not stop the reports of the other feeds
                 log.exception("feeder %d: cannot take in its report %r", index, type(event).__name__)
 
@@ -185,7 +188,7 @@ class FeederPool:
         with self._lock:
             if current is None:
                 self._feeders[index].feeds += 1
-            self._feeds[request.feed_id] = _FeedInfo(request.dataset, index)
+            self._feeds[request.feed_id] = _FeedInfo(request.dataset, index, request.generation)
         log.info(
             "feed %s (%s) open on feeder %d over %s", request.feed_id, request.holder or "unnamed", index, request.rail
         )
@@ -323,6 +326,18 @@ class FeederPool:
         with self._lock:
             self._feeds.pop(feed_id, None)
             self._feeders[info.feeder].feeds -= 1
+
+    def _reap(self, gone: FeedGone) -> None:
+        """Close a feed that ended on its client's side: its plans, window slots and feeder state go."""
+        try:
+            info = self._feeds.get(gone.feed_id)
+            if info is None or info.generation != gone.generation:  # closed, or opened again meanwhile
+                return
+            self.close(gone.feed_id)
+            self._ended[gone.feed_id] = f"feed {gone.feed_id} ended: {gone.why}"
+            log.info("feed %s: reclaimed: %s", gone.feed_id, gone.why)
+        except errors.KSpeedError as exc:
+            log.warning("feed %s: cannot reclaim it: %s", gone.feed_id, exc)
 
     def close_dataset(self, dataset: str, reason: str = "") -> None:
         """Close every feed of a dataset (before its regions are released), telling the clients ``reason``."""

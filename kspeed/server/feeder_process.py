@@ -251,6 +251,7 @@ class Feeder:
             self.regions,
             self.shared,
             production_timeout=self.production_timeout,
+            generation=command.generation,
         )
         self.feeds[command.feed_id] = feed
         feed.mark_changed(self.changed.get(command.dataset, {}))

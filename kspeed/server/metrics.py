@@ -82,6 +82,9 @@ class _ProductionCollector(Collector):
             value=production.rate(),
         )
         yield GaugeMetricFamily(
+            "kspeed_server_feeds", "Open feeds (one per attached client rank)", value=production.feed_count()
+        )
+        yield GaugeMetricFamily(
             "kspeed_server_grants_waiting",
             "Grants waiting for their samples to be produced",
             value=production.waiting(),

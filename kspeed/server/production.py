@@ -504,6 +504,11 @@ class Production(ProcessedProduction):
                 self._recent.popleft()
             return sum(n for _, n in self._recent) / RATE_SPAN_S
 
+    def feed_count(self) -> int:
+        """Feeds whose plans production follows (one per open feed)."""
+        with self._lock:
+            return len(self._feeds)
+
     def waiting(self) -> int:
         """Grants the feeders last reported waiting on production."""
         with self._lock:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
 from kspeed import DatasetSpec, KSpeedClient
+from kspeed.cli.cluster import wait_for
 from kspeed.errors import DatasetError
 from kspeed.proto import kspeed_pb2
 from tests.helpers import http_get
@@ -180,3 +183,41 @@ def test_a_grant_waits_boundedly_then_names_the_sample(cluster_factory, tmp_path
         ds.close()
     finally:
         client.close()
+
+
+RANK = """
+import sys, time
+from kspeed import DatasetSpec, KSpeedClient
+from kspeed.config import ClientConfig, load_config
+config = load_config(ClientConfig, environ={}, overrides={"manager": sys.argv[1], "security.auth": "none"})
+client = KSpeedClient(config=config)
+ds = client.dataset(DatasetSpec(name="slow", uri=sys.argv[2], labels="dirname"), batch_size=64, quiet=True)
+it = iter(ds)
+next(it)
+print("fed", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_vanished_clients_feed_and_window_slots_are_reclaimed(slow):
+    cluster, _, spec = slow
+    server = cluster.servers[0]
+    rank = subprocess.Popen([sys.executable, "-c", RANK, cluster.address, spec.uri], stdout=subprocess.PIPE, text=True)
+    try:
+        assert rank.stdout is not None and rank.stdout.readline().strip() == "fed"
+        text = http_get(server.ready["http"], "/metrics")[1]
+        assert metric(text, "kspeed_server_feeds") == 1
+        assert metric(text, "kspeed_server_window_bytes", '{kind="used"}') > 0  # producing for it
+    finally:
+        rank.kill()
+        rank.wait()
+
+    def reclaimed() -> bool:
+        text = http_get(server.ready["http"], "/metrics")[1]
+        return (
+            metric(text, "kspeed_server_feeds") == 0
+            and metric(text, "kspeed_server_window_bytes", '{kind="used"}') == 0
+        )
+
+    # The killed rank's connection ends at once; its feed, plans and window slots follow.
+    wait_for(reclaimed, 15, "the vanished client's feed and window slots reclaimed")
