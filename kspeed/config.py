@@ -661,6 +661,12 @@ class ClientConfig:
         parse=parse_duration,
         env="KSPEED_COMPLETION_TIMEOUT",
     )
+    failover_timeout: float = option(
+        120.0,
+        "longest the training loop waits, when a server is lost, for its share to move to another server",
+        parse=parse_duration,
+        env="KSPEED_FAILOVER_TIMEOUT",
+    )
     data_host: str = option(
         "",
         "address the tcp receiver listens on and advertises (default: loopback when every "

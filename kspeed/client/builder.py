@@ -30,6 +30,7 @@ from kspeed.rdma.options import RailOptions
 from kspeed.rdma.topology import Placement, pin, place
 
 from .device import Delivery, make_delivery
+from .failover import Failover
 from .feed import Feed
 from .granting import Granting, Paced, Unpaced
 from .links import Link
@@ -282,6 +283,10 @@ def build_feed(
             prep=prep,
         )
         pump = Pump(feed, planner, orders.deterministic, thread_cores=cores, delivery=delivery)
+        if manager is not None:  # a lost server's share is followed to its new holder
+            pump.failover = Failover(
+                dataset=name, info=info, feed=feed, planner=planner, manager=manager, config=config
+            )
         stats = RankStats([link.server_id for link in links])
         undo.pop_all()
     parts = FeedParts(list(links), orders, delivery, placement, io, feed, pump, stats, None, ring_bytes)

@@ -13,8 +13,10 @@ calls :meth:`Feed.poll` from the training loop) or within a window by a pacing t
 lock.
 
 Fencing (:meth:`Feed.fence`) cuts a server's path, bumps its generation and quarantines the ring
-ranges of its outstanding grants, since a writer on a rail that cannot revoke it keeps its mapping;
-completions that still arrive under the old generation are ignored and counted.
+ranges of its outstanding grants until the rail says the cut writer can write no more (revoked, or
+its process gone or no longer mapping the ring); completions that still arrive under the old
+generation are ignored and counted. :meth:`Feed.replace` gives a fenced path a new server (the one
+its share moved to) and connects it under the new generation.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from kspeed.errors import (
     KSpeedError,
     PeerLostError,
     ProtocolError,
+    StateError,
     TransportError,
     UnavailableError,
 )
@@ -52,6 +55,7 @@ __all__ = ["POLL_TICK", "Feed", "ServerPath", "Slot"]
 log = logging.getLogger(__name__)
 
 POLL_TICK = 0.05  # longest single wait for completions, so timeouts and top-ups are checked often
+REVOKED_CHECK_S = 0.5  # how often quarantined ranges are checked for writers that are gone
 _SEQ_LIMIT = 1 << 24
 _GRANTS_PER_MESSAGE = (MAX_MESSAGE - 1) // grants.GRANT_DTYPE.itemsize
 
@@ -156,7 +160,16 @@ class Feed:
         self._by_conn: dict[int, ServerPath] = {}
         self.outstanding: dict[int, Outstanding] = {}
         self._seq = 0
-        self.counters = {"grants": 0, "completions": 0, "stale_completions": 0, "fenced_grants": 0, "server_errors": 0}
+        self._fenced: list[tuple[Slot, int | None]] = []  # quarantined slots and the connection cut from them
+        self._revoked_at = 0.0
+        self.counters = {
+            "grants": 0,
+            "completions": 0,
+            "stale_completions": 0,
+            "fenced_grants": 0,
+            "server_errors": 0,
+            "replaced_servers": 0,
+        }
         for path in self.paths:
             log.info("dataset %s: %s fed over %s: %s", dataset, path.link.name, rail, path.reason)
         try:
@@ -276,6 +289,24 @@ class Feed:
                 done = Completions.empty()
             self.accept(done)
             self.take_messages()
+            if self._fenced and time.monotonic() - self._revoked_at > REVOKED_CHECK_S:
+                self.release_revoked()
+
+    def release_revoked(self) -> int:
+        """Lift the quarantine of fenced ranges whose writer can write no more; returns how many."""
+        with self.lock:
+            self._revoked_at = time.monotonic()
+            keep: list[tuple[Slot, int | None]] = []
+            for slot, conn in self._fenced:
+                if conn is not None and not self.receiver.writer_gone(conn):
+                    keep.append((slot, conn))
+                    continue
+                self.allocator.unquarantine(slot.offset)
+                if slot.settled:
+                    self.allocator.release(slot.offset)
+            lifted = len(self._fenced) - len(keep)
+            self._fenced = keep
+            return lifted
 
     def lost(self, exc: PeerLostError) -> None:
         """A connection failed: fence its server (a connection already cut is ignored)."""
@@ -378,7 +409,7 @@ class Feed:
 
     def _settle(self, slot: Slot) -> None:
         if slot.discarded and not slot.settled and (slot.done or slot.fenced):
-            if not slot.fenced:  # a fenced range stays quarantined
+            if not self.allocator.is_quarantined(slot.offset):  # else once its writer is gone
                 self.allocator.release(slot.offset)
             slot.plan.slots -= 1
             slot.settled = True
@@ -447,6 +478,7 @@ class Feed:
         """
         with self.lock:
             path = next(p for p in self.paths if p.link.server_id == server_id)
+            cut_conn = path.conn
             if path.conn is not None:
                 self._by_conn.pop(path.conn, None)
                 self.granting.call(self.receiver.disconnect, path.conn)
@@ -459,6 +491,7 @@ class Feed:
                 slot = self.outstanding.pop(tag).slot
                 if not slot.fenced:
                     self.allocator.quarantine(slot.offset)
+                    self._fenced.append((slot, cut_conn))
                 slot.fenced = True
                 self._settle(slot)
             self.counters["fenced_grants"] += len(cut)
@@ -473,6 +506,44 @@ class Feed:
             len(cut),
         )
         return len(cut)
+
+    def replace(self, index: int, link: Link, hello_timeout: float) -> None:
+        """Give fenced path ``index`` a new server (its share moved there, or its old server is
+        back) and connect it under the path's new generation. On failure the path stays fenced,
+        with its old server, under yet another generation (a late HELLO of the attempt is ignored).
+
+        Raises:
+            StateError: the path was not fenced.
+            UnavailableError: the server cannot be asked, or its feeder did not connect in time.
+        """
+        with self.lock:
+            path = self.paths[index]
+            if not path.lost:
+                raise StateError(f"dataset {self.dataset!r}: {path.link.name} was not fenced; nothing to replace")
+            old, why, reason = path.link, path.lost, path.reason
+            path.link, path.lost, path.conn = link, "", None
+            path.reason = f"took over from {old.name}"
+        try:
+            self._open(path)
+            deadline = time.monotonic() + hello_timeout
+            with self.lock:
+                while path.conn is None:  # its HELLO, taken in by whoever polls the receiver
+                    if time.monotonic() > deadline:
+                        raise UnavailableError(
+                            f"dataset {self.dataset!r}: the feeder of {link.name} did not connect to the "
+                            f"{self.rail} ring within {hello_timeout:.0f}s"
+                        )
+                    self.granting.wait_step(self)
+        except KSpeedError:
+            with self.lock:
+                path.link, path.lost, path.reason = old, why, reason
+                path.generation = path.generation % grants.MAX_GENERATION + 1
+            raise
+        with self.lock:
+            self.counters["replaced_servers"] += 1
+        if old is not link:
+            old.close()
+        log.warning("dataset %s: %s serves the share of %s now", self.dataset, link.name, old.name)
 
     # -- teardown --------------------------------------------------------------------------------
 

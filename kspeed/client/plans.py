@@ -261,6 +261,14 @@ class EpochPlanner:
         self._pool = pool
         self._passes = itertools.count(1)
 
+    def replace_link(self, index: int, link: Link) -> None:
+        """Plan with ``link`` in place of server ``index`` from now on (its share moved there)."""
+        self._links[index] = link
+
+    def commit(self, plan: EpochPlan, link: Link) -> None:
+        """Commit an existing plan to one more server (one that took a share over)."""
+        _commit_all([link], plan, self._feed_id, self._batch_size, None, self._prep)
+
     def __call__(self, epoch: int) -> EpochPlan:
         """Plan ``epoch`` as a new pass (see :func:`make_plan` for what it raises)."""
         return make_plan(

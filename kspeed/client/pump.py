@@ -19,12 +19,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
 
-from kspeed.errors import CapacityError, StateError
+from kspeed.errors import CapacityError, StateError, TransportError
 from kspeed.rdma.topology import pin
 
 from .batch import Batch, BatchMeta
 from .device import CpuDelivery, Delivery
+from .failover import Failover
 from .feed import Feed, Slot
 from .plans import EpochPlan
 from .ring import RingAllocator
@@ -32,6 +34,8 @@ from .ring import RingAllocator
 __all__ = ["Pump"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class Pump:
@@ -72,6 +76,8 @@ class Pump:
         self.wait_s = 0.0
         self.last_wait_s = 0.0
         self.delivered = 0
+        #: carries the feed over a lost server (``None``: a lost server is an error)
+        self.failover: Failover | None = None
 
     # -- plans -----------------------------------------------------------------------------------
 
@@ -129,7 +135,7 @@ class Pump:
         self._retire()
         if self._deterministic:
             self._prefetch(epoch + 1)
-        self.top_up(force=True)  # the servers start writing before the first batch is asked for
+        self._surviving(lambda: self.top_up(force=True))  # the servers write before the first batch is asked for
         return plan
 
     def top_up(self, force: bool = False) -> None:
@@ -169,18 +175,7 @@ class Pump:
             CapacityError: the ring is full of batches the caller still holds.
         """
         started = time.monotonic()
-        self.delivery.poll()
-        self.feed.allocator.drain()
-        self.top_up()
-        if not self._queue:
-            self._make_room(plan, batch)
-        slot = self._queue[0]
-        if slot.plan is not plan or slot.batch != batch:
-            raise StateError(
-                f"dataset {self.feed.dataset!r}: expected batch {batch} of epoch {plan.epoch} next, "
-                f"but batch {slot.batch} of epoch {slot.plan.epoch} was granted; start a new iteration"
-            )
-        self.feed.wait(slot, self._tick)
+        slot = self._surviving(lambda: self._wait_for(plan, batch))
         self._queue.popleft()
         plan.slots -= 1
         layout = plan.layout
@@ -199,11 +194,62 @@ class Pump:
         self.last_wait_s = time.monotonic() - started
         self.wait_s += self.last_wait_s
         self.delivered += 1
-        self.top_up()
+        self._surviving(self.top_up)
         return result
+
+    def _wait_for(self, plan: EpochPlan, batch: int) -> Slot:
+        """Wait until ``batch`` of ``plan``, at the head of the queue, is complete."""
+        self.delivery.poll()
+        self.feed.allocator.drain()
+        self.top_up()
+        if not self._queue:
+            self._make_room(plan, batch)
+        slot = self._queue[0]
+        if slot.plan is not plan or slot.batch != batch:
+            raise StateError(
+                f"dataset {self.feed.dataset!r}: expected batch {batch} of epoch {plan.epoch} next, "
+                f"but batch {slot.batch} of epoch {slot.plan.epoch} was granted; start a new iteration"
+            )
+        self.feed.wait(slot, self._tick)
+        return slot
+
+    def _surviving(self, step: Callable[[], T]) -> T:
+        """``step()``; when a server is lost meanwhile, carry the feed over (:mod:`kspeed.client.failover`)
+        and do it again."""
+        while True:
+            try:
+                return step()
+            except TransportError as exc:  # a cut path (PeerLostError) or a silent server
+                if self.failover is None:
+                    raise
+                self._grant_again(self.failover.recover(exc))
+
+    def _grant_again(self, replaced: list[int]) -> None:
+        """After paths were replaced: commit the plans in use to their new servers, then grant again
+        everything not delivered yet, from the first undelivered batch."""
+        assert self.failover is not None
+        head = self._queue[0] if self._queue else None
+        restart = (head.plan, head.batch) if head is not None else self._cursor
+        while self._queue:
+            self.feed.discard(self._queue.popleft())
+        self._future, self._future_epoch = None, None  # a plan being made may lack the new servers
+        kept = [p for p in (restart[0] if restart else None, self._current) if p is not None]
+        for epoch, plan in list(self._plans.items()):
+            if all(plan is not k for k in kept):
+                self.feed.drop_plan(plan)
+                del self._plans[epoch]
+        done: list[EpochPlan] = []
+        for plan in kept:
+            if all(plan is not d for d in done):
+                self.failover.recommit(plan, replaced)
+                done.append(plan)
+        self._cursor = restart
+        self.top_up(force=True)
 
     def _tick(self) -> None:
         self.delivery.poll()
+        if self.failover is not None:
+            self.failover.check_silent()
         self.top_up()
 
     def _make_room(self, plan: EpochPlan, batch: int) -> None:

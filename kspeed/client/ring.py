@@ -4,8 +4,9 @@ Batches are laid out back to back from where the last one ended (the head), so i
 ring fills and drains like a FIFO. Users may hold batches as long as they like (gradient
 accumulation, queued copies), so releases arrive out of order; the next reservation therefore
 takes the first gap large enough at or after the head, wrapping once to the start, and simply steps
-over ranges still held. A range quarantined by fencing is never handed out again: a writer that
-was cut off may still map it (docs/feeding.md, Fencing).
+over ranges still held. A range quarantined by fencing is not handed out again while a writer that
+was cut off may still map it (docs/feeding.md, Fencing); the feed lifts the quarantine once the
+rail says that writer is gone.
 """
 
 from __future__ import annotations
@@ -98,9 +99,19 @@ class RingAllocator:
             self.release(self._later.popleft())
 
     def quarantine(self, offset: int) -> None:
-        """Never hand out the range reserved at ``offset`` again."""
+        """Hand out the range reserved at ``offset`` no more, until :meth:`unquarantine`: its
+        writer may still write there."""
         if offset in self._ends:
             self._quarantined.add(offset)
+
+    def unquarantine(self, offset: int) -> None:
+        """The range's writer can write no more: it is an ordinary reservation again (released by
+        :meth:`release` like any other)."""
+        self._quarantined.discard(offset)
+
+    def is_quarantined(self, offset: int) -> bool:
+        """Whether the range reserved at ``offset`` is quarantined."""
+        return offset in self._quarantined
 
     @property
     def used(self) -> int:

@@ -50,21 +50,23 @@ def write_ready_file(path: str, payload: dict) -> None:
 PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """Get SIGTERM (a clean stop) when ``parent_pid``, the supervisor that started us, exits.
+def die_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> None:
+    """Get ``sig`` (default SIGTERM, a clean stop) when ``parent_pid``, the process that started
+    us, exits.
 
     Supervisors (``kspeed up``, the test fixture) ask for this instead of setting it between fork
     and exec: a ``preexec_fn`` forces a plain fork of a process that may run gRPC, whose fork
-    handlers can abort the child before it execs.
+    handlers can abort the child before it execs. A server's helper processes (feeders,
+    preprocessing workers) ask for SIGKILL: nothing of a dead server may keep writing.
     """
     if not parent_pid:
         return
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
     except (OSError, AttributeError):
         return
-    if os.getppid() != parent_pid:  # the supervisor died before we asked
-        os.kill(os.getpid(), signal.SIGTERM)
+    if os.getppid() != parent_pid:  # the parent died before we asked
+        os.kill(os.getpid(), sig)
 
 
 def run_main(prog: str, body: Callable[[], int | None]) -> int:

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -26,7 +27,7 @@ from kspeed.control.http import HttpEndpoint, json_response, metrics_route, text
 from kspeed.control.status import status_dict
 from kspeed.manager.calls import ServerCalls
 from kspeed.manager.datasets import DatasetCatalog
-from kspeed.manager.membership import JOINING, Membership, Timers
+from kspeed.manager.membership import FAILED, JOINING, Membership, Timers
 from kspeed.manager.metrics import ManagerMetrics
 from kspeed.manager.service import ManagerService
 from kspeed.manager.store import Store
@@ -65,7 +66,7 @@ class Manager:
         self._server: grpc.aio.Server | None = None
         self._http: HttpEndpoint | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._probes: set[asyncio.Task[None]] = set()
+        self._probes: set[asyncio.Task[Any]] = set()  # probes and failovers under way
 
     async def start(self) -> None:
         """Bind gRPC and HTTP, start the timers and the prober."""
@@ -135,9 +136,17 @@ class Manager:
                 await asyncio.wait_for(self._stopping.wait(), timeout=self.config.probe_interval)
 
     def _on_membership(self, record: kspeed_pb2.ServerRecord, revision: int) -> None:
-        """Probe a server that just registered at once, so it is READY without waiting for the next round."""
+        """Probe a server that just registered at once, so it is READY without waiting for the next
+        round; move the shares of one declared failed."""
         if record.state == JOINING and self._loop is not None:
             self._loop.call_soon_threadsafe(self._probe_soon, record.id, record.address, record.incarnation)
+        if record.state == FAILED and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._fail_over_soon, record.id)
+
+    def _fail_over_soon(self, server_id: str) -> None:
+        task = asyncio.create_task(self.catalog.fail_over(server_id), name=f"failover-{server_id}")
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
 
     def _probe_soon(self, server_id: str, address: str, incarnation: int) -> None:
         task = asyncio.create_task(self._probe(server_id, address, incarnation), name=f"probe-{server_id}")

@@ -111,6 +111,7 @@ class DatasetCatalog:
             self._leases[lease.id] = lease
         self._share_status: dict[tuple[str, str], kspeed_pb2.ShareStatus] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self.failovers = 0  # shares moved off failed servers
 
     # -- reading ---------------------------------------------------------------------------------
 
@@ -451,6 +452,73 @@ class DatasetCatalog:
                 del self._share_status[key]
             self._store.delete_dataset(name)
         log.info("dataset %s removed", name)
+
+    # -- failover --------------------------------------------------------------------------------
+
+    async def fail_over(self, server_id: str) -> int:
+        """Move every share of a server declared failed to a ready server that holds no share of
+        that dataset and has the regions free (an empty spare first, then the one with the most
+        room), which reloads it; clients follow the move. A share that finds no such server stays,
+        its dataset degraded until the server returns. Returns the shares moved."""
+        moved = 0
+        for name in sorted(self._datasets):
+            async with self._locks.setdefault(name, asyncio.Lock()):
+                info = self._datasets.get(name)
+                if info is None:
+                    continue
+                for share in info.shares:
+                    if share.server_id == server_id and await self._move(info, share):
+                        moved += 1
+        return moved
+
+    async def _move(self, info: kspeed_pb2.DatasetInfo, share: kspeed_pb2.Share) -> bool:
+        name, old = info.spec.name, share.server_id
+        holders = {s.server_id for s in info.shares}
+        candidates = [
+            r
+            for r in self._membership.snapshot()
+            if r.state == READY
+            and r.id not in holders
+            and r.inventory.region_size == info.region_size
+            and self._free_regions(r) >= share.num_regions
+        ]
+        spares = {
+            r.id for r in candidates if not any(r.id == s.server_id for d in self._datasets.values() for s in d.shares)
+        }
+        candidates.sort(key=lambda r: (r.id not in spares, -self._free_regions(r), r.id))
+        for target in candidates:
+            moving = kspeed_pb2.Share()
+            moving.CopyFrom(share)
+            moving.server_id = target.id
+            try:
+                await self._calls.call(target.address, target.id, "AssignShare", self._assignment(info, moving))
+                await self._calls.call(target.address, target.id, "StartPreload", kspeed_pb2.DatasetRequest(name=name))
+            except KSpeedError as exc:
+                log.warning("dataset %s: %s cannot take the share of failed %s: %s", name, target.id, old, exc)
+                continue
+            share.server_id = target.id
+            self._share_status.pop((name, old), None)
+            self._store.save_dataset(info)
+            self.failovers += 1
+            log.warning(
+                "dataset %s: samples %d..%d moved from failed server %s to %s, which reloads them",
+                name,
+                share.first_id,
+                share.end_id - 1,
+                old,
+                target.id,
+            )
+            return True
+        log.error(
+            "dataset %s: no ready server with %d free regions can take samples %d..%d of failed server %s; "
+            "the dataset is degraded until it returns or a spare registers",
+            name,
+            share.num_regions,
+            share.first_id,
+            share.end_id - 1,
+            old,
+        )
+        return False
 
     async def preload(self, name: str) -> kspeed_pb2.DatasetInfo:
         """Start (or join) the preload of every share."""

@@ -307,6 +307,13 @@ class Receiver(ABC):
     def disconnect(self, conn: int) -> None:
         """Cut writer ``conn`` off (fencing); its later writes fail and it gets no completions."""
 
+    def writer_gone(self, conn: int) -> bool:
+        """Whether no write of writer ``conn`` can land in the regions any more, so a range it was
+        granted may be handed out again. A rail that revokes writers (the receiver does every copy,
+        or deregisters the memory) says so once ``conn`` is disconnected; one whose writers map the
+        regions themselves must also know they no longer do."""
+        return conn not in self.connections
+
     @abstractmethod
     def close(self) -> None:
         """Drop every connection and release every region and helper."""

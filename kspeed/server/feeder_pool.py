@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import threading
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -99,7 +100,15 @@ class FeederPool:
             events, their_events = ctx.Pipe(duplex=False)
             process = ctx.Process(
                 target=feeder_process.serve,
-                args=(theirs, their_events, server_id, options, logs or LogSettings(), production_timeout),
+                args=(
+                    theirs,
+                    their_events,
+                    server_id,
+                    options,
+                    logs or LogSettings(),
+                    production_timeout,
+                    os.getpid(),
+                ),
                 daemon=True,
                 name="kspeed-feeder",
             )

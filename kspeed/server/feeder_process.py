@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import signal
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 import numpy as np
 
 from kspeed import grants
+from kspeed.control.daemon import die_with_parent
 from kspeed.control.logs import LogSettings
 from kspeed.errors import KSpeedError, PeerLostError, ProtocolError
 from kspeed.rdma.base import RegionKey
@@ -269,8 +271,11 @@ def serve(
     options: RailOptions,
     logs: LogSettings,
     production_timeout: float,
+    parent: int = 0,
 ) -> None:
-    """Entry point of a feeder process: obey commands from the server until told to stop."""
+    """Entry point of a feeder process: obey commands from the server (``parent``) until told to
+    stop; die with it (a killed server's feeders must not keep writing into clients' rings)."""
+    die_with_parent(parent, signal.SIGKILL)
     logs.apply("feeder", helper=True)
     feeder = Feeder(server_id, options, FeederShared(events.send), production_timeout)
     while True:

@@ -21,6 +21,7 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from kspeed.control.daemon import die_with_parent
 from kspeed.control.logs import LogSettings
 from kspeed.errors import KSpeedError, StateError
 from kspeed.preprocess.pipeline import STATUS, Pipeline, write_status
@@ -93,8 +95,9 @@ class _Maps:
         return entry[1]
 
 
-def _work(conn: Connection, allow: tuple[str, ...], logs: LogSettings) -> None:
-    """Entry point of a worker process: run tasks until the pipe closes."""
+def _work(conn: Connection, allow: tuple[str, ...], logs: LogSettings, parent: int = 0) -> None:
+    """Entry point of a worker process: run tasks until the pipe closes, or die with the server."""
+    die_with_parent(parent, signal.SIGKILL)
     logs.apply("prep", helper=True)
     with contextlib.suppress(ImportError):
         import torch
@@ -185,7 +188,9 @@ class _Worker:
     def __init__(self, ctx: Any, allow: tuple[str, ...], logs: LogSettings, number: int) -> None:
         ours, theirs = ctx.Pipe()
         self.conn = ours
-        self.process = ctx.Process(target=_work, args=(theirs, allow, logs), name=f"kspeed-prep-{number}", daemon=True)
+        self.process = ctx.Process(
+            target=_work, args=(theirs, allow, logs, os.getpid()), name=f"kspeed-prep-{number}", daemon=True
+        )
         self.process.start()
         theirs.close()
 

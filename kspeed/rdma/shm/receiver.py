@@ -68,6 +68,7 @@ class ShmReceiver(Receiver):
         self._handles = count(1)
         self._conn_ids = count(1)
         self._conns: dict[int, socket.socket] = {}
+        self._writers: dict[int, int] = {}  # conn -> the writer's pid (SO_PEERCRED), until it is gone
         self._readers: dict[int, framing.FrameReader] = {}
         self._new: deque[tuple[int, socket.socket]] = deque()
         self._errors: deque[KSpeedError] = deque()
@@ -134,6 +135,7 @@ class ShmReceiver(Receiver):
             sock.sendall(framing.frame(framing.WELCOME, json.dumps(welcome).encode()))
             sock.settimeout(self._options.io_timeout)
             self._conns[conn] = sock
+            self._writers[conn] = pid
             self._readers[conn] = framing.FrameReader()
             self._new.append((conn, sock))
         self._wake_w.send(b"\0")
@@ -239,6 +241,28 @@ class ShmReceiver(Receiver):
 
     def disconnect(self, conn: int) -> None:
         self._drop(conn, None)
+
+    def writer_gone(self, conn: int) -> bool:
+        """Once disconnected: its process has exited, or maps none of this receiver's regions any
+        more (a feed it closed unmapped them; :file:`/proc/<pid>/maps` names each memfd's inode)."""
+        if conn in self._conns:
+            return False
+        pid = self._writers.get(conn)
+        if pid is None:
+            return True
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                mapped = {line.split()[4] for line in maps if "memfd:" in line}
+        except (FileNotFoundError, ProcessLookupError):
+            mapped = set()
+        except OSError:
+            return False  # cannot tell (another user's process): keep the range away
+        with self._lock:
+            ours = {str(os.fstat(segment.fd).st_ino) for _, segment in self._regions.values()}
+        if ours & mapped:
+            return False
+        self._writers.pop(conn, None)
+        return True
 
     def close(self) -> None:
         if self._closed:

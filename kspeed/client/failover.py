@@ -1,0 +1,211 @@
+"""Carrying a feed over a server's death: the training loop sees a pause, never an error.
+
+When a server that holds a share of the dataset is lost (its connection failed, or the manager
+declared it failed while it stayed silent), the client:
+
+1. fences its path (:meth:`Feed.fence <kspeed.client.feed.Feed.fence>`: a new generation, its
+   outstanding ranges quarantined until its writer is gone);
+2. waits, at most ``failover_timeout``, for the manager to move the share to another server (a
+   spare, or a survivor with room) and for that server to be ready;
+3. connects the new holder under the path's new generation, looks the moved IDs up there (they
+   must be the same samples, of the same lengths), and commits the plans in use to it;
+4. grants again, from the first batch not yet delivered, everything that was in flight.
+
+The new holder reads the share from the backend in the order the committed plans consume it, so
+the pause is about the time to produce a ring's worth, not to reload the share. Every sample of
+the epoch arrives exactly once, in the sampler's order: batches are delivered in order, and a
+batch is delivered only when all of its samples arrived under current generations.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from kspeed.config import ClientConfig
+from kspeed.control.manager_client import ManagerClient
+from kspeed.errors import KSpeedError, PeerLostError, ProtocolError
+from kspeed.proto import kspeed_pb2
+
+from .feed import Feed
+from .links import Link, ServerLink
+from .plans import EpochPlan, EpochPlanner
+
+__all__ = ["Failover"]
+
+log = logging.getLogger(__name__)
+
+READY = kspeed_pb2.ServerState.SERVER_STATE_READY
+GONE = (kspeed_pb2.ServerState.SERVER_STATE_FAILED, kspeed_pb2.ServerState.SERVER_STATE_LEFT)
+SILENT_CHECK_S = 1.0  # a path silent this long while it owes completions is asked about (at most once a second)
+POLL_S = 0.25  # between looks at the manager while a share moves
+SAME_SERVER_AFTER = 5.0  # a fenced server the manager still calls ready is dialled again after this long
+HELLO_TIMEOUT = 10.0  # longest wait for a new holder's feeder to connect
+
+
+class Failover:
+    """Replaces the lost servers of one feed (see the module docstring).
+
+    Args:
+        dataset: the dataset's name.
+        info: the dataset as the feed was built from it (its shares, in path order).
+        feed: the feed.
+        planner: the feed's planner (its links follow the paths).
+        manager: asked where shares are and which servers are ready.
+        config: credentials and deadlines for the new links, and ``failover_timeout``.
+        make_link: builds a link to a server (``ServerLink`` by default).
+    """
+
+    def __init__(
+        self,
+        *,
+        dataset: str,
+        info: kspeed_pb2.DatasetInfo,
+        feed: Feed,
+        planner: EpochPlanner,
+        manager: ManagerClient,
+        config: ClientConfig,
+        make_link: Callable[[str, str], Link] | None = None,
+    ) -> None:
+        self.dataset = dataset
+        self.feed = feed
+        self.planner = planner
+        self.manager = manager
+        self.timeout = config.failover_timeout
+        self._make_link = make_link or (lambda server_id, address: ServerLink(server_id, address, config))
+        self._ranges = [(int(s.first_id), int(s.end_id)) for s in info.shares]
+        self._asked_at = 0.0
+        self.recoveries = 0
+
+    # -- noticing ----------------------------------------------------------------------------------
+
+    def check_silent(self) -> None:
+        """Fence the paths that owe completions, have been silent a while, and whose server the
+        manager has declared failed or gone (at most one question a second)."""
+        now = time.monotonic()
+        if now - self._asked_at < SILENT_CHECK_S:
+            return
+        with self.feed.lock:
+            owing = {entry.path for entry in self.feed.outstanding.values()}
+            silent = [
+                p for p in self.feed.paths if p.index in owing and not p.lost and now - p.last_heard > SILENT_CHECK_S
+            ]
+        if not silent:
+            return
+        self._asked_at = now
+        try:
+            states = {r.id: r.state for r in self.manager.servers(include_left=True)}
+        except KSpeedError as exc:
+            log.debug("dataset %s: cannot ask the manager about silent servers: %s", self.dataset, exc)
+            return
+        for path in silent:
+            state = states.get(path.link.server_id)
+            if state is None or state in GONE:
+                self.feed.fence(path.link.server_id, "the manager declared it failed")
+
+    # -- recovering --------------------------------------------------------------------------------
+
+    def recover(self, cause: KSpeedError) -> list[int]:
+        """Replace every fenced path by the server its share moved to; returns the paths replaced
+        (the caller re-commits its plans to them with :meth:`recommit` and grants again).
+
+        Raises:
+            the ``cause`` again: no path was fenced (the failure is not a lost server), or the
+                feed was ended by a server (its dataset removed).
+            PeerLostError: a share did not move to a ready server within ``failover_timeout``
+                (no spare with room?); the message names the server and the wait.
+        """
+        if self.feed.ended:
+            raise cause
+        self._asked_at = 0.0
+        self.check_silent()
+        lost = [p for p in self.feed.paths if p.lost]
+        if not lost:
+            raise cause
+        give_up = time.monotonic() + self.timeout
+        for path in lost:
+            self._take_over(path.index, give_up)
+        self.recoveries += 1
+        return [p.index for p in lost]
+
+    def _take_over(self, index: int, give_up: float) -> None:
+        """Connect path ``index`` to the ready server holding its share: another server, or its
+        own again once it has been fenced for :data:`SAME_SERVER_AFTER` and is still called ready
+        (a cut link that healed)."""
+        path = self.feed.paths[index]
+        old, why = path.link.server_id, path.lost
+        since = time.monotonic()
+        last = ""
+        while True:
+            found = self._holder(index, old, last)
+            if isinstance(found, str):
+                last = found
+            elif found[0] != old or time.monotonic() - since > SAME_SERVER_AFTER:
+                link = self._make_link(*found)
+                try:
+                    self.feed.replace(index, link, hello_timeout=HELLO_TIMEOUT)
+                except KSpeedError as exc:
+                    link.close()
+                    last = f"{link.name} could not take it: {exc}"
+                else:
+                    self.planner.replace_link(index, link)
+                    log.warning(
+                        "dataset %s: %s was lost (%s); %s serves its share now", self.dataset, old, why, link.name
+                    )
+                    return
+            else:
+                last = f"the manager still calls {old} ready"
+            if time.monotonic() > give_up:
+                first, end = self._ranges[index]
+                raise PeerLostError(
+                    f"dataset {self.dataset!r}: server {old} was lost ({why}) and its share (samples "
+                    f"{first}..{end - 1}) did not move to a ready server within {self.timeout:g}s ({last}); "
+                    "a spare server with free memory lets the manager move it"
+                )
+            time.sleep(POLL_S)
+
+    def _holder(self, index: int, old: str, last: str) -> tuple[str, str] | str:
+        """``(server id, address)`` of the ready server holding path ``index``'s share, or why none is.
+
+        Raises:
+            ProtocolError: no share covers the path's samples any more.
+        """
+        first, end = self._ranges[index]
+        try:
+            info = self.manager.dataset(self.dataset)
+            ready = {r.id: r.address for r in self.manager.servers() if r.state == READY}
+        except KSpeedError as exc:  # the manager is away: keep asking until the deadline
+            return f"the manager cannot be asked: {exc}"
+        share = next((s for s in info.shares if (s.first_id, s.end_id) == (first, end)), None)
+        if share is None:
+            raise ProtocolError(f"dataset {self.dataset!r}: no share covers samples {first}..{end - 1} any more")
+        if share.server_id not in ready:
+            return f"its share is with {share.server_id}, which is not ready"
+        return share.server_id, ready[share.server_id]
+
+    def recommit(self, plan: EpochPlan, replaced: list[int]) -> None:
+        """Commit ``plan`` to the servers of paths ``replaced``, after checking they hold its
+        samples as the old holders did.
+
+        Raises:
+            ProtocolError: a new holder does not own a sample its share should, or knows one with
+                another length.
+        """
+        for index in replaced:
+            link = self.feed.paths[index].link
+            mine = np.flatnonzero(plan.owner == index)
+            positions, lengths, _ = link.lookup(self.dataset, plan.ids[mine])
+            if not np.array_equal(np.sort(positions), np.arange(len(mine))):
+                raise ProtocolError(
+                    f"dataset {self.dataset!r}: {link.name} does not hold every sample of the share it took over"
+                )
+            raw = ~plan.remote[mine][positions] if plan.remote is not None else np.ones(len(positions), dtype=bool)
+            if not np.array_equal(lengths[raw], plan.lengths[mine][positions][raw]):
+                raise ProtocolError(
+                    f"dataset {self.dataset!r}: {link.name} knows the samples of the share it took over with "
+                    "other lengths"
+                )
+            self.planner.commit(plan, link)
