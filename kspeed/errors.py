@@ -209,8 +209,10 @@ class PeerLostError(TransportError):
     Args:
         message: what was lost and why.
         conn: the receiver's connection id of the lost peer, when one connection is concerned.
+        server_id: the server that was lost, when a control-plane call to it failed.
     """
 
-    def __init__(self, message: str, *, conn: int | None = None) -> None:
+    def __init__(self, message: str, *, conn: int | None = None, server_id: str | None = None) -> None:
         super().__init__(message)
         self.conn = conn
+        self.server_id = server_id

@@ -19,6 +19,7 @@ batch is delivered only when all of its samples arrived under current generation
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -27,12 +28,12 @@ import numpy as np
 
 from kspeed.config import ClientConfig
 from kspeed.control.manager_client import ManagerClient
-from kspeed.errors import KSpeedError, PeerLostError, ProtocolError
+from kspeed.errors import DatasetError, KSpeedError, NotFoundError, PeerLostError, ProtocolError
 from kspeed.proto import kspeed_pb2
 
 from .feed import Feed
 from .links import Link, ServerLink
-from .plans import EpochPlan, EpochPlanner
+from .plans import EpochPlan, EpochPlanner, reaching
 
 __all__ = ["Failover"]
 
@@ -120,6 +121,9 @@ class Failover:
         """
         if self.feed.ended:
             raise cause
+        named = getattr(cause, "server_id", None)  # a control-plane call to it failed
+        if named is not None and any(p.link.server_id == named and not p.lost for p in self.feed.paths):
+            self.feed.fence(named, str(cause))
         self._asked_at = 0.0
         self.check_silent()
         lost = [p for p in self.feed.paths if p.lost]
@@ -177,6 +181,8 @@ class Failover:
         try:
             info = self.manager.dataset(self.dataset)
             ready = {r.id: r.address for r in self.manager.servers() if r.state == READY}
+        except NotFoundError as exc:
+            raise DatasetError(f"dataset {self.dataset!r} was removed: {exc}", dataset=self.dataset) from exc
         except KSpeedError as exc:  # the manager is away: keep asking until the deadline
             return f"the manager cannot be asked: {exc}"
         share = next((s for s in info.shares if (s.first_id, s.end_id) == (first, end)), None)
@@ -197,7 +203,8 @@ class Failover:
         for index in replaced:
             link = self.feed.paths[index].link
             mine = np.flatnonzero(plan.owner == index)
-            positions, lengths, _ = link.lookup(self.dataset, plan.ids[mine])
+            asked = plan.ids[mine]
+            positions, lengths, _ = reaching(link, functools.partial(link.lookup, self.dataset, asked))
             if not np.array_equal(np.sort(positions), np.arange(len(mine))):
                 raise ProtocolError(
                     f"dataset {self.dataset!r}: {link.name} does not hold every sample of the share it took over"

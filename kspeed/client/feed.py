@@ -342,6 +342,7 @@ class Feed:
                 self.counters["completions"] += 1
                 self.progress += 1
                 self._owed_one(entry.slot, entry.path)
+                self._settle(entry.slot)  # a batch given up is released with its last completion
 
     @staticmethod
     def _owed_one(slot: Slot, index: int) -> None:
@@ -408,7 +409,9 @@ class Feed:
         self._settle(slot)
 
     def _settle(self, slot: Slot) -> None:
-        if slot.discarded and not slot.settled and (slot.done or slot.fenced):
+        """Release a discarded slot's range once no server still owes a write in it (a fenced
+        server owes none: its range waits in quarantine until its writer is gone)."""
+        if slot.discarded and not slot.settled and slot.done:
             if not self.allocator.is_quarantined(slot.offset):  # else once its writer is gone
                 self.allocator.release(slot.offset)
             slot.plan.slots -= 1
@@ -493,6 +496,7 @@ class Feed:
                     self.allocator.quarantine(slot.offset)
                     self._fenced.append((slot, cut_conn))
                 slot.fenced = True
+                slot.owed.pop(path.index, None)  # it owes nothing now; the others still may write
                 self._settle(slot)
             self.counters["fenced_grants"] += len(cut)
             self.progress += 1

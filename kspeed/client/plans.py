@@ -9,21 +9,24 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
-from kspeed.errors import CapacityError, DatasetError, ProtocolError
+from kspeed.errors import CapacityError, DatasetError, PeerLostError, ProtocolError, UnavailableError
 from kspeed.layout import BatchLayout, batch_layout
 
 from .links import Link, RemoteSplit
 from .sampling import EpochOrders
 
-__all__ = ["EpochPlan", "EpochPlanner", "PlanPrep", "check_fits", "make_plan", "remote_positions"]
+__all__ = ["EpochPlan", "EpochPlanner", "PlanPrep", "check_fits", "make_plan", "reaching", "remote_positions"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -89,12 +92,24 @@ class EpochPlan:
         return self.layout.num_batches
 
 
+def reaching(link: Link, call: Callable[[], T]) -> T:
+    """``call()`` on ``link``; its server unreachable is a lost server (:class:`PeerLostError`
+    naming it), which a feed with failover carries over."""
+    try:
+        return call()
+    except (UnavailableError, PeerLostError) as exc:  # unreachable, or our feed there is gone
+        raise PeerLostError(str(exc), server_id=link.server_id) from exc
+
+
 def _lookup_all(
     links: Sequence[Link], dataset: str, ids: np.ndarray, pool: ThreadPoolExecutor | None
 ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    def one(link: Link) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return reaching(link, lambda: link.lookup(dataset, ids))
+
     if pool is None or len(links) == 1:
-        return [link.lookup(dataset, ids) for link in links]
-    futures = [pool.submit(link.lookup, dataset, ids) for link in links]
+        return [one(link) for link in links]
+    futures = [pool.submit(one, link) for link in links]
     return [f.result() for f in futures]
 
 
@@ -211,11 +226,15 @@ def _commit_all(
     split = None
     if plan.remote is not None and prep is not None:
         split = RemoteSplit(plan.remote, prep.server_stages, prep.seed, plan.epoch, prep.skip)
+
+    def one(link: Link) -> None:
+        reaching(link, lambda: link.commit_plan(*args, split))
+
     if pool is None or len(links) == 1:
         for link in links:
-            link.commit_plan(*args, split)
+            one(link)
         return
-    for future in [pool.submit(link.commit_plan, *args, split) for link in links]:
+    for future in [pool.submit(one, link) for link in links]:
         future.result()
 
 

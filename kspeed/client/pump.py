@@ -36,6 +36,7 @@ __all__ = ["Pump"]
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+MAX_CARRIES = 8  # servers lost one after another while the first is being replaced, at most
 
 
 class Pump:
@@ -124,7 +125,7 @@ class Pump:
 
     def start(self, epoch: int, first_batch: int) -> EpochPlan:
         """Make ``epoch`` current from ``first_batch`` on; keep what was already granted if it lines up."""
-        plan = self._plan_for(epoch)
+        plan = self._surviving(lambda: self._plan_for(epoch))
         head = self._queue[0] if self._queue else None
         if head is None or head.plan is not plan or head.batch != first_batch:
             while self._queue:
@@ -222,7 +223,18 @@ class Pump:
             except TransportError as exc:  # a cut path (PeerLostError) or a silent server
                 if self.failover is None:
                     raise
-                self._grant_again(self.failover.recover(exc))
+                self._carry_over(exc)
+
+    def _carry_over(self, cause: TransportError) -> None:
+        """Recover from ``cause``; a server lost while another is being replaced is carried over too."""
+        assert self.failover is not None
+        for _ in range(MAX_CARRIES):
+            try:
+                self._grant_again(self.failover.recover(cause))
+                return
+            except TransportError as again:
+                cause = again
+        raise cause
 
     def _grant_again(self, replaced: list[int]) -> None:
         """After paths were replaced: commit the plans in use to their new servers, then grant again
@@ -252,6 +264,13 @@ class Pump:
             self.failover.check_silent()
         self.top_up()
 
+    def _room_coming(self) -> bool:
+        """Whether ring room will come back without the caller: ranges of given-up batches that a
+        server still writes, or quarantined ranges of a lost server (with failover)."""
+        with self.feed.lock:
+            owed = any(entry.slot.discarded for entry in self.feed.outstanding.values())
+        return owed or (self.failover is not None and self.feed.allocator.quarantined > 0)
+
     def _make_room(self, plan: EpochPlan, batch: int) -> None:
         gc.collect()  # batches dropped in reference cycles give their ranges back here
         self.delivery.poll()
@@ -261,6 +280,15 @@ class Pump:
             self.delivery.make_room()  # wait for the device work of batches already dropped
             self.feed.allocator.drain()
         self.top_up(force=True)
+        # Ranges still written for batches given up (granted again after a failover) come back
+        # with their completions, and quarantined ones once their lost writers are gone: wait for those.
+        give_up = time.monotonic() + max(self.feed.completion_timeout, self.failover.timeout if self.failover else 0)
+        while not self._queue and self._room_coming() and time.monotonic() < give_up:
+            with self.feed.lock:
+                self.feed.granting.wait_step(self.feed)
+            self.feed.release_revoked()
+            self.feed.allocator.drain()
+            self.top_up(force=True)
         if not self._queue:
             allocator = self.feed.allocator
             need = int(plan.layout.batch_bytes[batch])

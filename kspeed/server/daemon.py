@@ -178,7 +178,7 @@ class Server:
             on_fatal=self._fatal,
             shares=host.statuses,
             on_registered=lambda reply: host.reconcile(list(reply.assignments)),
-            on_drop=host.drop,
+            on_drop=lambda name: host.drop(name, "the manager no longer assigns it here", final=False),
             on_assign=host.retake,
         )
         self.agent.start()

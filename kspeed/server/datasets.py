@@ -161,7 +161,7 @@ class DatasetHost:
         wanted = {a.spec.name: a for a in assignments}
         for name in set(self.names()) - set(wanted):
             log.info("dataset %s: the manager no longer assigns it here; dropping", name)
-            self.drop(name)
+            self.drop(name, "the manager assigns its share to another server", final=False)
         for request in wanted.values():
             try:
                 self.assign(request)
@@ -259,7 +259,7 @@ class DatasetHost:
             if current is not None and current.request == request:
                 return self.status(name)
             if current is not None:
-                self.drop(name)
+                self.drop(name, "its share changed", final=False)
             if request.region_size != self.pool.region_size:
                 raise ConfigError(
                     f"dataset {name!r}: assigned with region size {request.region_size}, this "
@@ -314,20 +314,24 @@ class DatasetHost:
             )
             return self.status(name)
 
-    def drop(self, name: str, reason: str = "") -> None:
+    def drop(self, name: str, reason: str = "", *, final: bool = True) -> None:
         """Stop serving ``name`` and free its regions (waits for a running preload to finish).
 
-        The dataset's feeds end first; their clients are told ``reason`` (default: it was removed).
+        The dataset's feeds end first. With ``final`` (the dataset was removed) their clients are
+        told ``reason`` (default: it was removed) and end; otherwise (its share is served elsewhere
+        now) their connections are only cut, and clients follow the share to its new holder.
 
         Raises:
             ProtocolError: ``name`` is no dataset name at all.
         """
         names.DATASET.check(name)  # a name that could not be hosted never reaches the logs or the feeders
-        reason = reason or f"dataset {name!r} was removed from the cluster"
+        reason = reason or (
+            f"dataset {name!r} was removed from the cluster" if final else "its share is served elsewhere now"
+        )
         self._dropped[name] = reason
         while len(self._dropped) > REMEMBERED_DROPS:
             self._dropped.pop(next(iter(self._dropped)))
-        self.on_drop(name, reason)
+        self.on_drop(name, reason if final else "")
         with self._lock:
             hosted = self._hosted.pop(name, None)
             if hosted is not None:

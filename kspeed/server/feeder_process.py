@@ -12,6 +12,7 @@ any more (docs/feeding.md).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import signal
 from dataclasses import dataclass
@@ -181,6 +182,8 @@ class Feeder:
             feed = self.feeds.pop(command.feed_id, None)
             if feed is not None:
                 feed.close(command.reason)
+                del feed
+                gc.collect()  # views of the client's ring in reference cycles go now: its mapping with them
         elif isinstance(command, MarkChanged):
             self.changed.setdefault(command.dataset, {}).update(command.what)
             for feed in self.feeds.values():

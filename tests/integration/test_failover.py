@@ -9,7 +9,10 @@ flight. Every sample of the epoch arrives exactly once, in the sampler's order, 
 
 from __future__ import annotations
 
+import os
 import signal
+import threading
+import time
 
 import pytest
 
@@ -57,4 +60,73 @@ def test_a_holder_killed_mid_epoch_is_a_pause_not_an_error(cluster_factory, tmp_
         assert moved == (holders - {victim.ready["id"]}) | {spare.ready["id"]}
         # The quarantined ranges come back once the dead feeders' mappings are gone.
         wait_for(lambda: ds.stats()["ring_quarantined"] == 0 or None, 10, "the quarantine lifted")
+        ds.close()
+
+
+def holders_of(client, name: str = "imgs") -> list[str]:
+    return [s.server_id for s in client.manager.dataset(name).shares]
+
+
+def freeze(server, seconds: float) -> threading.Thread:
+    """SIGSTOP a server with its helper processes (as a hung host) for ``seconds``, in the background."""
+    group = server.process.pid  # daemons start in their own session: the group is theirs alone
+
+    def run() -> None:
+        os.killpg(group, signal.SIGSTOP)
+        time.sleep(seconds)
+        os.killpg(group, signal.SIGCONT)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("rail", available_rails())
+def test_chaos_three_kills_and_a_hung_server_over_three_epochs(cluster_factory, tmp_path, rail):
+    files = make_tree(tmp_path / "imgs", max_size=128 * 1024)
+    keys = list(files)
+    slow = ["--backend-allow", f"slowfile://{tmp_path}", "--backend-options", '{"slowfile": {"latency": 0.02}}']
+    cluster = cluster_factory(2, server_args=[*slow, "--preload-threads", "2", "--production-threads", "2"])
+    spec = DatasetSpec(name="imgs", uri=f"slowfile://{tmp_path / 'imgs'}", labels="dirname")
+    with KSpeedClient(config=config_for(cluster, failover_timeout="60s")) as client:
+        ds = client.dataset(spec, batch_size=BATCH, seed=SEED, rail=rail, ring_bytes=2 << 20, quiet=True)
+        for _ in range(4):  # a spare for each kill and for the hung server
+            cluster.add_server()
+        by_id = {s.ready["id"]: s for s in cluster.servers}
+        killed, hung = [], None
+        for epoch in range(3):
+            ds.set_epoch(epoch)
+            got = []
+            for k, batch in enumerate(ds):
+                for i, sid in enumerate(batch.ids.tolist()):
+                    assert batch.numpy(i).tobytes() == files[keys[sid]], f"epoch {epoch} sample {sid}"
+                got.append(batch.ids.tolist())
+                if k == 1:  # kill a holder with grants in flight (not the hung one: each loss is another server)
+                    alive = [h for h in holders_of(client) if hung is None or h != hung.ready["id"]]
+                    victim = by_id[alive[epoch % len(alive)]]
+                    victim.signal(signal.SIGKILL)
+                    killed.append(victim.ready["id"])
+                if epoch == 1 and k == 6:  # and hang the other holder longer than the failure timeout
+                    hung = by_id[holders_of(client)[0]]
+                    assert hung.ready["id"] not in killed
+                    incarnation = next(r.incarnation for r in client.manager.servers() if r.id == hung.ready["id"])
+                    freeze(hung, 5.0)
+            assert got == loader_order(len(files), 1, 0, True, SEED, False, epoch, BATCH), f"epoch {epoch}"
+        stats = ds.stats()
+        # Each loss the feed still needed was carried over: three kills and the hung server make
+        # four, but the last kill can land after its server wrote its part of the final epoch.
+        assert stats["replaced_servers"] >= 3, stats
+        assert stats["fenced_grants"] >= 3, stats  # grants in flight were cut and granted again
+        assert hung is not None and not set(holders_of(client)) & set(killed)
+        # The hung server came back as a new incarnation (holding nothing of its old share; it may
+        # since have taken another one over, as any spare).
+        wait_for(
+            lambda: (
+                any(r.id == hung.ready["id"] and r.incarnation > incarnation for r in client.manager.servers()) or None
+            ),
+            30,
+            "the hung server back as a new incarnation",
+        )
         ds.close()
