@@ -59,7 +59,7 @@ class Manager:
             verify_on_attach=config.verify_on_attach,
         )
         self.service = ManagerService(self.membership, self.catalog, self.store.cluster_id, config.heartbeat_interval)
-        self.metrics = ManagerMetrics(self.membership)
+        self.metrics = ManagerMetrics(self.membership, self.catalog)
         self.health = HealthServicer()
         self._stopping = asyncio.Event()
         self._ready = False

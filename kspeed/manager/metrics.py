@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kspeed.manager.datasets import DatasetCatalog
 from kspeed.manager.membership import Membership, state_name
+from kspeed.proto import kspeed_pb2
 
 
 class _MembershipCollector(Collector):
@@ -40,12 +42,34 @@ class _MembershipCollector(Collector):
         )
 
 
+class _CatalogCollector(Collector):
+    """Datasets per state (``degraded``: a holder is not ready) and the shares moved off failed servers."""
+
+    def __init__(self, catalog: DatasetCatalog) -> None:
+        self._catalog = catalog
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        states = GaugeMetricFamily("kspeed_manager_datasets", "Datasets per state", labels=["state"])
+        counts: dict[str, int] = {}
+        for info in self._catalog.datasets():
+            name = kspeed_pb2.DatasetState.Name(info.state).removeprefix("DATASET_STATE_").lower()
+            counts[name] = counts.get(name, 0) + 1
+        for name, count in sorted(counts.items()):
+            states.add_metric([name], count)
+        yield states
+        yield CounterMetricFamily(
+            "kspeed_manager_failovers", "Shares moved off failed servers", value=self._catalog.failovers
+        )
+
+
 class ManagerMetrics:
     """Every metric the manager exports."""
 
-    def __init__(self, membership: Membership) -> None:
+    def __init__(self, membership: Membership, catalog: DatasetCatalog | None = None) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_MembershipCollector(membership))
+        if catalog is not None:
+            self.registry.register(_CatalogCollector(catalog))
         self.probes = Counter(
             "kspeed_manager_health_probes", "Active health probes of servers", ["result"], registry=self.registry
         )

@@ -18,9 +18,13 @@ import pytest
 
 from kspeed import DatasetSpec, KSpeedClient
 from kspeed.cli.cluster import wait_for
+from kspeed.errors import PeerLostError
+from kspeed.proto import kspeed_pb2
 from kspeed.rdma.rails import available_rails
+from tests.helpers import http_get
 from tests.integration.test_client import config_for, loader_order
 from tests.integration.test_datasets import make_tree
+from tests.integration.test_production import metric
 
 BATCH = 8
 SEED = 5
@@ -61,6 +65,28 @@ def test_a_holder_killed_mid_epoch_is_a_pause_not_an_error(cluster_factory, tmp_
         # The quarantined ranges come back once the dead feeders' mappings are gone.
         wait_for(lambda: ds.stats()["ring_quarantined"] == 0 or None, 10, "the quarantine lifted")
         ds.close()
+    assert metric(http_get(cluster.http_address, "/metrics")[1], "kspeed_manager_failovers_total") == 1
+
+
+@pytest.mark.timeout(120)
+def test_without_a_spare_the_dataset_is_degraded_and_the_wait_is_bounded(cluster_factory, tmp_path):
+    make_tree(tmp_path / "imgs", max_size=128 * 1024)
+    cluster = cluster_factory(2, server_args=["--backend-allow", str(tmp_path)])
+    spec = DatasetSpec(name="imgs", uri=str(tmp_path / "imgs"), labels="dirname")
+    with KSpeedClient(config=config_for(cluster, failover_timeout="4s")) as client:
+        ds = client.dataset(spec, batch_size=BATCH, seed=SEED, ring_bytes=1 << 20, quiet=True)
+        ds.preload()
+        victim_id = client.manager.dataset("imgs").shares[0].server_id
+        next(s for s in cluster.servers if s.ready["id"] == victim_id).signal(signal.SIGKILL)
+        with pytest.raises(PeerLostError) as lost:  # no spare, and the survivor has no room for the share
+            list(ds)
+        assert f"server {victim_id} was lost" in str(lost.value) and "within 4s" in str(lost.value)
+        degraded = kspeed_pb2.DatasetState.DATASET_STATE_DEGRADED
+        assert client.manager.dataset("imgs").state == degraded
+        ds.close()
+    text = http_get(cluster.http_address, "/metrics")[1]
+    assert metric(text, "kspeed_manager_datasets", '{state="degraded"}') == 1
+    assert metric(text, "kspeed_manager_failovers_total") == 0
 
 
 def holders_of(client, name: str = "imgs") -> list[str]:
@@ -129,4 +155,37 @@ def test_chaos_three_kills_and_a_hung_server_over_three_epochs(cluster_factory, 
             30,
             "the hung server back as a new incarnation",
         )
+        ds.close()
+
+
+@pytest.mark.timeout(120)
+def test_training_goes_on_while_the_manager_restarts(cluster_factory, tmp_path):
+    files = make_tree(tmp_path / "imgs", max_size=128 * 1024)
+    keys = list(files)
+    cluster = cluster_factory(2, server_args=["--backend-allow", str(tmp_path)])
+    spec = DatasetSpec(name="imgs", uri=str(tmp_path / "imgs"), labels="dirname")
+    with KSpeedClient(config=config_for(cluster)) as client:
+        ds = client.dataset(spec, batch_size=BATCH, seed=SEED, ring_bytes=1 << 20, quiet=True)
+        ds.preload()
+        before = {r.id: r.incarnation for r in client.manager.servers()}
+        holders = [s.server_id for s in client.manager.dataset("imgs").shares]
+        for epoch in range(2):
+            ds.set_epoch(epoch)
+            got = []
+            for k, batch in enumerate(ds):
+                for i, sid in enumerate(batch.ids.tolist()):
+                    assert batch.numpy(i).tobytes() == files[keys[sid]], f"sample {sid}"
+                got.append(batch.ids.tolist())
+                if epoch == 0 and k == 2:
+                    assert cluster.manager.stop() == 0  # the rest of the epoch runs without a manager
+                if epoch == 0 and k == 8:
+                    time.sleep(3)  # longer than the servers' failure timeout: nobody may be declared failed
+                    cluster.start_manager()
+            assert got == loader_order(len(files), 1, 0, True, SEED, False, epoch, BATCH)
+        # Back, the manager knows the same servers, ready, as the same incarnations.
+        wait_for(lambda: all(r.state == 2 for r in client.manager.servers()) or None, 10, "servers ready")
+        assert {r.id: r.incarnation for r in client.manager.servers()} == before
+        ready = kspeed_pb2.DatasetState.DATASET_STATE_READY  # once the servers' heartbeats say so again
+        wait_for(lambda: client.manager.dataset("imgs").state == ready or None, 10, "the dataset ready")
+        assert [s.server_id for s in client.manager.dataset("imgs").shares] == list(holders)  # nothing moved
         ds.close()
