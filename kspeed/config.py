@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
-import ipaddress
 import json
 import os
 import re
@@ -605,11 +604,6 @@ class ServerConfig(DaemonConfig):
                 field="server.stream_idle_timeout",
                 value=self.stream_idle_timeout,
             )
-        for network in self.data_networks:
-            try:
-                ipaddress.ip_network(network, strict=False)
-            except ValueError as exc:
-                raise ConfigError(f"server.data_networks: {exc}", field="server.data_networks", value=network) from exc
         unknown = sorted(set(self.transports) - set(_rail_names()))
         if unknown:
             raise ConfigError(

@@ -82,7 +82,11 @@ class RailOptions:
             try:
                 ipaddress.ip_network(network, strict=False)
             except ValueError as exc:
-                raise ConfigError(f"dial_allow: {exc}", field="server.data_networks", value=network) from exc
+                raise ConfigError(
+                    f"server.data_networks: {network!r} is no network: {exc}",
+                    field="server.data_networks",
+                    value=network,
+                ) from exc
 
     def check_dial(self, host: str, port: int) -> None:
         """Refuse to dial ``host`` unless every address it resolves to lies in :attr:`dial_allow`.

@@ -30,16 +30,21 @@ BATCH = 8
 SEED = 5
 
 
+def slow_cluster(cluster_factory, tmp_path):
+    """Two servers over a backend that takes 20 ms a file, with two reading threads each, and a
+    dataset more than one server holds, not preloaded: grants wait on production, so a kill finds
+    them in flight. Returns ``(cluster, files, spec)``."""
+    files = make_tree(tmp_path / "imgs", max_size=128 * 1024)
+    slow = ["--backend-allow", f"slowfile://{tmp_path}", "--backend-options", '{"slowfile": {"latency": 0.02}}']
+    cluster = cluster_factory(2, server_args=[*slow, "--preload-threads", "2", "--production-threads", "2"])
+    return cluster, files, DatasetSpec(name="imgs", uri=f"slowfile://{tmp_path / 'imgs'}", labels="dirname")
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("rail", available_rails())
 def test_a_holder_killed_mid_epoch_is_a_pause_not_an_error(cluster_factory, tmp_path, rail):
-    files = make_tree(tmp_path / "imgs", max_size=128 * 1024)  # more than one server holds
+    cluster, files, spec = slow_cluster(cluster_factory, tmp_path)
     keys = list(files)
-    # A backend that takes 20 ms a file, not preloaded: grants wait on production, so the kill
-    # finds them in flight.
-    slow = ["--backend-allow", f"slowfile://{tmp_path}", "--backend-options", '{"slowfile": {"latency": 0.02}}']
-    cluster = cluster_factory(2, server_args=[*slow, "--preload-threads", "2", "--production-threads", "2"])
-    spec = DatasetSpec(name="imgs", uri=f"slowfile://{tmp_path / 'imgs'}", labels="dirname")
     with KSpeedClient(config=config_for(cluster, failover_timeout="60s")) as client:
         ds = client.dataset(spec, batch_size=BATCH, seed=SEED, rail=rail, ring_bytes=2 << 20, quiet=True)
         spare = cluster.add_server()  # registered after the dataset: it holds nothing
@@ -111,11 +116,8 @@ def freeze(server, seconds: float) -> threading.Thread:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("rail", available_rails())
 def test_chaos_three_kills_and_a_hung_server_over_three_epochs(cluster_factory, tmp_path, rail):
-    files = make_tree(tmp_path / "imgs", max_size=128 * 1024)
+    cluster, files, spec = slow_cluster(cluster_factory, tmp_path)
     keys = list(files)
-    slow = ["--backend-allow", f"slowfile://{tmp_path}", "--backend-options", '{"slowfile": {"latency": 0.02}}']
-    cluster = cluster_factory(2, server_args=[*slow, "--preload-threads", "2", "--production-threads", "2"])
-    spec = DatasetSpec(name="imgs", uri=f"slowfile://{tmp_path / 'imgs'}", labels="dirname")
     with KSpeedClient(config=config_for(cluster, failover_timeout="60s")) as client:
         ds = client.dataset(spec, batch_size=BATCH, seed=SEED, rail=rail, ring_bytes=2 << 20, quiet=True)
         for _ in range(4):  # a spare for each kill and for the hung server
