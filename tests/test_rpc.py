@@ -102,7 +102,7 @@ def test_a_writer_dials_only_allowed_networks():
     options.check_dial("10.200.0.9", 7)
     with pytest.raises(AccessDeniedError, match=r"receiver 192\.0\.2\.1:7 \(192\.0\.2\.1\) is neither"):
         options.check_dial("192.0.2.1", 7)
-    with pytest.raises(ConfigError, match="data_networks: .10.0.0.0/33. is no network"):
+    with pytest.raises(ConfigError, match=r"data_networks: .10\.0\.0\.0/33. is no network"):
         RailOptions(dial_allow=("10.0.0.0/33",))
 
 

@@ -285,8 +285,7 @@ class Pump:
         give_up = time.monotonic() + max(self.feed.completion_timeout, self.failover.timeout if self.failover else 0)
         while not self._queue and self._room_coming() and time.monotonic() < give_up:
             with self.feed.lock:
-                self.feed.granting.wait_step(self.feed)
-            self.feed.release_revoked()
+                self.feed.granting.wait_step(self.feed)  # whoever polls the receiver also lifts quarantines
             self.feed.allocator.drain()
             self.top_up(force=True)
         if not self._queue:
