@@ -228,12 +228,15 @@ class Pump:
     def _carry_over(self, cause: TransportError) -> None:
         """Recover from ``cause``; a server lost while another is being replaced is carried over too."""
         assert self.failover is not None
+        give_up = time.monotonic() + self.failover.timeout  # one wait in all, however many are lost
         for _ in range(MAX_CARRIES):
             try:
                 self._grant_again(self.failover.recover(cause))
                 return
             except TransportError as again:
                 cause = again
+                if time.monotonic() >= give_up:
+                    break
         raise cause
 
     def _grant_again(self, replaced: list[int]) -> None:
