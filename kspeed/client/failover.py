@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable
 
 import numpy as np
 
@@ -32,7 +31,7 @@ from kspeed.errors import DatasetError, KSpeedError, NotFoundError, PeerLostErro
 from kspeed.proto import kspeed_pb2
 
 from .feed import Feed
-from .links import Link, ServerLink
+from .links import ServerLink
 from .plans import EpochPlan, EpochPlanner, reaching
 
 __all__ = ["Failover"]
@@ -57,7 +56,6 @@ class Failover:
         planner: the feed's planner (its links follow the paths).
         manager: asked where shares are and which servers are ready.
         config: credentials and deadlines for the new links, and ``failover_timeout``.
-        make_link: builds a link to a server (``ServerLink`` by default).
     """
 
     def __init__(
@@ -69,17 +67,15 @@ class Failover:
         planner: EpochPlanner,
         manager: ManagerClient,
         config: ClientConfig,
-        make_link: Callable[[str, str], Link] | None = None,
     ) -> None:
         self.dataset = dataset
         self.feed = feed
         self.planner = planner
         self.manager = manager
         self.timeout = config.failover_timeout
-        self._make_link = make_link or (lambda server_id, address: ServerLink(server_id, address, config))
+        self._config = config
         self._ranges = [(int(s.first_id), int(s.end_id)) for s in info.shares]
         self._asked_at = 0.0
-        self.recoveries = 0
 
     # -- noticing ----------------------------------------------------------------------------------
 
@@ -132,7 +128,6 @@ class Failover:
         give_up = time.monotonic() + self.timeout
         for path in lost:
             self._take_over(path.index, give_up)
-        self.recoveries += 1
         return [p.index for p in lost]
 
     def _take_over(self, index: int, give_up: float) -> None:
@@ -148,7 +143,7 @@ class Failover:
             if isinstance(found, str):
                 last = found
             elif found[0] != old or time.monotonic() - since > SAME_SERVER_AFTER:
-                link = self._make_link(*found)
+                link = ServerLink(*found, self._config)
                 try:
                     self.feed.replace(index, link, hello_timeout=HELLO_TIMEOUT)
                 except KSpeedError as exc:
