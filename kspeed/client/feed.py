@@ -37,7 +37,6 @@ from kspeed.errors import (
     PeerLostError,
     ProtocolError,
     StateError,
-    TransportError,
     UnavailableError,
 )
 from kspeed.proto import kspeed_pb2
@@ -422,8 +421,9 @@ class Feed:
 
         Raises:
             DatasetError: a server answered a grant of the batch with ERROR (batch and reason named).
-            PeerLostError: a server that owes the batch was cut off.
-            TransportError: a server that owes the batch stayed silent beyond ``completion_timeout``.
+            PeerLostError: a server that owes the batch was cut off, or stayed silent beyond
+                ``completion_timeout`` (naming it in ``server_id``).
+            TransportError: the pacing thread failed.
         """
         while True:
             with self.lock:
@@ -461,11 +461,12 @@ class Feed:
         for index in slot.owed:
             path = self.paths[index]
             silent = now - max(slot.granted_at, path.last_heard)
-            if silent > self.completion_timeout:
-                raise TransportError(
+            if silent > self.completion_timeout:  # lost to us, whatever the manager says: failover reconnects
+                raise PeerLostError(
                     f"dataset {self.dataset!r}: {path.link.name} sent no completion for batch "
                     f"{slot.batch} of epoch {slot.plan.epoch} in {silent:.1f}s "
-                    f"(completion_timeout {self.completion_timeout:g}s)"
+                    f"(completion_timeout {self.completion_timeout:g}s)",
+                    server_id=path.link.server_id,
                 )
 
     # -- fencing ---------------------------------------------------------------------------------
