@@ -651,7 +651,8 @@ class ClientConfig:
     )
     completion_timeout: float = option(
         60.0,
-        "longest a batch waits for a silent server before that server is named in an error",
+        "longest a batch waits for a silent server before it counts as lost (failover reconnects it, "
+        "or it is named in an error)",
         parse=parse_duration,
         env="KSPEED_COMPLETION_TIMEOUT",
     )
