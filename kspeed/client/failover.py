@@ -85,11 +85,12 @@ class Failover:
         now = time.monotonic()
         if now - self._asked_at < SILENT_CHECK_S:
             return
-        with self.feed.lock:
+        with self.feed.lock:  # the paths first (a few): the grants only when one has been quiet
+            quiet = [p for p in self.feed.paths if not p.lost and now - p.last_heard > SILENT_CHECK_S]
+            if not quiet:
+                return
             owing = {entry.path for entry in self.feed.outstanding.values()}
-            silent = [
-                p for p in self.feed.paths if p.index in owing and not p.lost and now - p.last_heard > SILENT_CHECK_S
-            ]
+            silent = [p for p in quiet if p.index in owing]
         if not silent:
             return
         self._asked_at = now

@@ -56,7 +56,7 @@ class CachedSource(Source):
             raw.protocol,
             np.full(raw.count, self.output.nbytes, dtype=np.int64),
             f"{raw.fingerprint.digest}\0preprocessed {prefix}".encode(),
-            keys=raw._keys,
+            keys=raw.keys,
             row_offset=raw.row_offset,
             labels=raw.labels,
             classes=raw.classes,

@@ -101,6 +101,11 @@ class Source:
         self.fingerprint = Fingerprint(len(self.sizes), int(self.sizes.sum()), h.hexdigest())
 
     @property
+    def keys(self) -> Keys | None:
+        """The samples' keys as listed (``None`` for a single-file kind)."""
+        return self._keys
+
+    @property
     def count(self) -> int:
         """Number of samples N."""
         return len(self.sizes)
