@@ -10,7 +10,9 @@ iterates ``--batches`` batches as fast as it can (touching one byte of every sam
 the batch), and writes one JSON file with the wait of every batch (the time spent getting it from
 the iterator; the first batch of an epoch includes starting the epoch), the wall time and
 throughput, every ``--trace-interval`` seconds a sample of ``ds.stats().get("pacing")`` (``None``
-while the client has no pacing), and the final ``ds.stats()``. It prints ``iterating`` on stdout
+while the client has no pacing), and the final ``ds.stats()``. With ``--verify DIR`` it also records
+the IDs of every batch and compares every sample with the file of its ID in ``DIR`` (the files'
+names sorted are in ID order), recording the IDs whose bytes differ. It prints ``iterating`` on stdout
 when the loop starts, so a test can act on the network while it runs. On failure it prints the
 error on stderr and exits with status 1.
 
@@ -34,6 +36,7 @@ import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -121,6 +124,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     data_host = args.data_host or address_towards(args.manager)
     config = load_config(ClientConfig, overrides={"data_host": data_host})
     client = KSpeedClient(args.manager, config=config)
+    expected = [path.read_bytes() for path in sorted(Path(args.verify).iterdir())] if args.verify else None
+    batch_ids: list[list[int]] = []
+    mismatched: list[int] = []
     tracer = None
     try:
         info = client.manager.dataset(args.dataset)
@@ -202,6 +208,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for sample in batch.samples:
                     if sample.numel():
                         touched += int(sample[0])
+                if expected is not None:
+                    batch_ids.append(batch.ids.tolist())
+                    mismatched += [s for i, s in enumerate(batch_ids[-1]) if batch.numpy(i).tobytes() != expected[s]]
                 sizes.append(int(batch.lengths.sum()))
                 batch.release()
                 del batch
@@ -243,6 +252,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "trace_errors": tracer.errors,
             "stats": stats,
             "touched": touched,
+            "batch_ids": batch_ids,
+            "mismatched": mismatched,
         }
     finally:
         if tracer is not None:
@@ -272,6 +283,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rail", choices=("auto", "shm", "tcp"), default="tcp")
     parser.add_argument("--data-host", default="", help="address the tcp receiver binds (default: towards the manager)")
     parser.add_argument("--ring-bytes", type=int, default=0, help="receive ring size (0: the client's default)")
+    parser.add_argument(
+        "--verify",
+        default="",
+        metavar="DIR",
+        help="record every batch's IDs and compare every sample with the file of its ID in DIR",
+    )
     parser.add_argument(
         "--start-at",
         type=float,

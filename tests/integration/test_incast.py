@@ -164,30 +164,41 @@ def write_files(root: Path, sizes: Sequence[int], seed: int = 0) -> None:
 
 @contextlib.contextmanager
 def lab_cluster(
-    tmp: Path, *, servers: int, clients: Sequence[str], sizes: Sequence[int], tcp_congestion: str | None = None
+    tmp: Path,
+    *,
+    servers: int,
+    clients: Sequence[str],
+    sizes: Sequence[int],
+    tcp_congestion: str | None = None,
+    spares: int = 0,
+    manager_args: Sequence[str] = (),
 ) -> Iterator[LabCluster]:
     """A lab of ``mgr``, ``s0..`` and ``clients``, a cluster in it, and one preloaded dataset.
 
     The manager and every server live in their own namespace; the dataset (one file per entry of
-    ``sizes``) is registered and preloaded from the first client's namespace. Everything is
-    stopped and deleted on exit, also after errors.
+    ``sizes``) is registered and preloaded from the first client's namespace. ``spares`` more
+    server namespaces are made but nothing runs there: ``cluster.add_server()`` starts the next
+    spare in its own. Everything is stopped and deleted on exit, also after errors.
     """
     reason = netlab_unavailable()
     if reason:
         pytest.skip(reason)
-    hosts = ["mgr", *(f"s{i}" for i in range(servers)), *clients]
+    hosts = ["mgr", *(f"s{i}" for i in range(servers + spares)), *clients]
     data = tmp / "data"
     write_files(data, sizes)
     with NetLab(hosts, tcp_congestion=tcp_congestion) as lab:
-        where = {"manager": "mgr", **{f"server-{i}": f"s{i}" for i in range(servers)}}
+        where = {"manager": "mgr", **{f"server-{i}": f"s{i}" for i in range(servers + spares)}}
         cluster = LocalCluster(
             str(tmp / "cluster"),
             servers=servers,
             manager_host=lab.address("mgr"),
             server_hosts=[lab.address(f"s{i}") for i in range(servers)],
             launch_prefix=lambda name: lab.prefix(where[name]),
+            manager_args=manager_args,
             server_args=[*SERVER_ARGS, "--backend-allow", str(tmp)],
         )
+        # Servers added later bind the spares' addresses (the cluster starts only the first ``servers``).
+        cluster.server_hosts += [lab.address(f"s{i}") for i in range(servers, servers + spares)]
         try:
             cluster.start(timeout=60)
             env = LabCluster(lab, cluster, "lab", tmp)
