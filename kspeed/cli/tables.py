@@ -15,8 +15,15 @@ def dataset_table(datasets: list[kspeed_pb2.DatasetInfo]) -> str:
     """Datasets as a fixed-width table."""
     header = ("DATASET", "STATE", "OWNER", "SAMPLES", "SIZE", "LOADED", "SERVERS", "LEASES")
     rows = []
+    notes = []
     for info in datasets:
         d = dataset_dict(info)
+        notes += [
+            f"{d['name']}: samples {s['first_id']}..{s['end_id'] - 1} are served on demand by {s['server_id']} "
+            f"(read from the backend as jobs need them: no ready server has {s['num_regions']} regions free)"
+            for s in d["shares"]
+            if s["on_demand"]
+        ]
         total = d["progress"]["samples_total"] or 1
         rows.append(
             (
@@ -30,7 +37,7 @@ def dataset_table(datasets: list[kspeed_pb2.DatasetInfo]) -> str:
                 str(d["leases"]),
             )
         )
-    return _table(header, rows)
+    return "\n".join([_table(header, rows), *notes])
 
 
 def _table(header: tuple[str, ...], rows: Sequence[Sequence[object]]) -> str:

@@ -163,7 +163,7 @@ def _user() -> str:
 
 
 def _feed_id(dataset: str, rank: int) -> str:
-    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:20]
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:16]  # room for a path's suffix (Feed.feed_id_for)
     return f"{host}-{os.getpid()}-r{rank}-{dataset[:16]}-{os.urandom(3).hex()}"
 
 
@@ -274,7 +274,7 @@ def build_feed(
         planner = EpochPlanner(
             links,
             dataset=name,
-            feed_id=feed_id,
+            feed_ids=[path.feed_id for path in feed.paths],
             orders=orders,
             batch_size=options.batch_size,
             labelled=bool(info.spec.labels),

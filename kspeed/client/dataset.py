@@ -325,7 +325,13 @@ class _EpochIterator:
             raise StopIteration
         batch = ds._pump.next_batch(self._plan, self._next)
         lo, hi = int(self._plan.layout.starts[self._next]), int(self._plan.layout.starts[self._next + 1])
-        ds._stats.record(ds._pump.last_wait_s, self._plan.owner[lo:hi], self._plan.lengths[lo:hi])
+        paths = ds._pump.feed.paths
+        ds._stats.record(
+            ds._pump.last_wait_s,
+            self._plan.owner[lo:hi],
+            self._plan.lengths[lo:hi],
+            [p.link.server_id for p in paths] if ds._pump.feed.counters["replaced_servers"] else None,
+        )
         self._next += 1
         ds._consumed = self._next
         return batch

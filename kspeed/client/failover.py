@@ -102,7 +102,7 @@ class Failover:
         for path in silent:
             state = states.get(path.link.server_id)
             if state is None or state in GONE:
-                self.feed.fence(path.link.server_id, "the manager declared it failed")
+                self.feed.fence_path(path, "the manager declared it failed")
 
     # -- recovering --------------------------------------------------------------------------------
 
@@ -144,14 +144,14 @@ class Failover:
             if isinstance(found, str):
                 last = found
             elif found[0] != old or time.monotonic() - since > SAME_SERVER_AFTER:
-                link = ServerLink(*found, self._config)
+                link = ServerLink(*found, self._config, first_id=self._ranges[index][0])
                 try:
                     self.feed.replace(index, link, hello_timeout=HELLO_TIMEOUT)
                 except KSpeedError as exc:
                     link.close()
                     last = f"{link.name} could not take it: {exc}"
                 else:
-                    self.planner.replace_link(index, link)
+                    self.planner.replace_link(index, link, path.feed_id)
                     log.warning(
                         "dataset %s: %s was lost (%s); %s serves its share now", self.dataset, old, why, link.name
                     )
@@ -188,9 +188,9 @@ class Failover:
             return f"its share is with {share.server_id}, which is not ready"
         return share.server_id, ready[share.server_id]
 
-    def recommit(self, plan: EpochPlan, replaced: list[int]) -> None:
-        """Commit ``plan`` to the servers of paths ``replaced``, after checking they hold its
-        samples as the old holders did.
+    def recommit(self, plan: EpochPlan, replaced: list[int], first_batch: int = 0) -> None:
+        """Commit ``plan`` from batch ``first_batch`` on (the ones before were delivered) to the
+        servers of paths ``replaced``, after checking they hold its samples as the old holders did.
 
         Raises:
             ProtocolError: a new holder does not own a sample its share should, or knows one with
@@ -211,4 +211,4 @@ class Failover:
                     f"dataset {self.dataset!r}: {link.name} knows the samples of the share it took over with "
                     "other lengths"
                 )
-            self.planner.commit(plan, link)
+            self.planner.commit(plan, index, first_batch)

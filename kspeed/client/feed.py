@@ -67,6 +67,8 @@ class ServerPath:
         index: the server's position in the feed's server list (the plan's owner index).
         link: its control-plane link.
         reason: why this rail serves it (logged).
+        feed_id: the feed's id on that server (the feed's own, or, where another path of the
+            feed leads to the same server, one of its own).
         generation: stamped into every tag; bumped by fencing.
         conn: the receiver's connection id of its feeder, once it said HELLO.
         lost: why the path was fenced ("" while healthy).
@@ -76,6 +78,7 @@ class ServerPath:
     index: int
     link: Link
     reason: str
+    feed_id: str = ""
     generation: int = 1
     conn: int | None = None
     lost: str = ""
@@ -155,7 +158,10 @@ class Feed:
             raise
         self.ring = self._region.array()
         self.allocator = RingAllocator(ring_bytes)
-        self.paths = [ServerPath(i, link, reasons.get(link.server_id, "")) for i, link in enumerate(links)]
+        self.paths: list[ServerPath] = []
+        for i, link in enumerate(links):
+            self.paths.append(ServerPath(i, link, reasons.get(link.server_id, "")))
+            self.paths[i].feed_id = self.feed_id_for(i, link.server_id)
         self._by_conn: dict[int, ServerPath] = {}
         self.outstanding: dict[int, Outstanding] = {}
         self._seq = 0
@@ -193,10 +199,16 @@ class Feed:
                 )
             self.poll(POLL_TICK)
 
+    def feed_id_for(self, index: int, server_id: str) -> str:
+        """The feed's id for path ``index`` on ``server_id``: the feed's own, unless another path
+        of it leads there (a server holding two of the dataset's shares after a failover)."""
+        shared = any(p.index != index and p.link.server_id == server_id for p in self.paths)
+        return f"{self.feed_id}.p{index}" if shared else self.feed_id
+
     def _open(self, path: ServerPath) -> None:
         request = kspeed_pb2.OpenFeedRequest(
             dataset=self.dataset,
-            feed_id=self.feed_id,
+            feed_id=path.feed_id,
             rail=self.rail,
             material=self.receiver.material,
             ring_key=self._region.key.to_bytes(),
@@ -260,7 +272,7 @@ class Feed:
                 self.receiver.send(path.conn, grants.encode_grants(rows[start : start + _GRANTS_PER_MESSAGE]))
         except PeerLostError as exc:
             self.take_messages()  # a server that ends the feed says why before it goes
-            self.fence(path.link.server_id, f"sending grants failed: {exc}")
+            self.fence_path(path, f"sending grants failed: {exc}")
 
     def discard(self, slot: Slot) -> None:
         """The batch will not be delivered; its range is released once every owed completion is in."""
@@ -316,7 +328,8 @@ class Feed:
                 return
             raise PeerLostError(f"dataset {self.dataset!r}: the {self.rail} receiver failed: {exc}") from exc
         self.take_messages()  # a server that ends the feed says why before it goes
-        self.fence(path.link.server_id, str(exc))
+        if not path.lost:
+            self.fence_path(path, str(exc))
 
     def accept(self, done: Completions) -> None:
         """Count completions against their grants; old generations and unknown tags are ignored."""
@@ -367,8 +380,8 @@ class Feed:
                 self._closing(conn, decoded.reason)
 
     def _hello(self, conn: int, hello: grants.Hello) -> None:
-        path = next((p for p in self.paths if p.link.server_id == hello.server), None)
-        if path is None or hello.feed != self.feed_id or hello.generation != path.generation:
+        path = next((p for p in self.paths if p.link.server_id == hello.server and p.feed_id == hello.feed), None)
+        if path is None or hello.generation != path.generation:
             log.warning("dataset %s: ignoring %s on connection %d (stale or not ours)", self.dataset, hello, conn)
             self.granting.call(self.receiver.disconnect, conn)
             return
@@ -388,7 +401,7 @@ class Feed:
         path = self._by_conn.get(conn)
         log.error("dataset %s: %s ended the feed: %s", self.dataset, path.link.name if path else "a server", reason)
         if path is not None:
-            self.fence(path.link.server_id, reason)
+            self.fence_path(path, reason)
 
     def _error(self, conn: int, error: grants.GrantError) -> None:
         path = self._by_conn.get(conn)
@@ -462,26 +475,35 @@ class Feed:
             path = self.paths[index]
             silent = now - max(slot.granted_at, path.last_heard)
             if silent > self.completion_timeout:  # lost to us, whatever the manager says: failover reconnects
-                raise PeerLostError(
+                why = (
                     f"dataset {self.dataset!r}: {path.link.name} sent no completion for batch "
                     f"{slot.batch} of epoch {slot.plan.epoch} in {silent:.1f}s "
-                    f"(completion_timeout {self.completion_timeout:g}s)",
-                    server_id=path.link.server_id,
+                    f"(completion_timeout {self.completion_timeout:g}s)"
                 )
+                self.fence_path(path, why)  # only this path: another share on that server may be fine
+                raise PeerLostError(why)
 
     # -- fencing ---------------------------------------------------------------------------------
 
     def fence(self, server_id: str, reason: str = "fenced by the client") -> int:
-        """Cut ``server_id``'s path, bump its generation and quarantine its outstanding ranges.
-
-        Returns:
-            the number of grants that were outstanding (sent or queued) on the path.
+        """Fence every path to ``server_id`` (see :meth:`fence_path`); returns the grants cut.
 
         Raises:
             KeyError: no such server in this feed.
         """
         with self.lock:
-            path = next(p for p in self.paths if p.link.server_id == server_id)
+            paths = [p for p in self.paths if p.link.server_id == server_id]
+            if not paths:
+                raise KeyError(server_id)
+            return sum(self.fence_path(path, reason) for path in paths)
+
+    def fence_path(self, path: ServerPath, reason: str = "fenced by the client") -> int:
+        """Cut ``path``, bump its generation and quarantine its outstanding ranges.
+
+        Returns:
+            the number of grants that were outstanding (sent or queued) on the path.
+        """
+        with self.lock:
             cut_conn = path.conn
             if path.conn is not None:
                 self._by_conn.pop(path.conn, None)
@@ -525,9 +547,10 @@ class Feed:
             path = self.paths[index]
             if not path.lost:
                 raise StateError(f"dataset {self.dataset!r}: {path.link.name} was not fenced; nothing to replace")
-            old, why, reason = path.link, path.lost, path.reason
+            old, why, reason, feed_id = path.link, path.lost, path.reason, path.feed_id
             path.link, path.lost, path.conn = link, "", None
             path.reason = f"took over from {old.name}"
+            path.feed_id = self.feed_id_for(index, link.server_id)
         try:
             self._open(path)
             deadline = time.monotonic() + hello_timeout
@@ -541,7 +564,7 @@ class Feed:
                     self.granting.wait_step(self)
         except KSpeedError:
             with self.lock:
-                path.link, path.lost, path.reason = old, why, reason
+                path.link, path.lost, path.reason, path.feed_id = old, why, reason, feed_id
                 path.generation = path.generation % grants.MAX_GENERATION + 1
             raise
         with self.lock:
@@ -581,6 +604,6 @@ class Feed:
             self.receiver.close()
         for path in self.paths:
             try:
-                path.link.close_feed(self.feed_id)
+                path.link.close_feed(path.feed_id)
             except KSpeedError as exc:
                 log.debug("dataset %s: closing the feed on %s: %s", self.dataset, path.link.name, exc)

@@ -47,6 +47,7 @@ class Link(Protocol):
 
     server_id: str
     address: str
+    first_id: int | None  # the share of the dataset it serves (its first sample); None: the server's only one
 
     @property
     def name(self) -> str: ...
@@ -63,6 +64,7 @@ class Link(Protocol):
         ids: np.ndarray,
         lengths: np.ndarray,
         split: RemoteSplit | None = None,
+        first_batch: int = 0,
     ) -> kspeed_pb2.PlanReply: ...
 
     def close_feed(self, feed_id: str) -> None: ...
@@ -77,11 +79,14 @@ class ServerLink:
         server_id: the server's id in the cluster.
         address: its gRPC ``host:port``.
         config: credentials and deadlines.
+        first_id: the share of the dataset this link serves (its first sample ID): lookups and
+            the feed ask for it (a server may hold several shares of a dataset after a failover).
     """
 
-    def __init__(self, server_id: str, address: str, config: ClientConfig) -> None:
+    def __init__(self, server_id: str, address: str, config: ClientConfig, *, first_id: int | None = None) -> None:
         self.server_id = server_id
         self.address = address
+        self.first_id = first_id
         self._timeout = config.timeout
         self._metadata = rpc.call_metadata(config.security)
         self._channel = rpc.open_channel(address, config.security)
@@ -102,10 +107,12 @@ class ServerLink:
 
         def chunks() -> Iterator[kspeed_pb2.LookupRequest]:
             for start in range(0, max(len(ids), 1), LOOKUP_CHUNK):
-                yield kspeed_pb2.LookupRequest(
-                    dataset=dataset if start == 0 else "",
-                    ids=wire.pack_i64(ids[start : start + LOOKUP_CHUNK]),
+                chunk = kspeed_pb2.LookupRequest(
+                    dataset=dataset if start == 0 else "", ids=wire.pack_i64(ids[start : start + LOOKUP_CHUNK])
                 )
+                if start == 0 and self.first_id is not None:
+                    chunk.first_id = self.first_id
+                yield chunk
 
         deadline = max(self._timeout, 60.0)
 
@@ -126,6 +133,8 @@ class ServerLink:
 
     def open_feed(self, request: kspeed_pb2.OpenFeedRequest) -> kspeed_pb2.OpenFeedReply:
         """Ask the server to connect a feeder to our ring (docs/feeding.md, step 2)."""
+        if self.first_id is not None:
+            request.first_id = self.first_id
         with rpc.map_rpc_errors(self.name):
             return self._stub.OpenFeed(request, timeout=max(self._timeout, 30.0), metadata=self._metadata)
 
@@ -137,8 +146,10 @@ class ServerLink:
         ids: np.ndarray,
         lengths: np.ndarray,
         split: RemoteSplit | None = None,
+        first_batch: int = 0,
     ) -> kspeed_pb2.PlanReply:
-        """Hand over an epoch plan (with the positions the server preprocesses); returns at once."""
+        """Hand over an epoch plan (with the positions the server preprocesses; from batch
+        ``first_batch`` on, the ones before were delivered already); returns at once."""
 
         def chunks() -> Iterator[kspeed_pb2.PlanChunk]:
             for start in range(0, max(len(ids), 1), PLAN_CHUNK):
@@ -150,6 +161,7 @@ class ServerLink:
                     chunk.remote = np.packbits(split.remote[start : start + PLAN_CHUNK]).tobytes()
                 if start == 0:
                     chunk.feed_id, chunk.epoch, chunk.batch_size = feed_id, epoch, batch_size
+                    chunk.first_batch = first_batch
                     if split is not None:
                         chunk.server_stages, chunk.seed, chunk.seed_epoch = split.stages, split.seed, split.epoch
                         chunk.skip_failed = split.skip

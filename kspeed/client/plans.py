@@ -117,7 +117,7 @@ def make_plan(
     links: Sequence[Link],
     *,
     dataset: str,
-    feed_id: str,
+    feed_ids: Sequence[str],
     epoch: int,
     feed_epoch: int,
     ids: np.ndarray,
@@ -133,7 +133,7 @@ def make_plan(
     Args:
         links: every server of the dataset.
         dataset: its name.
-        feed_id: this client's feed.
+        feed_ids: this client's feed on each link.
         epoch: the user's epoch.
         feed_epoch: the pass number sent to servers.
         ids: the order.
@@ -185,7 +185,7 @@ def make_plan(
         for index in range(len(links)):
             owed[index] = np.add.reduceat((owner == index).astype(np.int64), layout.starts[:-1]) > 0
     plan = EpochPlan(epoch, feed_epoch, ids, lengths, labels, owner, layout, owed, deterministic, remote=remote)
-    _commit_all(links, plan, feed_id, batch_size, pool, prep)
+    _commit_all(links, feed_ids, plan, batch_size, pool, prep)
     log.debug(
         "dataset %s: epoch %d planned as pass %d (%d samples, %d batches)",
         dataset,
@@ -216,25 +216,26 @@ def check_fits(layout: BatchLayout, ring_bytes: int, dataset: str, epoch: int) -
 
 def _commit_all(
     links: Sequence[Link],
+    feed_ids: Sequence[str],
     plan: EpochPlan,
-    feed_id: str,
     batch_size: int,
     pool: ThreadPoolExecutor | None,
     prep: PlanPrep | None,
+    first_batch: int = 0,
 ) -> None:
-    args = (feed_id, plan.feed_epoch, batch_size, plan.ids, plan.lengths)
+    args = (plan.feed_epoch, batch_size, plan.ids, plan.lengths)
     split = None
     if plan.remote is not None and prep is not None:
         split = RemoteSplit(plan.remote, prep.server_stages, prep.seed, plan.epoch, prep.skip)
 
-    def one(link: Link) -> None:
-        reaching(link, lambda: link.commit_plan(*args, split))
+    def one(link: Link, feed_id: str) -> None:
+        reaching(link, lambda: link.commit_plan(feed_id, *args, split, first_batch))
 
     if pool is None or len(links) == 1:
-        for link in links:
-            one(link)
+        for link, feed_id in zip(links, feed_ids, strict=True):
+            one(link, feed_id)
         return
-    for future in [pool.submit(one, link) for link in links]:
+    for future in [pool.submit(one, link, feed_id) for link, feed_id in zip(links, feed_ids, strict=True)]:
         future.result()
 
 
@@ -247,7 +248,7 @@ class EpochPlanner:
     Args:
         links: every server of the dataset.
         dataset: its name.
-        feed_id: this client's feed.
+        feed_ids: this client's feed on each link.
         orders: the sampler's orders.
         batch_size: samples per batch.
         labelled: whether lookup replies carry labels.
@@ -261,7 +262,7 @@ class EpochPlanner:
         links: Sequence[Link],
         *,
         dataset: str,
-        feed_id: str,
+        feed_ids: Sequence[str],
         orders: EpochOrders,
         batch_size: int,
         labelled: bool,
@@ -270,9 +271,9 @@ class EpochPlanner:
         prep: PlanPrep | None = None,
     ) -> None:
         self._links = list(links)
+        self._feed_ids = list(feed_ids)
         self._prep = prep
         self._dataset = dataset
-        self._feed_id = feed_id
         self._orders = orders
         self._batch_size = batch_size
         self._labelled = labelled
@@ -280,20 +281,24 @@ class EpochPlanner:
         self._pool = pool
         self._passes = itertools.count(1)
 
-    def replace_link(self, index: int, link: Link) -> None:
-        """Plan with ``link`` in place of server ``index`` from now on (its share moved there)."""
+    def replace_link(self, index: int, link: Link, feed_id: str) -> None:
+        """Plan with ``link`` (the feed ``feed_id`` there) in place of server ``index`` from now
+        on (its share moved there)."""
         self._links[index] = link
+        self._feed_ids[index] = feed_id
 
-    def commit(self, plan: EpochPlan, link: Link) -> None:
-        """Commit an existing plan to one more server (one that took a share over)."""
-        _commit_all([link], plan, self._feed_id, self._batch_size, None, self._prep)
+    def commit(self, plan: EpochPlan, index: int, first_batch: int = 0) -> None:
+        """Commit an existing plan to the server of path ``index`` (one that took a share over),
+        from batch ``first_batch`` on (the ones before were delivered)."""
+        link, feed_id = self._links[index], self._feed_ids[index]
+        _commit_all([link], [feed_id], plan, self._batch_size, None, self._prep, first_batch)
 
     def __call__(self, epoch: int) -> EpochPlan:
         """Plan ``epoch`` as a new pass (see :func:`make_plan` for what it raises)."""
         return make_plan(
             self._links,
             dataset=self._dataset,
-            feed_id=self._feed_id,
+            feed_ids=self._feed_ids,
             epoch=epoch,
             feed_epoch=next(self._passes),
             ids=self._orders.order(epoch),

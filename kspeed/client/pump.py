@@ -256,7 +256,7 @@ class Pump:
         done: list[EpochPlan] = []
         for plan in kept:
             if all(plan is not d for d in done):
-                self.failover.recommit(plan, replaced)
+                self.failover.recommit(plan, replaced, restart[1] if restart and plan is restart[0] else 0)
                 done.append(plan)
         self._cursor = restart
         self.top_up(force=True)

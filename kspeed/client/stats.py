@@ -35,23 +35,27 @@ class RankStats:
     """What one rank received from one dataset.
 
     Args:
-        servers: the dataset's server ids, in the order of the plans' ``owner`` indices.
+        servers: the dataset's server ids, in the order of the plans' ``owner`` indices (the
+            servers that hold the shares now: they change when a share moves).
     """
 
     def __init__(self, servers: Sequence[str]) -> None:
         self.servers = list(servers)
+        self.server_bytes: dict[str, int] = dict.fromkeys(self.servers, 0)
         self.batches = 0
         self.samples = 0
         self.bytes = 0
         self.wait_total_s = 0.0
-        self.server_bytes = np.zeros(len(self.servers), dtype=np.int64)
         self._waits: collections.deque[float] = collections.deque(maxlen=WINDOW)
         self.wait_histogram = Histogram()
         self._started: float | None = None
         self._lock = threading.Lock()
 
-    def record(self, wait_s: float, owner: np.ndarray, lengths: np.ndarray) -> None:
-        """One delivered batch: its wait, and per position its server index and length."""
+    def record(
+        self, wait_s: float, owner: np.ndarray, lengths: np.ndarray, servers: Sequence[str] | None = None
+    ) -> None:
+        """One delivered batch: its wait, and per position its owner index and length; ``servers``
+        says which server each owner index is now (a share moved), when it changed."""
         per_server = np.bincount(owner, weights=lengths, minlength=len(self.servers)).astype(np.int64)
         with self._lock:
             if self._started is None:
@@ -60,7 +64,10 @@ class RankStats:
             self.samples += len(lengths)
             self.bytes += int(lengths.sum())
             self.wait_total_s += wait_s
-            self.server_bytes += per_server[: len(self.servers)]
+            if servers is not None:
+                self.servers = list(servers)
+            for server, nbytes in zip(self.servers, per_server.tolist()):
+                self.server_bytes[server] = self.server_bytes.get(server, 0) + nbytes
             self._waits.append(wait_s)
         self.wait_histogram.observe(wait_s)
 
@@ -77,7 +84,7 @@ class RankStats:
                 "samples_per_s": self.samples / elapsed if elapsed > 0 else 0.0,
                 "bytes_per_s": self.bytes / elapsed if elapsed > 0 else 0.0,
                 "wait_total_s": self.wait_total_s,
-                "server_bytes": dict(zip(self.servers, self.server_bytes.tolist())),
+                "server_bytes": dict(self.server_bytes),
             }
         out["wait_seconds"] = self.wait_histogram.as_dict()
         if len(waits):

@@ -89,6 +89,7 @@ def dataset_dict(info: kspeed_pb2.DatasetInfo) -> dict:
                 "first_region": s.first_region,
                 "num_regions": s.num_regions,
                 "bytes": s.bytes,
+                "on_demand": s.on_demand,
                 "samples_loaded": st.progress.samples_loaded,
                 "regions_sealed": st.regions_sealed,
             }

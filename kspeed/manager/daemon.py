@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Coroutine
 from typing import Any
 
 import grpc
@@ -27,7 +28,7 @@ from kspeed.control.http import HttpEndpoint, json_response, metrics_route, text
 from kspeed.control.status import status_dict
 from kspeed.manager.calls import ServerCalls
 from kspeed.manager.datasets import DatasetCatalog
-from kspeed.manager.membership import FAILED, JOINING, Membership, Timers
+from kspeed.manager.membership import FAILED, JOINING, READY, Membership, Timers
 from kspeed.manager.metrics import ManagerMetrics
 from kspeed.manager.service import ManagerService
 from kspeed.manager.store import Store
@@ -137,14 +138,21 @@ class Manager:
 
     def _on_membership(self, record: kspeed_pb2.ServerRecord, revision: int) -> None:
         """Probe a server that just registered at once, so it is READY without waiting for the next
-        round; move the shares of one declared failed."""
-        if record.state == JOINING and self._loop is not None:
+        round; move the shares of one declared failed; give shares served on demand a server that
+        has room, once one is ready."""
+        if self._loop is None:
+            return
+        if record.state == JOINING:
             self._loop.call_soon_threadsafe(self._probe_soon, record.id, record.address, record.incarnation)
-        if record.state == FAILED and self._loop is not None:
-            self._loop.call_soon_threadsafe(self._fail_over_soon, record.id)
+        if record.state == FAILED:
+            self._loop.call_soon_threadsafe(
+                self._background, self.catalog.fail_over(record.id), f"failover-{record.id}"
+            )
+        if record.state == READY:
+            self._loop.call_soon_threadsafe(self._background, self.catalog.rehome(), f"rehome-{record.id}")
 
-    def _fail_over_soon(self, server_id: str) -> None:
-        task = asyncio.create_task(self.catalog.fail_over(server_id), name=f"failover-{server_id}")
+    def _background(self, work: Coroutine[Any, Any, int], name: str) -> None:
+        task = asyncio.create_task(work, name=name)
         self._probes.add(task)
         task.add_done_callback(self._probes.discard)
 

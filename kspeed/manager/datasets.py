@@ -12,6 +12,7 @@ killed job frees its memory); a dataset added by an operator lives until it is r
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import secrets
 import time
@@ -109,7 +110,8 @@ class DatasetCatalog:
             # The manager was down: give every lease one full period to be renewed.
             lease.expires_unix = max(lease.expires_unix, now + lease.ttl_s)
             self._leases[lease.id] = lease
-        self._share_status: dict[tuple[str, str], kspeed_pb2.ShareStatus] = {}
+        # (dataset, server, first sample of the share) -> what that server last reported about it
+        self._share_status: dict[tuple[str, str, int], kspeed_pb2.ShareStatus] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self.failovers = 0  # shares moved off failed servers
 
@@ -141,7 +143,9 @@ class DatasetCatalog:
         states = {r.id: r for r in self._membership.snapshot(include_left=True)}
         unreachable = False
         for share in info.shares:
-            status = self._share_status.get((name, share.server_id)) or kspeed_pb2.ShareStatus(dataset=name)
+            status = self._share_status.get((name, share.server_id, share.first_id)) or kspeed_pb2.ShareStatus(
+                dataset=name, first_id=share.first_id
+            )
             info.share_status.append(status)
             p = status.progress
             total.samples_loaded += p.samples_loaded
@@ -151,7 +155,7 @@ class DatasetCatalog:
             total.error_count += p.error_count
             total.errors.extend(p.errors[: max(0, 5 - len(total.errors))])
             record = states.get(share.server_id)
-            unreachable |= record is None or record.state != READY
+            unreachable |= record is None or record.state != READY or share.on_demand
             if record is not None:
                 info.server_addresses[share.server_id] = record.address
         total.samples_total = info.fingerprint.count
@@ -162,7 +166,7 @@ class DatasetCatalog:
             info.state = DState.DATASET_STATE_CHANGED
         elif total.running:
             info.state = DState.DATASET_STATE_LOADING
-        elif unreachable or total.error_count:
+        elif unreachable or total.error_count:  # a holder away, a share read on demand, or load errors
             info.state = DState.DATASET_STATE_DEGRADED
         elif total.samples_loaded == total.samples_total:
             info.state = DState.DATASET_STATE_READY
@@ -192,31 +196,40 @@ class DatasetCatalog:
 
     def on_heartbeat(
         self, server_id: str, shares: list[kspeed_pb2.ShareStatus]
-    ) -> tuple[list[str], list[kspeed_pb2.AssignShareRequest]]:
-        """Record the progress a server reports; return the datasets it holds but should not, and
-        the shares it should hold but did not report (its progress is forgotten: not loaded there)."""
-        stale = []
+    ) -> tuple[list[str], list[kspeed_pb2.ShareRef], list[kspeed_pb2.AssignShareRequest]]:
+        """Record the progress a server reports; return the datasets it holds but should not, the
+        shares of datasets it keeps that are held elsewhere now, and the shares it should hold but
+        did not report (their progress is forgotten: not loaded there)."""
+        stale: list[str] = []
+        moved: list[kspeed_pb2.ShareRef] = []
         reported = set()
         for status in shares:
-            info = self._datasets.get(status.dataset)
-            if info is None or all(s.server_id != server_id for s in info.shares):
-                if not self._registering(status.dataset):
-                    stale.append(status.dataset)  # not while a registration of that name is under way
+            if self._registering(status.dataset):  # not while a registration of that name is under way
                 continue
-            reported.add(status.dataset)
-            self._share_status[(status.dataset, server_id)] = status
+            info = self._datasets.get(status.dataset)
+            mine = {s.first_id for s in info.shares if s.server_id == server_id} if info is not None else set()
+            if not mine:
+                stale.append(status.dataset)
+            elif status.first_id not in mine:
+                moved.append(kspeed_pb2.ShareRef(dataset=status.dataset, first_id=status.first_id))
+            else:
+                reported.add((status.dataset, status.first_id))
+                self._share_status[(status.dataset, server_id, status.first_id)] = status
         missing = []
         for name, info in self._datasets.items():
-            if name in reported or self._registering(name):
+            if self._registering(name):
                 continue
             for share in info.shares:
-                if share.server_id == server_id:
-                    if self._share_status.pop((name, server_id), None) is not None:
+                if share.server_id == server_id and (name, share.first_id) not in reported:
+                    if self._share_status.pop((name, server_id, share.first_id), None) is not None:
                         log.warning(
-                            "dataset %s: server %s no longer reports its share; assigning it again", name, server_id
+                            "dataset %s: server %s no longer reports its share %d..; assigning it again",
+                            name,
+                            server_id,
+                            share.first_id,
                         )
                     missing.append(self._assignment(info, share))
-        return stale, missing
+        return sorted(set(stale)), moved, missing
 
     def _registering(self, name: str) -> bool:
         lock = self._locks.get(name)
@@ -319,7 +332,7 @@ class DatasetCatalog:
             except KSpeedError as exc:
                 log.warning("dataset %s: %s could not check its share: %s", name, record.id, exc)
                 continue
-            self._share_status[(name, share.server_id)] = status
+            self._share_status[(name, share.server_id, status.first_id)] = status
 
     async def _allocate(self, spec: kspeed_pb2.DatasetSpec, owner: kspeed_pb2.DatasetOwner) -> kspeed_pb2.DatasetInfo:
         ready = await self._ready_servers(spec.name)
@@ -410,8 +423,14 @@ class DatasetCatalog:
         return ready
 
     def _free_regions(self, record: kspeed_pb2.ServerRecord) -> int:
-        """Regions of ``record`` not promised to any dataset (the manager's own bookkeeping)."""
-        promised = sum(s.num_regions for d in self._datasets.values() for s in d.shares if s.server_id == record.id)
+        """Regions of ``record`` not promised to any dataset (the manager's own bookkeeping; a
+        share held on demand takes none)."""
+        promised = sum(
+            s.num_regions
+            for d in self._datasets.values()
+            for s in d.shares
+            if s.server_id == record.id and not s.on_demand
+        )
         inv = record.inventory
         total = inv.regions_total or inv.memory_bytes // max(inv.region_size, 1)
         return max(int(total) - int(inv.regions_window) - promised, 0)
@@ -456,10 +475,7 @@ class DatasetCatalog:
     # -- failover --------------------------------------------------------------------------------
 
     async def fail_over(self, server_id: str) -> int:
-        """Move every share of a server declared failed to a ready server that holds no share of
-        that dataset and has the regions free (an empty spare first, then the one with the most
-        room), which reloads it; clients follow the move. A share that finds no such server stays,
-        its dataset degraded until the server returns. Returns the shares moved."""
+        """Move every share of a server declared failed (see :meth:`_move`). Returns the shares moved."""
         moved = 0
         for name in sorted(self._datasets):
             async with self._locks.setdefault(name, asyncio.Lock()):
@@ -471,54 +487,102 @@ class DatasetCatalog:
                         moved += 1
         return moved
 
-    async def _move(self, info: kspeed_pb2.DatasetInfo, share: kspeed_pb2.Share) -> bool:
+    async def rehome(self) -> int:
+        """Give the shares held on demand a holder with a copy, where a ready server has the
+        regions free now (a spare registered, or a dataset was removed): the dataset is whole
+        again once it has loaded. Returns the shares moved."""
+        moved = 0
+        for name in sorted(self._datasets):
+            info = self._datasets.get(name)
+            if info is None or not any(s.on_demand for s in info.shares):
+                continue
+            async with self._locks.setdefault(name, asyncio.Lock()):
+                for share in info.shares:
+                    if share.on_demand and await self._move(info, share, copy_only=True):
+                        moved += 1
+        return moved
+
+    async def _move(self, info: kspeed_pb2.DatasetInfo, share: kspeed_pb2.Share, *, copy_only: bool = False) -> bool:
+        """Give ``share`` another holder: a ready server with the regions free (an empty spare
+        first, then the one with the most room), which reloads it in the order the feeds consume
+        it; else (unless ``copy_only``) a ready survivor that serves it **on demand**, reading each
+        sample from the backend into its production window as feeds need it (the dataset is
+        degraded until :meth:`rehome` finds it a holder with room). Returns whether it moved."""
         name, old = info.spec.name, share.server_id
-        holders = {s.server_id for s in info.shares}
-        candidates = [
+        ready = [
             r
             for r in self._membership.snapshot()
-            if r.state == READY
-            and r.id not in holders
-            and r.inventory.region_size == info.region_size
-            and self._free_regions(r) >= share.num_regions
+            if r.state == READY and r.id != old and r.inventory.region_size == info.region_size
         ]
-        spares = {
-            r.id for r in candidates if not any(r.id == s.server_id for d in self._datasets.values() for s in d.shares)
-        }
-        candidates.sort(key=lambda r: (r.id not in spares, -self._free_regions(r), r.id))
-        for target in candidates:
+        holding = {s.server_id for d in self._datasets.values() for s in d.shares}
+        roomy = [r for r in ready if self._free_regions(r) >= share.num_regions]
+        roomy.sort(key=lambda r: (r.id in holding, -self._free_regions(r), r.id))
+        targets = [(r, False) for r in roomy]
+        if not copy_only:
+            load = collections.Counter(s.server_id for d in self._datasets.values() for s in d.shares if s.on_demand)
+            survivors = sorted((r for r in ready if r.inventory.regions_window > 0), key=lambda r: (load[r.id], r.id))
+            targets += [(r, True) for r in survivors]
+        for target, on_demand in targets:
             moving = kspeed_pb2.Share()
             moving.CopyFrom(share)
-            moving.server_id = target.id
+            moving.server_id, moving.on_demand = target.id, on_demand
+            request = kspeed_pb2.DatasetRequest(name=name, first_id=share.first_id)
             try:
                 await self._calls.call(target.address, target.id, "AssignShare", self._assignment(info, moving))
-                await self._calls.call(target.address, target.id, "StartPreload", kspeed_pb2.DatasetRequest(name=name))
+                await self._calls.call(target.address, target.id, "StartPreload", request)
             except KSpeedError as exc:
-                log.warning("dataset %s: %s cannot take the share of failed %s: %s", name, target.id, old, exc)
+                log.warning("dataset %s: %s cannot take the share of %s: %s", name, target.id, old, exc)
                 continue
-            share.server_id = target.id
-            self._share_status.pop((name, old), None)
+            share.server_id, share.on_demand = target.id, on_demand
+            self._share_status.pop((name, old, share.first_id), None)
             self._store.save_dataset(info)
             self.failovers += 1
-            log.warning(
-                "dataset %s: samples %d..%d moved from failed server %s to %s, which reloads them",
+            if on_demand:
+                log.error(
+                    "dataset %s: no ready server has %d regions free for samples %d..%d of %s; %s serves them on "
+                    "demand, reading each from the backend (the dataset is degraded until a server with room "
+                    "registers)",
+                    name,
+                    share.num_regions,
+                    share.first_id,
+                    share.end_id - 1,
+                    old,
+                    target.id,
+                )
+            else:
+                log.warning(
+                    "dataset %s: samples %d..%d moved from %s to %s, which loads them",
+                    name,
+                    share.first_id,
+                    share.end_id - 1,
+                    old,
+                    target.id,
+                )
+                if copy_only:  # the survivor that served them on demand lets them go
+                    await self._release_share(info, old, share.first_id)
+            return True
+        if not copy_only:
+            log.error(
+                "dataset %s: no ready server can take samples %d..%d of failed server %s; the dataset is degraded "
+                "until it returns or a server registers",
                 name,
                 share.first_id,
                 share.end_id - 1,
                 old,
-                target.id,
             )
-            return True
-        log.error(
-            "dataset %s: no ready server with %d free regions can take samples %d..%d of failed server %s; "
-            "the dataset is degraded until it returns or a spare registers",
-            name,
-            share.num_regions,
-            share.first_id,
-            share.end_id - 1,
-            old,
-        )
         return False
+
+    async def _release_share(self, info: kspeed_pb2.DatasetInfo, server_id: str, first: int) -> None:
+        """Tell ``server_id`` to drop one share of ``info`` that is held elsewhere now (its next
+        heartbeat would say so too)."""
+        record = next((r for r in self._membership.snapshot() if r.id == server_id), None)
+        if record is None or record.state != READY:
+            return
+        request = kspeed_pb2.DatasetRequest(name=info.spec.name, first_id=first)
+        try:
+            await self._calls.call(record.address, record.id, "DropDataset", request)
+        except KSpeedError as exc:
+            log.warning("dataset %s: %s could not drop share %d..: %s", info.spec.name, server_id, first, exc)
 
     async def preload(self, name: str) -> kspeed_pb2.DatasetInfo:
         """Start (or join) the preload of every share."""
@@ -531,9 +595,9 @@ class DatasetCatalog:
                     f"{share.first_id}..{share.end_id - 1} is not registered"
                 )
             status = await self._calls.call(
-                address, share.server_id, "StartPreload", kspeed_pb2.DatasetRequest(name=name)
+                address, share.server_id, "StartPreload", kspeed_pb2.DatasetRequest(name=name, first_id=share.first_id)
             )
-            self._share_status[(name, share.server_id)] = status
+            self._share_status[(name, share.server_id, share.first_id)] = status
         return self.get(name)
 
     # -- leases ----------------------------------------------------------------------------------

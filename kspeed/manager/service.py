@@ -95,9 +95,13 @@ class ManagerService:
         self, request: kspeed_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> kspeed_pb2.HeartbeatReply:
         record = self._membership.heartbeat(request)
-        stale, missing = self._catalog.on_heartbeat(request.id, list(request.shares))
+        stale, moved, missing = self._catalog.on_heartbeat(request.id, list(request.shares))
         return kspeed_pb2.HeartbeatReply(
-            state=record.state, heartbeat_interval_s=self._heartbeat_interval, drop_datasets=stale, assign=missing
+            state=record.state,
+            heartbeat_interval_s=self._heartbeat_interval,
+            drop_datasets=stale,
+            drop_shares=moved,
+            assign=missing,
         )
 
     async def DeregisterServer(

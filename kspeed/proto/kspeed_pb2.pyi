@@ -194,16 +194,18 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ..., incarnation: _Optional[int] = ..., inventory: _Optional[_Union[ServerInventory, _Mapping]] = ..., shares: _Optional[_Iterable[_Union[ShareStatus, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("state", "heartbeat_interval_s", "drop_datasets", "assign")
+    __slots__ = ("state", "heartbeat_interval_s", "drop_datasets", "drop_shares", "assign")
     STATE_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     DROP_DATASETS_FIELD_NUMBER: _ClassVar[int]
+    DROP_SHARES_FIELD_NUMBER: _ClassVar[int]
     ASSIGN_FIELD_NUMBER: _ClassVar[int]
     state: ServerState
     heartbeat_interval_s: float
     drop_datasets: _containers.RepeatedScalarFieldContainer[str]
+    drop_shares: _containers.RepeatedCompositeFieldContainer[ShareRef]
     assign: _containers.RepeatedCompositeFieldContainer[AssignShareRequest]
-    def __init__(self, state: _Optional[_Union[ServerState, str]] = ..., heartbeat_interval_s: _Optional[float] = ..., drop_datasets: _Optional[_Iterable[str]] = ..., assign: _Optional[_Iterable[_Union[AssignShareRequest, _Mapping]]] = ...) -> None: ...
+    def __init__(self, state: _Optional[_Union[ServerState, str]] = ..., heartbeat_interval_s: _Optional[float] = ..., drop_datasets: _Optional[_Iterable[str]] = ..., drop_shares: _Optional[_Iterable[_Union[ShareRef, _Mapping]]] = ..., assign: _Optional[_Iterable[_Union[AssignShareRequest, _Mapping]]] = ...) -> None: ...
 
 class DeregisterServerRequest(_message.Message):
     __slots__ = ("id", "incarnation", "reason")
@@ -306,20 +308,30 @@ class Fingerprint(_message.Message):
     def __init__(self, count: _Optional[int] = ..., total_bytes: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class Share(_message.Message):
-    __slots__ = ("server_id", "first_id", "end_id", "first_region", "num_regions", "bytes")
+    __slots__ = ("server_id", "first_id", "end_id", "first_region", "num_regions", "bytes", "on_demand")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_ID_FIELD_NUMBER: _ClassVar[int]
     END_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_REGION_FIELD_NUMBER: _ClassVar[int]
     NUM_REGIONS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
+    ON_DEMAND_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     first_id: int
     end_id: int
     first_region: int
     num_regions: int
     bytes: int
-    def __init__(self, server_id: _Optional[str] = ..., first_id: _Optional[int] = ..., end_id: _Optional[int] = ..., first_region: _Optional[int] = ..., num_regions: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+    on_demand: bool
+    def __init__(self, server_id: _Optional[str] = ..., first_id: _Optional[int] = ..., end_id: _Optional[int] = ..., first_region: _Optional[int] = ..., num_regions: _Optional[int] = ..., bytes: _Optional[int] = ..., on_demand: _Optional[bool] = ...) -> None: ...
+
+class ShareRef(_message.Message):
+    __slots__ = ("dataset", "first_id")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    FIRST_ID_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    first_id: int
+    def __init__(self, dataset: _Optional[str] = ..., first_id: _Optional[int] = ...) -> None: ...
 
 class PreloadProgress(_message.Message):
     __slots__ = ("samples_loaded", "samples_total", "bytes_loaded", "bytes_total", "bytes_per_s", "running", "error_count", "errors", "samples_read")
@@ -344,7 +356,7 @@ class PreloadProgress(_message.Message):
     def __init__(self, samples_loaded: _Optional[int] = ..., samples_total: _Optional[int] = ..., bytes_loaded: _Optional[int] = ..., bytes_total: _Optional[int] = ..., bytes_per_s: _Optional[float] = ..., running: _Optional[bool] = ..., error_count: _Optional[int] = ..., errors: _Optional[_Iterable[str]] = ..., samples_read: _Optional[int] = ...) -> None: ...
 
 class ShareStatus(_message.Message):
-    __slots__ = ("dataset", "progress", "regions_sealed", "integrity_repairs", "changed_samples", "changes", "samples_checked", "stage_seconds")
+    __slots__ = ("dataset", "progress", "regions_sealed", "integrity_repairs", "changed_samples", "changes", "samples_checked", "stage_seconds", "first_id")
     class StageSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -360,6 +372,7 @@ class ShareStatus(_message.Message):
     CHANGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_CHECKED_FIELD_NUMBER: _ClassVar[int]
     STAGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_ID_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     progress: PreloadProgress
     regions_sealed: int
@@ -368,7 +381,8 @@ class ShareStatus(_message.Message):
     changes: _containers.RepeatedScalarFieldContainer[str]
     samples_checked: int
     stage_seconds: _containers.ScalarMap[str, float]
-    def __init__(self, dataset: _Optional[str] = ..., progress: _Optional[_Union[PreloadProgress, _Mapping]] = ..., regions_sealed: _Optional[int] = ..., integrity_repairs: _Optional[int] = ..., changed_samples: _Optional[int] = ..., changes: _Optional[_Iterable[str]] = ..., samples_checked: _Optional[int] = ..., stage_seconds: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    first_id: int
+    def __init__(self, dataset: _Optional[str] = ..., progress: _Optional[_Union[PreloadProgress, _Mapping]] = ..., regions_sealed: _Optional[int] = ..., integrity_repairs: _Optional[int] = ..., changed_samples: _Optional[int] = ..., changes: _Optional[_Iterable[str]] = ..., samples_checked: _Optional[int] = ..., stage_seconds: _Optional[_Mapping[str, float]] = ..., first_id: _Optional[int] = ...) -> None: ...
 
 class Lease(_message.Message):
     __slots__ = ("id", "dataset", "holder", "ttl_s", "expires_unix")
@@ -446,10 +460,12 @@ class CreateDatasetReply(_message.Message):
     def __init__(self, dataset: _Optional[_Union[DatasetInfo, _Mapping]] = ..., created: _Optional[bool] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
 
 class DatasetRequest(_message.Message):
-    __slots__ = ("name",)
+    __slots__ = ("name", "first_id")
     NAME_FIELD_NUMBER: _ClassVar[int]
+    FIRST_ID_FIELD_NUMBER: _ClassVar[int]
     name: str
-    def __init__(self, name: _Optional[str] = ...) -> None: ...
+    first_id: int
+    def __init__(self, name: _Optional[str] = ..., first_id: _Optional[int] = ...) -> None: ...
 
 class ListDatasetsRequest(_message.Message):
     __slots__ = ()
@@ -518,12 +534,14 @@ class DropDatasetReply(_message.Message):
     def __init__(self) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("dataset", "ids")
+    __slots__ = ("dataset", "ids", "first_id")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_ID_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     ids: bytes
-    def __init__(self, dataset: _Optional[str] = ..., ids: _Optional[bytes] = ...) -> None: ...
+    first_id: int
+    def __init__(self, dataset: _Optional[str] = ..., ids: _Optional[bytes] = ..., first_id: _Optional[int] = ...) -> None: ...
 
 class LookupReply(_message.Message):
     __slots__ = ("positions", "lengths", "labels")
@@ -552,7 +570,7 @@ class ReadReply(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., lengths: _Optional[bytes] = ...) -> None: ...
 
 class OpenFeedRequest(_message.Message):
-    __slots__ = ("dataset", "feed_id", "rail", "material", "ring_key", "generation", "holder")
+    __slots__ = ("dataset", "feed_id", "rail", "material", "ring_key", "generation", "holder", "first_id")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     FEED_ID_FIELD_NUMBER: _ClassVar[int]
     RAIL_FIELD_NUMBER: _ClassVar[int]
@@ -560,6 +578,7 @@ class OpenFeedRequest(_message.Message):
     RING_KEY_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     HOLDER_FIELD_NUMBER: _ClassVar[int]
+    FIRST_ID_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     feed_id: str
     rail: str
@@ -567,7 +586,8 @@ class OpenFeedRequest(_message.Message):
     ring_key: bytes
     generation: int
     holder: str
-    def __init__(self, dataset: _Optional[str] = ..., feed_id: _Optional[str] = ..., rail: _Optional[str] = ..., material: _Optional[bytes] = ..., ring_key: _Optional[bytes] = ..., generation: _Optional[int] = ..., holder: _Optional[str] = ...) -> None: ...
+    first_id: int
+    def __init__(self, dataset: _Optional[str] = ..., feed_id: _Optional[str] = ..., rail: _Optional[str] = ..., material: _Optional[bytes] = ..., ring_key: _Optional[bytes] = ..., generation: _Optional[int] = ..., holder: _Optional[str] = ..., first_id: _Optional[int] = ...) -> None: ...
 
 class OpenFeedReply(_message.Message):
     __slots__ = ("server_id", "feeder")
@@ -578,7 +598,7 @@ class OpenFeedReply(_message.Message):
     def __init__(self, server_id: _Optional[str] = ..., feeder: _Optional[int] = ...) -> None: ...
 
 class PlanChunk(_message.Message):
-    __slots__ = ("feed_id", "epoch", "batch_size", "ids", "lengths", "remote", "server_stages", "seed", "seed_epoch", "skip_failed")
+    __slots__ = ("feed_id", "epoch", "batch_size", "ids", "lengths", "remote", "server_stages", "seed", "seed_epoch", "skip_failed", "first_batch")
     FEED_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -589,6 +609,7 @@ class PlanChunk(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     SEED_EPOCH_FIELD_NUMBER: _ClassVar[int]
     SKIP_FAILED_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BATCH_FIELD_NUMBER: _ClassVar[int]
     feed_id: str
     epoch: int
     batch_size: int
@@ -599,7 +620,8 @@ class PlanChunk(_message.Message):
     seed: int
     seed_epoch: int
     skip_failed: bool
-    def __init__(self, feed_id: _Optional[str] = ..., epoch: _Optional[int] = ..., batch_size: _Optional[int] = ..., ids: _Optional[bytes] = ..., lengths: _Optional[bytes] = ..., remote: _Optional[bytes] = ..., server_stages: _Optional[int] = ..., seed: _Optional[int] = ..., seed_epoch: _Optional[int] = ..., skip_failed: _Optional[bool] = ...) -> None: ...
+    first_batch: int
+    def __init__(self, feed_id: _Optional[str] = ..., epoch: _Optional[int] = ..., batch_size: _Optional[int] = ..., ids: _Optional[bytes] = ..., lengths: _Optional[bytes] = ..., remote: _Optional[bytes] = ..., server_stages: _Optional[int] = ..., seed: _Optional[int] = ..., seed_epoch: _Optional[int] = ..., skip_failed: _Optional[bool] = ..., first_batch: _Optional[int] = ...) -> None: ...
 
 class PlanReply(_message.Message):
     __slots__ = ("owned", "owned_bytes")

@@ -41,7 +41,7 @@ class ManagerAgent:
         on_fatal: Callable[[KSpeedError], None],
         shares: Callable[[], list[kspeed_pb2.ShareStatus]] = list,
         on_registered: Callable[[kspeed_pb2.RegisterServerReply], None] = lambda reply: None,
-        on_drop: Callable[[str], None] = lambda name: None,
+        on_drop: Callable[[str, int | None], None] = lambda name, first: None,
         on_assign: Callable[[list[kspeed_pb2.AssignShareRequest]], None] = lambda requests: None,
     ) -> None:
         self._manager = manager_address
@@ -106,7 +106,12 @@ class ManagerAgent:
         )
         for name in reply.drop_datasets:
             log.info("the manager no longer assigns dataset %s here; dropping it", name)
-            self._on_drop(name)
+            self._on_drop(name, None)
+        for ref in reply.drop_shares:
+            log.info(
+                "the manager assigns share %d.. of dataset %s elsewhere now; dropping it", ref.first_id, ref.dataset
+            )
+            self._on_drop(ref.dataset, ref.first_id)
         if reply.assign:
             self._on_assign(list(reply.assign))
 

@@ -130,7 +130,7 @@ class Server:
             prep=self.prep,
             logs=LogSettings(cfg.log_level, cfg.log_format),
         )
-        host.on_drop = self.feeders.close_dataset
+        host.on_drop = self.feeders.close_share
         feeders = self.feeders
         host.on_changed = lambda name, changes: feeders.mark_changed(
             name, {c.sample: f"{c.path}: {c.what}" for c in changes}
@@ -178,7 +178,9 @@ class Server:
             on_fatal=self._fatal,
             shares=host.statuses,
             on_registered=lambda reply: host.reconcile(list(reply.assignments)),
-            on_drop=lambda name: host.drop(name, "the manager no longer assigns it here", final=False),
+            on_drop=lambda name, first: host.drop(
+                name, "the manager no longer assigns it here", final=False, first=first
+            ),
             on_assign=host.retake,
         )
         self.agent.start()

@@ -1,7 +1,12 @@
-"""The datasets a server hosts: one share each, assigned by the manager.
+"""The datasets a server hosts: the shares the manager assigns it.
 
-A share is a contiguous range of sample IDs held in consecutive virtual regions of the pool. The
-host opens the backend listing, checks it against the fingerprint the manager recorded (a changed
+A share is a contiguous range of sample IDs held in consecutive virtual regions of the pool. A
+server usually holds one share of a dataset; after a failover it may hold more (one it took over
+from a failed server), each its own range of the dataset's virtual regions. A share taken
+**on demand** (no server had the regions free) holds no regions at all: its samples are read from
+the backend into the production window as feeds need them.
+
+The host opens the backend listing, checks it against the fingerprint the manager recorded (a changed
 backend is reported, never served stale), allocates the pool regions, loads on request, and
 answers the broadcast-reply lookup and pull reads. The manager's assignments are kept in the state
 directory so that a restarted server re-adopts its sealed regions before the manager speaks again.
@@ -22,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kspeed import names, wire
-from kspeed.errors import ConfigError, DatasetError, KSpeedError, NotFoundError
+from kspeed.errors import ConfigError, DatasetError, KSpeedError, NotFoundError, ProtocolError
 from kspeed.preprocess.pipeline import Pipeline
 from kspeed.preprocess.runner import Runner
 from kspeed.proto import kspeed_pb2
@@ -41,6 +46,15 @@ ASSIGNMENTS_FILE = "assignments.json"
 MAX_REPORTED_ERRORS = 5
 REMEMBERED_DROPS = 256  # dropped datasets whose reason is kept for later calls about them
 RETAKE_INTERVAL = 30.0  # seconds between attempts to take again a share this server failed to take
+
+
+def _vindices(share: kspeed_pb2.Share) -> range:
+    """The virtual regions a share with a copy occupies."""
+    return range(share.first_region, share.first_region + share.num_regions)
+
+
+def _span(share: kspeed_pb2.Share) -> str:
+    return f"{share.first_id}..{share.end_id - 1}"
 
 
 def fingerprint_pb(source: Source) -> kspeed_pb2.Fingerprint:
@@ -66,6 +80,9 @@ def decode_ids(data: bytes, dataset: str, count: int) -> np.ndarray:
     return ids
 
 
+ShareKey = tuple[str, int]  # (dataset, first sample ID of the share)
+
+
 @dataclass
 class Hosted:
     """One dataset share held by this server."""
@@ -78,6 +95,15 @@ class Hosted:
     @property
     def name(self) -> str:
         return self.request.spec.name
+
+    @property
+    def key(self) -> ShareKey:
+        return self.request.spec.name, int(self.request.share.first_id)
+
+    @property
+    def on_demand(self) -> bool:
+        """Held without a copy: read from the backend as feeds need it (see the module docstring)."""
+        return self.request.share.on_demand
 
     @property
     def changes(self) -> ChangeLog:
@@ -117,12 +143,12 @@ class DatasetHost:
         self._threads = preload_threads
         self._scrub_interval = scrub_interval
         self._lock = threading.RLock()
-        self._hosted: dict[str, Hosted] = {}
+        self._hosted: dict[ShareKey, Hosted] = {}
         self._dropped: dict[str, str] = {}  # recently dropped datasets and why, to answer with the reason
-        self.on_drop: Callable[[str, str], None] = lambda name, reason: None  # e.g. close the dataset's feeds
+        self.on_drop: Callable[[str, int, str], None] = lambda name, first, reason: None  # e.g. close its feeds
         self.on_changed: Callable[[str, list[Change]], None] = lambda name, changes: None  # e.g. tell the feeders
         self.watch = ChangeWatch(self._checks, interval=change_check_interval, budget=change_check_budget)
-        self._retaken: dict[str, float] = {}  # dataset -> when it was last taken again
+        self._retaken: dict[ShareKey, float] = {}  # share -> when it was last taken again
         self._retaking: list[threading.Thread] = []
 
     # -- backend changes -------------------------------------------------------------------------
@@ -132,36 +158,40 @@ class DatasetHost:
             return [(h.changes, h.source.check) for h in self._hosted.values()]
 
     def check(self, name: str, limit: int = 0) -> kspeed_pb2.ShareStatus:
-        """Compare ``name``'s backend files with the listing now: all of the share, or the next ``limit``.
+        """Compare ``name``'s backend files with the listing now: all of each share, or the next
+        ``limit`` of each; returns the status of its first share here.
 
         Raises:
             NotFoundError: the dataset is not hosted here.
             BackendError: the backend cannot be asked.
         """
-        hosted = self.get(name)
-        changes = hosted.changes
-        ids = np.arange(changes.lo, changes.hi, dtype=np.int64) if limit <= 0 else changes.next_batch(limit)
-        changes.record(hosted.source.check(ids))
-        changes.counted(len(ids))
-        return self.status(name)
+        shares = self.shares(name)
+        for hosted in shares:
+            changes = hosted.changes
+            ids = np.arange(changes.lo, changes.hi, dtype=np.int64) if limit <= 0 else changes.next_batch(limit)
+            changes.record(hosted.source.check(ids))
+            changes.counted(len(ids))
+        return self.status(name, shares[0].key[1])
 
     # -- assignments -----------------------------------------------------------------------------
 
     def restore(self) -> None:
         """Re-adopt the shares recorded before a restart (errors are logged, not fatal)."""
-        for request in self._load_assignments():
+        requests = self._load_assignments()
+        keep = frozenset((r.spec.name, v) for r in requests if not r.share.on_demand for v in _vindices(r.share))
+        for request in requests:
             try:
-                self.assign(request)
-                log.info("dataset %s: share re-adopted after restart", request.spec.name)
+                self.assign(request, keep=keep)
+                log.info("dataset %s: share %s re-adopted after restart", request.spec.name, _span(request.share))
             except KSpeedError as exc:
-                log.error("dataset %s: cannot re-adopt share: %s", request.spec.name, exc)
+                log.error("dataset %s: cannot re-adopt share %s: %s", request.spec.name, _span(request.share), exc)
 
     def reconcile(self, assignments: list[kspeed_pb2.AssignShareRequest]) -> None:
         """Make the hosted shares exactly ``assignments`` (the manager's word at registration)."""
-        wanted = {a.spec.name: a for a in assignments}
-        for name in set(self.names()) - set(wanted):
-            log.info("dataset %s: the manager no longer assigns it here; dropping", name)
-            self.drop(name, "the manager assigns its share to another server", final=False)
+        wanted = {(a.spec.name, int(a.share.first_id)): a for a in assignments}
+        for name, first in set(self.keys()) - set(wanted):
+            log.info("dataset %s: the manager no longer assigns share %d.. here; dropping", name, first)
+            self.drop(name, "the manager assigns its share to another server", final=False, first=first)
         for request in wanted.values():
             try:
                 self.assign(request)
@@ -171,25 +201,25 @@ class DatasetHost:
     def retake(self, requests: list[kspeed_pb2.AssignShareRequest]) -> None:
         """Take again shares the manager assigns here that this server did not report (dropped by
         hand, or lost): each is assigned and reloaded in the background (a listing can take long;
-        heartbeats go on), at most once per :data:`RETAKE_INTERVAL` per dataset."""
+        heartbeats go on), at most once per :data:`RETAKE_INTERVAL` per share."""
         now = time.monotonic()
         for request in requests:
-            name = request.spec.name
+            key = (request.spec.name, int(request.share.first_id))
             with self._lock:
                 self._retaking = [t for t in self._retaking if t.is_alive()]
-                if name in self._hosted or now - self._retaken.get(name, -RETAKE_INTERVAL) < RETAKE_INTERVAL:
+                if key in self._hosted or now - self._retaken.get(key, -RETAKE_INTERVAL) < RETAKE_INTERVAL:
                     continue
-                self._retaken[name] = now
-                thread = threading.Thread(target=self._retake, args=(request,), name=f"retake-{name}", daemon=True)
+                self._retaken[key] = now
+                thread = threading.Thread(target=self._retake, args=(request,), name=f"retake-{key[0]}", daemon=True)
                 self._retaking.append(thread)
             thread.start()
 
     def _retake(self, request: kspeed_pb2.AssignShareRequest) -> None:
-        name = request.spec.name
+        name, first = request.spec.name, int(request.share.first_id)
         try:
             self.assign(request)
-            self.start_preload(name)
-            log.warning("dataset %s: took its share again (the manager assigns it here) and reloads it", name)
+            self.start_preload(name, first)
+            log.warning("dataset %s: took share %s again (the manager assigns it here)", name, _span(request.share))
         except KSpeedError as exc:
             log.error("dataset %s: cannot take the assigned share again: %s", name, exc)
 
@@ -244,22 +274,31 @@ class DatasetHost:
         pipeline = Pipeline.from_proto(spec.pipeline)
         return CachedSource(source, pipeline, pipeline.cached_stages(spec.cache), self.prep)
 
-    def assign(self, request: kspeed_pb2.AssignShareRequest) -> kspeed_pb2.ShareStatus:
-        """Hold ``request.share`` of the dataset (idempotent; a different share replaces the old one).
+    def assign(
+        self, request: kspeed_pb2.AssignShareRequest, *, keep: frozenset[tuple[str, int]] = frozenset()
+    ) -> kspeed_pb2.ShareStatus:
+        """Hold ``request.share`` of the dataset (idempotent). A share of the dataset here that
+        starts at the same sample, or overlaps it, is replaced; other shares stay.
+
+        ``keep``: (dataset, virtual region) pairs not to free even when no hosted share holds
+        them (the other shares of a restart being re-adopted).
 
         Raises:
             DatasetError: the backend changed since the dataset was registered.
             CapacityError: the pool lacks free regions (nothing is allocated).
             ConfigError: the manager's region size is not this pool's.
         """
-        name = request.spec.name
+        name, share = request.spec.name, request.share
+        key = (name, int(share.first_id))
         self.check_pipeline(request.spec)
         with self._lock:
-            current = self._hosted.get(name)
+            current = self._hosted.get(key)
             if current is not None and current.request == request:
-                return self.status(name)
-            if current is not None:
-                self.drop(name, "its share changed", final=False)
+                return self.status(name, key[1])
+            for other in self.shares(name, missing_ok=True):
+                s = other.request.share
+                if other.key == key or (s.first_id < share.end_id and share.first_id < s.end_id):
+                    self.drop(name, "its share changed", final=False, first=other.key[1])
             if request.region_size != self.pool.region_size:
                 raise ConfigError(
                     f"dataset {name!r}: assigned with region size {request.region_size}, this "
@@ -274,14 +313,15 @@ class DatasetHost:
                     f"{source.fingerprint}); remove the dataset and register it again",
                     dataset=name,
                 )
-            share = request.share
-            held = {r.vindex for r in self.pool.regions(name)}
-            wanted = range(share.first_region, share.first_region + share.num_regions)
-            stale = held - set(wanted)
+            wanted = set() if share.on_demand else set(_vindices(share))
+            claimed = {
+                v for h in self.shares(name, missing_ok=True) if not h.on_demand for v in _vindices(h.request.share)
+            }
+            held = {r.vindex for r in self.pool.regions(name) if r.vindex is not None}
+            stale = held - wanted - claimed - {v for n, v in keep if n == name}
             if stale:
-                self.pool.release(name)
-                held = set()
-            missing = [v for v in wanted if v not in held]
+                self.pool.release(name, stale)
+            missing = sorted(wanted - held)
             if missing:
                 self.pool.allocate(name, missing)
             try:
@@ -292,33 +332,46 @@ class DatasetHost:
                     hi=share.end_id,
                     first_region=share.first_region,
                     threads=self._threads,
+                    on_demand=share.on_demand,
                     changes=ChangeLog(
                         name, share.first_id, share.end_id, on_change=lambda changes: self.on_changed(name, changes)
                     ),
                 )
             except KSpeedError:
-                self.pool.release(name)
+                if missing:
+                    self.pool.release(name, missing)
                 raise
             store = SampleStore(preloader)
-            if self._scrub_interval > 0:
+            if self._scrub_interval > 0 and not share.on_demand:
                 store.start_scrub(self._scrub_interval)
-            self._hosted[name] = Hosted(request, source, preloader, store)
+            self._hosted[key] = Hosted(request, source, preloader, store)
             self._dropped.pop(name, None)
             self._save_assignments()
-            log.info(
-                "dataset %s: holding samples %d..%d in %d region(s)",
-                name,
-                share.first_id,
-                share.end_id - 1,
-                share.num_regions,
-            )
-            return self.status(name)
+            if share.on_demand:
+                log.warning(
+                    "dataset %s: serving samples %d..%d on demand (read from the backend as feeds need them; "
+                    "no server had %d regions free)",
+                    name,
+                    share.first_id,
+                    share.end_id - 1,
+                    share.num_regions,
+                )
+            else:
+                log.info(
+                    "dataset %s: holding samples %d..%d in %d region(s)",
+                    name,
+                    share.first_id,
+                    share.end_id - 1,
+                    share.num_regions,
+                )
+            return self.status(name, key[1])
 
-    def drop(self, name: str, reason: str = "", *, final: bool = True) -> None:
-        """Stop serving ``name`` and free its regions (waits for a running preload to finish).
+    def drop(self, name: str, reason: str = "", *, final: bool = True, first: int | None = None) -> None:
+        """Stop serving ``name`` (every share of it here, or only the one starting at ``first``) and
+        free the regions (waits for a running preload to finish).
 
-        The dataset's feeds end first. With ``final`` (the dataset was removed) their clients are
-        told ``reason`` (default: it was removed) and end; otherwise (its share is served elsewhere
+        The share's feeds end first. With ``final`` (the dataset was removed) their clients are
+        told ``reason`` (default: it was removed) and end; otherwise (the share is served elsewhere
         now) their connections are only cut, and clients follow the share to its new holder.
 
         Raises:
@@ -328,58 +381,102 @@ class DatasetHost:
         reason = reason or (
             f"dataset {name!r} was removed from the cluster" if final else "its share is served elsewhere now"
         )
-        self._dropped[name] = reason
-        while len(self._dropped) > REMEMBERED_DROPS:
-            self._dropped.pop(next(iter(self._dropped)))
-        self.on_drop(name, reason if final else "")
         with self._lock:
-            hosted = self._hosted.pop(name, None)
-            if hosted is not None:
+            dropping = [h for h in self.shares(name, missing_ok=True) if first is None or h.key[1] == first]
+            whole = first is None or len(dropping) == len(self.shares(name, missing_ok=True))
+        if whole:
+            self._dropped[name] = reason
+            while len(self._dropped) > REMEMBERED_DROPS:
+                self._dropped.pop(next(iter(self._dropped)))
+        for hosted in dropping:
+            self.on_drop(name, hosted.key[1], reason if final else "")
+        with self._lock:
+            for hosted in dropping:
+                self._hosted.pop(hosted.key, None)
                 hosted.store.stop_scrub()
                 hosted.preloader.wait()
-            self.pool.release(name)
-            if self.prep is not None:
-                self.prep.forget(name)
+            if whole:
+                self.pool.release(name)
+                if self.prep is not None:
+                    self.prep.forget(name)
+            else:
+                for hosted in dropping:
+                    self.pool.release(name, _vindices(hosted.request.share) if not hosted.on_demand else ())
+                    hosted.preloader.forget_index()
             self._save_assignments()
-        if hosted is not None:
-            log.info("dataset %s: dropped", name)
+        for hosted in dropping:
+            log.info("dataset %s: share %s dropped", name, _span(hosted.request.share))
 
     # -- serving ---------------------------------------------------------------------------------
 
-    def get(self, name: str) -> Hosted:
-        """The hosted share of ``name``.
+    def get(self, name: str, first: int | None = None) -> Hosted:
+        """The hosted share of ``name`` that starts at sample ``first`` (``None``: the only one here).
 
         Raises:
-            NotFoundError: this server holds no share of it.
+            NotFoundError: this server holds no (such) share of it.
+            ProtocolError: ``name`` is no dataset name at all, or ``first`` is not given and this
+                server holds several shares of it.
+        """
+        if first is not None:
+            hosted = self._hosted.get((name, int(first)))
+            if hosted is not None:
+                return hosted
+        shares = self.shares(name)
+        if first is not None:
+            held = ", ".join(_span(h.request.share) for h in shares)
+            raise NotFoundError(
+                f"dataset {name!r}: this server holds no share starting at sample {first} (holds {held})"
+            )
+        if len(shares) > 1:
+            held = ", ".join(_span(h.request.share) for h in shares)
+            raise ProtocolError(f"dataset {name!r}: this server holds {len(shares)} shares ({held}); name the share")
+        return shares[0]
+
+    def shares(self, name: str, *, missing_ok: bool = False) -> list[Hosted]:
+        """The shares of ``name`` held here, by first sample.
+
+        Raises:
+            NotFoundError: none (unless ``missing_ok``).
             ProtocolError: ``name`` is no dataset name at all.
         """
-        hosted = self._hosted.get(name)
-        if hosted is None:
-            names.DATASET.check(name)
-            why = self._dropped.get(name)
-            raise NotFoundError(f"dataset {name!r} is not hosted on this server" + (f": {why}" if why else ""))
-        return hosted
+        with self._lock:
+            found = sorted((h for k, h in self._hosted.items() if k[0] == name), key=lambda h: h.key[1])
+        if found or missing_ok:
+            return found
+        names.DATASET.check(name)
+        why = self._dropped.get(name)
+        raise NotFoundError(f"dataset {name!r} is not hosted on this server" + (f": {why}" if why else ""))
+
+    def keys(self) -> list[ShareKey]:
+        """(dataset, first sample) of every hosted share."""
+        with self._lock:
+            return sorted(self._hosted)
 
     def names(self) -> list[str]:
         """Names of the hosted datasets."""
         with self._lock:
-            return sorted(self._hosted)
+            return sorted({name for name, _ in self._hosted})
 
-    def start_preload(self, name: str) -> kspeed_pb2.ShareStatus:
-        """Start (or join) the preload of ``name``'s share."""
-        self.get(name).preloader.start()
-        return self.status(name)
+    def start_preload(self, name: str, first: int | None = None) -> kspeed_pb2.ShareStatus:
+        """Start (or join) the preload of ``name``'s shares here (or of the one starting at
+        ``first``); returns the status of the first of them. A share held on demand loads nothing."""
+        shares = self.shares(name) if first is None else [self.get(name, first)]
+        for hosted in shares:
+            hosted.preloader.start()
+        return self.status(name, shares[0].key[1])
 
-    def status(self, name: str) -> kspeed_pb2.ShareStatus:
+    def status(self, name: str, first: int | None = None) -> kspeed_pb2.ShareStatus:
         """Progress and health of one share."""
-        hosted = self.get(name)
+        hosted = self.get(name, first)
         p = hosted.preloader.progress()
         result = hosted.preloader.result()
         errors = [str(e) for e in result.errors[:MAX_REPORTED_ERRORS]]
-        sealed = sum(1 for r in self.pool.regions(name) if r.state is RegionState.SEALED)
+        mine = set(_vindices(hosted.request.share)) if not hosted.on_demand else set()
+        sealed = sum(1 for r in self.pool.regions(name) if r.state is RegionState.SEALED and r.vindex in mine)
         changes = hosted.changes
         return kspeed_pb2.ShareStatus(
             dataset=name,
+            first_id=hosted.key[1],
             regions_sealed=sealed,
             integrity_repairs=hosted.store.counters["repaired"],
             changed_samples=changes.count,
@@ -402,30 +499,65 @@ class DatasetHost:
     def statuses(self) -> list[kspeed_pb2.ShareStatus]:
         """Status of every hosted share (for heartbeats)."""
         out = []
-        for name in self.names():
+        for name, first in self.keys():
             with contextlib.suppress(NotFoundError):
-                out.append(self.status(name))
+                out.append(self.status(name, first))
         return out
 
-    def lookup(self, name: str, ids: np.ndarray) -> kspeed_pb2.LookupReply:
-        """Which of ``ids`` this server owns, with their lengths (and labels)."""
-        hosted = self.get(name)
-        mask, lengths = hosted.preloader.index.lookup(ids)
-        reply = kspeed_pb2.LookupReply(positions=wire.pack_u32(np.flatnonzero(mask)), lengths=wire.pack_u32(lengths))
+    def lookup(self, name: str, ids: np.ndarray, first: int | None = None) -> kspeed_pb2.LookupReply:
+        """Which of ``ids`` the share starting at ``first`` owns (``None``: any share here), with
+        their lengths (and labels)."""
+        shares = [self.get(name, first)] if first is not None else self.shares(name)
+        mask = np.zeros(len(ids), dtype=bool)
+        lengths = np.zeros(len(ids), dtype=np.int64)
+        for hosted in shares:
+            owned, lens = hosted.preloader.index.lookup(ids)
+            mask |= owned
+            lengths[owned] = lens
+        reply = kspeed_pb2.LookupReply(
+            positions=wire.pack_u32(np.flatnonzero(mask)), lengths=wire.pack_u32(lengths[mask])
+        )
+        hosted = shares[0]
         if hosted.source.labels is not None and hosted.request.spec.labels:
             reply.labels = wire.pack_i64(hosted.source.labels[ids[mask]])
         return reply
+
+    def _by_share(self, name: str, ids: np.ndarray) -> list[tuple[Hosted, np.ndarray]]:
+        """``ids`` grouped by the share here that owns them: (share, positions in ``ids``).
+
+        Raises:
+            NotFoundError: an id is owned by no share here (the first one is named).
+        """
+        ids = np.asarray(ids, dtype=np.int64)
+        left = np.ones(len(ids), dtype=bool)
+        groups = []
+        for hosted in self.shares(name):
+            at = np.flatnonzero(left & hosted.preloader.index.owns(ids))
+            if len(at):
+                groups.append((hosted, at))
+                left[at] = False
+        if left.any():
+            raise NotFoundError(f"dataset {name!r}: sample {int(ids[left][0])} is not owned by this server")
+        return groups
 
     def read(self, name: str, ids: np.ndarray) -> kspeed_pb2.ReadReply:
         """The verified bytes of ``ids`` (all owned here), back to back.
 
         Raises:
             ChangedError: a sample's backend file changed since the listing (named).
+            NotFoundError: a sample is not owned here (named).
         """
-        hosted = self.get(name)
-        hosted.changes.refuse(ids, "read")
-        data, lengths = hosted.store.read_many(ids)
-        return kspeed_pb2.ReadReply(data=bytes(data), lengths=wire.pack_u32(lengths))
+        ids = np.asarray(ids, dtype=np.int64)
+        parts: list[bytes] = [b""] * len(ids)
+        lengths = np.zeros(len(ids), dtype=np.int64)
+        for hosted, at in self._by_share(name, ids):
+            hosted.changes.refuse(ids[at], "read")
+            data, lens = hosted.store.read_many(ids[at])
+            starts = np.concatenate(([0], np.cumsum(lens)))
+            for j, k in enumerate(at.tolist()):
+                parts[k] = bytes(data[int(starts[j]) : int(starts[j + 1])])
+            lengths[at] = lens
+        return kspeed_pb2.ReadReply(data=b"".join(parts), lengths=wire.pack_u32(lengths))
 
     def nbytes(self, name: str, ids: np.ndarray) -> int:
         """Total length of ``ids`` (every one must be owned here).
@@ -433,11 +565,12 @@ class DatasetHost:
         Raises:
             NotFoundError: an id is not owned by this server.
         """
-        return int(self.get(name).preloader.index.locate(ids)[2].sum())
+        ids = np.asarray(ids, dtype=np.int64)
+        return sum(int(h.preloader.index.locate(ids[at])[2].sum()) for h, at in self._by_share(name, ids))
 
     def count(self, name: str) -> int:
         """Number of samples of the whole dataset (for ID checks)."""
-        return self.get(name).request.fingerprint.count
+        return self.shares(name)[0].request.fingerprint.count
 
     def memory_used(self) -> int:
         """Pool bytes allocated to datasets (not the production window)."""
@@ -457,7 +590,10 @@ class DatasetHost:
     # -- persistence -----------------------------------------------------------------------------
 
     def _save_assignments(self) -> None:
-        data = {name: base64.b64encode(h.request.SerializeToString()).decode() for name, h in self._hosted.items()}
+        data = {
+            f"{name}@{first}": base64.b64encode(h.request.SerializeToString()).decode()
+            for (name, first), h in self._hosted.items()
+        }
         tmp = f"{self._path}.tmp"
         with open(tmp, "w", encoding="utf-8") as fh:
             json.dump(data, fh)

@@ -126,6 +126,7 @@ class FeedProgress:
     waited: tuple[float, ...] = ()
     wanted: np.ndarray | None = None  # sample IDs a long-waiting grant needs, asked for again
     wanted_at: tuple[tuple[int, np.ndarray], ...] = ()  # (epoch, owned indices) of processed ones
+    dropped: tuple[int, ...] = ()  # plans the client will not grant again (nothing more is produced for them)
 
 
 class FeederShared:
@@ -202,6 +203,7 @@ class FeedWriter:
         self._waited: list[float] = []
         self._wanted: list[np.ndarray] = []
         self._wanted_at: list[tuple[int, np.ndarray]] = []
+        self._dropped: list[int] = []
         self._last_report = time.monotonic()
         self._last_waiting = 0
         self._reason = ""
@@ -235,7 +237,7 @@ class FeedWriter:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                unreported = self._written or self._waited or len(self._pending) != self._last_waiting
+                unreported = self._written or self._waited or self._dropped or len(self._pending) != self._last_waiting
                 message = self.writer.recv(WAIT_POLL if self._pending else REPORT_EVERY if unreported else RECV_TIMEOUT)
                 if message is not None:
                     decoded = grants.decode(message)
@@ -244,6 +246,7 @@ class FeedWriter:
                         self._pending.extend([grant, now, False] for grant in decoded)
                     elif isinstance(decoded, grants.DropPlan):
                         self.plans.pop(decoded.epoch, None)
+                        self._dropped.append(decoded.epoch)
                 if self._pending:
                     look = self._worth_a_scan(message is not None)
                     if look:
@@ -284,14 +287,23 @@ class FeedWriter:
     def _report(self, force: bool = False) -> None:
         now = time.monotonic()
         waiting = len(self._pending)
-        changed = self._written or self._waited or self._wanted or self._wanted_at or waiting != self._last_waiting
+        changed = (
+            self._written
+            or self._waited
+            or self._wanted
+            or self._wanted_at
+            or self._dropped
+            or waiting != self._last_waiting
+        )
         if not changed or (not force and now - self._last_report < REPORT_EVERY and len(self._written) < 256):
             return
         written = np.array(self._written, dtype=np.int64).reshape(-1, 4)
         wanted = np.concatenate(self._wanted) if self._wanted else None
-        progress = FeedProgress(self.feed_id, written, waiting, tuple(self._waited), wanted, tuple(self._wanted_at))
+        progress = FeedProgress(
+            self.feed_id, written, waiting, tuple(self._waited), wanted, tuple(self._wanted_at), tuple(self._dropped)
+        )
         self.shared.send(progress)
-        self._written, self._waited, self._wanted, self._wanted_at = [], [], [], []
+        self._written, self._waited, self._wanted, self._wanted_at, self._dropped = [], [], [], [], []
         self._last_report, self._last_waiting = now, waiting
 
     def _serve_pending(self, head: int | None = None) -> None:

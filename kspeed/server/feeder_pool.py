@@ -55,6 +55,7 @@ class _Feeder:
 @dataclass
 class _FeedInfo:
     dataset: str
+    first: int  # the share it serves: its first sample
     feeder: int
     generation: int = 0
 
@@ -178,7 +179,7 @@ class FeederPool:
                 f"feed {request.feed_id}: rail {request.rail!r} is not offered here "
                 f"(available: {', '.join(available_rails())})"
             )
-        self._host.get(request.dataset)
+        first = self._host.get(request.dataset, request.first_id if request.HasField("first_id") else None).key[1]
         with self._lock:
             current = self._feeds.get(request.feed_id)
             index = current.feeder if current else min(range(len(self._feeders)), key=lambda i: self._feeders[i].feeds)
@@ -197,7 +198,7 @@ class FeederPool:
         with self._lock:
             if current is None:
                 self._feeders[index].feeds += 1
-            self._feeds[request.feed_id] = _FeedInfo(request.dataset, index, request.generation)
+            self._feeds[request.feed_id] = _FeedInfo(request.dataset, first, index, request.generation)
         log.info(
             "feed %s (%s) open on feeder %d over %s", request.feed_id, request.holder or "unnamed", index, request.rail
         )
@@ -229,13 +230,15 @@ class FeederPool:
         seed: int = 0,
         seed_epoch: int = 0,
         skip_failed: bool = False,
+        first_batch: int = 0,
     ) -> kspeed_pb2.PlanReply:
         """Install an epoch plan on the feed's feeder; its samples are made resident in plan order.
 
         Returns at once: grants are answered as their samples become resident (the preload of
         the share starts, what the plan needs first). Positions marked ``processed`` are run
         through the first ``server_stages`` stages of the dataset's pipeline here (their lengths
-        are that stage's declared output).
+        are that stage's declared output). Batches before ``first_batch`` were delivered already
+        (the plan is committed again, to a server that took a share over): nothing is produced for them.
 
         Raises:
             ProtocolError: lengths that disagree with this server's index or the pipeline's
@@ -253,7 +256,7 @@ class FeederPool:
                 f"feed {feed_id}: plan of {len(ids)} IDs with {len(lengths)} lengths and batch size "
                 f"{batch_size} is malformed"
             )
-        hosted = self._host.get(info.dataset)
+        hosted = self._host.get(info.dataset, info.first)
         index = hosted.preloader.index
         owned = np.flatnonzero(index.owns(ids))
         owned_ids = ids[owned].astype(np.int64)
@@ -286,7 +289,7 @@ class FeederPool:
             processed=mine if prep is not None else None,
         )
         try:
-            self.production.install(feed_id, info.feeder, info.dataset, epoch, plan, prep)
+            self.production.install(feed_id, info.feeder, hosted.key, epoch, plan, prep, first_batch)
         except errors.PeerLostError:
             self._feed(feed_id)  # ended meanwhile (its dataset removed)? say so rather than "not connected"
             raise
@@ -348,17 +351,20 @@ class FeederPool:
         except errors.KSpeedError as exc:
             log.warning("feed %s: cannot reclaim it: %s", gone.feed_id, exc)
 
-    def close_dataset(self, dataset: str, reason: str = "") -> None:
-        """Close every feed of a dataset (before its regions are released), telling the clients ``reason``."""
-        feeds = [k for k, v in self._feeds.items() if v.dataset == dataset]
+    def close_share(self, dataset: str, first: int, reason: str = "") -> None:
+        """Close every feed of a dataset's share (before its regions are released), telling the
+        clients ``reason``."""
+        feeds = [k for k, v in self._feeds.items() if (v.dataset, v.first) == (dataset, first)]
         if feeds:
-            log.info("dataset %s: closing %d feed(s): %s", dataset, len(feeds), reason or "dropped")
+            log.info(
+                "dataset %s: closing %d feed(s) of share %d..: %s", dataset, len(feeds), first, reason or "dropped"
+            )
         for feed_id in feeds:
             try:
                 self.close(feed_id, reason)
             except errors.KSpeedError as exc:
                 log.warning("feed %s: close failed: %s", feed_id, exc)
-        self.production.drop_dataset(dataset)
+        self.production.drop_share((dataset, first))
 
     def mark_changed(self, dataset: str, what: dict[int, str]) -> None:
         """Tell every feeder to refuse the grants that need these changed samples (ID -> what changed)."""

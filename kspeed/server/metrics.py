@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import contextlib
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -9,6 +11,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+
+from kspeed.errors import NotFoundError
 
 if TYPE_CHECKING:
     from kspeed.server.datasets import DatasetHost
@@ -40,16 +44,32 @@ class _HostCollector(Collector):
         integrity = CounterMetricFamily(
             "kspeed_server_integrity_events", "crc32c checks that found trouble", labels=["dataset", "event"]
         )
+        per: dict[str, dict[str, float]] = {}  # a server may hold several shares of a dataset: summed
         for status in host.statuses():
             p = status.progress
-            samples.add_metric([status.dataset, "loaded"], p.samples_loaded)
-            samples.add_metric([status.dataset, "total"], p.samples_total)
-            nbytes.add_metric([status.dataset, "loaded"], p.bytes_loaded)
-            nbytes.add_metric([status.dataset, "total"], p.bytes_total)
-            rate.add_metric([status.dataset], p.bytes_per_s)
-            errors.add_metric([status.dataset], p.error_count)
-            for event, count in host.get(status.dataset).store.counters.items():
-                integrity.add_metric([status.dataset, event], count)
+            sums = per.setdefault(status.dataset, collections.defaultdict(float))
+            for key, value in (
+                ("samples_loaded", p.samples_loaded),
+                ("samples_total", p.samples_total),
+                ("bytes_loaded", p.bytes_loaded),
+                ("bytes_total", p.bytes_total),
+                ("rate", p.bytes_per_s),
+                ("errors", p.error_count),
+            ):
+                sums[key] += value
+            with contextlib.suppress(NotFoundError):  # dropped meanwhile
+                for event, count in host.get(status.dataset, status.first_id).store.counters.items():
+                    sums[f"event:{event}"] += count
+        for name, sums in sorted(per.items()):
+            samples.add_metric([name, "loaded"], sums["samples_loaded"])
+            samples.add_metric([name, "total"], sums["samples_total"])
+            nbytes.add_metric([name, "loaded"], sums["bytes_loaded"])
+            nbytes.add_metric([name, "total"], sums["bytes_total"])
+            rate.add_metric([name], sums["rate"])
+            errors.add_metric([name], sums["errors"])
+            for key, total in sums.items():
+                if key.startswith("event:"):
+                    integrity.add_metric([name, key[6:]], total)
         yield from (samples, nbytes, rate, errors, integrity)
 
 

@@ -336,18 +336,21 @@ class MemoryPool:
             "allocate it first",
         )
 
-    def release(self, dataset: str) -> int:
-        """Return every region of ``dataset`` to FREE and delete its side files; returns the count."""
+    def release(self, dataset: str, vindices: Iterable[int] | None = None) -> int:
+        """Return the regions of ``dataset`` to FREE: every one, with its side files; or only
+        those at ``vindices`` (one of its shares). Returns the count."""
         check_dataset_name(dataset)
+        only = None if vindices is None else set(vindices)
         with self._lock:
             n = 0
             for i, r in enumerate(self._regions):
-                if r.dataset == dataset:
+                if r.dataset == dataset and (only is None or r.vindex in only):
                     self._regions[i] = _Region()
                     n += 1
             self._save()
-            for child in self.directory.glob(f"ds-{dataset}.*"):
-                child.unlink(missing_ok=True)
+            if only is None:
+                for child in self.directory.glob(f"ds-{dataset}.*"):
+                    child.unlink(missing_ok=True)
         log.info("pool %s: released %d regions of dataset %s", self.directory, n, dataset)
         return n
 

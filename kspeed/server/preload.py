@@ -24,9 +24,11 @@ samples the producers read into the window come home with :meth:`Preloader.adopt
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -46,7 +48,7 @@ __all__ = ["PreloadResult", "Preloader", "Progress"]
 
 log = logging.getLogger(__name__)
 
-INDEX_FILE = "index.npz"
+INDEX_FILE = "index-{lo}.npz"  # per share: its first sample ID
 
 #: A task takes about this long at the measured time per sample (long enough that the per-task
 #: bookkeeping is a few percent of it, short enough that tasks spread over many threads).
@@ -130,6 +132,8 @@ class Preloader:
         save_interval_s: while loading, save the index at most this often (and at the end).
         changes: where samples whose backend file changed since the listing are recorded (a new
             log when not given; :mod:`kspeed.server.changes`).
+        on_demand: the share holds no regions: nothing is ever loaded (its samples are produced
+            into the production window as feeds need them and never come home).
 
     Raises:
         StateError: the pool does not hold the regions the share needs.
@@ -147,8 +151,10 @@ class Preloader:
         batch_bytes: int = 1 << 20,
         save_interval_s: float = 5.0,
         changes: ChangeLog | None = None,
+        on_demand: bool = False,
     ) -> None:
         self.source, self.pool, self.dataset = source, pool, source.dataset
+        self.on_demand = on_demand
         hi = source.count if hi is None else hi
         if not 0 <= lo <= hi <= source.count:
             raise DatasetError(
@@ -156,18 +162,24 @@ class Preloader:
             )
         self.threads, self.batch_bytes, self.save_interval_s = max(threads, 1), batch_bytes, save_interval_s
         self.changes = changes if changes is not None else ChangeLog(self.dataset, lo, hi)
-        self.index_path = pool.side_path(self.dataset, INDEX_FILE)
-        self.index = SampleIndex.load(
-            self.index_path,
-            dataset=self.dataset,
-            lo=lo,
-            sizes=source.sizes[lo:hi],
-            region_size=pool.region_size,
-            first_region=first_region,
-            fingerprint=source.fingerprint.digest,
-        )
+        self.index_path = pool.side_path(self.dataset, INDEX_FILE.format(lo=lo))
+        sizes, fp = source.sizes[lo:hi], source.fingerprint.digest
+        if on_demand:
+            self.index = SampleIndex(
+                self.dataset, lo, sizes, pool.region_size, first_region=first_region, fingerprint=fp
+            )
+        else:
+            self.index = SampleIndex.load(
+                self.index_path,
+                dataset=self.dataset,
+                lo=lo,
+                sizes=sizes,
+                region_size=pool.region_size,
+                first_region=first_region,
+                fingerprint=fp,
+            )
         held = {r.vindex: r for r in pool.regions(self.dataset)}
-        wanted = range(first_region, first_region + self.index.num_regions)
+        wanted = range(first_region, first_region + (0 if on_demand else self.index.num_regions))
         missing = [v for v in wanted if v not in held]
         if missing:
             raise StateError(
@@ -216,7 +228,10 @@ class Preloader:
     # ------------------------------------------------------------------ the job
 
     def start(self) -> None:
-        """Start loading what is not loaded yet; joins the running job if there is one."""
+        """Start loading what is not loaded yet; joins the running job if there is one (a share
+        held on demand loads nothing)."""
+        if self.on_demand:
+            return
         with self._lock:
             if self._job is not None and self._job.is_alive():
                 return
@@ -376,6 +391,8 @@ class Preloader:
 
     def prioritize(self, ids: np.ndarray) -> None:
         """Read these IDs (owned here, in this order) before the rest; starts the job if none runs."""
+        if self.on_demand:
+            return
         ids = np.asarray(ids, dtype=np.int64)
         pos = ids - self.index.lo
         ids = ids[~self.index.loaded[pos]]
@@ -384,13 +401,23 @@ class Preloader:
             self.start()
 
     def home(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(pool region index, offset)`` of each sample's home place (loaded or not)."""
+        """``(pool region index, offset)`` of each sample's home place (loaded or not).
+
+        Raises:
+            StateError: the share is held on demand (no home).
+        """
+        self._homeless()
         pos = np.asarray(ids, dtype=np.int64) - self.index.lo
         k = self.index.region[pos].astype(np.int64) - self.index.first_region
         return self._pool_index_array[k], self.index.offset[pos]
 
     def adopt(self, ids: np.ndarray, sources: list[np.ndarray], crcs: np.ndarray) -> None:
-        """Bring samples home from elsewhere (the production window): copy, record, seal what is complete."""
+        """Bring samples home from elsewhere (the production window): copy, record, seal what is complete.
+
+        Raises:
+            StateError: the share is held on demand (no home).
+        """
+        self._homeless()
         ids = np.asarray(ids, dtype=np.int64)
         pos = ids - self.index.lo
         ks = self.index.region[pos].astype(np.int64) - self.index.first_region
@@ -404,6 +431,15 @@ class Preloader:
         self.residency.settle(ids, HOME)
         for k in np.unique(ks).tolist():
             self._maybe_seal(k)
+
+    def _homeless(self) -> None:
+        if self.on_demand:
+            raise StateError(f"dataset {self.dataset!r}: share {self.index.lo}.. is held on demand; it has no home")
+
+    def forget_index(self) -> None:
+        """Delete the saved index (the share was dropped; the rest of the dataset stays here)."""
+        with contextlib.suppress(OSError):
+            os.unlink(self.index_path)
 
     def changed(self, errors: Iterable[DatasetError]) -> None:
         """Record the samples among ``errors`` whose backend file changed since the listing."""

@@ -35,7 +35,7 @@ import numpy as np
 
 from kspeed.errors import KSpeedError
 from kspeed.histogram import Histogram
-from kspeed.server.datasets import DatasetHost
+from kspeed.server.datasets import DatasetHost, ShareKey
 from kspeed.server.feed_writer import MAX_PLANS, FeedProgress, PlanPart
 from kspeed.server.feeder_process import Command, Failed, InstallPlan, Locate, Reply
 from kspeed.server.prep_pool import PrepPool
@@ -96,9 +96,9 @@ class Production(ProcessedProduction):
         self._tell = tell
         self._lock = threading.RLock()
         self._work = threading.Condition(self._lock)
-        self._shares: dict[str, ShareState] = {}
+        self._shares: dict[ShareKey, ShareState] = {}
         self._feeds: dict[str, FeedState] = {}
-        self._urgent: deque[tuple[str, np.ndarray]] = deque()
+        self._urgent: deque[tuple[ShareKey, np.ndarray]] = deque()
         self._urgent_prep: deque[tuple[str, int, np.ndarray]] = deque()  # (feed, epoch, owned indices)
         self._draining: dict[int, Draining] = {}
         self._turn = itertools.count()
@@ -119,9 +119,17 @@ class Production(ProcessedProduction):
     # -- feeds and plans (called by the feeder pool) ---------------------------------------------
 
     def install(
-        self, feed_id: str, feeder: int, dataset: str, epoch: int, plan: PlanPart, prep: PrepSpec | None = None
+        self,
+        feed_id: str,
+        feeder: int,
+        key: ShareKey,
+        epoch: int,
+        plan: PlanPart,
+        prep: PrepSpec | None = None,
+        first_batch: int = 0,
     ) -> None:
-        """Follow a newly committed plan and hand it to its feeder with the samples' current places.
+        """Follow a newly committed plan and hand it to its feeder with the samples' current places
+        (the positions before batch ``first_batch`` count as written: they were delivered).
 
         ``plan.processed`` marks the positions that go through ``prep`` (the server stages of the
         dataset's pipeline) here: they are produced into the window per epoch, never at home.
@@ -129,12 +137,12 @@ class Production(ProcessedProduction):
         Raises:
             KSpeedError: the feeder refused the plan (its feed is gone); nothing is followed.
         """
-        share = self._share(dataset)
+        share = self._share(key)
         processed = plan.processed if plan.processed is not None and plan.processed.any() else None
         with self._lock:
             feed = self._feeds.get(feed_id)
-            if feed is None or feed.dataset != dataset:
-                feed = self._feeds[feed_id] = FeedState(feed_id, dataset, feeder)
+            if feed is None or feed.share != key:
+                feed = self._feeds[feed_id] = FeedState(feed_id, key, feeder)
             feed.feeder = feeder
             self._forget_plan(feed, feed.plans.pop(epoch, None))
             follow = PlanState(
@@ -147,6 +155,8 @@ class Production(ProcessedProduction):
                 prep=prep if processed is not None else None,
                 state=np.zeros(len(plan.ids), dtype=np.int8) if processed is not None else None,
             )
+            if first_batch > 0:
+                follow.delivered_before(int(plan.starts[min(first_batch, len(plan.starts) - 1)]))
             plan.region, plan.src, plan.ticket = self._places(share, plan.ids)
             if processed is not None:
                 plan.region[processed], plan.src[processed], plan.ticket[processed] = -1, 0, 0
@@ -164,7 +174,7 @@ class Production(ProcessedProduction):
         """Stop following a closed feed (its samples in the window are retired when nobody else needs them)."""
         with self._lock:
             feed = self._feeds.pop(feed_id, None)
-            share = self._shares.get(feed.dataset) if feed else None
+            share = self._shares.get(feed.share) if feed else None
             if feed is not None:
                 for plan in feed.plans.values():
                     self._forget_plan(feed, plan)
@@ -172,15 +182,15 @@ class Production(ProcessedProduction):
             if feed is not None and share is not None:
                 self._sweep(share)
 
-    def drop_dataset(self, dataset: str) -> None:
-        """Forget a dropped dataset (its feeds are closed): free its window slots."""
+    def drop_share(self, key: ShareKey) -> None:
+        """Forget a dropped share (its feeds are closed): free its window slots."""
         with self._lock:
-            share = self._shares.pop(dataset, None)
-            for feed_id in [f for f, feed in self._feeds.items() if feed.dataset == dataset]:
+            share = self._shares.pop(key, None)
+            for feed_id in [f for f, feed in self._feeds.items() if feed.share == key]:
                 for plan in self._feeds[feed_id].plans.values():
                     self._forget_plan(self._feeds[feed_id], plan)
                 self._feeds.pop(feed_id)
-            self._urgent = deque((d, ids) for d, ids in self._urgent if d != dataset)
+            self._urgent = deque((k, ids) for k, ids in self._urgent if k != key)
             if share is None:
                 return
             for slot, _, _ in share.slots.values():
@@ -193,17 +203,19 @@ class Production(ProcessedProduction):
             self.waits.observe(seconds)
         with self._lock:
             feed = self._feeds.get(event.feed_id)
-            share = self._shares.get(feed.dataset) if feed else None
+            share = self._shares.get(feed.share) if feed else None
             if feed is None or share is None:
                 return
             feed.waiting = event.waiting
+            for epoch in event.dropped:  # its samples leave the horizon: their window slots retire
+                self._forget_plan(feed, feed.plans.pop(epoch, None))
             for epoch, batch, first, end in event.written.tolist():
                 plan = feed.plans.get(epoch)
                 if plan is not None:
                     i, j = plan.mark(batch, first, end)
                     if plan.slots:
                         self._release(feed, plan, i, j)
-            if len(event.written):
+            if len(event.written) or event.dropped:
                 self._sweep(share)
             for epoch, at in event.wanted_at:
                 plan = feed.plans.get(epoch)
@@ -214,7 +226,7 @@ class Production(ProcessedProduction):
             if event.wanted is not None and len(event.wanted):
                 # A re-grant (after a fence) of samples already written and retired: produce them
                 # again (they go home once written, as nothing else needs them).
-                self._urgent.append((share.dataset, event.wanted))
+                self._urgent.append((share.key, event.wanted))
                 self._work.notify_all()
 
     def freed(self, feeder: int, tickets: Iterable[int]) -> None:
@@ -231,14 +243,14 @@ class Production(ProcessedProduction):
 
     # -- state -----------------------------------------------------------------------------------
 
-    def _share(self, dataset: str) -> ShareState:
-        preloader = self.host.get(dataset).preloader
+    def _share(self, key: ShareKey) -> ShareState:
+        preloader = self.host.get(*key).preloader
         with self._lock:
-            share = self._shares.get(dataset)
+            share = self._shares.get(key)
             if share is None or share.preloader is not preloader:
                 if share is not None:
-                    self.drop_dataset(dataset)
-                share = self._shares[dataset] = ShareState(dataset, preloader)
+                    self.drop_share(key)
+                share = self._shares[key] = ShareState(key, preloader)
                 preloader.on_home = functools.partial(self._came_home, share)
                 preloader.on_failed = functools.partial(self._failed, share)
             return share
@@ -257,31 +269,55 @@ class Production(ProcessedProduction):
             region[k], src[k], ticket[k] = slot.region, slot.offset, slot.ticket
         return region, src, ticket
 
-    def _broadcast(self, dataset: str, command: Command) -> dict[int, Reply]:
-        """Send ``command`` to every feeder with a feed of ``dataset``; replies by feeder."""
-        feeders = sorted({feed.feeder for feed in self._feeds.values() if feed.dataset == dataset})
+    def _broadcast(self, share: ShareState, command: Command) -> dict[int, Reply]:
+        """Send ``command`` to every feeder with a feed of ``share``; replies by feeder."""
+        feeders = sorted({feed.feeder for feed in self._feeds.values() if feed.share == share.key})
         replies = {}
         for index in feeders:
             try:
                 replies[index] = self._tell(index, command)
             except KSpeedError as exc:
-                log.warning("feeder %d: cannot tell it where samples of %s are: %s", index, dataset, exc)
+                log.warning("feeder %d: cannot tell it where samples of %s are: %s", index, share.dataset, exc)
         return replies
 
     def _horizon(self, share: ShareState) -> np.ndarray:
-        """The samples within some feed's horizon (needed unwritten, ``depth`` positions ahead)."""
+        """The samples within some feed's horizon (needed unwritten, ``depth`` positions ahead).
+
+        For a share held on demand only the plan being consumed counts, and of it only as much as
+        a feed's fair share of the window holds: its samples have no home, so the window keeps
+        them only until they are written (a window that kept samples for later uses, next epoch
+        or far ahead, would fill up with them and starve the ones needed now).
+        """
         parts = [np.zeros(0, np.int64)]
         for feed in self._feeds.values():
-            if feed.dataset != share.dataset:
+            if feed.share != share.key:
                 continue
             budget = self.depth
-            for epoch in sorted(feed.plans):
-                plan = feed.plans[epoch]
-                parts.append(plan.ahead(budget))
+            for plan in self._followed(share, feed):
+                ahead = plan.ahead(budget)
+                if share.preloader.on_demand:
+                    nbytes = np.cumsum(share.preloader.index.length[ahead - share.lo])
+                    ahead = ahead[: max(int(np.searchsorted(nbytes, self._fair(), side="right")), 1)]
+                parts.append(ahead)
                 budget -= max(len(plan.ids) - plan.next, 0)
                 if budget <= 0:
                     break
         return np.concatenate(parts)
+
+    def _fair(self) -> int:
+        """Window bytes each feed with work may hold (open chunks round a feed's share up; every
+        feed may hold at least one)."""
+        busy = sum(1 for f in self._feeds.values() if any(p.next < len(p.ids) for p in f.plans.values()))
+        return max(self.window.capacity // max(busy, 1) - self.window.chunk, self.window.chunk)
+
+    @staticmethod
+    def _followed(share: ShareState, feed: FeedState) -> list[PlanState]:
+        """The plans of ``feed`` production works for, in order: all of them, or for a share held
+        on demand the first one not written yet (see :meth:`_horizon`)."""
+        plans = [feed.plans[epoch] for epoch in sorted(feed.plans)]
+        if share.preloader.on_demand:
+            plans = [p for p in plans if p.next < len(p.ids)][:1]
+        return plans
 
     def _sweep(self, share: ShareState) -> None:
         """Retire the window slots of samples no feed's horizon holds any more."""
@@ -293,19 +329,19 @@ class Production(ProcessedProduction):
     def _came_home(self, share: ShareState, ids: np.ndarray) -> None:
         """The preload loaded ``ids`` at home: feeders of the dataset's feeds learn where."""
         with self._lock:
-            if self._shares.get(share.dataset) is not share:
+            if self._shares.get(share.key) is not share:
                 return
             if len(ids):
                 region, src = share.preloader.home(ids)
-                self._broadcast(share.dataset, Locate(share.dataset, ids, region, src, np.zeros(len(ids), np.int64)))
+                self._broadcast(share, Locate(share.dataset, ids, region, src, np.zeros(len(ids), np.int64)))
 
     def _failed(self, share: ShareState, ids: np.ndarray, reasons: list[str]) -> None:
         with self._lock:
-            if self._shares.get(share.dataset) is not share:
+            if self._shares.get(share.key) is not share:
                 return
             if len(ids):
                 self.failed_samples += len(ids)
-                self._broadcast(share.dataset, Failed(share.dataset, ids, tuple(reasons)))
+                self._broadcast(share, Failed(share.dataset, ids, tuple(reasons)))
 
     def _retire(self, share: ShareState, ids: np.ndarray) -> None:
         """Retire the window slots of ``ids``: copy them home, tell the feeders, reuse the slots."""
@@ -313,11 +349,15 @@ class Production(ProcessedProduction):
         if not len(ids):
             return
         entries = [share.slots.pop(i) for i in ids.tolist()]
-        share.preloader.adopt(
-            ids, [self.window.view(slot) for slot, _, _ in entries], np.array([c for _, c, _ in entries], np.uint32)
-        )
-        region, src = share.preloader.home(ids)
-        replies = self._broadcast(share.dataset, Locate(share.dataset, ids, region, src, np.zeros(len(ids), np.int64)))
+        if share.preloader.on_demand:  # no home: the sample is read again if a re-grant needs it
+            share.residency.settle(ids, ABSENT)
+            region, src = np.full(len(ids), -1, np.int64), np.zeros(len(ids), np.int64)
+        else:
+            share.preloader.adopt(
+                ids, [self.window.view(slot) for slot, _, _ in entries], np.array([c for _, c, _ in entries], np.uint32)
+            )
+            region, src = share.preloader.home(ids)
+        replies = self._broadcast(share, Locate(share.dataset, ids, region, src, np.zeros(len(ids), np.int64)))
         busy: dict[int, set[int]] = {}
         for index, reply in replies.items():
             for ticket in reply.busy:
@@ -339,7 +379,7 @@ class Production(ProcessedProduction):
             feed_id, epoch, at = self._urgent_prep.popleft()
             feed = self._feeds.get(feed_id)
             plan = feed.plans.get(epoch) if feed else None
-            share = self._shares.get(feed.dataset) if feed else None
+            share = self._shares.get(feed.share) if feed else None
             if feed is None or plan is None or plan.state is None or share is None:
                 continue
             at = at[plan.state[at] == ABSENT]
@@ -350,12 +390,12 @@ class Production(ProcessedProduction):
                 plan.state[at] = READING
                 return Work(share, feed_id, plan.ids[at], epoch, at, plan)
         while self._urgent:
-            dataset, ids = self._urgent.popleft()
-            share = self._shares.get(dataset)
+            key, ids = self._urgent.popleft()
+            share = self._shares.get(key)
             if share is not None:
                 taken = share.residency.claim(ids[:TASK_SAMPLES], retry_failed_after=0.0)
                 if len(ids) > TASK_SAMPLES:
-                    self._urgent.appendleft((dataset, ids[TASK_SAMPLES:]))
+                    self._urgent.appendleft((key, ids[TASK_SAMPLES:]))
                 if len(taken):
                     return Work(share, "", taken)
         feeds = list(self._feeds.values())
@@ -363,15 +403,15 @@ class Production(ProcessedProduction):
         if not busy:
             return None
         # Open chunks round a feed's share up; every feed may hold at least one.
-        fair = max(self.window.capacity // len(busy) - self.window.chunk, self.window.chunk)
+        fair = self._fair()
         start = next(self._turn) % len(busy)
         for feed in busy[start:] + busy[:start]:
-            share = self._shares.get(feed.dataset)
+            share = self._shares.get(feed.share)
             if share is None or feed.held >= fair:
                 continue
             budget = self.depth
-            for epoch in sorted(feed.plans):
-                plan = feed.plans[epoch]
+            for plan in self._followed(share, feed):
+                epoch = plan.epoch
                 window = slice(plan.next, plan.next + budget)
                 span = plan.ids[window]
                 budget -= len(span)
@@ -429,7 +469,7 @@ class Production(ProcessedProduction):
                     return
             crcs, bad = self.producer.produce(share.preloader, ids, slots, self.window)
             with self._lock:
-                if self._shares.get(share.dataset) is not share:  # dropped meanwhile
+                if self._shares.get(share.key) is not share:  # dropped meanwhile
                     return
                 self._settle(share, feed_id, ids, lengths, slots, crcs, bad)
                 placed = True
@@ -473,7 +513,7 @@ class Production(ProcessedProduction):
         self.produced_bytes += nbytes
         self._recent.append((time.monotonic(), nbytes))
         self._broadcast(
-            share.dataset,
+            share,
             Locate(
                 share.dataset,
                 good,
@@ -486,12 +526,22 @@ class Production(ProcessedProduction):
         self._sweep(share)  # what no horizon holds (produced for a plan dropped meanwhile) goes home
 
     def _adopt_big(self, share: ShareState, ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Samples larger than a window region cannot be staged: they are read straight home."""
+        """Samples larger than a window region cannot be staged: they are read straight home (a
+        share held on demand has none: they fail, named)."""
         big = ~np.array([self.window.fits(n) for n in lengths.tolist()], dtype=bool)
         if not big.any():
             return ids, lengths
-        share.residency.settle(ids[big], ABSENT)
-        share.preloader.prioritize(ids[big])
+        if share.preloader.on_demand:
+            reason = (
+                f"dataset {share.dataset!r}: the sample is larger than a production window region "
+                f"({self.window.region_size} bytes) and its share is served on demand (no copy to serve it from)"
+            )
+            failed = ids[big]
+            share.residency.fail(failed, [reason] * len(failed))
+            self._failed(share, failed, [reason] * len(failed))
+        else:
+            share.residency.settle(ids[big], ABSENT)
+            share.preloader.prioritize(ids[big])
         return ids[~big], lengths[~big]
 
     # -- figures ---------------------------------------------------------------------------------

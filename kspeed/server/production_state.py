@@ -76,6 +76,12 @@ class PlanState:
             self.next += 1
         return i, j
 
+    def delivered_before(self, position: int) -> None:
+        """Record the plan positions before ``position`` as written (delivered before a failover)."""
+        self.written[: int(np.searchsorted(self.positions, position))] = True
+        while self.next < len(self.written) and self.written[self.next]:
+            self.next += 1
+
     def raw(self, span: slice) -> np.ndarray:
         """Mask of the positions of ``span`` served as raw samples (not processed here)."""
         if self.processed is None:
@@ -116,7 +122,7 @@ class Work:
 @dataclasses.dataclass
 class FeedState:
     feed_id: str
-    dataset: str
+    share: tuple[str, int]  # (dataset, first sample of the share it serves)
     feeder: int
     plans: dict[int, PlanState] = dataclasses.field(default_factory=dict)
     held: int = 0  # window bytes produced for this feed and not retired
@@ -130,10 +136,11 @@ class Draining:
 
 
 class ShareState:
-    """One dataset's production state: its window slots."""
+    """One share's production state: its window slots."""
 
-    def __init__(self, dataset: str, preloader: Preloader) -> None:
-        self.dataset = dataset
+    def __init__(self, key: tuple[str, int], preloader: Preloader) -> None:
+        self.key = key
+        self.dataset = key[0]
         self.preloader = preloader
         self.residency = preloader.residency
         self.lo = preloader.index.lo

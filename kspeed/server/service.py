@@ -62,13 +62,18 @@ class ServerService:
         return self._host.assign(request)
 
     def StartPreload(self, request: kspeed_pb2.DatasetRequest, context: grpc.ServicerContext) -> kspeed_pb2.ShareStatus:
-        return self._host.start_preload(request.name)
+        return self._host.start_preload(request.name, request.first_id if request.HasField("first_id") else None)
 
     def DropDataset(
         self, request: kspeed_pb2.DatasetRequest, context: grpc.ServicerContext
     ) -> kspeed_pb2.DropDatasetReply:
-        # Closes the dataset's feeds first (DatasetHost.on_drop): their clients are told why.
-        self._host.drop(request.name, f"dataset {request.name!r} was removed from the cluster (kspeed dataset rm)")
+        # Closes the share's feeds first (DatasetHost.on_drop): their clients are told why, or, when
+        # only one share of it goes (served elsewhere now), their connections are cut.
+        if request.HasField("first_id"):
+            self._host.get(request.name, request.first_id)
+            self._host.drop(request.name, final=False, first=request.first_id)
+        else:
+            self._host.drop(request.name, f"dataset {request.name!r} was removed from the cluster (kspeed dataset rm)")
         return kspeed_pb2.DropDatasetReply()
 
     def CheckShare(
@@ -80,14 +85,17 @@ class ServerService:
         self, requests: Iterator[kspeed_pb2.LookupRequest], context: grpc.ServicerContext
     ) -> Iterator[kspeed_pb2.LookupReply]:
         name = ""
+        first: int | None = None
         for chunk in requests:
+            if not name and chunk.HasField("first_id"):
+                first = chunk.first_id
             name = name or chunk.dataset
             if not name:
                 raise ProtocolError("Lookup: the first chunk must name the dataset")
             if len(chunk.ids) > 8 * MAX_LOOKUP_CHUNK:
                 raise ProtocolError(f"Lookup: chunk of {len(chunk.ids) // 8} IDs exceeds {MAX_LOOKUP_CHUNK}")
             ids = decode_ids(chunk.ids, name, self._host.count(name))
-            yield self._host.lookup(name, ids)
+            yield self._host.lookup(name, ids, first)
 
     def Read(self, request: kspeed_pb2.ReadRequest, context: grpc.ServicerContext) -> kspeed_pb2.ReadReply:
         if len(request.ids) > 8 * MAX_READ_IDS:
@@ -139,6 +147,7 @@ class ServerService:
             seed=head.seed,
             seed_epoch=head.seed_epoch,
             skip_failed=head.skip_failed,
+            first_batch=head.first_batch,
         )
 
     def CloseFeed(

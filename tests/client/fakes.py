@@ -54,6 +54,7 @@ class FakeServer:
 
     def __init__(self, server_id: str, samples: list[bytes], lo: int, hi: int, *, dataset: str = "fake") -> None:
         self.server_id = server_id
+        self.first_id = lo
         self.address = "127.0.0.1:1"
         self.name = f"server {server_id} at {self.address}"
         self.dataset = dataset
@@ -92,7 +93,9 @@ class FakeServer:
         self._thread.start()
         return kspeed_pb2.OpenFeedReply(server_id=self.server_id)
 
-    def commit_plan(self, feed_id: str, epoch: int, batch_size: int, ids: np.ndarray, lengths: np.ndarray, split=None):
+    def commit_plan(
+        self, feed_id: str, epoch: int, batch_size: int, ids: np.ndarray, lengths: np.ndarray, split=None, first_batch=0
+    ):
         if split is not None:
             raise ProtocolError(f"{self.server_id}: this fake server runs no pipeline stages")
         layout = batch_layout(lengths, batch_size)

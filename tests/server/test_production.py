@@ -11,11 +11,13 @@ import pytest
 from kspeed.layout import batch_layout
 from kspeed.server.feed_writer import FeederShared, FeedProgress, PlanPart
 from kspeed.server.feeder_process import Failed, InstallPlan, Locate, Reply
+from kspeed.server.preload import Preloader
 from kspeed.server.production import Production
 from kspeed.server.residency import HOME
+from kspeed.server.sources import open_source
 from kspeed.server.window import ProductionWindow
-from tests.server.datasets import REGION
-from tests.server.test_preload import make
+from tests.server.datasets import REGION, write_tree
+from tests.server.test_preload import CountingSource, make
 
 
 class Feeders:
@@ -45,7 +47,7 @@ class Host:
     def __init__(self, preloader) -> None:
         self.preloader = preloader
 
-    def get(self, name):
+    def get(self, name, first=None):
         return self
 
 
@@ -99,7 +101,7 @@ def test_the_plan_is_produced_in_order_a_depth_ahead_then_goes_home(produced, po
     files, src, pre, window, feeders, production = produced
     ids = np.random.default_rng(4).permutation(300)
     plan = plan_of(ids, pre.index.length[ids], 10)
-    production.install("f", 0, "ds", 0, plan)
+    production.install("f", 0, ("ds", 0), 0, plan)
     mine = feeders.plans["f", 0]
     wait(lambda: (mine.region[:40] >= 0).all())
     check_bytes(files, mine, pool, 40)  # the first depth of the plan is resident, byte exact
@@ -128,7 +130,7 @@ def test_a_full_window_holds_production_back_until_samples_are_written(tmp_path,
         pre_start = pre.start
         pre.start = lambda: None  # no preload: only the window can hold samples
         plan = plan_of(ids, pre.index.length[ids], 4)
-        production.install("f", 0, "ds", 0, plan)
+        production.install("f", 0, ("ds", 0), 0, plan)
         mine = feeders.plans["f", 0]
         wait(lambda: production.window_full > 0)
         assert (mine.region >= 0).sum() <= 16 and window.used <= window.capacity
@@ -153,8 +155,8 @@ def test_a_feed_that_stops_reading_leaves_the_others_their_share(tmp_path, backe
     try:
         stuck = plan_of(np.arange(100), pre.index.length[:100], 10)
         moving = plan_of(np.arange(100, 200), pre.index.length[100:], 10)
-        production.install("stuck", 0, "ds", 0, stuck)
-        production.install("moving", 1, "ds", 0, moving)
+        production.install("stuck", 0, ("ds", 0), 0, stuck)
+        production.install("moving", 1, ("ds", 0), 0, moving)
         mine = feeders.plans["moving", 0]
         for b in range(10):  # "stuck" never reports a write; "moving" still gets every batch
             wait(lambda b=b: (mine.region[10 * b : 10 * b + 10] >= 0).all())
@@ -168,7 +170,7 @@ def test_a_failed_read_is_told_to_the_feeders_with_its_reason(produced, tmp_path
     files, _src, pre, _window, feeders, production = produced
     victim = 5
     (tmp_path / "d" / sorted(files)[victim]).unlink()
-    production.install("f", 0, "ds", 0, plan_of(np.arange(50), pre.index.length[:50], 10))
+    production.install("f", 0, ("ds", 0), 0, plan_of(np.arange(50), pre.index.length[:50], 10))
     wait(lambda: any(isinstance(c, Failed) and victim in c.ids.tolist() for c in feeders.log))
     failed = next(c for c in feeders.log if isinstance(c, Failed) and victim in c.ids.tolist())
     assert "deleted" in failed.reasons[failed.ids.tolist().index(victim)] and production.failed_samples >= 1
@@ -186,3 +188,37 @@ def test_plan_locations_follow_duplicates_and_window_reads_are_counted():
     assert shared.retire([11, 13]) == [11]  # 11 is being read; 13 is free at once
     assert shared.let_go(np.array([11])) == [] and shared.let_go(np.array([11, 12])) == [11]
     assert shared.in_use == {}
+
+
+def done(epoch: int, batches: range) -> np.ndarray:
+    return np.array([(epoch, b, 0, 1 << 30) for b in batches], dtype=np.int64).reshape(-1, 4)
+
+
+def test_a_share_held_on_demand_is_read_as_consumed_from_the_first_batch_still_needed(tmp_path, backend, pool):
+    sizes = np.full(64, 40_000)
+    write_tree(tmp_path / "d", sizes)
+    src = CountingSource(open_source(backend, "ds", f"slowfile://{tmp_path / 'd'}"))
+    pre = Preloader(src, pool, on_demand=True)  # no regions: only the window holds its samples
+    window = ProductionWindow(pool, REGION)  # 16 chunks of 64 KiB: one sample each
+    feeders = Feeders()
+    production = Production(window, Host(pre), feeders.tell, depth=1024, threads=2)
+    try:
+        rng = np.random.default_rng(5)
+        ids0, ids1 = rng.permutation(64), rng.permutation(64)
+        # Committed again after a failover: batches 0..4 were delivered by the lost server.
+        production.install("f", 0, ("ds", 0), 0, plan_of(ids0, sizes, 4), first_batch=5)
+        production.install("f", 0, ("ds", 0), 1, plan_of(ids1, sizes, 4))  # the next epoch, committed early
+        for epoch, first in ((0, 5), (1, 0)):
+            mine = feeders.plans["f", epoch]
+            for b in range(first, 16):  # the client takes a batch at a time
+                wait(lambda b=b, mine=mine: (mine.region[4 * b : 4 * b + 4] >= 0).all())
+                production.progress(0, FeedProgress("f", done(epoch, range(b, b + 1)), 0))
+        # Each sample read at most once per epoch it is needed in (a few of the next epoch's first
+        # ones were still in the window), none for the batches delivered before the failover.
+        assert src.reads.max() <= 2 and 64 <= src.reads.sum() <= 44 + 64
+        assert (src.reads[ids0[:20]] <= 1).all()
+        assert pool.regions("ds") == [] and not (pre.residency.of(np.arange(64)) == HOME).any()
+        wait(lambda: window.used == 0)
+        assert window.peak <= window.capacity
+    finally:
+        production.stop()

@@ -1,0 +1,110 @@
+"""A server holding several shares of one dataset (after a failover), and a share held on demand."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kspeed.errors import NotFoundError, ProtocolError
+from kspeed.proto import kspeed_pb2
+from kspeed.server.datasets import DatasetHost, fingerprint_pb
+from kspeed.server.pool import MemoryPool, RegionState
+from kspeed.server.sources import open_source
+from tests.server.datasets import REGION, write_tree
+
+SIZES = [300_000] * 12  # three samples a region: shares of 6 samples take 2 regions each
+
+
+@pytest.fixture
+def tree(tmp_path):
+    return write_tree(tmp_path / "ds", SIZES)
+
+
+def request(backend, tmp_path, first: int, end: int, *, on_demand: bool = False) -> kspeed_pb2.AssignShareRequest:
+    spec = kspeed_pb2.DatasetSpec(name="ds", uri=str(tmp_path / "ds"))
+    source = open_source(backend, "ds", spec.uri)
+    share = kspeed_pb2.Share(
+        server_id="s",
+        first_id=first,
+        end_id=end,
+        first_region=first // 3,
+        num_regions=(end - first) // 3,
+        on_demand=on_demand,
+    )
+    return kspeed_pb2.AssignShareRequest(spec=spec, fingerprint=fingerprint_pb(source), region_size=REGION, share=share)
+
+
+def held(pool: MemoryPool) -> list[int]:
+    return sorted(r.vindex for r in pool.regions("ds"))
+
+
+def test_two_shares_of_one_dataset_are_held_apart_and_dropped_apart(tmp_path, backend, pool, tree):
+    host = DatasetHost(pool, backend, str(tmp_path))
+    keys = sorted(tree)
+    host.assign(request(backend, tmp_path, 0, 6))
+    host.assign(request(backend, tmp_path, 6, 12))
+    assert host.keys() == [("ds", 0), ("ds", 6)] and host.names() == ["ds"]
+    assert held(pool) == [0, 1, 2, 3]
+    for first in (0, 6):
+        host.start_preload("ds", first)
+        host.get("ds", first).preloader.wait()
+    assert all(r.state is RegionState.SEALED for r in pool.regions("ds"))
+
+    ids = np.arange(12, dtype=np.int64)
+    only = host.lookup("ds", ids, 6)
+    assert np.frombuffer(only.positions, np.uint32).tolist() == list(range(6, 12))
+    both = host.lookup("ds", ids)  # no share named: what this server owns
+    assert np.frombuffer(both.positions, np.uint32).tolist() == list(range(12))
+    reply = host.read("ds", np.array([11, 0, 7], dtype=np.int64))  # across both shares, in the order asked
+    assert reply.data == tree[keys[11]] + tree[keys[0]] + tree[keys[7]]
+    assert [s.first_id for s in host.statuses()] == [0, 6]
+    with pytest.raises(ProtocolError, match="holds 2 shares"):
+        host.get("ds")
+    with pytest.raises(NotFoundError, match="no share starting at sample 3"):
+        host.get("ds", 3)
+
+    dropped = []
+    host.on_drop = lambda name, first, reason: dropped.append((name, first, reason))
+    host.drop("ds", final=False, first=0)
+    assert dropped == [("ds", 0, "")]
+    assert host.keys() == [("ds", 6)] and held(pool) == [2, 3]  # the other share keeps its copy
+    assert host.get("ds").store.read(7) == tree[keys[7]]
+    assert host.status("ds").progress.samples_loaded == 6
+
+
+def test_restart_readopts_every_share_of_a_dataset(tmp_path, backend, tree):
+    pool = MemoryPool.create(tmp_path / "pool", 8 * REGION, region_size=REGION)
+    host = DatasetHost(pool, backend, str(tmp_path))
+    for first in (0, 6):
+        host.assign(request(backend, tmp_path, first, first + 6))
+        host.start_preload("ds", first)
+        host.get("ds", first).preloader.wait()
+    host.close()
+    pool.close()
+
+    again = MemoryPool.adopt(tmp_path / "pool", region_size=REGION)
+    try:
+        restarted = DatasetHost(again, backend, str(tmp_path))
+        restarted.restore()
+        assert restarted.keys() == [("ds", 0), ("ds", 6)]
+        assert held(again) == [0, 1, 2, 3]
+        for first in (0, 6):  # nothing to read again: both shares' sealed regions were kept
+            assert restarted.status("ds", first).progress.samples_loaded == 6
+    finally:
+        again.destroy()
+
+
+def test_a_share_held_on_demand_takes_no_region_and_reads_from_the_backend(tmp_path, backend, pool, tree):
+    host = DatasetHost(pool, backend, str(tmp_path))
+    keys = sorted(tree)
+    host.assign(request(backend, tmp_path, 6, 12))
+    host.assign(request(backend, tmp_path, 0, 6, on_demand=True))
+    assert held(pool) == [2, 3]  # only the share with a copy
+    status = host.start_preload("ds", 0)  # loads nothing: there is no home to load into
+    assert not status.progress.running and status.progress.samples_loaded == 0
+    assert host.get("ds", 0).on_demand and not host.get("ds", 6).on_demand
+    assert host.read("ds", np.array([2], dtype=np.int64)).data == tree[keys[2]]
+    with pytest.raises(Exception, match="held on demand"):
+        host.get("ds", 0).preloader.home(np.array([2]))
+    host.drop("ds", final=False, first=0)
+    assert held(pool) == [2, 3] and host.keys() == [("ds", 6)]
