@@ -4,7 +4,9 @@ When a server that holds a share of the dataset is lost (its connection failed, 
 declared it failed while it stayed silent), the client:
 
 1. fences its path (:meth:`Feed.fence <kspeed.client.feed.Feed.fence>`: a new generation, its
-   outstanding ranges quarantined until its writer is gone);
+   outstanding ranges quarantined until its writer is gone) as soon as it learns the server is
+   lost: its connection broke, it stayed silent, or the manager's membership stream (followed by
+   :mod:`kspeed.control.membership_watch`, so no question is asked) says it was declared failed;
 2. waits, at most ``failover_timeout``, for the manager to move the share to another server (a
    spare, or a survivor with room) and for that server to be ready;
 3. connects the new holder under the path's new generation, looks the moved IDs up there (they
@@ -40,7 +42,6 @@ log = logging.getLogger(__name__)
 
 READY = kspeed_pb2.ServerState.SERVER_STATE_READY
 GONE = (kspeed_pb2.ServerState.SERVER_STATE_FAILED, kspeed_pb2.ServerState.SERVER_STATE_LEFT)
-SILENT_CHECK_S = 1.0  # a path silent this long while it owes completions is asked about (at most once a second)
 POLL_S = 0.25  # between looks at the manager while a share moves
 SAME_SERVER_AFTER = 5.0  # a fenced server the manager still calls ready is dialled again after this long
 HELLO_TIMEOUT = 10.0  # longest wait for a new holder's feeder to connect
@@ -75,34 +76,24 @@ class Failover:
         self.timeout = config.failover_timeout
         self._config = config
         self._ranges = [(int(s.first_id), int(s.end_id)) for s in info.shares]
-        self._asked_at = 0.0
+        self._members = manager.membership()
+        self._seen = -1  # the membership revision last looked at
 
     # -- noticing ----------------------------------------------------------------------------------
 
     def check_silent(self) -> None:
-        """Fence the paths that owe completions, have been silent a while, and whose server the
-        manager has declared failed or gone (at most one question a second)."""
-        now = time.monotonic()
-        if now - self._asked_at < SILENT_CHECK_S:
+        """Fence the paths whose server the manager has declared failed or gone: looked at when
+        the membership changed (the watch stream tells; no question is asked). A server silent
+        beyond ``completion_timeout`` is lost whatever the manager says (the feed fences it)."""
+        members = self._members
+        revision = members.revision
+        if not members.synced or revision == self._seen:
             return
-        with self.feed.lock:  # the paths first (a few): the grants only when one has been quiet
-            quiet = [p for p in self.feed.paths if not p.lost and now - p.last_heard > SILENT_CHECK_S]
-            if not quiet:
-                return
-            owing = {entry.path for entry in self.feed.outstanding.values()}
-            silent = [p for p in quiet if p.index in owing]
-        if not silent:
-            return
-        self._asked_at = now
-        try:
-            states = {r.id: r.state for r in self.manager.servers(include_left=True)}
-        except KSpeedError as exc:
-            log.debug("dataset %s: cannot ask the manager about silent servers: %s", self.dataset, exc)
-            return
-        for path in silent:
-            state = states.get(path.link.server_id)
-            if state is None or state in GONE:
-                self.feed.fence_path(path, "the manager declared it failed")
+        self._seen = revision
+        with self.feed.lock:  # the paths (a few), not the grants
+            gone = [p for p in self.feed.paths if not p.lost and members.state(p.link.server_id) in GONE]
+        for path in gone:
+            self.feed.fence_path(path, "the manager declared it failed")
 
     # -- recovering --------------------------------------------------------------------------------
 
@@ -121,7 +112,7 @@ class Failover:
         named = getattr(cause, "server_id", None)  # a control-plane call to it failed
         if named is not None and any(p.link.server_id == named and not p.lost for p in self.feed.paths):
             self.feed.fence(named, str(cause))
-        self._asked_at = 0.0
+        self._seen = -1
         self.check_silent()
         lost = [p for p in self.feed.paths if p.lost]
         if not lost:
@@ -165,7 +156,7 @@ class Failover:
                     f"{first}..{end - 1}) did not move to a ready server within {self.timeout:g}s ({last}); "
                     "a spare server with free memory lets the manager move it"
                 )
-            time.sleep(POLL_S)
+            self._members.wait(self._members.revision, POLL_S)  # a membership change, or the next look
 
     def _holder(self, index: int, old: str, last: str) -> tuple[str, str] | str:
         """``(server id, address)`` of the ready server holding path ``index``'s share, or why none is.
@@ -176,7 +167,7 @@ class Failover:
         first, end = self._ranges[index]
         try:
             info = self.manager.dataset(self.dataset)
-            ready = {r.id: r.address for r in self.manager.servers() if r.state == READY}
+            ready = self._members.ready() if self._members.synced else self._ready()
         except NotFoundError as exc:
             raise DatasetError(f"dataset {self.dataset!r} was removed: {exc}", dataset=self.dataset) from exc
         except KSpeedError as exc:  # the manager is away: keep asking until the deadline
@@ -187,6 +178,10 @@ class Failover:
         if share.server_id not in ready:
             return f"its share is with {share.server_id}, which is not ready"
         return share.server_id, ready[share.server_id]
+
+    def _ready(self) -> dict[str, str]:
+        """Server id -> address of the ready servers, asked of the manager (before the watch has a snapshot)."""
+        return {r.id: r.address for r in self.manager.servers() if r.state == READY}
 
     def recommit(self, plan: EpochPlan, replaced: list[int], first_batch: int = 0) -> None:
         """Commit ``plan`` from batch ``first_batch`` on (the ones before were delivered) to the

@@ -6,10 +6,13 @@ with both sides' versions before anything else happens.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from kspeed.config import ClientConfig
 from kspeed.control import rpc
+from kspeed.control.membership_watch import MembershipWatch
 from kspeed.proto import kspeed_pb2, kspeed_pb2_grpc
 
 
@@ -24,6 +27,8 @@ class ManagerClient:
         self._channel = rpc.open_channel(config.manager, config.security)
         self._stub = kspeed_pb2_grpc.ManagerStub(self._channel)
         self.hello: kspeed_pb2.HelloReply | None = None
+        self._membership: MembershipWatch | None = None
+        self._lock = threading.Lock()
 
     def call(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
         """One unary call, with errors mapped to :mod:`kspeed.errors`."""
@@ -48,6 +53,29 @@ class ManagerClient:
     def servers(self, include_left: bool = False) -> list[kspeed_pb2.ServerRecord]:
         """The registered servers."""
         return list(self.call("ListServers", kspeed_pb2.ListServersRequest(include_left=include_left)).servers)
+
+    def watch_membership(
+        self, since_revision: int = 0
+    ) -> tuple[Iterator[kspeed_pb2.MembershipEvent], Callable[[], Any]]:
+        """The manager's membership events from ``since_revision`` on (0: a snapshot first), and a
+        function that cancels the stream. Iterating raises :mod:`kspeed.errors` when it breaks."""
+        stream = self._stub.WatchMembership(
+            kspeed_pb2.WatchMembershipRequest(since_revision=since_revision), metadata=self._metadata
+        )
+
+        def events() -> Iterator[kspeed_pb2.MembershipEvent]:
+            with rpc.map_rpc_errors(f"manager at {self.address}"):
+                yield from stream
+
+        return events(), stream.cancel
+
+    def membership(self) -> MembershipWatch:
+        """The membership, followed from the watch stream from the first call on (see
+        :mod:`kspeed.control.membership_watch`)."""
+        with self._lock:
+            if self._membership is None:
+                self._membership = MembershipWatch(self.watch_membership)
+            return self._membership
 
     def create_dataset(
         self, spec: kspeed_pb2.DatasetSpec, *, operator: bool = False, holder: str = "", lease_ttl: float = 0.0
@@ -85,7 +113,11 @@ class ManagerClient:
         self.call("ReleaseLease", kspeed_pb2.LeaseRequest(lease_id=lease_id))
 
     def close(self) -> None:
-        """Close the channel."""
+        """Stop following the membership and close the channel."""
+        with self._lock:
+            watch, self._membership = self._membership, None
+        if watch is not None:
+            watch.close()
         self._channel.close()
 
     def __enter__(self) -> ManagerClient:
