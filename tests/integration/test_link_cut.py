@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import pytest
 
 from kspeed.cli.cluster import wait_for
+from tests.conftest import FAST_MANAGER  # the loopback failover tests' timers: a server silent for 2 s is failed
 from tests.integration.test_client import loader_order
 from tests.integration.test_incast import LabCluster, lab_cluster
 from tests.integration.test_production import metric
@@ -34,19 +35,6 @@ BATCH, SEED, EPOCHS = 16, 5, 3
 #: The client's switch port: slow enough that the link is the bottleneck (grants always in flight).
 RATE = "100mbit"
 RING_BYTES = 4 << 20
-#: The manager's timers: a server silent for 2 s is failed (the loopback failover tests' values).
-MANAGER_ARGS = [
-    "--heartbeat-interval",
-    "200ms",
-    "--suspect-after",
-    "1s",
-    "--fail-after",
-    "2s",
-    "--probe-interval",
-    "300ms",
-    "--probe-timeout",
-    "500ms",
-]
 #: The client takes a server silent for 2 s for lost, and waits up to a minute for its share to move.
 CLIENT_ENV = {"KSPEED_COMPLETION_TIMEOUT": "2s", "KSPEED_FAILOVER_TIMEOUT": "60s"}
 
@@ -55,7 +43,7 @@ CLIENT_ENV = {"KSPEED_COMPLETION_TIMEOUT": "2s", "KSPEED_FAILOVER_TIMEOUT": "60s
 def linked(tmp_path) -> Iterator[LabCluster]:
     """Two holders ``s0``/``s1``, a spare namespace ``s2`` (nothing runs there yet) and a client ``c0``."""
     with lab_cluster(
-        tmp_path, servers=2, spares=1, clients=["c0"], sizes=[SIZE] * FILES, manager_args=MANAGER_ARGS
+        tmp_path, servers=2, spares=1, clients=["c0"], sizes=[SIZE] * FILES, manager_args=FAST_MANAGER
     ) as env:
         env.lab.limit_rate("c0", RATE)
         yield env
