@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Coroutine
 from typing import Any
 
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 
 SERVICE = "kspeed.v1.Manager"  # the name its grpc.health.v1 status is registered under
 TICK_FRACTION = 0.25  # the timers are evaluated at this fraction of the heartbeat interval
+REHOME_EVERY = 10.0  # seconds between attempts to give shares served on demand a server with room
 
 
 class Manager:
@@ -120,9 +122,13 @@ class Manager:
 
     async def _tick_loop(self) -> None:
         period = self.config.heartbeat_interval * TICK_FRACTION
+        rehomed = time.monotonic()
         while not self._stopping.is_set():
             self.membership.tick()
             await self.catalog.expire()
+            if time.monotonic() - rehomed > REHOME_EVERY:  # a move that failed when a server became ready
+                rehomed = time.monotonic()
+                self._background(self.catalog.rehome(), "rehome")
             self.metrics.watchers.set(self.service.watchers)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), timeout=period)

@@ -40,7 +40,8 @@ class ManagerAgent:
         metrics: ServerMetrics,
         on_fatal: Callable[[KSpeedError], None],
         shares: Callable[[], list[kspeed_pb2.ShareStatus]] = list,
-        on_registered: Callable[[kspeed_pb2.RegisterServerReply], None] = lambda reply: None,
+        assignments: Callable[[], int] = lambda: 0,
+        on_registered: Callable[[kspeed_pb2.RegisterServerReply, int], None] = lambda reply, mark: None,
         on_drop: Callable[[str, int | None], None] = lambda name, first: None,
         on_assign: Callable[[list[kspeed_pb2.AssignShareRequest]], None] = lambda requests: None,
     ) -> None:
@@ -55,6 +56,7 @@ class ManagerAgent:
         self._metrics = metrics
         self._on_fatal = on_fatal
         self._shares = shares
+        self._assignments = assignments
         self._on_registered = on_registered
         self._on_drop = on_drop
         self._on_assign = on_assign
@@ -73,6 +75,8 @@ class ManagerAgent:
             return getattr(self._stub, method)(request, timeout=CALL_TIMEOUT, metadata=self._metadata)
 
     def _register(self) -> None:
+        # Shares the manager assigns while the registration is under way are newer than its reply.
+        mark = self._assignments()
         reply = self._call(
             "RegisterServer",
             kspeed_pb2.RegisterServerRequest(
@@ -85,7 +89,7 @@ class ManagerAgent:
         )
         self.incarnation = reply.incarnation
         self.interval = reply.heartbeat_interval_s or self.interval
-        self._on_registered(reply)
+        self._on_registered(reply, mark)
         self.registered.set()
         self._metrics.registered.set(1)
         self._metrics.registrations.inc()

@@ -177,7 +177,8 @@ class Server:
             metrics=self.metrics,
             on_fatal=self._fatal,
             shares=host.statuses,
-            on_registered=lambda reply: host.reconcile(list(reply.assignments)),
+            assignments=lambda: host.assignments,
+            on_registered=lambda reply, mark: host.reconcile(list(reply.assignments), before=mark),
             on_drop=lambda name, first: host.drop(
                 name, "the manager no longer assigns it here", final=False, first=first
             ),

@@ -149,6 +149,8 @@ class DatasetHost:
         self.on_changed: Callable[[str, list[Change]], None] = lambda name, changes: None  # e.g. tell the feeders
         self.watch = ChangeWatch(self._checks, interval=change_check_interval, budget=change_check_budget)
         self._retaken: dict[ShareKey, float] = {}  # share -> when it was last taken again
+        self.assignments = 0  # shares assigned so far (a share's number is when it was assigned)
+        self._assigned: dict[ShareKey, int] = {}
         self._retaking: list[threading.Thread] = []
 
     # -- backend changes -------------------------------------------------------------------------
@@ -186,10 +188,17 @@ class DatasetHost:
             except KSpeedError as exc:
                 log.error("dataset %s: cannot re-adopt share %s: %s", request.spec.name, _span(request.share), exc)
 
-    def reconcile(self, assignments: list[kspeed_pb2.AssignShareRequest]) -> None:
-        """Make the hosted shares exactly ``assignments`` (the manager's word at registration)."""
+    def reconcile(self, assignments: list[kspeed_pb2.AssignShareRequest], *, before: int | None = None) -> None:
+        """Make the hosted shares exactly ``assignments`` (the manager's word at registration).
+
+        ``before``: :attr:`assignments` when the registration was sent; shares assigned since
+        (the manager assigning one to the server it just declared ready) are newer than its reply
+        and stay.
+        """
         wanted = {(a.spec.name, int(a.share.first_id)): a for a in assignments}
         for name, first in set(self.keys()) - set(wanted):
+            if before is not None and self._assigned.get((name, first), 0) > before:
+                continue
             log.info("dataset %s: the manager no longer assigns share %d.. here; dropping", name, first)
             self.drop(name, "the manager assigns its share to another server", final=False, first=first)
         for request in wanted.values():
@@ -294,6 +303,8 @@ class DatasetHost:
         with self._lock:
             current = self._hosted.get(key)
             if current is not None and current.request == request:
+                self.assignments += 1  # the manager's word again: as new as a fresh assignment
+                self._assigned[key] = self.assignments
                 return self.status(name, key[1])
             for other in self.shares(name, missing_ok=True):
                 s = other.request.share
@@ -345,6 +356,8 @@ class DatasetHost:
             if self._scrub_interval > 0 and not share.on_demand:
                 store.start_scrub(self._scrub_interval)
             self._hosted[key] = Hosted(request, source, preloader, store)
+            self.assignments += 1
+            self._assigned[key] = self.assignments
             self._dropped.pop(name, None)
             self._save_assignments()
             if share.on_demand:
@@ -393,6 +406,7 @@ class DatasetHost:
         with self._lock:
             for hosted in dropping:
                 self._hosted.pop(hosted.key, None)
+                self._assigned.pop(hosted.key, None)
                 hosted.store.stop_scrub()
                 hosted.preloader.wait()
             if whole:

@@ -108,3 +108,14 @@ def test_a_share_held_on_demand_takes_no_region_and_reads_from_the_backend(tmp_p
         host.get("ds", 0).preloader.home(np.array([2]))
     host.drop("ds", final=False, first=0)
     assert held(pool) == [2, 3] and host.keys() == [("ds", 6)]
+
+
+def test_registration_drops_what_the_manager_moved_but_keeps_what_it_assigned_meanwhile(tmp_path, backend, pool, tree):
+    host = DatasetHost(pool, backend, str(tmp_path))
+    host.assign(request(backend, tmp_path, 0, 6))  # held before the server registers again
+    mark = host.assignments  # the registration is sent ...
+    host.assign(request(backend, tmp_path, 6, 12))  # ... and the manager assigns a share before it answers
+    host.reconcile([], before=mark)  # the reply lists neither
+    assert host.keys() == [("ds", 6)]
+    host.reconcile([])  # without a mark, the reply is the whole truth
+    assert host.keys() == []
