@@ -300,8 +300,22 @@ class Feed:
                 done = Completions.empty()
             self.accept(done)
             self.take_messages()
-            if self._fenced and time.monotonic() - self._revoked_at > REVOKED_CHECK_S:
-                self.release_revoked()
+            self.tend()
+
+    def tend(self) -> None:
+        """At most every :data:`REVOKED_CHECK_S`: fence the paths whose server closed the feed,
+        and lift the quarantines whose writer is gone. Called by the receiver's user (lock held)."""
+        if time.monotonic() - self._revoked_at > REVOKED_CHECK_S:
+            self._check_closed()
+            self.release_revoked()
+
+    def _check_closed(self) -> None:
+        """Fence the paths whose server closed the connection on purpose (it said bye: its share
+        is served elsewhere now, or it dropped the feed): they will write nothing more."""
+        live = self.receiver.connections
+        for path in self.paths:
+            if path.conn is not None and not path.lost and path.conn not in live:
+                self.fence_path(path, "its server closed the feed (the share is served elsewhere now?)")
 
     def release_revoked(self) -> int:
         """Lift the quarantine of fenced ranges whose writer can write no more; returns how many."""

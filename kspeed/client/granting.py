@@ -314,6 +314,7 @@ class Paced(Granting):
                     before = feed.progress
                     feed.accept(done)
                     feed.take_messages()
+                    feed.tend()
                     self._release(feed)
                     if feed.progress != before:
                         feed.changed.notify_all()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import threading
 import time
 
 import numpy as np
@@ -88,6 +89,21 @@ def test_silent_server_is_named_not_a_hang(make_ds):
     fakes[1].silent = True
     with pytest.raises(TransportError, match=r"server s1 at 127.0.0.1:1 sent no completion for batch 0 of epoch 0"):
         next(iter(ds))
+
+
+def test_a_server_that_closes_the_feed_on_purpose_is_a_lost_path_not_a_long_silence(make_ds):
+    ds, fakes = make_ds(config=client_config(completion_timeout="60s"))
+    fakes[1].silent = True  # grants to s1 stay outstanding ...
+    closing = threading.Timer(0.5, fakes[1]._close_writer)  # ... until it says bye (its share moved)
+    closing.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(PeerLostError, match=r"server s1 at 127\.0\.0\.1:1"):
+            next(iter(ds))
+    finally:
+        closing.join()
+    assert time.monotonic() - started < 30  # noticed at once, not after completion_timeout
+    assert ds._feed.paths[1].lost.startswith("its server closed the feed")
 
 
 def test_batch_size_and_ring_size_are_checked(make_ds):
