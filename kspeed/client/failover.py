@@ -81,7 +81,7 @@ class Failover:
 
     # -- noticing ----------------------------------------------------------------------------------
 
-    def check_silent(self) -> None:
+    def fence_failed(self) -> None:
         """Fence the paths whose server the manager has declared failed or gone: looked at when
         the membership changed (the watch stream tells; no question is asked). A server silent
         beyond ``completion_timeout`` is lost whatever the manager says (the feed fences it)."""
@@ -113,7 +113,7 @@ class Failover:
         if named is not None and any(p.link.server_id == named and not p.lost for p in self.feed.paths):
             self.feed.fence(named, str(cause))
         self._seen = -1
-        self.check_silent()
+        self.fence_failed()
         lost = [p for p in self.feed.paths if p.lost]
         if not lost:
             raise cause

@@ -264,7 +264,7 @@ class Pump:
     def _tick(self) -> None:
         self.delivery.poll()
         if self.failover is not None:
-            self.failover.check_silent()
+            self.failover.fence_failed()
         self.top_up()
 
     def _room_coming(self) -> bool:

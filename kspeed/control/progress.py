@@ -51,7 +51,8 @@ class PreloadSummary:
 def follow_preload(
     client: ManagerClient, name: str, *, out: TextIO | None = sys.stderr, timeout: float | None = None
 ) -> kspeed_pb2.DatasetInfo:
-    """Start (or join) the preload of ``name`` and wait until every share is loaded.
+    """Start (or join) the preload of ``name`` and wait until every share is loaded (a share
+    served on demand after a failover loads nothing: it is named on ``out``).
 
     Args:
         client: a manager client.
@@ -78,7 +79,14 @@ def follow_preload(
         while True:
             _draw(bar, info, started)
             p = info.progress
-            if not p.running and (p.samples_loaded == p.samples_total or p.error_count):
+            on_demand = [s for s in info.shares if s.on_demand]  # loads nothing (the dataset is degraded)
+            if not p.running and (p.samples_loaded == p.samples_total or p.error_count or on_demand):
+                for s in on_demand if out is not None else ():
+                    bar.write(
+                        f"dataset {name}: samples {s.first_id}..{s.end_id - 1} are served on demand by "
+                        f"{s.server_id} (no server has the memory to hold them; they are read as jobs need them)",
+                        file=out,
+                    )
                 break
             if timeout is not None and time.monotonic() - started > timeout:
                 raise DatasetError(f"dataset {name!r}: preload not finished after {timeout:.0f}s", dataset=name)

@@ -142,6 +142,7 @@ def test_without_room_a_survivor_serves_the_share_on_demand_until_a_server_has_r
             check=True,
         ).stdout
         assert f"samples 0..{shares[0].end_id - 1} are served on demand by {survivor_id}" in status, status
+        ds.preload(quiet=True, timeout=20)  # returns: the share served on demand has nothing to load
         check_epoch(ds, files, 1)  # degraded: read from the backend again, still whole and in order
 
         spare = cluster.add_server()  # room at last: the share moves there and is loaded
