@@ -199,7 +199,7 @@ def test_bad_token_refused(rail, options):
             get_rail(rail).connect(material, open_options)
 
 
-def test_writer_death_detected(rail, options, spawn):
+def test_writer_death_detected(rail, options, spawn, caplog):
     with get_rail(rail).listen(options) as rx:
         ring = rx.register(1 << 20)
         queue = spawn.ctx.Queue()
@@ -213,6 +213,9 @@ def test_writer_death_detected(rail, options, spawn):
                 rx.poll(0.1)
         assert time.monotonic() - t0 < BOUND
         assert err.value.conn == conn
+        # What was logged about it holds no error object: the raised one (with its traceback, the
+        # caller's frames and the batches they hold) must not outlive its handling in a log record.
+        assert not any(isinstance(arg, BaseException) for r in caplog.records for arg in (r.args or ()))
 
 
 @pytest.mark.parametrize("fault", ["kill", "hang"])

@@ -151,7 +151,9 @@ class ShmReceiver(Receiver):
             self._sel.unregister(sock)
         sock.close()
         if error is not None:
-            log.warning("shm writer %d lost: %s", conn, error)
+            # The text, not the error: it is raised later, and a log record that kept it (a test's
+            # log capture) would keep the raiser's frames alive, and the batches they hold.
+            log.warning("shm writer %d lost: %s", conn, str(error))
             self._errors.append(error)
 
     def _read(self, conn: int, sock: socket.socket, parts: list[Completions]) -> None:
