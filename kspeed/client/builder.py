@@ -67,6 +67,7 @@ class FeedParts:
         stats: what this rank received.
         reporter: sends the statistics to the manager (``None`` without a manager).
         ring_bytes: the ring's size.
+        planner: plans (looks up and commits) the epochs.
     """
 
     links: list[Link]
@@ -79,6 +80,7 @@ class FeedParts:
     stats: RankStats
     reporter: StatsReporter | None
     ring_bytes: int
+    planner: EpochPlanner
 
     def close(self) -> None:
         """Stop the reporter and the pump, undo the delivery, close the feed and the links (best effort)."""
@@ -289,7 +291,7 @@ def build_feed(
             )
         stats = RankStats([link.server_id for link in links])
         undo.pop_all()
-    parts = FeedParts(list(links), orders, delivery, placement, io, feed, pump, stats, None, ring_bytes)
+    parts = FeedParts(list(links), orders, delivery, placement, io, feed, pump, stats, None, ring_bytes, planner)
     if manager is not None:
         sampler = options.sampler
         parts.reporter = StatsReporter(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -73,6 +74,8 @@ class EpochPlan:
         owed: ``(servers, batches)`` booleans: which servers write something in which batch.
         deterministic: the order is a function of (seed, epoch), so the plan may be reused.
         remote: per position, whether the servers preprocess it (``None``: no pipeline on them).
+        lookup_s: seconds the lookup on every server took.
+        commit_s: seconds the commit to every server took.
     """
 
     epoch: int
@@ -86,6 +89,8 @@ class EpochPlan:
     deterministic: bool
     slots: int = field(default=0)
     remote: np.ndarray | None = None
+    lookup_s: float = 0.0
+    commit_s: float = 0.0
 
     @property
     def num_batches(self) -> int:
@@ -153,7 +158,10 @@ def make_plan(
     owner = np.full(n, -1, dtype=np.int32)
     lengths = np.zeros(n, dtype=np.int64)
     labels = np.full(n, -1, dtype=np.int64)
-    for index, (positions, lens, labs) in enumerate(_lookup_all(links, dataset, ids, pool)):
+    started = time.perf_counter()
+    replies = _lookup_all(links, dataset, ids, pool)
+    lookup_s = time.perf_counter() - started
+    for index, (positions, lens, labs) in enumerate(replies):
         clash = positions[owner[positions] >= 0]
         if len(clash):
             p = int(clash[0])
@@ -184,8 +192,12 @@ def make_plan(
     if n:
         for index in range(len(links)):
             owed[index] = np.add.reduceat((owner == index).astype(np.int64), layout.starts[:-1]) > 0
-    plan = EpochPlan(epoch, feed_epoch, ids, lengths, labels, owner, layout, owed, deterministic, remote=remote)
+    plan = EpochPlan(
+        epoch, feed_epoch, ids, lengths, labels, owner, layout, owed, deterministic, remote=remote, lookup_s=lookup_s
+    )
+    started = time.perf_counter()
     _commit_all(links, feed_ids, plan, batch_size, pool, prep)
+    plan.commit_s = time.perf_counter() - started
     log.debug(
         "dataset %s: epoch %d planned as pass %d (%d samples, %d batches)",
         dataset,
