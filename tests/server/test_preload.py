@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from kspeed.errors import ChangedError, DatasetError, IntegrityError, NotFoundError, StateError
 from kspeed.server.integrity import SampleStore
 from kspeed.server.pool import MemoryPool, RegionState
-from kspeed.server.preload import Preloader
+from kspeed.server.preload import SAVE_COST_SHARE, Preloader
 from kspeed.server.sources import open_source
 from tests.server.datasets import REGION, write_tree
 
@@ -114,6 +115,34 @@ def test_restart_readopts_sealed_regions_and_loads_only_the_rest(tmp_path, backe
     store = SampleStore(pre2)
     keys = sorted(files)
     assert all(store.read(i) == files[keys[i]] for i in range(12))
+    pool2.destroy()
+
+
+def test_a_preload_saves_its_index_a_bounded_number_of_times(tmp_path, backend, monkeypatch):
+    # Saving the whole index at every seal made a preload quadratic in the share's size: a seal
+    # saves it only if that keeps saving under 1/SAVE_COST_SHARE of the time. An index whose save
+    # takes 0.2 s is saved at most every 4 s (and at the end of the job), not at each of 32 seals.
+    pool = MemoryPool.create(tmp_path / "pool", 40 * REGION, region_size=REGION)
+    _files, _src, pre = make(tmp_path, backend, pool, [REGION // 2] * 64, threads=2, save_interval_s=60.0)
+    saves = []
+    original = type(pre.index).save
+
+    def slow_save(index, path):
+        saves.append(path)
+        time.sleep(0.2)
+        original(index, path)
+
+    monkeypatch.setattr(type(pre.index), "save", slow_save)
+    started = time.monotonic()
+    assert pre.preload(timeout=60).complete
+    took = time.monotonic() - started
+    assert len(pool.regions("ds")) == 32 and all(r.state is RegionState.SEALED for r in pool.regions("ds"))
+    assert 1 <= len(saves) <= 2 + took / (SAVE_COST_SHARE * 0.2) < 32
+    pool.close()
+    # A restart re-adopts every region: the final save recorded every sample.
+    pool2 = MemoryPool.adopt(tmp_path / "pool", region_size=REGION)
+    pre2 = Preloader(_src._src, pool2)
+    assert pre2.index.loaded.all() and pre2.preload(timeout=30).read_samples == 0
     pool2.destroy()
 
 
