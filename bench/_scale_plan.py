@@ -46,6 +46,11 @@ import numpy as np
 RING_BYTES = 4 << 20
 REGION = "1MiB"
 PROBE_EVERY = 0.02
+ATTACH_THREADS = 4  # ranks of one node process attaching at once (the boundary is what is measured)
+# Every daemon, node process and rank thread shares this machine's cores: failure detection is
+# relaxed so that a starved heartbeat does not fail a server in the middle of a measurement (the
+# manager's log is searched for suspect servers, and their count reported).
+MANAGER_ARGS = ["--suspect-after", "30s", "--fail-after", "120s", "--probe-timeout", "10s", "--lease-ttl", "600s"]
 CLOCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -132,6 +137,15 @@ def _server_resources(cluster) -> dict:
     }
 
 
+def _log_count(daemons, needle: str) -> int:
+    """Lines of the daemons' logs that contain ``needle``."""
+    n = 0
+    for daemon in daemons:
+        with contextlib.suppress(OSError), open(daemon.log_file, errors="replace") as f:
+            n += sum(needle in line for line in f)
+    return n
+
+
 def _servers_cpu(cluster) -> float:
     return sum(_cpu_s(_tree(d.process.pid)) for d in cluster.servers)
 
@@ -152,6 +166,7 @@ def _node(conn: Connection, address: str, dataset: str, ranks: list[int], world:
     clients: list = []
     sets: list = []
     pool = ThreadPoolExecutor(max(len(ranks), 1))
+    attaching = ThreadPoolExecutor(ATTACH_THREADS)
 
     def attach(rank: int) -> float:
         started = time.perf_counter()
@@ -185,7 +200,7 @@ def _node(conn: Connection, address: str, dataset: str, ranks: list[int], world:
             command, *args = conn.recv()
             try:
                 if command == "attach":
-                    conn.send(("ok", list(pool.map(attach, ranks))))
+                    conn.send(("ok", list(attaching.map(attach, ranks))))
                 elif command == "plan":
                     conn.send(("ok", list(pool.map(functools.partial(_call, plan, args), sets))))
                 elif command == "feed":
@@ -202,6 +217,7 @@ def _node(conn: Connection, address: str, dataset: str, ranks: list[int], world:
             with contextlib.suppress(Exception):
                 client.close()
         pool.shutdown(wait=False)
+        attaching.shutdown(wait=False)
         conn.send(("closed", None))
 
 
@@ -325,6 +341,7 @@ def _cluster(servers: int, samples: int, root: str, keep: bool):
         state,
         servers=servers,
         pool_root=pools,
+        manager_args=MANAGER_ARGS,
         server_args=[
             "--backend-allow",
             root,
@@ -405,11 +422,16 @@ def _run_cluster(servers: int, rank_counts: list[int], args, root: str, path: st
             follow_preload(manager, name, out=None, timeout=600)
             for ranks in rank_counts:
                 print(f"   servers {servers}, ranks {ranks}", flush=True)
+                suspect = _log_count([cluster.manager], "-> suspect")
+                refused = _log_count(cluster.servers, "refused stream")
                 row = _point(cluster, cluster.address, name, servers, ranks, args)
+                row["suspect_servers"] = _log_count([cluster.manager], "-> suspect") - suspect
+                row["refused_streams"] = _log_count(cluster.servers, "refused stream") - refused
                 print(
                     f"     plan {row['plan_s_max']:.2f} s (lookup {row['lookup_s_max']:.2f}, commit "
                     f"{row['commit_s_max']:.2f}), servers' CPU {row['servers_cpu_s']:.2f} s, sockets/server "
-                    f"{row['attached']['sockets_mean']:.0f}, threads/server {row['attached']['threads_mean']:.0f}",
+                    f"{row['attached']['sockets_mean']:.0f}, threads/server {row['attached']['threads_mean']:.0f}, "
+                    f"refused streams {row['refused_streams']}, suspect servers {row['suspect_servers']}",
                     flush=True,
                 )
                 rows.append(row)

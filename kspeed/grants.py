@@ -6,7 +6,7 @@ offset) and the server answers each grant with one write-with-immediate whose im
 grant's tag. A server that cannot serve a grant says ERROR instead of staying silent, and a server
 that ends a feed for good (its dataset was removed) says CLOSING with the reason first. Nothing per
 sample travels here: the positions of a grant map to samples and offsets through the epoch plan
-and :func:`kspeed.layout.batch_layout`, which both sides hold.
+(the client lays it out with :func:`kspeed.layout.batch_layout`; each server holds its part).
 
 A **probe** is a grant of epoch :data:`PROBE_EPOCH`: the server writes ``end`` bytes (at most
 :data:`MAX_PROBE`) of filler at ``ring_offset`` and completes it like any grant, so the client can

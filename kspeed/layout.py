@@ -3,8 +3,9 @@
 Everything here is a pure function of its arguments, so every party that applies it to the same
 inputs reaches the same answer without asking another: the manager cuts a dataset's ownership
 with :func:`region_bounds`, and each server lays out the samples it owns with the very same rule;
-a client and every server of a feed lay out the batches of an epoch in the receive ring with
-:func:`batch_layout`, so a grant names only a batch and a range of positions, never a sample.
+a client lays out the batches of an epoch in the receive ring with :func:`batch_layout` and hands
+each server the offsets of its samples with the plan, so a grant names only a batch and a range of
+positions, never a sample.
 Neither :mod:`kspeed.manager` nor :mod:`kspeed.server` imports the other; both import this module.
 """
 
@@ -102,9 +103,9 @@ class BatchLayout:
 def batch_layout(lengths: np.ndarray, batch_size: int) -> BatchLayout:
     """Lay out an epoch plan's batches: samples back to back in plan order, each aligned.
 
-    Both sides of a feed call this with the same lengths (the client learns them from the
-    lookup replies and hands them to every server with the plan), so a server can place its
-    samples of any batch without hearing about the others.
+    The client calls this with the lengths the lookup replies gave and hands each server the
+    offsets of its own samples with the plan; batch ``b`` is positions ``b*batch_size`` on, so a
+    server places its samples of any batch without hearing about the others.
 
     Args:
         lengths: sample lengths in plan (sampler) order.

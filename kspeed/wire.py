@@ -1,8 +1,8 @@
 """Packed arrays in control-plane messages: one home for their dtypes and their packing.
 
-Sample IDs, sizes and labels travel as little-endian ``int64``; lengths and plan positions as
-little-endian ``uint32`` (a sample is smaller than a region, a plan shorter than 2**32). Packing
-and unpacking are one numpy call each, never a Python object per sample.
+Sample IDs, sizes, labels and offsets within a batch travel as little-endian ``int64``; lengths
+and plan positions as little-endian ``uint32`` (a sample is smaller than a region, a plan shorter
+than 2**32). Packing and unpacking are one numpy call each, never a Python object per sample.
 """
 
 from __future__ import annotations

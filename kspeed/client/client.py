@@ -206,7 +206,9 @@ class KSpeedClient:
                         f"dataset {proto.name!r}: server {share.server_id} holds a share but the "
                         "manager knows no address for it (is it registered?)"
                     )
-                links.append(ServerLink(share.server_id, address, self.config, first_id=share.first_id))
+                links.append(
+                    ServerLink(share.server_id, address, self.config, first_id=share.first_id, end_id=share.end_id)
+                )
             pipeline = spec.pipeline if isinstance(spec, DatasetSpec) else attached_pipeline(proto.pipeline)
             prep = plan_prep(
                 proto.name,

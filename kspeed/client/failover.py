@@ -135,7 +135,8 @@ class Failover:
             if isinstance(found, str):
                 last = found
             elif found[0] != old or time.monotonic() - since > SAME_SERVER_AFTER:
-                link = ServerLink(*found, self._config, first_id=self._ranges[index][0])
+                first, end = self._ranges[index]
+                link = ServerLink(*found, self._config, first_id=first, end_id=end)
                 try:
                     self.feed.replace(index, link, hello_timeout=HELLO_TIMEOUT)
                 except KSpeedError as exc:

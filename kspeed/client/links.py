@@ -20,9 +20,9 @@ from kspeed.control import rpc
 from kspeed.errors import BusyError
 from kspeed.proto import kspeed_pb2, kspeed_pb2_grpc
 
-__all__ = ["LOOKUP_CHUNK", "PLAN_CHUNK", "Link", "ServerLink"]
+__all__ = ["LOOKUP_CHUNK", "PLAN_CHUNK", "Link", "RemoteSplit", "ServerLink", "ServerPlan"]
 
-LOOKUP_CHUNK = 1 << 16  # IDs per Lookup request (the server accepts up to 1 << 20)
+LOOKUP_CHUNK = 1 << 16  # IDs per Lookup call (the server accepts up to 1 << 20)
 PLAN_CHUNK = 1 << 18  # IDs per PlanChunk (3 MiB per message)
 PLAN_DEADLINE = 120.0  # CommitPlan streams the whole plan; the server returns at once (it produces as it serves)
 BUSY_RETRY_S = 30.0  # how long a lookup or plan is tried again while the server has no stream free
@@ -32,14 +32,42 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class RemoteSplit:
-    """What a plan asks the servers to preprocess: per position ``remote``, the first ``stages``
-    stages of the dataset's pipeline, random ones drawing from ``(seed, epoch, sample, stage)``."""
+    """What a plan asks the servers to preprocess: the first ``stages`` stages of the dataset's
+    pipeline, random ones drawing from ``(seed, epoch, sample, stage)``."""
 
-    remote: np.ndarray
     stages: int
     seed: int
     epoch: int
     skip: bool = False
+
+
+@dataclass(frozen=True)
+class ServerPlan:
+    """The part of an epoch plan one server writes (``PlanChunk`` in ``proto/kspeed.proto``).
+
+    Attributes:
+        feed_epoch: the pass number of the plan.
+        batch_size: samples per batch.
+        count: the whole plan's length (batch ``b`` is positions ``b*batch_size`` on).
+        positions: the plan positions of this server's samples, increasing.
+        ids: their sample IDs.
+        lengths: their lengths in the ring.
+        offsets: their byte offsets within their batch.
+        remote: per sample, whether the server preprocesses it (``None``: none are).
+        split: the server stages for the remote samples.
+        first_batch: the batches before it were delivered already.
+    """
+
+    feed_epoch: int
+    batch_size: int
+    count: int
+    positions: np.ndarray
+    ids: np.ndarray
+    lengths: np.ndarray
+    offsets: np.ndarray
+    remote: np.ndarray | None = None
+    split: RemoteSplit | None = None
+    first_batch: int = 0
 
 
 class Link(Protocol):
@@ -48,6 +76,7 @@ class Link(Protocol):
     server_id: str
     address: str
     first_id: int | None  # the share of the dataset it serves (its first sample); None: the server's only one
+    end_id: int | None  # the end of that share's IDs; None: unknown (every ID is looked up there)
 
     @property
     def name(self) -> str: ...
@@ -56,16 +85,7 @@ class Link(Protocol):
 
     def open_feed(self, request: kspeed_pb2.OpenFeedRequest) -> kspeed_pb2.OpenFeedReply: ...
 
-    def commit_plan(
-        self,
-        feed_id: str,
-        epoch: int,
-        batch_size: int,
-        ids: np.ndarray,
-        lengths: np.ndarray,
-        split: RemoteSplit | None = None,
-        first_batch: int = 0,
-    ) -> kspeed_pb2.PlanReply: ...
+    def commit_plan(self, feed_id: str, plan: ServerPlan) -> kspeed_pb2.PlanReply: ...
 
     def close_feed(self, feed_id: str) -> None: ...
 
@@ -81,12 +101,23 @@ class ServerLink:
         config: credentials and deadlines.
         first_id: the share of the dataset this link serves (its first sample ID): lookups and
             the feed ask for it (a server may hold several shares of a dataset after a failover).
+        end_id: the end of the share's IDs: a plan's lookup sends this server only the IDs in
+            ``[first_id, end_id)``.
     """
 
-    def __init__(self, server_id: str, address: str, config: ClientConfig, *, first_id: int | None = None) -> None:
+    def __init__(
+        self,
+        server_id: str,
+        address: str,
+        config: ClientConfig,
+        *,
+        first_id: int | None = None,
+        end_id: int | None = None,
+    ) -> None:
         self.server_id = server_id
         self.address = address
         self.first_id = first_id
+        self.end_id = end_id
         self._timeout = config.timeout
         self._metadata = rpc.call_metadata(config.security)
         self._channel = rpc.open_channel(address, config.security)
@@ -104,29 +135,21 @@ class ServerLink:
             NotFoundError: the server does not host the dataset or an ID does not exist.
             UnavailableError: the server is unreachable.
         """
-
-        def chunks() -> Iterator[kspeed_pb2.LookupRequest]:
-            for start in range(0, max(len(ids), 1), LOOKUP_CHUNK):
-                chunk = kspeed_pb2.LookupRequest(
-                    dataset=dataset if start == 0 else "", ids=wire.pack_i64(ids[start : start + LOOKUP_CHUNK])
-                )
-                if start == 0 and self.first_id is not None:
-                    chunk.first_id = self.first_id
-                yield chunk
-
         deadline = max(self._timeout, 60.0)
 
-        def call() -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
-            positions, lengths, labels = [], [], []
+        def call(start: int) -> kspeed_pb2.LookupReply:
+            request = kspeed_pb2.LookupRequest(dataset=dataset, ids=wire.pack_i64(ids[start : start + LOOKUP_CHUNK]))
+            if self.first_id is not None:
+                request.first_id = self.first_id
             with rpc.map_rpc_errors(self.name):
-                replies = self._stub.Lookup(chunks(), timeout=deadline, metadata=self._metadata)
-                for start, reply in zip(range(0, max(len(ids), 1), LOOKUP_CHUNK), replies):
-                    positions.append(wire.unpack_u32(reply.positions, f"{self.name}: lookup positions") + start)
-                    lengths.append(wire.unpack_u32(reply.lengths, f"{self.name}: lookup lengths"))
-                    labels.append(wire.unpack_i64(reply.labels, f"{self.name}: lookup labels"))
-            return positions, lengths, labels
+                return self._stub.Lookup(request, timeout=deadline, metadata=self._metadata)
 
-        positions, lengths, labels = _when_not_busy(call)
+        positions, lengths, labels = [], [], []
+        for start in range(0, len(ids), LOOKUP_CHUNK):
+            reply = call(start)
+            positions.append(wire.unpack_u32(reply.positions, f"{self.name}: lookup positions") + start)
+            lengths.append(wire.unpack_u32(reply.lengths, f"{self.name}: lookup lengths"))
+            labels.append(wire.unpack_i64(reply.labels, f"{self.name}: lookup labels"))
         if not positions:
             return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
         return np.concatenate(positions), np.concatenate(lengths), np.concatenate(labels).astype(np.int64)
@@ -138,31 +161,25 @@ class ServerLink:
         with rpc.map_rpc_errors(self.name):
             return self._stub.OpenFeed(request, timeout=max(self._timeout, 30.0), metadata=self._metadata)
 
-    def commit_plan(
-        self,
-        feed_id: str,
-        epoch: int,
-        batch_size: int,
-        ids: np.ndarray,
-        lengths: np.ndarray,
-        split: RemoteSplit | None = None,
-        first_batch: int = 0,
-    ) -> kspeed_pb2.PlanReply:
-        """Hand over an epoch plan (with the positions the server preprocesses; from batch
-        ``first_batch`` on, the ones before were delivered already); returns at once."""
+    def commit_plan(self, feed_id: str, plan: ServerPlan) -> kspeed_pb2.PlanReply:
+        """Hand over this server's part of an epoch plan; returns at once."""
 
         def chunks() -> Iterator[kspeed_pb2.PlanChunk]:
-            for start in range(0, max(len(ids), 1), PLAN_CHUNK):
+            for start in range(0, max(len(plan.ids), 1), PLAN_CHUNK):
+                part = slice(start, start + PLAN_CHUNK)
                 chunk = kspeed_pb2.PlanChunk(
-                    ids=wire.pack_i64(ids[start : start + PLAN_CHUNK]),
-                    lengths=wire.pack_u32(lengths[start : start + PLAN_CHUNK]),
+                    ids=wire.pack_i64(plan.ids[part]),
+                    lengths=wire.pack_u32(plan.lengths[part]),
+                    positions=wire.pack_u32(plan.positions[part]),
+                    offsets=wire.pack_i64(plan.offsets[part]),
                 )
-                if split is not None:
-                    chunk.remote = np.packbits(split.remote[start : start + PLAN_CHUNK]).tobytes()
+                if plan.remote is not None:
+                    chunk.remote = np.packbits(plan.remote[part]).tobytes()
                 if start == 0:
-                    chunk.feed_id, chunk.epoch, chunk.batch_size = feed_id, epoch, batch_size
-                    chunk.first_batch = first_batch
-                    if split is not None:
+                    chunk.feed_id, chunk.epoch, chunk.batch_size = feed_id, plan.feed_epoch, plan.batch_size
+                    chunk.count, chunk.first_batch = plan.count, plan.first_batch
+                    if plan.split is not None:
+                        split = plan.split
                         chunk.server_stages, chunk.seed, chunk.seed_epoch = split.stages, split.seed, split.epoch
                         chunk.skip_failed = split.skip
                 yield chunk

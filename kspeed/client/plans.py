@@ -1,8 +1,10 @@
-"""Epoch plans: broadcast the IDs, learn who owns what and how long it is, commit the plan everywhere.
+"""Epoch plans: ask each server about its IDs, learn their lengths, commit each server its part.
 
 A plan is this rank's ordered IDs for one pass plus what the lookup replies said about them
-(owner, length, label) and the ring layout both sides derive with :func:`kspeed.layout.batch_layout`.
-Every server sees the whole plan, so a grant only names a batch and a range of positions.
+(owner, length, label) and the ring layout :func:`kspeed.layout.batch_layout` makes of them. Each
+server is asked only about the IDs of its share and handed only its part of the plan (positions,
+IDs, lengths, offsets), so its cost of a boundary is its share of the order; a grant only names a
+batch and a range of positions.
 """
 
 from __future__ import annotations
@@ -20,10 +22,19 @@ import numpy as np
 from kspeed.errors import CapacityError, DatasetError, PeerLostError, ProtocolError, UnavailableError
 from kspeed.layout import BatchLayout, batch_layout
 
-from .links import Link, RemoteSplit
+from .links import Link, RemoteSplit, ServerPlan
 from .sampling import EpochOrders
 
-__all__ = ["EpochPlan", "EpochPlanner", "PlanPrep", "check_fits", "make_plan", "reaching", "remote_positions"]
+__all__ = [
+    "EpochPlan",
+    "EpochPlanner",
+    "PlanPrep",
+    "check_fits",
+    "make_plan",
+    "reaching",
+    "remote_positions",
+    "server_plan",
+]
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +120,20 @@ def reaching(link: Link, call: Callable[[], T]) -> T:
 def _lookup_all(
     links: Sequence[Link], dataset: str, ids: np.ndarray, pool: ThreadPoolExecutor | None
 ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Each link's ``(positions in ids, lengths, labels)`` of the IDs it owns.
+
+    A link that knows its share's ID range is asked only about the IDs in it (ownership is
+    contiguous ranges, known from the allocation), so a server's lookup costs its share of the
+    order, not the whole order; one that does not is asked about every ID.
+    """
+
     def one(link: Link) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return reaching(link, lambda: link.lookup(dataset, ids))
+        first, end = link.first_id, link.end_id
+        if first is None or end is None:
+            return reaching(link, lambda: link.lookup(dataset, ids))
+        asked = np.flatnonzero((ids >= first) & (ids < end))
+        positions, lengths, labels = reaching(link, lambda: link.lookup(dataset, ids[asked]))
+        return asked[positions], lengths, labels
 
     if pool is None or len(links) == 1:
         return [one(link) for link in links]
@@ -133,7 +156,7 @@ def make_plan(
     pool: ThreadPoolExecutor | None = None,
     prep: PlanPrep | None = None,
 ) -> EpochPlan:
-    """Look ``ids`` up on every server, check the answers, and commit the plan to every server.
+    """Look ``ids`` up on their servers, check the answers, and commit each server its part of the plan.
 
     Args:
         links: every server of the dataset.
@@ -196,7 +219,7 @@ def make_plan(
         epoch, feed_epoch, ids, lengths, labels, owner, layout, owed, deterministic, remote=remote, lookup_s=lookup_s
     )
     started = time.perf_counter()
-    _commit_all(links, feed_ids, plan, batch_size, pool, prep)
+    _commit_all(list(enumerate(zip(links, feed_ids, strict=True))), plan, batch_size, pool, prep)
     plan.commit_s = time.perf_counter() - started
     log.debug(
         "dataset %s: epoch %d planned as pass %d (%d samples, %d batches)",
@@ -226,28 +249,48 @@ def check_fits(layout: BatchLayout, ring_bytes: int, dataset: str, epoch: int) -
         )
 
 
+def server_plan(
+    plan: EpochPlan, index: int, batch_size: int, prep: PlanPrep | None, first_batch: int = 0
+) -> ServerPlan:
+    """The part of ``plan`` that server ``index`` writes: its positions, IDs, lengths and offsets."""
+    mine = np.flatnonzero(plan.owner == index)
+    remote = plan.remote[mine] if plan.remote is not None else None
+    split = None
+    if remote is not None and prep is not None:
+        split = RemoteSplit(prep.server_stages, prep.seed, plan.epoch, prep.skip)
+    return ServerPlan(
+        feed_epoch=plan.feed_epoch,
+        batch_size=batch_size,
+        count=len(plan.ids),
+        positions=mine,
+        ids=plan.ids[mine],
+        lengths=plan.lengths[mine],
+        offsets=plan.layout.offsets[mine],
+        remote=remote if split is not None else None,
+        split=split,
+        first_batch=first_batch,
+    )
+
+
 def _commit_all(
-    links: Sequence[Link],
-    feed_ids: Sequence[str],
+    targets: Sequence[tuple[int, tuple[Link, str]]],
     plan: EpochPlan,
     batch_size: int,
     pool: ThreadPoolExecutor | None,
     prep: PlanPrep | None,
     first_batch: int = 0,
 ) -> None:
-    args = (plan.feed_epoch, batch_size, plan.ids, plan.lengths)
-    split = None
-    if plan.remote is not None and prep is not None:
-        split = RemoteSplit(plan.remote, prep.server_stages, prep.seed, plan.epoch, prep.skip)
+    """Commit to each ``(owner index, (link, feed id))`` of ``targets`` its part of ``plan``."""
 
-    def one(link: Link, feed_id: str) -> None:
-        reaching(link, lambda: link.commit_plan(feed_id, *args, split, first_batch))
+    def one(index: int, link: Link, feed_id: str) -> None:
+        part = server_plan(plan, index, batch_size, prep, first_batch)
+        reaching(link, lambda: link.commit_plan(feed_id, part))
 
-    if pool is None or len(links) == 1:
-        for link, feed_id in zip(links, feed_ids, strict=True):
-            one(link, feed_id)
+    if pool is None or len(targets) == 1:
+        for index, (link, feed_id) in targets:
+            one(index, link, feed_id)
         return
-    for future in [pool.submit(one, link, feed_id) for link, feed_id in zip(links, feed_ids, strict=True)]:
+    for future in [pool.submit(one, index, link, feed_id) for index, (link, feed_id) in targets]:
         future.result()
 
 
@@ -302,8 +345,8 @@ class EpochPlanner:
     def commit(self, plan: EpochPlan, index: int, first_batch: int = 0) -> None:
         """Commit an existing plan to the server of path ``index`` (one that took a share over),
         from batch ``first_batch`` on (the ones before were delivered)."""
-        link, feed_id = self._links[index], self._feed_ids[index]
-        _commit_all([link], [feed_id], plan, self._batch_size, None, self._prep, first_batch)
+        target = (index, (self._links[index], self._feed_ids[index]))
+        _commit_all([target], plan, self._batch_size, None, self._prep, first_batch)
 
     def __call__(self, epoch: int) -> EpochPlan:
         """Plan ``epoch`` as a new pass (see :func:`make_plan` for what it raises)."""

@@ -1,8 +1,8 @@
 """Keeping a thread-pool gRPC server responsive while streams stay open.
 
 A synchronous gRPC server runs every call on one of its pool's threads, and a streaming call holds
-its thread until the stream ends: twenty idle ``Lookup`` streams on a pool of sixteen starved the
-health checks until the manager called the server suspect. :class:`StreamGuard` is an interceptor
+its thread until the stream ends: twenty idle streams (of ``Lookup``, a stream then) on a pool of
+sixteen starved the health checks until the manager called the server suspect. :class:`StreamGuard` is an interceptor
 that keeps unary calls (health, ``GetInfo``) a share of the pool of their own:
 
 - at most ``limit`` streaming calls at once, and at most ``per_peer`` of them from one address;

@@ -598,7 +598,7 @@ class OpenFeedReply(_message.Message):
     def __init__(self, server_id: _Optional[str] = ..., feeder: _Optional[int] = ...) -> None: ...
 
 class PlanChunk(_message.Message):
-    __slots__ = ("feed_id", "epoch", "batch_size", "ids", "lengths", "remote", "server_stages", "seed", "seed_epoch", "skip_failed", "first_batch")
+    __slots__ = ("feed_id", "epoch", "batch_size", "ids", "lengths", "remote", "server_stages", "seed", "seed_epoch", "skip_failed", "first_batch", "count", "positions", "offsets")
     FEED_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -610,6 +610,9 @@ class PlanChunk(_message.Message):
     SEED_EPOCH_FIELD_NUMBER: _ClassVar[int]
     SKIP_FAILED_FIELD_NUMBER: _ClassVar[int]
     FIRST_BATCH_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
     feed_id: str
     epoch: int
     batch_size: int
@@ -621,7 +624,10 @@ class PlanChunk(_message.Message):
     seed_epoch: int
     skip_failed: bool
     first_batch: int
-    def __init__(self, feed_id: _Optional[str] = ..., epoch: _Optional[int] = ..., batch_size: _Optional[int] = ..., ids: _Optional[bytes] = ..., lengths: _Optional[bytes] = ..., remote: _Optional[bytes] = ..., server_stages: _Optional[int] = ..., seed: _Optional[int] = ..., seed_epoch: _Optional[int] = ..., skip_failed: _Optional[bool] = ..., first_batch: _Optional[int] = ...) -> None: ...
+    count: int
+    positions: bytes
+    offsets: bytes
+    def __init__(self, feed_id: _Optional[str] = ..., epoch: _Optional[int] = ..., batch_size: _Optional[int] = ..., ids: _Optional[bytes] = ..., lengths: _Optional[bytes] = ..., remote: _Optional[bytes] = ..., server_stages: _Optional[int] = ..., seed: _Optional[int] = ..., seed_epoch: _Optional[int] = ..., skip_failed: _Optional[bool] = ..., first_batch: _Optional[int] = ..., count: _Optional[int] = ..., positions: _Optional[bytes] = ..., offsets: _Optional[bytes] = ...) -> None: ...
 
 class PlanReply(_message.Message):
     __slots__ = ("owned", "owned_bytes")

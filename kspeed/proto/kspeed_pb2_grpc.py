@@ -839,7 +839,7 @@ class ServerStub:
                 request_serializer=kspeed__pb2.CheckShareRequest.SerializeToString,
                 response_deserializer=kspeed__pb2.ShareStatus.FromString,
                 _registered_method=True)
-        self.Lookup = channel.stream_stream(
+        self.Lookup = channel.unary_unary(
                 '/kspeed.v1.Server/Lookup',
                 request_serializer=kspeed__pb2.LookupRequest.SerializeToString,
                 response_deserializer=kspeed__pb2.LookupReply.FromString,
@@ -907,8 +907,8 @@ class ServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Lookup(self, request_iterator, context):
-        """The broadcast-reply lookup: one reply per chunk of IDs, in order.
+    def Lookup(self, request, context):
+        """The lookup: which of the IDs this server owns, their lengths and labels.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -974,7 +974,7 @@ def add_ServerServicer_to_server(servicer, server):
                     request_deserializer=kspeed__pb2.CheckShareRequest.FromString,
                     response_serializer=kspeed__pb2.ShareStatus.SerializeToString,
             ),
-            'Lookup': grpc.stream_stream_rpc_method_handler(
+            'Lookup': grpc.unary_unary_rpc_method_handler(
                     servicer.Lookup,
                     request_deserializer=kspeed__pb2.LookupRequest.FromString,
                     response_serializer=kspeed__pb2.LookupReply.SerializeToString,
@@ -1173,7 +1173,7 @@ class Server:
             _registered_method=True)
 
     @staticmethod
-    def Lookup(request_iterator,
+    def Lookup(request,
             target,
             options=(),
             channel_credentials=None,
@@ -1183,8 +1183,8 @@ class Server:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
+        return grpc.experimental.unary_unary(
+            request,
             target,
             '/kspeed.v1.Server/Lookup',
             kspeed__pb2.LookupRequest.SerializeToString,

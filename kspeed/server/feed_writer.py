@@ -57,7 +57,7 @@ class PlanPart:
         positions: sorted plan positions owned by this server.
         ids: per owned position, the sample's ID.
         length: per owned position, the sample's length.
-        dst: per owned position, the sample's offset within its batch (kspeed.layout.batch_layout).
+        dst: per owned position, the sample's offset within its batch (the client's layout).
         region: per owned position, the pool region holding the sample now (-1: not produced yet).
         src: per owned position, the sample's offset in that region.
         ticket: per owned position, the window slot's ticket (0: at home).

@@ -22,7 +22,6 @@ import numpy as np
 from kspeed import errors, names
 from kspeed.control.logs import LogSettings
 from kspeed.errors import CapacityError, ConfigError, DatasetError, NotFoundError, ProtocolError, UnavailableError
-from kspeed.layout import batch_layout
 from kspeed.preprocess.pipeline import STATUS, Pipeline
 from kspeed.proto import kspeed_pb2
 from kspeed.rdma.options import RailOptions
@@ -40,6 +39,28 @@ log = logging.getLogger(__name__)
 COMMAND_TIMEOUT = 30.0
 REMEMBERED_ENDS = 1024  # ended feeds whose reason is kept for later calls about them
 MAX_PLAN = 1 << 28  # samples per plan
+
+
+@dataclass(frozen=True)
+class PlanOffer:
+    """The part of an epoch plan a client hands this server (``PlanChunk``): the plan positions of
+    the samples this share owns, their IDs, lengths and byte offsets within their batch.
+
+    Attributes:
+        count: the whole plan's length.
+        positions: plan positions, increasing.
+        ids: sample IDs.
+        lengths: lengths in the ring.
+        offsets: byte offsets within their batch.
+        processed: per sample, whether it runs the server stages here (``None``: none does).
+    """
+
+    count: int
+    positions: np.ndarray
+    ids: np.ndarray
+    lengths: np.ndarray
+    offsets: np.ndarray
+    processed: np.ndarray | None = None
 
 
 @dataclass
@@ -222,67 +243,82 @@ class FeederPool:
         feed_id: str,
         epoch: int,
         batch_size: int,
-        ids: np.ndarray,
-        lengths: np.ndarray,
+        offer: PlanOffer,
         *,
-        processed: np.ndarray | None = None,
         server_stages: int = 0,
         seed: int = 0,
         seed_epoch: int = 0,
         skip_failed: bool = False,
         first_batch: int = 0,
     ) -> kspeed_pb2.PlanReply:
-        """Install an epoch plan on the feed's feeder; its samples are made resident in plan order.
+        """Install this share's part of an epoch plan on the feed's feeder; its samples are made
+        resident in plan order.
 
         Returns at once: grants are answered as their samples become resident (the preload of
-        the share starts, what the plan needs first). Positions marked ``processed`` are run
+        the share starts, what the plan needs first). Samples marked ``processed`` are run
         through the first ``server_stages`` stages of the dataset's pipeline here (their lengths
         are that stage's declared output). Batches before ``first_batch`` were delivered already
         (the plan is committed again, to a server that took a share over): nothing is produced for them.
 
         Raises:
-            ProtocolError: lengths that disagree with this server's index or the pipeline's
-                declared output, a bad batch size, processed positions without a pipeline.
-            ChangedError: owned samples of the plan changed in the backend since the listing.
+            ProtocolError: a malformed part (positions not increasing or beyond the plan, negative
+                offsets, a sample this share does not own), lengths that disagree with this
+                server's index or the pipeline's declared output, a bad batch size, processed
+                samples without a pipeline.
+            ChangedError: samples of the plan changed in the backend since the listing.
         """
         info = self._feed(feed_id)
+        ids, positions, offsets = offer.ids, offer.positions, offer.offsets
+        n = len(ids)
         if (
             batch_size <= 0
-            or len(ids) != len(lengths)
-            or len(ids) > MAX_PLAN
-            or (processed is not None and len(processed) != len(ids))
+            or not 0 <= offer.count <= MAX_PLAN
+            or len(offer.lengths) != n
+            or len(positions) != n
+            or len(offsets) != n
+            or (offer.processed is not None and len(offer.processed) != n)
         ):
             raise ProtocolError(
-                f"feed {feed_id}: plan of {len(ids)} IDs with {len(lengths)} lengths and batch size "
-                f"{batch_size} is malformed"
+                f"feed {feed_id}: plan part of {n} IDs, {len(offer.lengths)} lengths, {len(positions)} positions "
+                f"and {len(offsets)} offsets, of a plan of {offer.count} with batch size {batch_size}, is malformed"
             )
+        if n and (int(positions[0]) < 0 or int(positions[-1]) >= offer.count or bool((np.diff(positions) <= 0).any())):
+            raise ProtocolError(
+                f"feed {feed_id}: plan positions must increase within the plan's {offer.count} positions"
+            )
+        if n and int(offsets.min()) < 0:
+            raise ProtocolError(f"feed {feed_id}: a plan offset is negative")
         hosted = self._host.get(info.dataset, info.first)
         index = hosted.preloader.index
-        owned = np.flatnonzero(index.owns(ids))
-        owned_ids = ids[owned].astype(np.int64)
+        foreign = np.flatnonzero(~index.owns(ids))
+        if len(foreign):
+            raise ProtocolError(
+                f"feed {feed_id}: sample {int(ids[foreign[0]])} of the plan is not in this share "
+                f"[{index.lo}, {index.hi}) of dataset {info.dataset!r}; look it up again"
+            )
+        owned_ids = ids.astype(np.int64)
         length = index.length[owned_ids - index.lo].astype(np.int64)
-        mine = processed[owned] if processed is not None else None
+        mine = offer.processed
         prep = None
         if mine is not None and mine.any():
             prep = self._prep_spec(info.dataset, hosted.request.spec, server_stages, seed, seed_epoch, skip_failed)
             length[mine] = prep.nbytes
-        wrong = np.flatnonzero(length != lengths[owned])
+        wrong = np.flatnonzero(length != offer.lengths)
         if len(wrong):
             k = int(wrong[0])
             raise ProtocolError(
                 f"feed {feed_id}: sample {int(owned_ids[k])} has length {int(length[k])} here"
                 f"{' after the server stages' if mine is not None and mine[k] else ''}, the plan says "
-                f"{int(lengths[owned][k])}; look it up again"
+                f"{int(offer.lengths[k])}; look it up again"
             )
         hosted.changes.refuse(owned_ids, f"an epoch plan of feed {feed_id} needs")
-        layout = batch_layout(lengths, batch_size)
-        none = np.zeros(len(owned), dtype=np.int64)
+        none = np.zeros(n, dtype=np.int64)
         plan = PlanPart(
-            starts=layout.starts,
-            positions=owned.astype(np.int64),
+            starts=np.append(np.arange(0, offer.count, batch_size, dtype=np.int64), np.int64(offer.count)),
+            positions=positions.astype(np.int64),
             ids=owned_ids,
-            length=length.astype(np.int64),
-            dst=layout.offsets[owned],
+            length=length,
+            dst=offsets.astype(np.int64),
             region=none - 1,
             src=none.copy(),
             ticket=none.copy(),
@@ -293,7 +329,7 @@ class FeederPool:
         except errors.PeerLostError:
             self._feed(feed_id)  # ended meanwhile (its dataset removed)? say so rather than "not connected"
             raise
-        return kspeed_pb2.PlanReply(owned=len(owned), owned_bytes=int(length.sum()))
+        return kspeed_pb2.PlanReply(owned=n, owned_bytes=int(length.sum()))
 
     def _prep_spec(
         self, dataset: str, spec: kspeed_pb2.DatasetSpec, stages: int, seed: int, epoch: int, skip: bool

@@ -13,9 +13,9 @@ from kspeed.control import rpc
 from kspeed.errors import ProtocolError
 from kspeed.proto import kspeed_pb2
 from kspeed.server.datasets import DatasetHost, decode_ids
-from kspeed.server.feeder_pool import FeederPool
+from kspeed.server.feeder_pool import FeederPool, PlanOffer
 
-MAX_LOOKUP_CHUNK = 1 << 20  # IDs per Lookup chunk
+MAX_LOOKUP_CHUNK = 1 << 20  # IDs per Lookup call
 MAX_READ_IDS = 1 << 16  # IDs per Read call
 MAX_READ_BYTES = 64 << 20  # bytes per Read reply (the channels' message limit)
 
@@ -81,21 +81,13 @@ class ServerService:
     ) -> kspeed_pb2.ShareStatus:
         return self._host.check(request.name, int(request.limit))
 
-    def Lookup(
-        self, requests: Iterator[kspeed_pb2.LookupRequest], context: grpc.ServicerContext
-    ) -> Iterator[kspeed_pb2.LookupReply]:
-        name = ""
-        first: int | None = None
-        for chunk in requests:
-            if not name and chunk.HasField("first_id"):
-                first = chunk.first_id
-            name = name or chunk.dataset
-            if not name:
-                raise ProtocolError("Lookup: the first chunk must name the dataset")
-            if len(chunk.ids) > 8 * MAX_LOOKUP_CHUNK:
-                raise ProtocolError(f"Lookup: chunk of {len(chunk.ids) // 8} IDs exceeds {MAX_LOOKUP_CHUNK}")
-            ids = decode_ids(chunk.ids, name, self._host.count(name))
-            yield self._host.lookup(name, ids, first)
+    def Lookup(self, request: kspeed_pb2.LookupRequest, context: grpc.ServicerContext) -> kspeed_pb2.LookupReply:
+        if not request.dataset:
+            raise ProtocolError("Lookup: the request must name the dataset")
+        if len(request.ids) > 8 * MAX_LOOKUP_CHUNK:
+            raise ProtocolError(f"Lookup: {len(request.ids) // 8} IDs exceed {MAX_LOOKUP_CHUNK} per call")
+        ids = decode_ids(request.ids, request.dataset, self._host.count(request.dataset))
+        return self._host.lookup(request.dataset, ids, request.first_id if request.HasField("first_id") else None)
 
     def Read(self, request: kspeed_pb2.ReadRequest, context: grpc.ServicerContext) -> kspeed_pb2.ReadReply:
         if len(request.ids) > 8 * MAX_READ_IDS:
@@ -118,31 +110,45 @@ class ServerService:
         self, requests: Iterator[kspeed_pb2.PlanChunk], context: grpc.ServicerContext
     ) -> kspeed_pb2.PlanReply:
         head = None
-        ids, lengths, remote = [], [], []
+        ids, lengths, positions, offsets, remote = [], [], [], [], []
         for chunk in requests:
             head = head or chunk
-            if len(chunk.ids) % 8 or len(chunk.lengths) % 4 or len(chunk.ids) // 8 != len(chunk.lengths) // 4:
-                raise ProtocolError("CommitPlan: each chunk needs int64 ids and as many uint32 lengths")
             count = len(chunk.ids) // 8
+            if (
+                len(chunk.ids) % 8
+                or len(chunk.lengths) != 4 * count
+                or len(chunk.positions) != 4 * count
+                or len(chunk.offsets) != 8 * count
+            ):
+                raise ProtocolError(
+                    "CommitPlan: each chunk needs int64 ids and as many uint32 lengths, uint32 positions "
+                    "and int64 offsets"
+                )
             if chunk.remote and len(chunk.remote) != (count + 7) // 8:
                 raise ProtocolError(f"CommitPlan: a chunk of {count} IDs needs {(count + 7) // 8} bytes of remote bits")
             ids.append(chunk.ids)
             lengths.append(chunk.lengths)
+            positions.append(chunk.positions)
+            offsets.append(chunk.offsets)
             bits = np.frombuffer(chunk.remote, dtype=np.uint8)
             remote.append(np.unpackbits(bits, count=count).astype(bool) if len(bits) else np.zeros(count, bool))
         if head is None or not head.feed_id:
             raise ProtocolError("CommitPlan: the first chunk must name the feed")
         dataset = self._feeders.dataset_of(head.feed_id)
-        all_ids = decode_ids(b"".join(ids), dataset, self._host.count(dataset))
-        all_lengths = wire.unpack_u32(b"".join(lengths), "CommitPlan: lengths")
         processed = np.concatenate(remote) if remote else np.zeros(0, bool)
+        plan = PlanOffer(
+            count=int(head.count),
+            positions=wire.unpack_u32(b"".join(positions), "CommitPlan: positions"),
+            ids=decode_ids(b"".join(ids), dataset, self._host.count(dataset)),
+            lengths=wire.unpack_u32(b"".join(lengths), "CommitPlan: lengths"),
+            offsets=wire.unpack_i64(b"".join(offsets), "CommitPlan: offsets"),
+            processed=processed if processed.any() else None,
+        )
         return self._feeders.commit_plan(
             head.feed_id,
             head.epoch,
             head.batch_size,
-            all_ids,
-            all_lengths,
-            processed=processed if processed.any() else None,
+            plan,
             server_stages=head.server_stages,
             seed=head.seed,
             seed_epoch=head.seed_epoch,

@@ -18,9 +18,9 @@ import numpy as np
 from kspeed import grants
 from kspeed.client.builder import build_feed
 from kspeed.client.dataset import KSpeedDataset
+from kspeed.client.links import ServerPlan
 from kspeed.config import ClientConfig, load_config
 from kspeed.errors import KSpeedError, NotFoundError, ProtocolError
-from kspeed.layout import batch_layout
 from kspeed.proto import kspeed_pb2
 from kspeed.rdma.base import RegionKey
 from kspeed.rdma.options import RailOptions
@@ -38,6 +38,7 @@ def make_samples(n: int, seed: int = 0, max_size: int = 3000) -> list[bytes]:
 @dataclass
 class _Plan:
     starts: np.ndarray
+    positions: np.ndarray
     offsets: np.ndarray
     ids: np.ndarray
 
@@ -55,6 +56,7 @@ class FakeServer:
     def __init__(self, server_id: str, samples: list[bytes], lo: int, hi: int, *, dataset: str = "fake") -> None:
         self.server_id = server_id
         self.first_id = lo
+        self.end_id = hi
         self.address = "127.0.0.1:1"
         self.name = f"server {server_id} at {self.address}"
         self.dataset = dataset
@@ -71,12 +73,14 @@ class FakeServer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.closed_feeds = 0
+        self.looked_up = 0  # IDs asked about in lookups
 
     # -- control plane ---------------------------------------------------------------------------
 
     def lookup(self, dataset: str, ids: np.ndarray):
         if dataset != self.dataset:
             raise NotFoundError(f"dataset {dataset!r} is not hosted on {self.server_id}")
+        self.looked_up += len(ids)
         mask = (ids >= self.lo) & (ids < self.hi)
         owned = ids[mask]
         lengths = np.array([len(self.samples[i]) for i in owned.tolist()], dtype=np.int64)
@@ -93,14 +97,14 @@ class FakeServer:
         self._thread.start()
         return kspeed_pb2.OpenFeedReply(server_id=self.server_id)
 
-    def commit_plan(
-        self, feed_id: str, epoch: int, batch_size: int, ids: np.ndarray, lengths: np.ndarray, split=None, first_batch=0
-    ):
-        if split is not None:
+    def commit_plan(self, feed_id: str, plan: ServerPlan):
+        if plan.split is not None:
             raise ProtocolError(f"{self.server_id}: this fake server runs no pipeline stages")
-        layout = batch_layout(lengths, batch_size)
-        self.plans[epoch] = _Plan(layout.starts, layout.offsets, np.asarray(ids).copy())
-        return kspeed_pb2.PlanReply()
+        if ((plan.ids < self.lo) | (plan.ids >= self.hi)).any():
+            raise ProtocolError(f"{self.server_id}: a plan names samples outside [{self.lo}, {self.hi})")
+        starts = np.append(np.arange(0, plan.count, plan.batch_size), plan.count)
+        self.plans[plan.feed_epoch] = _Plan(starts, plan.positions.copy(), plan.offsets.copy(), plan.ids.copy())
+        return kspeed_pb2.PlanReply(owned=len(plan.ids))
 
     def close_feed(self, feed_id: str) -> None:
         self.closed_feeds += 1
@@ -157,11 +161,8 @@ class FakeServer:
         base = int(grant["ring_offset"])
         lo = int(plan.starts[batch]) + int(grant["first"])
         hi = min(int(plan.starts[batch]) + int(grant["end"]), int(plan.starts[batch + 1]))
-        ops = [
-            (self.samples[int(plan.ids[p])], base + int(plan.offsets[p]), None)
-            for p in range(lo, hi)
-            if self.lo <= plan.ids[p] < self.hi
-        ]
+        i, j = np.searchsorted(plan.positions, (lo, hi))
+        ops = [(self.samples[int(plan.ids[k])], base + int(plan.offsets[k]), None) for k in range(i, j)]
         if self.stale_first:
             stale = grants.make_tag((self.generation - 2) % 255 + 1, tag & 0xFFFFFF)  # the previous generation
             writer.write(self._key, b"", base, imm=stale)

@@ -58,6 +58,21 @@ def test_user_sampler_with_duplicates_in_one_batch(make_ds, samples):
     assert first.samples[0].data_ptr() != first.samples[1].data_ptr()  # each position has its own bytes
 
 
+def test_each_server_hears_only_its_own_samples(make_ds, samples):
+    # The lookup asks a server only about the IDs of its share, and the plan it is handed holds
+    # only its samples: its cost of a boundary is its share of the order, not the whole order.
+    ds, fakes = make_ds(servers=3, rank=0, world_size=2, seed=3)
+    ds.set_epoch(0)
+    batches = [b.ids.tolist() for b in ds]
+    order = [i for b in batches for i in b]
+    passes = len(fakes[0].plans)  # epoch 0, and epoch 1 planned ahead
+    assert sum(f.looked_up for f in fakes) == passes * len(order) == passes * ds.samples_per_epoch
+    for fake in fakes:
+        plan = fake.plans[1]  # the first pass: epoch 0
+        assert all(fake.lo <= i < fake.hi for i in plan.ids.tolist())
+        assert plan.positions.tolist() == [p for p, i in enumerate(order) if fake.lo <= i < fake.hi]
+
+
 def test_next_epoch_is_granted_before_the_current_one_ends(make_ds):
     ds, fakes = make_ds(ring_bytes=4 << 20)
     ds.set_epoch(0)

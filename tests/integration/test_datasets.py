@@ -56,15 +56,10 @@ def broadcast_lookup(stubs, name, ids, chunk=97):
     """Send the epoch's IDs in chunks to every server; return {server: (positions, lengths, labels)}."""
     out = {}
     for sid, stub in stubs.items():
-
-        def chunks():
-            for start in range(0, len(ids), chunk):
-                yield kspeed_pb2.LookupRequest(
-                    dataset=name if start == 0 else "", ids=ids[start : start + chunk].astype("<i8").tobytes()
-                )
-
         positions, lengths, labels = [], [], []
-        for start, reply in zip(range(0, len(ids), chunk), stub.Lookup(chunks(), timeout=30)):
+        for start in range(0, len(ids), chunk):
+            request = kspeed_pb2.LookupRequest(dataset=name, ids=ids[start : start + chunk].astype("<i8").tobytes())
+            reply = stub.Lookup(request, timeout=30)
             positions.append(np.frombuffer(reply.positions, "<u4").astype(np.int64) + start)
             lengths.append(np.frombuffer(reply.lengths, "<u4"))
             labels.append(np.frombuffer(reply.labels, "<i8"))
@@ -183,11 +178,7 @@ def test_bad_input_is_named_and_changes_nothing(data_cluster, tmp_path):
             stub.Read(kspeed_pb2.ReadRequest(dataset="ok", ids=np.array([len(files)], "<i8").tobytes()), timeout=5)
         assert exc.value.code() == grpc.StatusCode.NOT_FOUND and f"sample {len(files)}" in exc.value.details()
         with pytest.raises(grpc.RpcError) as exc:
-            list(
-                stub.Lookup(
-                    iter([kspeed_pb2.LookupRequest(dataset="ok", ids=np.array([-1], "<i8").tobytes())]), timeout=5
-                )
-            )
+            stub.Lookup(kspeed_pb2.LookupRequest(dataset="ok", ids=np.array([-1], "<i8").tobytes()), timeout=5)
         assert exc.value.code() == grpc.StatusCode.NOT_FOUND and "'ok'" in exc.value.details()
         # A name that could not be a dataset's is refused as such before it reaches a log line.
         for call, request in (

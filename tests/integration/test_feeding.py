@@ -37,18 +37,25 @@ def loaded(cluster_factory, tmp_path):
     return cluster, info, files
 
 
-def commit(stub, feed_id, epoch, batch_size, ids, lengths):
-    chunks = [
-        kspeed_pb2.PlanChunk(
-            feed_id=feed_id,
-            epoch=epoch,
-            batch_size=batch_size,
-            ids=ids[:50].astype("<i8").tobytes(),
-            lengths=lengths[:50].astype("<u4").tobytes(),
-        ),
-        kspeed_pb2.PlanChunk(ids=ids[50:].astype("<i8").tobytes(), lengths=lengths[50:].astype("<u4").tobytes()),
-    ]
-    return stub.CommitPlan(iter(chunks), timeout=60)
+def commit(stub, feed_id, epoch, batch_size, ids, lengths, mine=None, *, positions=None):
+    """Commit a server's part of the plan ``ids``/``lengths``: the positions ``mine`` (default:
+    all), in two chunks; ``positions`` replaces the positions sent (to send wrong ones)."""
+    layout = batch_layout(lengths, batch_size)
+    mine = np.arange(len(ids)) if mine is None else np.array(sorted(mine), dtype=np.int64)
+    sent = mine if positions is None else np.asarray(positions)
+
+    def chunk(part, **head):
+        p = mine[part]
+        return kspeed_pb2.PlanChunk(
+            ids=ids[p].astype("<i8").tobytes(),
+            lengths=lengths[p].astype("<u4").tobytes(),
+            positions=sent[part].astype("<u4").tobytes(),
+            offsets=layout.offsets[p].astype("<i8").tobytes(),
+            **head,
+        )
+
+    head = dict(feed_id=feed_id, epoch=epoch, batch_size=batch_size, count=len(ids))
+    return stub.CommitPlan(iter([chunk(slice(0, 50), **head), chunk(slice(50, None))]), timeout=60)
 
 
 @pytest.mark.parametrize("rail", available_rails())
@@ -91,7 +98,7 @@ def test_grants_land_byte_exact(loaded, rail):
             lengths[pos] = lens
             owners[sid] = set(pos.tolist())
         for sid, stub in stubs.items():
-            reply = commit(stub, "rank0", 0, 16, ids, lengths)
+            reply = commit(stub, "rank0", 0, 16, ids, lengths, owners[sid])
             assert reply.owned == len(owners[sid])
 
         layout = batch_layout(lengths, 16)
@@ -191,6 +198,17 @@ def test_feed_errors_are_named(loaded):
         with pytest.raises(grpc.RpcError) as exc:
             commit(stub, "r1", 0, 4, np.arange(share.first_id, share.first_id + 4), wrong)
         assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "length" in exc.value.details()
+        # A part of a plan names only this share's samples, at increasing positions within the plan.
+        mine = np.arange(share.first_id, share.first_id + 4)
+        lengths = broadcast_lookup({share.server_id: stub}, "feed", mine)[share.server_id][1]
+        for ids, positions, needle in (
+            (np.append(mine[:3], share.end_id), None, f"sample {share.end_id} of the plan is not in this share"),
+            (mine, [0, 2, 1, 3], "positions must increase"),
+            (mine, [0, 1, 2, 4], "positions must increase within the plan's 4 positions"),
+        ):
+            with pytest.raises(grpc.RpcError) as exc:
+                commit(stub, "r1", 0, 4, ids, lengths, positions=positions)
+            assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in exc.value.details()
         # A grant for an epoch without a plan is answered with ERROR, not silence.
         receiver.poll(1.0)
         conn = next(iter(receiver.connections))
