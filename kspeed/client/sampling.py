@@ -17,15 +17,36 @@ import copy
 from collections.abc import Iterable, Mapping
 
 import numpy as np
+import torch
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, Dataset, DistributedSampler, SequentialSampler
 
 from kspeed.config import launcher_environment
 from kspeed.errors import ConfigError, DatasetError
 
-__all__ = ["EpochOrders", "job_rank"]
+__all__ = ["EpochOrders", "distributed_order", "job_rank"]
 
 _DETERMINISTIC = (DistributedSampler, SequentialSampler)
+
+
+def distributed_order(sampler: DistributedSampler) -> np.ndarray:
+    """What ``iter(sampler)`` yields, as one int64 array: ``DistributedSampler.__iter__`` done with
+    array operations. Iterating the sampler turns a permutation of the *whole* dataset into Python
+    ints on every rank every epoch (~50 bytes and ~0.1 us per sample: 5 GB per rank at 10^8
+    samples); this keeps 8 bytes per sample and the same order."""
+    n = len(sampler.dataset)  # type: ignore[arg-type]
+    if sampler.shuffle:
+        generator = torch.Generator()
+        generator.manual_seed(sampler.seed + sampler.epoch)
+        indices = torch.randperm(n, generator=generator).numpy()
+    else:
+        indices = np.arange(n, dtype=np.int64)
+    total = sampler.total_size
+    if sampler.drop_last:
+        indices = indices[:total]
+    elif total > n and n:
+        indices = np.concatenate([indices, np.resize(indices, total - n)])  # repeated from the start
+    return np.ascontiguousarray(indices[sampler.rank : total : sampler.num_replicas], dtype=np.int64)
 
 
 class _IdRange(Dataset[int]):
@@ -189,7 +210,10 @@ class EpochOrders:
         else:
             sampler = self.sampler
         try:
-            ids = np.fromiter((int(i) for i in sampler), dtype=np.int64)
+            if isinstance(sampler, DistributedSampler) and type(sampler).__iter__ is DistributedSampler.__iter__:
+                ids = distributed_order(sampler)
+            else:
+                ids = np.fromiter((int(i) for i in sampler), dtype=np.int64)
         except (TypeError, ValueError) as exc:
             raise ConfigError(
                 f"sampler {self.identity} must yield one sample ID at a time ({exc}); for a sampler of batches, "

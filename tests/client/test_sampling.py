@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
-from kspeed.client.sampling import EpochOrders
+from kspeed.client.sampling import EpochOrders, distributed_order
 from kspeed.errors import ConfigError, DatasetError
 
 N = 103
@@ -89,3 +89,19 @@ def test_bad_samplers_are_named():
         orders([1, 2, N]).order(0)
     with pytest.raises(ConfigError, match="has no len"):
         orders(iter(np.arange(3))).num_batches()
+
+
+@pytest.mark.parametrize(
+    ("n", "world", "shuffle", "drop_last"),
+    [(203, 1, True, False), (203, 4, True, False), (203, 4, True, True), (10, 7, False, False), (3, 8, True, False)],
+)
+def test_the_distributed_order_is_the_samplers_own(n, world, shuffle, drop_last):
+    # The built-in sampler's order is computed with array operations; it must be exactly what
+    # iterating DistributedSampler yields, padding (even beyond the dataset) included.
+    for rank in range(world):
+        sampler = DistributedSampler(
+            range(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=5, drop_last=drop_last
+        )
+        for epoch in (0, 3):
+            sampler.set_epoch(epoch)
+            assert distributed_order(sampler).tolist() == list(sampler)
