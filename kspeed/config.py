@@ -509,7 +509,7 @@ class ServerConfig(DaemonConfig):
     )
     rpc_threads: int = option(
         64,
-        "threads serving gRPC calls; streams (epoch plans) get all but 8, kept for health and info "
+        "threads serving gRPC calls; streams (plans too large for one message) get all but 8, kept for health and info "
         "calls, and one caller at most half",
         parse=_parse_int,
         env="KSPEED_RPC_THREADS",

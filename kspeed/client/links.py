@@ -23,7 +23,7 @@ from kspeed.proto import kspeed_pb2, kspeed_pb2_grpc
 __all__ = ["LOOKUP_CHUNK", "PLAN_CHUNK", "Link", "RemoteSplit", "ServerLink", "ServerPlan"]
 
 LOOKUP_CHUNK = 1 << 16  # IDs per Lookup call (the server accepts up to 1 << 20)
-PLAN_CHUNK = 1 << 18  # IDs per PlanChunk (3 MiB per message)
+PLAN_CHUNK = 1 << 18  # IDs per PlanChunk (6 MiB per message); a larger plan part is streamed
 PLAN_DEADLINE = 120.0  # CommitPlan streams the whole plan; the server returns at once (it produces as it serves)
 BUSY_RETRY_S = 30.0  # how long a lookup or plan is tried again while the server has no stream free
 
@@ -186,7 +186,9 @@ class ServerLink:
 
         def call() -> kspeed_pb2.PlanReply:
             with rpc.map_rpc_errors(self.name):
-                return self._stub.CommitPlan(chunks(), timeout=PLAN_DEADLINE, metadata=self._metadata)
+                if len(plan.ids) <= PLAN_CHUNK:  # one message: a unary call, no stream slot held
+                    return self._stub.CommitPlan(next(chunks()), timeout=PLAN_DEADLINE, metadata=self._metadata)
+                return self._stub.StreamPlan(chunks(), timeout=PLAN_DEADLINE, metadata=self._metadata)
 
         return _when_not_busy(call)
 

@@ -854,8 +854,13 @@ class ServerStub:
                 request_serializer=kspeed__pb2.OpenFeedRequest.SerializeToString,
                 response_deserializer=kspeed__pb2.OpenFeedReply.FromString,
                 _registered_method=True)
-        self.CommitPlan = channel.stream_unary(
+        self.CommitPlan = channel.unary_unary(
                 '/kspeed.v1.Server/CommitPlan',
+                request_serializer=kspeed__pb2.PlanChunk.SerializeToString,
+                response_deserializer=kspeed__pb2.PlanReply.FromString,
+                _registered_method=True)
+        self.StreamPlan = channel.stream_unary(
+                '/kspeed.v1.Server/StreamPlan',
                 request_serializer=kspeed__pb2.PlanChunk.SerializeToString,
                 response_deserializer=kspeed__pb2.PlanReply.FromString,
                 _registered_method=True)
@@ -928,8 +933,17 @@ class ServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def CommitPlan(self, request_iterator, context):
-        """Hand over an epoch plan; returns once the server holds every sample it owns in the plan.
+    def CommitPlan(self, request, context):
+        """Hand over this server's part of an epoch plan in one message (a unary call: at an epoch
+        boundary every rank commits to every server at once, and streams hold a server thread each);
+        returns at once, the server producing as it serves.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StreamPlan(self, request_iterator, context):
+        """A plan part too large for one message (over 1 << 18 samples), in chunks.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -989,8 +1003,13 @@ def add_ServerServicer_to_server(servicer, server):
                     request_deserializer=kspeed__pb2.OpenFeedRequest.FromString,
                     response_serializer=kspeed__pb2.OpenFeedReply.SerializeToString,
             ),
-            'CommitPlan': grpc.stream_unary_rpc_method_handler(
+            'CommitPlan': grpc.unary_unary_rpc_method_handler(
                     servicer.CommitPlan,
+                    request_deserializer=kspeed__pb2.PlanChunk.FromString,
+                    response_serializer=kspeed__pb2.PlanReply.SerializeToString,
+            ),
+            'StreamPlan': grpc.stream_unary_rpc_method_handler(
+                    servicer.StreamPlan,
                     request_deserializer=kspeed__pb2.PlanChunk.FromString,
                     response_serializer=kspeed__pb2.PlanReply.SerializeToString,
             ),
@@ -1254,7 +1273,34 @@ class Server:
             _registered_method=True)
 
     @staticmethod
-    def CommitPlan(request_iterator,
+    def CommitPlan(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kspeed.v1.Server/CommitPlan',
+            kspeed__pb2.PlanChunk.SerializeToString,
+            kspeed__pb2.PlanReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamPlan(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -1267,7 +1313,7 @@ class Server:
         return grpc.experimental.stream_unary(
             request_iterator,
             target,
-            '/kspeed.v1.Server/CommitPlan',
+            '/kspeed.v1.Server/StreamPlan',
             kspeed__pb2.PlanChunk.SerializeToString,
             kspeed__pb2.PlanReply.FromString,
             options,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import grpc
 import numpy as np
@@ -106,9 +106,16 @@ class ServerService:
         reply.server_id = self._id
         return reply
 
-    def CommitPlan(
+    def CommitPlan(self, request: kspeed_pb2.PlanChunk, context: grpc.ServicerContext) -> kspeed_pb2.PlanReply:
+        return self._commit([request])
+
+    def StreamPlan(
         self, requests: Iterator[kspeed_pb2.PlanChunk], context: grpc.ServicerContext
     ) -> kspeed_pb2.PlanReply:
+        return self._commit(requests)
+
+    def _commit(self, requests: Iterable[kspeed_pb2.PlanChunk]) -> kspeed_pb2.PlanReply:
+        """Install the plan part of ``requests`` (one message, or the chunks of a stream)."""
         head = None
         ids, lengths, positions, offsets, remote = [], [], [], [], []
         for chunk in requests:

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from kspeed import DatasetSpec, KSpeedClient
 from kspeed.cli.cluster import wait_for
+from kspeed.client import links
 from kspeed.client.stats import PrometheusCollector
 from kspeed.config import ClientConfig, load_config
 from kspeed.errors import (
@@ -23,6 +24,7 @@ from kspeed.errors import (
     StateError,
     UnavailableError,
 )
+from kspeed.proto import kspeed_pb2_grpc
 from kspeed.rdma.rails import available_rails
 from tests.integration.test_datasets import make_tree
 
@@ -58,6 +60,32 @@ def loader_order(n, world, rank, shuffle, seed, drop_last, epoch, batch_size):
     sampler = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=seed)
     sampler.set_epoch(epoch)
     return [b.tolist() for b in DataLoader(range(n), sampler=sampler, batch_size=batch_size, drop_last=drop_last)]
+
+
+def test_a_plan_part_larger_than_one_message_is_streamed(fed, monkeypatch):
+    # A server's part of a plan goes in one unary CommitPlan when it fits one message, in a
+    # StreamPlan of chunks when it does not; both deliver the same epoch.
+    _, client, files, spec = fed
+    keys = list(files)
+    streamed = []
+    stream = kspeed_pb2_grpc.ServerStub.__init__
+
+    def counting(self, channel):
+        stream(self, channel)
+        original = self.StreamPlan
+        self.StreamPlan = lambda chunks, **kw: (streamed.append(1), original(chunks, **kw))[1]
+
+    monkeypatch.setattr(kspeed_pb2_grpc.ServerStub, "__init__", counting)
+    for chunk in (links.PLAN_CHUNK, 7):
+        monkeypatch.setattr(links, "PLAN_CHUNK", chunk)
+        ds = client.dataset(spec, batch_size=16, seed=1, ring_bytes=8 << 20, quiet=True)
+        got = []
+        for batch in ds:
+            check(batch, files, keys)
+            got.append(batch.ids.tolist())
+        assert got == loader_order(len(files), 1, 0, True, 1, False, 0, 16)
+        assert bool(streamed) == (chunk == 7)
+        ds.close()
 
 
 @pytest.mark.parametrize("rail", available_rails())

@@ -126,11 +126,11 @@ def test_idle_streams_cannot_starve_health_and_info_calls(cluster_factory):
     health = health_pb2_grpc.HealthStub(channel)
     never = threading.Event()
 
-    def silent():  # a CommitPlan stream that never sends a chunk
+    def silent():  # a StreamPlan stream that never sends a chunk
         never.wait()
         yield from ()
 
-    calls = [stub.CommitPlan.future(silent(), timeout=60) for _ in range(20)]
+    calls = [stub.StreamPlan.future(silent(), timeout=60) for _ in range(20)]
     try:
         # 16 threads: 8 for streams, 4 of them for one caller; the other 16 streams are refused at once.
         wait_for(lambda: sum(c.done() for c in calls) >= 16, 5, "the streams past the limits refused")

@@ -55,7 +55,9 @@ def commit(stub, feed_id, epoch, batch_size, ids, lengths, mine=None, *, positio
         )
 
     head = dict(feed_id=feed_id, epoch=epoch, batch_size=batch_size, count=len(ids))
-    return stub.CommitPlan(iter([chunk(slice(0, 50), **head), chunk(slice(50, None))]), timeout=60)
+    if len(mine) <= 50:  # one message
+        return stub.CommitPlan(chunk(slice(None), **head), timeout=60)
+    return stub.StreamPlan(iter([chunk(slice(0, 50), **head), chunk(slice(50, None))]), timeout=60)
 
 
 @pytest.mark.parametrize("rail", available_rails())
