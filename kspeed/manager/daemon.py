@@ -134,13 +134,25 @@ class Manager:
                 await asyncio.wait_for(self._stopping.wait(), timeout=period)
 
     async def _probe_loop(self) -> None:
-        """Check ``grpc.health.v1`` of every live server, in parallel, every probe interval."""
+        """Check ``grpc.health.v1`` of every live server once per probe interval, the probes spread
+        evenly over it (one burst of a thousand probes delayed the heartbeats behind it and could
+        time probes out)."""
         while not self._stopping.is_set():
+            started = time.monotonic()
             targets = self.membership.probe_targets()
             await self.calls.forget({address for _, address, _ in targets})
-            await asyncio.gather(*(self._probe(sid, address, inc) for sid, address, inc in targets))
+            spacing = self.config.probe_interval / max(len(targets), 1)
+            await asyncio.gather(*(self._probe_at(started + k * spacing, *target) for k, target in enumerate(targets)))
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), timeout=self.config.probe_interval)
+                left = self.config.probe_interval - (time.monotonic() - started)
+                await asyncio.wait_for(self._stopping.wait(), timeout=max(left, 0.0))
+
+    async def _probe_at(self, when: float, server_id: str, address: str, incarnation: int) -> None:
+        """Probe one server at ``when`` (monotonic), unless the daemon stops first."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), timeout=max(when - time.monotonic(), 0.0))
+        if not self._stopping.is_set():
+            await self._probe(server_id, address, incarnation)
 
     def _on_membership(self, record: kspeed_pb2.ServerRecord, revision: int) -> None:
         """Probe a server that just registered at once, so it is READY without waiting for the next

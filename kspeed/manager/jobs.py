@@ -71,12 +71,19 @@ class JobBoard:
         kept = kspeed_pb2.RankStats()
         kept.CopyFrom(stats)
         kept.report_unix = self._wall()
-        self._reports[(stats.job, stats.rank, stats.dataset)] = kept
+        key = (stats.job, stats.rank, stats.dataset)
+        self._reports.pop(key, None)  # to the end: the dict stays in the order of the reports' arrival
+        self._reports[key] = kept
         self._expire()
 
     def _expire(self) -> None:
+        """Forget the reports older than the TTL: the oldest are first, so this looks only at the
+        expired ones and one more (scanning every report on every report was quadratic in ranks)."""
         cutoff = self._wall() - self._ttl
-        for key in [k for k, v in self._reports.items() if v.report_unix < cutoff]:
+        while self._reports:
+            key, oldest = next(iter(self._reports.items()))
+            if oldest.report_unix >= cutoff:
+                return
             del self._reports[key]
 
     def jobs(self) -> list[str]:

@@ -56,6 +56,23 @@ def test_latest_report_wins_and_silent_ranks_expire():
         board.job("train")
 
 
+def test_expiry_keeps_every_fresh_report():
+    # Reports are kept in the order they arrived and expiry stops at the first fresh one (it no
+    # longer scans every report on every report): a rank that reported early and again late must
+    # survive the expiry of the ones that arrived in between.
+    clock = Clock()
+    board = JobBoard(wall=clock, ttl=30)
+    for rank in range(4):  # at 1000, 1005, 1010, 1015
+        board.report(report(rank, 1.0))
+        clock.now += 5
+    board.report(report(0, 2.0))  # rank 0 again at 1020, now the freshest
+    clock.now += 21  # 1041: ranks 1 and 2 are older than 30 s; rank 3 and rank 0 are not
+    board.report(report(1, 3.0, job="other"))
+    assert [(r.rank, r.wait_mean_ms) for r in board.job("train").ranks] == [(0, 2.0), (3, 1.0)]
+    clock.now += 5  # 1046: rank 3 (1015) expires, rank 0 (1020) and the other job (1041) stay
+    assert board.jobs() == ["other", "train"] and [r.rank for r in board.job("train").ranks] == [0]
+
+
 @pytest.mark.parametrize(
     "bad",
     [
