@@ -478,7 +478,9 @@ def measure(args) -> dict:
     }
 
 
-def charts(result: dict, outdir: str) -> list[str]:
+def charts(result: dict, outdir: str, before: dict | None = None) -> list[str]:
+    """``plan_ranks.png``, ``plan_servers.png`` (boundary latency and the servers' CPU; a run of
+    the code before the plan changes, when given, dashed beside) and ``plan_resources.png``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -489,22 +491,26 @@ def charts(result: dict, outdir: str) -> list[str]:
         rows = result.get(key) or []
         if not rows:
             continue
+        old = (before or {}).get(key) or []
         x = [r[axis] for r in rows]
         fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-        left.plot(x, [r["plan_s_max"] for r in rows], "o-", label="plan (slowest rank)")
-        left.plot(x, [r["lookup_s_max"] for r in rows], "s--", label="lookup (slowest rank)")
-        left.plot(x, [r["commit_s_max"] for r in rows], "^--", label="commit (slowest rank)")
+        left.plot(x, [r["plan_s_max"] for r in rows], "o-", label="plan, slowest rank")
+        left.plot(x, [r["lookup_s_max"] for r in rows], "s:", label="lookup, slowest rank")
+        left.plot(x, [r["commit_s_max"] for r in rows], "^:", label="commit, slowest rank")
+        right.plot(x, [r["server_cpu_s_mean"] for r in rows], "o-", label="CPU s per server")
+        if old:
+            ox = [r[axis] for r in old]
+            left.plot(ox, [r["plan_s_max"] for r in old], "x--", color="grey", label="plan, before")
+            right.plot(ox, [r["server_cpu_s_mean"] for r in old], "x--", color="grey", label="per server, before")
         left.set_xlabel(axis)
         left.set_ylabel("seconds")
         left.set_xscale("log", base=2)
         left.set_title(f"epoch-boundary plan, {result['samples']:,} samples")
-        left.legend()
-        right.plot(x, [r["server_cpu_s_mean"] for r in rows], "o-", label="CPU s per server")
-        right.plot(x, [r["servers_cpu_s"] for r in rows], "s--", label="CPU s, all servers")
+        left.legend(fontsize=8)
         right.set_xlabel(axis)
-        right.set_ylabel("CPU seconds per boundary")
+        right.set_ylabel("server CPU seconds per boundary")
         right.set_xscale("log", base=2)
-        right.legend()
+        right.legend(fontsize=8)
         fig.tight_layout()
         path = os.path.join(outdir, f"plan_{axis}.png")
         fig.savefig(path, dpi=110)

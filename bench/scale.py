@@ -47,6 +47,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the figures here (merged into an existing document)")
     parser.add_argument("--charts", default="", help="write the PNG curves into this directory")
+    parser.add_argument(
+        "--as",
+        dest="key",
+        default="",
+        help="keep the figures under this key instead of the part's name (e.g. plan_before, for a run of "
+        "the code before a change: its curves are drawn beside the part's own)",
+    )
     sub = parser.add_subparsers(dest="part", required=True)
     for part in PARTS:
         module = _module(part)
@@ -73,10 +80,10 @@ def main(argv: list[str] | None = None) -> None:
         result = module.measure(part_args)
         result["wall_s"] = round(time.time() - started, 1)
         result["when"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-        doc[part] = result
-        if args.charts:
+        doc[args.key or part] = result
+        if args.charts and part in doc:
             os.makedirs(args.charts, exist_ok=True)
-            for path in module.charts(result, args.charts):
+            for path in module.charts(doc[part], args.charts, before=doc.get(f"{part}_before")):
                 print(f"chart: {path}", flush=True)
         if args.json:  # after every part, so a later failure keeps the earlier figures
             write_json(args.json, doc)
