@@ -8,8 +8,9 @@ hides another's) from synthetic ImageNet-like sizes (lognormal, ~110 KB mean):
   status, the scrub and the index save cost per sample;
 - ``listing``: :func:`~kspeed.server.sources.open_source` of a ``manifest`` (``key size`` per line,
   written to a temporary directory), which every server holding a share keeps for the WHOLE dataset;
-- ``describe``: the ``DescribeDataset`` reply (8 bytes per sample) against the gRPC limits of the
-  manager's channels, and :func:`~kspeed.manager.allocator.allocate` over it;
+- ``describe``: the ``DescribeDataset`` reply (the lister's region layout, 16 bytes per region)
+  against the gRPC limits of the manager's channels, and
+  :func:`~kspeed.manager.allocator.allocate_regions` over it;
 - ``plan``: a rank's :class:`~kspeed.client.plans.EpochPlan` for its share of an epoch, and
   ``order``: the built-in ``DistributedSampler`` order it is made from.
 
@@ -70,8 +71,8 @@ SITES = {
     "manager_describe": ("kspeed/manager/datasets.py", '"DescribeDataset", spec)'),
     "manager_verify_describe": ("kspeed/manager/datasets.py", '"DescribeDataset", info.spec)'),
     "server_send_limit": ("kspeed/control/rpc.py", '("grpc.max_send_message_length", 256 * 1024**2)'),
-    "describe_sizes": ("proto/kspeed.proto", "bytes sizes = 2;"),
-    "server_describe": ("kspeed/server/datasets.py", "sizes=wire.pack_i64(source.sizes)"),
+    "describe_layout": ("proto/kspeed.proto", "bytes region_starts = 5;"),
+    "server_describe": ("kspeed/server/datasets.py", "region_starts=wire.pack_i64(starts),"),
     "listing_per_share": ("kspeed/server/datasets.py", "source = self._open(request.spec)"),
     "index_offset": (
         "kspeed/server/index.py",
@@ -156,7 +157,7 @@ def measure(args) -> dict:
                 rows.append(_run_part(part, n, rows, budget, common, scratch))
             _extrapolate(rows)
             result["rows"][part] = rows
-        result["limits"] = _worker("limit", {**common, "check": not args.no_grpc_check}, timeout=600)
+        result["limits"] = _worker("limit", {**common, "sizes": sizes, "check": not args.no_grpc_check}, timeout=600)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     result["sites"] = {name: _site(path, text) for name, (path, text) in SITES.items()}
@@ -304,7 +305,6 @@ def _packing(per_sample: dict) -> dict:
         "plan.lengths": ("int64 -> uint32 (as on the wire)", 4),
         "plan.labels": ("int64 -> int32 (int16 below 32768 classes)", 4),
         "plan.offsets": ("int64 -> uint32: an offset inside a batch < ring bytes", 4),
-        "describe.sizes": ("int64 -> uint32 on the wire, or per-region counts instead of per-sample sizes", 4),
     }
     out = {}
     for name, (how, saves) in ideas.items():
@@ -664,37 +664,54 @@ def _work_listing(p: dict) -> dict:
     return meter.report(row)
 
 
-def _describe_reply(sizes: bytes, count: int, total: int, classes: int):
-    """A ``DescribeDatasetReply`` as :meth:`DatasetHost.describe` builds it (packed sizes, a sha256 digest)."""
+def _layout(sizes: np.ndarray, region_size: int, name: str = "bench") -> tuple[np.ndarray, np.ndarray]:
+    """Where each region starts and the bytes in it, as :meth:`DatasetHost.describe` lays the samples out."""
+    from kspeed.layout import region_bounds
+
+    starts = region_bounds(sizes, region_size, dataset=name)
+    cum = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
+    return starts, cum[starts[1:]] - cum[starts[:-1]]
+
+
+def _describe_reply(starts: np.ndarray, region_bytes: np.ndarray, region_size: int, total: int, classes: int):
+    """A ``DescribeDatasetReply`` as :meth:`DatasetHost.describe` builds it (the region layout, a sha256 digest)."""
+    from kspeed import wire
     from kspeed.proto import kspeed_pb2
 
     return kspeed_pb2.DescribeDatasetReply(
-        fingerprint=kspeed_pb2.Fingerprint(count=count, total_bytes=total, digest="0" * 64),
-        sizes=sizes,
+        fingerprint=kspeed_pb2.Fingerprint(count=int(starts[-1]), total_bytes=total, digest="0" * 64),
         class_names=[f"n{WNID_BASE + c * WNID_STEP:08d}" for c in range(classes)],
+        region_size=region_size,
+        region_starts=wire.pack_i64(starts),
+        region_bytes=wire.pack_i64(region_bytes),
     )
 
 
 def _work_describe(p: dict) -> dict:
     from kspeed import wire
-    from kspeed.manager.allocator import ServerCapacity, allocate
+    from kspeed.manager.allocator import ServerCapacity, allocate_regions
     from kspeed.proto import kspeed_pb2
 
     n, region_size, servers = p["n"], p["region_size"], p["servers"]
     sizes = synthetic_sizes(n, p["mean_size"])
     meter = _Meter()
-    data, pack_s, _, pack_peak = meter.phase(
-        lambda: _describe_reply(wire.pack_i64(sizes), n, int(sizes.sum()), p["classes"]).SerializeToString()
-    )
+
+    def pack() -> bytes:  # what the lister does: lay the samples out in regions, one entry per region
+        starts, region_bytes = _layout(sizes, region_size)
+        return _describe_reply(starts, region_bytes, region_size, int(sizes.sum()), p["classes"]).SerializeToString()
+
+    data, pack_s, _, pack_peak = meter.phase(pack)
     free = 2 * (-(-int(sizes.sum()) // region_size) // servers) + 2
 
-    def parse() -> np.ndarray:  # what the manager's _allocate does with the reply
+    def parse() -> tuple[np.ndarray, np.ndarray]:  # what the manager's _allocate does with the reply
         reply = kspeed_pb2.DescribeDatasetReply.FromString(data)
-        return wire.unpack_i64(reply.sizes, "sizes")
+        return wire.unpack_i64(reply.region_starts, "starts"), wire.unpack_i64(reply.region_bytes, "bytes")
 
-    got, parse_s, _, parse_peak = meter.phase(parse)
+    (starts, region_bytes), parse_s, _, parse_peak = meter.phase(parse)
     capacities = [ServerCapacity(f"server-{k:03d}", free) for k in range(servers)]
-    allocation, alloc_s, _, alloc_peak = meter.phase(lambda: allocate("bench", got, region_size, capacities))
+    allocation, alloc_s, _, alloc_peak = meter.phase(
+        lambda: allocate_regions("bench", starts, region_bytes, region_size, capacities)
+    )
     return meter.report(
         {
             "bytes": len(data),
@@ -807,25 +824,19 @@ def _work_order(p: dict) -> dict:
 
 
 def _work_limit(p: dict) -> dict:
-    """The gRPC limits a DescribeDataset reply meets, the sample counts that break them, and a real check."""
+    """The gRPC limits a DescribeDataset reply meets (16 bytes per region, none per sample), the
+    dataset sizes that would break them, and a real call of the largest size measured."""
     from kspeed.config import ManagerConfig, ServerConfig
     from kspeed.control import rpc
 
     receive = dict(rpc.channel_options())["grpc.max_receive_message_length"]
     send = dict(rpc.server_options(ServerConfig().max_request_bytes))["grpc.max_send_message_length"]
-    mean = p["mean_size"]
+    per_region = max(p["region_size"] // p["mean_size"], 1)  # samples of the mean size in one region
+    overhead = _describe_reply(np.zeros(1, np.int64), np.zeros(0, np.int64), p["region_size"], 0, p["classes"])
+    base = overhead.ByteSize() + 16  # two length-delimited fields' tags and lengths, generously
 
-    def size_of(n: int) -> int:  # the reply without sizes, field 2's tag (1 byte), its length varint, 8 per sample
-        base = _describe_reply(b"", n, n * mean, p["classes"]).ByteSize()
-        return base + (1 + _varint_len(8 * n) + 8 * n if n else 0)
-
-    def most(limit: int) -> int:
-        n = max((limit - size_of(0) - 32) // 8, 0)
-        while size_of(n + 1) <= limit:
-            n += 1
-        while n and size_of(n) > limit:
-            n -= 1
-        return n
+    def most(limit: int) -> int:  # samples of the mean size whose layout fits ``limit``
+        return max((limit - base) // 16, 0) * per_region
 
     protobuf_max = 2**31 - 1
     out = {
@@ -834,24 +845,21 @@ def _work_limit(p: dict) -> dict:
         "protobuf_limit": protobuf_max,
         "manager_max_request_bytes": ManagerConfig().max_request_bytes,
         "server_max_request_bytes": ServerConfig().max_request_bytes,
-        "reply_overhead_bytes": size_of(0),
-        "describe_bytes_per_sample": 8,
+        "reply_overhead_bytes": base,
+        "describe_bytes_per_region": 16,
+        "samples_per_region": per_region,
         "max_samples_manager_receive": most(receive),
         "max_samples_server_send": most(send),
         "max_samples_protobuf": most(protobuf_max),
     }
     if p["check"]:
-        out["grpc_check"] = _grpc_check(out["max_samples_manager_receive"], mean, p["classes"])
+        out["grpc_check"] = _grpc_check(max(p["sizes"]), p["mean_size"], p["region_size"], p["classes"])
     return out
 
 
-def _varint_len(value: int) -> int:
-    return max(1, -(-value.bit_length() // 7))
-
-
-def _grpc_check(fits: int, mean: int, classes: int) -> dict:
-    """Send replies of ``fits`` and ``fits + 1`` samples from a server with the daemon's options to a
-    channel opened as the manager opens its channels; what each call got."""
+def _grpc_check(n: int, mean: int, region_size: int, classes: int) -> dict:
+    """Send the layout of ``n`` samples from a server with the daemon's options to a channel opened
+    as the manager opens its channels; what the call got."""
     from concurrent import futures
 
     import grpc
@@ -860,13 +868,11 @@ def _grpc_check(fits: int, mean: int, classes: int) -> dict:
     from kspeed.control import rpc
     from kspeed.proto import kspeed_pb2, kspeed_pb2_grpc
 
-    replies = {
-        str(n): _describe_reply(np.full(n, mean, dtype="<i8").tobytes(), n, n * mean, classes).SerializeToString()
-        for n in (fits, fits + 1)
-    }
+    starts, region_bytes = _layout(synthetic_sizes(n, mean), region_size)
+    data = _describe_reply(starts, region_bytes, region_size, int(region_bytes.sum()), classes).SerializeToString()
     handler = grpc.method_handlers_generic_handler(
         "kspeed.v1.Server",
-        {"DescribeDataset": grpc.unary_unary_rpc_method_handler(lambda request, context: replies[_spec_name(request)])},
+        {"DescribeDataset": grpc.unary_unary_rpc_method_handler(lambda request, context: data)},
     )
     server = grpc.server(
         futures.ThreadPoolExecutor(2), options=rpc.server_options(ServerConfig().max_request_bytes), handlers=[handler]
@@ -874,25 +880,17 @@ def _grpc_check(fits: int, mean: int, classes: int) -> dict:
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     channel = rpc.open_channel(f"127.0.0.1:{port}", SecurityConfig(auth="none"))
-    out = {}
     try:
         stub = kspeed_pb2_grpc.ServerStub(channel)
-        for n, data in replies.items():
-            try:
-                reply = stub.DescribeDataset(kspeed_pb2.DatasetSpec(name=f"d{n}"), timeout=120)
-                out[n] = {"message_bytes": len(data), "ok": True, "samples": len(reply.sizes) // 8}
-            except grpc.RpcError as exc:
-                out[n] = {"message_bytes": len(data), "ok": False, "code": exc.code().name, "details": exc.details()}
+        try:
+            reply = stub.DescribeDataset(kspeed_pb2.DatasetSpec(name="d"), timeout=120)
+            out = {"samples": n, "message_bytes": len(data), "ok": True, "regions": len(reply.region_bytes) // 8}
+        except grpc.RpcError as exc:
+            out = {"samples": n, "message_bytes": len(data), "ok": False, "code": exc.code().name}
     finally:
         channel.close()
         server.stop(0).wait()
     return out
-
-
-def _spec_name(request: bytes) -> str:
-    from kspeed.proto import kspeed_pb2
-
-    return kspeed_pb2.DatasetSpec.FromString(request).name[1:]
 
 
 WORKERS = {

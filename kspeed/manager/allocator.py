@@ -20,7 +20,7 @@ import numpy as np
 from kspeed.errors import CapacityError, DatasetError
 from kspeed.layout import region_bounds
 
-__all__ = ["Allocation", "ServerCapacity", "Share", "allocate"]
+__all__ = ["Allocation", "ServerCapacity", "Share", "allocate", "allocate_regions"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,11 +109,45 @@ def allocate(
     max_servers: int | None = None,
     headroom: int = 0,
 ) -> Allocation:
-    """Choose servers and whole regions on each for a dataset.
+    """Choose servers and whole regions on each for a dataset of samples of ``sizes``: its
+    samples are laid out in regions (:func:`kspeed.layout.region_bounds`), then
+    :func:`allocate_regions`.
+
+    Raises:
+        DatasetError: a sample larger than a region, or an empty dataset.
+        CapacityError: as :func:`allocate_regions`.
+    """
+    sizes = np.asarray(sizes, dtype=np.int64)
+    starts = region_bounds(sizes, region_size, dataset=dataset)
+    cum = np.concatenate(([0], np.cumsum(sizes)))
+    return allocate_regions(
+        dataset,
+        starts,
+        cum[starts[1:]] - cum[starts[:-1]],
+        region_size,
+        servers,
+        max_servers=max_servers,
+        headroom=headroom,
+    )
+
+
+def allocate_regions(
+    dataset: str,
+    starts: np.ndarray,
+    region_bytes: np.ndarray,
+    region_size: int,
+    servers: Sequence[ServerCapacity],
+    *,
+    max_servers: int | None = None,
+    headroom: int = 0,
+) -> Allocation:
+    """Choose servers and whole regions on each for a dataset laid out in regions.
 
     Args:
         dataset: the dataset's name, for messages.
-        sizes: int64 size of every sample, indexed by sample ID.
+        starts: the first sample ID of each region, then the sample count (what
+            :func:`kspeed.layout.region_bounds` returns).
+        region_bytes: bytes of samples in each region.
         region_size: bytes per region.
         servers: candidates with their free region counts.
         max_servers: use at most this many servers (those with the most free regions); all by default.
@@ -124,14 +158,28 @@ def allocate(
         virtual regions and the matching contiguous range of sample IDs.
 
     Raises:
-        DatasetError: empty dataset, or a sample larger than a region.
+        DatasetError: empty dataset, or a layout that is not one (starts not increasing from 0,
+            bytes not one per region or over the region size).
         CapacityError: the free regions (after headroom) cannot hold the dataset; nothing chosen.
     """
-    sizes = np.asarray(sizes, dtype=np.int64)
-    if len(sizes) == 0:
+    starts = np.asarray(starts, dtype=np.int64)
+    region_bytes = np.asarray(region_bytes, dtype=np.int64)
+    count = int(starts[-1]) if len(starts) else 0
+    if count == 0:
         raise DatasetError(f"dataset {dataset!r}: no samples to allocate", dataset=dataset)
-    bounds = region_bounds(sizes, region_size, dataset=dataset)
-    need = len(bounds) - 1
+    if (
+        int(starts[0]) != 0
+        or bool((np.diff(starts) <= 0).any())
+        or len(region_bytes) != len(starts) - 1
+        or bool(((region_bytes < 0) | (region_bytes > region_size)).any())
+    ):
+        raise DatasetError(
+            f"dataset {dataset!r}: a layout of {len(starts) - 1} regions of {region_size} bytes with "
+            f"{len(region_bytes)} byte counts is malformed",
+            dataset=dataset,
+        )
+    need = len(starts) - 1
+    total = int(region_bytes.sum())
     ranked = sorted(servers, key=lambda s: (-s.free_regions, s.server_id))
     if max_servers is not None:
         ranked = ranked[: max(max_servers, 0)]
@@ -139,18 +187,18 @@ def allocate(
     available = sum(caps)
     if available < need:
         raise CapacityError(
-            f"dataset {dataset!r} needs {need} regions of {region_size} bytes ({int(sizes.sum())} bytes in "
-            f"{len(sizes)} samples); {available} available on {len(ranked)} servers "
+            f"dataset {dataset!r} needs {need} regions of {region_size} bytes ({total} bytes in "
+            f"{count} samples); {available} available on {len(ranked)} servers "
             f"(headroom {headroom} per server)"
         )
     candidates = sorted((s.server_id, c) for s, c in zip(ranked, caps, strict=True) if c > 0)
-    cum = np.concatenate(([0], np.cumsum(sizes)))
+    cum = np.concatenate(([0], np.cumsum(region_bytes)))
     counts = _balance(need, [c for _, c in candidates])
     shares, region = [], 0
     for (server_id, _), n in zip(candidates, counts, strict=True):
         if n == 0:
             continue
-        lo, hi = int(bounds[region]), int(bounds[region + n])
-        shares.append(Share(server_id, region, n, lo, hi, int(cum[hi] - cum[lo])))
+        lo, hi = int(starts[region]), int(starts[region + n])
+        shares.append(Share(server_id, region, n, lo, hi, int(cum[region + n] - cum[region])))
         region += n
-    return Allocation(dataset, region_size, len(sizes), int(cum[-1]), tuple(shares))
+    return Allocation(dataset, region_size, count, total, tuple(shares))

@@ -1,8 +1,9 @@
 """The dataset catalog: registration, allocation to servers, leases and preload progress.
 
 The manager owns this hard state (SQLite); servers hold the data. Registering a dataset asks one
-ready server to list the backend (the manager has no backend credentials), allocates whole regions
-on servers with :func:`kspeed.manager.allocator.allocate`, and assigns each server its share; a
+ready server to list the backend (the manager has no backend credentials; the lister answers with
+its region layout, one entry per region, never one per sample), allocates whole regions on servers
+with :func:`kspeed.manager.allocator.allocate_regions`, and assigns each server its share; a
 failure on any server undoes the assignments already made, so nothing is left half-registered.
 
 A dataset created by a job lives while some lease on it does (leases expire unless renewed, so a
@@ -30,7 +31,7 @@ from kspeed.errors import (
     StateError,
     UnavailableError,
 )
-from kspeed.manager.allocator import ServerCapacity, allocate
+from kspeed.manager.allocator import ServerCapacity, allocate_regions
 from kspeed.manager.calls import ServerCalls
 from kspeed.manager.membership import JOINING, READY, Membership
 from kspeed.manager.store import Store
@@ -341,9 +342,19 @@ class DatasetCatalog:
         ready = [r for r in ready if r.inventory.region_size == region_size]
         lister = ready[0]
         described = await self._calls.call(lister.address, lister.id, "DescribeDataset", spec)
-        sizes = wire.unpack_i64(described.sizes, f"dataset {spec.name!r}: sizes from {lister.id}")
+        if described.region_size != region_size:
+            raise ProtocolError(
+                f"dataset {spec.name!r}: {lister.id} laid it out in regions of {described.region_size} bytes, "
+                f"its inventory says {region_size}"
+            )
         capacities = [ServerCapacity(r.id, self._free_regions(r)) for r in ready]
-        allocation = allocate(spec.name, sizes, region_size, capacities)
+        allocation = allocate_regions(
+            spec.name,
+            wire.unpack_i64(described.region_starts, f"dataset {spec.name!r}: region starts from {lister.id}"),
+            wire.unpack_i64(described.region_bytes, f"dataset {spec.name!r}: region bytes from {lister.id}"),
+            region_size,
+            capacities,
+        )
         need = allocation.num_regions * region_size
         if spec.quota_bytes and need > spec.quota_bytes:
             raise CapacityError(
@@ -384,7 +395,7 @@ class DatasetCatalog:
         log.info(
             "dataset %s: %d samples, %d bytes in %d regions on %d server(s)",
             spec.name,
-            len(sizes),
+            allocation.num_samples,
             allocation.total_bytes,
             allocation.num_regions,
             len(info.shares),

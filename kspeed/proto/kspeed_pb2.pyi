@@ -520,14 +520,18 @@ class AssignShareRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[DatasetSpec, _Mapping]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., region_size: _Optional[int] = ..., share: _Optional[_Union[Share, _Mapping]] = ...) -> None: ...
 
 class DescribeDatasetReply(_message.Message):
-    __slots__ = ("fingerprint", "sizes", "class_names")
+    __slots__ = ("fingerprint", "class_names", "region_size", "region_starts", "region_bytes")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
-    SIZES_FIELD_NUMBER: _ClassVar[int]
     CLASS_NAMES_FIELD_NUMBER: _ClassVar[int]
+    REGION_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REGION_STARTS_FIELD_NUMBER: _ClassVar[int]
+    REGION_BYTES_FIELD_NUMBER: _ClassVar[int]
     fingerprint: Fingerprint
-    sizes: bytes
     class_names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., sizes: _Optional[bytes] = ..., class_names: _Optional[_Iterable[str]] = ...) -> None: ...
+    region_size: int
+    region_starts: bytes
+    region_bytes: bytes
+    def __init__(self, fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., class_names: _Optional[_Iterable[str]] = ..., region_size: _Optional[int] = ..., region_starts: _Optional[bytes] = ..., region_bytes: _Optional[bytes] = ...) -> None: ...
 
 class DropDatasetReply(_message.Message):
     __slots__ = ()

@@ -28,6 +28,7 @@ import numpy as np
 
 from kspeed import names, wire
 from kspeed.errors import ConfigError, DatasetError, KSpeedError, NotFoundError, ProtocolError
+from kspeed.layout import region_bounds
 from kspeed.preprocess.pipeline import Pipeline
 from kspeed.preprocess.runner import Runner
 from kspeed.proto import kspeed_pb2
@@ -233,7 +234,8 @@ class DatasetHost:
             log.error("dataset %s: cannot take the assigned share again: %s", name, exc)
 
     def describe(self, spec: kspeed_pb2.DatasetSpec) -> kspeed_pb2.DescribeDatasetReply:
-        """List a dataset's backend for the manager (sizes in ID order, classes, fingerprint).
+        """List a dataset's backend for the manager: its samples laid out in this server's regions
+        (where each region starts, the bytes in it), classes and fingerprint.
 
         A pipeline is checked first: every stage must resolve here (built-in ops with their
         parameters, modules on the operator's preprocess allow-list).
@@ -245,10 +247,15 @@ class DatasetHost:
                 f"dataset {spec.name!r}: labels 'dirname' need every sample in a class directory under {spec.uri}",
                 dataset=spec.name,
             )
+        region_size = self.pool.region_size
+        starts = region_bounds(source.sizes, region_size, dataset=spec.name)
+        cum = np.concatenate(([0], np.cumsum(source.sizes, dtype=np.int64)))
         return kspeed_pb2.DescribeDatasetReply(
             fingerprint=fingerprint_pb(source),
-            sizes=wire.pack_i64(source.sizes),
             class_names=list(source.classes),
+            region_size=region_size,
+            region_starts=wire.pack_i64(starts),
+            region_bytes=wire.pack_i64(cum[starts[1:]] - cum[starts[:-1]]),
         )
 
     def check_pipeline(self, spec: kspeed_pb2.DatasetSpec) -> None:

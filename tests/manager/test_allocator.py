@@ -7,7 +7,7 @@ import pytest
 
 from kspeed.errors import CapacityError, DatasetError
 from kspeed.layout import region_bounds
-from kspeed.manager.allocator import ServerCapacity, allocate
+from kspeed.manager.allocator import ServerCapacity, allocate, allocate_regions
 
 R = 1 << 20
 
@@ -66,3 +66,25 @@ def test_oversized_sample_and_empty_dataset():
 def test_zero_length_samples_fit():
     alloc = allocate("ds", np.zeros(5, dtype=np.int64), R, [ServerCapacity("a", 1)])
     assert alloc.num_regions == 1 and alloc.shares[0].hi == 5
+
+
+def test_a_region_layout_allocates_as_the_sizes_do():
+    # The manager allocates from the lister's region layout (one entry per region); it must cut
+    # the very shares the per-sample sizes would, and refuse a layout that is not one.
+    sizes = np.random.default_rng(4).integers(0, 400, 5000)
+    caps = [ServerCapacity("a", 900), ServerCapacity("b", 700), ServerCapacity("c", 900)]
+    starts = region_bounds(sizes, 1000, dataset="d")
+    cum = np.concatenate(([0], np.cumsum(sizes)))
+    by_regions = allocate_regions("d", starts, cum[starts[1:]] - cum[starts[:-1]], 1000, caps)
+    assert by_regions == allocate("d", sizes, 1000, caps)
+    swapped = starts.copy()
+    swapped[[1, 2]] = swapped[[2, 1]]
+    for bad_starts, bad_bytes in (
+        (swapped, cum[starts[1:]] - cum[starts[:-1]]),  # not increasing
+        (starts, (cum[starts[1:]] - cum[starts[:-1]])[:-1]),  # one byte count short
+        (starts, np.full(len(starts) - 1, 1001)),  # more bytes than a region
+    ):
+        with pytest.raises(DatasetError, match="malformed"):
+            allocate_regions("d", bad_starts, bad_bytes, 1000, caps)
+    with pytest.raises(DatasetError, match="no samples"):
+        allocate_regions("d", np.array([0]), np.zeros(0), 1000, caps)
