@@ -114,6 +114,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--probe-interval", type=float, help="the manager's health-probe period (default: its own)")
 
 
+BOARD_RANKS = (64, 256, 1024, 4096, 16384)
+
+
+def _board_curve(rank_counts: tuple[int, ...], servers: int) -> list[dict]:
+    """The manager's own work per statistics report (``JobBoard.report``, in this process, no gRPC)
+    with ``n`` ranks' reports kept: its per-report cost must not grow with the ranks."""
+    from kspeed.manager.jobs import JobBoard
+
+    out = []
+    names = {f"srv-{k:04d}": 1 << 20 for k in range(servers)}
+    for n in rank_counts:
+        board = JobBoard()
+        for rank in range(n):  # every rank has reported once
+            board.report(kspeed_pb2.RankStats(job="j", rank=rank, world_size=n, dataset="d", server_bytes=names))
+        reports = min(n, 2000)
+        started = time.process_time()
+        for rank in range(reports):  # then reports again, as every stats interval
+            board.report(kspeed_pb2.RankStats(job="j", rank=rank, world_size=n, dataset="d", server_bytes=names))
+        us = (time.process_time() - started) / reports * 1e6
+        out.append({"ranks": n, "servers_per_report": servers, "us_per_report": round(us, 1)})
+        print(f"  board: {n} ranks kept: {us:.0f} us per report", flush=True)
+    return out
+
+
 def measure(args: argparse.Namespace) -> dict:
     """Run the three curves; returns their figures (JSON-serialisable)."""
     client = load_config(ClientConfig, environ={}, overrides=NO_AUTH)
@@ -137,6 +161,7 @@ def measure(args: argparse.Namespace) -> dict:
     )
     _raise_file_limit()
     figures = asyncio.run(_measure(sizes))
+    figures["board"] = _board_curve(BOARD_RANKS, sizes.fleet)
     return {
         "config": {
             "heartbeat_interval_s": args.heartbeat_interval or manager.heartbeat_interval,
@@ -827,6 +852,17 @@ def charts(result: dict, outdir: str, before: dict | None = None) -> list[str]:
         mem.set(xlabel="open watch streams", ylabel="manager RSS (MiB)", title="Manager memory")
         fig.suptitle("Manager against membership watchers")
         paths.append(_save(fig, plt, outdir, "control_watch.png"))
+    board = result.get("board") or []
+    if board:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([p["ranks"] for p in board], [p["us_per_report"] for p in board], "o-", label="now")
+        old = (before or {}).get("board") or []
+        if old:
+            ax.plot([p["ranks"] for p in old], [p["us_per_report"] for p in old], "x--", color="grey", label="before")
+        ax.set(xlabel="ranks whose reports are kept", ylabel="manager CPU per report (us)", xscale="log")
+        ax.set_title(f"JobBoard.report, {board[0]['servers_per_report']} servers per report (no gRPC)", fontsize=10)
+        ax.legend()
+        paths.append(_save(fig, plt, outdir, "control_board.png"))
     return paths
 
 

@@ -43,9 +43,14 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
+from kspeed.errors import KSpeedError
+
 RING_BYTES = 4 << 20
 REGION = "1MiB"
 PROBE_EVERY = 0.02
+# The ranks' control-plane deadline (the client's default is 5 s): at 512 ranks every rank, server
+# and node process shares two cores, and a call may wait longer than 5 s for a CPU.
+CALL_DEADLINE = "30s"
 ATTACH_THREADS = 4  # ranks of one node process attaching at once (the boundary is what is measured)
 # Every daemon, node process and rank thread shares this machine's cores: failure detection is
 # relaxed so that a starved heartbeat does not fail a server in the middle of a measurement (the
@@ -56,8 +61,8 @@ CLOCK = os.sysconf("SC_CLK_TCK")
 
 def add_arguments(parser) -> None:
     parser.add_argument("--samples", type=int, default=1_280_000, help="samples in the dataset")
-    parser.add_argument("--ranks", default="", help="rank counts to sweep at --sweep-servers servers")
-    parser.add_argument("--servers", default="", help="server counts to sweep at --sweep-ranks ranks")
+    parser.add_argument("--ranks", default="", help="rank counts to sweep at --sweep-servers servers (0: none)")
+    parser.add_argument("--servers", default="", help="server counts to sweep at --sweep-ranks ranks (0: none)")
     parser.add_argument("--sweep-servers", type=int, default=16, help="servers while ranks are swept")
     parser.add_argument("--sweep-ranks", type=int, default=128, help="ranks while servers are swept")
     parser.add_argument("--nodes", type=int, default=8, help="node processes the ranks are spread over")
@@ -162,7 +167,9 @@ def _node(conn: Connection, address: str, dataset: str, ranks: list[int], world:
     from kspeed.config import ClientConfig, load_config
 
     logging.basicConfig(level=logging.WARNING)
-    config = load_config(ClientConfig, environ={}, overrides={"manager": address, "security.auth": "none"})
+    config = load_config(
+        ClientConfig, environ={}, overrides={"manager": address, "security.auth": "none", "timeout": CALL_DEADLINE}
+    )
     clients: list = []
     sets: list = []
     pool = ThreadPoolExecutor(max(len(ranks), 1))
@@ -389,15 +396,19 @@ def _point(cluster, address: str, name: str, servers: int, ranks: int, args) -> 
         row["server_cpu_s_mean"] = round(cpu / servers, 4)
         if args.feed_batches:
             cpu0 = _servers_cpu(cluster)
-            fed = np.array(job.ask("feed", 1, args.feed_batches))
-            cpu = _servers_cpu(cluster) - cpu0
-            batches = int(fed[:, 0].sum())
-            row["feed"] = {
-                "batches": batches,
-                "s_max": round(float(fed[:, 1].max()), 3),
-                "servers_cpu_s": round(cpu, 3),
-                "server_cpu_ms_per_batch": round(cpu / max(batches, 1) * 1e3, 3),
-            }
+            try:
+                fed = np.array(job.ask("feed", 1, args.feed_batches))
+            except (RuntimeError, TimeoutError) as exc:  # kept with the figures: what broke, at what size
+                row["feed"] = {"error": str(exc)}
+            else:
+                cpu = _servers_cpu(cluster) - cpu0
+                batches = int(fed[:, 0].sum())
+                row["feed"] = {
+                    "batches": batches,
+                    "s_max": round(float(fed[:, 1].max()), 3),
+                    "servers_cpu_s": round(cpu, 3),
+                    "server_cpu_ms_per_batch": round(cpu / max(batches, 1) * 1e3, 3),
+                }
     finally:
         job.close()
     return row
@@ -424,7 +435,12 @@ def _run_cluster(servers: int, rank_counts: list[int], args, root: str, path: st
                 print(f"   servers {servers}, ranks {ranks}", flush=True)
                 suspect = _log_count([cluster.manager], "-> suspect")
                 refused = _log_count(cluster.servers, "refused stream")
-                row = _point(cluster, cluster.address, name, servers, ranks, args)
+                try:
+                    row = _point(cluster, cluster.address, name, servers, ranks, args)
+                except (RuntimeError, TimeoutError) as exc:  # a point that broke is a finding, not the end
+                    print(f"     failed: {exc}", flush=True)
+                    rows.append({"servers": servers, "ranks": ranks, "error": str(exc)})
+                    continue
                 row["suspect_servers"] = _log_count([cluster.manager], "-> suspect") - suspect
                 row["refused_streams"] = _log_count(cluster.servers, "refused stream") - refused
                 print(
@@ -450,21 +466,29 @@ def _run_cluster(servers: int, rank_counts: list[int], args, root: str, path: st
 def measure(args) -> dict:
     if args.quick:
         args.samples = min(args.samples, 128_000)
-    rank_counts = _counts(args.ranks, (8, 16) if args.quick else (8, 32, 128, 256, 512))
-    server_counts = _counts(args.servers, (2, 4) if args.quick else (2, 4, 8, 16, 32))
+    rank_counts = [n for n in _counts(args.ranks, (8, 16) if args.quick else (8, 32, 128, 512)) if n > 0]
+    server_counts = [n for n in _counts(args.servers, (2, 4) if args.quick else (2, 4, 8, 16, 32)) if n > 0]
     sweep_servers = 4 if args.quick else args.sweep_servers
     sweep_ranks = 16 if args.quick else args.sweep_ranks
     root = tempfile.mkdtemp(prefix="kspeed-scale-data-")
+
+    def cluster(servers: int, ranks: list[int]) -> list[dict]:
+        try:
+            return _run_cluster(servers, ranks, args, root, path)
+        except (KSpeedError, RuntimeError, TimeoutError) as exc:  # e.g. more servers than fit: a finding
+            print(f"   {servers} servers: failed: {exc}", flush=True)
+            return [{"servers": servers, "ranks": r, "error": str(exc)} for r in ranks]
+
     try:
         path = _dataset(root, args.samples)
-        by_ranks = _run_cluster(sweep_servers, rank_counts, args, root, path)
+        by_ranks = cluster(sweep_servers, rank_counts) if rank_counts else []
         by_servers = [
             row
             for servers in server_counts
             for row in (
                 [r for r in by_ranks if r["ranks"] == sweep_ranks]
                 if servers == sweep_servers and sweep_ranks in rank_counts
-                else _run_cluster(servers, [sweep_ranks], args, root, path)
+                else cluster(servers, [sweep_ranks])
             )
         ]
     finally:
@@ -478,6 +502,17 @@ def measure(args) -> dict:
     }
 
 
+def merge(old: dict, new: dict) -> dict:
+    """``new`` with the points of ``old`` it did not measure again (runs of a few points at a time
+    build one document)."""
+    out = dict(new)
+    for key in ("by_ranks", "by_servers"):
+        fresh = {(r["servers"], r["ranks"]) for r in new.get(key, [])}
+        kept = [r for r in old.get(key, []) if (r["servers"], r["ranks"]) not in fresh]
+        out[key] = sorted(kept + new.get(key, []), key=lambda r: (r["servers"], r["ranks"]))
+    return out
+
+
 def charts(result: dict, outdir: str, before: dict | None = None) -> list[str]:
     """``plan_ranks.png``, ``plan_servers.png`` (boundary latency and the servers' CPU; a run of
     the code before the plan changes, when given, dashed beside) and ``plan_resources.png``."""
@@ -488,10 +523,10 @@ def charts(result: dict, outdir: str, before: dict | None = None) -> list[str]:
 
     paths = []
     for key, axis in (("by_ranks", "ranks"), ("by_servers", "servers")):
-        rows = result.get(key) or []
+        rows = [r for r in result.get(key) or [] if "error" not in r]
         if not rows:
             continue
-        old = (before or {}).get(key) or []
+        old = [r for r in (before or {}).get(key) or [] if "error" not in r]
         x = [r[axis] for r in rows]
         fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
         left.plot(x, [r["plan_s_max"] for r in rows], "o-", label="plan, slowest rank")
@@ -516,7 +551,7 @@ def charts(result: dict, outdir: str, before: dict | None = None) -> list[str]:
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)
-    rows = result.get("by_ranks") or []
+    rows = [r for r in result.get("by_ranks") or [] if "error" not in r]
     if rows:
         x = [r["ranks"] for r in rows]
         fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))

@@ -26,6 +26,7 @@ import argparse
 import importlib
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -61,6 +62,8 @@ def main(argv: list[str] | None = None) -> None:
     every = sub.add_parser("all", help="every part with its defaults")
     every.add_argument("--quick", action="store_true", help="small sizes only (minutes)")
     args = parser.parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so every part stops its daemons and removes its files.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
     doc: dict = {}
     if args.json and os.path.exists(args.json):
@@ -80,7 +83,9 @@ def main(argv: list[str] | None = None) -> None:
         result = module.measure(part_args)
         result["wall_s"] = round(time.time() - started, 1)
         result["when"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-        doc[args.key or part] = result
+        key = args.key or part
+        merge = getattr(module, "merge", None)
+        doc[key] = merge(doc[key], result) if merge is not None and key in doc else result
         if args.charts and part in doc:
             os.makedirs(args.charts, exist_ok=True)
             for path in module.charts(doc[part], args.charts, before=doc.get(f"{part}_before")):
