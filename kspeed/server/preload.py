@@ -207,6 +207,11 @@ class Preloader:
         self._last_save = time.monotonic()
         self._save_s = 0.0  # how long the last save of the index took
 
+    @property
+    def pool_indices(self) -> tuple[int, ...]:
+        """The pool regions of the share, in virtual-region order (none when held on demand)."""
+        return tuple(self._pool_index)
+
     @staticmethod
     def regions_needed(source: Source, region_size: int, lo: int = 0, hi: int | None = None) -> int:
         """Regions the share ``[lo, hi)`` occupies (to allocate from the pool before construction)."""

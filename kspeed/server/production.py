@@ -101,6 +101,7 @@ class Production(ProcessedProduction):
         self._urgent: deque[tuple[ShareKey, np.ndarray]] = deque()
         self._urgent_prep: deque[tuple[str, int, np.ndarray]] = deque()  # (feed, epoch, owned indices)
         self._draining: dict[int, Draining] = {}
+        self._told: dict[int, set[int]] = {}  # per feeder: the pool regions whose files it was told
         self._turn = itertools.count()
         self._stop = threading.Event()
         self.produced_samples = 0
@@ -160,8 +161,13 @@ class Production(ProcessedProduction):
             plan.region, plan.src, plan.ticket = self._places(share, plan.ids)
             if processed is not None:
                 plan.region[processed], plan.src[processed], plan.ticket[processed] = -1, 0, 0
-            paths = {**share.home_paths(), **self.window.paths}
+            # A feeder maps each region once: it is told only the files it has not been told. (Every
+            # plan carried every region's file, and listing them walked the whole pool: a commit
+            # cost grew with the server's memory, at every epoch boundary for every rank.)
+            told = self._told.setdefault(feeder, set())
+            paths = {i: p for i, p in {**share.home_paths(), **self.window.paths}.items() if i not in told}
             self._tell(feeder, InstallPlan(feed_id, epoch, plan, paths))
+            told.update(paths)
             feed.plans[epoch] = follow
             for old in sorted(feed.plans)[:-MAX_PLANS]:  # as the feeder keeps them
                 self._forget_plan(feed, feed.plans.pop(old))

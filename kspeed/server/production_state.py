@@ -146,6 +146,9 @@ class ShareState:
         self.lo = preloader.index.lo
         self.size = len(preloader.index.length)
         self.slots: dict[int, tuple[Slot, int, str]] = {}  # sample -> (slot, crc, feed produced for)
+        pool = preloader.pool
+        self._home = {index: str(pool.path(index)) for index in preloader.pool_indices}
 
     def home_paths(self) -> dict[int, str]:
-        return {r.index: str(r.path) for r in self.preloader.pool.regions(self.dataset)}
+        """The files of the share's regions (pool index -> path), fixed for the share's life."""
+        return self._home

@@ -119,6 +119,20 @@ def test_the_plan_is_produced_in_order_a_depth_ahead_then_goes_home(produced, po
     assert (mine.ticket == 0).all() and window.peak <= window.capacity
 
 
+def test_a_feeder_is_told_each_region_file_once(produced, pool):
+    # A plan used to carry the file of every region of the pool; a commit then cost the server's
+    # memory size, for every rank at every epoch boundary. The share's and the window's regions
+    # go to a feeder with its first plan, and never again.
+    _files, _src, pre, window, feeders, production = produced
+    ids = np.arange(300)
+    for epoch, feeder in ((0, 0), (1, 0), (2, 1), (3, 0)):
+        production.install(f"f{epoch}", feeder, ("ds", 0), epoch, plan_of(ids, pre.index.length[ids], 10))
+    told = [(c.epoch, set(c.paths)) for c in feeders.log if isinstance(c, InstallPlan)]
+    share = set(pre.pool_indices) | set(window.paths)
+    assert told == [(0, share), (1, set()), (2, share), (3, set())]
+    assert all(c.paths[i] == str(pool.path(i)) for c in feeders.log if isinstance(c, InstallPlan) for i in c.paths)
+
+
 def test_a_full_window_holds_production_back_until_samples_are_written(tmp_path, backend, pool):
     sizes = np.full(100, 60_000)
     window = ProductionWindow(pool, REGION)  # 16 chunks of 64 KiB: one sample each
