@@ -210,9 +210,14 @@ class PeerLostError(TransportError):
         message: what was lost and why.
         conn: the receiver's connection id of the lost peer, when one connection is concerned.
         server_id: the server that was lost, when a control-plane call to it failed.
+        first_id: the share (its first sample) the failed call was about, when it was about one:
+            only the path of that share is lost, not every path to the server.
     """
 
-    def __init__(self, message: str, *, conn: int | None = None, server_id: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, conn: int | None = None, server_id: str | None = None, first_id: int | None = None
+    ) -> None:
         super().__init__(message)
         self.conn = conn
         self.server_id = server_id
+        self.first_id = first_id

@@ -110,8 +110,11 @@ class Failover:
         if self.feed.ended:
             raise cause
         named = getattr(cause, "server_id", None)  # a control-plane call to it failed
-        if named is not None and any(p.link.server_id == named and not p.lost for p in self.feed.paths):
-            self.feed.fence(named, str(cause))
+        share = getattr(cause, "first_id", None)  # about one share there: only that path is lost
+        for path in self.feed.paths:
+            ours = share is None or path.link.first_id is None or path.link.first_id == share
+            if named is not None and path.link.server_id == named and not path.lost and ours:
+                self.feed.fence_path(path, str(cause))
         self._seen = -1
         self.fence_failed()
         lost = [p for p in self.feed.paths if p.lost]

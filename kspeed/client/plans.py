@@ -110,11 +110,11 @@ class EpochPlan:
 
 def reaching(link: Link, call: Callable[[], T]) -> T:
     """``call()`` on ``link``; its server unreachable is a lost server (:class:`PeerLostError`
-    naming it), which a feed with failover carries over."""
+    naming it and the link's share), which a feed with failover carries over."""
     try:
         return call()
     except (UnavailableError, PeerLostError) as exc:  # unreachable, or our feed there is gone
-        raise PeerLostError(str(exc), server_id=link.server_id) from exc
+        raise PeerLostError(str(exc), server_id=link.server_id, first_id=link.first_id) from exc
 
 
 def _lookup_all(
