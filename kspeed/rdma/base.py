@@ -396,6 +396,14 @@ class Writer(ABC):
         """Next small message from the receiver, or ``None`` if none came within ``timeout`` s."""
 
     @abstractmethod
+    def fileno(self) -> int:
+        """The descriptor that turns readable when a message, or the receiver's end, arrives.
+
+        For waiting on many writers with one poller (:class:`kspeed.server.doorbell.Doorbell`);
+        only :meth:`recv` reads from it.
+        """
+
+    @abstractmethod
     def close(self) -> None:
         """Close the connection and unmap whatever was mapped.
 

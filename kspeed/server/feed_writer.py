@@ -27,12 +27,13 @@ import numpy as np
 from kspeed import grants
 from kspeed.errors import KSpeedError, PeerLostError
 from kspeed.rdma.base import RegionKey, Writer
+from kspeed.server.doorbell import Doorbell
 
 __all__ = ["FeedProgress", "FeedWriter", "FeederShared", "PlanPart"]
 
 log = logging.getLogger(__name__)
 
-RECV_TIMEOUT = 0.5  # how often an idle feed thread looks up from waiting for grants
+CLOSE_GRACE = 2.0  # seconds a closed feed's thread has to finish before its I/O is interrupted
 WAIT_POLL = 0.002  # how often a feed with waiting grants looks for newly produced samples
 MAX_PLANS = 3  # epoch plans a feed keeps (the current one, the next one, one spare)
 GRANTS_PER_WRITE = 8  # grants served by one write: fewer calls, yet the first tags are not held back long
@@ -131,7 +132,8 @@ class FeedProgress:
 
 class FeederShared:
     """What the feeds of one feeder process share with its command loop: one lock over every plan's
-    locations, the reads in progress per window ticket, failed samples, and the event pipe."""
+    locations, the reads in progress per window ticket, failed samples, the event pipe, and the
+    doorbell idle feeds wait on."""
 
     def __init__(self, send_event) -> None:
         self.lock = threading.Lock()
@@ -141,6 +143,7 @@ class FeederShared:
         self.moves = 0  # bumped whenever a location, a plan or a failure changes: waiting grants may be ready
         self._send = send_event
         self._send_lock = threading.Lock()
+        self.doorbell = Doorbell()
 
     def send(self, event: object) -> None:
         with self._send_lock, contextlib.suppress(OSError, ValueError):
@@ -210,6 +213,8 @@ class FeedWriter:
         self._seen_moves = -1
         self._last_scan = 0.0
         self._stop = threading.Event()
+        self._bell = threading.Event()  # set by the doorbell (the connection is readable) or by close()
+        self._fd = writer.fileno()
         self._thread = threading.Thread(target=self._run, name=f"feed-{feed_id}", daemon=True)
 
     def start(self) -> None:
@@ -238,7 +243,13 @@ class FeedWriter:
         try:
             while not self._stop.is_set():
                 unreported = self._written or self._waited or self._dropped or len(self._pending) != self._last_waiting
-                message = self.writer.recv(WAIT_POLL if self._pending else REPORT_EVERY if unreported else RECV_TIMEOUT)
+                if self._pending or unreported:
+                    message = self.writer.recv(WAIT_POLL if self._pending else REPORT_EVERY)
+                else:
+                    message = self.writer.recv(0)
+                    if message is None:
+                        self._idle()
+                        continue
                 if message is not None:
                     decoded = grants.decode(message)
                     if isinstance(decoded, np.ndarray):
@@ -262,12 +273,21 @@ class FeedWriter:
             gone = ""
         finally:
             self._report(force=True)
+            self.shared.doorbell.forget(self._fd)
             with contextlib.suppress(KSpeedError):
                 if self._reason:  # the feed ends for good: the client learns why before the connection goes
                     self.writer.send(grants.encode_closing(grants.Closing(self._reason)))
                 self.writer.close()
         if gone and not self._stop.is_set():  # ended by the client's side, not closed here: reclaim it
             self.shared.send(FeedGone(self.feed_id, self.generation, gone))
+
+    def _idle(self) -> None:
+        """Sleep until the connection is readable or the feed is closed (nothing to serve, nothing
+        to report: no reason to wake before)."""
+        self._bell.clear()
+        self.shared.doorbell.watch(self._fd, self._bell)
+        if not self._stop.is_set():  # (close() sets the stop before the bell: a ring is never lost)
+            self._bell.wait()
 
     def _worth_a_scan(self, arrived: bool) -> str:
         """How much of the waiting grants to look at: ``"all"`` every :data:`RESCAN_EVERY` (what
@@ -464,10 +484,11 @@ class FeedWriter:
         """
         self._reason = reason  # sent by the serving thread itself, never beside one of its writes
         self._stop.set()
-        self._thread.join(timeout=RECV_TIMEOUT * 4)
+        self._bell.set()
+        self._thread.join(timeout=CLOSE_GRACE)
         if self._thread.is_alive():
             self.writer.interrupt()
-            self._thread.join(timeout=RECV_TIMEOUT * 4)
+            self._thread.join(timeout=CLOSE_GRACE)
         if self._thread.is_alive():
             log.warning("feed %s: serving thread still busy after close; it closes the writer when done", self.feed_id)
 

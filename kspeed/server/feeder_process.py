@@ -265,6 +265,7 @@ class Feeder:
     def close(self) -> None:
         for feed in self.feeds.values():
             feed.close()
+        self.shared.doorbell.close()
 
 
 def serve(

@@ -220,6 +220,9 @@ class ShmWriter(Writer):
                 self._sock.settimeout(self._options.io_timeout)
         return self._messages.popleft() if self._messages else None
 
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
     def interrupt(self) -> None:
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)

@@ -176,6 +176,9 @@ class TcpWriter(Writer):
                 break
         return self._messages.popleft() if self._messages else None
 
+    def fileno(self) -> int:
+        return self._message_socket().fileno()
+
     def interrupt(self) -> None:
         for sock in (getattr(self, "_bulk", None), self._msg):
             if sock is not None:
