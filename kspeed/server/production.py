@@ -59,7 +59,8 @@ log = logging.getLogger(__name__)
 
 TASK_SAMPLES = 8  # samples one producer reads per task
 PREP_TASK_SAMPLES = 16  # samples one preprocessing task runs (fewer round trips; still a few ms of work)
-RETRY_FAILED_S = 5.0  # a failed sample still needed is read again after this long
+RETRY_FAILED_S = 5.0  # a failed sample still needed is read again after this long (and producers with
+# nothing to do look again this often, for those)
 RATE_SPAN_S = 5.0  # the producer rate is measured over about this long
 
 
@@ -96,6 +97,7 @@ class Production(ProcessedProduction):
         self._tell = tell
         self._lock = threading.RLock()
         self._work = threading.Condition(self._lock)
+        self._stirs = 0  # bumped by whatever may give producers work (see _produce_loop)
         self._shares: dict[ShareKey, ShareState] = {}
         self._feeds: dict[str, FeedState] = {}
         self._urgent: deque[tuple[ShareKey, np.ndarray]] = deque()
@@ -172,7 +174,7 @@ class Production(ProcessedProduction):
             for old in sorted(feed.plans)[:-MAX_PLANS]:  # as the feeder keeps them
                 self._forget_plan(feed, feed.plans.pop(old))
             self._sweep(share)
-            self._work.notify_all()
+            self._stir()
         log.debug("feed %s: plan of epoch %d installed, %d samples of it here", feed_id, epoch, len(plan.ids))
         share.preloader.prioritize(plan.ids)
 
@@ -187,6 +189,7 @@ class Production(ProcessedProduction):
             self.window.forget(feed_id)
             if feed is not None and share is not None:
                 self._sweep(share)
+            self._stir()  # (the window's fair share per feed grew)
 
     def drop_share(self, key: ShareKey) -> None:
         """Forget a dropped share (its feeds are closed): free its window slots."""
@@ -223,17 +226,18 @@ class Production(ProcessedProduction):
                         self._release(feed, plan, i, j)
             if len(event.written) or event.dropped:
                 self._sweep(share)
+                self._stir()  # the feed's horizon moved on (and window slots were released)
             for epoch, at in event.wanted_at:
                 plan = feed.plans.get(epoch)
                 if plan is not None and plan.state is not None and len(at):
                     # a re-grant of positions written and released: produce them again (identically)
                     self._urgent_prep.append((feed.feed_id, epoch, at[plan.state[at] == ABSENT]))
-                    self._work.notify_all()
+                    self._stir()
             if event.wanted is not None and len(event.wanted):
                 # A re-grant (after a fence) of samples already written and retired: produce them
                 # again (they go home once written, as nothing else needs them).
                 self._urgent.append((share.key, event.wanted))
-                self._work.notify_all()
+                self._stir()
 
     def freed(self, feeder: int, tickets: Iterable[int]) -> None:
         """A feeder no longer reads these retired window tickets."""
@@ -246,6 +250,7 @@ class Production(ProcessedProduction):
                 if not entry.feeders:
                     del self._draining[ticket]
                     self.window.free(entry.slot)
+                    self._stir()
 
     # -- state -----------------------------------------------------------------------------------
 
@@ -348,6 +353,7 @@ class Production(ProcessedProduction):
             if len(ids):
                 self.failed_samples += len(ids)
                 self._broadcast(share, Failed(share.dataset, ids, tuple(reasons)))
+                self._stir()
 
     def _retire(self, share: ShareState, ids: np.ndarray) -> None:
         """Retire the window slots of ``ids``: copy them home, tell the feeders, reuse the slots."""
@@ -438,13 +444,30 @@ class Production(ProcessedProduction):
                     break
         return None
 
+    def _stir(self) -> None:
+        """Something changed that may give producers work: wake them to look; under the lock."""
+        self._stirs += 1
+        self._work.notify_all()
+
     def _produce_loop(self) -> None:
+        """Produce while there is work. A producer that looked and found none sleeps until stirred
+        (a plan installed, a feed's progress, samples asked for, a slot freed, a failure) or, for
+        failed samples due a retry, :data:`RETRY_FAILED_S`: looking means scanning every feed's
+        plans, and a producer that looked every few milliseconds cost the server a core's
+        fraction per hundred idle feeds."""
+        fruitless = -1  # the stir count when this producer last looked and found nothing
         while not self._stop.is_set():
             with self._lock:
+                if self._stirs == fruitless:
+                    self._work.wait(RETRY_FAILED_S)
+                    if self._stop.is_set():
+                        return
+                stirs = self._stirs
                 work = self._next_work()
                 if work is None:
-                    self._work.wait(0.05)
+                    fruitless = stirs
                     continue
+                fruitless = -1
             try:
                 if work.plan is None:
                     self._produce(work.share, work.feed_id, work.ids)
@@ -574,7 +597,7 @@ class Production(ProcessedProduction):
         """Stop the producers and the preprocessing workers they use."""
         self._stop.set()
         with self._lock:
-            self._work.notify_all()
+            self._stir()
         if self.prep is not None:
             self.prep.close()
         for thread in self._threads:
