@@ -153,6 +153,10 @@ def _log_count(daemons, needle: str) -> int:
     return n
 
 
+def _suspects(cluster) -> int:
+    return _log_count([cluster.manager], "-> suspect")
+
+
 def _servers_cpu(cluster) -> float:
     return sum(_cpu_s(_tree(d.process.pid)) for d in cluster.servers)
 
@@ -373,10 +377,12 @@ def _point(cluster, address: str, name: str, servers: int, ranks: int, args) -> 
     """Attach ``ranks``, plan twice, feed, detach; the figures of this (servers, ranks) point."""
     row: dict = {"servers": servers, "ranks": ranks, "samples": args.samples, "batch_size": args.batch_size}
     idle = _server_resources(cluster)
+    suspects = {"before": _suspects(cluster)}  # servers turned suspect, counted after each phase
     job = _Job(address, name, ranks, args.nodes, args.batch_size)
     try:
         began = time.perf_counter()
         attach = job.ask("attach")
+        suspects["attach"] = _suspects(cluster)
         row["attach_s_max"] = round(max(attach), 3)
         row["attach_wall_s"] = round(time.perf_counter() - began, 3)
         row["idle"] = idle
@@ -395,6 +401,7 @@ def _point(cluster, address: str, name: str, servers: int, ranks: int, args) -> 
         wall = time.perf_counter() - began - 0.5
         row["probe"] = probe.stop()
         cpu = _servers_cpu(cluster) - cpu0
+        suspects["boundary"] = _suspects(cluster)
         row["plan_s_max"] = round(float(timings[:, 2].max()), 3)
         row["plan_s_p50"] = round(float(np.median(timings[:, 2])), 3)
         row["lookup_s_max"] = round(float(timings[:, 0].max()), 3)
@@ -419,8 +426,11 @@ def _point(cluster, address: str, name: str, servers: int, ranks: int, args) -> 
                     "servers_cpu_s": round(cpu, 3),
                     "server_cpu_ms_per_batch": round(cpu / max(batches, 1) * 1e3, 3),
                 }
+            suspects["feed"] = _suspects(cluster)
     finally:
         job.close()
+    marks = list(suspects.values())
+    row["suspect_by_phase"] = {k: b - a for k, a, b in zip(list(suspects)[1:], marks, marks[1:], strict=False)}
     return row
 
 
