@@ -20,8 +20,9 @@ Per (S, R) point, in order:
 2. **boundary**: every rank plans epoch 1 at once (the planner the pump runs at an epoch
    boundary: lookup on every server, then commit to every server), after a warm-up plan of epoch
    0. Per rank: lookup and commit seconds; per point: the slowest rank (the boundary's latency)
-   and the CPU seconds the servers (with their feeder processes) spent meanwhile. During it a
-   probe calls one server's ``grpc.health.v1`` Check and ``GetInfo`` every 20 ms.
+   and the CPU seconds the servers (with their feeder processes) and the node processes (the
+   ranks' own side: sampler order, layout, calls) spent meanwhile. During it a probe calls one
+   server's ``grpc.health.v1`` Check and ``GetInfo`` every 20 ms.
 3. **feed**: every rank reads ``--feed-batches`` batches of epoch 1 (grants and completions),
    the servers' CPU per delivered batch.
 
@@ -394,13 +395,14 @@ def _point(cluster, address: str, name: str, servers: int, ranks: int, args) -> 
         time.sleep(IDLE_WINDOW)
         idle_cores = (_servers_cpu(cluster) - cpu0) / (time.perf_counter() - began)
         row["servers_idle_cores"] = round(idle_cores, 4)
-        cpu0 = _servers_cpu(cluster)
+        cpu0, ranks_cpu0 = _servers_cpu(cluster), _cpu_s([p.pid for p in job.procs])
         probe = _Probe(cluster.servers[0].ready["grpc"])
         began = time.perf_counter()
         timings = np.array(job.ask("plan", 1, time.time() + 0.5))
         wall = time.perf_counter() - began - 0.5
         row["probe"] = probe.stop()
         cpu = _servers_cpu(cluster) - cpu0
+        row["ranks_cpu_s"] = round(_cpu_s([p.pid for p in job.procs]) - ranks_cpu0, 3)  # the client side, all ranks
         suspects["boundary"] = _suspects(cluster)
         row["plan_s_max"] = round(float(timings[:, 2].max()), 3)
         row["plan_s_p50"] = round(float(np.median(timings[:, 2])), 3)
