@@ -54,7 +54,6 @@ IDLE_WINDOW = 3.0  # seconds the servers' idle CPU is measured over, before each
 # The ranks' control-plane deadline (the client's default is 5 s): at 512 ranks every rank, server
 # and node process shares two cores, and a call may wait longer than 5 s for a CPU.
 CALL_DEADLINE = "30s"
-ATTACH_THREADS = 4  # ranks of one node process attaching at once (the boundary is what is measured)
 # Every daemon, node process and rank thread shares this machine's cores: failure detection is
 # relaxed so that a starved heartbeat does not fail a server in the middle of a measurement (the
 # manager's log is searched for suspect servers, and their count reported).
@@ -70,6 +69,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--sweep-ranks", type=int, default=128, help="ranks while servers are swept")
     parser.add_argument("--nodes", type=int, default=8, help="node processes the ranks are spread over")
     parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument(
+        "--attach-threads", type=int, default=4, help="ranks of one node process attaching at once (not measured)"
+    )
     parser.add_argument("--feed-batches", type=int, default=4, help="batches each rank reads after the plan")
     parser.add_argument("--keep", action="store_true", help="keep the clusters' state and logs")
     parser.add_argument("--quick", action="store_true", help="128k samples, up to 64 ranks and 4 servers")
@@ -165,7 +167,9 @@ def _servers_cpu(cluster) -> float:
 # -- a node process: some of the job's ranks --------------------------------------------------------
 
 
-def _node(conn: Connection, address: str, dataset: str, ranks: list[int], world: int, batch_size: int) -> None:
+def _node(
+    conn: Connection, address: str, dataset: str, ranks: list[int], world: int, batch_size: int, attach_threads: int
+) -> None:
     """Serve the parent's commands for ``ranks`` until told to close (runs in a spawned process)."""
     import logging
 
@@ -180,7 +184,7 @@ def _node(conn: Connection, address: str, dataset: str, ranks: list[int], world:
     clients: list = []
     sets: list = []
     pool = ThreadPoolExecutor(max(len(ranks), 1))
-    attaching = ThreadPoolExecutor(ATTACH_THREADS)
+    attaching = ThreadPoolExecutor(attach_threads)
 
     def attach(rank: int) -> float:
         started = time.perf_counter()
@@ -242,7 +246,9 @@ def _call(step, args: list, ds):
 class _Job:
     """``ranks`` simulated ranks over ``nodes`` node processes."""
 
-    def __init__(self, address: str, dataset: str, ranks: int, nodes: int, batch_size: int) -> None:
+    def __init__(
+        self, address: str, dataset: str, ranks: int, nodes: int, batch_size: int, attach_threads: int
+    ) -> None:
         ctx = mp.get_context("spawn")
         self.conns: list[Connection] = []
         self.procs = []
@@ -250,7 +256,9 @@ class _Job:
         for members in per:
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(
-                target=_node, args=(theirs, address, dataset, [int(r) for r in members], ranks, batch_size), daemon=True
+                target=_node,
+                args=(theirs, address, dataset, [int(r) for r in members], ranks, batch_size, attach_threads),
+                daemon=True,
             )
             proc.start()
             theirs.close()
@@ -379,7 +387,7 @@ def _point(cluster, address: str, name: str, servers: int, ranks: int, args) -> 
     row: dict = {"servers": servers, "ranks": ranks, "samples": args.samples, "batch_size": args.batch_size}
     idle = _server_resources(cluster)
     suspects = {"before": _suspects(cluster)}  # servers turned suspect, counted after each phase
-    job = _Job(address, name, ranks, args.nodes, args.batch_size)
+    job = _Job(address, name, ranks, args.nodes, args.batch_size, args.attach_threads)
     try:
         began = time.perf_counter()
         attach = job.ask("attach")
@@ -519,6 +527,7 @@ def measure(args) -> dict:
         "samples": args.samples,
         "batch_size": args.batch_size,
         "nodes": args.nodes,
+        "cores": os.cpu_count(),
         "by_ranks": by_ranks,
         "by_servers": by_servers,
     }
@@ -554,7 +563,22 @@ def charts(result: dict, outdir: str, before: dict | None = None) -> list[str]:
         left.plot(x, [r["plan_s_max"] for r in rows], "o-", label="plan, slowest rank")
         left.plot(x, [r["lookup_s_max"] for r in rows], "s:", label="lookup, slowest rank")
         left.plot(x, [r["commit_s_max"] for r in rows], "^:", label="commit, slowest rank")
-        right.plot(x, [r["server_cpu_s_mean"] for r in rows], "o-", label="CPU s per server")
+        right.plot(x, [r["server_cpu_s_mean"] for r in rows], "o-", label="servers: CPU s per server")
+        spent = [r for r in rows if "ranks_cpu_s" in r]
+        if spent:  # what every process spent over the boundary, spread over the machine's cores
+            cores = result.get("cores") or os.cpu_count() or 1
+            left.plot(
+                [r[axis] for r in spent],
+                [(r["servers_cpu_raw_s"] + r["ranks_cpu_s"]) / cores for r in spent],
+                "d--",
+                label=f"all CPU spent / {cores} cores",
+            )
+            right.plot(
+                [r[axis] for r in spent],
+                [r["ranks_cpu_s"] / r["ranks"] for r in spent],
+                "d--",
+                label="ranks: CPU s per rank",
+            )
         if old:
             ox = [r[axis] for r in old]
             left.plot(ox, [r["plan_s_max"] for r in old], "x--", color="grey", label="plan, before")
@@ -564,7 +588,7 @@ def charts(result: dict, outdir: str, before: dict | None = None) -> list[str]:
         left.set_title(f"epoch-boundary plan, {result['samples']:,} samples")
         left.legend(fontsize=8)
         right.set_xlabel(axis)
-        right.set_ylabel("server CPU seconds per boundary")
+        right.set_ylabel("CPU seconds per boundary")
         right.legend(fontsize=8)
         fig.tight_layout()
         path = os.path.join(outdir, f"plan_{axis}.png")
