@@ -15,7 +15,7 @@ import numpy as np
 
 from kspeed.errors import DatasetError
 
-__all__ = ["SAMPLE_ALIGN", "BatchLayout", "batch_layout", "region_bounds"]
+__all__ = ["SAMPLE_ALIGN", "BatchLayout", "batch_layout", "batch_starts", "region_bounds"]
 
 #: Every sample starts at a multiple of this many bytes within its batch, so typed zero-copy views
 #: (int64, float64) of the received bytes are aligned. A batch starts at a multiple of it too.
@@ -100,6 +100,13 @@ class BatchLayout:
         return lo + min(first, hi - lo), lo + min(end, hi - lo)
 
 
+def batch_starts(count: int, batch_size: int) -> np.ndarray:
+    """Plan position of each batch's first sample, then ``count``: batch ``b`` is positions
+    ``starts[b]:starts[b + 1]``, every batch full but the last. The client and every server derive
+    a plan's batches from its length and batch size alone, with this."""
+    return np.append(np.arange(0, count, batch_size, dtype=np.int64), np.int64(count))
+
+
 def batch_layout(lengths: np.ndarray, batch_size: int) -> BatchLayout:
     """Lay out an epoch plan's batches: samples back to back in plan order, each aligned.
 
@@ -120,7 +127,7 @@ def batch_layout(lengths: np.ndarray, batch_size: int) -> BatchLayout:
     if len(lengths) and int(lengths.min()) < 0:
         raise ValueError("sample lengths must not be negative")
     n = len(lengths)
-    starts = np.append(np.arange(0, n, batch_size, dtype=np.int64), np.int64(n))
+    starts = batch_starts(n, batch_size)
     padded = (lengths + (SAMPLE_ALIGN - 1)) // SAMPLE_ALIGN * SAMPLE_ALIGN
     cum = np.cumsum(padded) - padded  # exclusive prefix sum over the whole plan
     batch_of = np.arange(n, dtype=np.int64) // batch_size

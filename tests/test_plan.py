@@ -1,4 +1,4 @@
-"""The layout rule shared by manager and servers: samples packed into regions in ID order."""
+"""The layout rules clients, manager and servers share: samples packed into regions, a plan's batches."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kspeed.errors import DatasetError
-from kspeed.layout import region_bounds
+from kspeed.layout import batch_layout, batch_starts, region_bounds
 
 R = 1000
 
@@ -38,3 +38,10 @@ def test_bad_sizes_are_named_by_sample_id():
         region_bounds(np.array([1, -1]), R, dataset="ds")
     with pytest.raises(DatasetError, match="region size must be positive"):
         region_bounds(np.array([1]), 0, dataset="ds")
+
+
+def test_batch_starts_cover_the_plan_with_only_the_last_batch_short():
+    assert batch_starts(10, 4).tolist() == [0, 4, 8, 10]
+    assert batch_starts(8, 4).tolist() == [0, 4, 8]
+    assert batch_starts(0, 4).tolist() == [0]
+    assert batch_layout(np.ones(10, np.int64), 4).starts.tolist() == batch_starts(10, 4).tolist()

@@ -22,6 +22,7 @@ import numpy as np
 from kspeed import errors, names
 from kspeed.control.logs import LogSettings
 from kspeed.errors import CapacityError, ConfigError, DatasetError, NotFoundError, ProtocolError, UnavailableError
+from kspeed.layout import batch_starts
 from kspeed.preprocess.pipeline import STATUS, Pipeline
 from kspeed.proto import kspeed_pb2
 from kspeed.rdma.options import RailOptions
@@ -314,7 +315,7 @@ class FeederPool:
         hosted.changes.refuse(owned_ids, f"an epoch plan of feed {feed_id} needs")
         none = np.zeros(n, dtype=np.int64)
         plan = PlanPart(
-            starts=np.append(np.arange(0, offer.count, batch_size, dtype=np.int64), np.int64(offer.count)),
+            starts=batch_starts(offer.count, batch_size),
             positions=positions.astype(np.int64),
             ids=owned_ids,
             length=length,

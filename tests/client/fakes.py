@@ -21,6 +21,7 @@ from kspeed.client.dataset import KSpeedDataset
 from kspeed.client.links import ServerPlan
 from kspeed.config import ClientConfig, load_config
 from kspeed.errors import KSpeedError, NotFoundError, ProtocolError
+from kspeed.layout import batch_starts
 from kspeed.proto import kspeed_pb2
 from kspeed.rdma.base import RegionKey
 from kspeed.rdma.options import RailOptions
@@ -102,7 +103,7 @@ class FakeServer:
             raise ProtocolError(f"{self.server_id}: this fake server runs no pipeline stages")
         if ((plan.ids < self.lo) | (plan.ids >= self.hi)).any():
             raise ProtocolError(f"{self.server_id}: a plan names samples outside [{self.lo}, {self.hi})")
-        starts = np.append(np.arange(0, plan.count, plan.batch_size), plan.count)
+        starts = batch_starts(plan.count, plan.batch_size)
         self.plans[plan.feed_epoch] = _Plan(starts, plan.positions.copy(), plan.offsets.copy(), plan.ids.copy())
         return kspeed_pb2.PlanReply(owned=len(plan.ids))
 
