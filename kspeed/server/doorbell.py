@@ -49,7 +49,10 @@ class Doorbell:
             self._bells[fd] = bell
             try:
                 if known is None:
-                    self._epoll.register(fd, _ONCE)
+                    try:
+                        self._epoll.register(fd, _ONCE)
+                    except FileExistsError:  # (a descriptor closed unforgotten, its number reused)
+                        self._epoll.modify(fd, _ONCE)
                 else:
                     self._epoll.modify(fd, _ONCE)
             except OSError as exc:  # (a descriptor already closed): the feed finds out by reading it

@@ -168,3 +168,14 @@ def test_an_idle_feed_wakes_for_a_grant_and_answers_it(pair):
     assert isinstance(refusal, grants.GrantError) and refusal.tag == 7 and "no plan for epoch 3" in refusal.text
     feed.close()
     feed.shared.doorbell.close()
+
+
+def test_a_descriptor_number_watched_again_without_being_forgotten_still_rings(bell, pair):
+    a, b = pair
+    first = threading.Event()
+    bell.watch(a.fileno(), first)
+    bell._bells.pop(a.fileno())  # as if its feed had gone without forgetting it
+    second = threading.Event()
+    bell.watch(a.fileno(), second)
+    b.send(b"x")
+    assert second.wait(5) and not first.is_set()
