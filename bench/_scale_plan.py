@@ -463,7 +463,7 @@ def _run_cluster(servers: int, rank_counts: list[int], args, root: str, path: st
             follow_preload(manager, name, out=None, timeout=600)
             for ranks in rank_counts:
                 print(f"   servers {servers}, ranks {ranks}", flush=True)
-                suspect = _log_count([cluster.manager], "-> suspect")
+                suspect = _suspects(cluster)
                 refused = _log_count(cluster.servers, "refused stream")
                 try:
                     row = _point(cluster, cluster.address, name, servers, ranks, args)
@@ -471,7 +471,7 @@ def _run_cluster(servers: int, rank_counts: list[int], args, root: str, path: st
                     print(f"     failed: {exc}", flush=True)
                     rows.append({"servers": servers, "ranks": ranks, "error": str(exc)})
                     continue
-                row["suspect_servers"] = _log_count([cluster.manager], "-> suspect") - suspect
+                row["suspect_servers"] = _suspects(cluster) - suspect
                 row["refused_streams"] = _log_count(cluster.servers, "refused stream") - refused
                 print(
                     f"     plan {row['plan_s_max']:.2f} s (lookup {row['lookup_s_max']:.2f}, commit "
