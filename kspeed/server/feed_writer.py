@@ -256,7 +256,8 @@ class FeedWriter:
                         now = time.monotonic()
                         self._pending.extend([grant, now, False] for grant in decoded)
                     elif isinstance(decoded, grants.DropPlan):
-                        self.plans.pop(decoded.epoch, None)
+                        with self.shared.lock:  # the feeder's commands walk the plans under it
+                            self.plans.pop(decoded.epoch, None)
                         self._dropped.append(decoded.epoch)
                 if self._pending:
                     look = self._worth_a_scan(message is not None)
