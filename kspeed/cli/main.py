@@ -2,7 +2,7 @@
 
 kspeed up [--servers N] [--port PORT] [--http-port PORT] [--state-dir DIR] [--memory SIZE]
 kspeed status [--manager HOST:PORT] [--json] [--job NAME]
-kspeed dataset add NAME URI [--kind K] [--labels dirname] [--quota SIZE]
+kspeed dataset add NAME URI [--kind K] [--labels dirname] [--quota SIZE] [--policy P]
 kspeed dataset list [--json] | show NAME | rm NAME [--force]
 kspeed preload NAME
 kspeed demo [--servers N]
@@ -29,6 +29,7 @@ from kspeed.control.manager_client import ManagerClient
 from kspeed.control.progress import follow_preload
 from kspeed.control.status import dataset_dict, human_bytes, job_dict, status_dict
 from kspeed.errors import KSpeedError
+from kspeed.policies import POLICIES
 from kspeed.proto import kspeed_pb2
 
 READY = kspeed_pb2.ServerState.SERVER_STATE_READY
@@ -141,6 +142,14 @@ def _client(args: argparse.Namespace) -> ManagerClient:
     return ManagerClient(load_config(ClientConfig, args), peer_name="kspeed-cli")
 
 
+def _held(info: kspeed_pb2.DatasetInfo) -> str:
+    """ ", policy P: H of N regions held" for a dataset held in part."""
+    if not info.shares or not info.shares[0].policy:
+        return ""
+    held, need = sum(s.memory_regions for s in info.shares), sum(s.num_regions for s in info.shares)
+    return f", policy {info.shares[0].policy}: {held} of {need} regions held"
+
+
 def cmd_dataset(args: argparse.Namespace) -> int:
     """Manage datasets: add (operator-owned), list, show, rm."""
     with _client(args) as client:
@@ -149,7 +158,9 @@ def cmd_dataset(args: argparse.Namespace) -> int:
                 quota = parse_bytes(args.quota) if args.quota else 0
             except ValueError as exc:
                 raise KSpeedError(f"--quota {args.quota!r}: {exc}") from None
-            spec = DatasetSpec(name=args.name, uri=args.uri, kind=args.kind, labels=args.labels, quota_bytes=quota)
+            spec = DatasetSpec(
+                name=args.name, uri=args.uri, kind=args.kind, labels=args.labels, quota_bytes=quota, policy=args.policy
+            )
             reply = client.create_dataset(spec.to_proto(), operator=True)
             verb = "registered" if reply.created else "already registered"
             info = reply.dataset
@@ -157,6 +168,7 @@ def cmd_dataset(args: argparse.Namespace) -> int:
             _say(
                 f"{verb} {info.spec.name}: {info.fingerprint.count:,} samples, {size} on {len(info.shares)} server(s)"
                 + (f", quota {format_bytes(quota)}" if quota else "")
+                + _held(info)
             )
         elif args.action == "list":
             datasets = client.datasets()
@@ -282,6 +294,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--labels", default="", choices=("dirname",), help="dirname: a sample's class is its parent directory"
     )
     add.add_argument("--quota", default="", metavar="SIZE", help="most pooled memory the dataset may take (e.g. 20GiB)")
+    add.add_argument(
+        "--policy",
+        default="auto",
+        choices=POLICIES,
+        help="what the servers keep in memory: auto (default: all of it when it fits, else stream), cache, stream, "
+        "or for comparison minio, reuse, lru",
+    )
     add.set_defaults(func=cmd_dataset)
     listing = _command(actions, "list", "list the datasets")
     listing.add_argument("--json", action="store_true", help="print JSON")

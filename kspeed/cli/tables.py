@@ -24,6 +24,13 @@ def dataset_table(datasets: list[kspeed_pb2.DatasetInfo]) -> str:
             for s in d["shares"]
             if s["on_demand"]
         ]
+        notes += [
+            f"{d['name']}: samples {s['first_id']}..{s['end_id'] - 1} are held by {s['server_id']} in "
+            f"{s['memory_regions']} of their {s['num_regions']} regions (policy {s['policy']}: the rest is read from "
+            "the backend as jobs need it)"
+            for s in d["shares"]
+            if s["policy"] != "cache" and not s["on_demand"]
+        ]
         total = d["progress"]["samples_total"] or 1
         rows.append(
             (

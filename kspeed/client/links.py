@@ -56,6 +56,7 @@ class ServerPlan:
         remote: per sample, whether the server preprocesses it (``None``: none are).
         split: the server stages for the remote samples.
         first_batch: the batches before it were delivered already.
+        epoch: the user's epoch (the sampler's; servers keep their figures by it).
     """
 
     feed_epoch: int
@@ -68,6 +69,7 @@ class ServerPlan:
     remote: np.ndarray | None = None
     split: RemoteSplit | None = None
     first_batch: int = 0
+    epoch: int = 0
 
 
 class Link(Protocol):
@@ -177,7 +179,7 @@ class ServerLink:
                     chunk.remote = np.packbits(plan.remote[part]).tobytes()
                 if start == 0:
                     chunk.feed_id, chunk.epoch, chunk.batch_size = feed_id, plan.feed_epoch, plan.batch_size
-                    chunk.count, chunk.first_batch = plan.count, plan.first_batch
+                    chunk.count, chunk.first_batch, chunk.seed_epoch = plan.count, plan.first_batch, plan.epoch
                     if plan.split is not None:
                         split = plan.split
                         chunk.server_stages, chunk.seed, chunk.seed_epoch = split.stages, split.seed, split.epoch

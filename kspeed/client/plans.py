@@ -269,6 +269,7 @@ def server_plan(
         remote=remote if split is not None else None,
         split=split,
         first_batch=first_batch,
+        epoch=plan.epoch,
     )
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from kspeed import names
 from kspeed.errors import ConfigError
+from kspeed.policies import POLICIES
 from kspeed.preprocess.pipeline import Pipeline
 
 __all__ = ["DatasetSpec"]
@@ -36,6 +37,9 @@ class DatasetSpec:
         pipeline: what every sample goes through before the training loop sees it
             (:class:`kspeed.preprocess.Pipeline`); part of the dataset's identity (its stages and
             outputs, not where they run).
+        policy: what the servers keep in memory (:mod:`kspeed.policies`): ``auto`` (default: the
+            whole dataset when it fits, else ``stream``), ``cache``, ``stream``, or for comparison
+            ``minio``, ``reuse``, ``lru``. The quota bounds the memory a policy uses.
         cache: what the servers keep: ``""`` (the backend's bytes, default) or ``"preprocessed"``
             (each sample after the pipeline's deterministic leading stages, applied once at preload
             by the servers' workers; the random rest runs every epoch). Part of the identity too.
@@ -51,6 +55,7 @@ class DatasetSpec:
     quota_bytes: int = 0
     pipeline: Pipeline | None = None
     cache: str = ""
+    policy: str = "auto"
 
     def __post_init__(self) -> None:
         names.DATASET.check(self.name, ConfigError, what="DatasetSpec.name", field="name", value=self.name)
@@ -79,6 +84,12 @@ class DatasetSpec:
                 f"DatasetSpec.quota_bytes {self.quota_bytes!r} of dataset {self.name!r} must be a non-negative integer",
                 field="quota_bytes",
                 value=self.quota_bytes,
+            )
+        if self.policy not in POLICIES:
+            raise ConfigError(
+                f"DatasetSpec.policy {self.policy!r} of dataset {self.name!r} is not one of {', '.join(POLICIES)}",
+                field="policy",
+                value=self.policy,
             )
         if self.pipeline is not None and not isinstance(self.pipeline, Pipeline):
             raise ConfigError(
@@ -116,4 +127,5 @@ class DatasetSpec:
             quota_bytes=self.quota_bytes,
             pipeline=self.pipeline.to_proto() if self.pipeline is not None else None,
             cache=self.cache,
+            policy=self.policy,
         )

@@ -80,7 +80,8 @@ def follow_preload(
             _draw(bar, info, started)
             p = info.progress
             on_demand = [s for s in info.shares if s.on_demand]  # loads nothing (the dataset is degraded)
-            if not p.running and (p.samples_loaded == p.samples_total or p.error_count or on_demand):
+            streamed = all(s.policy for s in info.shares)  # held in part: loads as jobs consume
+            if not p.running and (p.samples_loaded == p.samples_total or p.error_count or on_demand or streamed):
                 for s in on_demand if out is not None else ():
                     bar.write(
                         f"dataset {name}: samples {s.first_id}..{s.end_id - 1} are served on demand by "

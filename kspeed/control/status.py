@@ -90,6 +90,8 @@ def dataset_dict(info: kspeed_pb2.DatasetInfo) -> dict:
                 "num_regions": s.num_regions,
                 "bytes": s.bytes,
                 "on_demand": s.on_demand,
+                "policy": s.policy or "cache",
+                "memory_regions": s.memory_regions if s.policy else s.num_regions,
                 "samples_loaded": st.progress.samples_loaded,
                 "regions_sealed": st.regions_sealed,
             }

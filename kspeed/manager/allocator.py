@@ -8,6 +8,11 @@ range of sample IDs and ownership is a pure function of the :class:`Allocation`.
 balanced by memory: their region counts (so their allocated bytes) differ by at most one region
 wherever their free regions allow. The sample bytes they hold differ by that plus the unfilled
 tails of their regions (a sample never straddles two regions).
+
+A dataset that does not fit (or has a memory policy, :mod:`kspeed.policies`) is allocated by
+:func:`allocate_window`: its ID range is still dealt out in contiguous runs of virtual regions,
+in proportion to the memory each server can give it, and each server holds only its
+``memory_regions`` of them as the share's window; the rest is read from the backend as plans need it.
 """
 
 from __future__ import annotations
@@ -20,7 +25,14 @@ import numpy as np
 from kspeed.errors import CapacityError, DatasetError
 from kspeed.layout import region_bounds
 
-__all__ = ["Allocation", "ServerCapacity", "Share", "allocate", "allocate_regions"]
+__all__ = [
+    "Allocation",
+    "ServerCapacity",
+    "Share",
+    "allocate",
+    "allocate_regions",
+    "allocate_window",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +54,8 @@ class Share:
         lo: first sample ID it owns.
         hi: one past its last sample ID.
         bytes: sum of the sizes of its samples.
+        memory_regions: regions the server holds for it (``num_regions`` unless the dataset is held
+            in part, :func:`allocate_window`).
     """
 
     server_id: str
@@ -50,6 +64,11 @@ class Share:
     lo: int
     hi: int
     bytes: int
+    memory_regions: int = -1
+
+    def __post_init__(self) -> None:
+        if self.memory_regions < 0:
+            object.__setattr__(self, "memory_regions", self.num_regions)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +85,11 @@ class Allocation:
     def num_regions(self) -> int:
         """Regions of the whole dataset."""
         return sum(s.num_regions for s in self.shares)
+
+    @property
+    def memory_regions(self) -> int:
+        """Regions the servers hold for it."""
+        return sum(s.memory_regions for s in self.shares)
 
     def owner(self, ids: np.ndarray) -> np.ndarray:
         """Index into :attr:`shares` of the server owning each sample ID (vectorized).
@@ -202,3 +226,62 @@ def allocate_regions(
         shares.append(Share(server_id, region, n, lo, hi, int(cum[region + n] - cum[region])))
         region += n
     return Allocation(dataset, region_size, count, total, tuple(shares))
+
+
+def allocate_window(
+    dataset: str,
+    starts: np.ndarray,
+    region_bytes: np.ndarray,
+    region_size: int,
+    servers: Sequence[ServerCapacity],
+    *,
+    budget: int | None = None,
+    headroom: int = 0,
+) -> Allocation:
+    """Allocate a dataset held in part: each server holds some regions as its share's window.
+
+    The memory (at most ``budget`` regions, or every free one) is balanced over the servers as
+    :func:`allocate_regions` balances a whole dataset; the dataset's virtual regions are then
+    dealt out in contiguous runs in proportion to each server's memory, so a server streams a
+    part of the dataset as large, relative to its memory, as every other's. A share never holds
+    more regions than its part has.
+
+    Raises:
+        DatasetError: as :func:`allocate_regions`.
+        CapacityError: no server has a free region (after headroom), or ``budget`` is under one.
+    """
+    starts = np.asarray(starts, dtype=np.int64)
+    region_bytes = np.asarray(region_bytes, dtype=np.int64)
+    whole = allocate_regions(dataset, starts, region_bytes, region_size, [ServerCapacity("", len(starts) - 1)])
+    need = whole.num_regions
+    ranked = sorted(servers, key=lambda s: (-s.free_regions, s.server_id))
+    caps = [max(s.free_regions - headroom, 0) for s in ranked]
+    memory = min(sum(caps), need if budget is None else min(int(budget), need))
+    if memory < 1:
+        raise CapacityError(
+            f"dataset {dataset!r}: no region of {region_size} bytes to hold any of it "
+            f"({sum(caps)} free on {len(ranked)} servers (headroom {headroom} per server), budget {budget})"
+        )
+    candidates = sorted((s.server_id, c) for s, c in zip(ranked, caps, strict=True) if c > 0)
+    held = _balance(memory, [c for _, c in candidates])
+    parts = [(sid, m) for (sid, _), m in zip(candidates, held, strict=True) if m > 0]
+    parts = parts[: min(len(parts), need)]  # every share holds at least one virtual region
+    memory = sum(m for _, m in parts)
+    # Virtual regions in proportion to memory (largest remainders), at least one each.
+    exact = [need * m / memory for _, m in parts]
+    counts = [max(int(x), 1) for x in exact]
+    order = sorted(range(len(parts)), key=lambda k: (counts[k] - exact[k], k))
+    k = 0
+    while sum(counts) < need:
+        counts[order[k % len(order)]] += 1
+        k += 1
+    while sum(counts) > need:
+        biggest = max(range(len(counts)), key=lambda k: (counts[k], -k))
+        counts[biggest] -= 1
+    cum = np.concatenate(([0], np.cumsum(region_bytes)))
+    shares, region = [], 0
+    for (server_id, m), n in zip(parts, counts, strict=True):
+        lo, hi = int(starts[region]), int(starts[region + n])
+        shares.append(Share(server_id, region, n, lo, hi, int(cum[region + n] - cum[region]), min(m, n)))
+        region += n
+    return Allocation(dataset, region_size, whole.num_samples, whole.total_bytes, tuple(shares))

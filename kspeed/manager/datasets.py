@@ -3,7 +3,9 @@
 The manager owns this hard state (SQLite); servers hold the data. Registering a dataset asks one
 ready server to list the backend (the manager has no backend credentials; the lister answers with
 its region layout, one entry per region, never one per sample), allocates whole regions on servers
-with :func:`kspeed.manager.allocator.allocate_regions`, and assigns each server its share; a
+with :func:`kspeed.manager.allocator.allocate_regions` (or, for a dataset that does not fit or has a
+memory policy, a window per share with :func:`~kspeed.manager.allocator.allocate_window`), and
+assigns each server its share; a
 failure on any server undoes the assignments already made, so nothing is left half-registered.
 
 A dataset created by a job lives while some lease on it does (leases expire unless renewed, so a
@@ -31,10 +33,11 @@ from kspeed.errors import (
     StateError,
     UnavailableError,
 )
-from kspeed.manager.allocator import ServerCapacity, allocate_regions
+from kspeed.manager.allocator import Allocation, ServerCapacity, allocate_regions, allocate_window
 from kspeed.manager.calls import ServerCalls
 from kspeed.manager.membership import JOINING, READY, Membership
 from kspeed.manager.store import Store
+from kspeed.policies import MEMORY_POLICIES, POLICIES
 from kspeed.proto import kspeed_pb2
 
 log = logging.getLogger(__name__)
@@ -45,6 +48,7 @@ DState = kspeed_pb2.DatasetState
 _KINDS = ("", "auto", "dir", "list", "manifest", "npy")
 _LABELS = ("", "dirname")
 _CACHES = ("", "preprocessed")
+_POLICIES = ("", *POLICIES)
 MAX_URI = 4096
 MAX_HOLDER = 256
 VERIFY_TTL = 60.0  # seconds a successful attach-time listing holds for further attaches
@@ -69,16 +73,29 @@ def validate_spec(spec: kspeed_pb2.DatasetSpec) -> None:
         raise ProtocolError(f"dataset {spec.name!r}: cache {spec.cache!r} is not one of '', 'preprocessed'")
     if spec.cache and not spec.pipeline.stages:
         raise ProtocolError(f"dataset {spec.name!r}: cache {spec.cache!r} needs a pipeline")
+    if spec.policy not in _POLICIES:
+        raise ProtocolError(f"dataset {spec.name!r}: policy {spec.policy!r} is not one of {', '.join(_POLICIES[1:])}")
+
+
+def needed_regions(share: kspeed_pb2.Share) -> int:
+    """Pool regions a holder with a copy gives a share: its window with a memory policy, else all of it."""
+    return share.memory_regions if share.policy else share.num_regions
+
+
+def held_regions(share: kspeed_pb2.Share) -> int:
+    """Pool regions a share takes on its holder now (none while served on demand)."""
+    return 0 if share.on_demand else needed_regions(share)
 
 
 def _same_definition(a: kspeed_pb2.DatasetSpec, b: kspeed_pb2.DatasetSpec) -> bool:
-    return (a.uri, a.kind or "auto", a.labels, a.quota_bytes, a.pipeline, a.cache) == (
+    return (a.uri, a.kind or "auto", a.labels, a.quota_bytes, a.pipeline, a.cache, a.policy or "auto") == (
         b.uri,
         b.kind or "auto",
         b.labels,
         b.quota_bytes,
         b.pipeline,
         b.cache,
+        b.policy or "auto",
     )
 
 
@@ -169,8 +186,8 @@ class DatasetCatalog:
             info.state = DState.DATASET_STATE_LOADING
         elif unreachable or total.error_count:  # a holder away, a share read on demand, or load errors
             info.state = DState.DATASET_STATE_DEGRADED
-        elif total.samples_loaded == total.samples_total:
-            info.state = DState.DATASET_STATE_READY
+        elif total.samples_loaded == total.samples_total or all(s.policy for s in info.shares):
+            info.state = DState.DATASET_STATE_READY  # (held in part: nothing to load ahead of the jobs)
         else:
             info.state = DState.DATASET_STATE_ALLOCATED
         return info
@@ -255,7 +272,8 @@ class DatasetCatalog:
                     raise ConflictError(
                         f"dataset {spec.name!r} is already registered as uri={existing.spec.uri!r} "
                         f"kind={existing.spec.kind or 'auto'!r} labels={existing.spec.labels!r} "
-                        f"quota={existing.spec.quota_bytes} cache={existing.spec.cache!r} and "
+                        f"quota={existing.spec.quota_bytes} cache={existing.spec.cache!r} "
+                        f"policy={existing.spec.policy or 'auto'!r} and "
                         f"{len(existing.spec.pipeline.stages)} pipeline stage(s) (a pipeline is part of a dataset's "
                         "identity); remove it first or use another name"
                     )
@@ -348,20 +366,7 @@ class DatasetCatalog:
                 f"its inventory says {region_size}"
             )
         capacities = [ServerCapacity(r.id, self._free_regions(r)) for r in ready]
-        allocation = allocate_regions(
-            spec.name,
-            wire.unpack_i64(described.region_starts, f"dataset {spec.name!r}: region starts from {lister.id}"),
-            wire.unpack_i64(described.region_bytes, f"dataset {spec.name!r}: region bytes from {lister.id}"),
-            region_size,
-            capacities,
-        )
-        need = allocation.num_regions * region_size
-        if spec.quota_bytes and need > spec.quota_bytes:
-            raise CapacityError(
-                f"dataset {spec.name!r} needs {allocation.num_regions} regions ({need} bytes) "
-                f"for {allocation.total_bytes} bytes of samples; its quota is {spec.quota_bytes} "
-                "bytes"
-            )
+        allocation = self._place(spec, described, region_size, capacities, lister.id)
         info = kspeed_pb2.DatasetInfo(
             spec=spec,
             owner=owner,
@@ -370,6 +375,9 @@ class DatasetCatalog:
             class_names=described.class_names,
             created_unix=self._wall(),
         )
+        policy = spec.policy if spec.policy in MEMORY_POLICIES else ""
+        if not policy and allocation.memory_regions < allocation.num_regions:
+            policy = "stream"  # "auto": the default for a dataset that does not fit
         for part in allocation.shares:
             info.shares.append(
                 kspeed_pb2.Share(
@@ -379,6 +387,8 @@ class DatasetCatalog:
                     first_region=part.first_region,
                     num_regions=part.num_regions,
                     bytes=part.bytes,
+                    policy=policy,
+                    memory_regions=part.memory_regions if policy else 0,
                 )
             )
         addresses = {r.id: r.address for r in ready}
@@ -393,14 +403,50 @@ class DatasetCatalog:
             await self._drop_shares(spec.name, done, addresses)
             raise
         log.info(
-            "dataset %s: %d samples, %d bytes in %d regions on %d server(s)",
+            "dataset %s: %d samples, %d bytes in %d regions on %d server(s)%s",
             spec.name,
             allocation.num_samples,
             allocation.total_bytes,
             allocation.num_regions,
             len(info.shares),
+            f"; policy {policy}, held in {allocation.memory_regions} region(s)" if policy else "",
         )
         return info
+
+    @staticmethod
+    def _place(
+        spec: kspeed_pb2.DatasetSpec,
+        described: kspeed_pb2.DescribeDatasetReply,
+        region_size: int,
+        capacities: list[ServerCapacity],
+        lister: str,
+    ) -> Allocation:
+        """Where the dataset goes: whole when it fits (policy ``auto`` or ``cache``), else (or with
+        a memory policy) held in part, in at most its quota.
+
+        Raises:
+            CapacityError: with policy ``cache``, it does not fit the free regions or its quota.
+        """
+        name = spec.name
+        starts = wire.unpack_i64(described.region_starts, f"dataset {name!r}: region starts from {lister}")
+        region_bytes = wire.unpack_i64(described.region_bytes, f"dataset {name!r}: region bytes from {lister}")
+        budget = spec.quota_bytes // region_size if spec.quota_bytes else None
+        if spec.policy not in MEMORY_POLICIES:
+            try:
+                allocation = allocate_regions(name, starts, region_bytes, region_size, capacities)
+            except CapacityError:
+                if spec.policy == "cache":
+                    raise
+            else:
+                need = allocation.num_regions * region_size
+                if not spec.quota_bytes or need <= spec.quota_bytes:
+                    return allocation
+                if spec.policy == "cache":
+                    raise CapacityError(
+                        f"dataset {name!r} needs {allocation.num_regions} regions ({need} bytes) "
+                        f"for {allocation.total_bytes} bytes of samples; its quota is {spec.quota_bytes} bytes"
+                    )
+        return allocate_window(name, starts, region_bytes, region_size, capacities, budget=budget)
 
     async def _ready_servers(self, name: str) -> list[kspeed_pb2.ServerRecord]:
         """The READY servers, once no server is still joining (or ``join_wait`` has passed).
@@ -436,12 +482,7 @@ class DatasetCatalog:
     def _free_regions(self, record: kspeed_pb2.ServerRecord) -> int:
         """Regions of ``record`` not promised to any dataset (the manager's own bookkeeping; a
         share held on demand takes none)."""
-        promised = sum(
-            s.num_regions
-            for d in self._datasets.values()
-            for s in d.shares
-            if s.server_id == record.id and not s.on_demand
-        )
+        promised = sum(held_regions(s) for d in self._datasets.values() for s in d.shares if s.server_id == record.id)
         inv = record.inventory
         total = inv.regions_total or inv.memory_bytes // max(inv.region_size, 1)
         return max(int(total) - int(inv.regions_window) - promised, 0)
@@ -526,7 +567,7 @@ class DatasetCatalog:
             if r.state == READY and r.id != old and r.inventory.region_size == info.region_size
         ]
         holding = {s.server_id for d in self._datasets.values() for s in d.shares}
-        roomy = [r for r in ready if self._free_regions(r) >= share.num_regions]
+        roomy = [r for r in ready if self._free_regions(r) >= needed_regions(share)]
         roomy.sort(key=lambda r: (r.id in holding, -self._free_regions(r), r.id))
         targets = [(r, False) for r in roomy]
         if not copy_only:

@@ -252,7 +252,7 @@ class MembershipEvent(_message.Message):
     def __init__(self, revision: _Optional[int] = ..., snapshot: _Optional[bool] = ..., servers: _Optional[_Iterable[_Union[ServerRecord, _Mapping]]] = ...) -> None: ...
 
 class DatasetSpec(_message.Message):
-    __slots__ = ("name", "uri", "kind", "labels", "quota_bytes", "pipeline", "cache")
+    __slots__ = ("name", "uri", "kind", "labels", "quota_bytes", "pipeline", "cache", "policy")
     NAME_FIELD_NUMBER: _ClassVar[int]
     URI_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -260,6 +260,7 @@ class DatasetSpec(_message.Message):
     QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
     name: str
     uri: str
     kind: str
@@ -267,7 +268,8 @@ class DatasetSpec(_message.Message):
     quota_bytes: int
     pipeline: Pipeline
     cache: str
-    def __init__(self, name: _Optional[str] = ..., uri: _Optional[str] = ..., kind: _Optional[str] = ..., labels: _Optional[str] = ..., quota_bytes: _Optional[int] = ..., pipeline: _Optional[_Union[Pipeline, _Mapping]] = ..., cache: _Optional[str] = ...) -> None: ...
+    policy: str
+    def __init__(self, name: _Optional[str] = ..., uri: _Optional[str] = ..., kind: _Optional[str] = ..., labels: _Optional[str] = ..., quota_bytes: _Optional[int] = ..., pipeline: _Optional[_Union[Pipeline, _Mapping]] = ..., cache: _Optional[str] = ..., policy: _Optional[str] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("shape", "dtype", "max_bytes", "kind")
@@ -308,7 +310,7 @@ class Fingerprint(_message.Message):
     def __init__(self, count: _Optional[int] = ..., total_bytes: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class Share(_message.Message):
-    __slots__ = ("server_id", "first_id", "end_id", "first_region", "num_regions", "bytes", "on_demand")
+    __slots__ = ("server_id", "first_id", "end_id", "first_region", "num_regions", "bytes", "on_demand", "policy", "memory_regions")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_ID_FIELD_NUMBER: _ClassVar[int]
     END_ID_FIELD_NUMBER: _ClassVar[int]
@@ -316,6 +318,8 @@ class Share(_message.Message):
     NUM_REGIONS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     ON_DEMAND_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_REGIONS_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     first_id: int
     end_id: int
@@ -323,7 +327,9 @@ class Share(_message.Message):
     num_regions: int
     bytes: int
     on_demand: bool
-    def __init__(self, server_id: _Optional[str] = ..., first_id: _Optional[int] = ..., end_id: _Optional[int] = ..., first_region: _Optional[int] = ..., num_regions: _Optional[int] = ..., bytes: _Optional[int] = ..., on_demand: _Optional[bool] = ...) -> None: ...
+    policy: str
+    memory_regions: int
+    def __init__(self, server_id: _Optional[str] = ..., first_id: _Optional[int] = ..., end_id: _Optional[int] = ..., first_region: _Optional[int] = ..., num_regions: _Optional[int] = ..., bytes: _Optional[int] = ..., on_demand: _Optional[bool] = ..., policy: _Optional[str] = ..., memory_regions: _Optional[int] = ...) -> None: ...
 
 class ShareRef(_message.Message):
     __slots__ = ("dataset", "first_id")
@@ -356,7 +362,7 @@ class PreloadProgress(_message.Message):
     def __init__(self, samples_loaded: _Optional[int] = ..., samples_total: _Optional[int] = ..., bytes_loaded: _Optional[int] = ..., bytes_total: _Optional[int] = ..., bytes_per_s: _Optional[float] = ..., running: _Optional[bool] = ..., error_count: _Optional[int] = ..., errors: _Optional[_Iterable[str]] = ..., samples_read: _Optional[int] = ...) -> None: ...
 
 class ShareStatus(_message.Message):
-    __slots__ = ("dataset", "progress", "regions_sealed", "integrity_repairs", "changed_samples", "changes", "samples_checked", "stage_seconds", "first_id")
+    __slots__ = ("dataset", "progress", "regions_sealed", "integrity_repairs", "changed_samples", "changes", "samples_checked", "stage_seconds", "first_id", "epochs")
     class StageSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -373,6 +379,7 @@ class ShareStatus(_message.Message):
     SAMPLES_CHECKED_FIELD_NUMBER: _ClassVar[int]
     STAGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     progress: PreloadProgress
     regions_sealed: int
@@ -382,7 +389,26 @@ class ShareStatus(_message.Message):
     samples_checked: int
     stage_seconds: _containers.ScalarMap[str, float]
     first_id: int
-    def __init__(self, dataset: _Optional[str] = ..., progress: _Optional[_Union[PreloadProgress, _Mapping]] = ..., regions_sealed: _Optional[int] = ..., integrity_repairs: _Optional[int] = ..., changed_samples: _Optional[int] = ..., changes: _Optional[_Iterable[str]] = ..., samples_checked: _Optional[int] = ..., stage_seconds: _Optional[_Mapping[str, float]] = ..., first_id: _Optional[int] = ...) -> None: ...
+    epochs: _containers.RepeatedCompositeFieldContainer[EpochFigures]
+    def __init__(self, dataset: _Optional[str] = ..., progress: _Optional[_Union[PreloadProgress, _Mapping]] = ..., regions_sealed: _Optional[int] = ..., integrity_repairs: _Optional[int] = ..., changed_samples: _Optional[int] = ..., changes: _Optional[_Iterable[str]] = ..., samples_checked: _Optional[int] = ..., stage_seconds: _Optional[_Mapping[str, float]] = ..., first_id: _Optional[int] = ..., epochs: _Optional[_Iterable[_Union[EpochFigures, _Mapping]]] = ...) -> None: ...
+
+class EpochFigures(_message.Message):
+    __slots__ = ("epoch", "planned", "written", "misses", "backend_bytes", "backend_requests", "stall_s")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    STALL_S_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    planned: int
+    written: int
+    misses: int
+    backend_bytes: int
+    backend_requests: int
+    stall_s: float
+    def __init__(self, epoch: _Optional[int] = ..., planned: _Optional[int] = ..., written: _Optional[int] = ..., misses: _Optional[int] = ..., backend_bytes: _Optional[int] = ..., backend_requests: _Optional[int] = ..., stall_s: _Optional[float] = ...) -> None: ...
 
 class Lease(_message.Message):
     __slots__ = ("id", "dataset", "holder", "ttl_s", "expires_unix")

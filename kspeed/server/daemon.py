@@ -131,6 +131,7 @@ class Server:
             logs=LogSettings(cfg.log_level, cfg.log_format),
         )
         host.on_drop = self.feeders.close_share
+        host.figures = self.feeders.production.figures
         feeders = self.feeders
         host.on_changed = lambda name, changes: feeders.mark_changed(
             name, {c.sample: f"{c.path}: {c.what}" for c in changes}

@@ -4,7 +4,10 @@ A share is a contiguous range of sample IDs held in consecutive virtual regions 
 server usually holds one share of a dataset; after a failover it may hold more (one it took over
 from a failed server), each its own range of the dataset's virtual regions. A share taken
 **on demand** (no server had the regions free) holds no regions at all: its samples are read from
-the backend into the production window as feeds need them.
+the backend into the production window as feeds need them. A share held under a **memory policy**
+(its dataset does not fit the cluster, or asked for one) holds only its window's regions: its
+samples are read from the backend into them in the order the plans consume them
+(:mod:`kspeed.server.production`).
 
 The host opens the backend listing, checks it against the fingerprint the manager recorded (a changed
 backend is reported, never served stale), allocates the pool regions, loads on request, and
@@ -39,6 +42,7 @@ from kspeed.server.integrity import SampleStore
 from kspeed.server.pool import WINDOW_OWNER, MemoryPool, RegionState
 from kspeed.server.preload import Preloader
 from kspeed.server.prep_pool import PrepPool
+from kspeed.server.production_state import EpochFigures
 from kspeed.server.sources import Source, open_source
 
 log = logging.getLogger(__name__)
@@ -50,8 +54,10 @@ RETAKE_INTERVAL = 30.0  # seconds between attempts to take again a share this se
 
 
 def _vindices(share: kspeed_pb2.Share) -> range:
-    """The virtual regions a share with a copy occupies."""
-    return range(share.first_region, share.first_region + share.num_regions)
+    """The virtual regions a share holds here: all of its regions, with a memory policy its window's
+    (the first ``memory_regions``), none while served on demand."""
+    held = 0 if share.on_demand else share.memory_regions if share.policy else share.num_regions
+    return range(share.first_region, share.first_region + held)
 
 
 def _span(share: kspeed_pb2.Share) -> str:
@@ -107,6 +113,18 @@ class Hosted:
         return self.request.share.on_demand
 
     @property
+    def policy(self) -> str:
+        """The memory policy the share is held under ("" when it is held whole or on demand)."""
+        return "" if self.on_demand else self.request.share.policy
+
+    def window_regions(self) -> list[int]:
+        """With a memory policy, the pool regions of the share's window (in virtual order)."""
+        if not self.policy:
+            return []
+        held = {r.vindex: r.index for r in self.preloader.pool.regions(self.name)}
+        return [held[v] for v in _vindices(self.request.share)]
+
+    @property
     def changes(self) -> ChangeLog:
         """The share's samples whose backend file changed since the listing."""
         return self.preloader.changes
@@ -148,6 +166,8 @@ class DatasetHost:
         self._dropped: dict[str, str] = {}  # recently dropped datasets and why, to answer with the reason
         self.on_drop: Callable[[str, int, str], None] = lambda name, first, reason: None  # e.g. close its feeds
         self.on_changed: Callable[[str, list[Change]], None] = lambda name, changes: None  # e.g. tell the feeders
+        # a share's per-epoch figures under a memory policy (production keeps them)
+        self.figures: Callable[[ShareKey], list[EpochFigures]] = lambda key: []
         self.watch = ChangeWatch(self._checks, interval=change_check_interval, budget=change_check_budget)
         self._retaken: dict[ShareKey, float] = {}  # share -> when it was last taken again
         self.assignments = 0  # shares assigned so far (a share's number is when it was assigned)
@@ -181,7 +201,7 @@ class DatasetHost:
     def restore(self) -> None:
         """Re-adopt the shares recorded before a restart (errors are logged, not fatal)."""
         requests = self._load_assignments()
-        keep = frozenset((r.spec.name, v) for r in requests if not r.share.on_demand for v in _vindices(r.share))
+        keep = frozenset((r.spec.name, v) for r in requests for v in _vindices(r.share))
         for request in requests:
             try:
                 self.assign(request, keep=keep)
@@ -331,10 +351,8 @@ class DatasetHost:
                     f"{source.fingerprint}); remove the dataset and register it again",
                     dataset=name,
                 )
-            wanted = set() if share.on_demand else set(_vindices(share))
-            claimed = {
-                v for h in self.shares(name, missing_ok=True) if not h.on_demand for v in _vindices(h.request.share)
-            }
+            wanted = set(_vindices(share))
+            claimed = {v for h in self.shares(name, missing_ok=True) for v in _vindices(h.request.share)}
             held = {r.vindex for r in self.pool.regions(name) if r.vindex is not None}
             stale = held - wanted - claimed - {v for n, v in keep if n == name}
             if stale:
@@ -350,7 +368,7 @@ class DatasetHost:
                     hi=share.end_id,
                     first_region=share.first_region,
                     threads=self._threads,
-                    on_demand=share.on_demand,
+                    on_demand=share.on_demand or bool(share.policy),
                     changes=ChangeLog(
                         name, share.first_id, share.end_id, on_change=lambda changes: self.on_changed(name, changes)
                     ),
@@ -360,14 +378,24 @@ class DatasetHost:
                     self.pool.release(name, missing)
                 raise
             store = SampleStore(preloader)
-            if self._scrub_interval > 0 and not share.on_demand:
+            if self._scrub_interval > 0 and not share.on_demand and not share.policy:
                 store.start_scrub(self._scrub_interval)
             self._hosted[key] = Hosted(request, source, preloader, store)
             self.assignments += 1
             self._assigned[key] = self.assignments
             self._dropped.pop(name, None)
             self._save_assignments()
-            if share.on_demand:
+            if share.policy and not share.on_demand:
+                log.info(
+                    "dataset %s: holding samples %d..%d under policy %s in %d of their %d region(s)",
+                    name,
+                    share.first_id,
+                    share.end_id - 1,
+                    share.policy,
+                    share.memory_regions,
+                    share.num_regions,
+                )
+            elif share.on_demand:
                 log.warning(
                     "dataset %s: serving samples %d..%d on demand (read from the backend as feeds need them; "
                     "no server had %d regions free)",
@@ -422,7 +450,7 @@ class DatasetHost:
                     self.prep.forget(name)
             else:
                 for hosted in dropping:
-                    self.pool.release(name, _vindices(hosted.request.share) if not hosted.on_demand else ())
+                    self.pool.release(name, _vindices(hosted.request.share))
                     hosted.preloader.forget_index()
             self._save_assignments()
         for hosted in dropping:
@@ -492,7 +520,7 @@ class DatasetHost:
         p = hosted.preloader.progress()
         result = hosted.preloader.result()
         errors = [str(e) for e in result.errors[:MAX_REPORTED_ERRORS]]
-        mine = set(_vindices(hosted.request.share)) if not hosted.on_demand else set()
+        mine = set(_vindices(hosted.request.share))
         sealed = sum(1 for r in self.pool.regions(name) if r.state is RegionState.SEALED and r.vindex in mine)
         changes = hosted.changes
         return kspeed_pb2.ShareStatus(
@@ -504,6 +532,18 @@ class DatasetHost:
             changes=[str(c) for c in changes.first()],
             samples_checked=changes.checked,
             stage_seconds=self.prep.seconds_of(name) if self.prep is not None else {},
+            epochs=[
+                kspeed_pb2.EpochFigures(
+                    epoch=f.epoch,
+                    planned=f.planned,
+                    written=f.written,
+                    misses=f.misses,
+                    backend_bytes=f.backend_bytes,
+                    backend_requests=f.backend_requests,
+                    stall_s=f.stall_s,
+                )
+                for f in self.figures(hosted.key)
+            ],
             progress=kspeed_pb2.PreloadProgress(
                 samples_loaded=p.samples_done,
                 samples_total=p.samples_total,

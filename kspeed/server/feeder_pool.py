@@ -326,7 +326,7 @@ class FeederPool:
             processed=mine if prep is not None else None,
         )
         try:
-            self.production.install(feed_id, info.feeder, hosted.key, epoch, plan, prep, first_batch)
+            self.production.install(feed_id, info.feeder, hosted.key, epoch, plan, prep, first_batch, seed_epoch)
         except errors.PeerLostError:
             self._feed(feed_id)  # ended meanwhile (its dataset removed)? say so rather than "not connected"
             raise

@@ -76,7 +76,7 @@ class ProcessedProduction:
         for slot in slots:
             feed.held -= slot.nbytes
             if slot.ticket in busy:
-                self._draining[slot.ticket] = Draining(slot, {feed.feeder})
+                self._draining[slot.ticket] = Draining(slot, {feed.feeder}, self.window)
             else:
                 self.window.free(slot)
 

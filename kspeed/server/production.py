@@ -19,10 +19,29 @@ when it has no home, asks for it and waits while it is produced again).
 The background preload (:mod:`kspeed.server.preload`) runs beside it and reads what the plans need
 after the producers' depth first, then the rest; claims on the share's
 :class:`~kspeed.server.residency.Residency` keep the two from reading a sample twice.
+
+**Memory policies.** A share whose dataset does not fit the cluster is held under a policy, in a
+window of its own (the regions the manager gave it; nothing is preloaded and nothing goes home):
+
+- ``stream`` (the default for such a dataset): each feed's horizon is as much of its plans as its
+  fair share of the share's window holds, into the next epoch's plan once the current one's rest
+  fits (a sampler deterministic in (seed, epoch) has it committed early), so the window never
+  drains at an epoch boundary. A sample is let go once no feed's horizon holds it: every attached
+  consumer was served it, and a re-grant after a fence reads it again. Feeds of one share with
+  the same order (two jobs on one dataset) share a sample while both horizons hold it, that is
+  while they are at most a window apart; beyond that each pays its own reads.
+- ``minio``, ``reuse`` and ``lru`` (for comparison) prefetch the same way into a quarter of the
+  window and keep written samples in the rest: ``minio`` the first that fit, for good (the rest
+  are read each epoch); ``reuse`` lets go, when room is needed, the samples whose next use in the
+  known plans is farthest; ``lru`` the least recently written.
+
+Each keeps per plan epoch its figures (:class:`~kspeed.server.production_state.EpochFigures`:
+samples written, misses, backend bytes and requests, the grants' wait for production).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -35,6 +54,7 @@ import numpy as np
 
 from kspeed.errors import KSpeedError
 from kspeed.histogram import Histogram
+from kspeed.policies import CACHING
 from kspeed.server.datasets import DatasetHost, ShareKey
 from kspeed.server.feed_writer import MAX_PLANS, FeedProgress, PlanPart
 from kspeed.server.feeder_process import Command, Failed, InstallPlan, Locate, Reply
@@ -43,6 +63,7 @@ from kspeed.server.prep_production import ProcessedProduction
 from kspeed.server.production_state import (
     BackendReader,
     Draining,
+    EpochFigures,
     FeedState,
     PlanState,
     PrepSpec,
@@ -51,7 +72,7 @@ from kspeed.server.production_state import (
     Work,
 )
 from kspeed.server.residency import ABSENT, FAILED, HOME, READING, WINDOW
-from kspeed.server.window import ProductionWindow, Slot
+from kspeed.server.window import ProductionWindow, Slot, chunk_size_for_samples
 
 __all__ = ["BackendReader", "PrepSpec", "Producer", "Production"]
 
@@ -62,6 +83,9 @@ PREP_TASK_SAMPLES = 16  # samples one preprocessing task runs (fewer round trips
 RETRY_FAILED_S = 5.0  # a failed sample still needed is read again after this long (and producers with
 # nothing to do look again this often, for those)
 RATE_SPAN_S = 5.0  # the producer rate is measured over about this long
+STAGING = 4  # a caching policy prefetches into at most 1/STAGING of its share's window (it keeps the rest)
+EVICT_BATCH = 16  # samples a caching policy lets go at once when its window is full
+PREEMPT_BATCH = 4  # samples let go at once for a first grant that does not fit
 
 
 class Production(ProcessedProduction):
@@ -110,6 +134,7 @@ class Production(ProcessedProduction):
         self.produced_bytes = 0
         self.failed_samples = 0
         self.window_full = 0  # times a producer found the window full
+        self.preempted = 0  # samples let go before use so that a first grant could complete
         self.waits = Histogram()
         self._recent: deque[tuple[float, int]] = deque()
         self._threads = [
@@ -130,9 +155,11 @@ class Production(ProcessedProduction):
         plan: PlanPart,
         prep: PrepSpec | None = None,
         first_batch: int = 0,
+        user_epoch: int = 0,
     ) -> None:
         """Follow a newly committed plan and hand it to its feeder with the samples' current places
         (the positions before batch ``first_batch`` count as written: they were delivered).
+        ``user_epoch`` is the sampler's epoch (a memory policy keeps its figures by it).
 
         ``plan.processed`` marks the positions that go through ``prep`` (the server stages of the
         dataset's pipeline) here: they are produced into the window per epoch, never at home.
@@ -147,7 +174,8 @@ class Production(ProcessedProduction):
             if feed is None or feed.share != key:
                 feed = self._feeds[feed_id] = FeedState(feed_id, key, feeder)
             feed.feeder = feeder
-            self._forget_plan(feed, feed.plans.pop(epoch, None))
+            replaced = feed.plans.pop(epoch, None)
+            self._unfollow(share, feed, replaced)
             follow = PlanState(
                 epoch,
                 plan.ids,
@@ -157,6 +185,7 @@ class Production(ProcessedProduction):
                 processed=processed,
                 prep=prep if processed is not None else None,
                 state=np.zeros(len(plan.ids), dtype=np.int8) if processed is not None else None,
+                user_epoch=user_epoch,
             )
             if first_batch > 0:
                 follow.delivered_before(int(plan.starts[min(first_batch, len(plan.starts) - 1)]))
@@ -167,12 +196,18 @@ class Production(ProcessedProduction):
             # plan carried every region's file, and listing them walked the whole pool: a commit
             # cost grew with the server's memory, at every epoch boundary for every rank.)
             told = self._told.setdefault(feeder, set())
-            paths = {i: p for i, p in {**share.home_paths(), **self.window.paths}.items() if i not in told}
+            places = {**share.home_paths(), **self.window.paths, **self._window_of(share).paths}
+            paths = {i: p for i, p in places.items() if i not in told}
             self._tell(feeder, InstallPlan(feed_id, epoch, plan, paths))
             told.update(paths)
             feed.plans[epoch] = follow
+            self._count_uses(share, follow, +1)
+            if share.own_window:  # (a plan committed again after a failover replaces its figures)
+                figures = share.figures_of(user_epoch)
+                figures.planned += len(plan.ids) - (len(replaced.ids) if replaced else 0)
+                figures.written += int(follow.written.sum()) - (int(replaced.written.sum()) if replaced else 0)
             for old in sorted(feed.plans)[:-MAX_PLANS]:  # as the feeder keeps them
-                self._forget_plan(feed, feed.plans.pop(old))
+                self._unfollow(share, feed, feed.plans.pop(old))
             self._sweep(share)
             self._stir()
         log.debug("feed %s: plan of epoch %d installed, %d samples of it here", feed_id, epoch, len(plan.ids))
@@ -185,8 +220,13 @@ class Production(ProcessedProduction):
             share = self._shares.get(feed.share) if feed else None
             if feed is not None:
                 for plan in feed.plans.values():
-                    self._forget_plan(feed, plan)
+                    if share is not None:
+                        self._unfollow(share, feed, plan)
+                    else:
+                        self._forget_plan(feed, plan)
             self.window.forget(feed_id)
+            if share is not None and share.own_window:
+                self._window_of(share).forget(feed_id)
             if feed is not None and share is not None:
                 self._sweep(share)
             self._stir()  # (the window's fair share per feed grew)
@@ -202,9 +242,14 @@ class Production(ProcessedProduction):
             self._urgent = deque((k, ids) for k, ids in self._urgent if k != key)
             if share is None:
                 return
+            window = self._window_of(share)
             for slot, _, _ in share.slots.values():
-                self.window.free(slot)
+                window.free(slot)
             share.slots.clear()
+            share.cached.clear()
+            share.kept.clear()
+            for ticket in [t for t, entry in self._draining.items() if entry.window is window and share.own_window]:
+                del self._draining[ticket]
 
     def progress(self, feeder: int, event: FeedProgress) -> None:
         """A feeder's report: grants written (slots may retire), grants waiting, waits, samples wanted."""
@@ -216,14 +261,24 @@ class Production(ProcessedProduction):
             if feed is None or share is None:
                 return
             feed.waiting = event.waiting
-            for epoch in event.dropped:  # its samples leave the horizon: their window slots retire
-                self._forget_plan(feed, feed.plans.pop(epoch, None))
+            if event.waited and share.own_window:
+                current = next((p for _, p in sorted(feed.plans.items()) if p.next < len(p.ids)), None)
+                if current is not None:
+                    share.figures_of(current.user_epoch).stall_s += float(sum(event.waited))
+            feed.served += len(event.written)
             for epoch, batch, first, end in event.written.tolist():
                 plan = feed.plans.get(epoch)
                 if plan is not None:
-                    i, j = plan.mark(batch, first, end)
+                    i, j, fresh = plan.mark(batch, first, end)
+                    if len(fresh) and share.own_window:
+                        share.figures_of(plan.user_epoch).written += len(fresh)
+                        raw = fresh if plan.processed is None else fresh[~plan.processed[fresh]]
+                        np.subtract.at(share.uses, plan.ids[raw] - share.lo, 1)
                     if plan.slots:
                         self._release(feed, plan, i, j)
+            # (after the writes: a report may carry a plan's last grants and its drop)
+            for epoch in event.dropped:  # its samples leave the horizon: their window slots retire
+                self._unfollow(share, feed, feed.plans.pop(epoch, None))
             if len(event.written) or event.dropped:
                 self._sweep(share)
                 self._stir()  # the feed's horizon moved on (and window slots were released)
@@ -249,19 +304,26 @@ class Production(ProcessedProduction):
                 entry.feeders.discard(feeder)
                 if not entry.feeders:
                     del self._draining[ticket]
-                    self.window.free(entry.slot)
+                    entry.window.free(entry.slot)
                     self._stir()
 
     # -- state -----------------------------------------------------------------------------------
 
     def _share(self, key: ShareKey) -> ShareState:
-        preloader = self.host.get(*key).preloader
+        hosted = self.host.get(*key)
+        preloader = hosted.preloader
         with self._lock:
             share = self._shares.get(key)
             if share is None or share.preloader is not preloader:
                 if share is not None:
                     self.drop_share(key)
-                share = self._shares[key] = ShareState(key, preloader)
+                if hosted.policy:
+                    chunk = chunk_size_for_samples(preloader.index.length, preloader.pool.region_size)
+                    window = ProductionWindow.over(preloader.pool, hosted.window_regions(), chunk)
+                    share = ShareState(key, preloader, window, hosted.policy)
+                else:
+                    share = ShareState(key, preloader, self.window, "on_demand" if preloader.on_demand else "")
+                self._shares[key] = share
                 preloader.on_home = functools.partial(self._came_home, share)
                 preloader.on_failed = functools.partial(self._failed, share)
             return share
@@ -291,51 +353,121 @@ class Production(ProcessedProduction):
                 log.warning("feeder %d: cannot tell it where samples of %s are: %s", index, share.dataset, exc)
         return replies
 
-    def _horizon(self, share: ShareState) -> np.ndarray:
-        """The samples within some feed's horizon (needed unwritten, ``depth`` positions ahead).
+    def _window_of(self, share: ShareState) -> ProductionWindow:
+        return share.window or self.window
 
-        For a share held on demand only the plan being consumed counts, and of it only as much as
-        a feed's fair share of the window holds: its samples have no home, so the window keeps
-        them only until they are written (a window that kept samples for later uses, next epoch
-        or far ahead, would fill up with them and starve the ones needed now).
-        """
+    def _horizon(self, share: ShareState) -> np.ndarray:
+        """The samples within some feed's horizon (needed unwritten, ``depth`` positions ahead; for
+        a share without a home, as many as the feed's fair share of its window holds)."""
         parts = [np.zeros(0, np.int64)]
         for feed in self._feeds.values():
             if feed.share != share.key:
                 continue
+            if share.policy:
+                parts += list(self._ahead(share, feed).values())
+                continue
             budget = self.depth
             for plan in self._followed(share, feed):
-                ahead = plan.ahead(budget)
-                if share.preloader.on_demand:
-                    nbytes = np.cumsum(share.preloader.index.length[ahead - share.lo])
-                    ahead = ahead[: max(int(np.searchsorted(nbytes, self._fair(), side="right")), 1)]
-                parts.append(ahead)
+                parts.append(plan.ahead(budget))
                 budget -= max(len(plan.ids) - plan.next, 0)
                 if budget <= 0:
                     break
         return np.concatenate(parts)
 
-    def _fair(self) -> int:
-        """Window bytes each feed with work may hold (open chunks round a feed's share up; every
-        feed may hold at least one)."""
-        busy = sum(1 for f in self._feeds.values() if any(p.next < len(p.ids) for p in f.plans.values()))
-        return max(self.window.capacity // max(busy, 1) - self.window.chunk, self.window.chunk)
+    def _ahead(self, share: ShareState, feed: FeedState) -> dict[int, np.ndarray]:
+        """For a share without a home, per followed plan, the unwritten raw samples ``feed`` will
+        consume next, as many as its fair share of the window holds (at least one).
+
+        Held on demand, only the plan being consumed counts: a window that kept samples for later
+        uses would fill with them and starve the ones needed now. A share with its own window
+        (a memory policy) looks into the next plans too, once the current one fits: the next
+        epoch's samples are loaded while this one ends, so the window does not drain at the boundary.
+        """
+        limit = self._fair(share)
+        lengths = share.preloader.index.length
+        # positions to look at: enough to cover the bytes allowed (plus what is written already)
+        budget = max(self.depth, 2 * limit // max(int(share.mean_size), 1) + TASK_SAMPLES)
+        out: dict[int, np.ndarray] = {}
+        for plan in self._followed(share, feed):
+            ahead = plan.ahead(budget)
+            budget -= max(len(plan.ids) - plan.next, 0)
+            nbytes = np.cumsum(lengths[ahead - share.lo])
+            cut = int(np.searchsorted(nbytes, limit, side="right"))
+            if not out:  # the first grant not written is always within reach, however large
+                cut = max(cut, len(plan.first_grant()))
+            out[plan.epoch] = ahead[:cut]
+            limit -= int(nbytes[cut - 1]) if cut else 0
+            if limit <= 0 or budget <= 0 or cut < len(ahead):
+                break
+        return out
+
+    def _fair(self, share: ShareState) -> int:
+        """Sample bytes each feed may hold ahead of it: its share of the window it produces into.
+
+        The server's window is shared by the feeds with work there. A share's own window is
+        shared by all of the share's feeds (a rank that has not begun yet gets its part kept for
+        it), is counted at the fill its chunks reach (samples do not fill them exactly), and under
+        a caching policy only its prefetch part counts. Open chunks round a feed's share up; every
+        feed may hold at least one chunk.
+        """
+        window = self._window_of(share)
+        feeds = 0
+        for f in self._feeds.values():
+            if share.own_window:
+                feeds += f.share == share.key
+                continue
+            other = self._shares.get(f.share)
+            if other is not None and self._window_of(other) is window:
+                feeds += any(p.next < len(p.ids) for p in f.plans.values())
+        room = window.capacity // STAGING if share.policy in CACHING else window.capacity
+        if share.own_window:
+            room = int(room * window.fill())
+        return max(room // max(feeds, 1) - window.chunk, window.chunk)
 
     @staticmethod
     def _followed(share: ShareState, feed: FeedState) -> list[PlanState]:
         """The plans of ``feed`` production works for, in order: all of them, or for a share held
-        on demand the first one not written yet (see :meth:`_horizon`)."""
+        on demand the first one not written yet (see :meth:`_ahead`)."""
         plans = [feed.plans[epoch] for epoch in sorted(feed.plans)]
-        if share.preloader.on_demand:
-            plans = [p for p in plans if p.next < len(p.ids)][:1]
+        if share.policy:
+            plans = [p for p in plans if p.next < len(p.ids)]
+        if share.policy == "on_demand":
+            plans = plans[:1]
         return plans
 
     def _sweep(self, share: ShareState) -> None:
-        """Retire the window slots of samples no feed's horizon holds any more."""
+        """Retire the window slots of samples nobody needs any more: for a share held whole or on
+        demand, those no feed's horizon holds; for one with its own window, those no followed
+        plan still needs (its horizon only paces production: a sample read for a horizon that
+        shrank, as another feed began, stays until written). Under a caching policy, cached
+        samples a plan needs again are held until written."""
         if not share.slots:
             return
         held = np.fromiter(share.slots.keys(), dtype=np.int64, count=len(share.slots))
-        self._retire(share, held[~np.isin(held, self._horizon(share))])
+        if share.own_window:
+            needed = share.uses[held - share.lo] > 0
+            for sample in held[needed].tolist():
+                share.cached.pop(sample, None)
+            loose = held[~needed]
+        else:
+            loose = held[~np.isin(held, self._horizon(share))]
+        if share.cached or share.kept:
+            loose = np.array([i for i in loose.tolist() if i not in share.cached and i not in share.kept], np.int64)
+        self._retire(share, loose)
+
+    def _count_uses(self, share: ShareState, plan: PlanState | None, sign: int) -> None:
+        """Add (``sign`` 1) or take away (-1) a followed plan's unwritten raw positions from the
+        uses of a share with its own window."""
+        if plan is None or not share.own_window:
+            return
+        everything = slice(None)
+        todo = ~plan.written & plan.raw(everything)
+        np.add.at(share.uses, plan.ids[todo] - share.lo, sign)
+
+    def _unfollow(self, share: ShareState, feed: FeedState, plan: PlanState | None) -> None:
+        """Stop following ``plan`` of ``feed``: its unwritten samples are needed no more by it."""
+        self._count_uses(share, plan, -1)
+        self._forget_plan(feed, plan)
 
     def _came_home(self, share: ShareState, ids: np.ndarray) -> None:
         """The preload loaded ``ids`` at home: feeders of the dataset's feeds learn where."""
@@ -356,32 +488,173 @@ class Production(ProcessedProduction):
                 self._stir()
 
     def _retire(self, share: ShareState, ids: np.ndarray) -> None:
-        """Retire the window slots of ``ids``: copy them home, tell the feeders, reuse the slots."""
+        """Retire the window slots of ``ids`` (written, or no longer planned): a share held whole
+        copies them home; one without a home lets them go, or under a caching policy keeps what
+        the policy keeps."""
         ids = np.array([i for i in np.unique(ids).tolist() if i in share.slots], dtype=np.int64)
         if not len(ids):
             return
+        if share.policy in CACHING:
+            self._keep(share, ids)
+            return
+        if share.preloader.on_demand:  # no home: the sample is read again if a plan needs it
+            self._let_go(share, ids)
+            return
         entries = [share.slots.pop(i) for i in ids.tolist()]
-        if share.preloader.on_demand:  # no home: the sample is read again if a re-grant needs it
-            share.residency.settle(ids, ABSENT)
-            region, src = np.full(len(ids), -1, np.int64), np.zeros(len(ids), np.int64)
-        else:
-            share.preloader.adopt(
-                ids, [self.window.view(slot) for slot, _, _ in entries], np.array([c for _, c, _ in entries], np.uint32)
-            )
-            region, src = share.preloader.home(ids)
+        share.preloader.adopt(
+            ids, [self.window.view(slot) for slot, _, _ in entries], np.array([c for _, c, _ in entries], np.uint32)
+        )
+        region, src = share.preloader.home(ids)
+        self._relocate(share, ids, region, src, entries)
+
+    def _relocate(
+        self,
+        share: ShareState,
+        ids: np.ndarray,
+        region: np.ndarray,
+        src: np.ndarray,
+        entries: list[tuple[Slot, int, str]],
+    ) -> None:
+        """Tell the feeders the new places of ``ids`` (-1: none) and reuse their old slots once
+        no feeder reads them."""
         replies = self._broadcast(share, Locate(share.dataset, ids, region, src, np.zeros(len(ids), np.int64)))
         busy: dict[int, set[int]] = {}
         for index, reply in replies.items():
             for ticket in reply.busy:
                 busy.setdefault(ticket, set()).add(index)
+        window = self._window_of(share)
         for slot, _, owner in entries:
             feed = self._feeds.get(owner)
             if feed is not None:
                 feed.held -= slot.nbytes
             if slot.ticket in busy:
-                self._draining[slot.ticket] = Draining(slot, busy[slot.ticket])
+                self._draining[slot.ticket] = Draining(slot, busy[slot.ticket], window)
             else:
-                self.window.free(slot)
+                window.free(slot)
+        self._stir()
+
+    def _let_go(self, share: ShareState, ids: np.ndarray) -> None:
+        """Free the window slots of ``ids`` (no home): read again from the backend if a plan needs them."""
+        entries = [share.slots.pop(i) for i in ids.tolist()]
+        for i, (slot, _, _) in zip(ids.tolist(), entries, strict=True):
+            share.cached.pop(i, None)
+            if i in share.kept:
+                share.kept.discard(i)
+                share.kept_bytes -= slot.nbytes
+        share.residency.settle(ids, ABSENT)
+        none = np.full(len(ids), -1, np.int64)
+        self._relocate(share, ids, none, np.zeros(len(ids), np.int64), entries)
+
+    def _keep(self, share: ShareState, ids: np.ndarray) -> None:
+        """Caching policies: written samples stay in the window for their next use. ``lru`` and
+        ``reuse`` keep every one (until :meth:`_make_room` lets some go); ``minio`` keeps the first
+        ones that fit the part of the window not used for prefetching, for good, and lets the
+        rest go."""
+        window = self._window_of(share)
+        room = window.capacity - window.capacity // STAGING
+        going = []
+        for i in ids.tolist():
+            slot, crc, owner = share.slots[i]
+            feed = self._feeds.get(owner)
+            if feed is not None:
+                feed.held -= slot.nbytes  # no longer this feed's prefetch
+            share.slots[i] = (slot, crc, "")
+            if share.policy != "minio":
+                share.cached[i] = None
+                share.cached.move_to_end(i)
+            elif i in share.kept:
+                pass
+            elif share.kept_bytes + slot.nbytes <= room:
+                share.kept.add(i)
+                share.kept_bytes += slot.nbytes
+            else:
+                going.append(i)
+        if going:
+            self._let_go(share, np.array(going, np.int64))
+
+    def _make_room(self, share: ShareState, pending: np.ndarray) -> bool:
+        """The window is full while ``pending`` samples of ``share`` wait to be placed: move some
+        of the share's samples out. Returns whether any went.
+
+        An evicting policy (``lru``, ``reuse``) lets its victims among the cached samples go. Else,
+        when a pending sample belongs to some feed's first grant not written, the share's samples
+        farthest ahead in the plans (in no first grant) leave the window: home, for a share held
+        whole; else to be read again later. A window holding later samples (spread thin over
+        chunks, or held by a feed that stopped reading) would otherwise keep the grant they follow
+        from ever completing.
+        """
+        with self._lock:
+            if self._shares.get(share.key) is not share:
+                return False
+            if share.policy in ("lru", "reuse") and share.cached:
+                cached = np.fromiter(share.cached.keys(), dtype=np.int64, count=len(share.cached))
+                if share.policy == "lru":
+                    victims = cached[:EVICT_BATCH]
+                else:
+                    victims = cached[np.argsort(-self._next_use(share, cached), kind="stable")[:EVICT_BATCH]]
+                self._let_go(share, victims)
+                return True
+            firsts: dict[str, np.ndarray] = {}
+            for feed in self._feeds.values():
+                plan = self._current(share, feed) if feed.share == share.key else None
+                if plan is not None:
+                    firsts[feed.feed_id] = plan.first_grant()
+            first = np.concatenate([np.zeros(0, np.int64), *firsts.values()])
+            if not np.isin(pending, first).any():
+                return False
+            held = np.fromiter(share.slots.keys(), dtype=np.int64, count=len(share.slots))
+            loose = held[~np.isin(held, first)]
+            if not len(loose):
+                # Not even the first grants fit together: the senior feed's (the one served least)
+                # takes the room of the others', so one grant at a time completes.
+                waiting = [f for f, ids in firsts.items() if len(ids)]
+                senior = min(waiting, key=lambda f: (self._feeds[f].served, f))
+                if not np.isin(pending, firsts[senior]).any():
+                    return False
+                loose = held[~np.isin(held, firsts[senior])]
+                if not share.too_small:
+                    share.too_small = True
+                    log.warning(
+                        "dataset %s: the window of share %d.. (%d bytes) cannot hold the next batch of each of "
+                        "its %d feeds at once; they are served one grant at a time (give the dataset more memory, "
+                        "its quota, or use smaller batches)",
+                        share.dataset,
+                        share.lo,
+                        self._window_of(share).capacity,
+                        len(waiting),
+                    )
+                if not len(loose):
+                    return False
+            victims = loose[np.argsort(-self._next_use(share, loose), kind="stable")[:PREEMPT_BATCH]]
+            self.preempted += len(victims)
+            if share.preloader.on_demand:
+                self._let_go(share, victims)
+            else:
+                self._retire(share, victims)
+            return True
+
+    def _current(self, share: ShareState, feed: FeedState) -> PlanState | None:
+        """The first plan of ``feed`` not written yet (``None``: none)."""
+        return next((p for p in self._followed(share, feed) if p.next < len(p.ids)), None)
+
+    def _next_use(self, share: ShareState, ids: np.ndarray) -> np.ndarray:
+        """For each of ``ids``, how many samples some feed of the share consumes before it needs it
+        again (the plans known now; never needed: larger than any)."""
+        nearest = np.full(len(ids), np.iinfo(np.int64).max, dtype=np.int64)
+        for feed in self._feeds.values():
+            if feed.share != share.key:
+                continue
+            plans = self._followed(share, feed)
+            if not plans:
+                continue
+            order = np.concatenate([p.ids[p.next :][~p.written[p.next :]] for p in plans])
+            if not len(order):
+                continue
+            uniq, first = np.unique(order, return_index=True)
+            at = np.minimum(np.searchsorted(uniq, ids), len(uniq) - 1)
+            found = uniq[at] == ids
+            nearest[found] = np.minimum(nearest[found], first[at[found]])
+        return nearest
 
     # -- the producers ---------------------------------------------------------------------------
 
@@ -414,13 +687,24 @@ class Production(ProcessedProduction):
         busy = [f for f in feeds if any(p.next < len(p.ids) for p in f.plans.values())]
         if not busy:
             return None
-        # Open chunks round a feed's share up; every feed may hold at least one.
-        fair = self._fair()
         start = next(self._turn) % len(busy)
         for feed in busy[start:] + busy[:start]:
             share = self._shares.get(feed.share)
-            if share is None or feed.held >= fair:
+            if share is None:
                 continue
+            if feed.held >= self._fair(share):
+                # A feed at its fair share still gets the samples of its first grant not written:
+                # it may hold part of that grant, which could otherwise never complete.
+                plan = self._current(share, feed)
+                first = plan.first_grant() if plan is not None else np.zeros(0, np.int64)
+                state = share.residency.of(first)
+                taken = share.residency.claim(
+                    first[(state == ABSENT) | (state == FAILED)][:TASK_SAMPLES], retry_failed_after=RETRY_FAILED_S
+                )
+                if plan is not None and len(taken):
+                    return Work(share, feed.feed_id, taken, plan.epoch, user_epoch=plan.user_epoch)
+                continue
+            ahead = self._ahead(share, feed) if share.policy else {}
             budget = self.depth
             for plan in self._followed(share, feed):
                 epoch = plan.epoch
@@ -434,12 +718,14 @@ class Production(ProcessedProduction):
                         plan.state[at] = READING
                         return Work(share, feed.feed_id, plan.ids[at], epoch, at, plan)
                     span = span[plan.raw(window)]
+                if share.policy:
+                    span = ahead.get(epoch, span[:0])
                 state = share.residency.of(span)
                 wanted = span[(state == ABSENT) | (state == FAILED)]
                 if len(wanted):
                     taken = share.residency.claim(wanted[:TASK_SAMPLES], retry_failed_after=RETRY_FAILED_S)
                     if len(taken):
-                        return Work(share, feed.feed_id, taken)
+                        return Work(share, feed.feed_id, taken, epoch, user_epoch=plan.user_epoch)
                 if budget <= 0:
                     break
         return None
@@ -470,21 +756,25 @@ class Production(ProcessedProduction):
                 fruitless = -1
             try:
                 if work.plan is None:
-                    self._produce(work.share, work.feed_id, work.ids)
+                    self._produce(work.share, work.feed_id, work.ids, work.user_epoch)
                 else:
                     self._produce_processed(work)
             except Exception:  # a bug: log it (the samples were given back), keep producing
                 log.exception("dataset %s: producing samples %s failed", work.share.dataset, work.ids[:4].tolist())
 
-    def _produce(self, share: ShareState, feed_id: str, ids: np.ndarray) -> None:
-        """Read ``ids`` (claimed) from the backend into window slots and tell the feeders where they are."""
+    def _produce(self, share: ShareState, feed_id: str, ids: np.ndarray, epoch: int = -1) -> None:
+        """Read ``ids`` (claimed, for a plan of sampler epoch ``epoch``, or -1 when asked for again)
+        from the backend into window slots and tell the feeders where they are."""
         lengths = share.preloader.index.length[ids - share.lo]
         ids, lengths = self._adopt_big(share, ids, lengths)
+        window = self._window_of(share)
         slots: list[Slot] = []
         placed = False
         try:
             for n in lengths.tolist():
-                slot = self.window.place(n, feed_id)
+                slot = window.place(n, feed_id)
+                while slot is None and self._make_room(share, ids[len(slots) :]):
+                    slot = window.place(n, feed_id)
                 if slot is None:
                     break
                 slots.append(slot)
@@ -494,18 +784,18 @@ class Production(ProcessedProduction):
                 with self._lock:
                     self.window_full += 1
                 if not slots:
-                    self.window.wait_for_room(0.05)
+                    window.wait_for_room(0.05)
                     return
-            crcs, bad = self.producer.produce(share.preloader, ids, slots, self.window)
+            crcs, bad = self.producer.produce(share.preloader, ids, slots, window)
             with self._lock:
                 if self._shares.get(share.key) is not share:  # dropped meanwhile
                     return
-                self._settle(share, feed_id, ids, lengths, slots, crcs, bad)
+                self._settle(share, feed_id, ids, lengths, slots, crcs, bad, epoch)
                 placed = True
         finally:
             if not placed:
                 for slot in slots:
-                    self.window.free(slot)
+                    window.free(slot)
                 share.residency.settle(ids[share.residency.of(ids) == READING], ABSENT)
 
     def _settle(
@@ -517,11 +807,18 @@ class Production(ProcessedProduction):
         slots: list[Slot],
         crcs: np.ndarray,
         bad: dict[int, str],
+        epoch: int = -1,
     ) -> None:
         """Record produced samples (and failed ones) and tell the feeders; under the lock."""
         ok = np.array([int(i) not in bad for i in ids.tolist()], dtype=bool)
+        window = self._window_of(share)
         for k in np.flatnonzero(~ok).tolist():
-            self.window.free(slots[k])
+            window.free(slots[k])
+        if share.own_window and epoch >= 0:
+            figures = share.figures_of(epoch)
+            figures.backend_requests += len(ids)
+            figures.backend_bytes += int(lengths[ok].sum())
+            figures.misses += int(ok.sum())
         if (~ok).any():
             failed_ids = ids[~ok]
             reasons = [bad[int(i)] for i in failed_ids.tolist()]
@@ -557,13 +854,14 @@ class Production(ProcessedProduction):
     def _adopt_big(self, share: ShareState, ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Samples larger than a window region cannot be staged: they are read straight home (a
         share held on demand has none: they fail, named)."""
-        big = ~np.array([self.window.fits(n) for n in lengths.tolist()], dtype=bool)
+        window = self._window_of(share)
+        big = ~np.array([window.fits(n) for n in lengths.tolist()], dtype=bool)
         if not big.any():
             return ids, lengths
         if share.preloader.on_demand:
             reason = (
                 f"dataset {share.dataset!r}: the sample is larger than a production window region "
-                f"({self.window.region_size} bytes) and its share is served on demand (no copy to serve it from)"
+                f"({window.region_size} bytes) and its share has no copy at home to serve it from"
             )
             failed = ids[big]
             share.residency.fail(failed, [reason] * len(failed))
@@ -582,6 +880,14 @@ class Production(ProcessedProduction):
             while self._recent and now - self._recent[0][0] > RATE_SPAN_S:
                 self._recent.popleft()
             return sum(n for _, n in self._recent) / RATE_SPAN_S
+
+    def figures(self, key: ShareKey) -> list[EpochFigures]:
+        """The last few plan epochs' figures of a share held under a memory policy (oldest first)."""
+        with self._lock:
+            share = self._shares.get(key)
+            if share is None:
+                return []
+            return [dataclasses.replace(share.figures[e]) for e in sorted(share.figures)]
 
     def feed_count(self) -> int:
         """Feeds whose plans production follows (one per open feed)."""

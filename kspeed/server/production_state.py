@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Protocol
 
@@ -13,7 +14,19 @@ import numpy as np
 from kspeed.server.preload import Preloader
 from kspeed.server.window import ProductionWindow, Slot
 
-__all__ = ["BackendReader", "Draining", "FeedState", "PlanState", "PrepSpec", "Producer", "ShareState", "Work"]
+__all__ = [
+    "BackendReader",
+    "Draining",
+    "EpochFigures",
+    "FeedState",
+    "PlanState",
+    "PrepSpec",
+    "Producer",
+    "ShareState",
+    "Work",
+]
+
+FIGURED_EPOCHS = 8  # epochs whose figures a share keeps
 
 
 class Producer(Protocol):
@@ -63,18 +76,21 @@ class PlanState:
     prep: PrepSpec | None = None  # how (with processed positions)
     state: np.ndarray | None = None  # per processed position: ABSENT, READING (being produced), WINDOW, FAILED
     slots: dict[int, Slot] = dataclasses.field(default_factory=dict)  # owned index -> its produced slot
+    user_epoch: int = 0  # the sampler's epoch (figures are kept by it; plans are numbered per feed)
 
-    def mark(self, batch: int, first: int, end: int) -> tuple[int, int]:
-        """Record a written grant; returns the range of owned indices it covered."""
+    def mark(self, batch: int, first: int, end: int) -> tuple[int, int, np.ndarray]:
+        """Record a written grant; returns the range of owned indices it covered and those of
+        them that were not written before."""
         if not 0 <= batch < len(self.starts) - 1:
-            return 0, 0
+            return 0, 0, np.zeros(0, np.int64)
         lo = int(self.starts[batch]) + first
         hi = min(int(self.starts[batch]) + end, int(self.starts[batch + 1]))
         i, j = (int(x) for x in np.searchsorted(self.positions, (lo, hi)))
+        fresh = np.flatnonzero(~self.written[i:j]) + i
         self.written[i:j] = True
         while self.next < len(self.written) and self.written[self.next]:
             self.next += 1
-        return i, j
+        return i, j, fresh
 
     def delivered_before(self, position: int) -> None:
         """Record the plan positions before ``position`` as written (delivered before a failover)."""
@@ -87,6 +103,16 @@ class PlanState:
         if self.processed is None:
             return np.ones(len(self.ids[span]), dtype=bool)
         return ~self.processed[span]
+
+    def first_grant(self) -> np.ndarray:
+        """The unwritten raw samples of the batch holding the first unwritten position (a grant
+        never spans two batches, so the feeder's next grant needs at most these)."""
+        if self.next >= len(self.ids):
+            return self.ids[:0]
+        batch = int(np.searchsorted(self.starts, self.positions[self.next], side="right")) - 1
+        end = int(np.searchsorted(self.positions, self.starts[min(batch + 1, len(self.starts) - 1)]))
+        span = slice(self.next, max(end, self.next + 1))
+        return self.ids[span][~self.written[span] & self.raw(span)]
 
     def ahead(self, budget: int) -> np.ndarray:
         """The unwritten raw samples among the next ``budget`` positions from :attr:`next`."""
@@ -117,6 +143,7 @@ class Work:
     epoch: int = -1
     at: np.ndarray | None = None
     plan: PlanState | None = None
+    user_epoch: int = -1  # raw samples read for a plan: its sampler epoch (-1: asked for again)
 
 
 @dataclasses.dataclass
@@ -127,27 +154,89 @@ class FeedState:
     plans: dict[int, PlanState] = dataclasses.field(default_factory=dict)
     held: int = 0  # window bytes produced for this feed and not retired
     waiting: int = 0  # grants its feeder reported waiting on production
+    served: int = 0  # grants its feeder reported written
 
 
 @dataclasses.dataclass
 class Draining:
     slot: Slot
     feeders: set[int]
+    window: ProductionWindow  # the window the slot is in
+
+
+@dataclasses.dataclass
+class EpochFigures:
+    """What one plan epoch of a share's feeds cost its holder (see ``EpochFigures`` in the protocol)."""
+
+    epoch: int
+    planned: int = 0
+    written: int = 0
+    misses: int = 0
+    backend_bytes: int = 0
+    backend_requests: int = 0
+    stall_s: float = 0.0
+
+    @property
+    def hits(self) -> int:
+        """Written samples that were resident without a read for this epoch."""
+        return max(self.written - self.misses, 0)
 
 
 class ShareState:
-    """One share's production state: its window slots."""
+    """One share's production state: its window slots, and under a memory policy its own window.
 
-    def __init__(self, key: tuple[str, int], preloader: Preloader) -> None:
+    Args:
+        key: (dataset, first sample of the share).
+        preloader: the share's preloader (its index, residency and backend reads).
+        window: where its samples are produced (the server's window, or the share's own).
+        policy: ``""`` (held whole: samples go home once written), ``"on_demand"`` (no copy: the
+            server's window keeps a sample until it is written) or a memory policy: ``"stream"``
+            (likewise, in the share's own window, planned as far ahead as it holds) or one of
+            :data:`kspeed.policies.CACHING` (written samples stay, chosen by the policy).
+    """
+
+    def __init__(
+        self,
+        key: tuple[str, int],
+        preloader: Preloader,
+        window: ProductionWindow | None = None,
+        policy: str = "",
+    ) -> None:
         self.key = key
         self.dataset = key[0]
         self.preloader = preloader
         self.residency = preloader.residency
         self.lo = preloader.index.lo
         self.size = len(preloader.index.length)
+        self.mean_size = float(preloader.index.length.mean()) if self.size else 0.0
+        self.window = window
+        self.policy = policy
         self.slots: dict[int, tuple[Slot, int, str]] = {}  # sample -> (slot, crc, feed produced for)
+        # Under a caching policy: written samples no horizon holds (least recently written first),
+        # and ("minio") the ones kept for good with their bytes.
+        self.cached: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.kept: set[int] = set()
+        self.kept_bytes = 0
+        self.figures: dict[int, EpochFigures] = {}
+        self.too_small = False  # warned that the window cannot hold one batch of each feed
+        # with its own window: per sample, the unwritten positions of followed plans that need it
+        self.uses = np.zeros(self.size, dtype=np.int32)
         pool = preloader.pool
         self._home = {index: str(pool.path(index)) for index in preloader.pool_indices}
+
+    @property
+    def own_window(self) -> bool:
+        """Whether the share produces into a window of its own (a memory policy)."""
+        return self.policy not in ("", "on_demand")
+
+    def figures_of(self, epoch: int) -> EpochFigures:
+        """The figures of plan epoch ``epoch`` (the oldest are dropped beyond a few epochs)."""
+        got = self.figures.get(epoch)
+        if got is None:
+            got = self.figures[epoch] = EpochFigures(epoch)
+            for old in sorted(self.figures)[:-FIGURED_EPOCHS]:
+                del self.figures[old]
+        return got
 
     def home_paths(self) -> dict[int, str]:
         """The files of the share's regions (pool index -> path), fixed for the share's life."""

@@ -10,6 +10,11 @@ than a chunk takes consecutive free chunks of one region. A chunk is reused once
 placed in it has been freed, so a sample a slow client still needs pins one chunk of its own
 feed's, never another feed's room. What the window holds is counted in whole chunks, so
 :attr:`ProductionWindow.used` can never exceed :attr:`ProductionWindow.capacity`.
+
+A share held under a memory policy has a window of its own (:meth:`ProductionWindow.over` the
+regions the manager gave it), with chunks sized to its samples (:func:`chunk_size_for_samples`), so
+that letting one sample go frees room for about one sample. Tickets are unique across all windows
+of a process (feeders count their reads by ticket).
 """
 
 from __future__ import annotations
@@ -24,15 +29,27 @@ from kspeed.errors import CapacityError, ConfigError
 from kspeed.layout import SAMPLE_ALIGN
 from kspeed.server.pool import WINDOW_OWNER, MemoryPool
 
-__all__ = ["ProductionWindow", "Slot", "chunk_size_for"]
+__all__ = ["ProductionWindow", "Slot", "chunk_size_for", "chunk_size_for_samples"]
 
 MIN_CHUNK = 64 << 10
 CHUNKS_PER_REGION = 32
+_TICKETS = count(1)  # one sequence for every window of the process
 
 
 def chunk_size_for(region_size: int) -> int:
     """The window's chunk size for a pool of ``region_size`` regions: 1/32 of a region, at least 64 KiB."""
     return min(region_size, max(MIN_CHUNK, region_size // CHUNKS_PER_REGION))
+
+
+def chunk_size_for_samples(sizes: np.ndarray, region_size: int) -> int:
+    """The chunk size of a share's own window: twice the median sample or the 99th percentile,
+    whichever is larger (about two samples per chunk, and few samples larger than one), aligned,
+    at most :func:`chunk_size_for` the region size."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    if not len(sizes):
+        return chunk_size_for(region_size)
+    want = max(2 * int(np.median(sizes)), int(np.percentile(sizes, 99)), SAMPLE_ALIGN)
+    return min(-(-want // SAMPLE_ALIGN) * SAMPLE_ALIGN, chunk_size_for(region_size))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,22 +98,48 @@ class ProductionWindow:
                 field="server.production_window",
                 value=capacity,
             ) from exc
+        self._setup(pool, [info.index for info in infos], chunk_size_for(region_size), owned=True)
+
+    @classmethod
+    def over(cls, pool: MemoryPool, regions: list[int], chunk: int, open_chunks: int = 4) -> ProductionWindow:
+        """A window over pool regions someone else holds (a share's, :mod:`kspeed.server.datasets`):
+        :meth:`close` leaves them to their holder. Each owner fills up to ``open_chunks`` chunks at
+        once, a sample going to the first with room (so a sample that does not fit the rest of a
+        chunk leaves it open for smaller ones rather than wasting it).
+
+        Raises:
+            ConfigError: no region, or a chunk size outside 1..region size.
+        """
+        if not regions or not 0 < chunk <= pool.region_size:
+            raise ConfigError(
+                f"a window needs regions ({len(regions)} given) and a chunk of 1..{pool.region_size} bytes ({chunk})"
+            )
+        window = cls.__new__(cls)
+        window._setup(pool, list(regions), int(chunk), owned=False)
+        window.open_chunks = max(int(open_chunks), 1)
+        return window
+
+    def _setup(self, pool: MemoryPool, regions: list[int], chunk: int, *, owned: bool) -> None:
+        region_size = pool.region_size
         self.region_size = region_size
-        self.chunk = chunk_size_for(region_size)
+        self.chunk = chunk
         self.per_region = region_size // self.chunk
-        self.regions = [info.index for info in infos]
-        self.paths = {info.index: str(info.path) for info in infos}
-        self._arrays = {info.index: pool.array(info.index) for info in infos}
+        self.regions = list(regions)
+        self.paths = {index: str(pool.path(index)) for index in regions}
+        self._arrays = {index: pool.array(index) for index in regions}
         self._pool = pool
+        self._owned = owned
+        self.open_chunks = 1  # chunks each owner fills at once (a sample goes to the first with room)
         total = self.per_region * len(self.regions)
         self.capacity = total * self.chunk
         self._live = np.zeros(total, dtype=np.int64)  # samples placed in each chunk and not freed
         self._taken = np.zeros(total, dtype=bool)  # chunk handed out (open, full or owned by a big sample)
-        self._open: dict[str, list[int]] = {}  # per owner, [its open chunk, bytes used in it]
-        self._tickets = count(1)
+        self._open: dict[str, list[list[int]]] = {}  # per owner, its open chunks: [chunk, bytes used in it]
+        self._opener: dict[int, str] = {}  # open chunk -> its owner
         self._cond = threading.Condition()
         self.peak = 0
         self.placed = 0
+        self.live_bytes = 0  # bytes of the samples placed and not freed
 
     # -- placement -------------------------------------------------------------------------------
 
@@ -107,8 +150,14 @@ class ProductionWindow:
             return self._used()
 
     def _used(self) -> int:
-        idle = sum(1 for chunk, _ in self._open.values() if self._live[chunk] == 0)  # open chunks, emptied
+        idle = sum(1 for chunk in self._opener if self._live[chunk] == 0)  # open chunks, emptied
         return (int(self._taken.sum()) - idle) * self.chunk
+
+    def fill(self) -> float:
+        """The share of the chunks held that samples fill (1.0 when nothing is held)."""
+        with self._cond:
+            used = self._used()
+            return min(self.live_bytes / used, 1.0) if used else 1.0
 
     def fits(self, nbytes: int) -> bool:
         """Whether a sample of ``nbytes`` can ever be placed (it must fit one region)."""
@@ -126,59 +175,69 @@ class ProductionWindow:
         with self._cond:
             if size > self.chunk:
                 return self._place_big(nbytes, size)
-            current = self._open.get(owner)
-            if (current is None or current[1] + size > self.chunk) and not self._open_chunk(owner):
-                return None
-            current = self._open[owner]
+            opens = self._open.get(owner, [])
+            current = next((entry for entry in opens if entry[1] + size <= self.chunk), None)
+            if current is None:
+                if len(opens) >= self.open_chunks:
+                    self._close(owner, max(opens, key=lambda entry: entry[1]))  # the fullest one
+                current = self._open_chunk(owner)
+                if current is None:
+                    return None
             chunk, offset = current
             current[1] += size
             self._live[chunk] += 1
             return self._slot(chunk, offset, nbytes, 0)
 
-    def _open_chunk(self, owner: str) -> bool:
-        self._close_chunk(owner)
-        free = np.flatnonzero(~self._taken)
-        if not len(free):
-            return False
-        chunk = int(free[0])
-        self._open[owner] = [chunk, 0]
+    def _open_chunk(self, owner: str) -> list[int] | None:
+        chunk = int(np.argmin(self._taken))
+        if self._taken[chunk]:
+            return None
+        entry = [chunk, 0]
+        self._open.setdefault(owner, []).append(entry)
+        self._opener[chunk] = owner
         self._taken[chunk] = True
         self._note_peak()
-        return True
+        return entry
 
-    def _close_chunk(self, owner: str) -> None:
-        """Stop bumping into ``owner``'s open chunk; it is reused once its samples are freed."""
-        current = self._open.pop(owner, None)
-        if current is not None and self._live[current[0]] == 0:
-            self._taken[current[0]] = False
+    def _close(self, owner: str, entry: list[int]) -> None:
+        """Stop bumping into one of ``owner``'s open chunks; it is reused once its samples are freed."""
+        self._open[owner].remove(entry)
+        if not self._open[owner]:
+            del self._open[owner]
+        del self._opener[entry[0]]
+        if self._live[entry[0]] == 0:
+            self._taken[entry[0]] = False
 
     def forget(self, owner: str) -> None:
         """An owner is gone (its feed closed): its open chunk goes back once its samples are freed."""
         with self._cond:
-            self._close_chunk(owner)
+            for entry in list(self._open.get(owner, ())):
+                self._close(owner, entry)
             self._cond.notify_all()
 
     def _place_big(self, nbytes: int, size: int) -> Slot | None:
+        """The first run of free chunks within one region that holds ``size`` bytes."""
         need = -(-size // self.chunk)
-        free = ~self._taken
-        for r in range(len(self.regions)):
-            base = r * self.per_region
-            run = 0
-            for c in range(self.per_region):
-                run = run + 1 if free[base + c] else 0
-                if run == need:
-                    first = base + c - need + 1
-                    self._taken[first : first + need] = True
-                    self._live[first] += 1
-                    self._note_peak()
-                    return self._slot(first, 0, nbytes, need)
-        return None
+        if need > self.per_region:
+            return None
+        free = (~self._taken).reshape(len(self.regions), self.per_region).astype(np.int32)
+        runs = np.zeros((len(self.regions), self.per_region + 1), dtype=np.int32)
+        np.cumsum(free, axis=1, out=runs[:, 1:])
+        fits = np.argwhere(runs[:, need:] - runs[:, :-need] == need)
+        if not len(fits):
+            return None
+        first = int(fits[0][0]) * self.per_region + int(fits[0][1])
+        self._taken[first : first + need] = True
+        self._live[first] += 1
+        self._note_peak()
+        return self._slot(first, 0, nbytes, need)
 
     def _slot(self, chunk: int, offset: int, nbytes: int, own: int) -> Slot:
         region = self.regions[chunk // self.per_region]
         at = (chunk % self.per_region) * self.chunk + offset
         self.placed += 1
-        return Slot(next(self._tickets), region, at, nbytes, chunk, own)
+        self.live_bytes += nbytes
+        return Slot(next(_TICKETS), region, at, nbytes, chunk, own)
 
     def _note_peak(self) -> None:
         self.peak = max(self.peak, self._used())
@@ -188,14 +247,15 @@ class ProductionWindow:
         with self._cond:
             chunk = slot.first_chunk
             self._live[chunk] -= 1
+            self.live_bytes -= slot.nbytes
             if slot.own_chunks:
                 self._taken[chunk : chunk + slot.own_chunks] = False
             elif self._live[chunk] == 0:
-                opener = next((o for o, (c, _) in self._open.items() if c == chunk), None)
+                opener = self._opener.get(chunk)
                 if opener is None:
                     self._taken[chunk] = False
-                else:
-                    self._open[opener][1] = 0  # an open chunk emptied: fill it again from the start
+                else:  # an open chunk emptied: fill it again from the start
+                    next(entry for entry in self._open[opener] if entry[0] == chunk)[1] = 0
             self._cond.notify_all()
 
     def wait_for_room(self, timeout: float) -> None:
@@ -212,5 +272,7 @@ class ProductionWindow:
         return self._arrays[slot.region][slot.offset : slot.offset + slot.nbytes]
 
     def close(self) -> None:
-        """Give the window's regions back to the pool."""
-        self._pool.release(WINDOW_OWNER)
+        """Give the window's regions back to the pool (a window :meth:`over` regions held by
+        someone else leaves them to their holder)."""
+        if self._owned:
+            self._pool.release(WINDOW_OWNER)

@@ -44,6 +44,8 @@ class Feeders:
 
 
 class Host:
+    policy = ""  # held whole (or on demand, as the preloader says)
+
     def __init__(self, preloader) -> None:
         self.preloader = preloader
 

@@ -1,0 +1,133 @@
+"""Datasets larger than their memory: the ``stream`` policy and the caching policies, end to end.
+
+Real daemons on loopback: two servers of 8 MiB pools in 1 MiB regions, a dataset of about
+6.5 MiB held in at most 2 MiB (its quota), so each server keeps a window of a third of its share
+and reads the rest from the backend as the plans consume it. Two ranks read three epochs at once:
+every sample arrives exactly once per epoch, in the sampler's order, bytes intact, and the servers'
+figures say how many bytes each epoch cost the backend.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from kspeed import DatasetSpec, KSpeedClient
+from kspeed.proto import kspeed_pb2
+from tests.integration.test_client import config_for, loader_order
+from tests.integration.test_datasets import make_tree
+
+BATCH = 8
+SEED = 11
+EPOCHS = 3
+QUOTA = 4 << 20
+
+
+def read_epochs(client_config, spec, files, rank: int, world: int, errors: list, *, ring=1 << 20) -> None:
+    """One rank: ``EPOCHS`` epochs, each checked against the sampler's order and the files' bytes."""
+    keys = list(files)
+    try:
+        with KSpeedClient(config=client_config) as client:
+            ds = client.dataset(
+                spec, batch_size=BATCH, seed=SEED, rank=rank, world_size=world, ring_bytes=ring, quiet=True
+            )
+            for epoch in range(EPOCHS):
+                ds.set_epoch(epoch)
+                got = []
+                for batch in ds:
+                    for i, sid in enumerate(batch.ids.tolist()):
+                        assert batch.numpy(i).tobytes() == files[keys[sid]], f"rank {rank} epoch {epoch} sample {sid}"
+                    got.append(batch.ids.tolist())
+                want = loader_order(len(files), world, rank, True, SEED, False, epoch, BATCH)
+                assert got == want, f"rank {rank} epoch {epoch}: not the sampler's order"
+            ds.close()
+    except BaseException as exc:
+        errors.append(exc)
+
+
+def run_ranks(cluster, spec, files, world: int) -> None:
+    """Register ``spec`` as an operator's (so it outlives the ranks) and run ``world`` ranks at once."""
+    with KSpeedClient(config=config_for(cluster)) as client:
+        client.manager.create_dataset(spec.to_proto(), operator=True)
+    errors: list[BaseException] = []
+    threads = [
+        threading.Thread(target=read_epochs, args=(config_for(cluster), spec, files, rank, world, errors))
+        for rank in range(world)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=150)
+    assert not any(t.is_alive() for t in threads), "a rank did not finish"
+    if errors:
+        raise errors[0]
+
+
+def epoch_figures(client, name: str) -> dict[int, kspeed_pb2.EpochFigures]:
+    """The servers' figures per plan epoch, summed over the shares."""
+    total: dict[int, kspeed_pb2.EpochFigures] = {}
+    for status in client.dataset(name).share_status:
+        for f in status.epochs:
+            t = total.setdefault(f.epoch, kspeed_pb2.EpochFigures(epoch=f.epoch))
+            for field in ("planned", "written", "misses", "backend_bytes", "backend_requests"):
+                setattr(t, field, getattr(t, field) + getattr(f, field))
+            t.stall_s += f.stall_s
+    return total
+
+
+def settled(client, name: str, planned: int) -> dict[int, kspeed_pb2.EpochFigures]:
+    """The figures once every epoch is reported written in full (heartbeats carry them)."""
+    deadline = time.monotonic() + 20
+    while True:
+        figures = epoch_figures(client, name)
+        if all(figures.get(e) and figures[e].written == planned for e in range(EPOCHS)):
+            return figures
+        assert time.monotonic() < deadline, f"the servers' figures never showed {planned} written per epoch: {figures}"
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(200)
+def test_a_dataset_three_times_its_memory_streams_every_sample_once_per_epoch_on_two_ranks(cluster_factory, tmp_path):
+    files = make_tree(tmp_path / "big", per_class=450, max_size=64 * 1024, seed=4)
+    total = sum(len(b) for b in files.values())
+    cluster = cluster_factory(2, server_args=["--backend-allow", str(tmp_path)])
+    spec = DatasetSpec(name="big", uri=str(tmp_path / "big"), quota_bytes=QUOTA)
+    run_ranks(cluster, spec, files, world=2)
+    with KSpeedClient(config=config_for(cluster)) as client:
+        info = client.manager.dataset("big")
+        assert {s.policy for s in info.shares} == {"stream"}, info.shares  # "auto" and it did not fit
+        held = sum(s.memory_regions for s in info.shares)
+        need = sum(s.num_regions for s in info.shares)
+        assert held * (1 << 20) <= QUOTA and need >= 3 * held, (held, need)
+        assert info.state == kspeed_pb2.DatasetState.DATASET_STATE_READY
+        padded = len(files) + len(files) % 2  # DistributedSampler pads to a multiple of the world
+        figures = settled(client.manager, "big", padded)
+        biggest = max(len(b) for b in files.values())
+        for epoch in range(EPOCHS):
+            f = figures[epoch]
+            # Each sample read at most once for each epoch's plans: at most the dataset's bytes plus
+            # the padding's. (A read is counted for the plan it was made for: a sample the next
+            # epoch's plan had read already, while it was committed early, is a hit here.)
+            assert f.backend_bytes <= total + (padded - len(files)) * biggest, (epoch, f)
+            assert f.misses == f.backend_requests <= padded and f.written == padded, (epoch, f)
+        assert sum(f.backend_bytes for f in figures.values()) >= total  # (nothing was there before)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("policy", ["minio", "reuse", "lru"])
+def test_caching_policies_deliver_exactly_and_keep_part_of_the_dataset(cluster_factory, tmp_path, policy):
+    files = make_tree(tmp_path / "big", per_class=150, max_size=64 * 1024, seed=6)
+    total = sum(len(b) for b in files.values())
+    cluster = cluster_factory(2, server_args=["--backend-allow", str(tmp_path)])
+    spec = DatasetSpec(name="big", uri=str(tmp_path / "big"), quota_bytes=QUOTA, policy=policy)
+    run_ranks(cluster, spec, files, world=1)
+    with KSpeedClient(config=config_for(cluster)) as client:
+        info = client.manager.dataset("big")
+        assert {s.policy for s in info.shares} == {policy}
+        figures = settled(client.manager, "big", len(files))
+        assert total <= figures[0].backend_bytes  # the first epoch reads everything
+        for epoch in (1, 2):  # later ones find part of it kept
+            assert figures[epoch].written - figures[epoch].misses > 0, (policy, epoch, figures[epoch])
+            assert figures[epoch].backend_bytes < total, (policy, epoch, figures[epoch])
