@@ -201,13 +201,13 @@ class Production(ProcessedProduction):
             self._tell(feeder, InstallPlan(feed_id, epoch, plan, paths))
             told.update(paths)
             feed.plans[epoch] = follow
-            self._count_uses(share, follow, +1)
             if share.own_window:  # (a plan committed again after a failover replaces its figures)
                 figures = share.figures_of(user_epoch)
                 figures.planned += len(plan.ids) - (len(replaced.ids) if replaced else 0)
                 figures.written += int(follow.written.sum()) - (int(replaced.written.sum()) if replaced else 0)
             for old in sorted(feed.plans)[:-MAX_PLANS]:  # as the feeder keeps them
                 self._unfollow(share, feed, feed.plans.pop(old))
+            self._recount(share, feed)
             self._sweep(share)
             self._stir()
         log.debug("feed %s: plan of epoch %d installed, %d samples of it here", feed_id, epoch, len(plan.ids))
@@ -225,8 +225,6 @@ class Production(ProcessedProduction):
                     else:
                         self._forget_plan(feed, plan)
             self.window.forget(feed_id)
-            if share is not None and share.own_window:
-                self._window_of(share).forget(feed_id)
             if feed is not None and share is not None:
                 self._sweep(share)
             self._stir()  # (the window's fair share per feed grew)
@@ -272,6 +270,7 @@ class Production(ProcessedProduction):
                     i, j, fresh = plan.mark(batch, first, end)
                     if len(fresh) and share.own_window:
                         share.figures_of(plan.user_epoch).written += len(fresh)
+                    if len(fresh) and feed.counted == epoch:
                         raw = fresh if plan.processed is None else fresh[~plan.processed[fresh]]
                         np.subtract.at(share.uses, plan.ids[raw] - share.lo, 1)
                     if plan.slots:
@@ -280,6 +279,7 @@ class Production(ProcessedProduction):
             for epoch in event.dropped:  # its samples leave the horizon: their window slots retire
                 self._unfollow(share, feed, feed.plans.pop(epoch, None))
             if len(event.written) or event.dropped:
+                self._recount(share, feed)
                 self._sweep(share)
                 self._stir()  # the feed's horizon moved on (and window slots were released)
             for epoch, at in event.wanted_at:
@@ -318,8 +318,10 @@ class Production(ProcessedProduction):
                 if share is not None:
                     self.drop_share(key)
                 if hosted.policy:
-                    chunk = chunk_size_for_samples(preloader.index.length, preloader.pool.region_size)
-                    window = ProductionWindow.over(preloader.pool, hosted.window_regions(), chunk)
+                    regions = hosted.window_regions()
+                    size = preloader.pool.region_size
+                    chunk = chunk_size_for_samples(preloader.index.length, size, len(regions) * size)
+                    window = ProductionWindow.over(preloader.pool, regions, chunk)
                     share = ShareState(key, preloader, window, hosted.policy)
                 else:
                     share = ShareState(key, preloader, self.window, "on_demand" if preloader.on_demand else "")
@@ -406,9 +408,9 @@ class Production(ProcessedProduction):
 
         The server's window is shared by the feeds with work there. A share's own window is
         shared by all of the share's feeds (a rank that has not begun yet gets its part kept for
-        it), is counted at the fill its chunks reach (samples do not fill them exactly), and under
-        a caching policy only its prefetch part counts. Open chunks round a feed's share up; every
-        feed may hold at least one chunk.
+        it), as many sample bytes as it holds at the packing its chunks reach, less the chunks
+        each feed fills at once; under a caching policy only its prefetch part counts. Every feed
+        may hold at least one chunk.
         """
         window = self._window_of(share)
         feeds = 0
@@ -421,8 +423,8 @@ class Production(ProcessedProduction):
                 feeds += any(p.next < len(p.ids) for p in f.plans.values())
         room = window.capacity // STAGING if share.policy in CACHING else window.capacity
         if share.own_window:
-            room = int(room * window.fill())
-        return max(room // max(feeds, 1) - window.chunk, window.chunk)
+            room = int(room * window.packing())
+        return max(room // max(feeds, 1) - window.chunk * window.open_chunks, window.chunk)
 
     @staticmethod
     def _followed(share: ShareState, feed: FeedState) -> list[PlanState]:
@@ -436,37 +438,54 @@ class Production(ProcessedProduction):
         return plans
 
     def _sweep(self, share: ShareState) -> None:
-        """Retire the window slots of samples nobody needs any more: for a share held whole or on
-        demand, those no feed's horizon holds; for one with its own window, those no followed
-        plan still needs (its horizon only paces production: a sample read for a horizon that
-        shrank, as another feed began, stays until written). Under a caching policy, cached
-        samples a plan needs again are held until written."""
+        """Retire the window slots of samples nobody needs now: those no feed's horizon holds (under
+        a caching policy they are cached, and cached samples a horizon holds again are held until
+        written). A streamed share also holds what a feed's current plan still needs: a sample
+        read for a horizon that shrank (as another feed began) stays until written, never read
+        twice for one plan."""
         if not share.slots:
             return
         held = np.fromiter(share.slots.keys(), dtype=np.int64, count=len(share.slots))
-        if share.own_window:
-            needed = share.uses[held - share.lo] > 0
-            for sample in held[needed].tolist():
-                share.cached.pop(sample, None)
-            loose = held[~needed]
-        else:
-            loose = held[~np.isin(held, self._horizon(share))]
+        needed = np.isin(held, self._horizon(share))
+        if share.policy == "stream":
+            needed |= share.uses[held - share.lo] > 0
+        for sample in held[needed].tolist():
+            share.cached.pop(sample, None)
+        loose = held[~needed]
         if share.cached or share.kept:
             loose = np.array([i for i in loose.tolist() if i not in share.cached and i not in share.kept], np.int64)
         self._retire(share, loose)
 
-    def _count_uses(self, share: ShareState, plan: PlanState | None, sign: int) -> None:
-        """Add (``sign`` 1) or take away (-1) a followed plan's unwritten raw positions from the
-        uses of a share with its own window."""
-        if plan is None or not share.own_window:
-            return
+    def _count_uses(self, share: ShareState, plan: PlanState, sign: int) -> None:
+        """Add (``sign`` 1) or take away (-1) a plan's unwritten raw positions from the uses of a
+        share with its own window."""
         everything = slice(None)
         todo = ~plan.written & plan.raw(everything)
         np.add.at(share.uses, plan.ids[todo] - share.lo, sign)
 
+    def _recount(self, share: ShareState, feed: FeedState) -> None:
+        """Keep the uses of ``feed``'s current plan (its first not written) counted, and only those."""
+        if not share.own_window:
+            return
+        current = self._current(share, feed)
+        want = current.epoch if current is not None else None
+        if feed.counted == want:
+            return
+        counted = feed.plans.get(feed.counted) if feed.counted is not None else None
+        if counted is not None:
+            self._count_uses(share, counted, -1)
+            self._window_of(share).forget(f"{feed.feed_id}/{counted.epoch}")  # written: its chunks close
+        if current is not None:
+            self._count_uses(share, current, +1)
+        feed.counted = want
+
     def _unfollow(self, share: ShareState, feed: FeedState, plan: PlanState | None) -> None:
         """Stop following ``plan`` of ``feed``: its unwritten samples are needed no more by it."""
-        self._count_uses(share, plan, -1)
+        if plan is not None and share.own_window:
+            if feed.counted == plan.epoch:
+                self._count_uses(share, plan, -1)
+                feed.counted = None
+            self._window_of(share).forget(f"{feed.feed_id}/{plan.epoch}")
         self._forget_plan(feed, plan)
 
     def _came_home(self, share: ShareState, ids: np.ndarray) -> None:
@@ -549,9 +568,11 @@ class Production(ProcessedProduction):
         """Caching policies: written samples stay in the window for their next use. ``lru`` and
         ``reuse`` keep every one (until :meth:`_make_room` lets some go); ``minio`` keeps the first
         ones that fit the part of the window not used for prefetching, for good, and lets the
-        rest go."""
+        rest go (a window too small for the feeds' next grants beside them makes it keep fewer,
+        never others)."""
         window = self._window_of(share)
-        room = window.capacity - window.capacity // STAGING
+        if share.kept_room is None:
+            share.kept_room = window.capacity - window.capacity // STAGING
         going = []
         for i in ids.tolist():
             slot, crc, owner = share.slots[i]
@@ -564,7 +585,7 @@ class Production(ProcessedProduction):
                 share.cached.move_to_end(i)
             elif i in share.kept:
                 pass
-            elif share.kept_bytes + slot.nbytes <= room:
+            elif share.kept_bytes + slot.nbytes <= share.kept_room:
                 share.kept.add(i)
                 share.kept_bytes += slot.nbytes
             else:
@@ -577,11 +598,14 @@ class Production(ProcessedProduction):
         of the share's samples out. Returns whether any went.
 
         An evicting policy (``lru``, ``reuse``) lets its victims among the cached samples go. Else,
-        when a pending sample belongs to some feed's first grant not written, the share's samples
-        farthest ahead in the plans (in no first grant) leave the window: home, for a share held
-        whole; else to be read again later. A window holding later samples (spread thin over
-        chunks, or held by a feed that stopped reading) would otherwise keep the grant they follow
-        from ever completing.
+        only for a pending sample of some feed's first grant not written, the share's samples
+        needed last leave the window (for a share with its own window, those beyond every
+        horizon first): home for a share held whole, else to be read again when their turn
+        comes. A window holding later samples (spread thin over chunks, or held by a feed that
+        stopped reading) would otherwise keep the grant they follow from ever completing. The
+        samples of the first grants and those ``minio`` keeps stay, unless not even the first
+        grants fit together: then the senior feed's grant (the feed served least) takes the room
+        of the others', so that one grant at a time completes.
         """
         with self._lock:
             if self._shares.get(share.key) is not share:
@@ -603,35 +627,45 @@ class Production(ProcessedProduction):
             if not np.isin(pending, first).any():
                 return False
             held = np.fromiter(share.slots.keys(), dtype=np.int64, count=len(share.slots))
-            loose = held[~np.isin(held, first)]
-            if not len(loose):
-                # Not even the first grants fit together: the senior feed's (the one served least)
-                # takes the room of the others', so one grant at a time completes.
+            kept = np.fromiter(share.kept, np.int64, len(share.kept))
+            movable = ~np.isin(held, first) & ~np.isin(held, kept)
+            if share.own_window:
+                beyond = movable & ~np.isin(held, self._horizon(share))
+                movable = beyond if beyond.any() else movable
+            if not movable.any():
                 waiting = [f for f, ids in firsts.items() if len(ids)]
                 senior = min(waiting, key=lambda f: (self._feeds[f].served, f))
                 if not np.isin(pending, firsts[senior]).any():
                     return False
-                loose = held[~np.isin(held, firsts[senior])]
-                if not share.too_small:
-                    share.too_small = True
-                    log.warning(
-                        "dataset %s: the window of share %d.. (%d bytes) cannot hold the next batch of each of "
-                        "its %d feeds at once; they are served one grant at a time (give the dataset more memory, "
-                        "its quota, or use smaller batches)",
-                        share.dataset,
-                        share.lo,
-                        self._window_of(share).capacity,
-                        len(waiting),
-                    )
-                if not len(loose):
+                movable = ~np.isin(held, firsts[senior])
+                if (movable & ~np.isin(held, kept)).any():
+                    movable &= ~np.isin(held, kept)  # what minio keeps goes last
+                self._warn_too_small(share, len(waiting))
+                if not movable.any():
                     return False
-            victims = loose[np.argsort(-self._next_use(share, loose), kind="stable")[:PREEMPT_BATCH]]
+            later = self._next_use(share, held[movable])
+            victims = held[movable][np.argsort(-later, kind="stable")[:PREEMPT_BATCH]]
+            if share.kept_room is not None:  # minio keeps less from now on (never another subset)
+                share.kept_room -= sum(share.slots[i][0].nbytes for i in victims.tolist() if i in share.kept)
             self.preempted += len(victims)
             if share.preloader.on_demand:
                 self._let_go(share, victims)
             else:
                 self._retire(share, victims)
             return True
+
+    def _warn_too_small(self, share: ShareState, feeds: int) -> None:
+        if not share.too_small:
+            share.too_small = True
+            log.warning(
+                "dataset %s: the window of share %d.. (%d bytes) cannot hold the next batch of each of its %d feeds "
+                "at once; they are served one grant at a time (give the dataset more memory, its quota, or use "
+                "smaller batches)",
+                share.dataset,
+                share.lo,
+                self._window_of(share).capacity,
+                feeds,
+            )
 
     def _current(self, share: ShareState, feed: FeedState) -> PlanState | None:
         """The first plan of ``feed`` not written yet (``None``: none)."""
@@ -756,25 +790,30 @@ class Production(ProcessedProduction):
                 fruitless = -1
             try:
                 if work.plan is None:
-                    self._produce(work.share, work.feed_id, work.ids, work.user_epoch)
+                    self._produce(work.share, work.feed_id, work.ids, work.user_epoch, work.epoch)
                 else:
                     self._produce_processed(work)
             except Exception:  # a bug: log it (the samples were given back), keep producing
                 log.exception("dataset %s: producing samples %s failed", work.share.dataset, work.ids[:4].tolist())
 
-    def _produce(self, share: ShareState, feed_id: str, ids: np.ndarray, epoch: int = -1) -> None:
-        """Read ``ids`` (claimed, for a plan of sampler epoch ``epoch``, or -1 when asked for again)
-        from the backend into window slots and tell the feeders where they are."""
+    def _produce(self, share: ShareState, feed_id: str, ids: np.ndarray, epoch: int = -1, plan: int = -1) -> None:
+        """Read ``ids`` (claimed, for plan ``plan`` of sampler epoch ``epoch``, or -1 when asked for
+        again) from the backend into window slots and tell the feeders where they are.
+
+        In a share's own window each plan of a feed fills chunks of its own: the samples of one
+        chunk are then written, and freed, together (a chunk holding the next epoch's sample
+        beside this one's would stay taken for an epoch)."""
         lengths = share.preloader.index.length[ids - share.lo]
         ids, lengths = self._adopt_big(share, ids, lengths)
         window = self._window_of(share)
+        owner = f"{feed_id}/{plan}" if share.own_window else feed_id
         slots: list[Slot] = []
         placed = False
         try:
             for n in lengths.tolist():
-                slot = window.place(n, feed_id)
+                slot = window.place(n, owner)
                 while slot is None and self._make_room(share, ids[len(slots) :]):
-                    slot = window.place(n, feed_id)
+                    slot = window.place(n, owner)
                 if slot is None:
                     break
                 slots.append(slot)

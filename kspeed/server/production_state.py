@@ -155,6 +155,7 @@ class FeedState:
     held: int = 0  # window bytes produced for this feed and not retired
     waiting: int = 0  # grants its feeder reported waiting on production
     served: int = 0  # grants its feeder reported written
+    counted: int | None = None  # with its share's own window: the plan whose unwritten uses are counted
 
 
 @dataclasses.dataclass
@@ -217,9 +218,10 @@ class ShareState:
         self.cached: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.kept: set[int] = set()
         self.kept_bytes = 0
+        self.kept_room: int | None = None  # ("minio") the bytes it may keep, set at the first write
         self.figures: dict[int, EpochFigures] = {}
         self.too_small = False  # warned that the window cannot hold one batch of each feed
-        # with its own window: per sample, the unwritten positions of followed plans that need it
+        # with its own window: per sample, the unwritten positions of its feeds' current plans
         self.uses = np.zeros(self.size, dtype=np.int32)
         pool = preloader.pool
         self._home = {index: str(pool.path(index)) for index in preloader.pool_indices}

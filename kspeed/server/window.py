@@ -41,15 +41,18 @@ def chunk_size_for(region_size: int) -> int:
     return min(region_size, max(MIN_CHUNK, region_size // CHUNKS_PER_REGION))
 
 
-def chunk_size_for_samples(sizes: np.ndarray, region_size: int) -> int:
-    """The chunk size of a share's own window: twice the median sample or the 99th percentile,
-    whichever is larger (about two samples per chunk, and few samples larger than one), aligned,
-    at most :func:`chunk_size_for` the region size."""
+def chunk_size_for_samples(sizes: np.ndarray, region_size: int, capacity: int) -> int:
+    """The chunk size of a share's own window of ``capacity`` bytes: eight times the 99th
+    percentile sample (samples then fill a chunk to within a few percent, and few are larger than
+    one), but at most :func:`chunk_size_for` the region size and at most a 64th of the window
+    (a small window is cut finely, so that the chunks its feeds fill at once leave it room;
+    samples larger than a chunk take consecutive chunks of their own), aligned."""
     sizes = np.asarray(sizes, dtype=np.int64)
     if not len(sizes):
         return chunk_size_for(region_size)
-    want = max(2 * int(np.median(sizes)), int(np.percentile(sizes, 99)), SAMPLE_ALIGN)
-    return min(-(-want // SAMPLE_ALIGN) * SAMPLE_ALIGN, chunk_size_for(region_size))
+    want = max(8 * int(np.percentile(sizes, 99)), SAMPLE_ALIGN)
+    want = min(want, chunk_size_for(region_size), max(capacity // 64, SAMPLE_ALIGN))
+    return -(-want // SAMPLE_ALIGN) * SAMPLE_ALIGN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +104,7 @@ class ProductionWindow:
         self._setup(pool, [info.index for info in infos], chunk_size_for(region_size), owned=True)
 
     @classmethod
-    def over(cls, pool: MemoryPool, regions: list[int], chunk: int, open_chunks: int = 4) -> ProductionWindow:
+    def over(cls, pool: MemoryPool, regions: list[int], chunk: int, open_chunks: int = 2) -> ProductionWindow:
         """A window over pool regions someone else holds (a share's, :mod:`kspeed.server.datasets`):
         :meth:`close` leaves them to their holder. Each owner fills up to ``open_chunks`` chunks at
         once, a sample going to the first with room (so a sample that does not fit the rest of a
@@ -140,6 +143,7 @@ class ProductionWindow:
         self.peak = 0
         self.placed = 0
         self.live_bytes = 0  # bytes of the samples placed and not freed
+        self._packed = self._packed_chunks = 0  # bytes placed in chunks since closed, and those chunks
 
     # -- placement -------------------------------------------------------------------------------
 
@@ -153,11 +157,13 @@ class ProductionWindow:
         idle = sum(1 for chunk in self._opener if self._live[chunk] == 0)  # open chunks, emptied
         return (int(self._taken.sum()) - idle) * self.chunk
 
-    def fill(self) -> float:
-        """The share of the chunks held that samples fill (1.0 when nothing is held)."""
+    def packing(self) -> float:
+        """How full samples leave the chunks they were placed in, over the window's life (a prior
+        of 3/4 over the first chunks): the bytes of samples a window of this size holds, per
+        byte of it."""
         with self._cond:
-            used = self._used()
-            return min(self.live_bytes / used, 1.0) if used else 1.0
+            prior = 16
+            return (self._packed + 0.75 * prior * self.chunk) / ((self._packed_chunks + prior) * self.chunk)
 
     def fits(self, nbytes: int) -> bool:
         """Whether a sample of ``nbytes`` can ever be placed (it must fit one region)."""
@@ -201,6 +207,8 @@ class ProductionWindow:
 
     def _close(self, owner: str, entry: list[int]) -> None:
         """Stop bumping into one of ``owner``'s open chunks; it is reused once its samples are freed."""
+        self._packed += entry[1]
+        self._packed_chunks += 1
         self._open[owner].remove(entry)
         if not self._open[owner]:
             del self._open[owner]
@@ -227,6 +235,8 @@ class ProductionWindow:
         if not len(fits):
             return None
         first = int(fits[0][0]) * self.per_region + int(fits[0][1])
+        self._packed += size
+        self._packed_chunks += need
         self._taken[first : first + need] = True
         self._live[first] += 1
         self._note_peak()

@@ -338,21 +338,28 @@ def test_corrupt_pool_byte_is_repaired_and_counted(data_cluster, tmp_path):
     assert 'kspeed_server_integrity_events_total{dataset="crc",event="repaired"} 1.0' in metrics
 
 
-def test_quota_refuses_without_leaving_anything(data_cluster, tmp_path):
+def test_policy_cache_refuses_what_does_not_fit_without_leaving_anything(data_cluster, tmp_path):
     make_tree(tmp_path / "big", per_class=30, max_size=128 * 1024)
     with client_for(data_cluster) as client:
         wait_for(lambda: len([r for r in client.servers() if r.state == 2]) == 2, 10, "ready")
         from kspeed.errors import CapacityError
 
+        big = kspeed_pb2.DatasetSpec(name="big", uri=str(tmp_path / "big"), quota_bytes=1 << 20, policy="cache")
         with pytest.raises(CapacityError, match="quota"):
-            client.create_dataset(
-                kspeed_pb2.DatasetSpec(name="big", uri=str(tmp_path / "big"), quota_bytes=1 << 20), operator=True
-            )
+            client.create_dataset(big, operator=True)
         assert client.datasets() == []
+        make_tree(tmp_path / "huge", classes=("a",), per_class=700, max_size=1 << 20, seed=3)  # ~75 MB
+        huge = kspeed_pb2.DatasetSpec(name="huge", uri=str(tmp_path / "huge"), policy="cache")
         with pytest.raises(CapacityError, match="needs"):  # more than both pools together (2 x 16 MiB)
-            make_tree(tmp_path / "huge", classes=("a",), per_class=700, max_size=1 << 20, seed=3)  # ~75 MB
-            client.create_dataset(kspeed_pb2.DatasetSpec(name="huge", uri=str(tmp_path / "huge")), operator=True)
+            client.create_dataset(huge, operator=True)
         assert client.datasets() == []
+        # By default ("auto") a dataset that does not fit streams, in at most its quota.
+        big.policy, huge.policy = "auto", "auto"
+        info = client.create_dataset(big, operator=True).dataset
+        assert {s.policy for s in info.shares} == {"stream"} and sum(s.memory_regions for s in info.shares) == 1
+        info = client.create_dataset(huge, operator=True).dataset
+        assert {s.policy for s in info.shares} == {"stream"}
+        assert sum(s.memory_regions for s in info.shares) < sum(s.num_regions for s in info.shares)
 
 
 def test_manager_restart_keeps_datasets_and_servers_keep_data(data_cluster, tmp_path):

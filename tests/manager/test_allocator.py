@@ -7,7 +7,7 @@ import pytest
 
 from kspeed.errors import CapacityError, DatasetError
 from kspeed.layout import region_bounds
-from kspeed.manager.allocator import ServerCapacity, allocate, allocate_regions
+from kspeed.manager.allocator import ServerCapacity, allocate, allocate_regions, allocate_window
 
 R = 1 << 20
 
@@ -88,3 +88,36 @@ def test_a_region_layout_allocates_as_the_sizes_do():
             allocate_regions("d", bad_starts, bad_bytes, 1000, caps)
     with pytest.raises(DatasetError, match="no samples"):
         allocate_regions("d", np.array([0]), np.zeros(0), 1000, caps)
+
+
+def window_of(sizes, servers, budget=None):
+    starts = region_bounds(sizes, R, dataset="ds")
+    cum = np.concatenate(([0], np.cumsum(sizes)))
+    return allocate_window("ds", starts, cum[starts[1:]] - cum[starts[:-1]], R, servers, budget=budget)
+
+
+def test_a_dataset_held_in_part_splits_its_ids_in_proportion_to_memory():
+    sizes = np.full(3000, R // 10)  # 300 regions
+    alloc = window_of(sizes, [ServerCapacity("a", 20), ServerCapacity("b", 60), ServerCapacity("c", 100)], budget=90)
+    assert alloc.memory_regions == 90 and alloc.num_regions == 300
+    held = {s.server_id: s.memory_regions for s in alloc.shares}
+    assert held == {"a": 20, "b": 35, "c": 35}  # balanced where the free regions allow
+    for s in alloc.shares:  # each server's part of the dataset is as large, relative to its memory, as the others'
+        assert abs(s.num_regions / s.memory_regions - 300 / 90) < 0.1, s
+    assert alloc.shares[0].lo == 0 and alloc.shares[-1].hi == 3000
+    for a, b in zip(alloc.shares, alloc.shares[1:], strict=False):
+        assert a.hi == b.lo and a.first_region + a.num_regions == b.first_region
+    ids = np.arange(3000)
+    assert np.array_equal(alloc.owner(ids), np.repeat(np.arange(3), [s.hi - s.lo for s in alloc.shares]))
+
+
+def test_a_window_never_exceeds_the_free_regions_or_the_part_it_holds():
+    sizes = np.full(40, R // 2)  # 20 regions
+    every = window_of(sizes, [ServerCapacity("a", 4), ServerCapacity("b", 3)])
+    assert [(s.memory_regions, s.num_regions) for s in every.shares] == [(4, 11), (3, 9)]
+    small = window_of(np.full(3, R // 2), [ServerCapacity(f"s{i}", 9) for i in range(4)])  # 2 regions, 4 servers
+    assert len(small.shares) == 2 and all(s.memory_regions == s.num_regions == 1 for s in small.shares)
+    with pytest.raises(CapacityError, match="no region of 1048576 bytes"):
+        window_of(sizes, [ServerCapacity("a", 0)])
+    with pytest.raises(CapacityError, match="budget 0"):
+        window_of(sizes, [ServerCapacity("a", 5)], budget=0)

@@ -1,0 +1,150 @@
+"""Memory policies: a share held in a window of its own, smaller than the share.
+
+Production runs against feeders that stand in for the feeder processes (they apply what they are
+told to their plans) and a counting source, so every backend read is seen.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kspeed.server.feed_writer import FeedProgress
+from kspeed.server.preload import Preloader
+from kspeed.server.production import Production
+from kspeed.server.residency import WINDOW
+from kspeed.server.sources import open_source
+from kspeed.server.window import ProductionWindow
+from tests.server.datasets import REGION, write_tree
+from tests.server.test_preload import CountingSource
+from tests.server.test_production import Feeders, plan_of, wait
+
+N = 240
+SIZE = 20_000  # 240 samples of 20 kB: 4.8 MB, in a window of 1 MiB
+
+
+class PolicyHost:
+    """One share of ``N`` samples held under ``policy`` in ``regions`` pool regions."""
+
+    def __init__(self, tmp_path, backend, pool, policy: str, regions: int = 1) -> None:
+        self.files = write_tree(tmp_path / "d", [SIZE] * N)
+        self.source = CountingSource(open_source(backend, "ds", str(tmp_path / "d")))
+        self.policy = policy
+        self._regions = [info.index for info in pool.allocate("ds", range(regions))]
+        self.preloader = Preloader(self.source, pool, on_demand=True)
+
+    def get(self, name, first=None):
+        return self
+
+    def window_regions(self) -> list[int]:
+        return self._regions
+
+
+def serve(production: Production, feeders: Feeders, feed: str, epoch: int, pool, files) -> None:
+    """Act as a client reading a whole plan: each batch once it is resident, byte-checked."""
+    plan = feeders.plans[feed, epoch]
+    keys = sorted(files)
+    batches = len(plan.starts) - 1
+    for b in range(batches):
+        lo, hi = int(plan.starts[b]), int(plan.starts[b + 1])
+        wait(lambda lo=lo, hi=hi: (plan.region[lo:hi] >= 0).all())
+        for k in range(lo, hi):
+            start, n = int(plan.src[k]), int(plan.length[k])
+            got = pool.array(int(plan.region[k]))[start : start + n].tobytes()
+            assert got == files[keys[int(plan.ids[k])]], (feed, epoch, k)
+        production.progress(0, FeedProgress(feed, np.array([[epoch, b, 0, 1 << 30]]), 0))
+
+
+def epochs_of(production: Production, host: PolicyHost, feeders: Feeders, pool, orders: list[np.ndarray]) -> list:
+    """Install every epoch's plan up front (a deterministic sampler's are known early), read them in
+    turn; returns the share's figures."""
+    lengths = host.preloader.index.length
+    for epoch, order in enumerate(orders):
+        production.install("f", 0, ("ds", 0), epoch, plan_of(order, lengths[order], 10), user_epoch=epoch)
+        if epoch >= 1:
+            serve(production, feeders, "f", epoch - 1, pool, host.files)
+    serve(production, feeders, "f", len(orders) - 1, pool, host.files)
+    return production.figures(("ds", 0))
+
+
+@pytest.fixture
+def run(tmp_path, backend, pool):
+    made = []
+
+    def start(policy: str):
+        host = PolicyHost(tmp_path, backend, pool, policy)
+        feeders = Feeders()
+        production = Production(ProductionWindow(pool, REGION), host, feeders.tell, depth=64, threads=3)
+        made.append(production)
+        return host, feeders, production
+
+    yield start
+    for production in made:
+        production.stop()
+
+
+ORDERS = [np.random.default_rng(seed).permutation(N) for seed in range(3)]
+
+
+def test_stream_reads_each_sample_once_per_epoch_through_a_window_a_fifth_of_the_share(run, pool):
+    host, feeders, production = run("stream")
+    figures = epochs_of(production, host, feeders, pool, ORDERS)
+    share = production._shares["ds", 0]
+    assert share.window is not production.window and 0.9 * REGION < share.window.capacity <= REGION
+    assert share.window.peak <= share.window.capacity
+    assert [f.epoch for f in figures] == [0, 1, 2]
+    assert [f.written for f in figures] == [N, N, N] and [f.planned for f in figures] == [N, N, N]
+    # every read counted for the plan it was made for; three epochs, each sample at most once each
+    assert sum(f.misses for f in figures) == int(host.source.reads.sum()) <= 3 * N
+    assert host.source.reads.max() <= 3 and all(f.backend_bytes == f.misses * SIZE for f in figures)
+    # nothing stays once every plan is written
+    wait(lambda: share.window.live_bytes == 0)
+    assert not share.slots and not (share.residency.state == WINDOW).any()
+
+
+def test_minio_keeps_one_fixed_subset_and_reads_the_rest_every_epoch(run, pool):
+    host, feeders, production = run("minio")
+    lengths = host.preloader.index.length
+    for epoch in (0, 1):
+        production.install(
+            "f", 0, ("ds", 0), epoch, plan_of(ORDERS[epoch], lengths[ORDERS[epoch]], 10), user_epoch=epoch
+        )
+    serve(production, feeders, "f", 0, pool, host.files)
+    after_first = host.source.reads.copy()
+    share = production._shares["ds", 0]
+    kept = np.array(sorted(share.kept))
+    assert len(kept) and share.kept_bytes <= share.window.capacity * 3 // 4
+    production.install("f", 0, ("ds", 0), 2, plan_of(ORDERS[2], lengths[ORDERS[2]], 10), user_epoch=2)
+    serve(production, feeders, "f", 1, pool, host.files)
+    serve(production, feeders, "f", 2, pool, host.files)
+    now = np.array(sorted(share.kept))
+    assert len(now) and set(now.tolist()) <= set(kept.tolist())  # the subset is fixed (a tight window may shrink it)
+    assert np.array_equal(host.source.reads[now], after_first[now])  # and what it keeps is never read again
+    figures = production.figures(("ds", 0))
+    assert figures[0].misses >= N - len(kept) and figures[2].misses <= N - len(now)
+
+
+@pytest.mark.parametrize("policy", ["reuse", "lru"])
+def test_evicting_policies_keep_what_fits_and_serve_every_epoch(run, pool, policy):
+    host, feeders, production = run(policy)
+    figures = epochs_of(production, host, feeders, pool, ORDERS)
+    share = production._shares["ds", 0]
+    assert share.window.peak <= share.window.capacity and [f.written for f in figures] == [N, N, N]
+    assert sum(f.misses for f in figures) == int(host.source.reads.sum())
+    assert share.cached  # written samples stay until room is needed
+
+
+def test_reuse_lets_go_of_the_farthest_next_use_and_lru_of_the_oldest(run, pool):
+    host, feeders, production = run("reuse")
+    lengths = host.preloader.index.length
+    now = np.arange(0, 20)
+    later = np.concatenate([np.arange(19, -1, -1), np.arange(20, N)])  # the next epoch wants them backwards
+    production.install("f", 0, ("ds", 0), 0, plan_of(now, lengths[now], 10), user_epoch=0)
+    serve(production, feeders, "f", 0, pool, host.files)
+    production.install("f", 0, ("ds", 0), 1, plan_of(later, lengths[later], 10), user_epoch=1)
+    share = production._shares["ds", 0]
+    with production._lock:
+        uses = production._next_use(share, np.array([0, 5, 19, 200], np.int64))
+    assert uses.tolist() == [19, 14, 0, 200]
+    # a sample no plan needs again goes first
+    assert production._next_use(share, np.array([N - 1]))[0] == N - 1
