@@ -42,7 +42,7 @@ from _common import machine_info, write_json
 from kspeed import DatasetSpec, KSpeedClient, KSpeedError
 from kspeed.cli.cluster import LocalCluster
 from kspeed.config import ClientConfig, load_config
-from kspeed.server.backend import ThrottledFileSystem
+from kspeed.server.throttle import SlowFileSystem
 
 TARGET_MULTIPLE = 5.0
 THREADS = 8  # the server's production threads (its default)
@@ -58,7 +58,7 @@ def write_files(root: Path, count: int, seed: int = 0) -> None:
 
 def one_batch_seconds(root: Path, batch: int, latency: float) -> float:
     """Time to read ``batch`` of the files through the throttled file system with :data:`THREADS` threads."""
-    fs = ThrottledFileSystem(latency=latency)
+    fs = SlowFileSystem(latency=latency)
     paths = sorted(str(p) for p in root.rglob("*.bin"))[:batch]
 
     def read(path: str) -> int:

@@ -30,10 +30,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kspeed.server.allowlist import AllowList
-from kspeed.server.backend import Backend, ThrottledFileSystem
+from kspeed.server.backend import Backend
 from kspeed.server.pool import MemoryPool
 from kspeed.server.preload import Preloader
 from kspeed.server.sources import open_source
+from kspeed.server.throttle import SlowFileSystem
 
 TARGET_SPEEDUP = 8.0
 KIB, MIB = 1 << 10, 1 << 20
@@ -75,7 +76,7 @@ def write_files(root: Path, count: int, lo: int, hi: int, seed: int) -> int:
 
 def sequential(paths: list[str], latency: float) -> float:
     """Seconds for one thread to open and read every file (through the throttled fs if latency)."""
-    fs = ThrottledFileSystem(latency=latency) if latency else None
+    fs = SlowFileSystem(latency=latency) if latency else None
     t0 = time.perf_counter()
     for p in paths:
         if fs is None:

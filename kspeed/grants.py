@@ -4,7 +4,10 @@ After a server's feeder connects to a client's receive ring it says HELLO; from 
 sends GRANTS (the right to write one range of positions of one batch of one epoch at a ring
 offset) and the server answers each grant with one write-with-immediate whose immediate is the
 grant's tag. A server that cannot serve a grant says ERROR instead of staying silent, and a server
-that ends a feed for good (its dataset was removed) says CLOSING with the reason first. Nothing per
+that ends a feed for good (its dataset was removed) says CLOSING with the reason first. Grants that
+waited at the server for their samples to be produced (read from the backend) are named in a HELD
+message, with how long, before they are written: the client's pacing then counts only the rest of
+a grant's latency as the path's (a backend wait is not network latency). Nothing per
 sample travels here: the positions of a grant map to samples and offsets through the epoch plan
 (the client lays it out with :func:`kspeed.layout.batch_layout`; each server holds its part).
 
@@ -37,6 +40,7 @@ __all__ = [
     "DropPlan",
     "Grant",
     "GrantError",
+    "Held",
     "Hello",
     "Message",
     "decode",
@@ -44,12 +48,13 @@ __all__ = [
     "encode_drop_plan",
     "encode_error",
     "encode_grants",
+    "encode_held",
     "encode_hello",
     "make_tag",
     "tag_generation",
 ]
 
-_HELLO, _GRANTS, _ERROR, _DROP_PLAN, _CLOSING = 1, 2, 3, 4, 5
+_HELLO, _GRANTS, _ERROR, _DROP_PLAN, _CLOSING, _HELD = 1, 2, 3, 4, 5, 6
 
 #: One grant on the wire. ``first``/``end`` are positions within the batch; ``ring_offset`` is where
 #: the batch starts, relative to the ring key the feed was opened with.
@@ -106,6 +111,14 @@ class GrantError:
 
 
 @dataclass(frozen=True)
+class Held:
+    """Writer -> receiver: grants (by tag) that waited ``seconds`` at the server for production."""
+
+    tags: np.ndarray  # uint32
+    seconds: np.ndarray  # float64
+
+
+@dataclass(frozen=True)
 class DropPlan:
     """Receiver -> writer: the plan of pass ``epoch`` will not be granted again."""
 
@@ -120,7 +133,7 @@ class Closing:
 
 
 #: A decoded feed message; grants arrive as a :data:`GRANT_DTYPE` array.
-Message = Hello | GrantError | DropPlan | Closing | np.ndarray
+Message = Hello | GrantError | DropPlan | Closing | Held | np.ndarray
 
 
 def make_tag(generation: int, seq: int) -> int:
@@ -157,6 +170,13 @@ def encode_closing(closing: Closing) -> bytes:
     return bytes([_CLOSING]) + closing.reason.encode()[:_MAX_ERROR_TEXT]
 
 
+def encode_held(tags: Sequence[int], seconds: Sequence[float]) -> bytes:
+    """Writer -> receiver: grants that waited for production, and how long (to the microsecond,
+    at most about 71 minutes)."""
+    micros = np.minimum(np.round(np.asarray(seconds, dtype=np.float64) * 1e6), 0xFFFFFFFF).astype("<u4")
+    return bytes([_HELD]) + np.asarray(tags, dtype="<u4").tobytes() + micros.tobytes()
+
+
 def encode_drop_plan(epoch: int) -> bytes:
     """Receiver -> writer: the plan of ``epoch`` will not be granted again."""
     return bytes([_DROP_PLAN]) + _DROP.pack(epoch)
@@ -187,6 +207,13 @@ def decode(message: bytes) -> Message:
             return DropPlan(_DROP.unpack_from(body)[0])
         if kind == _CLOSING:
             return Closing(bytes(body).decode(errors="replace"))
+        if kind == _HELD:
+            if len(body) % 8:
+                raise ProtocolError(f"held message of {len(body)} bytes is not whole (tag, microseconds) pairs")
+            n = len(body) // 8
+            tags = np.frombuffer(body, dtype="<u4", count=n)
+            micros = np.frombuffer(body, dtype="<u4", offset=4 * n)
+            return Held(tags, micros.astype(np.float64) / 1e6)
     except (ValueError, KeyError, TypeError, struct.error) as exc:
         raise ProtocolError(f"malformed feed message of kind {kind}: {exc}") from exc
     raise ProtocolError(f"unknown feed message kind {kind}")

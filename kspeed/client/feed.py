@@ -379,7 +379,7 @@ class Feed:
             slot.owed.pop(index, None)
 
     def take_messages(self) -> None:
-        """Handle the HELLOs and ERRORs that arrived."""
+        """Handle the HELLOs, ERRORs, CLOSINGs and HELDs that arrived."""
         for conn, message in self.receiver.messages():
             try:
                 decoded = grants.decode(message)
@@ -392,6 +392,8 @@ class Feed:
                 self._error(conn, decoded)
             elif isinstance(decoded, grants.Closing):
                 self._closing(conn, decoded.reason)
+            elif isinstance(decoded, grants.Held):
+                self.granting.held(decoded)
 
     def _hello(self, conn: int, hello: grants.Hello) -> None:
         path = next((p for p in self.paths if p.link.server_id == hello.server and p.feed_id == hello.feed), None)

@@ -92,6 +92,9 @@ class Granting(ABC):
     def completed(self, entry: Outstanding, now: float) -> None:  # noqa: B027 (optional hook)
         """A grant was answered, by a completion or an ERROR (lock held)."""
 
+    def held(self, held: grants.Held) -> None:  # noqa: B027 (optional hook)
+        """Grants that waited at their server for production, and how long (lock held)."""
+
     def dropped(self, path: int) -> None:  # noqa: B027 (optional hook)
         """A server's path was fenced: forget its queued grants (lock held)."""
 
@@ -264,6 +267,9 @@ class Paced(Granting):
     def completed(self, entry: Outstanding, now: float) -> None:
         if entry.sub is not None:
             self.pacer.complete(entry.sub, now)
+
+    def held(self, held: grants.Held) -> None:
+        self.pacer.held(held.tags, held.seconds)
 
     def dropped(self, path: int) -> None:
         self.pacer.drop(path)

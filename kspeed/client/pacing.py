@@ -22,6 +22,9 @@ keeps the bytes granted but not yet completed within a **window** (docs/feeding.
 - The **window** is Little's law with headroom: to deliver at the drain rate, each server needs its
   share of the rate times its latency in flight; the window is :data:`GAIN` times the sum (and at
   least one round). It shrinks and grows with the drain rate.
+- A grant that waited at its server for its samples to be produced (read from the backend) is
+  named by the server with the wait (``HELD``, :mod:`kspeed.grants`); only the rest of its latency
+  is the path's.
 - **Credit** splits the window between servers. ``adaptive`` gives each server its share of the
   demand times its latency, so a slower server is granted further ahead and one slow server does
   not make its ranks stragglers (the push-model form of Lobster's load balancing); ``equal``
@@ -224,6 +227,8 @@ class Pacer:
         self.latency_histogram = Histogram()
         self.sent = 0
         self.completed = 0
+        self._held: collections.OrderedDict[int, float] = collections.OrderedDict()  # tag -> production wait
+        self.held_s = 0.0  # seconds grants waited at servers for production (left out of latencies)
 
     # -- the model -------------------------------------------------------------------------------
 
@@ -349,12 +354,23 @@ class Pacer:
         now = time.monotonic() if now is None else now
         self.in_flight_bytes[grant.path] -= grant.nbytes
         self.in_flight -= grant.nbytes
-        latency = now - grant.sent_at
+        held = self._held.pop(grant.grant.tag, 0.0) if self._held else 0.0
+        latency = max(now - grant.sent_at - held, 0.0)  # the path's part: a backend wait is not latency
         self.tables[grant.path].observe(grant.nbytes, latency, grant.clean)
         self.rate.on_complete(grant.nbytes, grant.app_limited, now)
         self._latencies.append(latency)
         self.latency_histogram.observe(latency)
         self.completed += 1
+
+    def held(self, tags: np.ndarray, seconds: np.ndarray) -> None:
+        """Servers' word that these grants (by tag) waited for production this long: their
+        completions count only the rest as latency (a server reading from a slow backend is not a
+        slow path, and adaptive credit must not grant it further ahead for that)."""
+        for tag, wait in zip(tags.tolist(), seconds.tolist(), strict=True):
+            self._held[int(tag)] = float(wait)
+            self.held_s += float(wait)
+        while len(self._held) > RECENT:  # tags whose completion never came (a fenced path)
+            self._held.popitem(last=False)
 
     @property
     def backlog(self) -> bool:
@@ -382,6 +398,7 @@ class Pacer:
             "latency_by_server": tables,
             "sub_batches_sent": self.sent,
             "sub_batches_completed": self.completed,
+            "held_by_production_s": self.held_s,
             "sub_batch_latency_p50_ms": float(np.percentile(lat, 50)) if len(lat) else 0.0,
             "sub_batch_latency_p99_ms": float(np.percentile(lat, 99)) if len(lat) else 0.0,
             "sub_batch_latency_seconds": self.latency_histogram.as_dict(),

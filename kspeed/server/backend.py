@@ -3,52 +3,27 @@
 :class:`Backend` is the only way server code opens backend storage: it checks every URI against
 an :class:`~kspeed.server.allowlist.AllowList` and builds file systems with the storage options
 (credentials, endpoints) from the server's own configuration, one dict per protocol; nothing a
-client sends reaches those options. :class:`ThrottledFileSystem` (protocol ``slowfile``) is the
-local file system with a fixed latency per open, standing in for remote storage in benchmarks
-and tests.
+client sends reaches those options. Protocols ``slowfile`` and ``throttled``
+(:mod:`kspeed.server.throttle`: latency per request, a bandwidth cap) stand in for remote storage
+in tests and benchmarks.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 
 from kspeed.errors import BackendError, ConfigError
+from kspeed.server import throttle  # noqa: F401  (registers the slowfile and throttled protocols)
 from kspeed.server.allowlist import LOCAL_PROTOCOLS, AllowList
 
-__all__ = ["Backend", "ThrottledFileSystem"]
+__all__ = ["Backend"]
 
 log = logging.getLogger(__name__)
-
-
-class ThrottledFileSystem(LocalFileSystem):
-    """The local file system with ``latency`` seconds added to every open (like a remote store).
-
-    Registered with fsspec under the protocol ``slowfile``; configure the latency through the
-    storage options of the protocol, e.g. ``Backend(allow, {"slowfile": {"latency": 0.004}})``.
-
-    Args:
-        latency: seconds slept per open.
-    """
-
-    protocol = ("slowfile",)
-
-    def __init__(self, latency: float = 0.005, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.latency = float(latency)
-
-    def _open(self, path: str, mode: str = "rb", block_size: Any = None, **kwargs: Any) -> Any:
-        time.sleep(self.latency)
-        return super()._open(path, mode, block_size=block_size, **kwargs)
-
-
-fsspec.register_implementation("slowfile", ThrottledFileSystem, clobber=True)
 
 
 class Backend:

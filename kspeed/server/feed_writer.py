@@ -336,6 +336,7 @@ class FeedWriter:
         """
         now = time.monotonic()
         ready: list[tuple[np.void, PlanPart | None, int, int]] = []
+        held: list[tuple[int, float]] = []
         keep: deque[list] = deque()
         pending = self._pending
         rest: deque[list] = deque()
@@ -372,9 +373,13 @@ class FeedWriter:
                 continue
             if now - arrival > WAIT_POLL:
                 self._waited.append(now - arrival)
+                held.append((tag, now - arrival))
             ready.append((grant, plan, i, j))
         keep.extend(rest)
         self._pending = keep
+        if held:  # before the writes: the client's pacing must not take these waits for the path's latency
+            tags, seconds = zip(*held, strict=True)
+            self.writer.send(grants.encode_held(tags, seconds))
         for start in range(0, len(ready), GRANTS_PER_WRITE):
             self._write(ready[start : start + GRANTS_PER_WRITE])
 

@@ -14,7 +14,9 @@ import math
 import numpy as np
 import pytest
 
+from kspeed import grants
 from kspeed.client.pacing import RATE_WINDOW, SIZE_CLASSES, DrainRate, LatencyTable, Pacer, SubGrant
+from kspeed.grants import Grant
 
 MiB = 1 << 20
 
@@ -211,6 +213,25 @@ def test_release_respects_window_credit_and_grant_order():
     assert [g.order for g in pacer.release(0.001)] == [len(sent)]
     dropped = pacer.drop(1)
     assert all(g.path == 1 for g in dropped) and pacer.in_flight_bytes[1] == 0
+
+
+def test_a_wait_for_production_is_not_taken_for_the_paths_latency():
+    pacer = Pacer(2, credit="adaptive")
+    for path in (0, 1):
+        pacer.tables[path].set(0, 0.001)
+    pacer.seed(10e6)
+    # each answered 50 ms after it was sent into an idle pipe; server 0 says its grant waited 49 ms
+    # for the backend
+    pacer.held(np.array([100], np.uint32), np.array([0.049]))
+    for order, path in enumerate((0, 1)):
+        pacer.queue(SubGrant(path, order, Grant(0, order, 0, 0, 1, tag=100 + order), 4000))
+        (grant,) = pacer.release(float(order))
+        pacer.complete(grant, grant.sent_at + 0.050)
+    assert pacer.tables[0].seconds[0] == pytest.approx(0.001)  # (clean: moved by the 1 ms it really took)
+    assert pacer.tables[1].seconds[0] > 0.010  # the other path was really slow
+    assert pacer.stats()["held_by_production_s"] == pytest.approx(0.049)
+    message = grants.decode(grants.encode_held([100, 7], [0.049, 1.5]))
+    assert message.tags.tolist() == [100, 7] and message.seconds.tolist() == [0.049, 1.5]
 
 
 def test_one_grant_may_always_be_in_flight_and_none_starves():

@@ -131,3 +131,22 @@ def test_caching_policies_deliver_exactly_and_keep_part_of_the_dataset(cluster_f
         for epoch in (1, 2):  # later ones find part of it kept
             assert figures[epoch].written - figures[epoch].misses > 0, (policy, epoch, figures[epoch])
             assert figures[epoch].backend_bytes < total, (policy, epoch, figures[epoch])
+
+
+@pytest.mark.timeout(120)
+def test_grants_that_wait_for_a_slow_backend_are_named_and_left_out_of_the_paths_latency(cluster_factory, tmp_path):
+    files = make_tree(tmp_path / "slow", per_class=40, max_size=32 * 1024, seed=8)
+    slow = ["--backend-allow", f"slowfile://{tmp_path}", "--backend-options", '{"slowfile": {"latency": 0.02}}']
+    cluster = cluster_factory(2, server_args=slow)
+    spec = DatasetSpec(name="slow", uri=f"slowfile://{tmp_path / 'slow'}", quota_bytes=QUOTA, policy="stream")
+    keys = list(files)
+    with KSpeedClient(config=config_for(cluster, pacing="on")) as client:
+        ds = client.dataset(spec, batch_size=BATCH, seed=SEED, ring_bytes=1 << 20, quiet=True)
+        for batch in ds:
+            for i, sid in enumerate(batch.ids.tolist()):
+                assert batch.numpy(i).tobytes() == files[keys[sid]]
+        pacing = ds.stats()["pacing"]
+        # grants waited for 20 ms reads; the servers said so, and the latency tables left it out
+        assert pacing["held_by_production_s"] > 0.02, pacing
+        assert pacing["sub_batch_latency_p50_ms"] < 20, pacing
+        ds.close()

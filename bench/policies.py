@@ -1,0 +1,384 @@
+"""Datasets larger than pooled memory: the memory policies against a fully cached run and a DataLoader.
+
+A dataset about three times the memory it is given (its quota) sits behind the throttled file
+system (``slowfile``: a latency per request and a bandwidth cap per server process, standing in
+for object storage). Two ranks (processes, as under torchrun) read three epochs each, with a
+fixed step per batch (a training step that cannot hide stalls), at a consumption rate below the
+backend's capacity. Measured in one run, each on a fresh cluster of two servers:
+
+- ``cache``: enough memory, preloaded before the epochs (the fully cached reference);
+- ``stream``, ``minio``, ``reuse``, ``lru``: the dataset held in a third of its size;
+- ``dataloader``: a plain ``torch.utils.data.DataLoader`` per rank reading the same throttled
+  backend (its workers share the servers' total bandwidth cap), with the same step.
+
+Per run and epoch: samples/s, the ranks' data wait (time blocked waiting for a batch) as a share
+of the epoch, and for the policies the servers' own figures (backend bytes and requests, misses,
+grants' waits for production). The targets: ``stream`` within 10% of ``cache`` in samples/s while
+reading no more than the dataset (plus the sampler's padding) per epoch; ``stream`` stalling least
+of the policies; ``minio`` reading fewer backend bytes than ``lru``. Writes JSON and a PNG::
+
+    python bench/policies.py --json bench/results/policies.json --png bench/results/policies.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _common import MIB, machine_info, write_json
+
+from kspeed import DatasetSpec, KSpeedClient
+from kspeed.cli.cluster import LocalCluster, wait_for
+from kspeed.config import ClientConfig, load_config
+
+POLICIES = ("stream", "minio", "reuse", "lru")
+RANKS = 2
+SEED = 3
+
+
+def write_files(root: Path, count: int, lo: int, hi: int, seed: int = 0) -> int:
+    """``count`` random files of ``lo..hi`` bytes in ten folders; returns their total bytes."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(lo, hi + 1, count)
+    blob = rng.bytes(int(hi))
+    for i, n in enumerate(sizes.tolist()):
+        folder = root / f"c{i % 10}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{i:06d}.bin").write_bytes(blob[:n])
+    return int(sizes.sum())
+
+
+def config_for(address: str) -> ClientConfig:
+    return load_config(ClientConfig, environ={}, overrides={"manager": address, "security.auth": "none"})
+
+
+def kspeed_rank(address: str, spec: DatasetSpec, rank: int, args: argparse.Namespace, out: mp.Queue) -> None:
+    """One rank: ``args.epochs`` epochs with a fixed step per batch; puts its per-epoch figures."""
+    try:
+        with KSpeedClient(config=config_for(address)) as client:
+            ds = client.dataset(
+                spec, batch_size=args.batch, seed=SEED, rank=rank, world_size=RANKS, ring_bytes=32 << 20, quiet=True
+            )
+            epochs = []
+            for epoch in range(args.epochs):
+                ds.set_epoch(epoch)
+                epochs.append(_timed_epoch(iter(ds), args.step, lambda batch: (len(batch), batch.release())[0]))
+            ds.close()
+        out.put((rank, epochs))
+    except BaseException as exc:
+        out.put((rank, f"{type(exc).__name__}: {exc}"))
+        raise
+
+
+def _timed_epoch(batches, step: float, consume) -> dict:
+    """Drain ``batches``, sleeping ``step`` seconds per batch: wall seconds, samples, data wait."""
+    started = time.perf_counter()
+    waited = 0.0
+    samples = 0
+    while True:
+        asked = time.perf_counter()
+        try:
+            batch = next(batches)
+        except StopIteration:
+            break
+        waited += time.perf_counter() - asked
+        samples += consume(batch)
+        time.sleep(step)
+    return {"seconds": time.perf_counter() - started, "samples": samples, "wait_s": waited}
+
+
+class ThrottledFiles:
+    """A map-style dataset of the files, read through a throttled file system of its own per worker."""
+
+    def __init__(self, paths: list[str], latency: float, bandwidth: float) -> None:
+        self.paths, self.latency, self.bandwidth = paths, latency, bandwidth
+        self._fs = None
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> bytes:
+        if self._fs is None:
+            from kspeed.server.throttle import SlowFileSystem
+
+            self._fs = SlowFileSystem(latency=self.latency, bandwidth=self.bandwidth, skip_instance_cache=True)
+        with self._fs.open(self.paths[i], "rb") as f:
+            return f.read()
+
+
+def dataloader_rank(root: str, rank: int, args: argparse.Namespace, out: mp.Queue) -> None:
+    """The baseline rank: DataLoader + DistributedSampler over the throttled files, same step."""
+    try:
+        from torch.utils.data import DataLoader, DistributedSampler
+
+        paths = sorted(str(p) for p in Path(root).rglob("*.bin"))
+        workers = args.loader_workers
+        # the backend's total cap (one per server on the KSpeed side) shared by every worker
+        files = ThrottledFiles(paths, args.latency, args.bandwidth * 2 / (RANKS * workers))
+        sampler = DistributedSampler(files, num_replicas=RANKS, rank=rank, shuffle=True, seed=SEED)
+        loader = DataLoader(
+            files,
+            batch_size=args.batch,
+            sampler=sampler,
+            num_workers=workers,
+            collate_fn=lambda items: items,
+            persistent_workers=True,
+            prefetch_factor=4,
+        )
+        epochs = []
+        for epoch in range(args.epochs):
+            sampler.set_epoch(epoch)
+            epochs.append(_timed_epoch(iter(loader), args.step, len))
+        out.put((rank, epochs))
+    except BaseException as exc:
+        out.put((rank, f"{type(exc).__name__}: {exc}"))
+        raise
+
+
+def run_ranks(target, rank_args: tuple, args: argparse.Namespace) -> list[list[dict]]:
+    """Run the ranks as processes at once; their per-epoch figures, by rank."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*rank_args, rank, args, out)) for rank in range(RANKS)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=args.timeout) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    failed = {r: v for r, v in results.items() if isinstance(v, str)}
+    if failed:
+        raise RuntimeError(f"ranks failed: {failed}")
+    return [results[r] for r in range(RANKS)]
+
+
+def start_cluster(state: Path, root: Path, args: argparse.Namespace, memory: int) -> LocalCluster:
+    options = {"slowfile": {"latency": args.latency, "bandwidth": args.bandwidth}}
+    cluster = LocalCluster(
+        str(state),
+        servers=2,
+        server_args=[
+            "--backend-allow",
+            f"slowfile://{root}",
+            "--backend-options",
+            json.dumps(options),
+            "--memory",
+            str(memory),
+            "--region-size",
+            str(args.region_mib * MIB),
+            "--production-threads",
+            str(args.threads),
+            "--keep-pool-on-exit",
+            "false",
+        ],
+    )
+    cluster.start()
+    return cluster
+
+
+def kspeed_run(policy: str, root: Path, total: int, args: argparse.Namespace) -> dict:
+    """One policy (or ``cache``) on a fresh cluster: the ranks' epochs and the servers' figures."""
+    state = Path(tempfile.mkdtemp(prefix=f"kspeed-policies-{policy}-"))
+    memory = total // 2 + 96 * MIB  # enough for the whole dataset on either server's half, and a window
+    cluster = start_cluster(state, root, args, memory)
+    try:
+        with KSpeedClient(config=config_for(cluster.address)) as client:
+            quota = 0 if policy == "cache" else total // 3
+            spec = DatasetSpec(name=f"ds-{policy}", uri=f"slowfile://{root}", quota_bytes=quota, policy=policy)
+            info = client.manager.create_dataset(spec.to_proto(), operator=True).dataset
+            held = sum(s.memory_regions if s.policy else s.num_regions for s in info.shares) * args.region_mib * MIB
+            if policy == "cache":
+                client.manager.preload(spec.name)
+                wait_for(lambda: client.manager.dataset(spec.name).state == 3 or None, 600, "the preload")
+            started = time.perf_counter()
+            ranks = run_ranks(kspeed_rank, (cluster.address, spec), args)
+            seconds = time.perf_counter() - started
+            figures = {}
+            for status in client.manager.dataset(spec.name).share_status:
+                for f in status.epochs:
+                    got = figures.setdefault(
+                        int(f.epoch),
+                        dict.fromkeys(("misses", "backend_bytes", "backend_requests", "written", "stall_s"), 0),
+                    )
+                    for key in got:
+                        got[key] += getattr(f, key)
+        return summarize(policy, ranks, seconds, {"memory_bytes": held, "server_figures": figures})
+    finally:
+        cluster.stop()
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def summarize(name: str, ranks: list[list[dict]], seconds: float, extra: dict) -> dict:
+    """Per epoch over the ranks: samples/s (the slower rank's pace), data wait share; and overall."""
+    epochs = []
+    for e in range(len(ranks[0])):
+        wall = max(r[e]["seconds"] for r in ranks)
+        samples = sum(r[e]["samples"] for r in ranks)
+        wait = max(r[e]["wait_s"] / r[e]["seconds"] for r in ranks)
+        epochs.append(
+            {"epoch": e, "seconds": wall, "samples": samples, "samples_per_s": samples / wall, "wait_share": wait}
+        )
+    total = sum(e["samples"] for e in epochs)
+    busy = sum(e["seconds"] for e in epochs)
+    return {
+        "name": name,
+        "epochs": epochs,
+        "samples_per_s": total / busy,
+        "wait_share": max(e["wait_share"] for e in epochs),
+        "seconds": seconds,
+        **extra,
+    }
+
+
+def targets(runs: dict[str, dict], total: int, count: int) -> list[dict]:
+    out = []
+    cache, stream = runs.get("cache"), runs.get("stream")
+    if cache and stream:
+        ratio = stream["samples_per_s"] / cache["samples_per_s"]
+        out.append(
+            {"target": "stream within 10% of cache (samples/s)", "value": ratio, "threshold": 0.9, "met": ratio >= 0.9}
+        )
+        pad = (-count) % RANKS
+        most = max(f["backend_bytes"] for e, f in stream["server_figures"].items() if int(e) < len(stream["epochs"]))
+        out.append(
+            {
+                "target": "stream reads at most the dataset per epoch (bytes)",
+                "value": most,
+                "threshold": total + pad * 48 * 1024,
+                "met": most <= total + pad * 48 * 1024,
+            }
+        )
+    policies = [p for p in POLICIES if p in runs]
+    if len(policies) == len(POLICIES):
+        least = min(policies, key=lambda p: runs[p]["wait_share"])
+        out.append({"target": "stream stalls least of the policies", "value": least, "met": least == "stream"})
+
+        def later(p: str) -> int:
+            return sum(
+                f["backend_bytes"] for e, f in runs[p]["server_figures"].items() if 1 <= int(e) < len(runs[p]["epochs"])
+            )
+
+        out.append(
+            {
+                "target": "minio reads fewer backend bytes than lru (epochs after the first)",
+                "value": [later("minio"), later("lru")],
+                "met": later("minio") < later("lru"),
+            }
+        )
+    return out
+
+
+def chart(doc: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = doc["runs"]
+    names = list(runs)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    ax = axes[0]
+    ax.bar(
+        names,
+        [runs[n]["samples_per_s"] for n in names],
+        color=["#888" if n in ("cache", "dataloader") else "#3a7" for n in names],
+    )
+    ax.axhline(doc["consumption_samples_per_s"], color="k", ls="--", lw=1, label="the step's pace")
+    ax.set_title("samples/s (both ranks, over the epochs)")
+    ax.legend()
+    ax = axes[1]
+    width = 0.8 / max(len(names), 1)
+    for k, n in enumerate(names):
+        shares = [e["wait_share"] * 100 for e in runs[n]["epochs"]]
+        ax.bar(np.arange(len(shares)) + k * width, shares, width, label=n)
+    ax.set_title("data wait, % of the epoch (slower rank)")
+    ax.set_xlabel("epoch")
+    ax.legend(fontsize=8)
+    ax = axes[2]
+    pols = [n for n in names if runs[n].get("server_figures")]
+    for k, n in enumerate(pols):
+        figs = runs[n]["server_figures"]
+        vals = [figs.get(str(e), figs.get(e, {})).get("backend_bytes", 0) / MIB for e in range(len(runs[n]["epochs"]))]
+        ax.bar(np.arange(len(vals)) + k * width, vals, width, label=n)
+    ax.axhline(doc["dataset_bytes"] / MIB, color="k", ls="--", lw=1, label="dataset")
+    ax.set_title("backend MiB read per epoch (servers)")
+    ax.set_xlabel("epoch")
+    ax.legend(fontsize=8)
+    fig.suptitle(
+        f"{doc['dataset_bytes'] / MIB:.0f} MiB dataset, {doc['memory_fraction']:.2f} of it in memory; "
+        f"backend {doc['latency_ms']:g} ms/request, {doc['bandwidth_mb_s']:g} MB/s per server; "
+        f"{RANKS} ranks, step {doc['step_ms']:g} ms/batch"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", type=int, default=6000)
+    parser.add_argument("--min-bytes", type=int, default=16 * 1024)
+    parser.add_argument("--max-bytes", type=int, default=32 * 1024)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--step", type=float, default=0.032, help="seconds of 'training' per batch")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--latency", type=float, default=0.005, help="seconds per backend request")
+    parser.add_argument("--bandwidth", type=float, default=100e6, help="backend bytes/s per server process")
+    parser.add_argument("--threads", type=int, default=16, help="the servers' production threads")
+    parser.add_argument("--region-mib", type=int, default=4)
+    parser.add_argument("--loader-workers", type=int, default=2)
+    parser.add_argument("--runs", default="cache,stream,minio,reuse,lru,dataloader")
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--json")
+    parser.add_argument("--png")
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="kspeed-policies-data-"))
+    try:
+        total = write_files(root, args.samples, args.min_bytes, args.max_bytes)
+        runs: dict[str, dict] = {}
+        for name in args.runs.split(","):
+            started = time.perf_counter()
+            if name == "dataloader":
+                ranks = run_ranks(dataloader_rank, (str(root),), args)
+                runs[name] = summarize(name, ranks, time.perf_counter() - started, {})
+            else:
+                runs[name] = kspeed_run(name, root, total, args)
+            print(
+                f"{name}: {runs[name]['samples_per_s']:.0f} samples/s, wait {runs[name]['wait_share']:.1%}",
+                file=sys.stderr,
+            )
+        doc = {
+            "benchmark": "policies",
+            "machine": machine_info(),
+            "dataset_bytes": total,
+            "samples": args.samples,
+            "memory_fraction": 1 / 3,
+            "latency_ms": args.latency * 1000,
+            "bandwidth_mb_s": args.bandwidth / 1e6,
+            "step_ms": args.step * 1000,
+            "batch": args.batch,
+            "consumption_samples_per_s": RANKS * args.batch / args.step,
+            "backend_capacity_samples_per_s": {
+                "bandwidth": 2 * args.bandwidth / (total / args.samples),
+                "latency": 2 * args.threads / args.latency,
+            },
+            "runs": runs,
+        }
+        doc["targets"] = targets(runs, total, args.samples)
+        write_json(args.json, doc)
+        if args.png:
+            chart(doc, args.png)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
