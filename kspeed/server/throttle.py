@@ -1,8 +1,9 @@
 """A throttled fsspec file system: any file system, slowed like remote storage.
 
 :class:`ThrottledFileSystem` wraps a target fsspec file system and adds a fixed **latency per
-request** (each open, listing or ``info``; requests in flight at once overlap their latencies, as
-a store's do) and a **bandwidth cap** shared by every read through the instance (a token bucket:
+read request** (each open or whole-file read; requests in flight at once overlap their latencies,
+as a store's do), optionally one per listing request (``ls``, ``info``), and a **bandwidth cap**
+shared by every read through the instance (a token bucket:
 readers take turns for the bytes they read, so the total never exceeds the cap). It counts the
 requests and bytes it served. Tests, benchmarks and the analyzer stand it in for object storage:
 
@@ -91,8 +92,10 @@ class ThrottledFileSystem(AbstractFileSystem):
     """A target fsspec file system with ``latency`` seconds per request and ``bandwidth`` bytes/s.
 
     Args:
-        latency: seconds each request (open, ``ls``, ``info``) waits before it is answered.
+        latency: seconds each read request (open, ``cat_file``) waits before it is answered.
         bandwidth: bytes per second all reads share (0: no cap).
+        list_latency: seconds each listing request (``ls``, ``info``) waits (default none: tests
+            and benchmarks time reads, and a listing is made once).
         target_protocol: the wrapped file system's protocol (``file`` for ``slowfile``).
         target_options: its options (endpoint, credentials...).
 
@@ -109,12 +112,14 @@ class ThrottledFileSystem(AbstractFileSystem):
         bandwidth: float = 0.0,
         target_protocol: str = "file",
         target_options: Mapping[str, Any] | None = None,
+        list_latency: float = 0.0,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if latency < 0:
-            raise ValueError(f"latency {latency} must be >= 0 seconds")
+        if latency < 0 or list_latency < 0:
+            raise ValueError(f"latency {latency} and list_latency {list_latency} must be >= 0 seconds")
         self.latency = float(latency)
+        self.list_latency = float(list_latency)
         self.bucket = Bucket(bandwidth)
         self.target = fsspec.filesystem(target_protocol, **dict(target_options or {}))
         self.requests = 0
@@ -130,12 +135,13 @@ class ThrottledFileSystem(AbstractFileSystem):
                 return path[len(name) + 3 :]
         return path
 
-    def request(self) -> None:
-        """One request: count it and wait its latency."""
+    def request(self, latency: float | None = None) -> None:
+        """One request: count it and wait its latency (a read's, unless given)."""
         with self._count:
             self.requests += 1
-        if self.latency:
-            time.sleep(self.latency)
+        wait = self.latency if latency is None else latency
+        if wait:
+            time.sleep(wait)
 
     def charge(self, n: int) -> None:
         """Bytes read: count them and let them through the cap."""
@@ -144,11 +150,11 @@ class ThrottledFileSystem(AbstractFileSystem):
         self.bucket.take(n)
 
     def ls(self, path: str, detail: bool = True, **kwargs: Any) -> Any:
-        self.request()
+        self.request(self.list_latency)
         return self.target.ls(path, detail=detail, **kwargs)
 
     def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
-        self.request()
+        self.request(self.list_latency)
         return self.target.info(path, **kwargs)
 
     def _open(self, path: str, mode: str = "rb", block_size: Any = None, **kwargs: Any) -> Any:
@@ -169,8 +175,10 @@ class SlowFileSystem(ThrottledFileSystem):
 
     protocol = ("slowfile",)
 
-    def __init__(self, latency: float = 0.005, bandwidth: float = 0.0, **kwargs: Any) -> None:
-        super().__init__(latency, bandwidth, "file", None, **kwargs)
+    def __init__(
+        self, latency: float = 0.005, bandwidth: float = 0.0, list_latency: float = 0.0, **kwargs: Any
+    ) -> None:
+        super().__init__(latency, bandwidth, "file", None, list_latency, **kwargs)
 
 
 fsspec.register_implementation("throttled", ThrottledFileSystem, clobber=True)

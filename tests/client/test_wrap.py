@@ -224,11 +224,18 @@ def test_no_workers_runs_in_the_training_process(folder, make_wrapped):
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_loader_that_opens_a_path_gets_the_bytes_under_the_file_name(folder, make_wrapped, workers, tmp_path):
-    seen = multiprocessing.Manager().list() if workers else []
-    folder.loader = PathRecorder(seen)
-    wrapped = make_wrapped(sampler=SequentialSampler(folder), num_workers=workers)
-    reference = ImageFolder(folder.root, transform=to_normalized_tensor, loader=jpeg_loader)
-    assert_same_batches(list(wrapped), list(DataLoader(reference, batch_size=8, sampler=SequentialSampler(reference))))
+    manager = multiprocessing.Manager() if workers else None  # (shut down here: no process outlives the test)
+    try:
+        seen = manager.list() if manager is not None else []
+        folder.loader = PathRecorder(seen)
+        wrapped = make_wrapped(sampler=SequentialSampler(folder), num_workers=workers)
+        reference = ImageFolder(folder.root, transform=to_normalized_tensor, loader=jpeg_loader)
+        batches = list(DataLoader(reference, batch_size=8, sampler=SequentialSampler(reference)))
+        assert_same_batches(list(wrapped), batches)
+        seen = list(seen)
+    finally:
+        if manager is not None:
+            manager.shutdown()
     originals = {p for p, _ in folder.samples}
     loaded = [p for p in seen if p not in (folder.samples[0][0],)]  # the first one was the wrap-time check
     assert loaded and not originals & set(loaded)  # never the original file ...

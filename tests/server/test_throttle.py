@@ -14,7 +14,10 @@ from kspeed.server.throttle import Bucket, SlowFileSystem, ThrottledFileSystem
 def test_each_request_waits_its_latency_and_requests_in_flight_overlap(tmp_path):
     for i in range(8):
         (tmp_path / f"{i}.bin").write_bytes(b"x" * 100)
-    fs = SlowFileSystem(latency=0.05, skip_instance_cache=True)
+    fs = SlowFileSystem(latency=0.05, list_latency=0.02, skip_instance_cache=True)
+    started = time.monotonic()
+    assert fs.info(str(tmp_path / "0.bin"))["size"] == 100
+    assert 0.02 <= time.monotonic() - started < 0.05  # a listing request waits its own latency
     started = time.monotonic()
     with fs.open(str(tmp_path / "0.bin"), "rb") as f:
         assert f.read() == b"x" * 100
@@ -26,7 +29,7 @@ def test_each_request_waits_its_latency_and_requests_in_flight_overlap(tmp_path)
     for t in threads:
         t.join()
     assert time.monotonic() - started < 8 * 0.05  # eight at once took less than eight in a row
-    assert fs.requests == 9 and fs.bytes_read == 900
+    assert fs.requests == 10 and fs.bytes_read == 900
 
 
 def test_the_bandwidth_cap_holds_over_every_reader_together(tmp_path):
@@ -64,5 +67,5 @@ def test_it_wraps_any_protocol_and_is_read_only():
 def test_bad_settings_are_named():
     with pytest.raises(ValueError, match="bandwidth -1"):
         Bucket(-1)
-    with pytest.raises(ValueError, match=r"latency -0\.1"):
+    with pytest.raises(ValueError, match=r"latency -0\.1 and list_latency 0"):
         SlowFileSystem(latency=-0.1, skip_instance_cache=True)
