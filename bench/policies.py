@@ -116,6 +116,11 @@ class ThrottledFiles:
             return f.read()
 
 
+def as_list(items: list) -> list:
+    """The DataLoader's collate function: the batch's samples as they are."""
+    return items
+
+
 def dataloader_rank(root: str, rank: int, args: argparse.Namespace, out: mp.Queue) -> None:
     """The baseline rank: DataLoader + DistributedSampler over the throttled files, same step."""
     try:
@@ -131,7 +136,7 @@ def dataloader_rank(root: str, rank: int, args: argparse.Namespace, out: mp.Queu
             batch_size=args.batch,
             sampler=sampler,
             num_workers=workers,
-            collate_fn=lambda items: items,
+            collate_fn=as_list,
             persistent_workers=True,
             prefetch_factor=4,
         )
@@ -285,34 +290,37 @@ def chart(doc: dict, path: str) -> None:
 
     runs = doc["runs"]
     names = list(runs)
+    colors = dict(zip(names, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
+    epochs = np.arange(max(len(r["epochs"]) for r in runs.values()))
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     ax = axes[0]
-    ax.bar(
-        names,
-        [runs[n]["samples_per_s"] for n in names],
-        color=["#888" if n in ("cache", "dataloader") else "#3a7" for n in names],
-    )
+    ax.bar(names, [runs[n]["samples_per_s"] for n in names], color=[colors[n] for n in names])
     ax.axhline(doc["consumption_samples_per_s"], color="k", ls="--", lw=1, label="the step's pace")
     ax.set_title("samples/s (both ranks, over the epochs)")
-    ax.legend()
-    ax = axes[1]
-    width = 0.8 / max(len(names), 1)
-    for k, n in enumerate(names):
-        shares = [e["wait_share"] * 100 for e in runs[n]["epochs"]]
-        ax.bar(np.arange(len(shares)) + k * width, shares, width, label=n)
-    ax.set_title("data wait, % of the epoch (slower rank)")
-    ax.set_xlabel("epoch")
-    ax.legend(fontsize=8)
-    ax = axes[2]
-    pols = [n for n in names if runs[n].get("server_figures")]
-    for k, n in enumerate(pols):
-        figs = runs[n]["server_figures"]
-        vals = [figs.get(str(e), figs.get(e, {})).get("backend_bytes", 0) / MIB for e in range(len(runs[n]["epochs"]))]
-        ax.bar(np.arange(len(vals)) + k * width, vals, width, label=n)
-    ax.axhline(doc["dataset_bytes"] / MIB, color="k", ls="--", lw=1, label="dataset")
-    ax.set_title("backend MiB read per epoch (servers)")
-    ax.set_xlabel("epoch")
-    ax.legend(fontsize=8)
+    ax.legend(loc="lower left")
+    for ax, title, values, shown in (
+        (
+            axes[1],
+            "data wait, % of the epoch (slower rank)",
+            lambda n: [e["wait_share"] * 100 for e in runs[n]["epochs"]],
+            names,
+        ),
+        (
+            axes[2],
+            "backend MiB read per epoch (servers' figures)",
+            lambda n: [runs[n]["server_figures"].get(str(e), {}).get("backend_bytes", 0) / MIB for e in epochs],
+            [n for n in names if runs[n].get("server_figures")],
+        ),
+    ):
+        width = 0.8 / max(len(shown), 1)
+        for k, n in enumerate(shown):
+            ax.bar(epochs + (k - (len(shown) - 1) / 2) * width, values(n), width, label=n, color=colors[n])
+        ax.set_xticks(epochs)
+        ax.set_xlabel("epoch")
+        ax.set_title(title)
+    axes[2].axhline(doc["dataset_bytes"] / MIB, color="k", ls="--", lw=1, label="the dataset")
+    axes[1].legend(fontsize=8, loc="upper right")
+    axes[2].legend(fontsize=8, loc="lower right")
     fig.suptitle(
         f"{doc['dataset_bytes'] / MIB:.0f} MiB dataset, {doc['memory_fraction']:.2f} of it in memory; "
         f"backend {doc['latency_ms']:g} ms/request, {doc['bandwidth_mb_s']:g} MB/s per server; "
@@ -339,7 +347,11 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--json")
     parser.add_argument("--png")
+    parser.add_argument("--replot", metavar="JSON", help="draw the PNG of an earlier run's JSON and exit")
     args = parser.parse_args()
+    if args.replot:
+        chart(json.loads(Path(args.replot).read_text()), args.png or str(Path(args.replot).with_suffix(".png")))
+        return
     root = Path(tempfile.mkdtemp(prefix="kspeed-policies-data-"))
     try:
         total = write_files(root, args.samples, args.min_bytes, args.max_bytes)
