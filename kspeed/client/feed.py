@@ -298,8 +298,8 @@ class Feed:
             except PeerLostError as exc:
                 self.lost(exc)
                 done = Completions.empty()
+            self.take_messages()  # first: a HELD sent before its grant's write is counted with its completion
             self.accept(done)
-            self.take_messages()
             self.tend()
 
     def tend(self) -> None:

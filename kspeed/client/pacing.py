@@ -59,6 +59,8 @@ STARTUP_GAIN = 2.89  # 2/ln 2: doubles what is delivered per round trip until th
 CYCLE = (1.25, 0.75, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0)  # the probing cycle's phases, multiplying GAIN
 CLEAN_WEIGHT = 0.25  # weight of a clean live sample in its latency-table entry
 RECENT = 4096  # sub-batch latencies kept for percentiles
+SUSPECT = 2.0  # a completion slower than this times its estimate may have waited for production
+HELD_GRACE = 0.05  # seconds a suspect completion waits for the HELD that names its wait
 
 
 class LatencyTable:
@@ -228,6 +230,8 @@ class Pacer:
         self.sent = 0
         self.completed = 0
         self._held: collections.OrderedDict[int, float] = collections.OrderedDict()  # tag -> production wait
+        # slow completions waiting for their HELD: tag -> (grant, raw latency, completed at)
+        self._unsettled: collections.OrderedDict[int, tuple[SubGrant, float, float]] = collections.OrderedDict()
         self.held_s = 0.0  # seconds grants waited at servers for production (left out of latencies)
 
     # -- the model -------------------------------------------------------------------------------
@@ -350,27 +354,57 @@ class Pacer:
         return out
 
     def complete(self, grant: SubGrant, now: float | None = None) -> None:
-        """A sent grant's completion (or error) arrived."""
+        """A sent grant's completion (or error) arrived.
+
+        Its latency is the path's once the server's HELD wait (if any) is taken out. A HELD travels
+        on the message path and may come just after the completion: a completion slower than
+        :data:`SUSPECT` times its path's estimate, with no HELD yet, is observed only once its HELD
+        comes or :data:`HELD_GRACE` seconds pass.
+        """
         now = time.monotonic() if now is None else now
         self.in_flight_bytes[grant.path] -= grant.nbytes
         self.in_flight -= grant.nbytes
-        held = self._held.pop(grant.grant.tag, 0.0) if self._held else 0.0
-        latency = max(now - grant.sent_at - held, 0.0)  # the path's part: a backend wait is not latency
-        self.tables[grant.path].observe(grant.nbytes, latency, grant.clean)
         self.rate.on_complete(grant.nbytes, grant.app_limited, now)
+        self.completed += 1
+        raw = now - grant.sent_at
+        tag = grant.grant.tag if isinstance(grant.grant, Grant) else None
+        if tag is not None and tag in self._held:
+            self._observe(grant, raw - self._held.pop(tag))
+        elif tag is not None and not raw <= SUSPECT * self._latency(grant.path, grant.nbytes):
+            self._unsettled[tag] = (grant, raw, now)
+        else:
+            self._observe(grant, raw)
+        self._settle(now)
+
+    def _observe(self, grant: SubGrant, latency: float) -> None:
+        latency = max(latency, 0.0)  # the path's part: a backend wait is not latency
+        self.tables[grant.path].observe(grant.nbytes, latency, grant.clean)
         self._latencies.append(latency)
         self.latency_histogram.observe(latency)
-        self.completed += 1
 
-    def held(self, tags: np.ndarray, seconds: np.ndarray) -> None:
+    def _settle(self, now: float) -> None:
+        """Observe the slow completions whose HELD did not come within :data:`HELD_GRACE`."""
+        while self._unsettled:
+            tag, (grant, raw, at) = next(iter(self._unsettled.items()))
+            if now - at < HELD_GRACE:
+                break
+            del self._unsettled[tag]
+            self._observe(grant, raw)
+
+    def held(self, tags: np.ndarray, seconds: np.ndarray, now: float | None = None) -> None:
         """Servers' word that these grants (by tag) waited for production this long: their
         completions count only the rest as latency (a server reading from a slow backend is not a
         slow path, and adaptive credit must not grant it further ahead for that)."""
         for tag, wait in zip(tags.tolist(), seconds.tolist(), strict=True):
-            self._held[int(tag)] = float(wait)
             self.held_s += float(wait)
+            waiting = self._unsettled.pop(int(tag), None)
+            if waiting is not None:  # its completion came first
+                self._observe(waiting[0], waiting[1] - float(wait))
+            else:
+                self._held[int(tag)] = float(wait)
         while len(self._held) > RECENT:  # tags whose completion never came (a fenced path)
             self._held.popitem(last=False)
+        self._settle(time.monotonic() if now is None else now)
 
     @property
     def backlog(self) -> bool:

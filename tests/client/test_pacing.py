@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from kspeed import grants
-from kspeed.client.pacing import RATE_WINDOW, SIZE_CLASSES, DrainRate, LatencyTable, Pacer, SubGrant
+from kspeed.client.pacing import HELD_GRACE, RATE_WINDOW, SIZE_CLASSES, DrainRate, LatencyTable, Pacer, SubGrant
 from kspeed.grants import Grant
 
 MiB = 1 << 20
@@ -227,9 +227,24 @@ def test_a_wait_for_production_is_not_taken_for_the_paths_latency():
         pacer.queue(SubGrant(path, order, Grant(0, order, 0, 0, 1, tag=100 + order), 4000))
         (grant,) = pacer.release(float(order))
         pacer.complete(grant, grant.sent_at + 0.050)
+    pacer.held(np.zeros(0, np.uint32), np.zeros(0), now=grant.sent_at + 0.05 + 2 * HELD_GRACE)  # none for 101
     assert pacer.tables[0].seconds[0] == pytest.approx(0.001)  # (clean: moved by the 1 ms it really took)
     assert pacer.tables[1].seconds[0] > 0.010  # the other path was really slow
     assert pacer.stats()["held_by_production_s"] == pytest.approx(0.049)
+    # a HELD that comes just after its completion still counts: the slow completion waits for it
+    pacer.queue(SubGrant(0, 2, Grant(0, 2, 0, 0, 1, tag=102), 4000))
+    (late,) = pacer.release(1.0)
+    pacer.complete(late, late.sent_at + 0.080)
+    assert pacer.tables[0].seconds[0] == pytest.approx(0.001)  # not observed yet
+    pacer.held(np.array([102], np.uint32), np.array([0.079]), now=late.sent_at + 0.081)
+    assert pacer.tables[0].seconds[0] == pytest.approx(0.001)  # observed as the 1 ms it took
+    # one that never comes leaves the completion observed as it was, a moment later
+    pacer.queue(SubGrant(1, 3, Grant(0, 3, 0, 0, 1, tag=103), 4000))
+    (slow,) = pacer.release(2.0)
+    before = pacer.tables[1].seconds[0]
+    pacer.complete(slow, slow.sent_at + 0.2)
+    pacer.held(np.zeros(0, np.uint32), np.zeros(0), now=slow.sent_at + 0.2 + 2 * HELD_GRACE)
+    assert pacer.tables[1].seconds[0] > before
     message = grants.decode(grants.encode_held([100, 7], [0.049, 1.5]))
     assert message.tags.tolist() == [100, 7] and message.seconds.tolist() == [0.049, 1.5]
 

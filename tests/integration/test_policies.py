@@ -9,12 +9,14 @@ figures say how many bytes each epoch cost the backend.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
 import pytest
 
 from kspeed import DatasetSpec, KSpeedClient
+from kspeed.errors import DatasetError
 from kspeed.proto import kspeed_pb2
 from tests.integration.test_client import config_for, loader_order
 from tests.integration.test_datasets import make_tree
@@ -149,4 +151,42 @@ def test_grants_that_wait_for_a_slow_backend_are_named_and_left_out_of_the_paths
         # grants waited for 20 ms reads; the servers said so, and the latency tables left it out
         assert pacing["held_by_production_s"] > 0.02, pacing
         assert pacing["sub_batch_latency_p50_ms"] < 20, pacing
+        ds.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_file_changed_between_epochs_is_named_never_streamed_stale(cluster_factory, tmp_path):
+    files = make_tree(tmp_path / "big", per_class=150, max_size=64 * 1024, seed=9)
+    cluster = cluster_factory(2, server_args=["--backend-allow", str(tmp_path)])
+    spec = DatasetSpec(name="big", uri=str(tmp_path / "big"), quota_bytes=QUOTA, policy="stream")
+    keys = list(files)
+    with KSpeedClient(config=config_for(cluster)) as client:
+        ds = client.dataset(spec, batch_size=BATCH, seed=SEED, ring_bytes=1 << 20, quiet=True)
+        assert sum(len(b) for b in ds) == len(files)  # epoch 0, every sample read from the backend
+        # One file rewritten (same size, new bytes), one deleted, among those epoch 1 uses last: the
+        # window (a third of the data) read the first of epoch 1 ahead while epoch 0 ended.
+        order = [sid for b in loader_order(len(files), 1, 0, True, SEED, False, 1, BATCH) for sid in b]
+        late = [sid for sid in order[-len(order) // 4 :] if len(files[keys[sid]]) > 0]
+        changed, gone = late[0], late[1]
+        path = tmp_path / "big" / keys[changed]
+        path.write_bytes(bytes(reversed(files[keys[changed]])))
+        os.utime(path, (time.time() + 5, time.time() + 5))
+        (tmp_path / "big" / keys[gone]).unlink()
+        ds.set_epoch(1)
+        delivered: dict[int, bytes] = {}
+        with pytest.raises(DatasetError) as failed:
+            for batch in ds:
+                delivered.update({sid: batch.numpy(i).tobytes() for i, sid in enumerate(batch.ids.tolist())})
+        text = str(failed.value)
+        assert (f"sample {changed}" in text and keys[changed] in text) or (
+            f"sample {gone}" in text and keys[gone] in text
+        )
+        assert all(data == files[keys[sid]] for sid, data in delivered.items())  # nothing stale came through
+        assert changed not in delivered and gone not in delivered
+        state = kspeed_pb2.DatasetState.DATASET_STATE_CHANGED
+        deadline = time.monotonic() + 10  # (the servers' heartbeats carry the change)
+        while client.manager.dataset("big").state != state:
+            assert time.monotonic() < deadline, client.manager.dataset("big")
+            time.sleep(0.1)
+        assert any(keys[changed] in c or keys[gone] in c for c in client.manager.dataset("big").changes)
         ds.close()
