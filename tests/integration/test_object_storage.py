@@ -1,0 +1,132 @@
+"""Object storage through fsspec: a dataset in an S3 bucket trains exactly like the same files in a directory.
+
+The S3 endpoint is moto's server mode (what s3fs's own tests use), started on a free loopback port
+by the fixture and stopped after the test. The servers read the bucket through s3fs with the
+endpoint and credentials of their own configuration (``--backend-options``); the client names only
+the ``s3://`` URI, and the allow-list admits the bucket's prefix only.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.request
+
+import pytest
+
+from kspeed import DatasetSpec, KSpeedClient
+from kspeed.errors import AccessDeniedError, KSpeedError
+from tests.integration.test_client import config_for, loader_order
+from tests.integration.test_datasets import make_tree
+
+s3fs = pytest.importorskip("s3fs")
+moto_server = pytest.importorskip("moto.server")
+
+BATCH = 8
+SEED = 2
+KEY, SECRET = "kspeed-test-key", "kspeed-test-secret"
+
+
+@pytest.fixture
+def s3_endpoint():
+    """A local S3 endpoint (moto) on a free loopback port: ``(url, s3fs file system)``."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    url = f"http://127.0.0.1:{port}"
+    # moto keeps its buckets per process, not per server: start from none
+    urllib.request.urlopen(urllib.request.Request(f"{url}/moto-api/reset", method="POST"), timeout=10).close()
+    fs = s3fs.S3FileSystem(key=KEY, secret=SECRET, client_kwargs={"endpoint_url": url}, skip_instance_cache=True)
+    try:
+        yield url, fs
+    finally:
+        server.stop()
+
+
+def upload(fs, files: dict[str, bytes], prefix: str) -> None:
+    bucket = prefix.split("/", 1)[0]
+    if not fs.exists(bucket):
+        fs.mkdir(bucket)
+    for rel, data in files.items():
+        fs.pipe_file(f"{prefix}/{rel}", data)
+
+
+def epochs(client, spec, files, epochs=2, **kwargs) -> list[list[list[int]]]:
+    """Read ``epochs`` epochs, checking every sample's bytes; the batches' IDs per epoch."""
+    keys = list(files)
+    ds = client.dataset(spec, batch_size=BATCH, seed=SEED, ring_bytes=2 << 20, quiet=True, **kwargs)
+    out = []
+    for epoch in range(epochs):
+        ds.set_epoch(epoch)
+        got = []
+        for batch in ds:
+            for i, sid in enumerate(batch.ids.tolist()):
+                assert batch.numpy(i).tobytes() == files[keys[sid]], (spec.name, epoch, sid)
+            got.append(batch.ids.tolist())
+        out.append(got)
+    ds.close()
+    return out
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("policy", ["auto", "stream"])
+def test_an_s3_bucket_trains_exactly_like_a_directory_of_the_same_files(cluster_factory, tmp_path, s3_endpoint, policy):
+    url, fs = s3_endpoint
+    files = make_tree(tmp_path / "imgs", per_class=30, max_size=32 * 1024, seed=5)
+    upload(fs, files, "train-bucket/imagenet/train")
+    options = {"s3": {"key": KEY, "secret": SECRET, "client_kwargs": {"endpoint_url": url}}}
+    cluster = cluster_factory(
+        2,
+        server_args=[
+            "--backend-allow",
+            f"{tmp_path},s3://train-bucket/imagenet",
+            "--backend-options",
+            json.dumps(options),
+        ],
+    )
+    quota = (1 << 20) if policy == "stream" else 0
+    in_s3 = DatasetSpec(
+        name="s3imgs", uri="s3://train-bucket/imagenet/train", labels="dirname", quota_bytes=quota, policy=policy
+    )
+    local = DatasetSpec(name="localimgs", uri=str(tmp_path / "imgs"), labels="dirname")
+    with KSpeedClient(config=config_for(cluster)) as client:
+        for spec in (in_s3, local):  # (an operator's: they outlive the jobs, for the checks below)
+            client.manager.create_dataset(spec.to_proto(), operator=True)
+        from_s3 = epochs(client, in_s3, files)
+        from_dir = epochs(client, local, files)
+        assert from_s3 == from_dir  # the same IDs (sorted keys), the same order, the same bytes
+        assert from_s3[0] == loader_order(len(files), 1, 0, True, SEED, False, 0, BATCH)
+        s3_info, dir_info = client.manager.dataset("s3imgs"), client.manager.dataset("localimgs")
+        assert {s.policy for s in s3_info.shares} == ({"stream"} if policy == "stream" else {""})
+        # the labels (each key's parent "directory") and the sizes are the directory's
+        assert list(s3_info.class_names) == ["ant", "bee", "cat"] == list(dir_info.class_names)
+        assert s3_info.fingerprint.total_bytes == dir_info.fingerprint.total_bytes
+
+
+@pytest.mark.timeout(120)
+def test_the_allow_list_holds_for_buckets_and_prefixes(cluster_factory, tmp_path, s3_endpoint):
+    url, fs = s3_endpoint
+    files = make_tree(tmp_path / "imgs", per_class=4, max_size=4096, seed=6)
+    upload(fs, files, "train-bucket/imagenet/train")
+    upload(fs, files, "train-bucket/private/train")
+    upload(fs, files, "other-bucket/imagenet/train")
+    options = {"s3": {"key": KEY, "secret": SECRET, "client_kwargs": {"endpoint_url": url}}}
+    cluster = cluster_factory(
+        1, server_args=["--backend-allow", "s3://train-bucket/imagenet", "--backend-options", json.dumps(options)]
+    )
+    with KSpeedClient(config=config_for(cluster)) as client:
+        for uri in (
+            "s3://train-bucket/private/train",
+            "s3://other-bucket/imagenet/train",
+            "s3://train-bucket/imagenet2",
+        ):
+            with pytest.raises(KSpeedError) as refused:
+                client.manager.create_dataset(DatasetSpec(name="no", uri=uri).to_proto(), operator=True)
+            assert isinstance(refused.value, AccessDeniedError) or "allow" in str(refused.value), uri
+        assert client.manager.datasets() == []
+        ok = client.manager.create_dataset(
+            DatasetSpec(name="yes", uri="s3://train-bucket/imagenet/train").to_proto(), operator=True
+        )
+        assert ok.dataset.fingerprint.count == len(files)
