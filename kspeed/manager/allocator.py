@@ -9,6 +9,10 @@ balanced by memory: their region counts (so their allocated bytes) differ by at 
 wherever their free regions allow. The sample bytes they hold differ by that plus the unfilled
 tails of their regions (a sample never straddles two regions).
 
+A small dataset (at most :data:`SMALL_SHARE` of a region) takes a slice of a region it shares
+with other small datasets, on the one server with the most room (:func:`allocate_slice`), so ten
+350 KiB datasets do not take ten 128 MiB regions.
+
 A dataset that does not fit (or has a memory policy, :mod:`kspeed.policies`) is allocated by
 :func:`allocate_window`: its ID range is still dealt out in contiguous runs of virtual regions,
 in proportion to the memory each server can give it, and each server holds only its
@@ -23,7 +27,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kspeed.errors import CapacityError, DatasetError
-from kspeed.layout import region_bounds
+from kspeed.layout import SAMPLE_ALIGN, region_bounds
 
 __all__ = [
     "Allocation",
@@ -31,8 +35,13 @@ __all__ = [
     "Share",
     "allocate",
     "allocate_regions",
+    "allocate_slice",
     "allocate_window",
+    "slice_size",
 ]
+
+SMALL_SHARE = 4  # a dataset of at most 1/SMALL_SHARE of a region takes a slice of a shared one
+SLICE_ALIGN = 64 << 10  # slices are whole multiples of this
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +65,7 @@ class Share:
         bytes: sum of the sizes of its samples.
         memory_regions: regions the server holds for it (``num_regions`` unless the dataset is held
             in part, :func:`allocate_window`).
+        slice_bytes: for a small dataset, the bytes of a shared region it takes (0: whole regions).
     """
 
     server_id: str
@@ -65,6 +75,7 @@ class Share:
     hi: int
     bytes: int
     memory_regions: int = -1
+    slice_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.memory_regions < 0:
@@ -285,3 +296,30 @@ def allocate_window(
         shares.append(Share(server_id, region, n, lo, hi, int(cum[region + n] - cum[region]), min(m, n)))
         region += n
     return Allocation(dataset, region_size, whole.num_samples, whole.total_bytes, tuple(shares))
+
+
+def slice_size(count: int, total_bytes: int, region_size: int) -> int:
+    """The slice a small dataset of ``count`` samples and ``total_bytes`` takes (its samples
+    aligned, rounded up to :data:`SLICE_ALIGN`), or 0 when it is not small."""
+    need = total_bytes + SAMPLE_ALIGN * count
+    size = -(-need // SLICE_ALIGN) * SLICE_ALIGN
+    return size if size <= region_size // SMALL_SHARE else 0
+
+
+def allocate_slice(
+    dataset: str, count: int, total_bytes: int, size: int, region_size: int, room: Sequence[tuple[str, int]]
+) -> Allocation:
+    """Allocate a small dataset as one share of ``size`` bytes of a shared region on the server
+    with the most room (``room``: server id and free bytes, counting the rest of its shared regions).
+
+    Raises:
+        CapacityError: no server has ``size`` bytes of room.
+    """
+    fits = sorted((r for r in room if r[1] >= size), key=lambda r: (-r[1], r[0]))
+    if not fits:
+        raise CapacityError(
+            f"dataset {dataset!r} needs a slice of {size} bytes; the most room on a server is "
+            f"{max((r[1] for r in room), default=0)} bytes"
+        )
+    share = Share(fits[0][0], 0, 1, 0, count, total_bytes, 1, size)  # (its one virtual region: the slice)
+    return Allocation(dataset, region_size, count, total_bytes, (share,))

@@ -33,7 +33,14 @@ from kspeed.errors import (
     StateError,
     UnavailableError,
 )
-from kspeed.manager.allocator import Allocation, ServerCapacity, allocate_regions, allocate_window
+from kspeed.manager.allocator import (
+    Allocation,
+    ServerCapacity,
+    allocate_regions,
+    allocate_slice,
+    allocate_window,
+    slice_size,
+)
 from kspeed.manager.calls import ServerCalls
 from kspeed.manager.membership import JOINING, READY, Membership
 from kspeed.manager.store import Store
@@ -78,7 +85,10 @@ def validate_spec(spec: kspeed_pb2.DatasetSpec) -> None:
 
 
 def needed_regions(share: kspeed_pb2.Share) -> int:
-    """Pool regions a holder with a copy gives a share: its window with a memory policy, else all of it."""
+    """Pool regions a holder with a copy gives a share: its window with a memory policy, none for
+    a slice of a shared region (counted apart, :meth:`DatasetCatalog._slice_room`), else all of it."""
+    if share.slice_bytes:
+        return 0
     return share.memory_regions if share.policy else share.num_regions
 
 
@@ -366,7 +376,8 @@ class DatasetCatalog:
                 f"its inventory says {region_size}"
             )
         capacities = [ServerCapacity(r.id, self._free_regions(r)) for r in ready]
-        allocation = self._place(spec, described, region_size, capacities, lister.id)
+        room = [(r.id, self._slice_room(r)) for r in ready]
+        allocation = self._place(spec, described, region_size, capacities, room, lister.id)
         info = kspeed_pb2.DatasetInfo(
             spec=spec,
             owner=owner,
@@ -389,6 +400,7 @@ class DatasetCatalog:
                     bytes=part.bytes,
                     policy=policy,
                     memory_regions=part.memory_regions if policy else 0,
+                    slice_bytes=part.slice_bytes,
                 )
             )
         addresses = {r.id: r.address for r in ready}
@@ -419,10 +431,12 @@ class DatasetCatalog:
         described: kspeed_pb2.DescribeDatasetReply,
         region_size: int,
         capacities: list[ServerCapacity],
+        room: list[tuple[str, int]],
         lister: str,
     ) -> Allocation:
-        """Where the dataset goes: whole when it fits (policy ``auto`` or ``cache``), else (or with
-        a memory policy) held in part, in at most its quota.
+        """Where the dataset goes: a small one in a slice of a shared region; whole when it fits
+        (policy ``auto`` or ``cache``), else (or with a memory policy) held in part, in at most its
+        quota.
 
         Raises:
             CapacityError: with policy ``cache``, it does not fit the free regions or its quota.
@@ -431,6 +445,10 @@ class DatasetCatalog:
         starts = wire.unpack_i64(described.region_starts, f"dataset {name!r}: region starts from {lister}")
         region_bytes = wire.unpack_i64(described.region_bytes, f"dataset {name!r}: region bytes from {lister}")
         budget = spec.quota_bytes // region_size if spec.quota_bytes else None
+        count, total = int(starts[-1]), int(region_bytes.sum())
+        small = slice_size(count, total, region_size) if len(region_bytes) == 1 else 0
+        if small and spec.policy not in MEMORY_POLICIES and (not spec.quota_bytes or small <= spec.quota_bytes):
+            return allocate_slice(name, count, total, small, region_size, room)
         if spec.policy not in MEMORY_POLICIES:
             try:
                 allocation = allocate_regions(name, starts, region_bytes, region_size, capacities)
@@ -481,11 +499,27 @@ class DatasetCatalog:
 
     def _free_regions(self, record: kspeed_pb2.ServerRecord) -> int:
         """Regions of ``record`` not promised to any dataset (the manager's own bookkeeping; a
-        share held on demand takes none)."""
+        share held on demand takes none; the slices of small datasets take the regions they fill)."""
         promised = sum(held_regions(s) for d in self._datasets.values() for s in d.shares if s.server_id == record.id)
         inv = record.inventory
         total = inv.regions_total or inv.memory_bytes // max(inv.region_size, 1)
-        return max(int(total) - int(inv.regions_window) - promised, 0)
+        sliced = -(-self._sliced(record.id) // max(inv.region_size, 1))
+        return max(int(total) - int(inv.regions_window) - promised - sliced, 0)
+
+    def _sliced(self, server_id: str) -> int:
+        """Bytes of shared regions the small datasets on ``server_id`` take."""
+        return sum(
+            s.slice_bytes
+            for d in self._datasets.values()
+            for s in d.shares
+            if s.server_id == server_id and s.slice_bytes and not s.on_demand
+        )
+
+    def _slice_room(self, record: kspeed_pb2.ServerRecord) -> int:
+        """Bytes a new slice may take on ``record``: the rest of its shared regions and its free ones."""
+        size = max(record.inventory.region_size, 1)
+        sliced = self._sliced(record.id)
+        return (-(-sliced // size) * size - sliced) + self._free_regions(record) * size
 
     async def _drop_shares(self, name: str, shares: list[kspeed_pb2.Share], addresses: dict[str, str]) -> None:
         for share in shares:
@@ -567,7 +601,15 @@ class DatasetCatalog:
             if r.state == READY and r.id != old and r.inventory.region_size == info.region_size
         ]
         holding = {s.server_id for d in self._datasets.values() for s in d.shares}
-        roomy = [r for r in ready if self._free_regions(r) >= needed_regions(share)]
+        roomy = [
+            r
+            for r in ready
+            if (
+                self._slice_room(r) >= share.slice_bytes
+                if share.slice_bytes
+                else self._free_regions(r) >= needed_regions(share)
+            )
+        ]
         roomy.sort(key=lambda r: (r.id in holding, -self._free_regions(r), r.id))
         targets = [(r, False) for r in roomy]
         if not copy_only:

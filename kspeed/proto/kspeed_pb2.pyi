@@ -310,7 +310,7 @@ class Fingerprint(_message.Message):
     def __init__(self, count: _Optional[int] = ..., total_bytes: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class Share(_message.Message):
-    __slots__ = ("server_id", "first_id", "end_id", "first_region", "num_regions", "bytes", "on_demand", "policy", "memory_regions")
+    __slots__ = ("server_id", "first_id", "end_id", "first_region", "num_regions", "bytes", "on_demand", "policy", "memory_regions", "slice_bytes")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_ID_FIELD_NUMBER: _ClassVar[int]
     END_ID_FIELD_NUMBER: _ClassVar[int]
@@ -320,6 +320,7 @@ class Share(_message.Message):
     ON_DEMAND_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     MEMORY_REGIONS_FIELD_NUMBER: _ClassVar[int]
+    SLICE_BYTES_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     first_id: int
     end_id: int
@@ -329,7 +330,8 @@ class Share(_message.Message):
     on_demand: bool
     policy: str
     memory_regions: int
-    def __init__(self, server_id: _Optional[str] = ..., first_id: _Optional[int] = ..., end_id: _Optional[int] = ..., first_region: _Optional[int] = ..., num_regions: _Optional[int] = ..., bytes: _Optional[int] = ..., on_demand: _Optional[bool] = ..., policy: _Optional[str] = ..., memory_regions: _Optional[int] = ...) -> None: ...
+    slice_bytes: int
+    def __init__(self, server_id: _Optional[str] = ..., first_id: _Optional[int] = ..., end_id: _Optional[int] = ..., first_region: _Optional[int] = ..., num_regions: _Optional[int] = ..., bytes: _Optional[int] = ..., on_demand: _Optional[bool] = ..., policy: _Optional[str] = ..., memory_regions: _Optional[int] = ..., slice_bytes: _Optional[int] = ...) -> None: ...
 
 class ShareRef(_message.Message):
     __slots__ = ("dataset", "first_id")

@@ -43,6 +43,7 @@ from kspeed.server.pool import WINDOW_OWNER, MemoryPool, RegionState
 from kspeed.server.preload import Preloader
 from kspeed.server.prep_pool import PrepPool
 from kspeed.server.production_state import EpochFigures
+from kspeed.server.slices import SharedRegions
 from kspeed.server.sources import Source, open_source
 
 log = logging.getLogger(__name__)
@@ -55,8 +56,10 @@ RETAKE_INTERVAL = 30.0  # seconds between attempts to take again a share this se
 
 def _vindices(share: kspeed_pb2.Share) -> range:
     """The virtual regions a share holds here: all of its regions, with a memory policy its window's
-    (the first ``memory_regions``), none while served on demand."""
-    held = 0 if share.on_demand else share.memory_regions if share.policy else share.num_regions
+    (the first ``memory_regions``), none while served on demand or as a slice of a shared region."""
+    if share.on_demand or share.slice_bytes:
+        return range(0)
+    held = share.memory_regions if share.policy else share.num_regions
     return range(share.first_region, share.first_region + held)
 
 
@@ -155,6 +158,7 @@ class DatasetHost:
         prep: PrepPool | None = None,
     ) -> None:
         self.pool = pool
+        self.slices = SharedRegions(pool)
         self.preprocess_allow = preprocess_allow
         self.prep = prep
         self.backend = backend
@@ -360,7 +364,9 @@ class DatasetHost:
             missing = sorted(wanted - held)
             if missing:
                 self.pool.allocate(name, missing)
+            sliced = bool(share.slice_bytes) and not share.on_demand
             try:
+                slot = self.slices.take(key, int(share.slice_bytes)) if sliced else None
                 preloader = Preloader(
                     source,
                     self.pool,
@@ -369,6 +375,7 @@ class DatasetHost:
                     first_region=share.first_region,
                     threads=self._threads,
                     on_demand=share.on_demand or bool(share.policy),
+                    slot=slot,
                     changes=ChangeLog(
                         name, share.first_id, share.end_id, on_change=lambda changes: self.on_changed(name, changes)
                     ),
@@ -376,6 +383,8 @@ class DatasetHost:
             except KSpeedError:
                 if missing:
                     self.pool.release(name, missing)
+                if sliced:
+                    self.slices.give(key)
                 raise
             store = SampleStore(preloader)
             if self._scrub_interval > 0 and not share.on_demand and not share.policy:
@@ -385,7 +394,16 @@ class DatasetHost:
             self._assigned[key] = self.assignments
             self._dropped.pop(name, None)
             self._save_assignments()
-            if share.policy and not share.on_demand:
+            if slot is not None:
+                log.info(
+                    "dataset %s: holding samples %d..%d in a slice of %d bytes of shared region %d",
+                    name,
+                    share.first_id,
+                    share.end_id - 1,
+                    slot[2],
+                    slot[0],
+                )
+            elif share.policy and not share.on_demand:
                 log.info(
                     "dataset %s: holding samples %d..%d under policy %s in %d of their %d region(s)",
                     name,
@@ -444,6 +462,8 @@ class DatasetHost:
                 self._assigned.pop(hosted.key, None)
                 hosted.store.stop_scrub()
                 hosted.preloader.wait()
+            for hosted in dropping:
+                self.slices.give(hosted.key)
             if whole:
                 self.pool.release(name)
                 if self.prep is not None:
@@ -634,7 +654,7 @@ class DatasetHost:
         return self.shares(name)[0].request.fingerprint.count
 
     def memory_used(self) -> int:
-        """Pool bytes allocated to datasets (not the production window)."""
+        """Pool bytes allocated to datasets (not the production window; shared regions whole)."""
         held = sum(1 for r in self.pool.regions() if r.dataset not in (None, WINDOW_OWNER))
         return held * self.pool.region_size
 

@@ -40,6 +40,7 @@ from kspeed.errors import CapacityError, ConfigError, DatasetError, StateError
 
 __all__ = [
     "DEFAULT_REGION_SIZE",
+    "SHARED_OWNER",
     "WINDOW_OWNER",
     "MemoryPool",
     "RegionInfo",
@@ -88,11 +89,14 @@ class RegionInfo:
 #: The owner of the regions reserved for the production window (:mod:`kspeed.server.window`); no
 #: dataset can take this name (dataset names start with a letter or digit).
 WINDOW_OWNER = "_window"
+#: The owner of the regions small datasets share (:mod:`kspeed.server.slices`).
+SHARED_OWNER = "_shared"
 
 
 def check_dataset_name(name: str) -> str:
-    """Return ``name`` if it can own regions (a dataset's name, or :data:`WINDOW_OWNER`), else raise DatasetError."""
-    if name == WINDOW_OWNER:
+    """Return ``name`` if it can own regions (a dataset's name, :data:`WINDOW_OWNER` or
+    :data:`SHARED_OWNER`), else raise DatasetError."""
+    if name in (WINDOW_OWNER, SHARED_OWNER):
         return name
     return names.DATASET.check(name, DatasetError, what="invalid dataset name", dataset=str(name))
 

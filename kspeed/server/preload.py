@@ -135,6 +135,9 @@ class Preloader:
             log when not given; :mod:`kspeed.server.changes`).
         on_demand: the share holds no regions: nothing is ever loaded (its samples are produced
             into the production window as feeds need them and never come home).
+        slot: a small dataset's slice of a shared region (pool index, offset, bytes;
+            :mod:`kspeed.server.slices`): its one virtual region is that slice, loaded afresh
+            (never sealed, never re-adopted).
 
     Raises:
         StateError: the pool does not hold the regions the share needs.
@@ -153,9 +156,11 @@ class Preloader:
         save_interval_s: float = 5.0,
         changes: ChangeLog | None = None,
         on_demand: bool = False,
+        slot: tuple[int, int, int] | None = None,
     ) -> None:
         self.source, self.pool, self.dataset = source, pool, source.dataset
         self.on_demand = on_demand
+        self._slot = None if on_demand else slot
         hi = source.count if hi is None else hi
         if not 0 <= lo <= hi <= source.count:
             raise DatasetError(
@@ -165,10 +170,9 @@ class Preloader:
         self.changes = changes if changes is not None else ChangeLog(self.dataset, lo, hi)
         self.index_path = pool.side_path(self.dataset, INDEX_FILE.format(lo=lo))
         sizes, fp = source.sizes[lo:hi], source.fingerprint.digest
-        if on_demand:
-            self.index = SampleIndex(
-                self.dataset, lo, sizes, pool.region_size, first_region=first_region, fingerprint=fp
-            )
+        if on_demand or self._slot is not None:
+            size = self._slot[2] if self._slot is not None else pool.region_size
+            self.index = SampleIndex(self.dataset, lo, sizes, size, first_region=first_region, fingerprint=fp)
         else:
             self.index = SampleIndex.load(
                 self.index_path,
@@ -180,7 +184,8 @@ class Preloader:
                 fingerprint=fp,
             )
         held = {r.vindex: r for r in pool.regions(self.dataset)}
-        wanted = range(first_region, first_region + (0 if on_demand else self.index.num_regions))
+        homeless = on_demand or self._slot is not None
+        wanted = range(first_region, first_region + (0 if homeless else self.index.num_regions))
         missing = [v for v in wanted if v not in held]
         if missing:
             raise StateError(
@@ -188,8 +193,13 @@ class Preloader:
                 f"{wanted.stop - 1}, pool lacks {missing[:8]}; allocate them first"
             )
         self._pool_index = [held[v].index for v in wanted]
-        self._pool_index_array = np.asarray(self._pool_index, dtype=np.int64)
         self._arrays = [pool.array(i) for i in self._pool_index]
+        self._bases = np.zeros(len(self._pool_index), dtype=np.int64)  # each region's offset in its pool region
+        if self._slot is not None:
+            index, base, size = self._slot
+            self._pool_index, self._bases = [index], np.array([base], dtype=np.int64)
+            self._arrays = [pool.array(index)[base : base + size]]
+        self._pool_index_array = np.asarray(self._pool_index, dtype=np.int64)
         self._reconcile()
         self.residency = Residency(lo, self.index.loaded)
         #: called with the IDs that came home (loaded or adopted), and with failed IDs and their reasons
@@ -219,7 +229,10 @@ class Preloader:
         return SampleIndex(source.dataset, lo, source.sizes[lo:hi], region_size).num_regions
 
     def _reconcile(self) -> None:
-        """Trust only regions that are SEALED in the pool and fully recorded in the index."""
+        """Trust only regions that are SEALED in the pool and fully recorded in the index (a slice
+        is never trusted: it loads afresh)."""
+        if self._slot is not None:
+            return
         for k, pool_index in enumerate(self._pool_index):
             a, b = int(self.index.bounds[k]), int(self.index.bounds[k + 1])
             state = self.pool.region(pool_index).state
@@ -244,8 +257,8 @@ class Preloader:
         with self._lock:
             if self._job is not None and self._job.is_alive():
                 return
-            if self.index.loaded.all() and all(
-                self.pool.region(i).state is RegionState.SEALED for i in self._pool_index
+            if self.index.loaded.all() and (
+                self._slot is not None or all(self.pool.region(i).state is RegionState.SEALED for i in self._pool_index)
             ):
                 self._read_samples = self._read_bytes = 0
                 self._errors = []
@@ -351,8 +364,7 @@ class Preloader:
         """Open the unsealed regions for filling; returns the IDs still to load, in ID order."""
         todo = []
         for k, pool_index in enumerate(self._pool_index):
-            state = self.pool.region(pool_index).state
-            if state is RegionState.SEALED:
+            if self._slot is None and self.pool.region(pool_index).state is RegionState.SEALED:
                 continue
             self._ensure_filling(k)
             a, b = int(self.index.bounds[k]), int(self.index.bounds[k + 1])
@@ -418,7 +430,7 @@ class Preloader:
         self._homeless()
         pos = np.asarray(ids, dtype=np.int64) - self.index.lo
         k = self.index.region[pos].astype(np.int64) - self.index.first_region
-        return self._pool_index_array[k], self.index.offset[pos]
+        return self._pool_index_array[k], self.index.offset[pos] + self._bases[k]
 
     def adopt(self, ids: np.ndarray, sources: list[np.ndarray], crcs: np.ndarray) -> None:
         """Bring samples home from elsewhere (the production window): copy, record, seal what is complete.
@@ -457,12 +469,17 @@ class Preloader:
         )
 
     def _ensure_filling(self, k: int) -> None:
-        """Open region ``k`` for writing if it is still only allocated."""
+        """Open region ``k`` for writing if it is still only allocated (a slice's shared region
+        stays as it is: other datasets' slices are in it)."""
+        if self._slot is not None:
+            return
         with self._seal_lock:
             if self.pool.region(self._pool_index[k]).state is RegionState.ALLOCATED:
                 self.pool.begin_fill(self._pool_index[k])
 
     def _maybe_seal(self, k: int) -> None:
+        if self._slot is not None:  # (never sealed: a slice is not re-adopted)
+            return
         a, b = int(self.index.bounds[k]), int(self.index.bounds[k + 1])
         pool_index = self._pool_index[k]
         complete = bool(self.index.loaded[a - self.index.lo : b - self.index.lo].all())

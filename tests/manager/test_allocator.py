@@ -7,7 +7,14 @@ import pytest
 
 from kspeed.errors import CapacityError, DatasetError
 from kspeed.layout import region_bounds
-from kspeed.manager.allocator import ServerCapacity, allocate, allocate_regions, allocate_window
+from kspeed.manager.allocator import (
+    ServerCapacity,
+    allocate,
+    allocate_regions,
+    allocate_slice,
+    allocate_window,
+    slice_size,
+)
 
 R = 1 << 20
 
@@ -121,3 +128,14 @@ def test_a_window_never_exceeds_the_free_regions_or_the_part_it_holds():
         window_of(sizes, [ServerCapacity("a", 0)])
     with pytest.raises(CapacityError, match="budget 0"):
         window_of(sizes, [ServerCapacity("a", 5)], budget=0)
+
+
+def test_a_small_dataset_takes_a_slice_on_the_server_with_the_most_room():
+    assert slice_size(100, 300_000, 128 << 20) == 5 * (64 << 10)  # 300 kB + alignment, in 64 KiB units
+    assert slice_size(10, 40 << 20, 128 << 20) == 0  # over a quarter of a region: whole regions
+    alloc = allocate_slice("tiny", 100, 300_000, 6 * (64 << 10), 128 << 20, [("a", 1 << 20), ("b", 5 << 20)])
+    (share,) = alloc.shares
+    assert (share.server_id, share.lo, share.hi, share.slice_bytes, share.num_regions) == ("b", 0, 100, 6 << 16, 1)
+    assert np.array_equal(alloc.owner(np.arange(100)), np.zeros(100, dtype=np.int64))
+    with pytest.raises(CapacityError, match="slice of 393216 bytes"):
+        allocate_slice("tiny", 100, 300_000, 6 * (64 << 10), 128 << 20, [("a", 1000)])
