@@ -25,6 +25,8 @@ __all__ = ["Backend"]
 
 log = logging.getLogger(__name__)
 
+URL_PROTOCOLS = frozenset({"http", "https"})  # paths on these file systems are whole URLs
+
 
 class Backend:
     """Opens backend file systems for URIs the allow-list admits.
@@ -62,6 +64,8 @@ class Backend:
             AccessDeniedError: the allow-list refuses the URI.
         """
         protocol, path = self.allow.check(uri, dataset=dataset, sample=sample)
+        if protocol in URL_PROTOCOLS:  # fsspec's HTTP file system takes whole URLs as paths
+            path = f"{protocol}://{path}"
         return self.filesystem(protocol), path, protocol
 
     def is_local(self, protocol: str) -> bool:

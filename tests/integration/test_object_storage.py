@@ -8,8 +8,11 @@ the ``s3://`` URI, and the allow-list admits the bucket's prefix only.
 
 from __future__ import annotations
 
+import functools
+import http.server
 import json
 import socket
+import threading
 import urllib.request
 
 import pytest
@@ -130,3 +133,37 @@ def test_the_allow_list_holds_for_buckets_and_prefixes(cluster_factory, tmp_path
             DatasetSpec(name="yes", uri="s3://train-bucket/imagenet/train").to_proto(), operator=True
         )
         assert ok.dataset.fingerprint.count == len(files)
+
+
+@pytest.fixture
+def web_server(tmp_path):
+    """A real HTTP server (the standard library's) serving ``tmp_path/www`` on a free loopback port."""
+    root = tmp_path / "www"
+    root.mkdir()
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, name="web-server", daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", root
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+@pytest.mark.timeout(120)
+def test_a_manifest_over_http_trains_like_the_directory(cluster_factory, tmp_path, web_server):
+    url, root = web_server
+    files = make_tree(root / "imgs", per_class=10, max_size=16 * 1024, seed=7)
+    (root / "train.manifest").write_text("".join(f"imgs/{k} {len(v)}\n" for k, v in files.items()))
+    cluster = cluster_factory(1, server_args=["--backend-allow", f"{tmp_path},{url}"])
+    over_http = DatasetSpec(name="web", uri=f"{url}/train.manifest", kind="manifest")
+    local = DatasetSpec(name="dir", uri=str(root / "imgs"))
+    with KSpeedClient(config=config_for(cluster)) as client:
+        assert epochs(client, over_http, files) == epochs(client, local, files)
+        missing = DatasetSpec(name="gone", uri=f"{url}/nothing.manifest", kind="manifest")
+        with pytest.raises(KSpeedError) as refused:
+            client.manager.create_dataset(missing.to_proto(), operator=True)
+        assert "nothing.manifest" in str(refused.value) and "Exception calling application" not in str(refused.value)
