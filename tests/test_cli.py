@@ -36,7 +36,7 @@ def test_help_names_values_readably(command):
     # Every flag's value is named by what it is (HOST:PORT, SIZE, DURATION, FILE...), never by a dest.
     metavars = set(re.findall(r"--[a-z-]+ ([A-Z][A-Z:,._]*|\{[a-z,]+\})", text))
     assert metavars <= {"HOST:PORT", "DURATION", "SIZE", "FILE", "TOKEN", "N", "PORT", "DIR", "NAME", "PREFIX,...",
-                        "{token,none}", "{auto,dir,list,manifest,npy}", "{dirname}",
+                        "{token,none}", "{auto,dir,list,manifest,npy,tar}", "{dirname,cls}",
                         "{auto,cache,stream,minio,reuse,lru}"}, metavars  # fmt: skip
 
 

@@ -288,10 +288,13 @@ def build_parser() -> argparse.ArgumentParser:
     add.add_argument("name", metavar="NAME", help="the dataset's name")
     add.add_argument("uri", metavar="URI", help="backend URI: a directory, a list or manifest file, or a .npy array")
     add.add_argument(
-        "--kind", default="auto", choices=("auto", "dir", "list", "manifest", "npy"), help="(default auto)"
+        "--kind", default="auto", choices=("auto", "dir", "list", "manifest", "npy", "tar"), help="(default auto)"
     )
     add.add_argument(
-        "--labels", default="", choices=("dirname",), help="dirname: a sample's class is its parent directory"
+        "--labels",
+        default="",
+        choices=("dirname", "cls"),
+        help="dirname: a sample's class is its parent directory; cls: its .cls member (tar shards)",
     )
     add.add_argument("--quota", default="", metavar="SIZE", help="most pooled memory the dataset may take (e.g. 20GiB)")
     add.add_argument(

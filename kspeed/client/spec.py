@@ -16,8 +16,8 @@ from kspeed.preprocess.pipeline import Pipeline
 
 __all__ = ["DatasetSpec"]
 
-KINDS = ("auto", "dir", "list", "manifest", "npy")
-LABELS = ("", "dirname")
+KINDS = ("auto", "dir", "list", "manifest", "npy", "tar")
+LABELS = ("", "dirname", "cls")
 MAX_URI = 4096
 
 
@@ -28,11 +28,13 @@ class DatasetSpec:
     Attributes:
         name: the dataset's name in the cluster: 1-128 letters, digits, ``.``, ``_`` or ``-``,
             starting with a letter or digit.
-        uri: a directory tree, list file, manifest file or ``.npy`` (path or fsspec URL) that the
+        uri: a directory tree, list file, manifest file, ``.npy`` or tar shards (a ``.tar``, a brace
+            pattern such as ``train-{000..099}.tar``, or a directory of them; path or fsspec URL) that the
             servers' operator allows. A relative path is made absolute against this process's
             working directory (the servers read the same path: a local cluster, or a shared mount).
-        kind: how to read ``uri``: ``auto`` (default), ``dir``, ``list``, ``manifest`` or ``npy``.
-        labels: ``""`` (no labels) or ``"dirname"`` (class index of each sample's parent directory).
+        kind: how to read ``uri``: ``auto`` (default), ``dir``, ``list``, ``manifest``, ``npy`` or ``tar``.
+        labels: ``""`` (no labels), ``"dirname"`` (class index of each sample's parent directory) or
+            ``"cls"`` (tar shards: the integer in each sample's ``.cls`` member).
         quota_bytes: most pooled memory the dataset may take (0: no quota).
         pipeline: what every sample goes through before the training loop sees it
             (:class:`kspeed.preprocess.Pipeline`); part of the dataset's identity (its stages and
@@ -75,7 +77,7 @@ class DatasetSpec:
             )
         if self.labels not in LABELS:
             raise ConfigError(
-                f"DatasetSpec.labels {self.labels!r} of dataset {self.name!r} is not one of '', 'dirname'",
+                f"DatasetSpec.labels {self.labels!r} of dataset {self.name!r} is not one of '', 'dirname', 'cls'",
                 field="labels",
                 value=self.labels,
             )

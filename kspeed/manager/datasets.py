@@ -52,8 +52,8 @@ log = logging.getLogger(__name__)
 JOB = kspeed_pb2.DatasetOwner.DATASET_OWNER_JOB
 OPERATOR = kspeed_pb2.DatasetOwner.DATASET_OWNER_OPERATOR
 DState = kspeed_pb2.DatasetState
-_KINDS = ("", "auto", "dir", "list", "manifest", "npy")
-_LABELS = ("", "dirname")
+_KINDS = ("", "auto", "dir", "list", "manifest", "npy", "tar")
+_LABELS = ("", "dirname", "cls")
 _CACHES = ("", "preprocessed")
 _POLICIES = ("", *POLICIES)
 MAX_URI = 4096
@@ -75,7 +75,7 @@ def validate_spec(spec: kspeed_pb2.DatasetSpec) -> None:
     if spec.kind not in _KINDS:
         raise ProtocolError(f"dataset {spec.name!r}: kind {spec.kind!r} is not one of {', '.join(_KINDS[1:])}")
     if spec.labels not in _LABELS:
-        raise ProtocolError(f"dataset {spec.name!r}: labels {spec.labels!r} is not one of '', 'dirname'")
+        raise ProtocolError(f"dataset {spec.name!r}: labels {spec.labels!r} is not one of '', 'dirname', 'cls'")
     if spec.cache not in _CACHES:
         raise ProtocolError(f"dataset {spec.name!r}: cache {spec.cache!r} is not one of '', 'preprocessed'")
     if spec.cache and not spec.pipeline.stages:

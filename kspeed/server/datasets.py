@@ -266,9 +266,15 @@ class DatasetHost:
         """
         self.check_pipeline(spec)
         source = self._open(spec, describing=True)
-        if spec.labels == "dirname" and source.labels is None:
+        if spec.labels == "dirname" and (source.labels is None or source.kind == "tar"):
             raise DatasetError(
                 f"dataset {spec.name!r}: labels 'dirname' need every sample in a class directory under {spec.uri}",
+                dataset=spec.name,
+            )
+        if spec.labels == "cls" and (source.labels is None or source.kind != "tar"):
+            raise DatasetError(
+                f"dataset {spec.name!r}: labels 'cls' need tar shards whose every sample has a .cls member "
+                f"({spec.uri} is {source.kind})",
                 dataset=spec.name,
             )
         region_size = self.pool.region_size

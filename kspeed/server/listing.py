@@ -12,6 +12,11 @@ Four kinds, all giving sample IDs ``0..N-1`` and per-sample sizes as an int64 ar
   millions of keys without listing; IDs follow the line order. Sizes are trusted at listing and
   verified when the sample is read. Parsed with numpy, no Python object per line.
 * ``npy``: one ``.npy`` array of fixed-size samples, sample i = row i; only the header is read.
+  Samples arrive as the rows' raw bytes; the dataset's dtype and row shape are in its listing
+  (``Source.dtype``, ``Source.row_shape``).
+* ``tar``: WebDataset-style tar shards (:mod:`kspeed.server.shards`): a shard, a brace pattern of
+  shards or a directory of them; a sample is one member's bytes, read by one ranged read; IDs
+  follow the shards' order, then tar order; labels (``cls``) from each sample's ``.cls`` member.
 """
 
 from __future__ import annotations
@@ -30,10 +35,11 @@ from numpy.lib import format as npy_format
 
 from kspeed.errors import DatasetError
 from kspeed.server.backend import Backend
+from kspeed.server.shards import expand_braces, index_shards
 
 __all__ = ["SOURCE_KINDS", "Keys", "Listing", "list_dataset", "stamp"]
 
-SOURCE_KINDS = ("dir", "list", "manifest", "npy")
+SOURCE_KINDS = ("dir", "list", "manifest", "npy", "tar")
 _MAX_SIZE_DIGITS = 18
 _DOTDOT = re.compile(rb"\.\.")
 
@@ -72,6 +78,11 @@ class Listing:
         stamps: per sample, the :func:`stamp` of its file (``dir`` and ``list``; ``None`` for
             ``manifest``, whose sizes are all it records, and ``npy``).
         file_stamp: ``npy`` only: the :func:`stamp` of the one file.
+        shards: ``tar`` only: the shard paths, in order.
+        shard_of: ``tar`` only: each sample's shard (index into ``shards``).
+        offsets: ``tar`` only: the byte offset of each sample's member data in its shard.
+        dtype: ``npy`` only: the array's dtype (``numpy.dtype.str``).
+        row_shape: ``npy`` only: the shape of one row (one sample).
     """
 
     kind: str
@@ -84,6 +95,11 @@ class Listing:
     classes: Sequence[str] = ()
     stamps: np.ndarray | None = None
     file_stamp: float = 0.0
+    shards: tuple[str, ...] = ()
+    shard_of: np.ndarray | None = None
+    offsets: np.ndarray | None = None
+    dtype: str = ""
+    row_shape: tuple[int, ...] = ()
 
 
 def list_dataset(
@@ -95,7 +111,7 @@ def list_dataset(
         DatasetError: the kind is unknown or the listing is malformed.
         AccessDeniedError: an entry lies outside the allow-list.
     """
-    openers = {"dir": _open_dir, "list": _open_list, "manifest": _open_manifest, "npy": _open_npy}
+    openers = {"dir": _open_dir, "list": _open_list, "manifest": _open_manifest, "npy": _open_npy, "tar": _open_tar}
     if kind not in openers:
         raise DatasetError(f"dataset {dataset!r}: unknown source kind {kind!r}; use {SOURCE_KINDS}", dataset=dataset)
     return openers[kind](backend, dataset, uri, fs, root, protocol)
@@ -299,4 +315,50 @@ def _open_npy(
             dataset=dataset,
         )
     tags = f"{_tag(info)} shape={shape} dtype={dtype.str} size={size}".encode()
-    return Listing("npy", root, np.full(count, row, dtype=np.int64), tags, row_offset=header, file_stamp=stamp(info))
+    return Listing(
+        "npy",
+        root,
+        np.full(count, row, dtype=np.int64),
+        tags,
+        row_offset=header,
+        file_stamp=stamp(info),
+        dtype=dtype.str,
+        row_shape=tuple(int(d) for d in shape[1:]),
+    )
+
+
+def _open_tar(
+    backend: Backend, dataset: str, uri: str, fs: fsspec.AbstractFileSystem, root: str, protocol: str
+) -> Listing:
+    if "{" in root:
+        try:
+            shards = expand_braces(root)
+        except ValueError as exc:
+            raise DatasetError(f"dataset {dataset!r}: {uri}: {exc}", dataset=dataset) from None
+        for shard in shards:  # every shard a pattern names lies under the allow-list too
+            backend.allow.check(shard if "://" in shard else f"{protocol}://{shard}", dataset=dataset, sample=shard)
+    elif fs.isdir(root):
+        shards = sorted(p for p in fs.find(root, withdirs=False) if p.endswith(".tar"))
+    else:
+        shards = [root]
+    infos = [fs.info(shard) for shard in shards]
+    index = index_shards(fs, dataset, shards)
+    shard_stamps = np.array([stamp(info) for info in infos], dtype=np.float64)
+    tags = (
+        "\n".join(f"{s} {_tag(info)}" for s, info in zip(shards, infos, strict=True)).encode() + index.offsets.tobytes()
+    )
+    labels = index.labels
+    classes = tuple(str(k) for k in range(int(labels.max()) + 1)) if labels is not None and len(labels) else ()
+    return Listing(
+        "tar",
+        root,
+        index.sizes,
+        tags,
+        keys=Keys.from_strings(index.keys),
+        labels=labels,
+        classes=classes,
+        stamps=shard_stamps[index.shard_of] if len(index.shard_of) else np.zeros(0),
+        shards=index.shards,
+        shard_of=index.shard_of,
+        offsets=index.offsets,
+    )

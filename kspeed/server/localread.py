@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kspeed.errors import DatasetError
+from kspeed.errors import ChangedError, DatasetError
 from kspeed.server.changes import Change
 from kspeed.server.checksum import crc32c_extend
 
@@ -86,6 +86,9 @@ class LocalReader:
         errors: list[DatasetError] = []
         if self.source.kind == "npy":
             self._read_rows(ids, out, view, offsets, sizes, checksum, crcs, errors)
+            return crcs, errors
+        if self.source.kind == "tar":
+            self._read_members(ids, out, view, offsets, sizes, checksum, crcs, errors)
             return crcs, errors
         dirs: dict[str, int | None] = {}
         scratch = bytearray(1)
@@ -216,6 +219,65 @@ class LocalReader:
         finally:
             if shared is not None:
                 os.close(shared)
+
+    def _read_members(
+        self,
+        ids: Sequence[int],
+        out: np.ndarray,
+        view: memoryview,
+        offsets: Sequence[int],
+        sizes: Sequence[int],
+        checksum: bool,
+        crcs: list[int],
+        errors: list[DatasetError],
+    ) -> None:
+        """Tar members: each shard opened (and checked against its listed mtime) once per run,
+        each sample one ``preadv`` at its member's offset."""
+        source = self.source
+        opened: dict[int, int | DatasetError] = {}
+        try:
+            for j, i in enumerate(ids):
+                shard = int(source.shard_of[i])
+                path = source.shards[shard]
+                if shard not in opened:
+                    opened[shard] = self._open_shard(path, i)
+                fd = opened[shard]
+                if isinstance(fd, DatasetError):
+                    errors.append(
+                        source.changed_error(Change(i, path, fd.what)) if isinstance(fd, ChangedError) else fd
+                    )
+                    continue
+                size = sizes[j]
+                try:
+                    got, crc = _read(fd, out, view, offsets[j], size, None, checksum, position=int(source.offsets[i]))
+                except OSError as exc:
+                    errors.append(
+                        self.backend.error(exc, f"read {self.protocol}://{path}", dataset=self.dataset, sample=i)
+                    )
+                    continue
+                if got != size:
+                    errors.append(source.size_changed(i, size, got))
+                    continue
+                crcs[j] = crc
+        finally:
+            for fd in opened.values():
+                if isinstance(fd, int):
+                    os.close(fd)
+
+    def _open_shard(self, path: str, sample: int) -> int | DatasetError:
+        """A descriptor of a shard that is still the one listed, or the error to report instead."""
+        try:
+            fd = self._open_checked(path, sample)
+        except FileNotFoundError:
+            return self.source.changed_error(Change(sample, path, "deleted"))
+        except OSError as exc:
+            return self.backend.error(exc, f"open {self.protocol}://{path}", dataset=self.dataset, sample=sample)
+        except DatasetError as exc:
+            return exc
+        if self.source.stamps is not None and os.fstat(fd).st_mtime != float(self.source.stamps[sample]):
+            os.close(fd)
+            return self.source.changed_error(Change(sample, path, "modified (a new mtime)"))
+        return fd
 
 
 def _read(

@@ -84,8 +84,17 @@ class Source:
         classes: Sequence[str] = (),
         stamps: np.ndarray | None = None,
         file_stamp: float = 0.0,
+        shards: Sequence[str] = (),
+        shard_of: np.ndarray | None = None,
+        offsets: np.ndarray | None = None,
+        dtype: str = "",
+        row_shape: tuple[int, ...] = (),
     ) -> None:
         self.backend, self.dataset, self.uri, self.kind = backend, dataset, uri, kind
+        self.shards = tuple(shards)
+        self.shard_of = shard_of
+        self.offsets = offsets
+        self.dtype, self.row_shape = dtype, tuple(row_shape)
         self.root, self.protocol = root, protocol
         self.fs = backend.filesystem(protocol)
         self.sizes = np.ascontiguousarray(sizes, dtype=np.int64)
@@ -127,6 +136,8 @@ class Source:
         self._check_id(sample_id)
         if self.kind == "npy":
             return self.root
+        if self.shard_of is not None:
+            return self.shards[int(self.shard_of[sample_id])]
         key = self.key(sample_id)
         if self.kind == "list":
             return key
@@ -137,6 +148,8 @@ class Source:
         if self._keys is None:
             return [self.root] * len(ids)
         idx = np.asarray(ids, dtype=np.int64)
+        if self.shard_of is not None:
+            return [self.shards[s] for s in self.shard_of[idx].tolist()]
         blob = self._keys.blob
         keys = [
             blob[a:b].decode("utf-8", "replace")
@@ -192,8 +205,10 @@ class Source:
                 self.backend.allow.check_resolved(self.protocol, real, dataset=self.dataset, sample=i)
             if self.kind == "npy":
                 f.seek(self.row_offset + i * size)
+            elif self.offsets is not None:
+                f.seek(int(self.offsets[i]))
             got = _read_full(f, view[:size])
-            extra = b"" if self.kind == "npy" or got < size else f.read(1)
+            extra = b"" if self.kind in ("npy", "tar") or got < size else f.read(1)
         if got != size or extra:
             raise self.size_changed(i, size, got + len(extra))
         return size
@@ -255,6 +270,19 @@ class Source:
         if self.kind == "npy":
             what = self._differs(self.root, self.row_offset + int(self.sizes.sum()), self.file_stamp, exact=False)
             return [Change(i, f"{self.root}[{i}]", what) for i in ids] if what else []
+        if self.shard_of is not None and self.offsets is not None and self.stamps is not None:
+            # a shard is compared once; every asked sample of a changed shard changed with it
+            asked = np.asarray(ids, dtype=np.int64)
+            found = []
+            for shard in np.unique(self.shard_of[asked]).tolist():
+                mine = asked[self.shard_of[asked] == shard]
+                end = int((self.offsets[mine] + self.sizes[mine]).max())
+                first = int(mine[0])
+                what = self._differs(self.shards[shard], end, float(self.stamps[first]), exact=False)
+                found += (
+                    [Change(int(i), f"{self.shards[shard]}:{self.key(int(i))}", what) for i in mine] if what else []
+                )
+            return found
         changes = []
         for i, path in zip(ids, self.paths(ids), strict=True):
             listed = None if self.stamps is None else float(self.stamps[i])
@@ -333,7 +361,8 @@ def open_source(backend: Backend, dataset: str, uri: str, *, kind: str = "auto")
         backend: the server's backend (allow-list and storage options).
         dataset: the dataset's name, for messages.
         uri: a directory, list file, manifest file or ``.npy`` file.
-        kind: one of :data:`SOURCE_KINDS`, or ``"auto"``: a directory is ``dir``, ``*.npy`` is
+        kind: one of :data:`SOURCE_KINDS`, or ``"auto"``: a ``*.tar`` or a brace pattern is
+            ``tar``, a directory is ``dir``, ``*.npy`` is
             ``npy``, a name ending in ``.manifest`` or ``.manifest.txt`` is ``manifest``, any
             other file is ``list``.
 
@@ -345,7 +374,9 @@ def open_source(backend: Backend, dataset: str, uri: str, *, kind: str = "auto")
     fs, root, protocol = backend.resolve(uri, dataset=dataset)
     with backend.errors(f"list {uri}", dataset=dataset):
         if kind == "auto":
-            if fs.isdir(root):
+            if "{" in root or root.endswith(".tar"):
+                kind = "tar"
+            elif fs.isdir(root):
                 kind = "dir"
             elif root.endswith(".npy"):
                 kind = "npy"
@@ -369,6 +400,11 @@ def open_source(backend: Backend, dataset: str, uri: str, *, kind: str = "auto")
         classes=found.classes,
         stamps=found.stamps,
         file_stamp=found.file_stamp,
+        shards=found.shards,
+        shard_of=found.shard_of,
+        offsets=found.offsets,
+        dtype=found.dtype,
+        row_shape=found.row_shape,
     )
     if source.count == 0:
         raise DatasetError(f"dataset {dataset!r}: {uri} holds no samples", dataset=dataset)

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import functools
 import http.server
+import io
 import json
 import socket
+import tarfile
 import threading
 import urllib.request
 
+import numpy as np
 import pytest
 
 from kspeed import DatasetSpec, KSpeedClient
@@ -57,7 +60,8 @@ def upload(fs, files: dict[str, bytes], prefix: str) -> None:
 
 
 def epochs(client, spec, files, epochs=2, **kwargs) -> list[list[list[int]]]:
-    """Read ``epochs`` epochs, checking every sample's bytes; the batches' IDs per epoch."""
+    """Read ``epochs`` epochs, checking every sample's bytes; the batches' IDs (and labels, where
+    the dataset has them) per epoch."""
     keys = list(files)
     ds = client.dataset(spec, batch_size=BATCH, seed=SEED, ring_bytes=2 << 20, quiet=True, **kwargs)
     out = []
@@ -68,6 +72,8 @@ def epochs(client, spec, files, epochs=2, **kwargs) -> list[list[list[int]]]:
             for i, sid in enumerate(batch.ids.tolist()):
                 assert batch.numpy(i).tobytes() == files[keys[sid]], (spec.name, epoch, sid)
             got.append(batch.ids.tolist())
+            if spec.labels:
+                got.append(batch.labels.tolist())
         out.append(got)
     ds.close()
     return out
@@ -167,3 +173,48 @@ def test_a_manifest_over_http_trains_like_the_directory(cluster_factory, tmp_pat
         with pytest.raises(KSpeedError) as refused:
             client.manager.create_dataset(missing.to_proto(), operator=True)
         assert "nothing.manifest" in str(refused.value) and "Exception calling application" not in str(refused.value)
+
+
+def write_shards(root, files: dict[str, bytes], count: int) -> list[str]:
+    """``files`` (in their sorted order) as ``count`` WebDataset-style shards under ``root``: per
+    sample ``<class>/<name>.bin`` and ``<class>/<name>.cls`` (the class's index); the shard paths."""
+    classes = sorted({k.split("/", 1)[0] for k in files})
+    keys = list(files)
+    root.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for n, part in enumerate(np.array_split(np.arange(len(keys)), count)):
+        path = root / f"train-{n:03d}.tar"
+        with tarfile.open(path, "w") as tar:
+            for i in part.tolist():
+                key = keys[i]
+                label = str(classes.index(key.split("/", 1)[0])).encode()
+                for name, body in ((key, files[key]), (key.rsplit(".", 1)[0] + ".cls", label)):
+                    info = tarfile.TarInfo(name)
+                    info.size = len(body)
+                    tar.addfile(info, io.BytesIO(body))
+        paths.append(str(path))
+    return paths
+
+
+@pytest.mark.timeout(180)
+def test_tar_shards_locally_and_in_a_bucket_train_exactly_like_the_directory(cluster_factory, tmp_path, s3_endpoint):
+    url, fs = s3_endpoint
+    files = make_tree(tmp_path / "imgs", per_class=25, max_size=32 * 1024, seed=8)
+    shards = write_shards(tmp_path / "shards", files, 4)
+    for path in shards:
+        fs.makedirs("train-bucket/shards", exist_ok=True)
+        fs.put_file(path, f"train-bucket/shards/{path.rsplit('/', 1)[-1]}")
+    options = {"s3": {"key": KEY, "secret": SECRET, "client_kwargs": {"endpoint_url": url}}}
+    cluster = cluster_factory(
+        2, server_args=["--backend-allow", f"{tmp_path},s3://train-bucket", "--backend-options", json.dumps(options)]
+    )
+    local = DatasetSpec(name="dir", uri=str(tmp_path / "imgs"), labels="dirname")
+    tar = DatasetSpec(name="tar", uri=str(tmp_path / "shards" / "train-{000..003}.tar"), labels="cls")
+    streamed = DatasetSpec(
+        name="tarstream", uri=str(tmp_path / "shards"), kind="tar", labels="cls", quota_bytes=1 << 20, policy="stream"
+    )
+    in_s3 = DatasetSpec(name="s3tar", uri="s3://train-bucket/shards/train-{000..003}.tar", labels="cls")
+    with KSpeedClient(config=config_for(cluster)) as client:
+        reference = epochs(client, local, files)
+        for spec in (tar, streamed, in_s3):
+            assert epochs(client, spec, files) == reference, spec.name  # IDs, order, bytes and labels
