@@ -126,6 +126,19 @@ class Batch:
         """Sample ``i`` as a ``uint8`` numpy array (no copy)."""
         return self._sample(i).numpy()
 
+    def array(self, i: int) -> np.ndarray:
+        """Sample ``i`` as the row it was in an ``.npy`` dataset: its dtype and shape (no copy).
+
+        Raises:
+            DatasetError: the dataset declares no dtype (it is not an ``.npy`` array).
+        """
+        if not self._meta.dtype:
+            raise DatasetError(
+                f"sample {int(self.ids[i])}: the dataset declares no dtype and shape (only .npy datasets do); "
+                "use numpy(i) for its bytes"
+            )
+        return self.numpy(i).view(np.dtype(self._meta.dtype)).reshape(self._meta.shape)
+
     def tensor(self, i: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """Sample ``i`` reinterpreted as ``dtype`` (no copy; samples start 8-byte aligned).
 
@@ -224,6 +237,7 @@ class BatchMeta:
         lengths: each sample's length.
         remote: per sample, whether the servers ran the pipeline's server stages on it
             (``None``: every sample is the raw one).
+        dtype, shape: an ``.npy`` dataset's row dtype and shape ("" and (): none declared).
     """
 
     epoch: int
@@ -233,6 +247,8 @@ class BatchMeta:
     offsets: np.ndarray
     lengths: np.ndarray
     remote: np.ndarray | None = None
+    dtype: str = ""
+    shape: tuple[int, ...] = ()
 
 
 def make_batch(base: torch.Tensor, footprint: int, meta: BatchMeta, finalizer: weakref.finalize) -> Batch:

@@ -284,7 +284,8 @@ def build_feed(
             pool=io,
             prep=prep,
         )
-        pump = Pump(feed, planner, orders.deterministic, thread_cores=cores, delivery=delivery)
+        sample = (info.sample_dtype, tuple(int(d) for d in info.sample_shape))
+        pump = Pump(feed, planner, orders.deterministic, thread_cores=cores, delivery=delivery, sample=sample)
         if manager is not None:  # a lost server's share is followed to its new holder
             pump.failover = Failover(
                 dataset=name, info=info, feed=feed, planner=planner, manager=manager, config=config

@@ -48,6 +48,7 @@ class Pump:
         deterministic: whether plans depend only on (seed, epoch), so the next one may be made early.
         thread_cores: cores the planner thread is pinned to (empty: no pinning).
         delivery: how batches reach the training device (default: host views, ``device="cpu"``).
+        sample: an ``.npy`` dataset's row dtype and shape, for :meth:`Batch.array`.
     """
 
     def __init__(
@@ -57,10 +58,12 @@ class Pump:
         deterministic: bool,
         thread_cores: tuple[int, ...] = (),
         delivery: Delivery | None = None,
+        sample: tuple[str, tuple[int, ...]] = ("", ()),
     ) -> None:
         self.feed = feed
         self.delivery: Delivery = delivery if delivery is not None else CpuDelivery()
         self._plan_epoch = plan_epoch
+        self.sample = sample
         self._deterministic = deterministic
         self._plans: dict[int, EpochPlan] = {}
         self._future: Future | None = None
@@ -189,6 +192,7 @@ class Pump:
             layout.offsets[lo:hi],
             layout.lengths[lo:hi],
             plan.remote[lo:hi] if plan.remote is not None else None,
+            *self.sample,
         )
         footprint = RingAllocator.footprint(int(layout.batch_bytes[batch]))
         result = self.delivery.deliver(self.feed.ring, slot.offset, footprint, meta, self.feed.allocator.release_later)

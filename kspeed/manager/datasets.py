@@ -385,6 +385,8 @@ class DatasetCatalog:
             region_size=region_size,
             class_names=described.class_names,
             created_unix=self._wall(),
+            sample_dtype=described.sample_dtype,
+            sample_shape=described.sample_shape,
         )
         policy = spec.policy if spec.policy in MEMORY_POLICIES else ""
         if not policy and allocation.memory_regions < allocation.num_regions:

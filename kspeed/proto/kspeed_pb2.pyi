@@ -427,7 +427,7 @@ class Lease(_message.Message):
     def __init__(self, id: _Optional[str] = ..., dataset: _Optional[str] = ..., holder: _Optional[str] = ..., ttl_s: _Optional[float] = ..., expires_unix: _Optional[float] = ...) -> None: ...
 
 class DatasetInfo(_message.Message):
-    __slots__ = ("spec", "owner", "state", "fingerprint", "region_size", "shares", "progress", "share_status", "class_names", "leases", "created_unix", "server_addresses", "changes", "changed_reason")
+    __slots__ = ("spec", "owner", "state", "fingerprint", "region_size", "shares", "progress", "share_status", "class_names", "leases", "created_unix", "server_addresses", "changes", "changed_reason", "sample_dtype", "sample_shape")
     class ServerAddressesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -449,6 +449,8 @@ class DatasetInfo(_message.Message):
     SERVER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     CHANGES_FIELD_NUMBER: _ClassVar[int]
     CHANGED_REASON_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_SHAPE_FIELD_NUMBER: _ClassVar[int]
     spec: DatasetSpec
     owner: DatasetOwner
     state: DatasetState
@@ -463,7 +465,9 @@ class DatasetInfo(_message.Message):
     server_addresses: _containers.ScalarMap[str, str]
     changes: _containers.RepeatedScalarFieldContainer[str]
     changed_reason: str
-    def __init__(self, spec: _Optional[_Union[DatasetSpec, _Mapping]] = ..., owner: _Optional[_Union[DatasetOwner, str]] = ..., state: _Optional[_Union[DatasetState, str]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., region_size: _Optional[int] = ..., shares: _Optional[_Iterable[_Union[Share, _Mapping]]] = ..., progress: _Optional[_Union[PreloadProgress, _Mapping]] = ..., share_status: _Optional[_Iterable[_Union[ShareStatus, _Mapping]]] = ..., class_names: _Optional[_Iterable[str]] = ..., leases: _Optional[int] = ..., created_unix: _Optional[float] = ..., server_addresses: _Optional[_Mapping[str, str]] = ..., changes: _Optional[_Iterable[str]] = ..., changed_reason: _Optional[str] = ...) -> None: ...
+    sample_dtype: str
+    sample_shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, spec: _Optional[_Union[DatasetSpec, _Mapping]] = ..., owner: _Optional[_Union[DatasetOwner, str]] = ..., state: _Optional[_Union[DatasetState, str]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., region_size: _Optional[int] = ..., shares: _Optional[_Iterable[_Union[Share, _Mapping]]] = ..., progress: _Optional[_Union[PreloadProgress, _Mapping]] = ..., share_status: _Optional[_Iterable[_Union[ShareStatus, _Mapping]]] = ..., class_names: _Optional[_Iterable[str]] = ..., leases: _Optional[int] = ..., created_unix: _Optional[float] = ..., server_addresses: _Optional[_Mapping[str, str]] = ..., changes: _Optional[_Iterable[str]] = ..., changed_reason: _Optional[str] = ..., sample_dtype: _Optional[str] = ..., sample_shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CreateDatasetRequest(_message.Message):
     __slots__ = ("spec", "owner", "holder", "lease_ttl_s")
@@ -548,18 +552,22 @@ class AssignShareRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[DatasetSpec, _Mapping]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., region_size: _Optional[int] = ..., share: _Optional[_Union[Share, _Mapping]] = ...) -> None: ...
 
 class DescribeDatasetReply(_message.Message):
-    __slots__ = ("fingerprint", "class_names", "region_size", "region_starts", "region_bytes")
+    __slots__ = ("fingerprint", "class_names", "region_size", "region_starts", "region_bytes", "sample_dtype", "sample_shape")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     CLASS_NAMES_FIELD_NUMBER: _ClassVar[int]
     REGION_SIZE_FIELD_NUMBER: _ClassVar[int]
     REGION_STARTS_FIELD_NUMBER: _ClassVar[int]
     REGION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_SHAPE_FIELD_NUMBER: _ClassVar[int]
     fingerprint: Fingerprint
     class_names: _containers.RepeatedScalarFieldContainer[str]
     region_size: int
     region_starts: bytes
     region_bytes: bytes
-    def __init__(self, fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., class_names: _Optional[_Iterable[str]] = ..., region_size: _Optional[int] = ..., region_starts: _Optional[bytes] = ..., region_bytes: _Optional[bytes] = ...) -> None: ...
+    sample_dtype: str
+    sample_shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., class_names: _Optional[_Iterable[str]] = ..., region_size: _Optional[int] = ..., region_starts: _Optional[bytes] = ..., region_bytes: _Optional[bytes] = ..., sample_dtype: _Optional[str] = ..., sample_shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DropDatasetReply(_message.Message):
     __slots__ = ()

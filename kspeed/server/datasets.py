@@ -284,6 +284,8 @@ class DatasetHost:
             fingerprint=fingerprint_pb(source),
             class_names=list(source.classes),
             region_size=region_size,
+            sample_dtype=source.dtype,
+            sample_shape=list(source.row_shape),
             region_starts=wire.pack_i64(starts),
             region_bytes=wire.pack_i64(cum[starts[1:]] - cum[starts[:-1]]),
         )
