@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from kspeed import wire
 from kspeed.config import ClientConfig, gpu_environment
 from kspeed.control.manager_client import ManagerClient
 from kspeed.errors import CapacityError, ConfigError, KSpeedError
@@ -232,6 +233,10 @@ def build_feed(
         rank=options.rank,
         world_size=options.world_size,
         dataset=name,
+        shard_starts=wire.unpack_i64(info.shard_starts, f"dataset {name!r}: shard starts")
+        if info.shard_starts
+        else None,
+        shuffle_buffer=options.shuffle_buffer,
     )
     delivery = make_delivery(options.device)
     ring_bytes = ring_size(

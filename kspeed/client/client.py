@@ -81,6 +81,7 @@ class KSpeedClient:
         *,
         seed: int = 0,
         shuffle: bool = True,
+        shuffle_buffer: int = 0,
         drop_last: bool = False,
         rank: int | None = None,
         world_size: int | None = None,
@@ -112,6 +113,9 @@ class KSpeedClient:
                 ``None``: every sample, shuffled per epoch with ``seed`` when ``shuffle``.
             seed: seed of the built-in shuffle.
             shuffle: whether the built-in sampler shuffles.
+            shuffle_buffer: tar shards: 0 (default) for the exact order (each sample one ranged
+                read); N > 0 for WebDataset's order: shards shuffled and split over the ranks,
+                samples shuffled within a buffer of N.
             drop_last: drop the last incomplete batch of each epoch.
             rank: this rank; with ``world_size``, builds a ``DistributedSampler``.
             world_size: ranks sharing each epoch.
@@ -143,6 +147,7 @@ class KSpeedClient:
             sampler=sampler,
             seed=seed,
             shuffle=shuffle,
+            shuffle_buffer=shuffle_buffer,
             drop_last=drop_last,
             rank=rank,
             world_size=world_size,

@@ -28,6 +28,10 @@ class FeedOptions:
             ``seed`` when ``shuffle``), split over the ranks of the job (a ``DistributedSampler``).
         seed: seed of the built-in shuffle.
         shuffle: whether the built-in sampler shuffles.
+        shuffle_buffer: tar shards only: 0 (default) for the exact order of the built-in sampler
+            (any sample next: one ranged read each); N > 0 for WebDataset's order (shards
+            shuffled and split over the ranks, samples shuffled within a buffer of N;
+            :class:`kspeed.client.sampling.ShardOrder`).
         drop_last: drop the last incomplete batch of each epoch.
         rank: this rank for the built-in sampler (default: from the job's launcher).
         world_size: ranks sharing each epoch for the built-in sampler.
@@ -54,6 +58,7 @@ class FeedOptions:
     sampler: Iterable[int] | None = None
     seed: int = 0
     shuffle: bool = True
+    shuffle_buffer: int = 0
     drop_last: bool = False
     rank: int | None = None
     world_size: int | None = None
@@ -70,6 +75,7 @@ class FeedOptions:
                 f"on_error must be 'raise' or 'skip', got {self.on_error!r}", field="on_error", value=self.on_error
             )
         _positive_int("batch_size", self.batch_size)
+        _non_negative_int("shuffle_buffer", self.shuffle_buffer)
         if self.offload is not None and (
             isinstance(self.offload, bool)
             or not isinstance(self.offload, int | float)

@@ -6,6 +6,7 @@ Two kinds of samplers are told apart because the next epoch may be planned early
   sampler is given) and ``SequentialSampler``. The order of any epoch is computed from a *copy* of
   the sampler set to that epoch, so planning epoch ``e + 1`` while ``e`` is consumed never touches
   the user's object.
+  :class:`ShardOrder` (tar shards in WebDataset's order, ``shuffle_buffer``) is one too.
 * **everything else** (``RandomSampler``, weighted samplers, user classes): the order is drawn
   by iterating the user's sampler once when the epoch starts, exactly as a ``DataLoader`` would,
   so its random state is consumed at the same moments and never early.
@@ -14,7 +15,7 @@ Two kinds of samplers are told apart because the next epoch may be planned early
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -24,9 +25,71 @@ from torch.utils.data import BatchSampler, Dataset, DistributedSampler, Sequenti
 from kspeed.config import launcher_environment
 from kspeed.errors import ConfigError, DatasetError
 
-__all__ = ["EpochOrders", "distributed_order", "job_rank"]
+__all__ = ["EpochOrders", "ShardOrder", "distributed_order", "job_rank"]
 
-_DETERMINISTIC = (DistributedSampler, SequentialSampler)
+
+class ShardOrder:
+    """WebDataset's order over tar shards, for one rank, deterministic in (seed, epoch).
+
+    Each epoch the shards are shuffled, their samples laid end to end, and the ranks take
+    consecutive stretches of ``ceil(N / world)`` samples (the last padded from the start, as
+    ``DistributedSampler`` pads): every sample once per epoch, each rank within a few shards at a
+    time. Each rank then shuffles its stretch through a buffer of ``buffer`` samples (a sample
+    waits in the buffer until a random draw takes it, as WebDataset's ``shuffle(buffer)`` does), so
+    consecutive samples come from neighbouring positions of its shards, never from all of them.
+
+    Args:
+        starts: each shard's first sample ID, then the sample count (samples follow the shards).
+        buffer: the shuffle buffer, in samples (1: the shards' own order).
+        seed: the shuffle's seed.
+        rank: this rank.
+        world: ranks sharing each epoch.
+    """
+
+    def __init__(self, starts: np.ndarray, buffer: int, seed: int, rank: int, world: int) -> None:
+        self.starts = np.asarray(starts, dtype=np.int64)
+        self.buffer, self.seed, self.rank, self.world = max(int(buffer), 1), int(seed), int(rank), int(world)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return -(-int(self.starts[-1]) // self.world)
+
+    def order(self) -> np.ndarray:
+        """This rank's sample IDs of the epoch, in order."""
+        rng = np.random.default_rng([self.seed, self.epoch])
+        shards = rng.permutation(len(self.starts) - 1)
+        lo, hi = self.starts[shards], self.starts[shards + 1]
+        lengths = hi - lo
+        # every sample of the shuffled shards, end to end, without a Python loop per shard
+        seq = np.repeat(lo - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths) + np.arange(int(lengths.sum()))
+        per_rank = len(self)
+        total = per_rank * self.world
+        if total > len(seq) and len(seq):
+            seq = np.concatenate([seq, np.resize(seq, total - len(seq))])
+        mine = seq[self.rank * per_rank : (self.rank + 1) * per_rank].tolist()
+        if self.buffer <= 1:
+            return np.asarray(mine, dtype=np.int64)
+        draws = np.random.default_rng([self.seed, self.epoch, self.rank]).integers(0, self.buffer, len(mine)).tolist()
+        buf: list[int] = []
+        out: list[int] = []
+        for sample, j in zip(mine, draws, strict=True):
+            if len(buf) < self.buffer:
+                buf.append(sample)
+                continue
+            out.append(buf[j])
+            buf[j] = sample
+        rest = np.asarray(buf, dtype=np.int64)
+        np.random.default_rng([self.seed, self.epoch, self.rank, 1]).shuffle(rest)
+        return np.concatenate([np.asarray(out, dtype=np.int64), rest])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.order().tolist())
+
+
+_DETERMINISTIC = (DistributedSampler, SequentialSampler, ShardOrder)
 
 
 def distributed_order(sampler: DistributedSampler) -> np.ndarray:
@@ -113,9 +176,13 @@ class EpochOrders:
         rank: this rank when the built-in sampler splits the data (``DistributedSampler``).
         world_size: number of ranks sharing each epoch.
         dataset: the dataset's name, for messages.
+        shard_starts: a tar dataset's shards (each one's first sample ID, then the count).
+        shuffle_buffer: with tar shards, 0 for the exact order of the built-in sampler; N > 0 for
+            :class:`ShardOrder` with a buffer of N samples.
 
     Raises:
-        ConfigError: ``rank``/``world_size`` given together with a sampler, or out of range.
+        ConfigError: ``rank``/``world_size`` given together with a sampler, or out of range; a
+            ``shuffle_buffer`` with a sampler of the caller's or without tar shards.
     """
 
     def __init__(
@@ -130,6 +197,8 @@ class EpochOrders:
         rank: int | None,
         world_size: int | None,
         dataset: str,
+        shard_starts: np.ndarray | None = None,
+        shuffle_buffer: int = 0,
     ) -> None:
         self.dataset = dataset
         self.num_samples = num_samples
@@ -147,6 +216,12 @@ class EpochOrders:
                 field="sampler",
                 value=type(sampler).__name__,
             )
+        if sampler is not None and shuffle_buffer:
+            raise ConfigError(
+                "shuffle_buffer builds the shard-aware order; give it or a sampler, not both",
+                field="shuffle_buffer",
+                value=shuffle_buffer,
+            )
         if sampler is not None and (rank is not None or world_size is not None):
             raise ConfigError(
                 "give either a sampler or rank/world_size (which build a DistributedSampler), not both",
@@ -162,9 +237,18 @@ class EpochOrders:
                 )
             if isinstance(me, bool) or not isinstance(me, int) or not 0 <= me < world:
                 raise ConfigError(f"rank must be in 0..{world - 1}, got {rank!r}", field="rank", value=rank)
-            sampler = DistributedSampler(
-                _IdRange(num_samples), num_replicas=world, rank=me, shuffle=shuffle, seed=seed, drop_last=False
-            )
+            if shuffle_buffer:
+                if shard_starts is None:
+                    raise ConfigError(
+                        f"dataset {dataset!r}: shuffle_buffer orders tar shards; this dataset has none",
+                        field="shuffle_buffer",
+                        value=shuffle_buffer,
+                    )
+                sampler = ShardOrder(shard_starts, shuffle_buffer, seed, me, world)
+            else:
+                sampler = DistributedSampler(
+                    _IdRange(num_samples), num_replicas=world, rank=me, shuffle=shuffle, seed=seed, drop_last=False
+                )
             self.rank, self.world_size = me, world
         self.sampler = sampler
         self.deterministic = type(sampler) in _DETERMINISTIC
@@ -212,6 +296,8 @@ class EpochOrders:
         try:
             if isinstance(sampler, DistributedSampler) and type(sampler).__iter__ is DistributedSampler.__iter__:
                 ids = distributed_order(sampler)
+            elif isinstance(sampler, ShardOrder):
+                ids = sampler.order()
             else:
                 ids = np.fromiter((int(i) for i in sampler), dtype=np.int64)
         except (TypeError, ValueError) as exc:

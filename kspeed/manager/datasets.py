@@ -387,6 +387,7 @@ class DatasetCatalog:
             created_unix=self._wall(),
             sample_dtype=described.sample_dtype,
             sample_shape=described.sample_shape,
+            shard_starts=described.shard_starts,
         )
         policy = spec.policy if spec.policy in MEMORY_POLICIES else ""
         if not policy and allocation.memory_regions < allocation.num_regions:

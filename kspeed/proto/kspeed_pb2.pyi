@@ -427,7 +427,7 @@ class Lease(_message.Message):
     def __init__(self, id: _Optional[str] = ..., dataset: _Optional[str] = ..., holder: _Optional[str] = ..., ttl_s: _Optional[float] = ..., expires_unix: _Optional[float] = ...) -> None: ...
 
 class DatasetInfo(_message.Message):
-    __slots__ = ("spec", "owner", "state", "fingerprint", "region_size", "shares", "progress", "share_status", "class_names", "leases", "created_unix", "server_addresses", "changes", "changed_reason", "sample_dtype", "sample_shape")
+    __slots__ = ("spec", "owner", "state", "fingerprint", "region_size", "shares", "progress", "share_status", "class_names", "leases", "created_unix", "server_addresses", "changes", "changed_reason", "sample_dtype", "sample_shape", "shard_starts")
     class ServerAddressesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -451,6 +451,7 @@ class DatasetInfo(_message.Message):
     CHANGED_REASON_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_STARTS_FIELD_NUMBER: _ClassVar[int]
     spec: DatasetSpec
     owner: DatasetOwner
     state: DatasetState
@@ -467,7 +468,8 @@ class DatasetInfo(_message.Message):
     changed_reason: str
     sample_dtype: str
     sample_shape: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, spec: _Optional[_Union[DatasetSpec, _Mapping]] = ..., owner: _Optional[_Union[DatasetOwner, str]] = ..., state: _Optional[_Union[DatasetState, str]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., region_size: _Optional[int] = ..., shares: _Optional[_Iterable[_Union[Share, _Mapping]]] = ..., progress: _Optional[_Union[PreloadProgress, _Mapping]] = ..., share_status: _Optional[_Iterable[_Union[ShareStatus, _Mapping]]] = ..., class_names: _Optional[_Iterable[str]] = ..., leases: _Optional[int] = ..., created_unix: _Optional[float] = ..., server_addresses: _Optional[_Mapping[str, str]] = ..., changes: _Optional[_Iterable[str]] = ..., changed_reason: _Optional[str] = ..., sample_dtype: _Optional[str] = ..., sample_shape: _Optional[_Iterable[int]] = ...) -> None: ...
+    shard_starts: bytes
+    def __init__(self, spec: _Optional[_Union[DatasetSpec, _Mapping]] = ..., owner: _Optional[_Union[DatasetOwner, str]] = ..., state: _Optional[_Union[DatasetState, str]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., region_size: _Optional[int] = ..., shares: _Optional[_Iterable[_Union[Share, _Mapping]]] = ..., progress: _Optional[_Union[PreloadProgress, _Mapping]] = ..., share_status: _Optional[_Iterable[_Union[ShareStatus, _Mapping]]] = ..., class_names: _Optional[_Iterable[str]] = ..., leases: _Optional[int] = ..., created_unix: _Optional[float] = ..., server_addresses: _Optional[_Mapping[str, str]] = ..., changes: _Optional[_Iterable[str]] = ..., changed_reason: _Optional[str] = ..., sample_dtype: _Optional[str] = ..., sample_shape: _Optional[_Iterable[int]] = ..., shard_starts: _Optional[bytes] = ...) -> None: ...
 
 class CreateDatasetRequest(_message.Message):
     __slots__ = ("spec", "owner", "holder", "lease_ttl_s")
@@ -552,7 +554,7 @@ class AssignShareRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[DatasetSpec, _Mapping]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., region_size: _Optional[int] = ..., share: _Optional[_Union[Share, _Mapping]] = ...) -> None: ...
 
 class DescribeDatasetReply(_message.Message):
-    __slots__ = ("fingerprint", "class_names", "region_size", "region_starts", "region_bytes", "sample_dtype", "sample_shape")
+    __slots__ = ("fingerprint", "class_names", "region_size", "region_starts", "region_bytes", "sample_dtype", "sample_shape", "shard_starts")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     CLASS_NAMES_FIELD_NUMBER: _ClassVar[int]
     REGION_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -560,6 +562,7 @@ class DescribeDatasetReply(_message.Message):
     REGION_BYTES_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_STARTS_FIELD_NUMBER: _ClassVar[int]
     fingerprint: Fingerprint
     class_names: _containers.RepeatedScalarFieldContainer[str]
     region_size: int
@@ -567,7 +570,8 @@ class DescribeDatasetReply(_message.Message):
     region_bytes: bytes
     sample_dtype: str
     sample_shape: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., class_names: _Optional[_Iterable[str]] = ..., region_size: _Optional[int] = ..., region_starts: _Optional[bytes] = ..., region_bytes: _Optional[bytes] = ..., sample_dtype: _Optional[str] = ..., sample_shape: _Optional[_Iterable[int]] = ...) -> None: ...
+    shard_starts: bytes
+    def __init__(self, fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., class_names: _Optional[_Iterable[str]] = ..., region_size: _Optional[int] = ..., region_starts: _Optional[bytes] = ..., region_bytes: _Optional[bytes] = ..., sample_dtype: _Optional[str] = ..., sample_shape: _Optional[_Iterable[int]] = ..., shard_starts: _Optional[bytes] = ...) -> None: ...
 
 class DropDatasetReply(_message.Message):
     __slots__ = ()

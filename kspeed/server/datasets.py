@@ -286,6 +286,7 @@ class DatasetHost:
             region_size=region_size,
             sample_dtype=source.dtype,
             sample_shape=list(source.row_shape),
+            shard_starts=wire.pack_i64(source.shard_starts()) if source.shard_of is not None else b"",
             region_starts=wire.pack_i64(starts),
             region_bytes=wire.pack_i64(cum[starts[1:]] - cum[starts[:-1]]),
         )

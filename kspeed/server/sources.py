@@ -160,6 +160,12 @@ class Source:
         prefix = self.root.rstrip("/") + "/"
         return [prefix + k for k in keys]
 
+    def shard_starts(self) -> np.ndarray:
+        """``tar`` only: each shard's first sample ID, then the sample count (samples follow the shards)."""
+        assert self.shard_of is not None
+        firsts = np.searchsorted(self.shard_of, np.arange(len(self.shards)), side="left")
+        return np.append(firsts, self.count).astype(np.int64)
+
     def read(self, sample_id: int) -> bytes:
         """The sample's bytes, read from the backend."""
         buf = bytearray(int(self.sizes[self._check_id(sample_id)]))

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
-from kspeed.client.sampling import EpochOrders, distributed_order
+from kspeed.client.sampling import EpochOrders, ShardOrder, distributed_order
 from kspeed.errors import ConfigError, DatasetError
 
 N = 103
@@ -105,3 +105,38 @@ def test_the_distributed_order_is_the_samplers_own(n, world, shuffle, drop_last)
         for epoch in (0, 3):
             sampler.set_epoch(epoch)
             assert distributed_order(sampler).tolist() == list(sampler)
+
+
+def test_the_shard_order_reads_every_sample_once_per_epoch_a_few_shards_at_a_time():
+    sizes = [30, 10, 25, 40, 5, 33, 17]
+    starts = np.concatenate(([0], np.cumsum(sizes)))
+    shard_of = np.repeat(np.arange(len(sizes)), sizes)
+    n, world, buffer = int(starts[-1]), 3, 8
+    orders = [ShardOrder(starts, buffer, seed=4, rank=r, world=world) for r in range(world)]
+    for epoch in (0, 1):
+        for o in orders:
+            o.set_epoch(epoch)
+        got = [o.order() for o in orders]
+        assert all(len(g) == len(orders[0]) == -(-n // world) for g in got)
+        every = np.concatenate(got)
+        assert sorted(set(every.tolist())) == list(range(n))  # each sample, the padding repeats a few
+        assert len(every) - n == len(orders[0]) * world - n
+        for g in got:  # a rank's stretch spans few shards, and the buffer keeps neighbours close
+            assert len(set(shard_of[g].tolist())) <= 4
+    again = ShardOrder(starts, buffer, seed=4, rank=1, world=world)
+    again.set_epoch(1)
+    assert np.array_equal(again.order(), orders[1].order())  # deterministic in (seed, epoch)
+    again.set_epoch(2)
+    assert not np.array_equal(again.order(), orders[1].order())
+    unshuffled = ShardOrder(starts, 1, seed=4, rank=0, world=1)
+    runs = np.flatnonzero(np.diff(unshuffled.order()) != 1)
+    assert len(runs) <= len(sizes) - 1  # buffer 1: whole shards in a row
+
+
+def test_a_shuffle_buffer_needs_tar_shards_and_no_sampler_of_its_own():
+    with pytest.raises(ConfigError, match="has none"):
+        EpochOrders(None, num_samples=10, batch_size=2, drop_last=False, seed=0, shuffle=True, rank=None,
+                    world_size=None, dataset="d", shuffle_buffer=4)  # fmt: skip
+    with pytest.raises(ConfigError, match="not both"):
+        EpochOrders(range(10), num_samples=10, batch_size=2, drop_last=False, seed=0, shuffle=True, rank=None,
+                    world_size=None, dataset="d", shard_starts=np.array([0, 10]), shuffle_buffer=4)  # fmt: skip

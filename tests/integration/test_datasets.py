@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 
 import grpc
@@ -41,6 +42,27 @@ def make_tree(root, classes=("ant", "bee", "cat"), per_class=40, seed=0, max_siz
             (root / cls / f"{i:04d}.bin").write_bytes(data)
             files[f"{cls}/{i:04d}.bin"] = data
     return dict(sorted(files.items()))
+
+
+def write_shards(root, files: dict[str, bytes], count: int) -> list[str]:
+    """``files`` (in their sorted order) as ``count`` WebDataset-style shards under ``root``: per
+    sample ``<class>/<name>.bin`` and ``<class>/<name>.cls`` (the class's index); the shard paths."""
+    classes = sorted({k.split("/", 1)[0] for k in files})
+    keys = list(files)
+    root.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for n, part in enumerate(np.array_split(np.arange(len(keys)), count)):
+        path = root / f"train-{n:03d}.tar"
+        with tarfile.open(path, "w") as tar:
+            for i in part.tolist():
+                key = keys[i]
+                label = str(classes.index(key.split("/", 1)[0])).encode()
+                for name, body in ((key, files[key]), (key.rsplit(".", 1)[0] + ".cls", label)):
+                    info = tarfile.TarInfo(name)
+                    info.size = len(body)
+                    tar.addfile(info, io.BytesIO(body))
+        paths.append(str(path))
+    return paths
 
 
 def server_stubs(cluster, info):

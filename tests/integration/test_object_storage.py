@@ -10,20 +10,17 @@ from __future__ import annotations
 
 import functools
 import http.server
-import io
 import json
 import socket
-import tarfile
 import threading
 import urllib.request
 
-import numpy as np
 import pytest
 
 from kspeed import DatasetSpec, KSpeedClient
 from kspeed.errors import AccessDeniedError, KSpeedError
 from tests.integration.test_client import config_for, loader_order
-from tests.integration.test_datasets import make_tree
+from tests.integration.test_datasets import make_tree, write_shards
 
 s3fs = pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
@@ -59,9 +56,9 @@ def upload(fs, files: dict[str, bytes], prefix: str) -> None:
         fs.pipe_file(f"{prefix}/{rel}", data)
 
 
-def epochs(client, spec, files, epochs=2, **kwargs) -> list[list[list[int]]]:
-    """Read ``epochs`` epochs, checking every sample's bytes; the batches' IDs (and labels, where
-    the dataset has them) per epoch."""
+def epochs(client, spec, files, epochs=2, **kwargs) -> list[list[tuple[list[int], list[int]]]]:
+    """Read ``epochs`` epochs, checking every sample's bytes; per epoch, each batch's IDs and
+    labels (-1 where the dataset has none)."""
     keys = list(files)
     ds = client.dataset(spec, batch_size=BATCH, seed=SEED, ring_bytes=2 << 20, quiet=True, **kwargs)
     out = []
@@ -71,9 +68,7 @@ def epochs(client, spec, files, epochs=2, **kwargs) -> list[list[list[int]]]:
         for batch in ds:
             for i, sid in enumerate(batch.ids.tolist()):
                 assert batch.numpy(i).tobytes() == files[keys[sid]], (spec.name, epoch, sid)
-            got.append(batch.ids.tolist())
-            if spec.labels:
-                got.append(batch.labels.tolist())
+            got.append((batch.ids.tolist(), batch.labels.tolist()))
         out.append(got)
     ds.close()
     return out
@@ -106,7 +101,7 @@ def test_an_s3_bucket_trains_exactly_like_a_directory_of_the_same_files(cluster_
         from_s3 = epochs(client, in_s3, files)
         from_dir = epochs(client, local, files)
         assert from_s3 == from_dir  # the same IDs (sorted keys), the same order, the same bytes
-        assert from_s3[0] == loader_order(len(files), 1, 0, True, SEED, False, 0, BATCH)
+        assert [ids for ids, _ in from_s3[0]] == loader_order(len(files), 1, 0, True, SEED, False, 0, BATCH)
         s3_info, dir_info = client.manager.dataset("s3imgs"), client.manager.dataset("localimgs")
         assert {s.policy for s in s3_info.shares} == ({"stream"} if policy == "stream" else {""})
         # the labels (each key's parent "directory") and the sizes are the directory's
@@ -173,27 +168,6 @@ def test_a_manifest_over_http_trains_like_the_directory(cluster_factory, tmp_pat
         with pytest.raises(KSpeedError) as refused:
             client.manager.create_dataset(missing.to_proto(), operator=True)
         assert "nothing.manifest" in str(refused.value) and "Exception calling application" not in str(refused.value)
-
-
-def write_shards(root, files: dict[str, bytes], count: int) -> list[str]:
-    """``files`` (in their sorted order) as ``count`` WebDataset-style shards under ``root``: per
-    sample ``<class>/<name>.bin`` and ``<class>/<name>.cls`` (the class's index); the shard paths."""
-    classes = sorted({k.split("/", 1)[0] for k in files})
-    keys = list(files)
-    root.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for n, part in enumerate(np.array_split(np.arange(len(keys)), count)):
-        path = root / f"train-{n:03d}.tar"
-        with tarfile.open(path, "w") as tar:
-            for i in part.tolist():
-                key = keys[i]
-                label = str(classes.index(key.split("/", 1)[0])).encode()
-                for name, body in ((key, files[key]), (key.rsplit(".", 1)[0] + ".cls", label)):
-                    info = tarfile.TarInfo(name)
-                    info.size = len(body)
-                    tar.addfile(info, io.BytesIO(body))
-        paths.append(str(path))
-    return paths
 
 
 @pytest.mark.timeout(180)
