@@ -17,7 +17,17 @@ import time
 
 import numpy as np
 
-__all__ = ["GIB", "KIB", "MIB", "machine_info", "memcpy_gbps", "random_starts", "socket_gbps", "write_json"]
+__all__ = [
+    "GIB",
+    "KIB",
+    "MIB",
+    "machine_info",
+    "memcpy_gbps",
+    "random_starts",
+    "socket_gbps",
+    "write_files",
+    "write_json",
+]
 
 KIB = 1 << 10
 MIB = 1 << 20
@@ -133,6 +143,19 @@ def socket_gbps(
     proc.join()
     del slices
     return got / elapsed / 1e9
+
+
+def write_files(root, count: int, lo: int, hi: int, seed: int = 0) -> int:
+    """Write ``count`` random files of ``lo..hi`` bytes in ten folders under ``root`` (a
+    ``pathlib.Path``); returns their total bytes."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(lo, hi + 1, count)
+    blob = rng.bytes(int(hi))
+    for i, n in enumerate(sizes.tolist()):
+        folder = root / f"c{i % 10}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{i:06d}.bin").write_bytes(blob[:n])
+    return int(sizes.sum())
 
 
 def write_json(path: str | None, doc: dict) -> None:

@@ -35,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import MIB, machine_info, write_json
+from _common import MIB, machine_info, write_files, write_json
 
 from kspeed import DatasetSpec, KSpeedClient
 from kspeed.cli.cluster import LocalCluster, wait_for
@@ -44,18 +44,6 @@ from kspeed.config import ClientConfig, load_config
 POLICIES = ("stream", "minio", "reuse", "lru")
 RANKS = 2
 SEED = 3
-
-
-def write_files(root: Path, count: int, lo: int, hi: int, seed: int = 0) -> int:
-    """``count`` random files of ``lo..hi`` bytes in ten folders; returns their total bytes."""
-    rng = np.random.default_rng(seed)
-    sizes = rng.integers(lo, hi + 1, count)
-    blob = rng.bytes(int(hi))
-    for i, n in enumerate(sizes.tolist()):
-        folder = root / f"c{i % 10}"
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"{i:06d}.bin").write_bytes(blob[:n])
-    return int(sizes.sum())
 
 
 def config_for(address: str) -> ClientConfig:

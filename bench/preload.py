@@ -29,6 +29,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from _common import write_files
+
 from kspeed.server.allowlist import AllowList
 from kspeed.server.backend import Backend
 from kspeed.server.pool import MemoryPool
@@ -60,18 +62,6 @@ def write_json(path: str | None, doc: dict) -> None:
         print(text)
         return
     Path(path).write_text(text + "\n")
-
-
-def write_files(root: Path, count: int, lo: int, hi: int, seed: int) -> int:
-    """Write ``count`` random files of ``lo..hi`` bytes under ``root``; returns the total bytes."""
-    rng = np.random.default_rng(seed)
-    sizes = rng.integers(lo, hi + 1, count)
-    blob = rng.bytes(int(hi))
-    for i, n in enumerate(sizes.tolist()):
-        d = root / f"c{i % 10}"
-        d.mkdir(parents=True, exist_ok=True)
-        (d / f"{i:06d}.bin").write_bytes(blob[:n])
-    return int(sizes.sum())
 
 
 def sequential(paths: list[str], latency: float) -> float:

@@ -26,8 +26,10 @@ window of its own (the regions the manager gave it; nothing is preloaded and not
 - ``stream`` (the default for such a dataset): each feed's horizon is as much of its plans as its
   fair share of the share's window holds, into the next epoch's plan once the current one's rest
   fits (a sampler deterministic in (seed, epoch) has it committed early), so the window never
-  drains at an epoch boundary. A sample is let go once no feed's horizon holds it: every attached
-  consumer was served it, and a re-grant after a fence reads it again. Feeds of one share with
+  drains at an epoch boundary. A sample is let go once no feed's horizon holds it and no feed's
+  current plan still needs it: every attached consumer was served it (a re-grant after a fence
+  reads it again), and none is read twice for one plan. Each plan fills chunks of its own, so a
+  chunk is freed as its plan is written. Feeds of one share with
   the same order (two jobs on one dataset) share a sample while both horizons hold it, that is
   while they are at most a window apart; beyond that each pays its own reads.
 - ``minio``, ``reuse`` and ``lru`` (for comparison) prefetch the same way into a quarter of the
@@ -35,8 +37,9 @@ window of its own (the regions the manager gave it; nothing is preloaded and not
   are read each epoch); ``reuse`` lets go, when room is needed, the samples whose next use in the
   known plans is farthest; ``lru`` the least recently written.
 
-Each keeps per plan epoch its figures (:class:`~kspeed.server.production_state.EpochFigures`:
-samples written, misses, backend bytes and requests, the grants' wait for production).
+Each keeps per sampler epoch its figures (:class:`~kspeed.server.production_state.EpochFigures`:
+samples planned and written, misses, backend bytes and requests, the grants' wait for production).
+``docs/policies.md`` has the whole design and its measurements.
 """
 
 from __future__ import annotations
