@@ -332,7 +332,8 @@ def test_server_restart_mid_preload_keeps_sealed_regions(cluster_factory, tmp_pa
 
 
 def test_corrupt_pool_byte_is_repaired_and_counted(data_cluster, tmp_path):
-    files = make_tree(tmp_path / "crc", classes=("a",), per_class=20)
+    # over a quarter of a region, so that it holds regions of its own (a smaller one takes a slice)
+    files = make_tree(tmp_path / "crc", classes=("a",), per_class=80)
     keys = list(files)
     with client_for(data_cluster) as client:
         wait_for(lambda: len([r for r in client.servers() if r.state == 2]) == 2, 10, "ready")
