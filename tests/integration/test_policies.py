@@ -148,9 +148,10 @@ def test_grants_that_wait_for_a_slow_backend_are_named_and_left_out_of_the_paths
             for i, sid in enumerate(batch.ids.tolist()):
                 assert batch.numpy(i).tobytes() == files[keys[sid]]
         pacing = ds.stats()["pacing"]
-        # grants waited for 20 ms reads; the servers said so, and the latency tables left it out
+        # Grants waited for 20 ms reads, 8 in a row per producer task (160 ms); the servers said so,
+        # and the latencies left it out (what is left is the write and its completion).
         assert pacing["held_by_production_s"] > 0.02, pacing
-        assert pacing["sub_batch_latency_p50_ms"] < 20, pacing
+        assert pacing["sub_batch_latency_p50_ms"] < 80, pacing
         ds.close()
 
 
