@@ -441,6 +441,13 @@ def test_both_ends_sending_at_once_never_deadlock(rail, options):
         with get_rail(rail).connect(rx.material, options) as wr:
             failures: list[BaseException] = []
             got: list[bytes | None] = []
+            # As a feed does, the writer speaks first (HELLO): the receiver knows it before sending
+            # to it (a send racing the connection's set-up is refused as "no such writer").
+            wr.send(b"hello")
+            deadline = time.monotonic() + 10
+            while not any(m == b"hello" for _, m in rx.messages()):
+                assert time.monotonic() < deadline, "the writer's first message never came"
+                rx.poll(0.01)
 
             def serve() -> None:  # as a server's feed thread: write everything, then read
                 try:
