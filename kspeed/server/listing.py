@@ -335,12 +335,12 @@ def _open_tar(
             shards = expand_braces(root)
         except ValueError as exc:
             raise DatasetError(f"dataset {dataset!r}: {uri}: {exc}", dataset=dataset) from None
-        for shard in shards:  # every shard a pattern names lies under the allow-list too
-            backend.allow.check(shard if "://" in shard else f"{protocol}://{shard}", dataset=dataset, sample=shard)
     elif fs.isdir(root):
         shards = sorted(p for p in fs.find(root, withdirs=False) if p.endswith(".tar"))
     else:
         shards = [root]
+    for shard in shards:  # every shard lies under the allow-list too (a local one resolved: no symlink out)
+        backend.allow.check(shard if "://" in shard else f"{protocol}://{shard}", dataset=dataset, sample=shard)
     infos = [fs.info(shard) for shard in shards]
     index = index_shards(fs, dataset, shards)
     shard_stamps = np.array([stamp(info) for info in infos], dtype=np.float64)

@@ -16,6 +16,7 @@ admitted as a whole, is opened by its full path and checked the same way on its 
 
 from __future__ import annotations
 
+import copy
 import errno
 import logging
 import os
@@ -242,10 +243,13 @@ class LocalReader:
                 if shard not in opened:
                     opened[shard] = self._open_shard(path, i)
                 fd = opened[shard]
-                if isinstance(fd, DatasetError):
-                    errors.append(
-                        source.changed_error(Change(i, path, fd.what)) if isinstance(fd, ChangedError) else fd
-                    )
+                if isinstance(fd, DatasetError):  # the shard's error, told for each of its samples
+                    if isinstance(fd, ChangedError):
+                        errors.append(source.changed_error(Change(i, path, fd.what)))
+                    else:
+                        mine = copy.copy(fd)
+                        mine.sample = i
+                        errors.append(mine)
                     continue
                 size = sizes[j]
                 try:

@@ -9,7 +9,7 @@ import fsspec
 import numpy as np
 import pytest
 
-from kspeed.errors import DatasetError
+from kspeed.errors import AccessDeniedError, DatasetError
 from kspeed.server.shards import expand_braces, index_shards, sample_key
 from kspeed.server.sources import open_source
 
@@ -81,3 +81,21 @@ def test_a_source_of_shards_reads_every_sample_exactly_and_names_what_is_wrong(t
         tar.addfile(info, io.BytesIO(b"1"))
     with pytest.raises(DatasetError, match=r"no member besides its \.cls label"):
         open_source(backend, "ds", str(tmp_path / "labels-only.tar"))
+
+
+def test_a_shard_that_goes_or_leads_outside_the_allow_list_is_named_for_each_of_its_samples(tmp_path, backend):
+    samples = [(f"{k:03d}", bytes([k + 1]) * 50, None) for k in range(10)]
+    write_shard(tmp_path / "u-0.tar", samples[:5])
+    write_shard(tmp_path / "u-1.tar", samples[5:])
+    source = open_source(backend, "ds", str(tmp_path / "u-{0..1}.tar"))
+    (tmp_path / "u-1.tar").unlink()
+    out = np.zeros(1000, np.uint8)
+    crcs, errors = source.read_run(list(range(10)), out, [50 * k for k in range(10)], [50] * 10)
+    assert all(crcs[:5]) and not any(crcs[5:])
+    assert sorted(e.sample for e in errors) == list(range(5, 10)) and all("deleted" in str(e) for e in errors)
+    outside = tmp_path.parent / f"{tmp_path.name}-outside"
+    outside.mkdir()
+    write_shard(outside / "o.tar", samples[:2])
+    (tmp_path / "linked.tar").symlink_to(outside / "o.tar")
+    with pytest.raises(AccessDeniedError):
+        open_source(backend, "ds", str(tmp_path / "linked.tar"))
