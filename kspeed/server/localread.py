@@ -17,6 +17,7 @@ admitted as a whole, is opened by its full path and checked the same way on its 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import errno
 import logging
 import os
@@ -44,6 +45,20 @@ _SPECIAL_NAMES = ("", ".", "..")
 def fd_path(fd: int) -> str:
     """The path the open descriptor ``fd`` really names (symlinks and ``..`` resolved)."""
     return os.readlink(f"/proc/self/fd/{fd}")
+
+
+@dataclasses.dataclass
+class _Run:
+    """One :meth:`LocalReader.read_run`: what it reads, where to, and what it found."""
+
+    ids: Sequence[int]
+    out: np.ndarray
+    view: memoryview
+    offsets: Sequence[int]
+    sizes: Sequence[int]
+    checksum: bool
+    crcs: list[int]
+    errors: list[DatasetError]
 
 
 class LocalReader:
@@ -86,10 +101,10 @@ class LocalReader:
         crcs = [0] * len(ids)
         errors: list[DatasetError] = []
         if self.source.kind == "npy":
-            self._read_rows(ids, out, view, offsets, sizes, checksum, crcs, errors)
+            self._read_rows(_Run(ids, out, view, offsets, sizes, checksum, crcs, errors))
             return crcs, errors
         if self.source.kind == "tar":
-            self._read_members(ids, out, view, offsets, sizes, checksum, crcs, errors)
+            self._read_members(_Run(ids, out, view, offsets, sizes, checksum, crcs, errors))
             return crcs, errors
         dirs: dict[str, int | None] = {}
         scratch = bytearray(1)
@@ -180,17 +195,10 @@ class LocalReader:
             raise
         return fd
 
-    def _read_rows(
-        self,
-        ids: Sequence[int],
-        out: np.ndarray,
-        view: memoryview,
-        offsets: Sequence[int],
-        sizes: Sequence[int],
-        checksum: bool,
-        crcs: list[int],
-        errors: list[DatasetError],
-    ) -> None:
+    def _read_rows(self, run: _Run) -> None:
+        """``npy`` rows: the one file opened once per run, each row one ``preadv``."""
+        ids, out, view, offsets, sizes = run.ids, run.out, run.view, run.offsets, run.sizes
+        checksum, crcs, errors = run.checksum, run.crcs, run.errors
         path, first = self.source.root, self.source.row_offset
         what = f"read {self.protocol}://{path}"
         try:
@@ -221,19 +229,11 @@ class LocalReader:
             if shared is not None:
                 os.close(shared)
 
-    def _read_members(
-        self,
-        ids: Sequence[int],
-        out: np.ndarray,
-        view: memoryview,
-        offsets: Sequence[int],
-        sizes: Sequence[int],
-        checksum: bool,
-        crcs: list[int],
-        errors: list[DatasetError],
-    ) -> None:
+    def _read_members(self, run: _Run) -> None:
         """Tar members: each shard opened (and checked against its listed mtime) once per run,
         each sample one ``preadv`` at its member's offset."""
+        ids, out, view, offsets, sizes = run.ids, run.out, run.view, run.offsets, run.sizes
+        checksum, crcs, errors = run.checksum, run.crcs, run.errors
         source = self.source
         opened: dict[int, int | DatasetError] = {}
         try:
