@@ -195,23 +195,39 @@ def kspeed_run(policy: str, root: Path, total: int, args: argparse.Namespace) ->
             started = time.perf_counter()
             ranks = run_ranks(kspeed_rank, (cluster.address, spec), args)
             seconds = time.perf_counter() - started
-            figures = {}
-            for status in client.manager.dataset(spec.name).share_status:
-                for f in status.epochs:
-                    got = figures.setdefault(
-                        int(f.epoch),
-                        dict.fromkeys(("misses", "backend_bytes", "backend_requests", "written", "stall_s"), 0),
-                    )
-                    for key in got:
-                        got[key] += getattr(f, key)
+            figures = settled_figures(client, spec.name, args.epochs)
         return summarize(policy, ranks, seconds, {"memory_bytes": held, "server_figures": figures})
     finally:
         cluster.stop()
         shutil.rmtree(state, ignore_errors=True)
 
 
+def settled_figures(client: KSpeedClient, name: str, epochs: int, timeout: float = 30.0) -> dict:
+    """The servers' figures per sampler epoch, summed over the shares, once every epoch shows as
+    many samples written as planned (heartbeats carry them; the last ones come a moment after the
+    ranks end). Empty for a dataset held whole."""
+    deadline = time.monotonic() + timeout
+    while True:
+        figures: dict[str, dict] = {}
+        for status in client.manager.dataset(name).share_status:
+            for f in status.epochs:
+                got = figures.setdefault(
+                    str(f.epoch),
+                    dict.fromkeys(("planned", "written", "misses", "backend_bytes", "backend_requests", "stall_s"), 0),
+                )
+                for key in got:
+                    got[key] += getattr(f, key)
+        done = all(
+            str(e) in figures and figures[str(e)]["written"] >= figures[str(e)]["planned"] for e in range(epochs)
+        )
+        if not figures or done or time.monotonic() > deadline:
+            return figures
+        time.sleep(0.2)
+
+
 def summarize(name: str, ranks: list[list[dict]], seconds: float, extra: dict) -> dict:
-    """Per epoch over the ranks: samples/s (the slower rank's pace), data wait share; and overall."""
+    """Per epoch over the ranks: samples/s (the slower rank's pace), data wait share; and over the
+    epochs: samples/s and the data wait's share of the time (a stall share)."""
     epochs = []
     for e in range(len(ranks[0])):
         wall = max(r[e]["seconds"] for r in ranks)
@@ -222,11 +238,13 @@ def summarize(name: str, ranks: list[list[dict]], seconds: float, extra: dict) -
         )
     total = sum(e["samples"] for e in epochs)
     busy = sum(e["seconds"] for e in epochs)
+    waited = sum(e["wait_share"] * e["seconds"] for e in epochs)
     return {
         "name": name,
         "epochs": epochs,
         "samples_per_s": total / busy,
-        "wait_share": max(e["wait_share"] for e in epochs),
+        "wait_share": waited / busy,  # the slower rank's data wait over all the epochs
+        "worst_epoch_wait_share": max(e["wait_share"] for e in epochs),
         "seconds": seconds,
         **extra,
     }
