@@ -157,15 +157,16 @@ def test_grants_that_wait_for_a_slow_backend_are_named_and_left_out_of_the_paths
 
 @pytest.mark.timeout(120)
 def test_a_file_changed_between_epochs_is_named_never_streamed_stale(cluster_factory, tmp_path):
-    files = make_tree(tmp_path / "big", per_class=150, max_size=64 * 1024, seed=9)
+    files = make_tree(tmp_path / "big", per_class=150, max_size=64 * 1024, seed=9)  # about 4 MiB
     cluster = cluster_factory(2, server_args=["--backend-allow", str(tmp_path)])
-    spec = DatasetSpec(name="big", uri=str(tmp_path / "big"), quota_bytes=QUOTA, policy="stream")
+    # a window of 1 MiB: while epoch 0 ends it reads at most the first fifth of epoch 1 ahead
+    spec = DatasetSpec(name="big", uri=str(tmp_path / "big"), quota_bytes=1 << 20, policy="stream")
     keys = list(files)
     with KSpeedClient(config=config_for(cluster)) as client:
         ds = client.dataset(spec, batch_size=BATCH, seed=SEED, ring_bytes=1 << 20, quiet=True)
         assert sum(len(b) for b in ds) == len(files)  # epoch 0, every sample read from the backend
-        # One file rewritten (same size, new bytes), one deleted, among those epoch 1 uses last: the
-        # window (a third of the data) read the first of epoch 1 ahead while epoch 0 ended.
+        # One file rewritten (same size, new bytes), one deleted, among those epoch 1 uses last (a
+        # sample is read at most a window ahead of its use; docs/policies.md).
         order = [sid for b in loader_order(len(files), 1, 0, True, SEED, False, 1, BATCH) for sid in b]
         late = [sid for sid in order[-len(order) // 4 :] if len(files[keys[sid]]) > 0]
         changed, gone = late[0], late[1]
