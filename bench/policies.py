@@ -196,7 +196,9 @@ def kspeed_run(policy: str, root: Path, total: int, args: argparse.Namespace) ->
             ranks = run_ranks(kspeed_rank, (cluster.address, spec), args)
             seconds = time.perf_counter() - started
             figures = settled_figures(client, spec.name, args.epochs)
-        return summarize(policy, ranks, seconds, {"memory_bytes": held, "server_figures": figures})
+        stall = sum(f["stall_s"] for e, f in figures.items() if int(e) < args.epochs)
+        extra = {"memory_bytes": held, "server_figures": figures, "production_stall_s": stall}
+        return summarize(policy, ranks, seconds, extra)
     finally:
         cluster.stop()
         shutil.rmtree(state, ignore_errors=True)
@@ -250,6 +252,15 @@ def summarize(name: str, ranks: list[list[dict]], seconds: float, extra: dict) -
     }
 
 
+def median_run(done: list[dict]) -> dict:
+    """The run whose data wait is the median of the repeats, with every repeat's headline figures."""
+    ranked = sorted(done, key=lambda r: r["wait_share"])
+    run = dict(ranked[(len(ranked) - 1) // 2])
+    keys = ("samples_per_s", "wait_share", "worst_epoch_wait_share", "production_stall_s")
+    run["repeats"] = [{k: r[k] for k in keys if k in r} for r in done]
+    return run
+
+
 def targets(runs: dict[str, dict], total: int, count: int) -> list[dict]:
     out = []
     cache, stream = runs.get("cache"), runs.get("stream")
@@ -270,8 +281,24 @@ def targets(runs: dict[str, dict], total: int, count: int) -> list[dict]:
         )
     policies = [p for p in POLICIES if p in runs]
     if len(policies) == len(POLICIES):
+        # the policies' own stall: the seconds grants waited for the servers' production
+        least = min(policies, key=lambda p: runs[p]["production_stall_s"])
+        out.append(
+            {
+                "target": "stream stalls least of the policies (servers: grants' wait for production)",
+                "value": {p: runs[p]["production_stall_s"] for p in policies},
+                "met": least == "stream",
+            }
+        )
+        # what the ranks feel: their data wait, which also holds the machine's contention
         least = min(policies, key=lambda p: runs[p]["wait_share"])
-        out.append({"target": "stream stalls least of the policies", "value": least, "met": least == "stream"})
+        out.append(
+            {
+                "target": "stream stalls least of the policies (ranks: data wait, median of the repeats)",
+                "value": {p: runs[p]["wait_share"] for p in policies},
+                "met": least == "stream",
+            }
+        )
 
         def later(p: str) -> int:
             return sum(
@@ -350,6 +377,7 @@ def main() -> None:
     parser.add_argument("--region-mib", type=int, default=4)
     parser.add_argument("--loader-workers", type=int, default=2)
     parser.add_argument("--runs", default="cache,stream,minio,reuse,lru,dataloader")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each, in rounds; the median is reported")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--json")
     parser.add_argument("--png")
@@ -361,18 +389,22 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="kspeed-policies-data-"))
     try:
         total = write_files(root, args.samples, args.min_bytes, args.max_bytes)
-        runs: dict[str, dict] = {}
-        for name in args.runs.split(","):
-            started = time.perf_counter()
-            if name == "dataloader":
-                ranks = run_ranks(dataloader_rank, (str(root),), args)
-                runs[name] = summarize(name, ranks, time.perf_counter() - started, {})
-            else:
-                runs[name] = kspeed_run(name, root, total, args)
-            print(
-                f"{name}: {runs[name]['samples_per_s']:.0f} samples/s, wait {runs[name]['wait_share']:.1%}",
-                file=sys.stderr,
-            )
+        repeats: dict[str, list[dict]] = {}
+        for round_ in range(args.repeat):  # rounds, so that a drift of the machine spreads over every run
+            for name in args.runs.split(","):
+                started = time.perf_counter()
+                if name == "dataloader":
+                    ranks = run_ranks(dataloader_rank, (str(root),), args)
+                    run = summarize(name, ranks, time.perf_counter() - started, {})
+                else:
+                    run = kspeed_run(name, root, total, args)
+                repeats.setdefault(name, []).append(run)
+                print(
+                    f"{name} #{round_}: {run['samples_per_s']:.0f} samples/s, wait {run['wait_share']:.1%}"
+                    f", production stall {run.get('production_stall_s', 0):.1f} s",
+                    file=sys.stderr,
+                )
+        runs = {name: median_run(done) for name, done in repeats.items()}
         doc = {
             "benchmark": "policies",
             "machine": machine_info(),
@@ -388,6 +420,7 @@ def main() -> None:
                 "bandwidth": 2 * args.bandwidth / (total / args.samples),
                 "latency": 2 * args.threads / args.latency,
             },
+            "repeat": args.repeat,
             "runs": runs,
         }
         doc["targets"] = targets(runs, total, args.samples)
