@@ -70,14 +70,14 @@ def send_draining(sock: socket.socket, data: bytes, timeout: float, drain: Calla
         events = 0
         for _, mask in poller.poll(remaining * 1e3):
             events |= mask
+        if events & select.POLLIN:  # take in what came, even while sending goes on (a long send
+            drain()  # must not look, to the other end, like a peer that stopped reading)
+            if sock.fileno() < 0:
+                raise ConnectionResetError("the connection was closed while sending")
         if events & (select.POLLOUT | select.POLLERR | select.POLLHUP):
             sent = sock.send(view)  # writable: some bytes go at once (an error is raised here)
             view = view[sent:]
             deadline = time.monotonic() + timeout
-        elif events & select.POLLIN:
-            drain()
-            if sock.fileno() < 0:
-                raise ConnectionResetError("the connection was closed while sending")
 
 
 def lost(what: str, exc: BaseException | None = None, conn: int | None = None) -> PeerLostError:

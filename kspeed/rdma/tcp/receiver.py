@@ -42,6 +42,8 @@ class TcpReceiver(Receiver):
     """Consumer side of the ``tcp`` rail: rings here, TCP in a receiver process."""
 
     rail = "tcp"
+    #: The module run as the receiver process.
+    process = "kspeed.rdma.tcp.receiver_process"
 
     def __init__(self, options: RailOptions) -> None:
         self._options = options
@@ -56,13 +58,14 @@ class TcpReceiver(Receiver):
         self._parts: list[Completions] = []
         self._dead: PeerLostError | None = None
         if options.receiver_name is not None:
-            control = f"kspeed-tcprx-{os.getuid()}-{options.receiver_name}"
+            control = f"kspeed-{self.rail}rx-{os.getuid()}-{options.receiver_name}"
             self._sock = self._dial_control(control) or self._start(control)
         else:
-            control = f"kspeed-tcprx-{os.getpid()}-{os.urandom(8).hex()}"
+            control = f"kspeed-{self.rail}rx-{os.getpid()}-{os.urandom(8).hex()}"
             self._sock = self._start(control)
         key = options.token if options.token is not None else self._secret
         reply = self._call({"op": "attach", "key": key.hex()})
+        self._attached = reply
         self._consumer = int(reply["consumer"])
         self._port = int(reply["port"])
 
@@ -92,16 +95,17 @@ class TcpReceiver(Receiver):
             "shared": o.receiver_name is not None,
             "parent": os.getpid(),
             "log_level": logging.getLevelName(logging.getLogger("kspeed").getEffectiveLevel()),
+            **self._process_config(),
         }
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kspeed.rdma.tcp.receiver_process", json.dumps(config)],
+            [sys.executable, "-m", self.process, json.dumps(config)],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             close_fds=True,
         )
         stdout = proc.stdout
         if stdout is None:  # Popen always opens it with stdout=PIPE
-            raise RailUnavailableError("tcp receiver process started without its stdout pipe")
+            raise RailUnavailableError(f"{self.rail} receiver process started without its stdout pipe")
         ready, _, _ = select.select([stdout], [], [], o.connect_timeout + 10)
         line = stdout.readline().decode().strip() if ready else ""
         stdout.close()
@@ -112,27 +116,32 @@ class TcpReceiver(Receiver):
                 sock = self._dial_control(control)
                 if sock is not None:
                     return sock
-            raise RailUnavailableError(f"tcp receiver process failed to start: {line or 'no answer'}")
+            raise RailUnavailableError(f"{self.rail} receiver process failed to start: {line or 'no answer'}")
         if o.receiver_name is None:
             self._proc = proc
         sock = self._dial_control(control)
         if sock is None:
-            raise RailUnavailableError("tcp receiver process started but its control socket is not reachable")
+            raise RailUnavailableError(f"{self.rail} receiver process started but its control socket is not reachable")
         return sock
+
+    def _process_config(self) -> dict:
+        """What the receiver process needs besides the rail options (none for ``tcp``)."""
+        return {}
+
+    def _material(self) -> dict:
+        secret = None if self._options.token is not None else self._secret.hex()
+        return {
+            "rail": self.rail,
+            "host": self._options.public_host,
+            "port": self._port,
+            "consumer": self._consumer,
+            "node": socket.gethostname(),
+            "secret": secret,
+        }
 
     @property
     def material(self) -> bytes:
-        secret = None if self._options.token is not None else self._secret.hex()
-        return json.dumps(
-            {
-                "rail": "tcp",
-                "host": self._options.public_host,
-                "port": self._port,
-                "consumer": self._consumer,
-                "node": socket.gethostname(),
-                "secret": secret,
-            }
-        ).encode()
+        return json.dumps(self._material()).encode()
 
     # ----------------------------------------------------------------------------- control socket
 
@@ -140,8 +149,8 @@ class TcpReceiver(Receiver):
         try:
             if fds:
                 socket.send_fds(self._sock, [data], fds)
-            else:
-                self._sock.sendall(data)
+            else:  # taking completions in while the process is slow to read, so it never sees us stall
+                framing.send_draining(self._sock, data, self._options.io_timeout, lambda: self._pump(0))
         except OSError as exc:
             raise self._lost_receiver(exc) from exc
 
@@ -218,7 +227,7 @@ class TcpReceiver(Receiver):
         except KSpeedError:
             segment.close()
             raise
-        region = Region(RegionKey("tcp", self._options.public_host, handle, 0, nbytes), segment)
+        region = Region(RegionKey(self.rail, self._options.public_host, handle, 0, nbytes), segment)
         self._regions[handle] = region
         return region
 
