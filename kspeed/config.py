@@ -442,6 +442,19 @@ class ServerConfig(DaemonConfig):
     cores: int = option(
         0, "CPU cores this server may use (0: all it is allowed to run on)", parse=_parse_int, env="KSPEED_SERVER_CORES"
     )
+    verbs_api: str = option(
+        "pyverbs",
+        "what the verbs rail drives: pyverbs, or module:attribute of another implementation of "
+        "kspeed.rdma.verbs.api.VerbsApi (the tests' software double)",
+        env="KSPEED_VERBS_API",
+        metavar="API",
+    )
+    nic: str = option(
+        "",
+        "RDMA device the feeders write from, e.g. mlx5_0 (an unknown device is an error; default: the first)",
+        env="KSPEED_SERVER_NIC",
+        metavar="NIC",
+    )
     transports: tuple[str, ...] = option(
         (),
         "data-plane rails to offer (default: every rail usable on this host)",
@@ -632,6 +645,13 @@ class ClientConfig:
     manager: str = option("127.0.0.1:7070", "the manager's gRPC address", parse=parse_address, env="KSPEED_MANAGER")
     timeout: float = option(5.0, "deadline of control-plane calls", parse=parse_duration, env="KSPEED_TIMEOUT")
     security: SecurityConfig = dataclasses.field(default_factory=SecurityConfig)
+    verbs_api: str = option(
+        "pyverbs",
+        "what the verbs rail drives: pyverbs, or module:attribute of another implementation of "
+        "kspeed.rdma.verbs.api.VerbsApi (the tests' software double)",
+        env="KSPEED_VERBS_API",
+        metavar="API",
+    )
     rail: str = option(
         "auto",
         "data-plane rail of the receive ring: auto (the most preferred rail that reaches every server: a "

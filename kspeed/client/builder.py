@@ -28,6 +28,7 @@ from kspeed.errors import CapacityError, ConfigError, KSpeedError
 from kspeed.layout import SAMPLE_ALIGN
 from kspeed.proto import kspeed_pb2
 from kspeed.rdma.options import RailOptions
+from kspeed.rdma.rails import use_verbs_api
 from kspeed.rdma.topology import Placement, pin, place
 
 from .device import Delivery, make_delivery
@@ -248,8 +249,14 @@ def build_feed(
     if placement.gpu_bus_id or placement.nic:
         log.info("dataset %s: placement %s", name, placement.reason)
     cores = placement.cores if config.pin_threads else ()
+    use_verbs_api(config.verbs_api)
     choice = choose_rail(places, options.rail or config.rail)
-    rail_options = RailOptions(token=config.security.data_plane_token(), bind_host=_tcp_host(config, places))
+    rail_options = RailOptions(
+        token=config.security.data_plane_token(),
+        bind_host=_tcp_host(config, places),
+        nic=placement.nic if placement.rail == "verbs" else None,  # the RDMA NIC nearest the GPU
+        verbs_api=config.verbs_api,
+    )
     rank = options.rank or 0
     feed_id = _feed_id(name, rank)
     holder = f"{_user()}@{socket.gethostname()} pid {os.getpid()} rank {rank}"

@@ -53,6 +53,8 @@ class RailOptions:
     allowed_uids: tuple[int, ...] = ()
     socket_buffer: int | None = None
     dial_allow: tuple[str, ...] = ()
+    nic: str | None = None
+    verbs_api: str | None = None
 
     def __post_init__(self) -> None:
         if self.token is not None and (not isinstance(self.token, bytes) or len(self.token) < 16):

@@ -15,6 +15,7 @@ from kspeed.errors import RailUnavailableError
 from .base import Rail, RailCapabilities
 from .shm import ShmRail
 from .tcp import TcpRail
+from .verbs import VerbsRail
 
 __all__ = [
     "available_rails",
@@ -24,6 +25,7 @@ __all__ = [
     "rail_status",
     "register_rail",
     "unregister_rail",
+    "use_verbs_api",
 ]
 
 log = logging.getLogger(__name__)
@@ -93,5 +95,16 @@ def get_rail(name: str) -> Rail:
     return rail
 
 
+def use_verbs_api(spec: str | None) -> None:
+    """Make the ``verbs`` rail drive ``spec`` in this process (``None``/``"pyverbs"``: pyverbs; else
+    ``module:attribute`` of another :class:`~kspeed.rdma.verbs.api.VerbsApi`). Each process that
+    offers or uses the rail calls it with its configuration (``verbs_api``)."""
+    spec = None if spec in (None, "", "pyverbs") else spec
+    current = _RAILS.get(VerbsRail.name)
+    if not isinstance(current, VerbsRail) or current.api_spec != spec:
+        register_rail(VerbsRail(spec))
+
+
 register_rail(ShmRail())
 register_rail(TcpRail())
+register_rail(VerbsRail())

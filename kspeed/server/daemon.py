@@ -28,6 +28,7 @@ from kspeed.control.streams import StreamGuard
 from kspeed.errors import KSpeedError
 from kspeed.proto import kspeed_pb2
 from kspeed.rdma.options import RailOptions
+from kspeed.rdma.rails import use_verbs_api
 from kspeed.server import inventory as inv
 from kspeed.server.agent import ManagerAgent
 from kspeed.server.allowlist import AllowList
@@ -51,6 +52,7 @@ class Server:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
+        use_verbs_api(config.verbs_api)
         self.state_dir = ensure_state_dir(config.state_dir, "server.state_dir")
         self.id = inv.server_id(config, self.state_dir)
         self.host: DatasetHost | None = None
@@ -115,7 +117,11 @@ class Server:
         )
         host.restore()
         options = RailOptions(
-            token=cfg.security.data_plane_token(), io_timeout=cfg.data_io_timeout, dial_allow=cfg.data_networks
+            token=cfg.security.data_plane_token(),
+            io_timeout=cfg.data_io_timeout,
+            dial_allow=cfg.data_networks,
+            nic=cfg.nic or None,
+            verbs_api=cfg.verbs_api,
         )
         count = cfg.feeders or min(4, inv.usable_cores(cfg.cores))
         self.feeders = FeederPool(

@@ -26,7 +26,7 @@ from kspeed.control.logs import LogSettings
 from kspeed.errors import KSpeedError, PeerLostError, ProtocolError
 from kspeed.rdma.base import RegionKey
 from kspeed.rdma.options import RailOptions
-from kspeed.rdma.rails import get_rail
+from kspeed.rdma.rails import get_rail, use_verbs_api
 from kspeed.server.feed_writer import FeederShared, FeedWriter, PlanPart
 from kspeed.server.pool import map_region
 
@@ -156,6 +156,7 @@ class Feeder:
     def __init__(self, server_id: str, options: RailOptions, shared: FeederShared, production_timeout: float) -> None:
         self.server_id = server_id
         self.options = options
+        use_verbs_api(options.verbs_api)
         self.shared = shared
         self.production_timeout = production_timeout
         self.regions = RegionMaps()

@@ -1,0 +1,37 @@
+"""Consumer side of the ``verbs`` rail: rings in the training process, verbs in a helper process.
+
+As on ``tcp`` (:class:`~kspeed.rdma.tcp.receiver.TcpReceiver`, whose control protocol this
+shares), the rings are memfd segments of the training process; the receiver process
+(:mod:`kspeed.rdma.verbs.receiver_process`) maps them, registers them with the NIC for each
+connected writer, owns the queue pairs, the shared receive queue and the completion queue, and
+forwards completions, so no receive loop runs under the training process's GIL.
+"""
+
+from __future__ import annotations
+
+from kspeed.rdma.options import RailOptions
+from kspeed.rdma.tcp.receiver import TcpReceiver
+
+__all__ = ["VerbsReceiver"]
+
+
+class VerbsReceiver(TcpReceiver):
+    """Consumer side of the ``verbs`` rail."""
+
+    rail = "verbs"
+    process = "kspeed.rdma.verbs.receiver_process"
+
+    def __init__(self, options: RailOptions, api: str | None) -> None:
+        self._api_spec = api
+        super().__init__(options)
+
+    def _process_config(self) -> dict:
+        return {"verbs_api": self._api_spec, "nic": self._options.nic}
+
+    def _material(self) -> dict:
+        return {**super()._material(), "nic": self._attached["nic"], "gid": self._attached["gid"]}
+
+    @property
+    def nic(self) -> str:
+        """The NIC the writers reach this receiver through."""
+        return str(self._attached["nic"])
