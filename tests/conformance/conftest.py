@@ -8,19 +8,32 @@ import os
 import pytest
 
 from kspeed.rdma.options import RailOptions
-from kspeed.rdma.rails import available_rails
+from kspeed.rdma.rails import available_rails, use_verbs_api
 
 #: Short timeouts keep the failure-detection tests fast; bounds are asserted against these.
 IO_TIMEOUT = 1.0
 
 
-@pytest.fixture(params=available_rails())
+#: What the ``verbs`` rail drives where this host has no RDMA device: the strict double of pyverbs.
+VERBS_DOUBLE = "tests.verbs_double:api"
+#: The rails under test: every rail usable here, and ``verbs`` through the double where it is not.
+NATIVE_VERBS = "verbs" in available_rails()
+RAILS = available_rails() + ([] if NATIVE_VERBS else ["verbs"])
+
+
+@pytest.fixture(params=RAILS)
 def rail(request) -> str:
-    return request.param
+    """A rail's name; ``verbs`` on the double is made the registry's ``verbs`` for the test."""
+    doubled = request.param == "verbs" and not NATIVE_VERBS
+    if doubled:
+        use_verbs_api(VERBS_DOUBLE)
+    yield request.param
+    if doubled:
+        use_verbs_api(None)
 
 
 @pytest.fixture
-def options() -> RailOptions:
+def options(rail) -> RailOptions:
     return RailOptions(
         token=b"conformance-token-0123456789",
         io_timeout=IO_TIMEOUT,
@@ -28,6 +41,7 @@ def options() -> RailOptions:
         keepalive_idle=1.0,
         keepalive_interval=1.0,
         keepalive_count=2,
+        verbs_api=VERBS_DOUBLE if rail == "verbs" and not NATIVE_VERBS else None,
     )
 
 

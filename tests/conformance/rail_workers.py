@@ -11,7 +11,13 @@ import numpy as np
 from kspeed.errors import KSpeedError
 from kspeed.rdma.base import RegionKey
 from kspeed.rdma.options import RailOptions
-from kspeed.rdma.rails import get_rail
+from kspeed.rdma.rails import get_rail, use_verbs_api
+
+
+def _rail(name: str, options: RailOptions):
+    """The rail ``name`` as this worker's options configure it (``verbs`` on the tests' double)."""
+    use_verbs_api(options.verbs_api)
+    return get_rail(name)
 
 
 def pattern(imm: int, size: int) -> np.ndarray:
@@ -21,7 +27,7 @@ def pattern(imm: int, size: int) -> np.ndarray:
 
 def write_patterns(rail, material, key_blob, options: RailOptions, first_imm, count, size, queue=None):
     """Write ``count`` patterned writes of ``size`` bytes, imm = first_imm + i, at slot i of the key."""
-    writer = get_rail(rail).connect(material, options)
+    writer = _rail(rail, options).connect(material, options)
     key = RegionKey.from_bytes(key_blob)
     if queue is not None:
         queue.put(("conn", writer.conn))
@@ -37,7 +43,7 @@ def write_patterns(rail, material, key_blob, options: RailOptions, first_imm, co
 
 def stream_forever(rail, material, key_blob, options: RailOptions, size, queue):
     """Write with immediates until killed; reports its connection id first."""
-    writer = get_rail(rail).connect(material, options)
+    writer = _rail(rail, options).connect(material, options)
     key = RegionKey.from_bytes(key_blob)
     queue.put(("conn", writer.conn))
     src = np.ones(size, np.uint8)
@@ -53,7 +59,7 @@ def stream_forever(rail, material, key_blob, options: RailOptions, size, queue):
 
 def serve_ring(rail, options: RailOptions, nbytes, queue, poll):
     """Receiver process: publish material and a key, then poll (or not) until killed."""
-    receiver = get_rail(rail).listen(options)
+    receiver = _rail(rail, options).listen(options)
     ring = receiver.register(nbytes)
     queue.put((receiver.material, ring.key.to_bytes(), os.getpid()))
     while True:
@@ -70,7 +76,7 @@ def write_pattern_batches(rail, material, key_blob, options: RailOptions, batche
     The source holds one pattern per slot (``pattern(slot, size)``); each batch raises one immediate,
     its batch number, so the receiver can check that every byte of the batch is there.
     """
-    writer = get_rail(rail).connect(material, options)
+    writer = _rail(rail, options).connect(material, options)
     key = RegionKey.from_bytes(key_blob)
     source = np.concatenate([pattern(slot, size) for slot in range(batches * per_batch)])
     for b in range(batches):
