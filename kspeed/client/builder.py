@@ -28,7 +28,7 @@ from kspeed.errors import CapacityError, ConfigError, KSpeedError
 from kspeed.layout import SAMPLE_ALIGN
 from kspeed.proto import kspeed_pb2
 from kspeed.rdma.options import RailOptions
-from kspeed.rdma.rails import use_verbs_api
+from kspeed.rdma.rails import capabilities, use_verbs_api
 from kspeed.rdma.topology import Placement, pin, place
 
 from .device import Delivery, make_delivery
@@ -171,6 +171,17 @@ def _feed_id(dataset: str, rank: int) -> str:
     return f"{host}-{os.getpid()}-r{rank}-{dataset[:16]}-{os.urandom(3).hex()}"
 
 
+def rail_options_for(config: ClientConfig, bind_host: str, placement: Placement) -> RailOptions:
+    """The rails' options of a feed: the cluster's token, the tcp receiver's address, and for
+    ``verbs`` the RDMA NIC the placement chose (nearest the GPU, or the one ``client.nic`` forced)."""
+    return RailOptions(
+        token=config.security.data_plane_token(),
+        bind_host=bind_host,
+        nic=placement.nic if placement.rail == "verbs" else None,
+        verbs_api=config.verbs_api,
+    )
+
+
 def _tcp_host(config: ClientConfig, places: Mapping[str, ServerPlace]) -> str:
     """Where a network receiver listens: the configured address, loopback, or the route to the servers."""
     if config.data_host:
@@ -251,12 +262,14 @@ def build_feed(
     cores = placement.cores if config.pin_threads else ()
     use_verbs_api(config.verbs_api)
     choice = choose_rail(places, options.rail or config.rail)
-    rail_options = RailOptions(
-        token=config.security.data_plane_token(),
-        bind_host=_tcp_host(config, places),
-        nic=placement.nic if placement.rail == "verbs" else None,  # the RDMA NIC nearest the GPU
-        verbs_api=config.verbs_api,
-    )
+    rail_options = rail_options_for(config, _tcp_host(config, places), placement)
+    if delivery.device.type == "cuda" and not capabilities(choice.rail).device_memory:
+        log.info(
+            "dataset %s: rail %s writes into the pinned host ring, copied to %s (no GPUDirect ring on this rail)",
+            name,
+            choice.rail,
+            delivery.device,
+        )
     rank = options.rank or 0
     feed_id = _feed_id(name, rank)
     holder = f"{_user()}@{socket.gethostname()} pid {os.getpid()} rank {rank}"

@@ -13,12 +13,16 @@ import time
 import numpy as np
 import pytest
 
+from kspeed.client.builder import rail_options_for
+from kspeed.config import ClientConfig, load_config
 from kspeed.errors import PeerLostError, RailUnavailableError
 from kspeed.rdma.options import RailOptions
 from kspeed.rdma.rails import get_rail, use_verbs_api
+from kspeed.rdma.topology import place
 from kspeed.rdma.verbs import VerbsRail, nic
 from kspeed.rdma.verbs.api import load_api
 from kspeed.rdma.verbs.receiver_process import CREDITS
+from tests.rdma.topology_fixtures import dgx_like
 
 DOUBLE = "tests.verbs_double:api"
 
@@ -119,3 +123,17 @@ def test_disconnect_revokes_the_writers_keys(verbs):
                     time.sleep(0.02)
         assert bytes(ring.view[16:21]) != b"late!"
         assert bytes(ring.view[:5]) == b"first"
+
+
+def test_the_placements_nic_reaches_the_rail(tmp_path, verbs, monkeypatch):
+    host = dgx_like(tmp_path)
+    gpu = host.gpus[5]
+    placement = place(host.root, gpu_bus_id=gpu)
+    assert placement.rail == "verbs" and placement.nic == host.nic_of[gpu]
+    config = load_config(ClientConfig, environ={}, overrides={"security.auth": "none", "verbs_api": DOUBLE})
+    options = rail_options_for(config, "127.0.0.1", placement)
+    assert options.nic == placement.nic and options.verbs_api == DOUBLE
+    # the receiver process's double has the fixture's NICs, so the rail opens the placed one
+    monkeypatch.setenv("KSPEED_VERBS_DOUBLE_DEVICES", ",".join(sorted(set(host.nic_of.values()))))
+    with verbs.listen(options) as rx:
+        assert rx.nic == placement.nic

@@ -119,7 +119,7 @@ class Nic:
     # -------------------------------------------------------------------------------- registration
 
     def source_key(self, array: np.ndarray) -> int:
-        """The lkey of memory holding ``array`` (registered once per NIC, local access only).
+        """The lkey of memory holding ``array`` (registered once per NIC, for local reads only).
 
         Arrays over one mapping share its registration: the whole mapping a view belongs to is
         registered (a server's pool region; a staging buffer), not each view.
@@ -136,7 +136,10 @@ class Nic:
                     return int(mr.lkey)
             if not start <= addr or addr + array.nbytes > start + base.nbytes:
                 span = (addr, array.nbytes)
-            mr = self.api.reg_mr(self.pd, span[0], span[1], self.api.e.IBV_ACCESS_LOCAL_WRITE)
+            try:  # the NIC only reads a source: no access flag (a feeder maps its pool read-only)
+                mr = self.api.reg_mr(self.pd, span[0], span[1], 0)
+            except Exception as exc:  # pyverbs' own errors
+                raise TransportError(f"registering {span[1]} bytes with RDMA device {self.name}: {exc}") from exc
             self._sources[span] = mr
             return int(mr.lkey)
 
