@@ -102,6 +102,8 @@ def use_verbs_api(spec: str | None) -> None:
     spec = None if spec in (None, "", "pyverbs") else spec
     current = _RAILS.get(VerbsRail.name)
     if not isinstance(current, VerbsRail) or current.api_spec != spec:
+        if isinstance(current, VerbsRail):
+            current.close()  # the NICs it opened
         register_rail(VerbsRail(spec))
 
 

