@@ -31,13 +31,13 @@ BATCH = 8
 SEED = 5
 
 
-def slow_cluster(cluster_factory, tmp_path):
+def slow_cluster(cluster_factory, tmp_path, env=None):
     """Two servers over a backend that takes 20 ms a file, with two reading threads each, and a
     dataset more than one server holds, not preloaded: grants wait on production, so a kill finds
-    them in flight. Returns ``(cluster, files, spec)``."""
+    them in flight. ``env`` is added to the daemons' environment. Returns ``(cluster, files, spec)``."""
     files = make_tree(tmp_path / "imgs", max_size=128 * 1024)
     slow = ["--backend-allow", f"slowfile://{tmp_path}", "--backend-options", '{"slowfile": {"latency": 0.02}}']
-    cluster = cluster_factory(2, server_args=[*slow, "--preload-threads", "2", "--production-threads", "2"])
+    cluster = cluster_factory(2, server_args=[*slow, "--preload-threads", "2", "--production-threads", "2"], env=env)
     return cluster, files, DatasetSpec(name="imgs", uri=f"slowfile://{tmp_path / 'imgs'}", labels="dirname")
 
 

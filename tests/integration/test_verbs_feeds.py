@@ -19,7 +19,7 @@ from kspeed import DatasetSpec, KSpeedClient
 from kspeed.preprocess import Output, Pipeline, Stage
 from tests.integration.test_client import config_for
 from tests.integration.test_datasets import make_tree
-from tests.integration.test_failover import BATCH, SEED, check_epoch
+from tests.integration.test_failover import BATCH, SEED, check_epoch, slow_cluster
 from tests.integration.test_policies import EPOCHS, QUOTA, read_epochs
 from tests.integration.test_preprocess import BATCH as PREP_BATCH
 from tests.integration.test_preprocess import REPO, expected, make_photos, shuffled
@@ -37,10 +37,7 @@ def verbs_config(cluster, **overrides):
 
 @pytest.mark.timeout(150)
 def test_a_holder_killed_mid_epoch_over_verbs_is_a_pause(cluster_factory, tmp_path):
-    files = make_tree(tmp_path / "imgs", max_size=128 * 1024)
-    slow = ["--backend-allow", f"slowfile://{tmp_path}", "--backend-options", '{"slowfile": {"latency": 0.02}}']
-    cluster = cluster_factory(2, server_args=[*slow, "--production-threads", "2"], env=ENV)
-    spec = DatasetSpec(name="imgs", uri=f"slowfile://{tmp_path / 'imgs'}", labels="dirname")
+    cluster, files, spec = slow_cluster(cluster_factory, tmp_path, env=ENV)
     with KSpeedClient(config=verbs_config(cluster, failover_timeout="60s")) as client:
         ds = client.dataset(spec, batch_size=BATCH, seed=SEED, ring_bytes=2 << 20, quiet=True)
         assert ds.stats()["rail"] == "verbs"

@@ -3,7 +3,9 @@ registered source memory, and the RC queue pairs' transitions.
 
 A process opens each NIC once (:func:`open_nic`) and shares it among its connections: one context
 and protection domain per NIC, and the memory a writer sends from registered once per NIC, local
-access only (a server's pool regions; a writer's staging buffer). Every verbs call goes through a
+access only (a server's pool regions; a writer's staging buffer). Each user gives it back with
+:func:`release_nic`; the last one closes it, so a process whose connections are all closed holds no
+device, protection domain or registration. Every verbs call goes through a
 :class:`~kspeed.rdma.verbs.api.VerbsApi`.
 """
 
@@ -21,7 +23,7 @@ from kspeed.errors import RailUnavailableError, TransportError
 
 from .api import VerbsApi
 
-__all__ = ["PORT", "Nic", "QpMaterial", "choose_nic", "close_nics", "open_nic"]
+__all__ = ["PORT", "Nic", "QpMaterial", "choose_nic", "close_nics", "open_nic", "release_nic"]
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +99,8 @@ class Nic:
             raise
         self._sources: dict[tuple[int, int], Any] = {}
         self._lock = threading.Lock()
+        #: connections using this NIC (:func:`open_nic` counts them up, :func:`release_nic` down)
+        self.users = 0
 
     def _rocev2_gid(self, entries: int) -> tuple[int, str]:
         """The first RoCEv2 entry of the port's GID table (RoCEv1 and link-local-only entries do not
@@ -233,7 +237,8 @@ _NICS_LOCK = threading.Lock()
 
 
 def open_nic(api: VerbsApi, name: str) -> Nic:
-    """This process's :class:`Nic` for ``name`` through ``api`` (opened on first use, then shared)."""
+    """This process's :class:`Nic` for ``name`` through ``api`` (opened on first use, then shared);
+    each call is one more user, to be given back with :func:`release_nic`."""
     key = (id(api), name)
     with _NICS_LOCK:
         nic = _NICS.get(key)
@@ -246,15 +251,34 @@ def open_nic(api: VerbsApi, name: str) -> Nic:
                 raise RailUnavailableError(f"cannot open RDMA device {name}: {exc}") from exc
             _NICS[key] = nic
             log.info("verbs: opened %s (GID %s, index %d)", name, nic.gid, nic.gid_index)
+        nic.users += 1
         return nic
 
 
+def release_nic(nic: Nic) -> None:
+    """One user of ``nic`` is done with it; the last one closes it (its registrations with it)."""
+    with _NICS_LOCK:
+        nic.users -= 1
+        if nic.users > 0:
+            return
+        key = (id(nic.api), nic.name)
+        if _NICS.get(key) is nic:
+            del _NICS[key]
+        _close(nic)
+
+
 def close_nics(api: VerbsApi) -> None:
-    """Close this process's NICs opened through ``api`` (once no queue pair of theirs is left)."""
+    """Close this process's NICs opened through ``api``, whoever still uses them (the rail's API is
+    being replaced)."""
     with _NICS_LOCK:
         for key in [k for k in _NICS if k[0] == id(api)]:
             nic = _NICS.pop(key)
-            try:
-                nic.close()
-            except Exception as exc:  # a queue pair still open keeps its device busy
-                log.warning("verbs: closing %s: %s", nic.name, exc)
+            nic.users = 0
+            _close(nic)
+
+
+def _close(nic: Nic) -> None:
+    try:
+        nic.close()
+    except Exception as exc:  # a queue pair still open keeps its device busy
+        log.warning("verbs: closing %s: %s", nic.name, exc)

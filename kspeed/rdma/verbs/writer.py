@@ -34,7 +34,7 @@ from kspeed.rdma.write_batch import WriteBatch, check_batch
 
 from . import wire
 from .api import VerbsApi
-from .nic import QpMaterial, choose_nic, new_psn, open_nic
+from .nic import QpMaterial, choose_nic, new_psn, open_nic, release_nic
 
 __all__ = ["VerbsWriter", "wc_status"]
 
@@ -87,7 +87,11 @@ class VerbsWriter(Writer):
         self._sge = api.SGE(0, 0, 0)  # one SGE, refilled per work request (wr_set_sge copies it)
         options.check_dial(host, port)
         self._nic = open_nic(api, choose_nic(api, options.nic))
-        self._sock = self._dial(host, port, consumer, key)
+        try:
+            self._sock = self._dial(host, port, consumer, key)
+        except BaseException:
+            release_nic(self._nic)
+            raise
         try:
             self._connect()
         except BaseException:
@@ -433,6 +437,7 @@ class VerbsWriter(Writer):
             self._nic.forget_source(self._staging)
             self._staging = None
         self._sock.close()
+        release_nic(self._nic)
 
     def close(self) -> None:
         if self._closed:
