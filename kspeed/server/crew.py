@@ -167,6 +167,12 @@ class Crew(Generic[T]):
         if self._failure is not None:
             raise self._failure
 
+    def stop(self) -> None:
+        """Take no more tasks: :meth:`run` returns once the tasks being done now are done."""
+        with self._cond:
+            self._exhausted = True
+            self._cond.notify_all()
+
     def _worker(self, slot: int) -> None:
         try:
             while slot < self.tuner.target and not self._exhausted:

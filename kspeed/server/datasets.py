@@ -470,7 +470,7 @@ class DatasetHost:
                 self._hosted.pop(hosted.key, None)
                 self._assigned.pop(hosted.key, None)
                 hosted.store.stop_scrub()
-                hosted.preloader.wait()
+                hosted.preloader.stop()
             for hosted in dropping:
                 self.slices.give(hosted.key)
             if whole:
@@ -668,14 +668,15 @@ class DatasetHost:
         return held * self.pool.region_size
 
     def close(self) -> None:
-        """Stop the change checks and scrubs and wait for shares being taken again and running preloads."""
+        """Stop the change checks, scrubs and running preloads (the reads in flight end first), and
+        wait for shares being taken again."""
         self.watch.stop()
         for thread in list(self._retaking):
             thread.join(timeout=30)
         with self._lock:
             for hosted in self._hosted.values():
                 hosted.store.stop_scrub()
-                hosted.preloader.wait()
+                hosted.preloader.stop()
 
     # -- persistence -----------------------------------------------------------------------------
 

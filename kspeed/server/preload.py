@@ -209,6 +209,8 @@ class Preloader:
         self._lock = threading.Lock()
         self._seal_lock = threading.Lock()
         self._job: threading.Thread | None = None
+        self._crew: Crew | None = None  # the running job's threads
+        self._stopping = False
         self._done = threading.Event()
         self._done.set()
         self._job_start = self._job_end = 0.0
@@ -255,7 +257,7 @@ class Preloader:
         if self.on_demand:
             return
         with self._lock:
-            if self._job is not None and self._job.is_alive():
+            if self._stopping or (self._job is not None and self._job.is_alive()):
                 return
             if self.index.loaded.all() and (
                 self._slot is not None or all(self.pool.region(i).state is RegionState.SEALED for i in self._pool_index)
@@ -273,6 +275,16 @@ class Preloader:
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the running job; True if none is running any more."""
         return self._done.wait(timeout)
+
+    def stop(self) -> None:
+        """End the running job once the reads in flight are done (what they loaded is kept and the
+        index saved) and wait for it; no job starts after this (the share is being dropped, or the
+        server stops)."""
+        with self._lock:
+            self._stopping = True
+            if self._crew is not None:
+                self._crew.stop()
+        self._done.wait()
 
     def preload(self, timeout: float | None = None) -> PreloadResult:
         """Load the share (or join the running load) and return the outcome.
@@ -335,6 +347,10 @@ class Preloader:
             )
             tuner = ThreadTuner(self.threads)
             crew = Crew(pending.claim, functools.partial(self._load, pending), tuner, name=f"preload-{self.dataset}")
+            with self._lock:
+                self._crew = crew
+                if self._stopping:
+                    crew.stop()
             crew.run(self._tick, tick_s=min(self.save_interval_s, 0.5))
             self._save_index()
             log.debug(
@@ -348,16 +364,20 @@ class Preloader:
                 )
         finally:
             with self._lock:
+                self._crew = None
                 self._job_end = time.monotonic()
                 self._done.set()
             p = self.progress()
             log.info(
-                "dataset %s: preload read %d samples, %d bytes in %.2f s, %d errors",
+                "dataset %s: preload read %d samples, %d bytes in %.2f s, %d errors%s",
                 self.dataset,
                 self._read_samples,
                 self._read_bytes,
                 p.elapsed_s,
                 p.errors,
+                f" (stopped, {p.samples_total - p.samples_done} samples not loaded)"
+                if self._stopping and p.samples_done < p.samples_total
+                else "",
             )
 
     def _prepare(self) -> np.ndarray:

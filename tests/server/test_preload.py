@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from kspeed.errors import ChangedError, DatasetError, IntegrityError, NotFoundError, StateError
+from kspeed.server.allowlist import AllowList
+from kspeed.server.backend import Backend
 from kspeed.server.integrity import SampleStore
 from kspeed.server.pool import MemoryPool, RegionState
 from kspeed.server.preload import SAVE_COST_SHARE, Preloader
@@ -95,6 +97,32 @@ def test_concurrent_preload_joins_one_job_and_never_reloads(tmp_path, backend, p
     assert (src.reads == 1).all()
     assert pre.preload().read_samples == 0
     assert (src.reads == 1).all()
+
+
+def test_stop_ends_a_running_preload_after_the_reads_in_flight_and_keeps_what_they_loaded(tmp_path):
+    # A server that stops (or drops the share) must not wait for the whole preload: at 50 ms a
+    # sample on one thread this one would take 3 s; stop() ends it after the read in flight.
+    pool = MemoryPool.create(tmp_path / "pool", 24 * REGION, region_size=REGION)
+    slow = Backend(AllowList([f"slowfile://{tmp_path}"]), {"slowfile": {"latency": 0.05}})
+    sizes = [REGION // 3] * 60  # three samples a region: regions seal as the preload goes
+    _files, src, pre = make(tmp_path, slow, pool, sizes, uri=f"slowfile://{tmp_path}/d", threads=1, batch_bytes=1)
+    pre.start()
+    wait_until = time.monotonic() + 10
+    while src.reads.sum() < 3 and time.monotonic() < wait_until:
+        time.sleep(0.01)
+    pre.stop()
+    assert not pre.progress().running
+    loaded = int(pre.index.loaded.sum())
+    assert 3 <= loaded < 60 and src.reads.sum() == loaded  # every read finished and was recorded
+    pre.start()  # nothing starts once stopped
+    assert not pre.progress().running and src.reads.sum() == loaded
+    pool.close()
+    # the index was saved: a restart re-adopts what was loaded (in sealed regions) and reads the rest
+    pool2 = MemoryPool.adopt(tmp_path / "pool", region_size=REGION)
+    src2 = CountingSource(src._src)
+    result = Preloader(src2, pool2).preload(timeout=30)
+    assert result.complete and src2.reads.sum() < 60 and (src2.reads + src.reads >= 1).all()
+    pool2.destroy()
 
 
 def test_restart_readopts_sealed_regions_and_loads_only_the_rest(tmp_path, backend):
