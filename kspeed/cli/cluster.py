@@ -241,8 +241,12 @@ class LocalCluster:
         """
         try:
             self.start_manager(timeout)
-            for _ in range(self._server_count):
-                self.add_server(timeout, member=False)
+            for _ in range(self._server_count):  # all at once: each spends its start importing and spawning
+                server = self._server(len(self.servers))
+                self.servers.append(server)
+                server.start()
+            for server in self.servers:
+                server.wait_ready(timeout)
             self.wait_members(timeout)
         except BaseException:
             self.stop()
