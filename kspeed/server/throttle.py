@@ -2,7 +2,8 @@
 
 :class:`ThrottledFileSystem` wraps a target fsspec file system and adds a fixed **latency per
 read request** (each open or whole-file read; requests in flight at once overlap their latencies,
-as a store's do), optionally one per listing request (``ls``, ``info``), and a **bandwidth cap**
+as a store's do; the ranged reads of one ``cat_ranges`` call are in flight together), optionally one
+per listing request (``ls``, ``info``), and a **bandwidth cap**
 shared by every read through the instance (a token bucket:
 readers take turns for the bytes they read, so the total never exceeds the cap). It counts the
 requests and bytes it served. Tests, benchmarks and the analyzer stand it in for object storage:
@@ -105,6 +106,10 @@ class ThrottledFileSystem(AbstractFileSystem):
 
     protocol = ("throttled",)
     root_marker = ""
+    #: Over a local target, paths are spoken as an object store's ("dir/key", no leading slash),
+    #: so that ``throttled`` over the local file system stands for a bucket (``slowfile`` keeps
+    #: local paths, checked as the local file system's).
+    store_paths = True
 
     def __init__(
         self,
@@ -122,6 +127,7 @@ class ThrottledFileSystem(AbstractFileSystem):
         self.list_latency = float(list_latency)
         self.bucket = Bucket(bandwidth)
         self.target = fsspec.filesystem(target_protocol, **dict(target_options or {}))
+        self._rooted = self.store_paths and target_protocol in ("file", "local")
         self.requests = 0
         self.bytes_read = 0
         self._count = threading.Lock()
@@ -135,10 +141,22 @@ class ThrottledFileSystem(AbstractFileSystem):
                 return path[len(name) + 3 :]
         return path
 
-    def request(self, latency: float | None = None) -> None:
-        """One request: count it and wait its latency (a read's, unless given)."""
+    def _in(self, path: str) -> str:
+        """The target's path for a path of ours."""
+        return "/" + path.lstrip("/") if self._rooted else path
+
+    def _out(self, entry: Any) -> Any:
+        """A listing entry (a name, or an info dict) of the target, in our paths."""
+        if not self._rooted:
+            return entry
+        if isinstance(entry, str):
+            return entry.lstrip("/")
+        return {**entry, "name": str(entry["name"]).lstrip("/")}
+
+    def request(self, latency: float | None = None, count: int = 1) -> None:
+        """``count`` requests in flight at once: count them and wait one latency (a read's, unless given)."""
         with self._count:
-            self.requests += 1
+            self.requests += count
         wait = self.latency if latency is None else latency
         if wait:
             time.sleep(wait)
@@ -151,21 +169,39 @@ class ThrottledFileSystem(AbstractFileSystem):
 
     def ls(self, path: str, detail: bool = True, **kwargs: Any) -> Any:
         self.request(self.list_latency)
-        return self.target.ls(path, detail=detail, **kwargs)
+        return [self._out(e) for e in self.target.ls(self._in(path), detail=detail, **kwargs)]
 
     def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
         self.request(self.list_latency)
-        return self.target.info(path, **kwargs)
+        return self._out(self.target.info(self._in(path), **kwargs))
 
     def _open(self, path: str, mode: str = "rb", block_size: Any = None, **kwargs: Any) -> Any:
         if mode != "rb":
             raise PermissionError(f"{self.protocol[0]}://{path}: read-only (mode {mode!r})")
         self.request()
-        return _ThrottledFile(self.target.open(path, mode, block_size=block_size, **kwargs), self)
+        return _ThrottledFile(self.target.open(self._in(path), mode, block_size=block_size, **kwargs), self)
+
+    def cat_ranges(
+        self,
+        paths: list[str],
+        starts: list[int] | int | None,
+        ends: list[int] | int | None,
+        max_gap: int | None = None,
+        on_error: str = "return",
+        **kwargs: Any,
+    ) -> list[Any]:
+        """Ranged reads of several files in one call, as an object store's client makes them: all
+        requests are in flight at once (one latency for the lot), and their bytes pass the cap."""
+        self.request(count=len(paths))
+        out = self.target.cat_ranges(
+            [self._in(p) for p in paths], starts, ends, max_gap=max_gap, on_error=on_error, **kwargs
+        )
+        self.charge(sum(len(d) for d in out if isinstance(d, (bytes, bytearray, memoryview))))
+        return list(out)
 
     def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
         self.request()
-        data = self.target.cat_file(path, start=start, end=end, **kwargs)
+        data = self.target.cat_file(self._in(path), start=start, end=end, **kwargs)
         self.charge(len(data))
         return bytes(data)
 
@@ -174,6 +210,7 @@ class SlowFileSystem(ThrottledFileSystem):
     """:class:`ThrottledFileSystem` over the local file system (protocol ``slowfile``)."""
 
     protocol = ("slowfile",)
+    store_paths = False
 
     def __init__(
         self, latency: float = 0.005, bandwidth: float = 0.0, list_latency: float = 0.0, **kwargs: Any

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from kspeed.errors import AccessDeniedError, ChangedError, DatasetError, NotFoundError
+from kspeed.server.allowlist import AllowList
+from kspeed.server.backend import Backend
 from kspeed.server.sources import open_source
 from tests.server.datasets import write_tree
 
@@ -160,6 +162,40 @@ def test_read_errors_name_dataset_and_sample(tmp_path, backend):
         src.read(3)
     with pytest.raises(NotFoundError, match="no sample -1"):
         src.read_into(-1, bytearray(10))
+
+
+def test_a_remote_store_reads_a_run_in_one_call_and_names_each_failed_sample(tmp_path):
+    # "throttled" over the local file system stands for an object store: not a local-path protocol,
+    # so a run of samples is one cat_ranges call (a whole file asks one byte more than listed).
+    backend = Backend(AllowList([f"throttled://{tmp_path}"]), {"throttled": {"latency": 0.001}})
+    files = write_tree(tmp_path / "d", [10, 20, 30, 0, 40, 50])
+    keys = sorted(files)
+    src = open_source(backend, "ds", f"throttled://{tmp_path}/d")
+    fs = src.fs
+    out = np.zeros(256, np.uint8)
+    offsets = np.concatenate([[0], np.cumsum(src.sizes)[:-1]]).tolist()
+    calls = []
+    cat_ranges = fs.cat_ranges
+    fs.cat_ranges = lambda paths, *a, **k: (calls.append(len(paths)), cat_ranges(paths, *a, **k))[1]
+    crcs, errors = src.read_run(list(range(6)), out, offsets, src.sizes.tolist())
+    assert not errors and calls == [5]  # the five non-empty ones in one call (the empty one is opened)
+    assert [bytes(out[o : o + n]) for o, n in zip(offsets, src.sizes.tolist())] == [files[k] for k in keys]
+    empty = int(np.flatnonzero(src.sizes == 0)[0])
+    assert crcs[empty] == 0 and all(crcs[j] for j in range(6) if j != empty)  # an empty sample's crc32c is 0
+    changed = [j for j in range(6) if j != empty][:3]
+    n = [int(src.sizes[j]) for j in changed]
+    (tmp_path / "d" / keys[changed[0]]).write_bytes(b"s")  # shrank
+    (tmp_path / "d" / keys[changed[1]]).write_bytes(b"z" * (n[1] + 1))  # grew
+    (tmp_path / "d" / keys[changed[2]]).unlink()
+    crcs, errors = src.read_run(list(range(6)), out, offsets, src.sizes.tolist())
+    assert calls == [5, 5]
+    assert [(e.sample, e.what) for e in errors] == [
+        (changed[0], f"size {n[0]} -> 1 bytes"),
+        (changed[1], f"size {n[1]} -> more than {n[1]} bytes"),
+        (changed[2], "deleted"),
+    ]
+    assert all(isinstance(e, ChangedError) and "'ds' sample" in str(e) for e in errors)
+    assert [crcs[j] for j in changed] == [0, 0, 0] and all(crcs[j] for j in range(6) if j not in (*changed, empty))
 
 
 def test_symlink_planted_after_listing_is_refused_at_read(tmp_path, backend):

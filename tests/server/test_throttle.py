@@ -32,6 +32,18 @@ def test_each_request_waits_its_latency_and_requests_in_flight_overlap(tmp_path)
     assert fs.requests == 10 and fs.bytes_read == 900
 
 
+def test_the_ranged_reads_of_one_call_are_in_flight_together(tmp_path):
+    for i in range(8):
+        (tmp_path / f"{i}.bin").write_bytes(bytes([i]) * 100)
+    fs = SlowFileSystem(latency=0.05, skip_instance_cache=True)
+    paths = [str(tmp_path / f"{i}.bin") for i in range(8)] + [str(tmp_path / "missing.bin")]
+    started = time.monotonic()
+    got = fs.cat_ranges(paths, [10] * 9, [20] * 9)
+    assert 0.05 <= time.monotonic() - started < 2 * 0.05  # one latency for the nine
+    assert got[:8] == [bytes([i]) * 10 for i in range(8)] and isinstance(got[8], FileNotFoundError)
+    assert fs.requests == 9 and fs.bytes_read == 80
+
+
 def test_the_bandwidth_cap_holds_over_every_reader_together(tmp_path):
     (tmp_path / "a.bin").write_bytes(b"y" * 200_000)
     fs = SlowFileSystem(latency=0, bandwidth=1_000_000, skip_instance_cache=True)  # 1 MB/s
