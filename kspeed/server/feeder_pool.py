@@ -174,6 +174,8 @@ class FeederPool:
             if not worker.process.is_alive():
                 raise UnavailableError(f"feeder process {index} exited (status {worker.process.exitcode})")
             worker.conn.send(command)
+            if getattr(command, "quiet", False):  # answered by no reply (see Locate)
+                return Reply(True)
             if not worker.conn.poll(COMMAND_TIMEOUT):
                 raise UnavailableError(f"feeder process {index} did not answer {what} in {COMMAND_TIMEOUT}s")
             reply: Reply = worker.conn.recv()

@@ -98,13 +98,16 @@ class MarkChanged:
 @dataclass(frozen=True)
 class Locate:
     """Samples of ``dataset`` are now at ``region``/``src`` (``region`` -1: nowhere; ``ticket`` > 0: a
-    window slot). The reply's ``busy`` lists the window tickets they left that a read still uses."""
+    window slot). The reply's ``busy`` lists the window tickets they left that a read still uses.
+    A ``quiet`` one gets no reply: the places of samples just produced or loaded, which leave no
+    slot behind (the server goes on producing instead of waiting for every feeder's answer)."""
 
     dataset: str
     ids: np.ndarray
     region: np.ndarray
     src: np.ndarray
     ticket: np.ndarray
+    quiet: bool = False
 
 
 @dataclass(frozen=True)
@@ -294,5 +297,9 @@ def serve(
             reply = feeder.obey(command)
         except KSpeedError as exc:
             reply = Reply(False, type(exc).__name__, str(exc))
+        if getattr(command, "quiet", False):
+            if not reply.ok:
+                log.warning("%s failed: %s: %s", type(command).__name__, reply.error, reply.message)
+            continue
         conn.send(reply)
     feeder.close()

@@ -498,7 +498,9 @@ class Production(ProcessedProduction):
                 return
             if len(ids):
                 region, src = share.preloader.home(ids)
-                self._broadcast(share, Locate(share.dataset, ids, region, src, np.zeros(len(ids), np.int64)))
+                self._broadcast(
+                    share, Locate(share.dataset, ids, region, src, np.zeros(len(ids), np.int64), quiet=True)
+                )
 
     def _failed(self, share: ShareState, ids: np.ndarray, reasons: list[str]) -> None:
         with self._lock:
@@ -768,9 +770,13 @@ class Production(ProcessedProduction):
         return None
 
     def _stir(self) -> None:
-        """Something changed that may give producers work: wake them to look; under the lock."""
+        """Something changed that may give producers work: wake one to look; under the lock. A
+        producer that finds work wakes the next before it goes (see :meth:`_produce_loop`), so
+        every sleeper is woken while there is work, and at most one looks in vain per change
+        (waking all of them at every change had a dozen producers scan every feed's plans, under
+        the lock, for each task produced)."""
         self._stirs += 1
-        self._work.notify_all()
+        self._work.notify()
 
     def _produce_loop(self) -> None:
         """Produce while there is work. A producer that looked and found none sleeps until stirred
@@ -791,6 +797,7 @@ class Production(ProcessedProduction):
                     fruitless = stirs
                     continue
                 fruitless = -1
+                self._work.notify()  # there may be more: the next sleeper looks
             try:
                 if work.plan is None:
                     self._produce(work.share, work.feed_id, work.ids, work.user_epoch, work.epoch)
@@ -832,7 +839,7 @@ class Production(ProcessedProduction):
             with self._lock:
                 if self._shares.get(share.key) is not share:  # dropped meanwhile
                     return
-                self._settle(share, feed_id, ids, lengths, slots, crcs, bad, epoch)
+                self._settle(share, feed_id, ids, lengths, slots, crcs, bad, epoch, plan)
                 placed = True
         finally:
             if not placed:
@@ -850,8 +857,10 @@ class Production(ProcessedProduction):
         crcs: np.ndarray,
         bad: dict[int, str],
         epoch: int = -1,
+        plan: int = -1,
     ) -> None:
-        """Record produced samples (and failed ones) and tell the feeders; under the lock."""
+        """Record produced samples (and failed ones) for plan ``plan`` of ``feed_id`` (sampler epoch
+        ``epoch``) and tell the feeders; under the lock."""
         ok = np.array([int(i) not in bad for i in ids.tolist()], dtype=bool)
         window = self._window_of(share)
         for k in np.flatnonzero(~ok).tolist():
@@ -888,10 +897,15 @@ class Production(ProcessedProduction):
                 np.array([s.region for s in placed], np.int64),
                 np.array([s.offset for s in placed], np.int64),
                 np.array([s.ticket for s in placed], np.int64),
+                quiet=True,
             ),
         )
         log.debug("dataset %s: produced %d sample(s) into the window", share.dataset, len(good))
-        self._sweep(share)  # what no horizon holds (produced for a plan dropped meanwhile) goes home
+        if feed is None or plan not in feed.plans:
+            # produced for a plan dropped meanwhile (or asked for again): what no horizon holds goes.
+            # (A sample of a plan still followed was in its horizon when claimed; the sweep after
+            # the feed's next progress report covers a horizon that shrank since.)
+            self._sweep(share)
 
     def _adopt_big(self, share: ShareState, ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Samples larger than a window region cannot be staged: they are read straight home (a
@@ -945,7 +959,8 @@ class Production(ProcessedProduction):
         """Stop the producers and the preprocessing workers they use."""
         self._stop.set()
         with self._lock:
-            self._stir()
+            self._stirs += 1
+            self._work.notify_all()
         if self.prep is not None:
             self.prep.close()
         for thread in self._threads:
