@@ -289,6 +289,7 @@ def build_feed(
             completion_timeout=config.completion_timeout,
             holder=holder[:200],
             granting=_granting(config, choice.rail, places, len(links)),
+            ranks=int(getattr(options.sampler, "num_replicas", options.world_size or 1)),
         )
         undo.callback(feed.close)
         delivery.attach(feed.ring)

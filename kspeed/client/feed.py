@@ -120,6 +120,8 @@ class Feed:
         completion_timeout: longest silence of a server that owes a completion.
         holder: names the job and rank in the servers' logs.
         granting: how grants reach the servers (paced or not); started once every server connected.
+        ranks: the job's ranks (0: not known), told to the servers so a streamed share keeps each
+            rank's part of its window before that rank's feed opens.
 
     Raises:
         RailUnavailableError, CapacityError: the ring cannot be set up.
@@ -139,12 +141,14 @@ class Feed:
         completion_timeout: float,
         holder: str,
         granting: Granting,
+        ranks: int = 0,
     ) -> None:
         self.dataset = dataset
         self.feed_id = feed_id
         self.rail = rail
         self.completion_timeout = completion_timeout
         self._holder = holder
+        self._ranks = ranks
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
         self.progress = 0  # bumped by every completion, error and fence (waiters wake on a change)
@@ -214,6 +218,7 @@ class Feed:
             ring_key=self._region.key.to_bytes(),
             generation=path.generation,
             holder=self._holder,
+            ranks=self._ranks,
         )
         path.link.open_feed(request)
         path.last_heard = time.monotonic()

@@ -614,7 +614,7 @@ class ReadReply(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., lengths: _Optional[bytes] = ...) -> None: ...
 
 class OpenFeedRequest(_message.Message):
-    __slots__ = ("dataset", "feed_id", "rail", "material", "ring_key", "generation", "holder", "first_id")
+    __slots__ = ("dataset", "feed_id", "rail", "material", "ring_key", "generation", "holder", "first_id", "ranks")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     FEED_ID_FIELD_NUMBER: _ClassVar[int]
     RAIL_FIELD_NUMBER: _ClassVar[int]
@@ -623,6 +623,7 @@ class OpenFeedRequest(_message.Message):
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     HOLDER_FIELD_NUMBER: _ClassVar[int]
     FIRST_ID_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     feed_id: str
     rail: str
@@ -631,7 +632,8 @@ class OpenFeedRequest(_message.Message):
     generation: int
     holder: str
     first_id: int
-    def __init__(self, dataset: _Optional[str] = ..., feed_id: _Optional[str] = ..., rail: _Optional[str] = ..., material: _Optional[bytes] = ..., ring_key: _Optional[bytes] = ..., generation: _Optional[int] = ..., holder: _Optional[str] = ..., first_id: _Optional[int] = ...) -> None: ...
+    ranks: int
+    def __init__(self, dataset: _Optional[str] = ..., feed_id: _Optional[str] = ..., rail: _Optional[str] = ..., material: _Optional[bytes] = ..., ring_key: _Optional[bytes] = ..., generation: _Optional[int] = ..., holder: _Optional[str] = ..., first_id: _Optional[int] = ..., ranks: _Optional[int] = ...) -> None: ...
 
 class OpenFeedReply(_message.Message):
     __slots__ = ("server_id", "feeder")

@@ -510,6 +510,15 @@ class FeedGone:
 
 
 @dataclass(frozen=True)
+class FeedClosed:
+    """Reported by a feeder once it closed a feed on the server's command: every report of the
+    feed came before it (the server drops the feed's plans only then, its last writes counted)."""
+
+    feed_id: str
+    token: int  # the CloseFeed command's
+
+
+@dataclass(frozen=True)
 class Freed:
     """Reported by a feeder: window tickets that no read uses any more, after they were retired."""
 

@@ -10,6 +10,7 @@ fills several clients at once, and report back over an event pipe what they wrot
 
 from __future__ import annotations
 
+import itertools
 import logging
 import multiprocessing as mp
 import os
@@ -29,7 +30,7 @@ from kspeed.rdma.options import RailOptions
 from kspeed.rdma.rails import available_rails
 from kspeed.server import feeder_process
 from kspeed.server.datasets import DatasetHost
-from kspeed.server.feed_writer import FeedGone, FeedProgress, Freed, PlanPart
+from kspeed.server.feed_writer import FeedClosed, FeedGone, FeedProgress, Freed, PlanPart
 from kspeed.server.feeder_process import CloseFeed, Command, MarkChanged, OpenFeed, Reply, Stop
 from kspeed.server.prep_pool import PrepPool
 from kspeed.server.production import PrepSpec, Production
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 COMMAND_TIMEOUT = 30.0
 REMEMBERED_ENDS = 1024  # ended feeds whose reason is kept for later calls about them
 MAX_PLAN = 1 << 28  # samples per plan
+MAX_RANKS = 1 << 16  # ranks a client may say its job has (a streamed share keeps each one's part)
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,7 @@ class _FeedInfo:
     first: int  # the share it serves: its first sample
     feeder: int
     generation: int = 0
+    ranks: int = 0  # the job's ranks, as its client told (0: not told)
 
 
 class FeederPool:
@@ -116,6 +119,8 @@ class FeederPool:
         self._lock = threading.Lock()
         self._feeds: dict[str, _FeedInfo] = {}
         self._ended: dict[str, str] = {}  # feeds the server ended and why, to answer with the reason
+        self._closing: dict[int, threading.Event] = {}  # CloseFeed tokens: set when their feeder reports it
+        self._tokens = itertools.count(1)
         ctx = mp.get_context("spawn")  # never fork: the pool is mapped and gRPC threads run
         self._feeders: list[_Feeder] = []
         for _ in range(max(count, 1)):
@@ -160,6 +165,11 @@ class FeederPool:
             try:
                 if isinstance(event, FeedProgress):
                     self.production.progress(index, event)
+                elif isinstance(event, FeedClosed):
+                    with self._lock:
+                        closing = self._closing.pop(event.token, None)
+                    if closing is not None:
+                        closing.set()
                 elif isinstance(event, Freed):
                     self.production.freed(index, event.tickets)
                 elif isinstance(event, FeedGone):  # closed from another thread: this one keeps reading
@@ -222,7 +232,9 @@ class FeederPool:
         with self._lock:
             if current is None:
                 self._feeders[index].feeds += 1
-            self._feeds[request.feed_id] = _FeedInfo(request.dataset, first, index, request.generation)
+            self._feeds[request.feed_id] = _FeedInfo(
+                request.dataset, first, index, request.generation, min(request.ranks, MAX_RANKS)
+            )
         log.info(
             "feed %s (%s) open on feeder %d over %s", request.feed_id, request.holder or "unnamed", index, request.rail
         )
@@ -328,7 +340,9 @@ class FeederPool:
             processed=mine if prep is not None else None,
         )
         try:
-            self.production.install(feed_id, info.feeder, hosted.key, epoch, plan, prep, first_batch, seed_epoch)
+            self.production.install(
+                feed_id, info.feeder, hosted.key, epoch, plan, prep, first_batch, seed_epoch, ranks=info.ranks
+            )
         except errors.PeerLostError:
             self._feed(feed_id)  # ended meanwhile (its dataset removed)? say so rather than "not connected"
             raise
@@ -372,7 +386,18 @@ class FeederPool:
             self._ended[feed_id] = reason
             while len(self._ended) > REMEMBERED_ENDS:
                 self._ended.pop(next(iter(self._ended)))
-        self._command(info.feeder, CloseFeed(feed_id, reason))
+        closed = threading.Event()
+        with self._lock:
+            token = next(self._tokens)
+            self._closing[token] = closed
+        try:
+            self._command(info.feeder, CloseFeed(feed_id, reason, token))
+            # its last progress report (the last grants written) is taken in before its plans go
+            if not closed.wait(COMMAND_TIMEOUT):
+                log.warning("feed %s: feeder %d closed it but did not report so", feed_id, info.feeder)
+        finally:
+            with self._lock:
+                self._closing.pop(token, None)
         self.production.drop_feed(feed_id)
         with self._lock:
             self._feeds.pop(feed_id, None)

@@ -27,7 +27,7 @@ from kspeed.errors import KSpeedError, PeerLostError, ProtocolError
 from kspeed.rdma.base import RegionKey
 from kspeed.rdma.options import RailOptions
 from kspeed.rdma.rails import get_rail, use_verbs_api
-from kspeed.server.feed_writer import FeederShared, FeedWriter, PlanPart
+from kspeed.server.feed_writer import FeedClosed, FeederShared, FeedWriter, PlanPart
 from kspeed.server.pool import map_region
 
 #: What a feeder dials when nothing says where its client called from (a caller on this host).
@@ -80,10 +80,12 @@ class InstallPlan:
 
 @dataclass(frozen=True)
 class CloseFeed:
-    """Stop serving a feed and close its connection; a ``reason`` is told to the client first."""
+    """Stop serving a feed and close its connection; a ``reason`` is told to the client first.
+    :class:`~kspeed.server.feed_writer.FeedClosed` with the same ``token`` is reported after."""
 
     feed_id: str
     reason: str = ""
+    token: int = 0
 
 
 @dataclass(frozen=True)
@@ -188,6 +190,7 @@ class Feeder:
                 feed.close(command.reason)
                 del feed
                 gc.collect()  # views of the client's ring in reference cycles go now: its mapping with them
+            self.shared.send(FeedClosed(command.feed_id, command.token))  # after the feed's last report
         elif isinstance(command, MarkChanged):
             self.changed.setdefault(command.dataset, {}).update(command.what)
             for feed in self.feeds.values():

@@ -159,10 +159,12 @@ class Production(ProcessedProduction):
         prep: PrepSpec | None = None,
         first_batch: int = 0,
         user_epoch: int = 0,
+        ranks: int = 0,
     ) -> None:
         """Follow a newly committed plan and hand it to its feeder with the samples' current places
         (the positions before batch ``first_batch`` count as written: they were delivered).
-        ``user_epoch`` is the sampler's epoch (a memory policy keeps its figures by it).
+        ``user_epoch`` is the sampler's epoch (a memory policy keeps its figures by it); ``ranks``
+        the feed's job's ranks, as its client told (0: not told).
 
         ``plan.processed`` marks the positions that go through ``prep`` (the server stages of the
         dataset's pipeline) here: they are produced into the window per epoch, never at home.
@@ -177,6 +179,7 @@ class Production(ProcessedProduction):
             if feed is None or feed.share != key:
                 feed = self._feeds[feed_id] = FeedState(feed_id, key, feeder)
             feed.feeder = feeder
+            feed.ranks = ranks
             replaced = feed.plans.pop(epoch, None)
             self._unfollow(share, feed, replaced)
             follow = PlanState(
@@ -410,20 +413,26 @@ class Production(ProcessedProduction):
         """Sample bytes each feed may hold ahead of it: its share of the window it produces into.
 
         The server's window is shared by the feeds with work there. A share's own window is
-        shared by all of the share's feeds (a rank that has not begun yet gets its part kept for
-        it), as many sample bytes as it holds at the packing its chunks reach, less the chunks
-        each feed fills at once; under a caching policy only its prefetch part counts. Every feed
+        shared by all of the share's feeds, or by as many as the job's ranks its clients told (a
+        rank that has not begun yet, or not opened its feed yet, gets its part kept for it), as
+        many sample bytes as it holds at the packing its chunks reach, less the chunks each feed
+        fills at once; under a caching policy only its prefetch part counts. Every feed
         may hold at least one chunk.
         """
         window = self._window_of(share)
         feeds = 0
+        ranks = 0
         for f in self._feeds.values():
             if share.own_window:
                 feeds += f.share == share.key
+                ranks = max(ranks, f.ranks if f.share == share.key else 0)
                 continue
             other = self._shares.get(f.share)
             if other is not None and self._window_of(other) is window:
                 feeds += any(p.next < len(p.ids) for p in f.plans.values())
+        # the ranks whose feeds are not open yet keep their part: the first rank to open does not
+        # fill the window with samples the others' first grants would have to push out again
+        feeds = max(feeds, ranks)
         room = window.capacity // STAGING if share.policy in CACHING else window.capacity
         if share.own_window:
             room = int(room * window.packing())

@@ -156,6 +156,7 @@ class FeedState:
     waiting: int = 0  # grants its feeder reported waiting on production
     served: int = 0  # grants its feeder reported written
     counted: int | None = None  # with its share's own window: the plan whose unwritten uses are counted
+    ranks: int = 0  # its job's ranks, as its client told (0: not told)
 
 
 @dataclasses.dataclass

@@ -102,6 +102,24 @@ def test_stream_reads_each_sample_once_per_epoch_through_a_window_a_fifth_of_the
     assert not share.slots and not (share.residency.state == WINDOW).any()
 
 
+def test_a_streamed_window_keeps_the_part_of_the_ranks_not_open_yet(run, pool):
+    # Rank 0's client says its job has two ranks: before rank 1's feed opens, rank 0 prefetches
+    # into half the window, so rank 1's first grants find room without pushing out samples that
+    # rank 0's plan was read for (which would then be read twice in one epoch).
+    host, feeders, production = run("stream")
+    lengths = host.preloader.index.length
+    first, second = ORDERS[0][: N // 2], ORDERS[0][N // 2 :]
+    production.install("r0", 0, ("ds", 0), 0, plan_of(first, lengths[first], 10), ranks=2)
+    share = production._shares["ds", 0]
+    wait(lambda: production._feeds["r0"].held >= production._fair(share) - SIZE)
+    alone = share.window.live_bytes
+    assert 0 < alone <= share.window.capacity // 2
+    production.install("r1", 0, ("ds", 0), 0, plan_of(second, lengths[second], 10), ranks=2)
+    serve(production, feeders, "r1", 0, pool, host.files)
+    serve(production, feeders, "r0", 0, pool, host.files)
+    assert int(host.source.reads.max()) == 1 and production.preempted == 0  # every sample read once
+
+
 def test_minio_keeps_one_fixed_subset_and_reads_the_rest_every_epoch(run, pool):
     host, feeders, production = run("minio")
     lengths = host.preloader.index.length
