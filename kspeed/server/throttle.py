@@ -99,9 +99,14 @@ class ThrottledFileSystem(AbstractFileSystem):
             and benchmarks time reads, and a listing is made once).
         target_protocol: the wrapped file system's protocol (``file`` for ``slowfile``).
         target_options: its options (endpoint, credentials...).
+        pause_every: every this many seconds (0: never) the store stops answering reads for
+            ``pause`` seconds, as a store that throttles its callers (S3's SlowDown and the
+            clients' back-off) or a failing-over front end does: a read that arrives during a
+            pause waits until it ends, then its latency.
+        pause: seconds each pause lasts.
 
     Raises:
-        ValueError: a negative latency or bandwidth.
+        ValueError: a negative latency, bandwidth or pause, or a pause as long as its period.
     """
 
     protocol = ("throttled",)
@@ -118,11 +123,17 @@ class ThrottledFileSystem(AbstractFileSystem):
         target_protocol: str = "file",
         target_options: Mapping[str, Any] | None = None,
         list_latency: float = 0.0,
+        pause_every: float = 0.0,
+        pause: float = 0.0,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         if latency < 0 or list_latency < 0:
             raise ValueError(f"latency {latency} and list_latency {list_latency} must be >= 0 seconds")
+        if pause_every < 0 or pause < 0 or (pause_every and pause >= pause_every):
+            raise ValueError(f"pause {pause} s every {pause_every} s: both >= 0, the pause shorter than its period")
+        self.pause_every, self.pause = float(pause_every), float(pause)
+        self._born = time.monotonic()
         self.latency = float(latency)
         self.list_latency = float(list_latency)
         self.bucket = Bucket(bandwidth)
@@ -158,6 +169,9 @@ class ThrottledFileSystem(AbstractFileSystem):
         with self._count:
             self.requests += count
         wait = self.latency if latency is None else latency
+        if self.pause_every and latency is None:  # reads wait out the store's pause they arrive in
+            into = (time.monotonic() - self._born) % self.pause_every
+            wait += max(self.pause - into, 0.0)
         if wait:
             time.sleep(wait)
 

@@ -44,6 +44,21 @@ def test_the_ranged_reads_of_one_call_are_in_flight_together(tmp_path):
     assert fs.requests == 9 and fs.bytes_read == 80
 
 
+def test_reads_that_arrive_in_a_pause_of_the_store_wait_until_it_ends(tmp_path):
+    (tmp_path / "a.bin").write_bytes(b"z" * 10)
+    fs = SlowFileSystem(latency=0.01, pause_every=0.5, pause=0.2, skip_instance_cache=True)
+    started = time.monotonic()  # (the first pause starts when the file system is made)
+    assert fs.cat_file(str(tmp_path / "a.bin")) == b"z" * 10
+    assert time.monotonic() - started >= 0.2 + 0.01  # in the pause: its end, then the latency
+    time.sleep(max(0.0, 0.3 - (time.monotonic() - started)))
+    between = time.monotonic()
+    fs.cat_file(str(tmp_path / "a.bin"))
+    assert time.monotonic() - between < 0.15  # between pauses: the latency alone
+    fs.info(str(tmp_path / "a.bin"))  # listing requests are not paused (they take list_latency)
+    with pytest.raises(ValueError, match="shorter than its period"):
+        SlowFileSystem(pause_every=0.1, pause=0.1, skip_instance_cache=True)
+
+
 def test_the_bandwidth_cap_holds_over_every_reader_together(tmp_path):
     (tmp_path / "a.bin").write_bytes(b"y" * 200_000)
     fs = SlowFileSystem(latency=0, bandwidth=1_000_000, skip_instance_cache=True)  # 1 MB/s
