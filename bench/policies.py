@@ -1,10 +1,14 @@
 """Datasets larger than pooled memory: the memory policies against a fully cached run and a DataLoader.
 
 A dataset about three times the memory it is given (its quota) sits behind the throttled file
-system (``slowfile``: a latency per request and a bandwidth cap per server process, standing in
-for object storage). Two ranks (processes, as under torchrun) read three epochs each, with a
-fixed step per batch (a training step that cannot hide stalls), at a consumption rate below the
-backend's capacity. Measured in one run, each on a fresh cluster of two servers:
+system standing in for object storage (``throttled`` over the local files: a latency per request,
+the ranged reads of one call in flight together, a bandwidth cap per server process, and with
+``--pause-every``/``--pause`` the store's pauses, as when it throttles its callers). Two ranks
+(processes, as under torchrun) read three epochs each, with a fixed step per batch (a training
+step that cannot hide stalls) set so that they consume ``--load`` of the backend's capacity.
+With ``--pin`` (the default) the ranks run on one half of the cores and the manager and servers on
+the other, as training nodes and spare nodes are apart in a cluster. Measured in one run, each on
+a fresh cluster of two servers:
 
 - ``cache``: enough memory, preloaded before the epochs (the fully cached reference);
 - ``stream``, ``minio``, ``reuse``, ``lru``: the dataset held in a third of its size;
@@ -12,12 +16,15 @@ backend's capacity. Measured in one run, each on a fresh cluster of two servers:
   backend (its workers share the servers' total bandwidth cap), with the same step.
 
 Per run and epoch: samples/s, the ranks' data wait (time blocked waiting for a batch) as a share
-of the epoch, and for the policies the servers' own figures (backend bytes and requests, misses,
-grants' waits for production). The targets: ``stream`` within 10% of ``cache`` in samples/s while
-reading no more than the dataset (plus the sampler's padding) per epoch; ``stream`` stalling least
-of the policies; ``minio`` reading fewer backend bytes than ``lru``. Writes JSON and a PNG::
+of the epoch, with and without each epoch's first batch, and for the policies the servers' own
+figures (backend bytes and requests, misses, grants' waits for production). The targets:
+``stream`` within 10% of ``cache`` in samples/s while reading no more than the dataset (plus the
+sampler's padding) per epoch; ``stream`` stalling least of the policies; ``minio`` reading fewer
+backend bytes than ``lru``. Writes JSON and a PNG::
 
-    python bench/policies.py --json bench/results/policies.json --png bench/results/policies.png
+    python bench/policies.py --repeat 3 --json docs/policies/steady.json --png docs/policies/steady.png
+    python bench/policies.py --repeat 3 --pause-every 3 --pause 0.5 --json docs/policies/pauses.json \
+        --png docs/policies/pauses.png
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import shutil
 import sys
 import tempfile
@@ -40,6 +48,7 @@ from _common import MIB, machine_info, write_files, write_json
 from kspeed import DatasetSpec, KSpeedClient
 from kspeed.cli.cluster import LocalCluster, wait_for
 from kspeed.config import ClientConfig, load_config
+from kspeed.server.production import TASK_SAMPLES
 
 POLICIES = ("stream", "minio", "reuse", "lru")
 RANKS = 2
@@ -50,8 +59,25 @@ def config_for(address: str) -> ClientConfig:
     return load_config(ClientConfig, environ={}, overrides={"manager": address, "security.auth": "none"})
 
 
+def cores(args: argparse.Namespace) -> tuple[set[int], set[int]]:
+    """``(the ranks' cores, the daemons' cores)``: with ``--pin``, the usable cores split in two
+    halves, as the training nodes and the spare nodes are apart in a cluster (the servers' reads
+    then cost the ranks no CPU); without it, all of them for both."""
+    usable = sorted(os.sched_getaffinity(0))
+    if not args.pin or len(usable) < 2:
+        return set(usable), set(usable)
+    half = len(usable) // 2
+    return set(usable[:half]), set(usable[half:])
+
+
+def pin_rank(args: argparse.Namespace) -> None:
+    """Put this rank (and the processes it starts) on the ranks' cores."""
+    os.sched_setaffinity(0, cores(args)[0])
+
+
 def kspeed_rank(address: str, spec: DatasetSpec, rank: int, args: argparse.Namespace, out: mp.Queue) -> None:
     """One rank: ``args.epochs`` epochs with a fixed step per batch; puts its per-epoch figures."""
+    pin_rank(args)
     try:
         with KSpeedClient(config=config_for(address)) as client:
             ds = client.dataset(
@@ -69,27 +95,32 @@ def kspeed_rank(address: str, spec: DatasetSpec, rank: int, args: argparse.Names
 
 
 def _timed_epoch(batches, step: float, consume) -> dict:
-    """Drain ``batches``, sleeping ``step`` seconds per batch: wall seconds, samples, data wait."""
+    """Drain ``batches``, sleeping ``step`` seconds per batch: wall seconds, samples, data wait,
+    and where in the epoch the waits of over a millisecond fell (``[seconds into it, wait]``)."""
     started = time.perf_counter()
     waited = 0.0
     samples = 0
+    waits = []
     while True:
         asked = time.perf_counter()
         try:
             batch = next(batches)
         except StopIteration:
             break
-        waited += time.perf_counter() - asked
+        wait = time.perf_counter() - asked
+        waited += wait
+        if wait > 1e-3:
+            waits.append([round(asked - started, 3), round(wait, 4)])
         samples += consume(batch)
         time.sleep(step)
-    return {"seconds": time.perf_counter() - started, "samples": samples, "wait_s": waited}
+    return {"seconds": time.perf_counter() - started, "samples": samples, "wait_s": waited, "waits": waits}
 
 
 class ThrottledFiles:
     """A map-style dataset of the files, read through a throttled file system of its own per worker."""
 
-    def __init__(self, paths: list[str], latency: float, bandwidth: float) -> None:
-        self.paths, self.latency, self.bandwidth = paths, latency, bandwidth
+    def __init__(self, paths: list[str], options: dict[str, float]) -> None:
+        self.paths, self.options = paths, options
         self._fs = None
 
     def __len__(self) -> int:
@@ -99,7 +130,7 @@ class ThrottledFiles:
         if self._fs is None:
             from kspeed.server.throttle import SlowFileSystem
 
-            self._fs = SlowFileSystem(latency=self.latency, bandwidth=self.bandwidth, skip_instance_cache=True)
+            self._fs = SlowFileSystem(**self.options, skip_instance_cache=True)
         with self._fs.open(self.paths[i], "rb") as f:
             return f.read()
 
@@ -110,14 +141,16 @@ def as_list(items: list) -> list:
 
 
 def dataloader_rank(root: str, rank: int, args: argparse.Namespace, out: mp.Queue) -> None:
-    """The baseline rank: DataLoader + DistributedSampler over the throttled files, same step."""
+    """The baseline rank: DataLoader + DistributedSampler over the throttled files, same step
+    (its worker processes share the rank's cores, as on a training node)."""
+    pin_rank(args)
     try:
         from torch.utils.data import DataLoader, DistributedSampler
 
         paths = sorted(str(p) for p in Path(root).rglob("*.bin"))
         workers = args.loader_workers
         # the backend's total cap (one per server on the KSpeed side) shared by every worker
-        files = ThrottledFiles(paths, args.latency, args.bandwidth * 2 / (RANKS * workers))
+        files = ThrottledFiles(paths, {**store(args), "bandwidth": args.bandwidth * 2 / (RANKS * workers)})
         sampler = DistributedSampler(files, num_replicas=RANKS, rank=rank, shuffle=True, seed=SEED)
         loader = DataLoader(
             files,
@@ -155,13 +188,15 @@ def run_ranks(target, rank_args: tuple, args: argparse.Namespace) -> list[list[d
 
 
 def start_cluster(state: Path, root: Path, args: argparse.Namespace, memory: int) -> LocalCluster:
-    options = {"slowfile": {"latency": args.latency, "bandwidth": args.bandwidth}}
+    options = {"throttled": {**store(args), "target_protocol": "file"}}
+    daemons = ",".join(str(c) for c in sorted(cores(args)[1]))
     cluster = LocalCluster(
         str(state),
         servers=2,
+        launch_prefix=lambda name: ["taskset", "-c", daemons],
         server_args=[
             "--backend-allow",
-            f"slowfile://{root}",
+            f"throttled://{root}",
             "--backend-options",
             json.dumps(options),
             "--memory",
@@ -186,7 +221,7 @@ def kspeed_run(policy: str, root: Path, total: int, args: argparse.Namespace) ->
     try:
         with KSpeedClient(config=config_for(cluster.address)) as client:
             quota = 0 if policy == "cache" else total // 3
-            spec = DatasetSpec(name=f"ds-{policy}", uri=f"slowfile://{root}", quota_bytes=quota, policy=policy)
+            spec = DatasetSpec(name=f"ds-{policy}", uri=f"throttled://{root}", quota_bytes=quota, policy=policy)
             info = client.manager.create_dataset(spec.to_proto(), operator=True).dataset
             held = sum(s.memory_regions if s.policy else s.num_regions for s in info.shares) * args.region_mib * MIB
             if policy == "cache":
@@ -235,8 +270,20 @@ def summarize(name: str, ranks: list[list[dict]], seconds: float, extra: dict) -
         wall = max(r[e]["seconds"] for r in ranks)
         samples = sum(r[e]["samples"] for r in ranks)
         wait = max(r[e]["wait_s"] / r[e]["seconds"] for r in ranks)
+        # the first batch's wait (the epoch's plan, and from an empty window its first reads) apart
+        firsts = [sum(w for t, w in r[e].get("waits", []) if t == 0.0) for r in ranks]
+        steady = max((r[e]["wait_s"] - f) / r[e]["seconds"] for r, f in zip(ranks, firsts))
         epochs.append(
-            {"epoch": e, "seconds": wall, "samples": samples, "samples_per_s": samples / wall, "wait_share": wait}
+            {
+                "epoch": e,
+                "seconds": wall,
+                "samples": samples,
+                "samples_per_s": samples / wall,
+                "wait_share": wait,
+                "first_batch_wait_s": max(firsts),
+                "wait_share_after_first_batch": steady,
+                "waits": [r[e].get("waits", []) for r in ranks],  # per rank: [seconds into the epoch, wait]
+            }
         )
     total = sum(e["samples"] for e in epochs)
     busy = sum(e["seconds"] for e in epochs)
@@ -246,6 +293,7 @@ def summarize(name: str, ranks: list[list[dict]], seconds: float, extra: dict) -
         "epochs": epochs,
         "samples_per_s": total / busy,
         "wait_share": waited / busy,  # the slower rank's data wait over all the epochs
+        "wait_share_after_first_batch": sum(e["wait_share_after_first_batch"] * e["seconds"] for e in epochs) / busy,
         "worst_epoch_wait_share": max(e["wait_share"] for e in epochs),
         "seconds": seconds,
         **extra,
@@ -256,7 +304,13 @@ def median_run(done: list[dict]) -> dict:
     """The run whose data wait is the median of the repeats, with every repeat's headline figures."""
     ranked = sorted(done, key=lambda r: r["wait_share"])
     run = dict(ranked[(len(ranked) - 1) // 2])
-    keys = ("samples_per_s", "wait_share", "worst_epoch_wait_share", "production_stall_s")
+    keys = (
+        "samples_per_s",
+        "wait_share",
+        "wait_share_after_first_batch",
+        "worst_epoch_wait_share",
+        "production_stall_s",
+    )
     run["repeats"] = [{k: r[k] for k in keys if k in r} for r in done]
     return run
 
@@ -290,15 +344,20 @@ def targets(runs: dict[str, dict], total: int, count: int) -> list[dict]:
                 "met": least == "stream",
             }
         )
-        # what the ranks feel: their data wait, which also holds the machine's contention
-        least = min(policies, key=lambda p: runs[p]["wait_share"])
-        out.append(
-            {
-                "target": "stream stalls least of the policies (ranks: data wait, median of the repeats)",
-                "value": {p: runs[p]["wait_share"] for p in policies},
-                "met": least == "stream",
-            }
-        )
+        # what the ranks feel: their data wait, which also holds the machine's contention; and the
+        # same without each epoch's first batch (the plan and the first reads, alike for all)
+        for key, what in (
+            ("wait_share", "data wait"),
+            ("wait_share_after_first_batch", "data wait after first batches"),
+        ):
+            least = min(policies, key=lambda p, key=key: runs[p][key])
+            out.append(
+                {
+                    "target": f"stream stalls least of the policies (ranks: {what}, median of the repeats)",
+                    "value": {p: runs[p][key] for p in policies},
+                    "met": least == "stream",
+                }
+            )
 
         def later(p: str) -> int:
             return sum(
@@ -313,6 +372,22 @@ def targets(runs: dict[str, dict], total: int, count: int) -> list[dict]:
             }
         )
     return out
+
+
+def store(args: argparse.Namespace) -> dict[str, float]:
+    """The throttled store's settings (per server process; the DataLoader's workers split them)."""
+    return {"latency": args.latency, "bandwidth": args.bandwidth, "pause_every": args.pause_every, "pause": args.pause}
+
+
+def backend_capacity(args: argparse.Namespace, total: int) -> dict[str, float]:
+    """Samples/s the two servers' backend serves at most: by its bandwidth cap, and by its latency
+    (each production thread has one request of TASK_SAMPLES ranged reads in flight), less its
+    pauses."""
+    up = 1 - (args.pause / args.pause_every if args.pause_every else 0.0)
+    return {
+        "bandwidth": 2 * args.bandwidth / (total / args.samples) * up,
+        "latency": 2 * args.threads * TASK_SAMPLES / args.latency * up,
+    }
 
 
 def chart(doc: dict, path: str) -> None:
@@ -356,8 +431,10 @@ def chart(doc: dict, path: str) -> None:
     axes[2].legend(fontsize=8, loc="lower right")
     fig.suptitle(
         f"{doc['dataset_bytes'] / MIB:.0f} MiB dataset, {doc['memory_fraction']:.2f} of it in memory; "
-        f"backend {doc['latency_ms']:g} ms/request, {doc['bandwidth_mb_s']:g} MB/s per server; "
-        f"{RANKS} ranks, step {doc['step_ms']:g} ms/batch"
+        f"backend {doc['latency_ms']:g} ms/request, {doc['bandwidth_mb_s']:g} MB/s per server"
+        + (f", pausing {doc['pause_s']:g} s every {doc['pause_every_s']:g} s" if doc.get("pause_every_s") else "")
+        + f"; load {doc.get('load', 0):.2f}; "
+        f"{RANKS} ranks, step {doc['step_ms']:.1f} ms/batch"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -365,17 +442,28 @@ def chart(doc: dict, path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--samples", type=int, default=6000)
-    parser.add_argument("--min-bytes", type=int, default=16 * 1024)
-    parser.add_argument("--max-bytes", type=int, default=32 * 1024)
+    parser.add_argument("--samples", type=int, default=4800)
+    parser.add_argument("--min-bytes", type=int, default=64 * 1024)
+    parser.add_argument("--max-bytes", type=int, default=128 * 1024)
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--step", type=float, default=0.032, help="seconds of 'training' per batch")
+    parser.add_argument(
+        "--load", type=float, default=0.75, help="the ranks consume this share of the backend's capacity"
+    )
+    parser.add_argument("--step", type=float, help="seconds of 'training' per batch (default: from --load)")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--latency", type=float, default=0.005, help="seconds per backend request")
     parser.add_argument("--bandwidth", type=float, default=100e6, help="backend bytes/s per server process")
+    parser.add_argument("--pause-every", type=float, default=0.0, help="the store pauses every this many seconds")
+    parser.add_argument("--pause", type=float, default=0.0, help="seconds each of the store's pauses lasts")
     parser.add_argument("--threads", type=int, default=16, help="the servers' production threads")
     parser.add_argument("--region-mib", type=int, default=4)
     parser.add_argument("--loader-workers", type=int, default=2)
+    parser.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ranks on one half of the cores, the manager and servers on the other (as training and spare nodes)",
+    )
     parser.add_argument("--runs", default="cache,stream,minio,reuse,lru,dataloader")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each, in rounds; the median is reported")
     parser.add_argument("--timeout", type=float, default=900)
@@ -389,6 +477,9 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="kspeed-policies-data-"))
     try:
         total = write_files(root, args.samples, args.min_bytes, args.max_bytes)
+        capacity = backend_capacity(args, total)
+        if args.step is None:
+            args.step = RANKS * args.batch / (args.load * min(capacity.values()))
         repeats: dict[str, list[dict]] = {}
         for round_ in range(args.repeat):  # rounds, so that a drift of the machine spreads over every run
             for name in args.runs.split(","):
@@ -414,13 +505,14 @@ def main() -> None:
             "latency_ms": args.latency * 1000,
             "bandwidth_mb_s": args.bandwidth / 1e6,
             "step_ms": args.step * 1000,
+            "pause_every_s": args.pause_every,
+            "pause_s": args.pause,
             "batch": args.batch,
             "consumption_samples_per_s": RANKS * args.batch / args.step,
-            "backend_capacity_samples_per_s": {
-                "bandwidth": 2 * args.bandwidth / (total / args.samples),
-                "latency": 2 * args.threads / args.latency,
-            },
+            "backend_capacity_samples_per_s": capacity,
+            "load": RANKS * args.batch / args.step / min(capacity.values()),
             "repeat": args.repeat,
+            "cores": {"ranks": sorted(cores(args)[0]), "daemons": sorted(cores(args)[1])},
             "runs": runs,
         }
         doc["targets"] = targets(runs, total, args.samples)
