@@ -687,6 +687,35 @@ def test_remote_write_needs_both_the_qp_and_the_mr_to_allow_it(contexts, where):
     assert (e.IBV_EVENT_QP_ACCESS_ERR, b.qp) in b.ctx.async_events()
 
 
+def test_a_dmabuf_mr_is_addressed_by_iova_from_zero_never_by_an_address_here(contexts):
+    # ibv_reg_dmabuf_mr(3) with pyverbs' DmaBufMR (IOVA = offset = 0): a writer that addresses the
+    # registering process's mapping, as a plain MR's, gets IBV_WC_REM_ACCESS_ERR.
+    a = make_end(contexts("dbl0"), fill=bytes(range(64)))
+    b = make_end(contexts("dbl1"))
+    fd = os.memfd_create("double-dmabuf")  # the stand-in for a GPU allocation's dma-buf
+    os.ftruncate(fd, 1 << 16)
+    try:
+        device = api.reg_dmabuf_mr(b.pd, fd, 1 << 16, LW | RW)
+        connect(a, b)
+        post(a.qp, [(1, SIGNALED, device.rkey, 100, a.mr.lkey, a.addr, 64, 7)])  # IOVA 100
+        b.post_recv()
+        assert statuses(poll_until(a.cq, 1)) == [(1, e.IBV_WC_SUCCESS)]
+        assert socket.ntohl(poll_until(b.cq, 1)[0].imm_data) == 7
+        assert os.pread(fd, 64, 100) == bytes(range(64))  # where the device would see them
+        post(a.qp, [(2, SIGNALED, device.rkey, device.buf + 100, a.mr.lkey, a.addr, 64, None)])  # a VA: wrong
+        assert statuses(poll_until(a.cq, 1)) == [(2, e.IBV_WC_REM_ACCESS_ERR)]
+        device.close()
+    finally:
+        os.close(fd)
+    null = os.open(os.devnull, os.O_RDONLY)
+    try:
+        with pytest.raises(PyverbsRDMAError, match="cannot be mapped") as info:
+            api.reg_dmabuf_mr(b.pd, null, 4096, LW | RW)  # not a dma-buf
+        assert errno_of(info) == errno.EINVAL
+    finally:
+        os.close(null)
+
+
 # -- rule 4: keys, ranges, flushing -------------------------------------------------------------------------
 
 

@@ -17,7 +17,7 @@ Modules (each says what it simulates and what it does not):
 * ``config``: device limits (``api.limits``), knobs (``api.knobs``: devices, seed, timer cap)
   read once from ``KSPEED_VERBS_DOUBLE_*`` environment variables, timer scaling;
 * ``device``: ``VerbsDouble`` (the API), ``Context`` (ports, GIDs, async events);
-* ``memory``: PDs and MRs; ``cq``: CQs; ``rq``: SRQs and receive WRs; ``qp``: the QP state machine
+* ``memory``: PDs, MRs and dma-buf MRs; ``cq``: CQs; ``rq``: SRQs and receive WRs; ``qp``: the QP state machine
   and the ``ibv_wr_*`` posting calls;
 * ``requester``/``responder``: the two halves of RC transport; ``conn``/``wire``/``nic``: the
   connections, frames and the NIC thread.

@@ -38,7 +38,7 @@ from pyverbs.wr import SGE, RecvWR, SendWR
 from .base import c_uint, e, fail
 from .config import LIMITS, Knobs, Limits
 from .cq import CQ
-from .memory import MR, PD
+from .memory import MR, PD, DmabufMR
 from .nic import acquire_port, release_port
 from .qp import QP
 from .rq import SRQ
@@ -248,6 +248,10 @@ class VerbsDouble:
     def reg_mr(self, pd: PD, address: int, length: int, access: int) -> MR:
         _expect(pd, PD, "pd")
         return MR(pd, address, length, access)
+
+    def reg_dmabuf_mr(self, pd: PD, fd: int, length: int, access: int) -> MR:
+        _expect(pd, PD, "pd")
+        return DmabufMR(pd, fd, 0, length, access)
 
     def create_cq(self, context: Context, cqe: int) -> CQ:
         _expect(context, Context, "context")

@@ -17,14 +17,25 @@ by a port, so a key of a deregistered MR stays dead (``mr.close()``): later loca
 to stop touching the memory (the port's lock), so the memory may be unmapped as soon as
 ``close()`` returns, as with pinned pages on hardware.
 
-Not simulated: memory windows, ``rereg``, dma-buf, implicit/ODP MRs. Unmapping memory that is
-still registered is a bug the double cannot survive (the NIC thread would read freed pages).
+A **dma-buf MR** (``ibv_reg_dmabuf_mr(3)``: "register a dma-buf based memory region",
+``pyverbs.mr.DmaBufMR``, which passes its ``offset`` as the IOVA) stands for GPU memory a NIC
+reaches through its exporter: the double maps the file descriptor it is given (a memfd standing in
+for the GPU allocation's dma-buf) and addresses it by IOVA, ``offset`` at its first byte, never by
+a virtual address of the registering process; an rkey's range is checked against the IOVAs
+(``IBV_WC_REM_ACCESS_ERR`` otherwise). A descriptor that cannot be mapped for the whole range is
+refused (``EINVAL``, as a file that is not a dma-buf is by ``ib_umem_dmabuf_get``).
+
+Not simulated: memory windows, ``rereg``, implicit/ODP MRs, a dma-buf's move notifications.
+Unmapping memory that is still registered is a bug the double cannot survive (the NIC thread
+would read freed pages).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import mmap
 from typing import TYPE_CHECKING
 
 from .base import c_uint, e, fail
@@ -35,7 +46,7 @@ if TYPE_CHECKING:
     from .qp import QP
     from .rq import SRQ
 
-__all__ = ["MR", "PD", "check_mapped"]
+__all__ = ["MR", "PD", "DmabufMR", "check_mapped"]
 
 _LOCAL_WRITE = int(e.IBV_ACCESS_LOCAL_WRITE)
 _REMOTE_WRITE = int(e.IBV_ACCESS_REMOTE_WRITE)
@@ -80,7 +91,7 @@ class PD:
 class MR:
     """A registered memory region: ``lkey``, ``rkey``, ``buf`` (its address), ``length``, ``close()``."""
 
-    def __init__(self, pd: PD, address: int, length: int, access: int) -> None:
+    def __init__(self, pd: PD, address: int, length: int, access: int, iova: int | None = None) -> None:
         address = c_uint(address, 64, "address")
         length = c_uint(length, 64, "length")
         access = c_uint(access, 32, "access")
@@ -110,6 +121,7 @@ class MR:
             self.pd = pd
             self.port = port
             self.buf = address
+            self.iova = address if iova is None else iova  # what keys address (a plain MR: its address)
             self.length = length
             self.access = access
             self.lkey, self.rkey = port.new_keys()
@@ -119,8 +131,12 @@ class MR:
             pd.mrs.add(self)
 
     def contains(self, addr: int, length: int) -> bool:
-        """Whether ``[addr, addr + length)`` lies inside the region."""
-        return self.buf <= addr and addr + length <= self.buf + self.length
+        """Whether ``[addr, addr + length)`` (IOVAs) lies inside the region."""
+        return self.iova <= addr and addr + length <= self.iova + self.length
+
+    def host(self, addr: int) -> int:
+        """The address in this process of IOVA ``addr`` of the region."""
+        return self.buf + (addr - self.iova)
 
     def close(self) -> None:
         """Deregister: the keys stop working at once; idempotent."""
@@ -134,7 +150,30 @@ class MR:
             self.pd.mrs.discard(self)
 
     def __repr__(self) -> str:
-        return f"<double MR lkey={self.lkey:#x} rkey={self.rkey:#x} [{self.buf:#x}, +{self.length})>"
+        return f"<double MR lkey={self.lkey:#x} rkey={self.rkey:#x} [{self.iova:#x}, +{self.length})>"
+
+
+class DmabufMR(MR):
+    """A dma-buf MR (``ibv_reg_dmabuf_mr(3)``): ``length`` bytes of dma-buf ``fd`` from ``offset``,
+    at IOVA ``offset`` (pyverbs' ``DmaBufMR``), mapped here as the NIC would reach them."""
+
+    def __init__(self, pd: PD, fd: int, offset: int, length: int, access: int) -> None:
+        offset = c_uint(offset, 64, "offset")
+        length = c_uint(length, 64, "length")
+        try:
+            self._map = mmap.mmap(fd, offset + length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except (OSError, ValueError, OverflowError) as exc:
+            fail(f"Failed to register a dma-buf MR: fd {fd} cannot be mapped for {offset + length} bytes: {exc}",
+                 errno.EINVAL)  # fmt: skip
+        self._window = (ctypes.c_char * (offset + length)).from_buffer(self._map)
+        super().__init__(pd, ctypes.addressof(self._window) + offset, length, access, iova=offset)
+
+    def close(self) -> None:
+        super().close()  # (the NIC stops touching it first: the port's lock)
+        window, self._window = self._window, None
+        del window
+        with contextlib.suppress(BufferError):
+            self._map.close()
 
 
 def check_mapped(address: int, length: int, writable: bool) -> str | None:

@@ -228,7 +228,7 @@ class Requester:
                 if mr is None or mr.pd is not pd or not mr.contains(addr, length):
                     wr.error = _LOC_PROT
                     break
-                views.append((memory(addr, length), mr))
+                views.append((memory(mr.host(addr), length), mr))
             if wr.error is not None:
                 break
             op = OP_WRITE if wr.imm is None else OP_WRITE_IMM

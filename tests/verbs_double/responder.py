@@ -286,7 +286,7 @@ class InboundConn(Connection):
         msg.execute = True
         msg.qp = qp
         msg.mr = mr
-        msg.addr = raddr
+        msg.addr = mr.host(raddr) if mr is not None else raddr  # an rkey names IOVAs
 
     def _finish(self, msg: _Message) -> None:
         qp = msg.qp
