@@ -702,6 +702,13 @@ class ClientConfig:
         parse=_parse_bool,
         env="KSPEED_PIN_THREADS",
     )
+    gpudirect: bool = option(
+        True,
+        "with device='cuda' on a rail that can (verbs), receive into GPU memory the NIC writes "
+        "(GPUDirect RDMA); false: through the pinned host ring and one copy",
+        parse=_parse_bool,
+        env="KSPEED_GPUDIRECT",
+    )
     job: str = option(
         "",
         "name of the training job, shared by its ranks, under which per-rank statistics are "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kspeed.cli.cluster import LocalCluster
+from kspeed.rdma.rails import get_rail, use_verbs_api
 
 # Timers short enough that lifecycle transitions happen within a test's patience.
 FAST_MANAGER = [
@@ -50,3 +51,11 @@ def cluster_factory(tmp_path):
 def cluster(cluster_factory) -> LocalCluster:
     """A running cluster of one manager and two servers, auth off."""
     return cluster_factory(2)
+
+
+@pytest.fixture
+def verbs():
+    """The registry's ``verbs`` rail on the strict double of pyverbs (``tests/verbs_double``) for the test."""
+    use_verbs_api("tests.verbs_double:api")
+    yield get_rail("verbs")
+    use_verbs_api(None)

@@ -28,10 +28,11 @@ from kspeed.errors import CapacityError, ConfigError, KSpeedError
 from kspeed.layout import SAMPLE_ALIGN
 from kspeed.proto import kspeed_pb2
 from kspeed.rdma.options import RailOptions
-from kspeed.rdma.rails import capabilities, use_verbs_api
+from kspeed.rdma.rails import use_verbs_api
 from kspeed.rdma.topology import Placement, pin, place
 
 from .device import Delivery, make_delivery
+from .device_ring import CupyRingViews, DeviceRingDelivery, device_ring
 from .failover import Failover
 from .feed import Feed
 from .granting import Granting, Paced, Unpaced
@@ -263,17 +264,32 @@ def build_feed(
     use_verbs_api(config.verbs_api)
     choice = choose_rail(places, options.rail or config.rail)
     rail_options = rail_options_for(config, _tcp_host(config, places), placement)
-    if delivery.device.type == "cuda" and not capabilities(choice.rail).device_memory:
-        log.info(
-            "dataset %s: rail %s writes into the pinned host ring, copied to %s (no GPUDirect ring on this rail)",
-            name,
-            choice.rail,
-            delivery.device,
-        )
+    device_memory = None
+    if delivery.device.type == "cuda":
+        device_memory, why = device_ring(config.gpudirect, choice.rail, delivery.device, ring_bytes)
+        if device_memory is None:
+            log.info(
+                "dataset %s: rail %s writes into the pinned host ring, copied to %s (no GPUDirect ring: %s)",
+                name,
+                choice.rail,
+                delivery.device,
+                why,
+            )
+        else:
+            delivery = DeviceRingDelivery(delivery.device, CupyRingViews(device_memory))
+            log.info(
+                "dataset %s: rail %s writes straight into a %d-byte ring on %s (GPUDirect RDMA)",
+                name,
+                choice.rail,
+                device_memory.nbytes,
+                delivery.device,
+            )
     rank = options.rank or 0
     feed_id = _feed_id(name, rank)
     holder = f"{_user()}@{socket.gethostname()} pid {os.getpid()} rank {rank}"
     with contextlib.ExitStack() as undo:
+        if device_memory is not None:
+            undo.callback(device_memory.close)  # (the feed's receiver frees it once it has it)
         io = ThreadPoolExecutor(
             min(MAX_IO_THREADS, max(len(links), 1)), thread_name_prefix="kspeed-io", initializer=pin, initargs=(cores,)
         )
@@ -290,6 +306,7 @@ def build_feed(
             holder=holder[:200],
             granting=_granting(config, choice.rail, places, len(links)),
             ranks=int(getattr(options.sampler, "num_replicas", options.world_size or 1)),
+            device_memory=device_memory,
         )
         undo.callback(feed.close)
         delivery.attach(feed.ring)

@@ -1,4 +1,4 @@
-"""Delivery of batches to the training device, for rails whose ring is host memory (no GPUDirect).
+"""Delivery of batches to the training device from a host ring (a device ring: :mod:`kspeed.client.device_ring`).
 
 ``device="cpu"`` (:class:`CpuDelivery`) hands out the zero-copy ring views as before. For a CUDA
 device (:class:`CudaDelivery`):
@@ -33,7 +33,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from kspeed.errors import CapacityError, ConfigError
+from kspeed.errors import CapacityError, ConfigError, StateError
 
 from .batch import Batch, BatchMeta, make_batch, ring_batch
 
@@ -43,6 +43,7 @@ __all__ = [
     "CudaDelivery",
     "DeferredReleases",
     "Delivery",
+    "EventedDelivery",
     "TorchCuda",
     "make_delivery",
     "parse_device",
@@ -162,13 +163,14 @@ class Delivery(Protocol):
 
     device: torch.device
 
-    def attach(self, ring: np.ndarray) -> None:
-        """Prepare the ring (e.g. page-lock it)."""
+    def attach(self, ring: np.ndarray | None) -> None:
+        """Prepare the host ring (e.g. page-lock it); ``None`` for a device ring."""
 
     def deliver(
-        self, ring: np.ndarray, offset: int, footprint: int, meta: BatchMeta, release: Callable[[int], None]
+        self, ring: np.ndarray | None, offset: int, footprint: int, meta: BatchMeta, release: Callable[[int], None]
     ) -> Batch:
-        """The batch at ``ring[offset:offset + footprint]``; ``release(offset)`` once it may be reused."""
+        """The batch at ``ring[offset:offset + footprint]`` (of the device ring when ``ring`` is
+        ``None``); ``release(offset)`` once it may be reused."""
 
     def poll(self) -> None:
         """Give back the ranges that may be reused now."""
@@ -201,14 +203,14 @@ class CpuDelivery:
 
     device = torch.device("cpu")
 
-    def attach(self, ring: np.ndarray) -> None:
+    def attach(self, ring: np.ndarray | None) -> None:
         """Nothing to prepare for host views."""
 
     def deliver(
-        self, ring: np.ndarray, offset: int, footprint: int, meta: BatchMeta, release: Callable[[int], None]
+        self, ring: np.ndarray | None, offset: int, footprint: int, meta: BatchMeta, release: Callable[[int], None]
     ) -> Batch:
         """The batch at ``ring[offset:offset + footprint]``; ``release(offset)`` once its views are gone."""
-        return ring_batch(ring, offset, footprint, meta, release)
+        return ring_batch(_host(ring), offset, footprint, meta, release)
 
     def poll(self) -> None:
         """Nothing is ever deferred."""
@@ -278,45 +280,24 @@ class TorchCuda:
         return event
 
 
-class CudaDelivery:
-    """Batches copied from the host ring to a CUDA device, the ring range reclaimed after the events.
-
-    Args:
-        device: the CUDA device.
-        backend: the CUDA calls (default :class:`TorchCuda`; tests pass a fake).
-    """
+class EventedDelivery:
+    """What a delivery to a CUDA device shares: ring ranges given back after their events
+    (:class:`DeferredReleases`), the consumer's event recorded when the user lets a batch go."""
 
     def __init__(self, device: torch.device, backend: CudaBackend | None = None) -> None:
         self.device = device
         self._backend: CudaBackend = backend if backend is not None else TorchCuda(device)
-        self._ptr: int | None = None
         self._deferred: DeferredReleases | None = None
 
-    def attach(self, ring: np.ndarray) -> None:
-        """Page-lock the ring's host mapping.
-
-        Raises:
-            CapacityError: it cannot be page-locked.
-        """
-        self._backend.register(ring.ctypes.data, ring.nbytes)
-        self._ptr = ring.ctypes.data
-
-    def deliver(
-        self, ring: np.ndarray, offset: int, footprint: int, meta: BatchMeta, release: Callable[[int], None]
-    ) -> Batch:
-        """Copy the batch at ``ring[offset:offset + footprint]`` to the device and return its device views.
-
-        ``release(offset)`` is called from :meth:`poll` once the copy's event has completed and the
-        batch was released (or its views collected) and the consumer's event of that moment has too.
-        """
+    def _releases(self, release: Callable[[int], None]) -> DeferredReleases:
         if self._deferred is None:
             self._deferred = DeferredReleases(release)
-        base = torch.frombuffer(ring[offset : offset + footprint], dtype=torch.uint8)
-        moved, copied = self._backend.copy(base)
-        del base
-        self._deferred.add(offset, copied, hold=True)
-        finalizer = weakref.finalize(moved, _device_freed, self._deferred, self._backend, offset)
-        return make_batch(moved, footprint, meta, finalizer)
+        return self._deferred
+
+    def _freed_when(self, deferred: DeferredReleases, holder: object, offset: int) -> weakref.finalize:
+        """Lift the hold of ``offset`` once ``holder`` is collected (the batch's last view went),
+        with an event of the consumer's stream at that moment."""
+        return weakref.finalize(holder, _device_freed, deferred, self._backend, offset)
 
     def poll(self) -> None:
         """Give back the ranges whose events have completed (never waits)."""
@@ -333,11 +314,55 @@ class CudaDelivery:
         """Ranges waiting for an event or for the user to drop the batch."""
         return self._deferred.pending if self._deferred is not None else 0
 
+
+class CudaDelivery(EventedDelivery):
+    """Batches copied from the host ring to a CUDA device, the ring range reclaimed after the events.
+
+    Args:
+        device: the CUDA device.
+        backend: the CUDA calls (default :class:`TorchCuda`; tests pass a fake).
+    """
+
+    def __init__(self, device: torch.device, backend: CudaBackend | None = None) -> None:
+        super().__init__(device, backend)
+        self._ptr: int | None = None
+
+    def attach(self, ring: np.ndarray | None) -> None:
+        """Page-lock the ring's host mapping.
+
+        Raises:
+            CapacityError: it cannot be page-locked.
+        """
+        ring = _host(ring)
+        self._backend.register(ring.ctypes.data, ring.nbytes)
+        self._ptr = ring.ctypes.data
+
+    def deliver(
+        self, ring: np.ndarray | None, offset: int, footprint: int, meta: BatchMeta, release: Callable[[int], None]
+    ) -> Batch:
+        """Copy the batch at ``ring[offset:offset + footprint]`` to the device and return its device views.
+
+        ``release(offset)`` is called from :meth:`poll` once the copy's event has completed and the
+        batch was released (or its views collected) and the consumer's event of that moment has too.
+        """
+        deferred = self._releases(release)
+        base = torch.frombuffer(_host(ring)[offset : offset + footprint], dtype=torch.uint8)
+        moved, copied = self._backend.copy(base)
+        del base
+        deferred.add(offset, copied, hold=True)
+        return make_batch(moved, footprint, meta, self._freed_when(deferred, moved, offset))
+
     def close(self) -> None:
         """Unregister the ring (after the side stream's copies have finished)."""
         if self._ptr is not None:
             ptr, self._ptr = self._ptr, None
             self._backend.unregister(ptr)
+
+
+def _host(ring: np.ndarray | None) -> np.ndarray:
+    if ring is None:
+        raise StateError("this delivery reads a host ring, and the feed has a device ring")
+    return ring
 
 
 def _device_freed(deferred: DeferredReleases, backend: CudaBackend, offset: int) -> None:

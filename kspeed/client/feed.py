@@ -41,6 +41,7 @@ from kspeed.errors import (
 )
 from kspeed.proto import kspeed_pb2
 from kspeed.rdma.base import MAX_MESSAGE, Completions, Receiver
+from kspeed.rdma.device_memory import DeviceMemory
 from kspeed.rdma.options import RailOptions
 from kspeed.rdma.rails import get_rail
 
@@ -122,6 +123,8 @@ class Feed:
         granting: how grants reach the servers (paced or not); started once every server connected.
         ranks: the job's ranks (0: not known), told to the servers so a streamed share keeps each
             rank's part of its window before that rank's feed opens.
+        device_memory: GPU memory to receive into (a device ring, GPUDirect RDMA) instead of a host
+            ring of ``ring_bytes``; the receiver frees it when it closes. :attr:`ring` is then ``None``.
 
     Raises:
         RailUnavailableError, CapacityError: the ring cannot be set up.
@@ -142,6 +145,7 @@ class Feed:
         holder: str,
         granting: Granting,
         ranks: int = 0,
+        device_memory: DeviceMemory | None = None,
     ) -> None:
         self.dataset = dataset
         self.feed_id = feed_id
@@ -156,11 +160,15 @@ class Feed:
         self.granting = granting
         self.receiver: Receiver = get_rail(rail).listen(options)
         try:
-            self._region = self.receiver.register(ring_bytes)
+            if device_memory is not None:
+                self._region = self.receiver.register_device(device_memory)
+            else:
+                self._region = self.receiver.register(ring_bytes)
         except KSpeedError:
             self.receiver.close()
             raise
-        self.ring = self._region.array()
+        #: the host ring's bytes (``None`` for a device ring: the delivery views it on the device)
+        self.ring: np.ndarray | None = self._region.array() if device_memory is None else None
         self.allocator = RingAllocator(ring_bytes)
         self.paths: list[ServerPath] = []
         for i, link in enumerate(links):

@@ -58,6 +58,7 @@ import numpy as np
 import numpy.typing as npt
 
 if TYPE_CHECKING:
+    from .device_memory import DeviceMemory
     from .write_batch import WriteBatch
 
 from kspeed.errors import RangeError, TransportError
@@ -266,6 +267,17 @@ class Receiver(ABC):
     @abstractmethod
     def register(self, nbytes: int) -> Region:
         """Allocate and register a shared-memory region (a receive ring) writers may write into."""
+
+    def register_device(self, memory: DeviceMemory) -> Region:
+        """Register a device ring (GPU memory exported as a dma-buf) writers may write into; its
+        key addresses it from 0. Only rails whose capabilities say ``device_memory`` can.
+
+        Raises:
+            RailUnavailableError: this rail cannot write into device memory.
+        """
+        from kspeed.errors import RailUnavailableError
+
+        raise RailUnavailableError(f"rail {self.rail} cannot write into device memory (no GPUDirect)")
 
     @property
     @abstractmethod

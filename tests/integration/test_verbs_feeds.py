@@ -15,8 +15,13 @@ import threading
 import pytest
 import torch
 
+import kspeed.client.builder as builder
 from kspeed import DatasetSpec, KSpeedClient
+from kspeed.client.device import CudaDelivery
+from kspeed.client.device_ring import DeviceRingDelivery, device_ring
 from kspeed.preprocess import Output, Pipeline, Stage
+from tests.client.device_ring_standin import HostDriver, HostRingViews
+from tests.client.test_device import FakeCuda
 from tests.integration.test_client import config_for
 from tests.integration.test_datasets import make_tree
 from tests.integration.test_failover import BATCH, SEED, check_epoch, slow_cluster
@@ -99,3 +104,27 @@ def test_servers_preprocess_into_verbs_rings(cluster_factory, tmp_path):
     assert len(got) == len(want)
     for (images, labels), (ref_images, ref_labels) in zip(got, want, strict=True):
         assert torch.equal(images, ref_images) and torch.equal(labels, ref_labels)
+
+
+@pytest.mark.timeout(120)
+def test_a_feed_into_a_device_ring_over_verbs_is_exact_and_frees_the_ring(cluster_factory, tmp_path, monkeypatch):
+    # device="cuda" with GPUDirect: the servers' feeders write each batch into the device ring (here
+    # the host stand-in of a GPU: a memfd plays its dma-buf, which the double maps as a NIC would
+    # reach GPU memory), and batches are views of it: no host ring, no copy.
+    driver = HostDriver()
+    events = FakeCuda(not_ready=1)
+    monkeypatch.setattr(builder, "make_delivery", lambda device: CudaDelivery(torch.device("cuda", 0), backend=events))
+    monkeypatch.setattr(builder, "device_ring", lambda *args: device_ring(*args, driver=driver))
+    monkeypatch.setattr(builder, "CupyRingViews", lambda memory: HostRingViews(driver, memory))
+    monkeypatch.setattr(
+        builder, "DeviceRingDelivery", lambda device, views: DeviceRingDelivery(device, views, backend=events)
+    )
+    cluster, files, spec = slow_cluster(cluster_factory, tmp_path, env=ENV)
+    with KSpeedClient(config=verbs_config(cluster)) as client:
+        ds = client.dataset(spec, batch_size=BATCH, seed=SEED, ring_bytes=2 << 20, quiet=True, device="cuda")
+        assert ds.stats()["rail"] == "verbs" and ds._feed.ring is None  # no host ring
+        check_epoch(ds, files, 0)
+        assert driver.flushes == len(ds) and events.copies == []  # a flush per batch, never a copy
+        check_epoch(ds, files, 1)
+        ds.close()
+    assert len(driver.freed) == 1 and not driver.maps

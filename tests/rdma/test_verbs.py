@@ -17,7 +17,7 @@ from kspeed.client.builder import rail_options_for
 from kspeed.config import ClientConfig, load_config
 from kspeed.errors import PeerLostError, RailUnavailableError
 from kspeed.rdma.options import RailOptions
-from kspeed.rdma.rails import get_rail, use_verbs_api
+from kspeed.rdma.rails import get_rail
 from kspeed.rdma.topology import place
 from kspeed.rdma.verbs import VerbsRail, nic
 from kspeed.rdma.verbs.api import load_api
@@ -25,14 +25,6 @@ from kspeed.rdma.verbs.receiver_process import CREDITS
 from tests.rdma.topology_fixtures import dgx_like
 
 DOUBLE = "tests.verbs_double:api"
-
-
-@pytest.fixture
-def verbs():
-    """The registry's ``verbs`` rail on the double for the test."""
-    use_verbs_api(DOUBLE)
-    yield get_rail("verbs")
-    use_verbs_api(None)
 
 
 def _options(**extra) -> RailOptions:
@@ -45,6 +37,21 @@ def _poll(rx, count: int, timeout: float = 10.0) -> list[int]:
     while len(imms) < count and time.monotonic() < deadline:
         imms += rx.poll(0.1).imm.tolist()
     return imms
+
+
+def fence_and_expect_loss(rx, wr, key, data: bytes, offset: int) -> None:
+    """Disconnect writer ``wr``; once the receiver process has deregistered its rings for it, the
+    writer's further writes fail (its rkeys are dead at the NIC)."""
+    rx.disconnect(wr.conn)
+    deadline = time.monotonic() + 5
+    while not rx.writer_gone(wr.conn) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert rx.writer_gone(wr.conn)
+    time.sleep(0.3)  # the receiver process has deregistered its rings for this writer
+    with pytest.raises(PeerLostError):
+        for i in range(50):
+            wr.write(key, data, offset, imm=2 + i)
+            time.sleep(0.02)
 
 
 def test_without_a_device_the_rail_says_why():
@@ -111,16 +118,7 @@ def test_disconnect_revokes_the_writers_keys(verbs):
         with verbs.connect(rx.material, _options()) as wr:
             wr.write(ring.key, b"first", 0, imm=1)
             assert _poll(rx, 1) == [1]
-            rx.disconnect(wr.conn)
-            deadline = time.monotonic() + 5
-            while not rx.writer_gone(wr.conn) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert rx.writer_gone(wr.conn)
-            time.sleep(0.3)  # the receiver process has deregistered its rings for this writer
-            with pytest.raises(PeerLostError):
-                for i in range(50):
-                    wr.write(ring.key, b"late!", 16, imm=2 + i)
-                    time.sleep(0.02)
+            fence_and_expect_loss(rx, wr, ring.key, b"late!", 16)
         assert bytes(ring.view[16:21]) != b"late!"
         assert bytes(ring.view[:5]) == b"first"
 

@@ -31,7 +31,7 @@ class VerbsRail(Rail):
 
     name = "verbs"
     capabilities = RailCapabilities(
-        host_local=False, needs_pacing=True, revokes_writer=True, device_memory=False, preference=15
+        host_local=False, needs_pacing=True, revokes_writer=True, device_memory=True, preference=15
     )
 
     def __init__(self, api: str | None = None) -> None:

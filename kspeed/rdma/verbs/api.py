@@ -13,8 +13,9 @@ What each object must offer (pyverbs' names and meanings):
   ``gid_tbl_len``, ``link_layer``), ``query_gid(port, index)`` (a ``GID``; ``.gid`` its text),
   ``query_gid_type(port, index)``, ``close()``;
 * protection domain (:meth:`VerbsApi.alloc_pd`): ``close()``;
-* memory region (:meth:`VerbsApi.reg_mr`): ``lkey``, ``rkey``, ``close()`` (deregistration: the
-  keys stop working at once);
+* memory region (:meth:`VerbsApi.reg_mr`, and :meth:`VerbsApi.reg_dmabuf_mr` for a device ring's
+  dma-buf, addressed by IOVA from 0): ``lkey``, ``rkey``, ``close()`` (deregistration: the keys
+  stop working at once);
 * completion queue (:meth:`VerbsApi.create_cq`): ``poll(n) -> (npolled, [WC])`` where a ``WC``
   has ``wr_id``, ``status``, ``opcode``, ``byte_len``, ``qp_num``, ``imm_data`` (network byte
   order, as ``ibv_wc.imm_data``), ``wc_flags``; raises when the CQ is in error; ``close()``;
@@ -61,6 +62,9 @@ class VerbsApi(Protocol):
 
     def reg_mr(self, pd: Any, address: int, length: int, access: int) -> Any:
         """Register ``[address, address + length)`` with ``access`` flags (``ibv_reg_mr``)."""
+
+    def reg_dmabuf_mr(self, pd: Any, fd: int, length: int, access: int) -> Any:
+        """Register ``length`` bytes of dma-buf ``fd`` from its start, at IOVA 0 (``ibv_reg_dmabuf_mr``)."""
 
     def create_cq(self, context: Any, cqe: int) -> Any:
         """A completion queue of at least ``cqe`` entries (``ibv_create_cq``)."""
@@ -117,6 +121,10 @@ class Pyverbs:
 
     def reg_mr(self, pd: Any, address: int, length: int, access: int) -> Any:
         return self._mr.MR(pd, length, access, address=address)
+
+    def reg_dmabuf_mr(self, pd: Any, fd: int, length: int, access: int) -> Any:
+        # pyverbs passes its offset as the IOVA too (ibv_reg_dmabuf_mr(pd, offset, length, offset, fd, access))
+        return self._mr.DmaBufMR(pd, length, access, dmabuf=fd, offset=0)
 
     def create_cq(self, context: Any, cqe: int) -> Any:
         return self._cq.CQ(context, cqe, None, None, 0)

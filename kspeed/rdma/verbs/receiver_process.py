@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import selectors
 import socket
 import struct
@@ -69,6 +70,19 @@ class _Peer:
         self.last = time.monotonic()
 
 
+class DmabufRegion:
+    """A consumer's device ring as this process holds it: the dma-buf its memory was exported as
+    (registered with the NIC for each writer; the bytes are never mapped here)."""
+
+    def __init__(self, fd: int, nbytes: int) -> None:
+        self.fd, self.nbytes = fd, nbytes
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+
+
 class VerbsReceiverProcess(tcp_process.ReceiverProcess):
     """The loop of the ``verbs`` receiver process."""
 
@@ -98,16 +112,17 @@ class VerbsReceiverProcess(tcp_process.ReceiverProcess):
     def _region_address(self, segment: MemfdSegment) -> int:
         return int(segment.array().ctypes.data)
 
-    def _register(self, peer: _Peer, handle: int, segment: MemfdSegment) -> dict:
+    def _register(self, peer: _Peer, handle: int, segment: MemfdSegment | DmabufRegion) -> dict:
         e = self.api.e
-        mr = self.api.reg_mr(
-            self.nic.pd,
-            self._region_address(segment),
-            segment.nbytes,
-            e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE,
-        )
+        access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
+        if isinstance(segment, DmabufRegion):  # addressed by IOVA: its offset, from 0
+            mr = self.api.reg_dmabuf_mr(self.nic.pd, segment.fd, segment.nbytes, access)
+            address = 0
+        else:
+            address = self._region_address(segment)
+            mr = self.api.reg_mr(self.nic.pd, address, segment.nbytes, access)
         peer.mrs[handle] = mr
-        return {"rkey": int(mr.rkey), "addr": self._region_address(segment), "length": segment.nbytes}
+        return {"rkey": int(mr.rkey), "addr": address, "length": segment.nbytes}
 
     # ------------------------------------------------------------------------------- consumers
 
@@ -120,8 +135,15 @@ class VerbsReceiverProcess(tcp_process.ReceiverProcess):
             self._to_consumer(c, framing.REPLY, self._attach_reply(c))
             return
         if kind == framing.REGION:
-            handle = int(json.loads(payload)["handle"])
-            super()._consumer_frame(c, kind, payload)
+            desc = json.loads(payload)
+            handle = int(desc["handle"])
+            if desc.get("dmabuf"):  # a device ring: its dma-buf is registered, never mapped here
+                if not c.reader.fds:
+                    raise TransportError("device ring announced without its dma-buf")
+                c.regions[handle] = DmabufRegion(c.reader.fds.popleft(), int(desc["length"]))  # type: ignore[assignment]
+                self._to_consumer(c, framing.REPLY, payload)
+            else:
+                super()._consumer_frame(c, kind, payload)
             for peer in [p for p in self.peers.values() if p.consumer is c]:
                 keys = {str(handle): self._register(peer, handle, c.regions[handle])}
                 self._to_peer(peer, wire.KEYS, json.dumps(keys).encode())
