@@ -22,6 +22,7 @@ why once. Every device call goes through :class:`RingViews` and the
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from typing import Protocol
 
@@ -141,6 +142,8 @@ def device_ring(
         return None, "gpudirect is off"
     if not capabilities(rail).device_memory:
         return None, f"rail {rail} cannot write into GPU memory"
+    if importlib.util.find_spec("cupy") is None:  # (what views the ring on the device)
+        return None, "cupy is not installed (pip install 'kspeed[gpu]')"
     try:
         return DeviceMemory.allocate(device.index or 0, nbytes, driver), ""
     except (RailUnavailableError, TransportError) as exc:

@@ -61,7 +61,7 @@ if TYPE_CHECKING:
     from .device_memory import DeviceMemory
     from .write_batch import WriteBatch
 
-from kspeed.errors import RangeError, TransportError
+from kspeed.errors import RailUnavailableError, RangeError, TransportError
 
 from .options import RailOptions
 
@@ -275,8 +275,6 @@ class Receiver(ABC):
         Raises:
             RailUnavailableError: this rail cannot write into device memory.
         """
-        from kspeed.errors import RailUnavailableError
-
         raise RailUnavailableError(f"rail {self.rail} cannot write into device memory (no GPUDirect)")
 
     @property

@@ -190,6 +190,7 @@ class DeviceMemory:
         why = driver.unavailable(device)
         if why:
             raise RailUnavailableError(why)
+        flushes = driver.needs_flush(device)
         size = -(-max(nbytes, 1) // GPU_PAGE) * GPU_PAGE
         ptr = driver.allocate(device, size)
         try:
@@ -197,7 +198,7 @@ class DeviceMemory:
         except BaseException:
             driver.free(device, ptr)
             raise
-        memory = cls(device, ptr, size, fd, driver.needs_flush(device), driver)
+        memory = cls(device, ptr, size, fd, flushes, driver)
         log.info("device ring of %d bytes on CUDA device %d, exported as dma-buf %d", size, device, fd)
         return memory
 

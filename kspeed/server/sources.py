@@ -270,6 +270,8 @@ class Source:
         """Read samples of a remote store into ``dsts`` with one ``cat_ranges`` call: per sample,
         ``None`` or the error that names it. A whole-file sample asks for one byte more than it
         holds, so that a file that grew is noticed as one that shrank is."""
+        if not len(ids):
+            return []
         paths = self.paths(ids)
         starts: list[int] = []
         ends: list[int] = []
@@ -284,8 +286,6 @@ class Source:
                 start, end = 0, size + 1
             starts.append(start)
             ends.append(end)
-        if not paths:
-            return []
         try:
             got = self.fs.cat_ranges(paths, starts, ends, on_error="return")
         except (OSError, ValueError, RuntimeError) as exc:  # the whole call failed: each sample with it
