@@ -10,6 +10,7 @@ operating system and the transports are converted at the boundary (``raise ... f
     ├── AuthError                missing or wrong credentials
     ├── UnavailableError         a daemon cannot be reached
     ├── NotFoundError            a named thing (server, dataset, sample) does not exist
+    │   └── NotHeldError         a server holds no such share of a dataset (it moved, or never was there)
     ├── ConflictError            a name is taken by something defined otherwise
     ├── StateError               an operation in the wrong lifecycle state
     ├── CapacityError            not enough memory, ring space or regions
@@ -40,6 +41,7 @@ __all__ = [
     "IntegrityError",
     "KSpeedError",
     "NotFoundError",
+    "NotHeldError",
     "PeerLostError",
     "PreprocessError",
     "ProtocolError",
@@ -98,6 +100,11 @@ class UnavailableError(KSpeedError):
 
 class NotFoundError(KSpeedError):
     """A named object (server, dataset, sample) does not exist."""
+
+
+class NotHeldError(NotFoundError):
+    """A server was asked about a share of a dataset it does not hold: the manager moved the share
+    elsewhere (a client follows it as it follows a lost server), or it never was there."""
 
 
 class ConflictError(KSpeedError):

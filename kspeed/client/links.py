@@ -134,6 +134,7 @@ class ServerLink:
         """Which of ``ids`` this server owns: ``(positions, lengths, labels)`` (labels empty without labels).
 
         Raises:
+            NotHeldError: the server no longer holds this link's share (the manager moved it).
             NotFoundError: the server does not host the dataset or an ID does not exist.
             UnavailableError: the server is unreachable.
         """

@@ -19,7 +19,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from kspeed.errors import CapacityError, DatasetError, PeerLostError, ProtocolError, UnavailableError
+from kspeed.errors import CapacityError, DatasetError, NotHeldError, PeerLostError, ProtocolError, UnavailableError
 from kspeed.layout import BatchLayout, batch_layout
 
 from .links import Link, RemoteSplit, ServerPlan
@@ -109,11 +109,12 @@ class EpochPlan:
 
 
 def reaching(link: Link, call: Callable[[], T]) -> T:
-    """``call()`` on ``link``; its server unreachable is a lost server (:class:`PeerLostError`
-    naming it and the link's share), which a feed with failover carries over."""
+    """``call()`` on ``link``; its server unreachable, or no longer holding the link's share, is a
+    lost server (:class:`PeerLostError` naming it and the link's share), which a feed with failover
+    carries over (to wherever the manager moved the share)."""
     try:
         return call()
-    except (UnavailableError, PeerLostError) as exc:  # unreachable, or our feed there is gone
+    except (UnavailableError, PeerLostError, NotHeldError) as exc:  # unreachable, our feed or share there gone
         raise PeerLostError(str(exc), server_id=link.server_id, first_id=link.first_id) from exc
 
 

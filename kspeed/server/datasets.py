@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kspeed import names, wire
-from kspeed.errors import ConfigError, DatasetError, KSpeedError, NotFoundError, ProtocolError
+from kspeed.errors import ConfigError, DatasetError, KSpeedError, NotFoundError, NotHeldError, ProtocolError
 from kspeed.layout import region_bounds
 from kspeed.preprocess.pipeline import Pipeline
 from kspeed.preprocess.runner import Runner
@@ -491,7 +491,9 @@ class DatasetHost:
         """The hosted share of ``name`` that starts at sample ``first`` (``None``: the only one here).
 
         Raises:
-            NotFoundError: this server holds no (such) share of it.
+            NotHeldError: ``first`` is given and this server holds no share of it starting there (the
+                manager moved it elsewhere, or it never was here).
+            NotFoundError: ``first`` is not given and this server holds no share of it.
             ProtocolError: ``name`` is no dataset name at all, or ``first`` is not given and this
                 server holds several shares of it.
         """
@@ -499,12 +501,14 @@ class DatasetHost:
             hosted = self._hosted.get((name, int(first)))
             if hosted is not None:
                 return hosted
-        shares = self.shares(name)
-        if first is not None:
-            held = ", ".join(_span(h.request.share) for h in shares)
-            raise NotFoundError(
+            shares = self.shares(name, missing_ok=True)
+            names.DATASET.check(name)
+            why = self._dropped.get(name)
+            held = ", ".join(_span(h.request.share) for h in shares) or "nothing of it" + (f": {why}" if why else "")
+            raise NotHeldError(
                 f"dataset {name!r}: this server holds no share starting at sample {first} (holds {held})"
             )
+        shares = self.shares(name)
         if len(shares) > 1:
             held = ", ".join(_span(h.request.share) for h in shares)
             raise ProtocolError(f"dataset {name!r}: this server holds {len(shares)} shares ({held}); name the share")

@@ -86,8 +86,11 @@ class ServerService:
             raise ProtocolError("Lookup: the request must name the dataset")
         if len(request.ids) > 8 * MAX_LOOKUP_CHUNK:
             raise ProtocolError(f"Lookup: {len(request.ids) // 8} IDs exceed {MAX_LOOKUP_CHUNK} per call")
+        first = request.first_id if request.HasField("first_id") else None
+        if first is not None:
+            self._host.get(request.dataset, first)  # a share that moved away: NotHeldError, whatever the IDs
         ids = decode_ids(request.ids, request.dataset, self._host.count(request.dataset))
-        return self._host.lookup(request.dataset, ids, request.first_id if request.HasField("first_id") else None)
+        return self._host.lookup(request.dataset, ids, first)
 
     def Read(self, request: kspeed_pb2.ReadRequest, context: grpc.ServicerContext) -> kspeed_pb2.ReadReply:
         if len(request.ids) > 8 * MAX_READ_IDS:

@@ -20,7 +20,7 @@ from kspeed.client.builder import build_feed
 from kspeed.client.dataset import KSpeedDataset
 from kspeed.client.links import ServerPlan
 from kspeed.config import ClientConfig, load_config
-from kspeed.errors import KSpeedError, NotFoundError, ProtocolError
+from kspeed.errors import KSpeedError, NotFoundError, NotHeldError, ProtocolError
 from kspeed.layout import batch_starts
 from kspeed.proto import kspeed_pb2
 from kspeed.rdma.base import RegionKey
@@ -49,6 +49,7 @@ class FakeServer:
 
     Attributes:
         silent: ignore grants (the client must time out naming this server).
+        moved: answer lookups as a server the manager took the share from does (``NotHeldError``).
         stale_first: before each real completion, send one whose tag carries an older generation.
         refuse: batch numbers answered with ERROR.
         grant_log: ``(epoch, batch)`` of every grant received, in order.
@@ -64,6 +65,7 @@ class FakeServer:
         self.samples = samples
         self.lo, self.hi = lo, hi
         self.silent = False
+        self.moved = False
         self.stale_first = False
         self.refuse: set[int] = set()
         self.grant_log: list[tuple[int, int]] = []
@@ -81,6 +83,10 @@ class FakeServer:
     def lookup(self, dataset: str, ids: np.ndarray):
         if dataset != self.dataset:
             raise NotFoundError(f"dataset {dataset!r} is not hosted on {self.server_id}")
+        if self.moved:
+            raise NotHeldError(
+                f"{self.name}: dataset {dataset!r}: this server holds no share starting at sample {self.lo}"
+            )
         self.looked_up += len(ids)
         mask = (ids >= self.lo) & (ids < self.hi)
         owned = ids[mask]

@@ -106,6 +106,19 @@ def test_a_server_that_closes_the_feed_on_purpose_is_a_lost_path_not_a_long_sile
     assert ds._feed.paths[1].lost.startswith("its server closed the feed")
 
 
+def test_a_server_that_no_longer_holds_the_share_is_a_lost_path(make_ds):
+    # The manager moved s1's share (a spare took over what a survivor served on demand) before the
+    # feed there was closed: the next plan's lookup is what finds out. A lost path (carried over
+    # with failover), not a dataset error.
+    ds, fakes = make_ds()
+    fakes[1].moved = True
+    with pytest.raises(
+        PeerLostError, match=r"server s1 at 127\.0\.0\.1:1: .*holds no share starting at sample 101"
+    ) as lost:
+        next(iter(ds))
+    assert (lost.value.server_id, lost.value.first_id) == ("s1", fakes[1].lo)
+
+
 def test_batch_size_and_ring_size_are_checked(make_ds):
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ConfigError, match="batch_size must be a positive integer"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kspeed.errors import NotFoundError, ProtocolError
+from kspeed.errors import NotFoundError, NotHeldError, ProtocolError
 from kspeed.proto import kspeed_pb2
 from kspeed.server.datasets import DatasetHost, fingerprint_pb
 from kspeed.server.pool import MemoryPool, RegionState
@@ -60,7 +60,7 @@ def test_two_shares_of_one_dataset_are_held_apart_and_dropped_apart(tmp_path, ba
     assert [s.first_id for s in host.statuses()] == [0, 6]
     with pytest.raises(ProtocolError, match="holds 2 shares"):
         host.get("ds")
-    with pytest.raises(NotFoundError, match="no share starting at sample 3"):
+    with pytest.raises(NotHeldError, match=r"no share starting at sample 3 \(holds 0\.\.5, 6\.\.11\)"):
         host.get("ds", 3)
 
     dropped = []
@@ -70,6 +70,16 @@ def test_two_shares_of_one_dataset_are_held_apart_and_dropped_apart(tmp_path, ba
     assert host.keys() == [("ds", 6)] and held(pool) == [2, 3]  # the other share keeps its copy
     assert host.get("ds").store.read(7) == tree[keys[7]]
     assert host.status("ds").progress.samples_loaded == 6
+    with pytest.raises(NotHeldError, match=r"no share starting at sample 0 \(holds 6\.\.11\)"):
+        host.get("ds", 0)  # moved elsewhere: what a client asking about it hears (and follows)
+    host.drop("ds", final=False, first=6)
+    with pytest.raises(NotHeldError, match="holds nothing of it: its share is served elsewhere now"):
+        host.lookup("ds", ids, 6)
+    with pytest.raises(NotFoundError, match="not hosted on this server") as raised:
+        host.get("ds")
+    assert not isinstance(raised.value, NotHeldError)
+    with pytest.raises(ProtocolError):
+        host.get("no such name!", 0)
 
 
 def test_restart_readopts_every_share_of_a_dataset(tmp_path, backend, tree):
