@@ -61,6 +61,7 @@ class Timers:
 class _Entry:
     record: kspeed_pb2.ServerRecord
     heard_at: float  # monotonic time of the last heartbeat (or of the manager's start)
+    heard: bool = True  # False for a record restored at the manager's start, until it heartbeats
     probe_failures: int = 0
     probed_ok: bool = False
     dirty: bool = field(default=False)
@@ -89,7 +90,7 @@ class Membership:
         self.revision = 0
         now = clock()
         for record in store.servers():
-            entry = _Entry(record=record, heard_at=now)
+            entry = _Entry(record=record, heard_at=now, heard=False)
             if record.state in LIVE:
                 # Soft state is gone: the server must prove itself again; its heartbeats will.
                 record.state = SUSPECT
@@ -188,7 +189,7 @@ class Membership:
                         f"server {request.id!r}: a heartbeat may not change its {', '.join(moved)} "
                         "(what it registered with); register again"
                     )
-            entry.heard_at = self._clock()
+            entry.heard_at, entry.heard = self._clock(), True
             record.last_heartbeat_unix = self._wall()
             changed = False
             if request.HasField("inventory") and request.inventory != record.inventory:
@@ -268,6 +269,8 @@ class Membership:
         if entry.probe_failures >= PROBE_FAILURES_SUSPECT:
             return self._set_state(entry, SUSPECT, record.state_reason)
         if record.state == JOINING and not entry.probed_ok:
+            return False
+        if not entry.heard:  # restored: ready once its heartbeat says what it holds, not before
             return False
         return self._set_state(entry, READY, "heartbeating and healthy")
 

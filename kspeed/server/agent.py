@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
+import grpc
+
 from kspeed.config import SecurityConfig
 from kspeed.control import rpc
-from kspeed.errors import AuthError, KSpeedError, NotFoundError, ProtocolError
+from kspeed.errors import AuthError, KSpeedError, NotFoundError, ProtocolError, UnavailableError
 from kspeed.proto import kspeed_pb2, kspeed_pb2_grpc
 from kspeed.server.metrics import ServerMetrics
 
@@ -23,6 +26,8 @@ log = logging.getLogger(__name__)
 
 CALL_TIMEOUT = 5.0
 MAX_BACKOFF = 1.0  # a manager that comes back hears from every server within about a heartbeat
+RETRY_FLOOR = 0.1  # the least wait between two calls to a manager that cannot be reached
+STOP_POLL = 0.05  # how often a wait for the manager looks whether the agent is stopping
 
 
 class ManagerAgent:
@@ -148,8 +153,32 @@ class ManagerAgent:
                 if not unreachable_logged:
                     log.warning("%s; retrying", exc)
                     unreachable_logged = True
-                self._stop.wait(backoff)
+                if isinstance(exc, UnavailableError):
+                    self._await_manager(backoff)
+                else:
+                    self._stop.wait(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF)
+
+    def _await_manager(self, timeout: float) -> None:
+        """Wait at least :data:`RETRY_FLOOR` and until the channel to the manager is up again, at
+        most ``timeout`` (or until the agent stops). A manager that comes back is heard from as soon
+        as the channel has reconnected, not a backoff later: a restarted manager declares a server
+        failed that it has not heard from within its ``fail_after``, and the channel's own
+        reconnect backoff (up to :data:`~kspeed.control.rpc.MAX_RECONNECT_BACKOFF_MS`) added to a
+        fixed wait here could exceed that."""
+        deadline = time.monotonic() + timeout
+        if self._stop.wait(RETRY_FLOOR):
+            return
+        ready = grpc.channel_ready_future(self._channel)
+        try:
+            while not self._stop.is_set() and (left := deadline - time.monotonic()) > 0:
+                try:
+                    ready.result(timeout=min(left, STOP_POLL))
+                    return
+                except grpc.FutureTimeoutError:
+                    continue
+        finally:
+            ready.cancel()
 
     def stop(self, deregister: bool, reason: str = "shutdown") -> None:
         """Stop the loop and, if asked and registered, deregister (best effort, bounded)."""

@@ -135,6 +135,12 @@ def test_restart_restores_registry_as_suspect_until_heard(tmp_path):
     assert restored._store.cluster_id == cluster_id
     assert state(restored, "srv-a") == SUSPECT
     assert state(restored, "srv-b") == LEFT
+    restored.tick()
+    restored.probe_result("srv-a", 1, True)  # answering probes is not enough: its heartbeat says what it holds
+    clock.now += 2.9
+    restored.tick()
+    assert state(restored, "srv-a") == SUSPECT
+    assert restored.get("srv-a").state_reason == "manager restarted; awaiting heartbeat"
     beat(restored, "srv-a")
     assert state(restored, "srv-a") == READY
     assert restored.get("srv-a").incarnation == 1
