@@ -22,7 +22,15 @@ import numpy as np
 
 from kspeed import errors, names
 from kspeed.control.logs import LogSettings
-from kspeed.errors import CapacityError, ConfigError, DatasetError, NotFoundError, ProtocolError, UnavailableError
+from kspeed.errors import (
+    CapacityError,
+    ConfigError,
+    DatasetError,
+    NotFoundError,
+    NotHeldError,
+    ProtocolError,
+    UnavailableError,
+)
 from kspeed.layout import batch_starts
 from kspeed.preprocess.pipeline import STATUS, Pipeline
 from kspeed.proto import kspeed_pb2
@@ -118,7 +126,8 @@ class FeederPool:
         self._host = host
         self._lock = threading.Lock()
         self._feeds: dict[str, _FeedInfo] = {}
-        self._ended: dict[str, str] = {}  # feeds the server ended and why, to answer with the reason
+        # feeds the server ended, and the error that answers a call about one since
+        self._ended: dict[str, tuple[type[errors.KSpeedError], str]] = {}
         self._closing: dict[int, threading.Event] = {}  # CloseFeed tokens: set when their feeder reports it
         self._tokens = itertools.count(1)
         ctx = mp.get_context("spawn")  # never fork: the pool is mapped and gRPC threads run
@@ -247,11 +256,17 @@ class FeederPool:
     def _feed(self, feed_id: str) -> _FeedInfo:
         info = self._feeds.get(feed_id)
         if info is None:
-            why = self._ended.get(feed_id)
-            if why:
-                raise DatasetError(f"feed {feed_id!r} ended: {why}")
+            ended = self._ended.get(feed_id)
+            if ended is not None:
+                raise ended[0](ended[1])
             raise NotFoundError(f"feed {feed_id!r} is not open on this server (call OpenFeed first)")
         return info
+
+    def _end(self, feed_id: str, error: type[errors.KSpeedError], message: str) -> None:
+        """Remember why the server ended a feed: later calls about it raise ``error(message)``."""
+        self._ended[feed_id] = (error, message)
+        while len(self._ended) > REMEMBERED_ENDS:
+            self._ended.pop(next(iter(self._ended)))
 
     def commit_plan(
         self,
@@ -383,9 +398,7 @@ class FeederPool:
         """Close a feed (its data-plane connection and plans); a ``reason`` is told to the client first."""
         info = self._feed(feed_id)
         if reason:
-            self._ended[feed_id] = reason
-            while len(self._ended) > REMEMBERED_ENDS:
-                self._ended.pop(next(iter(self._ended)))
+            self._end(feed_id, DatasetError, f"feed {feed_id!r} ended: {reason}")
         closed = threading.Event()
         with self._lock:
             token = next(self._tokens)
@@ -410,20 +423,28 @@ class FeederPool:
             if info is None or info.generation != gone.generation:  # closed, or opened again meanwhile
                 return
             self.close(gone.feed_id)
-            self._ended[gone.feed_id] = f"feed {gone.feed_id} ended: {gone.why}"
+            self._end(gone.feed_id, DatasetError, f"feed {gone.feed_id!r} ended: {gone.why}")
             log.info("feed %s: reclaimed: %s", gone.feed_id, gone.why)
         except errors.KSpeedError as exc:
             log.warning("feed %s: cannot reclaim it: %s", gone.feed_id, exc)
 
     def close_share(self, dataset: str, first: int, reason: str = "") -> None:
         """Close every feed of a dataset's share (before its regions are released), telling the
-        clients ``reason``."""
+        clients ``reason`` (none: the share is held elsewhere now, and a client's later call about
+        one of these feeds is :class:`~kspeed.errors.NotHeldError`, a path to follow)."""
         feeds = [k for k, v in self._feeds.items() if (v.dataset, v.first) == (dataset, first)]
         if feeds:
             log.info(
                 "dataset %s: closing %d feed(s) of share %d..: %s", dataset, len(feeds), first, reason or "dropped"
             )
         for feed_id in feeds:
+            if not reason:
+                self._end(
+                    feed_id,
+                    NotHeldError,
+                    f"feed {feed_id!r} was closed: this server no longer holds share {first}.. of dataset "
+                    f"{dataset!r} (it is held elsewhere now)",
+                )
             try:
                 self.close(feed_id, reason)
             except errors.KSpeedError as exc:

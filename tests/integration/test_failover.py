@@ -16,11 +16,15 @@ import sys
 import threading
 import time
 
+import grpc
+import numpy as np
 import pytest
 
 from kspeed import DatasetSpec, KSpeedClient
 from kspeed.cli.cluster import wait_for
-from kspeed.proto import kspeed_pb2
+from kspeed.control.rpc import map_rpc_errors
+from kspeed.errors import NotHeldError
+from kspeed.proto import kspeed_pb2, kspeed_pb2_grpc
 from kspeed.rdma.rails import available_rails
 from tests.helpers import http_get
 from tests.integration.test_client import config_for, loader_order
@@ -255,4 +259,28 @@ def test_training_goes_on_while_the_manager_restarts(cluster_factory, tmp_path):
         ready = kspeed_pb2.DatasetState.DATASET_STATE_READY  # once the servers' heartbeats say so again
         wait_for(lambda: client.manager.dataset("imgs").state == ready or None, 10, "the dataset ready")
         assert [s.server_id for s in client.manager.dataset("imgs").shares] == list(holders)  # nothing moved
+        ds.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_server_asked_about_a_share_it_let_go_says_so(cluster_factory, tmp_path):
+    # What a client with a stale view hears from the server its share moved away from: a lookup
+    # or a plan for its feed there is NotHeldError (the client follows the share as after a lost
+    # server), not a bare "not found" that would end the job.
+    files = make_tree(tmp_path / "imgs", max_size=64 * 1024)
+    cluster = cluster_factory(2, server_args=["--backend-allow", str(tmp_path)])
+    spec = DatasetSpec(name="imgs", uri=str(tmp_path / "imgs"), labels="dirname")
+    with KSpeedClient(config=config_for(cluster)) as client:
+        ds = client.dataset(spec, batch_size=BATCH, seed=SEED, ring_bytes=1 << 20, quiet=True)
+        ds.preload()
+        check_epoch(ds, files, 0)
+        path = ds._feed.paths[0]
+        link, first = path.link, path.link.first_id
+        server = kspeed_pb2_grpc.ServerStub(grpc.insecure_channel(link.address))
+        server.DropDataset(kspeed_pb2.DatasetRequest(name="imgs", first_id=first))  # as the manager does
+        with pytest.raises(NotHeldError, match=rf"holds no share starting at sample {first}"):
+            link.lookup("imgs", np.arange(len(files), dtype=np.int64))
+        stale = rf"no longer holds share {first}\.\. of dataset 'imgs'"
+        with pytest.raises(NotHeldError, match=stale), map_rpc_errors(link.name):
+            server.CommitPlan(kspeed_pb2.PlanChunk(feed_id=path.feed_id))
         ds.close()
