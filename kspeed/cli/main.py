@@ -14,10 +14,8 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import sys
 import tempfile
-import threading
 import time
 
 from kspeed._version import version_line
@@ -25,6 +23,7 @@ from kspeed.cli.cluster import LocalCluster
 from kspeed.cli.tables import dataset_table, job_table, status_table
 from kspeed.client.spec import DatasetSpec
 from kspeed.config import CONNECTION_FIELDS, ClientConfig, add_arguments, format_bytes, load_config, parse_bytes
+from kspeed.control.daemon import StopSignals
 from kspeed.control.manager_client import ManagerClient
 from kspeed.control.progress import follow_preload
 from kspeed.control.status import dataset_dict, human_bytes, job_dict, status_dict
@@ -58,9 +57,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         token_file=args.token_file or "",
         server_args=server_args,
     )
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = StopSignals()
     watch = _Watch(cluster)
     try:
         cluster.start_manager()

@@ -1,18 +1,21 @@
-"""Start-up plumbing shared by the daemons: state directory, ready file, fatal errors."""
+"""Start-up plumbing shared by the daemons: state directory, ready file, stop signals, fatal errors."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
+import select
 import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
-from kspeed.errors import ConfigError, KSpeedError
+from kspeed.errors import ConfigError, KSpeedError, StateError
 
 if TYPE_CHECKING:
     from kspeed.config import DaemonConfig
@@ -45,6 +48,51 @@ def write_ready_file(path: str, payload: dict) -> None:
     with open(tmp, "w", encoding="utf-8") as fh:
         json.dump(payload, fh)
     os.replace(tmp, path)
+
+
+class StopSignals:
+    """SIGTERM and SIGINT, turned into a stop the main thread waits for.
+
+    A Python signal handler runs on the main thread between two bytecodes, possibly while that
+    thread holds a lock, such as a :class:`threading.Event`'s own inside ``Event.wait`` or another
+    handler's ``Event.set``: a handler that sets an event can deadlock the process (a server sent
+    two SIGTERMs in a row hung in its second handler). These handlers only note the signal; the
+    interpreter's own C handler writes to a wakeup pipe that :meth:`wait` selects on. They stay
+    installed for the life of the process (a signal during the shutdown is noted, not fatal);
+    :meth:`close` restores the previous ones.
+
+    Raises:
+        StateError: not on the main thread.
+    """
+
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            raise StateError("stop signals are set up on the main thread (Python runs signal handlers there)")
+        self.received: list[int] = []  # appended by the handlers: no lock taken
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._read, False)
+        os.set_blocking(self._write, False)
+        self._previous_fd = signal.set_wakeup_fd(self._write)
+        self._previous = {sig: signal.signal(sig, self._note) for sig in signals}
+
+    def _note(self, signum: int, frame: object) -> None:
+        self.received.append(signum)
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a signal; whether one has come."""
+        if not self.received:
+            select.select([self._read], [], [], timeout)
+            with contextlib.suppress(BlockingIOError):
+                os.read(self._read, 4096)
+        return bool(self.received)
+
+    def close(self) -> None:
+        """Restore the previous handlers and wakeup descriptor (tests; a daemon keeps these)."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        signal.set_wakeup_fd(self._previous_fd)
+        os.close(self._read)
+        os.close(self._write)
 
 
 PR_SET_PDEATHSIG = 1

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
 import sys
 import threading
 from concurrent import futures
@@ -21,7 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kspeed._version import __version__
 from kspeed.config import ServerConfig
 from kspeed.control import rpc
-from kspeed.control.daemon import daemon_main, ensure_state_dir, write_ready_file
+from kspeed.control.daemon import StopSignals, daemon_main, ensure_state_dir, write_ready_file
 from kspeed.control.http import HttpEndpoint, metrics_route, text_response
 from kspeed.control.logs import LogSettings
 from kspeed.control.streams import StreamGuard
@@ -221,10 +220,10 @@ class Server:
         self._stopped.set()
 
     def run_until_stopped(self) -> None:
-        """Serve until SIGTERM/SIGINT (or a fatal refusal by the manager), then shut down."""
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self._stopped.set())
-        while not self._stopped.wait(0.5):
+        """Serve until SIGTERM/SIGINT (or a fatal refusal by the manager, seen within half a
+        second), then shut down."""
+        signals = StopSignals()
+        while not signals.wait(0.5) and not self._stopped.is_set():
             pass
         self.stop()
         if self.fatal is not None:
