@@ -45,6 +45,14 @@ def slow_cluster(cluster_factory, tmp_path, env=None):
     return cluster, files, DatasetSpec(name="imgs", uri=f"slowfile://{tmp_path / 'imgs'}", labels="dirname")
 
 
+def plain_cluster(cluster_factory, tmp_path, max_size: int):
+    """Two servers over the local files of a dataset of files up to ``max_size`` bytes. Returns
+    ``(cluster, files, spec)``."""
+    files = make_tree(tmp_path / "imgs", max_size=max_size)
+    cluster = cluster_factory(2, server_args=["--backend-allow", str(tmp_path)])
+    return cluster, files, DatasetSpec(name="imgs", uri=str(tmp_path / "imgs"), labels="dirname")
+
+
 def check_epoch(ds, files, epoch: int, on_batch=None) -> None:
     """Read one epoch: every sample once, in the sampler's order, bytes intact; ``on_batch(k)``
     runs after batch ``k`` arrived (to kill or hang a server mid-epoch)."""
@@ -88,9 +96,7 @@ def test_a_holder_killed_mid_epoch_is_a_pause_not_an_error(cluster_factory, tmp_
 
 @pytest.mark.timeout(120)
 def test_without_a_spare_a_survivor_with_room_takes_the_share(cluster_factory, tmp_path):
-    files = make_tree(tmp_path / "imgs", max_size=128 * 1024)
-    cluster = cluster_factory(2, server_args=["--backend-allow", str(tmp_path)])
-    spec = DatasetSpec(name="imgs", uri=str(tmp_path / "imgs"), labels="dirname")
+    cluster, files, spec = plain_cluster(cluster_factory, tmp_path, 128 * 1024)
     with KSpeedClient(config=config_for(cluster, failover_timeout="60s")) as client:
         ds = client.dataset(spec, batch_size=BATCH, seed=SEED, ring_bytes=2 << 20, quiet=True)
         ds.preload()
@@ -235,9 +241,7 @@ def test_chaos_three_kills_and_a_hung_server_over_three_epochs(cluster_factory, 
 
 @pytest.mark.timeout(120)
 def test_training_goes_on_while_the_manager_restarts(cluster_factory, tmp_path):
-    files = make_tree(tmp_path / "imgs", max_size=128 * 1024)
-    cluster = cluster_factory(2, server_args=["--backend-allow", str(tmp_path)])
-    spec = DatasetSpec(name="imgs", uri=str(tmp_path / "imgs"), labels="dirname")
+    cluster, files, spec = plain_cluster(cluster_factory, tmp_path, 128 * 1024)
     with KSpeedClient(config=config_for(cluster)) as client:
         ds = client.dataset(spec, batch_size=BATCH, seed=SEED, ring_bytes=1 << 20, quiet=True)
         ds.preload()
@@ -267,9 +271,7 @@ def test_a_server_asked_about_a_share_it_let_go_says_so(cluster_factory, tmp_pat
     # What a client with a stale view hears from the server its share moved away from: a lookup
     # or a plan for its feed there is NotHeldError (the client follows the share as after a lost
     # server), not a bare "not found" that would end the job.
-    files = make_tree(tmp_path / "imgs", max_size=64 * 1024)
-    cluster = cluster_factory(2, server_args=["--backend-allow", str(tmp_path)])
-    spec = DatasetSpec(name="imgs", uri=str(tmp_path / "imgs"), labels="dirname")
+    cluster, files, spec = plain_cluster(cluster_factory, tmp_path, 64 * 1024)
     with KSpeedClient(config=config_for(cluster)) as client:
         ds = client.dataset(spec, batch_size=BATCH, seed=SEED, ring_bytes=1 << 20, quiet=True)
         ds.preload()
