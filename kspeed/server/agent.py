@@ -28,6 +28,7 @@ CALL_TIMEOUT = 5.0
 MAX_BACKOFF = 1.0  # a manager that comes back hears from every server within about a heartbeat
 RETRY_FLOOR = 0.1  # the least wait between two calls to a manager that cannot be reached
 STOP_POLL = 0.05  # how often a wait for the manager looks whether the agent is stopping
+SOON_GAP = 0.05  # the least time between two heartbeats when news is reported soon
 
 
 class ManagerAgent:
@@ -66,6 +67,7 @@ class ManagerAgent:
         self._on_drop = on_drop
         self._on_assign = on_assign
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set to end a pause: news to report, or the agent stops
         self._thread = threading.Thread(target=self._run, name="kspeed-agent", daemon=True)
         self.incarnation = 0
         self.interval = 1.0
@@ -74,6 +76,19 @@ class ManagerAgent:
     def start(self) -> None:
         """Start registering and heartbeating in the background."""
         self._thread.start()
+
+    def report_soon(self) -> None:
+        """Heartbeat now rather than at the next interval (a preload ended: whoever follows it
+        through the manager learns it without waiting up to a heartbeat interval)."""
+        self._wake.set()
+
+    def _pause(self) -> None:
+        """Wait a heartbeat interval, or less when news is reported (at least :data:`SOON_GAP`
+        after the last heartbeat), or until the agent stops."""
+        last = time.monotonic()
+        if self._wake.wait(self.interval) and not self._stop.is_set():
+            self._wake.clear()
+            self._stop.wait(max(0.0, last + SOON_GAP - time.monotonic()))
 
     def _call(self, method: str, request: object) -> Any:
         with rpc.map_rpc_errors(f"manager at {self._manager}"):
@@ -138,7 +153,7 @@ class ManagerAgent:
                 if unreachable_logged:
                     log.info("manager %s reachable again", self._manager)
                     unreachable_logged = False
-                self._stop.wait(self.interval)
+                self._pause()
             except NotFoundError as exc:
                 log.warning("manager does not know this server (%s); registering again", exc)
                 self._metrics.heartbeats.labels("not_found").inc()
@@ -183,6 +198,7 @@ class ManagerAgent:
     def stop(self, deregister: bool, reason: str = "shutdown") -> None:
         """Stop the loop and, if asked and registered, deregister (best effort, bounded)."""
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout=CALL_TIMEOUT + 1)
         if deregister and self.registered.is_set():
             try:

@@ -190,6 +190,7 @@ class Server:
             ),
             on_assign=host.retake,
         )
+        host.on_loaded = lambda name: self.agent.report_soon() if self.agent is not None else None
         self.agent.start()
         log.info(
             "kspeed-server %s listening: grpc %s (advertised %s), http %s; manager %s; pool %s: %d regions "

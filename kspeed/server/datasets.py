@@ -170,6 +170,7 @@ class DatasetHost:
         self._dropped: dict[str, str] = {}  # recently dropped datasets and why, to answer with the reason
         self.on_drop: Callable[[str, int, str], None] = lambda name, first, reason: None  # e.g. close its feeds
         self.on_changed: Callable[[str, list[Change]], None] = lambda name, changes: None  # e.g. tell the feeders
+        self.on_loaded: Callable[[str], None] = lambda name: None  # a share's preload ended (e.g. report it now)
         # a share's per-epoch figures under a memory policy (production keeps them)
         self.figures: Callable[[ShareKey], list[EpochFigures]] = lambda key: []
         self.watch = ChangeWatch(self._checks, interval=change_check_interval, budget=change_check_budget)
@@ -395,6 +396,7 @@ class DatasetHost:
                 if sliced:
                     self.slices.give(key)
                 raise
+            preloader.on_finished = lambda: self.on_loaded(name)
             store = SampleStore(preloader)
             if self._scrub_interval > 0 and not share.on_demand and not share.policy:
                 store.start_scrub(self._scrub_interval)

@@ -205,6 +205,8 @@ class Preloader:
         #: called with the IDs that came home (loaded or adopted), and with failed IDs and their reasons
         self.on_home: Callable[[np.ndarray], None] = lambda ids: None
         self.on_failed: Callable[[np.ndarray, list[str]], None] = lambda ids, reasons: None
+        #: called when a job ends (loaded, failed or stopped), once its outcome is in :meth:`progress`
+        self.on_finished: Callable[[], None] = lambda: None
         self._urgent: deque[np.ndarray] = deque()  # IDs to read before the rest, in order (plans)
         self._lock = threading.Lock()
         self._seal_lock = threading.Lock()
@@ -379,6 +381,7 @@ class Preloader:
                 if self._stopping and p.samples_done < p.samples_total
                 else "",
             )
+            self.on_finished()
 
     def _prepare(self) -> np.ndarray:
         """Open the unsealed regions for filling; returns the IDs still to load, in ID order."""

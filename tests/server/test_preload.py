@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 
+from kspeed.cli.cluster import wait_for
 from kspeed.errors import ChangedError, DatasetError, IntegrityError, NotFoundError, StateError
 from kspeed.server.allowlist import AllowList
 from kspeed.server.backend import Backend
@@ -123,6 +124,18 @@ def test_stop_ends_a_running_preload_after_the_reads_in_flight_and_keeps_what_th
     result = Preloader(src2, pool2).preload(timeout=30)
     assert result.complete and src2.reads.sum() < 60 and (src2.reads + src.reads >= 1).all()
     pool2.destroy()
+
+
+def test_the_end_of_each_job_is_announced_once_its_outcome_shows(tmp_path, backend, pool):
+    _files, _src, pre = make(tmp_path, backend, pool, [3000] * 40, threads=4)
+    seen = []
+    pre.on_finished = lambda: seen.append(pre.progress())
+    pre.preload(timeout=30)
+    wait_for(lambda: len(seen) == 1, 10, "the end of the job announced")
+    assert not seen[0].running and seen[0].samples_done == 40
+    pre.preload(timeout=30)  # everything is loaded: no job runs, nothing to announce
+    time.sleep(0.1)
+    assert len(seen) == 1
 
 
 def test_restart_readopts_sealed_regions_and_loads_only_the_rest(tmp_path, backend):
