@@ -302,6 +302,8 @@ class DatasetHost:
         """
         if spec.pipeline.stages:
             pipeline = Pipeline.from_proto(spec.pipeline)
+            if self.prep is not None and pipeline.server_stages:
+                self.prep.warm(spec.name, spec.pipeline.SerializeToString(), pipeline.server_stages)
             Runner(pipeline, allow=self.preprocess_allow, dataset=spec.name, stages=pipeline.server_stages)
             pipeline.cached_stages(spec.cache)
         elif spec.cache:

@@ -9,8 +9,10 @@ stages run once at preload, the results sent back over the pipe; its stored byte
 stages' declared output, and per-epoch tasks start after them.
 Workers are spawned (never forked: the server's gRPC threads and mappings must not be inherited),
 run one task at a time single-threaded (torchvision's transforms seed torch's global generator per
-sample), and resolve each pipeline once against the operator's module allow-list. A worker that
-dies is replaced and its task done again once by the new one.
+sample), and resolve each pipeline once against the operator's module allow-list. The first
+pipeline a server is asked to check starts them and has each resolve it in the background, so the
+seconds torchvision takes to import pass while the dataset registers and preloads, not before its
+first batch. A worker that dies is replaced and its task done again once by the new one.
 """
 
 from __future__ import annotations
@@ -227,16 +229,49 @@ class PrepPool:
         #: per dataset, seconds per "<index>:<op>" stage, summed over workers (until :meth:`forget`)
         self.stage_seconds: dict[str, dict[str, float]] = {}
         self._started = False
+        self._warming = False  # warm() was called
+        self._warm: set[_Worker] = set()  # workers resolving a pipeline for warm()
         self._helpers: ThreadPoolExecutor | None = None  # threads of run_all, made on its first call
 
     def _start(self) -> None:
-        """Spawn the workers on the first task (a server without pipelines never starts them)."""
+        """Spawn the workers on the first task or :meth:`warm` (a server without pipelines never starts them)."""
         with self._lock:
             if self._started or self._closed:
                 return
             self._started = True
             for _ in range(self.workers):
                 self._idle.put(self._spawn())
+
+    def warm(self, dataset: str, pipeline: bytes, stages: int) -> None:
+        """Start the workers and have each resolve ``pipeline`` now, in the background, so that the
+        first tasks do not wait for the imports it needs (torchvision takes seconds); once per pool.
+        A worker still warming when the pool closes is killed: it holds no task."""
+        with self._lock:
+            if self._warming or self._closed:
+                return
+            self._warming = True
+        self._start()
+        task = PrepTask(dataset, pipeline, stages, seed=0, epoch=0, samples=(), inputs=(), outputs=())
+        for _ in range(self.workers):
+            threading.Thread(target=self._warm_one, args=(task,), name="kspeed-prep-warm", daemon=True).start()
+
+    def _warm_one(self, task: PrepTask) -> None:
+        try:
+            worker = self._take()
+        except StateError:
+            return
+        with self._lock:
+            warming = not self._closed
+            if warming:
+                self._warm.add(worker)
+        if warming:
+            with contextlib.suppress(EOFError, OSError):  # a worker lost here is replaced by its next task
+                worker.conn.send(task)
+                if worker.conn.poll(TASK_TIMEOUT):
+                    worker.conn.recv()
+            with self._lock:
+                self._warm.discard(worker)
+        self._idle.put(worker)
 
     def _spawn(self) -> _Worker:
         self._count += 1
@@ -344,6 +379,10 @@ class PrepPool:
             self._closed = True
             started = self._started
             helpers, self._helpers = self._helpers, None
+            warming = list(self._warm)
+        for worker in warming:  # back in the idle queue at once, to be stopped below
+            with contextlib.suppress(OSError):
+                worker.process.kill()
         if helpers is not None:
             helpers.shutdown(wait=False, cancel_futures=True)
         if not started:

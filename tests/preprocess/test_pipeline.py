@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
 import signal
 import threading
+import time
 
 import numpy as np
 import pytest
 from PIL import Image
 
 from kspeed import DatasetSpec
+from kspeed.cli.cluster import wait_for
 from kspeed.client.offload import attached_pipeline, plan_prep
 from kspeed.client.options import FeedOptions
 from kspeed.client.plans import remote_positions
 from kspeed.control.logs import LogSettings
-from kspeed.errors import AccessDeniedError, ConfigError, PreprocessError
+from kspeed.errors import AccessDeniedError, ConfigError, PreprocessError, StateError
 from kspeed.preprocess import Output, Pipeline, Stage
 from kspeed.preprocess.pipeline import HEADER, STATUS, read_status
 from kspeed.preprocess.runner import Runner
@@ -318,6 +321,53 @@ def test_a_worker_that_dies_is_replaced_and_its_task_done_again(pool, tmp_path):
     runner.join(30)
     assert answer and answer[0] == [CROP.nbytes]
     assert pool.restarts == 1 and first not in pool.pids()
+
+
+def probed() -> Pipeline:
+    """:func:`augment` with a stage from :mod:`tests.preprocess.import_probe`."""
+    stages = list(augment().stages)
+    return Pipeline([stages[0], Stage("tests.preprocess.import_probe:same"), *stages[1:]])
+
+
+def test_warming_resolves_the_pipeline_in_every_worker_before_any_task(tmp_path, monkeypatch):
+    monkeypatch.setenv("KSPEED_TEST_PROBE_DIR", str(tmp_path))
+    workers = PrepPool(2, ("tests",), LogSettings())
+    try:
+        pipeline = probed().to_proto().SerializeToString()
+        workers.warm("imgs", pipeline, 5)
+        workers.warm("imgs", pipeline, 5)  # once per pool
+        wait_for(lambda: len(workers.pids()) == 2 and len(list(tmp_path.glob("imported.*"))) == 2, 60, "warm")
+        assert {int(p.name.split(".")[1]) for p in tmp_path.glob("imported.*")} == set(workers.pids())
+        assert workers.samples == 0 and workers.busy_seconds == 0  # warming is not work
+        path, mapped = window(tmp_path, 1)
+        results = workers.run(dataclasses.replace(task(probed(), path, [jpeg(3)], stages=5), pipeline=pipeline))
+        assert results == [CROP.nbytes]
+        expected = Runner(probed(), allow=("tests",)).run(jpeg(3), seed=7, epoch=1, sample=0, stop=5)
+        assert np.array_equal(mapped[: CROP.nbytes].reshape(3, 16, 16), expected)
+        imported = {int(p.name.split(".")[1]) for p in tmp_path.glob("imported.*")} - {os.getpid()}
+        assert imported == set(workers.pids())  # the task found the module imported
+    finally:
+        workers.close()
+
+
+def test_closing_while_the_workers_warm_kills_them_at_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("KSPEED_TEST_PROBE_DIR", str(tmp_path))
+    (tmp_path / "hold").touch()  # importing the probe takes a minute
+    workers = PrepPool(2, ("tests",), LogSettings())
+    workers.warm("imgs", probed().to_proto().SerializeToString(), 5)
+    wait_for(lambda: len(list(tmp_path.glob("imported.*"))) == 2, 60, "both workers importing")
+    started = time.monotonic()
+    workers.close()
+    assert time.monotonic() - started < 3  # not the minute, nor the 5 s a running task is given
+    pids = [int(p.name.split(".")[1]) for p in tmp_path.glob("imported.*")]
+    assert not [pid for pid in pids if os.path.exists(f"/proc/{pid}") and not zombie(pid)]
+    with pytest.raises(StateError):
+        workers.run(task(augment(), str(tmp_path / "window"), [jpeg(1)]))
+
+
+def zombie(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
 
 
 def test_when_skipping_a_failure_travels_in_the_sample_slot(pool, tmp_path):
