@@ -265,12 +265,25 @@ class PrepPool:
             if warming:
                 self._warm.add(worker)
         if warming:
-            with contextlib.suppress(EOFError, OSError):  # a worker lost here is replaced by its next task
+            try:
                 worker.conn.send(task)
-                if worker.conn.poll(TASK_TIMEOUT):
+                hung = not worker.conn.poll(TASK_TIMEOUT)
+                if not hung:
                     worker.conn.recv()
+            except (EOFError, OSError):
+                hung = False  # a worker lost here is replaced by its next task
             with self._lock:
                 self._warm.discard(worker)
+            if hung:  # its late answer would be taken for the next task's
+                log.warning(
+                    "preprocessing worker %d: no answer within %gs; replacing it", worker.process.pid, TASK_TIMEOUT
+                )
+                with contextlib.suppress(OSError):
+                    worker.process.kill()
+                worker.stop()
+                with self._lock:
+                    if not self._closed:  # (closing, the stopped one goes back to be stopped again)
+                        worker = self._spawn()
         self._idle.put(worker)
 
     def _spawn(self) -> _Worker:

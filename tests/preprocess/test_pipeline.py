@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import multiprocessing
 import os
 import signal
 import threading
@@ -25,6 +26,7 @@ from kspeed.preprocess import Output, Pipeline, Stage
 from kspeed.preprocess.pipeline import HEADER, STATUS, read_status
 from kspeed.preprocess.runner import Runner
 from kspeed.preprocess.versions import libraries
+from kspeed.server import prep_pool
 from kspeed.server.prep_pool import PrepPool, PrepTask
 
 CROP = Output(shape=(3, 16, 16), dtype="uint8")
@@ -363,6 +365,29 @@ def test_closing_while_the_workers_warm_kills_them_at_once(tmp_path, monkeypatch
     assert not [pid for pid in pids if os.path.exists(f"/proc/{pid}") and not zombie(pid)]
     with pytest.raises(StateError):
         workers.run(task(augment(), str(tmp_path / "window"), [jpeg(1)]))
+
+
+def test_a_worker_that_hangs_while_warming_is_replaced_and_tasks_still_get_their_own_answers(tmp_path, monkeypatch):
+    monkeypatch.setenv("KSPEED_TEST_PROBE_DIR", str(tmp_path))
+    monkeypatch.setattr(prep_pool, "TASK_TIMEOUT", 0.5)  # no answer within it: hung
+    (tmp_path / "hold").touch()  # importing the probe takes a minute
+    workers = PrepPool(2, ("tests",), LogSettings())
+    try:
+        pipeline = probed().to_proto().SerializeToString()
+        workers.warm("imgs", pipeline, 5)
+        first = {p.pid for p in multiprocessing.active_children() if p.name.startswith("kspeed-prep-")}
+        assert len(first) == 2
+        wait_for(lambda: len(workers.pids()) == 2 and not first & set(workers.pids()), 30, "both replaced")
+        assert not [pid for pid in first if os.path.exists(f"/proc/{pid}") and not zombie(pid)]
+        monkeypatch.setattr(prep_pool, "TASK_TIMEOUT", 300.0)
+        (tmp_path / "hold").unlink()
+        path, mapped = window(tmp_path, 1)
+        results = workers.run(dataclasses.replace(task(probed(), path, [jpeg(5)], stages=5), pipeline=pipeline))
+        assert results == [CROP.nbytes]  # not the late answer of a warming worker
+        expected = Runner(probed(), allow=("tests",)).run(jpeg(5), seed=7, epoch=1, sample=0, stop=5)
+        assert np.array_equal(mapped[: CROP.nbytes].reshape(3, 16, 16), expected)
+    finally:
+        workers.close()
 
 
 def zombie(pid: int) -> bool:
