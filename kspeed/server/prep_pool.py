@@ -283,6 +283,7 @@ class PrepPool:
                 worker.stop()
                 with self._lock:
                     if not self._closed:  # (closing, the stopped one goes back to be stopped again)
+                        self.restarts += 1
                         worker = self._spawn()
         self._idle.put(worker)
 

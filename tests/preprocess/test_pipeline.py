@@ -379,6 +379,7 @@ def test_a_worker_that_hangs_while_warming_is_replaced_and_tasks_still_get_their
         assert len(first) == 2
         wait_for(lambda: len(workers.pids()) == 2 and not first & set(workers.pids()), 30, "both replaced")
         assert not [pid for pid in first if os.path.exists(f"/proc/{pid}") and not zombie(pid)]
+        assert workers.restarts == 2
         monkeypatch.setattr(prep_pool, "TASK_TIMEOUT", 300.0)
         (tmp_path / "hold").unlink()
         path, mapped = window(tmp_path, 1)
