@@ -173,7 +173,7 @@ class Server:
         self.metrics.info.info({"id": self.id, "version": __version__, "address": self.address})
         self.metrics.memory.set(cfg.memory)
         self.metrics.memory_used.set_function(self.host.memory_used)
-        self.agent = ManagerAgent(
+        self.agent = agent = ManagerAgent(
             manager_address=cfg.manager,
             security=cfg.security,
             server_id=self.id,
@@ -190,8 +190,8 @@ class Server:
             ),
             on_assign=host.retake,
         )
-        host.on_loaded = lambda name: self.agent.report_soon() if self.agent is not None else None
-        self.agent.start()
+        host.on_loaded = lambda name: agent.report_soon()
+        agent.start()
         log.info(
             "kspeed-server %s listening: grpc %s (advertised %s), http %s; manager %s; pool %s: %d regions "
             "of %d bytes; backends allowed: %s",
