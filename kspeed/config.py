@@ -396,6 +396,20 @@ class ManagerConfig(DaemonConfig):
         parse=parse_duration,
         env="KSPEED_SERVER_CALL_TIMEOUT",
     )
+    restart_grace: float = option(
+        30.0,
+        "how long a server stopped cleanly with its pool kept (SIGTERM, systemctl stop) is waited for before its "
+        "shares move to other servers: one back within it re-adopts its pool and nothing moves (0: move at once)",
+        parse=parse_duration,
+        env="KSPEED_RESTART_GRACE",
+    )
+    rebuild_state: bool = option(
+        False,
+        "move a damaged state file aside and rebuild the registry from the servers' assignment files (once, "
+        "after the manager refused to start on that file)",
+        parse=_parse_bool,
+        env="KSPEED_REBUILD_STATE",
+    )
 
     def validate(self) -> None:
         """Check cross-field rules."""

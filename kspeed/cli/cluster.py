@@ -343,6 +343,16 @@ class LocalCluster:
         statuses["manager"] = self.manager.stop()
         return statuses
 
+    def pool_dir(self, server: Daemon) -> str:
+        """Where ``server`` keeps its pool (``--pool-dir``)."""
+        return server.argv[server.argv.index("--pool-dir") + 1]
+
+    def discard_pools(self) -> int:
+        """Delete the pool files of every server that is not running; returns the bytes freed."""
+        from kspeed.server.pool import discard_pool
+
+        return sum(discard_pool(self.pool_dir(server)) for server in self.servers if not server.running)
+
     def __enter__(self) -> LocalCluster:
         self.start()
         return self

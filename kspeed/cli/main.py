@@ -5,6 +5,7 @@ kspeed status [--manager HOST:PORT] [--json] [--job NAME]
 kspeed dataset add NAME URI [--kind K] [--labels dirname] [--quota SIZE] [--policy P]
 kspeed dataset list [--json] | show NAME | rm NAME [--force]
 kspeed preload NAME
+kspeed server drain ID [--wait] [--allow-degraded] | purge [--config FILE]
 kspeed demo [--servers N]
 """
 
@@ -19,10 +20,12 @@ import tempfile
 import time
 
 from kspeed._version import version_line
+from kspeed.cli import servers
+from kspeed.cli.args import say, subcommand
 from kspeed.cli.cluster import LocalCluster
 from kspeed.cli.tables import dataset_table, job_table, status_table
 from kspeed.client.spec import DatasetSpec
-from kspeed.config import CONNECTION_FIELDS, ClientConfig, add_arguments, format_bytes, load_config, parse_bytes
+from kspeed.config import ClientConfig, format_bytes, load_config, parse_bytes
 from kspeed.control.daemon import StopSignals
 from kspeed.control.manager_client import ManagerClient
 from kspeed.control.progress import follow_preload
@@ -32,10 +35,6 @@ from kspeed.policies import POLICIES
 from kspeed.proto import kspeed_pb2
 
 READY = kspeed_pb2.ServerState.SERVER_STATE_READY
-
-
-def _say(text: str) -> None:
-    print(text, flush=True)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -61,35 +60,39 @@ def cmd_up(args: argparse.Namespace) -> int:
     watch = _Watch(cluster)
     try:
         cluster.start_manager()
-        _say(f"manager grpc {cluster.address}")
-        _say(f"manager http http://{cluster.http_address}")
-        _say(f"backends allowed: {allow}")
+        say(f"manager grpc {cluster.address}")
+        say(f"manager http http://{cluster.http_address}")
+        say(f"backends allowed: {allow}")
         if args.token_file:
-            _say(f"auth: bearer token from {args.token_file}")
+            say(f"auth: bearer token from {args.token_file}")
         else:
-            _say("auth: off (loopback-only cluster; pass --token-file to require a token)")
+            say("auth: off (loopback-only cluster; pass --token-file to require a token)")
         for _ in range(args.servers):
             server = cluster.add_server(member=False)
-            _say(f"server {server.ready['id']} grpc {server.ready['grpc']} http http://{server.ready['http']}")
+            say(f"server {server.ready['id']} grpc {server.ready['grpc']} http http://{server.ready['http']}")
         cluster.wait_members(timeout=60)
-        _say(f"state {state_dir}{'' if keep else ' (removed on a clean exit)'}; logs in {state_dir}/logs")
-        _say(f"ready: {args.servers} server(s) READY. Try: kspeed status --manager {cluster.address}. Ctrl-C to stop.")
+        say(f"state {state_dir}{'' if keep else ' (removed on a clean exit)'}; logs in {state_dir}/logs")
+        say(f"ready: {args.servers} server(s) READY. Try: kspeed status --manager {cluster.address}. Ctrl-C to stop.")
         while not stop.wait(0.5):
             if not watch.check():
                 return 1
         return 0
     finally:
-        _say("stopping the local cluster")
+        say("stopping the local cluster")
         cluster.stop()
-        if watch.exited:
-            _say(f"kept {state_dir} for the logs of {', '.join(watch.exited)}; remove it when done")
+        if watch.exited and not keep:
+            freed = cluster.discard_pools()  # the logs are what is worth keeping, not the pooled memory
+            say(
+                f"kept {state_dir} for the logs of {', '.join(watch.exited)} (pools discarded, "
+                f"{format_bytes(freed)} freed); remove it when done"
+            )
         elif not keep:
             shutil.rmtree(state_dir, ignore_errors=True)
-        _say("stopped")
+        say("stopped")
 
 
 class _Watch:
-    """Reports daemons of a local cluster that exit; a dead server is the manager's to mark failed."""
+    """Reports daemons of a local cluster that exit, and what the manager does about a server that did."""
 
     def __init__(self, cluster: LocalCluster) -> None:
         self.cluster = cluster
@@ -102,14 +105,23 @@ class _Watch:
                 continue
             self.exited.append(daemon.name)
             what = f"{daemon.name} ({daemon.ready.get('id', '?')})" if daemon is not self.cluster.manager else "manager"
-            _say(
+            say(
                 f"{what} exited with status {daemon.process.returncode} at {time.strftime('%H:%M:%S')}; its log: "
                 f"{daemon.log_file}"
             )
             if daemon is self.cluster.manager:
-                _say("stopping: the cluster cannot run without its manager")
+                say("stopping: the cluster cannot run without its manager")
                 return False
-            _say("the cluster keeps running; the manager marks the server failed (kspeed status shows it)")
+            if daemon.process.returncode == 0:
+                say(
+                    "the cluster keeps running; the server stopped cleanly, so the manager waits restart_grace for it "
+                    "to come back before moving its shares (kspeed status shows it stopped)"
+                )
+            else:
+                say(
+                    "the cluster keeps running; the manager marks the server failed once it has been silent for "
+                    "fail_after and moves its shares (kspeed status shows it)"
+                )
         return True
 
 
@@ -125,13 +137,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     with ManagerClient(config, peer_name="kspeed-cli") as client:
         if args.job:
             job = client.call("GetJobStats", kspeed_pb2.JobRequest(job=args.job))
-            _say(json.dumps(job_dict(job), indent=2, sort_keys=True) if args.json else job_table(job))
+            say(json.dumps(job_dict(job), indent=2, sort_keys=True) if args.json else job_table(job))
             return 0
         status = client.status()
     if args.json:
-        _say(json.dumps(status_dict(status), indent=2, sort_keys=True))
+        say(json.dumps(status_dict(status), indent=2, sort_keys=True))
     else:
-        _say(status_table(status))
+        say(status_table(status))
     return 0
 
 
@@ -162,19 +174,19 @@ def cmd_dataset(args: argparse.Namespace) -> int:
             verb = "registered" if reply.created else "already registered"
             info = reply.dataset
             size = human_bytes(info.fingerprint.total_bytes)
-            _say(
+            say(
                 f"{verb} {info.spec.name}: {info.fingerprint.count:,} samples, {size} on {len(info.shares)} server(s)"
                 + (f", quota {format_bytes(quota)}" if quota else "")
                 + _held(info)
             )
         elif args.action == "list":
             datasets = client.datasets()
-            _say(json.dumps([dataset_dict(d) for d in datasets], indent=2) if args.json else dataset_table(datasets))
+            say(json.dumps([dataset_dict(d) for d in datasets], indent=2) if args.json else dataset_table(datasets))
         elif args.action == "show":
-            _say(json.dumps(dataset_dict(client.dataset(args.name)), indent=2, sort_keys=True))
+            say(json.dumps(dataset_dict(client.dataset(args.name)), indent=2, sort_keys=True))
         elif args.action == "rm":
             client.remove_dataset(args.name, force=args.force)
-            _say(f"removed {args.name}")
+            say(f"removed {args.name}")
     return 0
 
 
@@ -200,24 +212,11 @@ examples:
   kspeed dataset add imgs /data/train --labels dirname --quota 200GiB
   kspeed preload imgs                            load it into the servers' memory (progress bar)
   kspeed dataset rm imgs --force                 remove it even while a job holds it
+  kspeed server drain srv-1a2b3c4d --wait        retire a server: its shares move first, jobs only switch
 
 Every command that talks to a manager reads the `client` and `security` sections of --config
 (or KSPEED_CONFIG) and KSPEED_* variables; see deploy/config/kspeed.yaml.
 """
-
-
-def _command(sub, name: str, help: str, examples: str = "", *, manager: bool = True) -> argparse.ArgumentParser:
-    """A subcommand; ``manager``: it talks to a manager, so it takes the connection flags (and only those)."""
-    parser = sub.add_parser(
-        name,
-        help=help,
-        description=help[0].upper() + help[1:] + ".",
-        epilog=f"examples:\n{examples}" if examples else None,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    if manager:
-        add_arguments(parser, ClientConfig, only=CONNECTION_FIELDS)
-    return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -231,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=version_line("kspeed"))
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    up = _command(
+    up = subcommand(
         sub,
         "up",
         "run a local cluster (one manager, N servers on loopback) in the foreground",
@@ -261,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.set_defaults(func=cmd_up)
 
-    status = _command(
+    status = subcommand(
         sub,
         "status",
         "print the cluster: servers, pooled memory, datasets (or one job's ranks)",
@@ -275,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     dataset = sub.add_parser("dataset", help="manage datasets: add, list, show, rm", description="Manage datasets.")
     actions = dataset.add_subparsers(dest="action", required=True, metavar="ACTION")
-    add = _command(
+    add = subcommand(
         actions,
         "add",
         "register an operator-owned dataset (kept until removed)",
@@ -302,13 +301,13 @@ def build_parser() -> argparse.ArgumentParser:
         "or for comparison minio, reuse, lru",
     )
     add.set_defaults(func=cmd_dataset)
-    listing = _command(actions, "list", "list the datasets")
+    listing = subcommand(actions, "list", "list the datasets")
     listing.add_argument("--json", action="store_true", help="print JSON")
     listing.set_defaults(func=cmd_dataset)
-    show = _command(actions, "show", "show one dataset as JSON (shares, progress, changes, leases)")
+    show = subcommand(actions, "show", "show one dataset as JSON (shares, progress, changes, leases)")
     show.add_argument("name", metavar="NAME", help="the dataset's name")
     show.set_defaults(func=cmd_dataset)
-    remove = _command(
+    remove = subcommand(
         actions,
         "rm",
         "remove a dataset and free its memory",
@@ -319,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     remove.add_argument("--force", action="store_true", help="remove it even while jobs hold leases on it")
     remove.set_defaults(func=cmd_dataset)
 
-    preload = _command(
+    preload = subcommand(
         sub,
         "preload",
         "load a dataset into the servers' memory, with a progress bar",
@@ -328,7 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
     preload.add_argument("name", metavar="NAME", help="the dataset's name")
     preload.set_defaults(func=cmd_preload)
 
-    demo = _command(sub, "demo", "a short tour of a local cluster (make demo)", manager=False)
+    servers.add_commands(sub)
+
+    demo = subcommand(sub, "demo", "a short tour of a local cluster (make demo)", manager=False)
     demo.add_argument("--servers", type=int, default=2, metavar="N", help="number of servers (default 2)")
     demo.set_defaults(func=cmd_demo)
     return parser

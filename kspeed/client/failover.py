@@ -28,6 +28,7 @@ import time
 import numpy as np
 
 from kspeed.config import ClientConfig
+from kspeed.control.lifecycle import GONE, SERVING, state_name
 from kspeed.control.manager_client import ManagerClient
 from kspeed.errors import DatasetError, KSpeedError, NotFoundError, PeerLostError, ProtocolError
 from kspeed.proto import kspeed_pb2
@@ -40,8 +41,6 @@ __all__ = ["Failover"]
 
 log = logging.getLogger(__name__)
 
-READY = kspeed_pb2.ServerState.SERVER_STATE_READY
-GONE = (kspeed_pb2.ServerState.SERVER_STATE_FAILED, kspeed_pb2.ServerState.SERVER_STATE_LEFT)
 POLL_S = 0.25  # between looks at the manager while a share moves
 SAME_SERVER_AFTER = 5.0  # a fenced server the manager still calls ready is dialled again after this long
 HELLO_TIMEOUT = 10.0  # longest wait for a new holder's feeder to connect
@@ -82,7 +81,7 @@ class Failover:
     # -- noticing ----------------------------------------------------------------------------------
 
     def fence_failed(self) -> None:
-        """Fence the paths whose server the manager has declared failed or gone: looked at when
+        """Fence the paths whose server the manager has declared failed, stopped or gone: looked at when
         the membership changed (the watch stream tells; no question is asked). A server silent
         beyond ``completion_timeout`` is lost whatever the manager says (the feed fences it)."""
         members = self._members
@@ -126,18 +125,23 @@ class Failover:
         return [p.index for p in lost]
 
     def _take_over(self, index: int, give_up: float) -> None:
-        """Connect path ``index`` to the ready server holding its share: another server, or its
-        own again once it has been fenced for :data:`SAME_SERVER_AFTER` and is still called ready
-        (a cut link that healed)."""
+        """Connect path ``index`` to the ready server holding its share: another server, its own
+        again once that has registered again (it restarted), or once it has been fenced for
+        :data:`SAME_SERVER_AFTER` and is still called ready (a cut link that healed)."""
         path = self.feed.paths[index]
         old, why = path.link.server_id, path.lost
         since = time.monotonic()
+        lost_as = self._members.incarnation(old)  # a server back as a new incarnation restarted: dial it at once
         last = ""
         while True:
             found = self._holder(index, old, last)
             if isinstance(found, str):
                 last = found
-            elif found[0] != old or time.monotonic() - since > SAME_SERVER_AFTER:
+            elif (
+                found[0] != old
+                or (lost_as is not None and self._members.incarnation(old) != lost_as)
+                or time.monotonic() - since > SAME_SERVER_AFTER
+            ):
                 first, end = self._ranges[index]
                 link = ServerLink(*found, self._config, first_id=first, end_id=end)
                 try:
@@ -157,8 +161,9 @@ class Failover:
                 first, end = self._ranges[index]
                 raise PeerLostError(
                     f"dataset {self.dataset!r}: server {old} was lost ({why}) and its share (samples "
-                    f"{first}..{end - 1}) did not move to a ready server within {self.timeout:g}s ({last}); "
-                    "a spare server with free memory lets the manager move it"
+                    f"{first}..{end - 1}) was not served again within failover_timeout ({self.timeout:g}s): {last}; "
+                    f"`kspeed status` shows the servers and the dataset (a server stopped for a restart is waited for "
+                    "restart_grace, a failed one's share moves to a server with room or is served on demand)"
                 )
             self._members.wait(self._members.revision, POLL_S)  # a membership change, or the next look
 
@@ -180,12 +185,25 @@ class Failover:
         if share is None:
             raise ProtocolError(f"dataset {self.dataset!r}: no share covers samples {first}..{end - 1} any more")
         if share.server_id not in ready:
-            return f"its share is with {share.server_id}, which is not ready"
+            return f"its share is with {share.server_id}, which is {self._state_of(share.server_id)}"
         return share.server_id, ready[share.server_id]
 
+    def _state_of(self, server_id: str) -> str:
+        """A server's state and why, as the manager last said ("unknown to the manager" when it does not know it)."""
+        try:
+            record = next((r for r in self.manager.servers(include_left=True) if r.id == server_id), None)
+        except KSpeedError:
+            state = self._members.state(server_id)
+            return state_name(state) if state is not None else "not known to be ready"
+        if record is None:
+            return "unknown to the manager"
+        return (
+            f"{state_name(record.state)} ({record.state_reason})" if record.state_reason else state_name(record.state)
+        )
+
     def _ready(self) -> dict[str, str]:
-        """Server id -> address of the ready servers, asked of the manager (before the watch has a snapshot)."""
-        return {r.id: r.address for r in self.manager.servers() if r.state == READY}
+        """Server id -> address of the serving servers, asked of the manager (before the watch has a snapshot)."""
+        return {r.id: r.address for r in self.manager.servers() if r.state in SERVING}
 
     def recommit(self, plan: EpochPlan, replaced: list[int], first_batch: int = 0) -> None:
         """Commit ``plan`` from batch ``first_batch`` on (the ones before were delivered) to the

@@ -104,6 +104,10 @@ class ManagerClient:
         """Start (or join) the preload; returns at once."""
         return self.call("PreloadDataset", kspeed_pb2.DatasetRequest(name=name))
 
+    def drain_server(self, server_id: str, *, allow_degraded: bool = False) -> kspeed_pb2.DrainServerReply:
+        """Start handing a server's shares to others; it leaves once they are held elsewhere."""
+        return self.call("DrainServer", kspeed_pb2.DrainServerRequest(id=server_id, allow_degraded=allow_degraded))
+
     def renew_lease(self, lease_id: str) -> kspeed_pb2.Lease:
         """Extend a lease by its TTL."""
         return self.call("RenewLease", kspeed_pb2.LeaseRequest(lease_id=lease_id))

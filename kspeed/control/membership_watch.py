@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from kspeed.control.lifecycle import SERVING
 from kspeed.errors import KSpeedError
 from kspeed.proto import kspeed_pb2
 
@@ -49,10 +50,16 @@ class MembershipWatch:
             record = self._records.get(server_id)
             return record.state if record is not None else None
 
-    def ready(self) -> dict[str, str]:
-        """Server id -> address of every ready server."""
+    def incarnation(self, server_id: str) -> int | None:
+        """The server's incarnation (it bumps when the server registers again), or ``None`` when it is not known."""
         with self._changed:
-            return {r.id: r.address for r in self._records.values() if r.state == kspeed_pb2.SERVER_STATE_READY}
+            record = self._records.get(server_id)
+            return record.incarnation if record is not None else None
+
+    def ready(self) -> dict[str, str]:
+        """Server id -> address of every server that serves data (ready, or draining)."""
+        with self._changed:
+            return {r.id: r.address for r in self._records.values() if r.state in SERVING}
 
     def wait(self, revision: int, timeout: float) -> int:
         """Wait up to ``timeout`` for a revision after ``revision``; returns the current one."""

@@ -6,13 +6,10 @@ facts.
 
 from __future__ import annotations
 
+from kspeed.control.lifecycle import state_name
 from kspeed.proto import kspeed_pb2
 
 __all__ = ["dataset_dict", "human_bytes", "job_dict", "server_dict", "state_name", "status_dict"]
-
-
-def state_name(state: kspeed_pb2.ServerState) -> str:
-    return kspeed_pb2.ServerState.Name(state).removeprefix("SERVER_STATE_").lower()
 
 
 def server_dict(record: kspeed_pb2.ServerRecord) -> dict:

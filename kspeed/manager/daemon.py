@@ -29,7 +29,7 @@ from kspeed.control.http import HttpEndpoint, json_response, metrics_route, text
 from kspeed.control.status import status_dict
 from kspeed.manager.calls import ServerCalls
 from kspeed.manager.datasets import DatasetCatalog
-from kspeed.manager.membership import FAILED, JOINING, READY, Membership, Timers
+from kspeed.manager.membership import DRAINING, FAILED, JOINING, LEFT, READY, Membership, Timers
 from kspeed.manager.metrics import ManagerMetrics
 from kspeed.manager.service import ManagerService
 from kspeed.manager.store import Store
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 SERVICE = "kspeed.v1.Manager"  # the name its grpc.health.v1 status is registered under
 TICK_FRACTION = 0.25  # the timers are evaluated at this fraction of the heartbeat interval
-REHOME_EVERY = 10.0  # seconds between attempts to give shares served on demand a server with room
+REHOME_EVERY = 10.0  # seconds between attempts to give shares served on demand (or being drained) a server with room
 
 
 class Manager:
@@ -48,9 +48,10 @@ class Manager:
     def __init__(self, config: ManagerConfig) -> None:
         self.config = config
         state_dir = ensure_state_dir(config.state_dir, "manager.state_dir")
-        self.store = Store(state_dir)
+        self.store = Store(state_dir, rebuild=config.rebuild_state)
         self.membership = Membership(
-            self.store, Timers(config.heartbeat_interval, config.suspect_after, config.fail_after)
+            self.store,
+            Timers(config.heartbeat_interval, config.suspect_after, config.fail_after, config.restart_grace),
         )
         self.calls = ServerCalls(config.security, config.server_call_timeout)
         self.catalog = DatasetCatalog(
@@ -61,7 +62,7 @@ class Manager:
             join_wait=config.join_wait,
             verify_on_attach=config.verify_on_attach,
         )
-        self.service = ManagerService(self.membership, self.catalog, self.store.cluster_id, config.heartbeat_interval)
+        self.service = ManagerService(self.membership, self.catalog, self.store, config.heartbeat_interval)
         self.metrics = ManagerMetrics(self.membership, self.catalog)
         self.health = HealthServicer()
         self._stopping = asyncio.Event()
@@ -70,6 +71,8 @@ class Manager:
         self._http: HttpEndpoint | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._probes: set[asyncio.Task[Any]] = set()  # probes and failovers under way
+        self._started = time.monotonic()
+        self._orphans: set[str] = set()  # holders never heard since the start whose shares were moved
 
     async def start(self) -> None:
         """Bind gRPC and HTTP, start the timers and the prober."""
@@ -126,9 +129,11 @@ class Manager:
         while not self._stopping.is_set():
             self.membership.tick()
             await self.catalog.expire()
+            self._move_orphans()
             if time.monotonic() - rehomed > REHOME_EVERY:  # a move that failed when a server became ready
                 rehomed = time.monotonic()
                 self._background(self.catalog.rehome(), "rehome")
+                self._continue_drains()
             self.metrics.watchers.set(self.service.watchers)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), timeout=period)
@@ -156,20 +161,47 @@ class Manager:
 
     def _on_membership(self, record: kspeed_pb2.ServerRecord, revision: int) -> None:
         """Probe a server that just registered at once, so it is READY without waiting for the next
-        round; move the shares of one declared failed; give shares served on demand a server that
-        has room, once one is ready."""
+        round; move the shares of one that failed or left (stopped past its restart grace, or
+        without its pool); hand off those of one draining; give shares served on demand, or
+        waiting to be handed off, a server that has room, once one is ready."""
         if self._loop is None:
             return
         if record.state == JOINING:
             self._loop.call_soon_threadsafe(self._probe_soon, record.id, record.address, record.incarnation)
-        if record.state == FAILED:
+        if record.state in (FAILED, LEFT):
             self._loop.call_soon_threadsafe(
                 self._background, self.catalog.fail_over(record.id), f"failover-{record.id}"
             )
+        if record.state == DRAINING:
+            self._loop.call_soon_threadsafe(
+                self._background, self.catalog.continue_drain(record.id), f"drain-{record.id}"
+            )
         if record.state == READY:
             self._loop.call_soon_threadsafe(self._background, self.catalog.rehome(), f"rehome-{record.id}")
+            self._loop.call_soon_threadsafe(self._continue_drains)
 
-    def _background(self, work: Coroutine[Any, Any, int], name: str) -> None:
+    def _continue_drains(self) -> None:
+        for server in self.membership.snapshot():
+            if server.state == DRAINING:
+                self._background(self.catalog.continue_drain(server.id), f"drain-{server.id}")
+
+    def _move_orphans(self) -> None:
+        """Move the shares of servers the registry names but that have not registered since this
+        manager started (a registry rebuilt from the servers' copies names holders that may be
+        gone), once ``fail_after`` has passed: as for a failed server."""
+        if time.monotonic() - self._started < self.config.fail_after:
+            return
+        for server_id in sorted(self.catalog.holders() - self.membership.known() - self._orphans):
+            self._orphans.add(server_id)
+            log.warning(
+                "server %s holds shares in the registry but has not registered within %gs of the manager's start; "
+                "moving them",
+                server_id,
+                self.config.fail_after,
+            )
+            self._background(self.catalog.fail_over(server_id), f"failover-{server_id}")
+
+    def _background(self, work: Coroutine[Any, Any, Any], name: str) -> None:
         task = asyncio.create_task(work, name=name)
         self._probes.add(task)
         task.add_done_callback(self._probes.discard)

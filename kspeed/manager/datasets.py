@@ -10,6 +10,20 @@ failure on any server undoes the assignments already made, so nothing is left ha
 
 A dataset created by a job lives while some lease on it does (leases expire unless renewed, so a
 killed job frees its memory); a dataset added by an operator lives until it is removed.
+
+Shares move in three ways: a **failover** gives the shares of a server that failed, or stopped and
+did not come back within ``restart_grace``, to another server (which reloads them in the order
+the feeds consume them) or, with no room anywhere, to a survivor that serves them on demand; a
+**handoff** (a drain) has the new holder load a share while the old one still serves it, and moves
+it once loaded, so jobs switch to a server that already holds the data; a **rehome** gives a share
+served on demand a server with room once one has it.
+
+Every change of a dataset's shares bumps its ``revision`` and is sent to the servers with each
+assignment; the servers keep it. The registry here wins over what servers report, except where it
+lacks a dataset altogether (its state file was lost, or this dataset was registered with another
+manager's registry): a server's copy is then taken back (:meth:`DatasetCatalog.adopt`), the newest
+revision winning until this manager changes the dataset itself, unless the registry removed a
+dataset of that name after the copy was made.
 """
 
 from __future__ import annotations
@@ -17,11 +31,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import re
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from kspeed import names, wire
+from kspeed.control.lifecycle import SERVING
 from kspeed.errors import (
     CapacityError,
     ChangedError,
@@ -61,6 +78,8 @@ MAX_HOLDER = 256
 VERIFY_TTL = 60.0  # seconds a successful attach-time listing holds for further attaches
 CHANGES_SHOWN = 5
 JOIN_POLL = 0.05  # seconds between looks at servers that are still joining
+LEASE_ID = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}/[0-9a-f]{16}"
+LOST_LEASE_HOLDER = "a job whose lease the manager took up again after losing it"
 
 
 def validate_spec(spec: kspeed_pb2.DatasetSpec) -> None:
@@ -95,6 +114,24 @@ def needed_regions(share: kspeed_pb2.Share) -> int:
 def held_regions(share: kspeed_pb2.Share) -> int:
     """Pool regions a share takes on its holder now (none while served on demand)."""
     return 0 if share.on_demand else needed_regions(share)
+
+
+def _loaded(status: kspeed_pb2.ShareStatus, share: kspeed_pb2.Share) -> bool:
+    """Whether a share's new holder has what the old one served: a share under a memory policy (or
+    served on demand) once it is held at all, a whole one once its preload has read every sample."""
+    if share.policy or share.on_demand:
+        return True
+    p = status.progress
+    return not p.running and p.samples_total > 0 and p.samples_loaded + p.error_count >= p.samples_total
+
+
+def _record(info: kspeed_pb2.DatasetInfo) -> kspeed_pb2.DatasetInfo:
+    """The dataset as the registry records it (no live progress, leases or addresses)."""
+    out = kspeed_pb2.DatasetInfo()
+    out.CopyFrom(info)
+    for name in ("state", "progress", "share_status", "leases", "server_addresses", "changes"):
+        out.ClearField(name)
+    return out
 
 
 def _same_definition(a: kspeed_pb2.DatasetSpec, b: kspeed_pb2.DatasetSpec) -> bool:
@@ -141,7 +178,12 @@ class DatasetCatalog:
         # (dataset, server, first sample of the share) -> what that server last reported about it
         self._share_status: dict[tuple[str, str, int], kspeed_pb2.ShareStatus] = {}
         self._locks: dict[str, asyncio.Lock] = {}
-        self.failovers = 0  # shares moved off failed servers
+        self.failovers = 0  # shares moved off failed or stopped servers
+        self.handoffs = 0  # shares handed off by a drain
+        self._adopted: set[str] = set()  # datasets taken from a server's copy and not changed here since
+        self._orphaned: dict[str, float] = {}  # adopted job datasets -> until when they need no lease
+        self._degrade: dict[str, bool] = {}  # servers being drained -> whether a share may go on demand
+        self._tasks: set[asyncio.Task[None]] = set()
 
     # -- reading ---------------------------------------------------------------------------------
 
@@ -183,7 +225,7 @@ class DatasetCatalog:
             total.error_count += p.error_count
             total.errors.extend(p.errors[: max(0, 5 - len(total.errors))])
             record = states.get(share.server_id)
-            unreachable |= record is None or record.state != READY or share.on_demand
+            unreachable |= record is None or record.state not in SERVING or share.on_demand
             if record is not None:
                 info.server_addresses[share.server_id] = record.address
         total.samples_total = info.fingerprint.count
@@ -203,19 +245,114 @@ class DatasetCatalog:
         return info
 
     def assignments_for(self, server_id: str) -> list[kspeed_pb2.AssignShareRequest]:
-        """The shares ``server_id`` is responsible for (sent at its registration)."""
+        """The shares ``server_id`` is responsible for (sent at its registration): those it holds,
+        and those it is taking over in a handoff."""
         out = []
         for info in self._datasets.values():
             for share in info.shares:
                 if share.server_id == server_id:
                     out.append(self._assignment(info, share))
+                elif share.handoff_to == server_id:
+                    out.append(self._assignment(info, share, holder=server_id))
         return out
 
+    def holders(self) -> set[str]:
+        """Every server some share is held by or handed to."""
+        return {s.server_id for d in self._datasets.values() for s in d.shares} | {
+            s.handoff_to for d in self._datasets.values() for s in d.shares if s.handoff_to
+        }
+
+    def holds(self, server_id: str) -> bool:
+        """Whether ``server_id`` still holds some share (a drained server may leave once it holds none)."""
+        return any(s.server_id == server_id for d in self._datasets.values() for s in d.shares)
+
     @staticmethod
-    def _assignment(info: kspeed_pb2.DatasetInfo, share: kspeed_pb2.Share) -> kspeed_pb2.AssignShareRequest:
+    def _assignment(
+        info: kspeed_pb2.DatasetInfo,
+        share: kspeed_pb2.Share,
+        *,
+        holder: str = "",
+        record: kspeed_pb2.DatasetInfo | None = None,
+    ) -> kspeed_pb2.AssignShareRequest:
+        """What a server is sent to hold ``share`` (as ``holder`` when it takes it over), with the
+        dataset's ``record`` (default: as the registry has it now)."""
+        sent = kspeed_pb2.Share()
+        sent.CopyFrom(share)
+        sent.handoff_to = ""
+        if holder:
+            sent.server_id = holder
         return kspeed_pb2.AssignShareRequest(
-            spec=info.spec, fingerprint=info.fingerprint, region_size=info.region_size, share=share
+            spec=info.spec,
+            fingerprint=info.fingerprint,
+            region_size=info.region_size,
+            share=sent,
+            dataset=record if record is not None else _record(info),
         )
+
+    def records_for(self, shares: list[kspeed_pb2.ShareStatus]) -> list[kspeed_pb2.DatasetInfo]:
+        """The records of the datasets a server reported shares of with an older revision than the
+        registry's (its copies, a recovery source, are kept fresh within a heartbeat of a change)."""
+        stale = {
+            s.dataset for s in shares if s.dataset in self._datasets and s.revision < self._datasets[s.dataset].revision
+        }
+        return [_record(self._datasets[name]) for name in sorted(stale)]
+
+    def _changed(self, info: kspeed_pb2.DatasetInfo) -> None:
+        """Record a change of ``info``'s shares made here: a new revision, saved; from now on the
+        registry's copy wins over any server's."""
+        info.revision += 1
+        self._adopted.discard(info.spec.name)
+        self._store.save_dataset(info)
+
+    def _spawn(self, work: Coroutine[Any, Any, Any], name: str) -> None:
+        """Run ``work`` in the background (its reference kept until it ends)."""
+        task = asyncio.get_running_loop().create_task(work, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- rebuilding from the servers -------------------------------------------------------------
+
+    def adopt(self, server_id: str, holding: list[kspeed_pb2.AssignShareRequest]) -> list[str]:
+        """Take back the datasets a registering server holds that the registry lacks (see the
+        module docstring): a registry whose file was lost is rebuilt from the servers' copies.
+        Returns the names taken."""
+        taken = []
+        for request in holding:
+            if not request.HasField("dataset") or request.dataset.spec.name != request.spec.name:
+                continue
+            reported = request.dataset
+            name = reported.spec.name
+            current = self._datasets.get(name)
+            if current is not None and (name not in self._adopted or reported.revision <= current.revision):
+                continue
+            if self._registering(name):
+                continue
+            removed = self._store.removed_at(name)
+            if current is None and removed is not None and removed >= reported.created_unix:
+                continue  # removed here after that copy was made
+            try:
+                validate_spec(reported.spec)
+            except ProtocolError as exc:
+                log.warning("dataset %s: %s's copy is not taken back: %s", name, server_id, exc)
+                continue
+            self._datasets[name] = _record(reported)
+            self._adopted.add(name)
+            if reported.owner == JOB:
+                self._orphaned[name] = self._wall() + self._lease_ttl
+            self._store.save_dataset(self._datasets[name])
+            taken.append(name)
+            log.warning(
+                "dataset %s: taken back from the copy server %s keeps (revision %d, %d share(s) on %s): the registry "
+                "did not have it",
+                name,
+                server_id,
+                reported.revision,
+                len(reported.shares),
+                ", ".join(sorted({s.server_id for s in reported.shares})),
+            )
+        if taken:
+            self._store.confirm_cluster_id()
+        return taken
 
     def forget_progress(self, server_id: str) -> None:
         """Drop what a server reported before it (re-)registered: its new incarnation reports afresh."""
@@ -235,7 +372,11 @@ class DatasetCatalog:
             if self._registering(status.dataset):  # not while a registration of that name is under way
                 continue
             info = self._datasets.get(status.dataset)
-            mine = {s.first_id for s in info.shares if s.server_id == server_id} if info is not None else set()
+            mine = (
+                {s.first_id for s in info.shares if server_id in (s.server_id, s.handoff_to)}
+                if info is not None
+                else set()
+            )
             if not mine:
                 stale.append(status.dataset)
             elif status.first_id not in mine:
@@ -243,12 +384,13 @@ class DatasetCatalog:
             else:
                 reported.add((status.dataset, status.first_id))
                 self._share_status[(status.dataset, server_id, status.first_id)] = status
+                self._complete_handoff(status, server_id)
         missing = []
         for name, info in self._datasets.items():
             if self._registering(name):
                 continue
             for share in info.shares:
-                if share.server_id == server_id and (name, share.first_id) not in reported:
+                if server_id in (share.server_id, share.handoff_to) and (name, share.first_id) not in reported:
                     if self._share_status.pop((name, server_id, share.first_id), None) is not None:
                         log.warning(
                             "dataset %s: server %s no longer reports its share %d..; assigning it again",
@@ -256,7 +398,7 @@ class DatasetCatalog:
                             server_id,
                             share.first_id,
                         )
-                    missing.append(self._assignment(info, share))
+                    missing.append(self._assignment(info, share, holder=server_id))
         return sorted(set(stale)), moved, missing
 
     def _registering(self, name: str) -> bool:
@@ -291,6 +433,7 @@ class DatasetCatalog:
             else:
                 self._datasets[spec.name] = await self._allocate(spec, owner)
                 self._store.save_dataset(self._datasets[spec.name])
+                self._store.confirm_cluster_id()
                 created = True
             reply = kspeed_pb2.CreateDatasetReply(created=created)
             if owner == JOB:
@@ -406,16 +549,24 @@ class DatasetCatalog:
                     slice_bytes=part.slice_bytes,
                 )
             )
+        info.revision = 1
         addresses = {r.id: r.address for r in ready}
         done: list[kspeed_pb2.Share] = []
         try:
             for share in info.shares:
+                done.append(share)  # dropped on failure too: the server may have taken it as the call failed
                 await self._calls.call(
                     addresses[share.server_id], share.server_id, "AssignShare", self._assignment(info, share)
                 )
-                done.append(share)
-        except KSpeedError:
-            await self._drop_shares(spec.name, done, addresses)
+        except BaseException as exc:  # an error, or the caller gave up (the call cancelled): undo, then say so
+            log.warning(
+                "dataset %s: registration failed on %s (%s); undoing the %d assignment(s) made",
+                spec.name,
+                done[-1].server_id if done else "?",
+                exc if isinstance(exc, KSpeedError) else type(exc).__name__,
+                len(done),
+            )
+            await asyncio.shield(self._drop_shares(spec.name, done, addresses))
             raise
         log.info(
             "dataset %s: %d samples, %d bytes in %d regions on %d server(s)%s",
@@ -554,17 +705,22 @@ class DatasetCatalog:
             addresses = dict(info.server_addresses)
             await self._drop_shares(name, list(info.shares), addresses)
             del self._datasets[name]
+            self._adopted.discard(name)
+            self._orphaned.pop(name, None)
             for lease_id in [k for k, v in self._leases.items() if v.dataset == name]:
                 del self._leases[lease_id]
             for key in [k for k in self._share_status if k[0] == name]:
                 del self._share_status[key]
-            self._store.delete_dataset(name)
+            self._store.delete_dataset(name, self._wall())
         log.info("dataset %s removed", name)
 
     # -- failover --------------------------------------------------------------------------------
 
     async def fail_over(self, server_id: str) -> int:
-        """Move every share of a server declared failed (see :meth:`_move`). Returns the shares moved."""
+        """Move every share of a server that is gone (failed, or stopped past ``restart_grace``):
+        one it was handing off goes to the server taking it over, the others as :meth:`_move`
+        says; shares being handed *to* it go back to being held by their server alone. Returns
+        the shares moved."""
         moved = 0
         for name in sorted(self._datasets):
             async with self._locks.setdefault(name, asyncio.Lock()):
@@ -572,9 +728,43 @@ class DatasetCatalog:
                 if info is None:
                     continue
                 for share in info.shares:
-                    if share.server_id == server_id and await self._move(info, share):
+                    if share.handoff_to == server_id:
+                        log.warning(
+                            "dataset %s: %s, which was taking over samples %d..%d, is gone; %s keeps them",
+                            name,
+                            server_id,
+                            share.first_id,
+                            share.end_id - 1,
+                            share.server_id,
+                        )
+                        self._share_status.pop((name, server_id, share.first_id), None)
+                        share.handoff_to = ""
+                        self._changed(info)
+                    elif share.server_id == server_id and await self._fail_share(info, share):
                         moved += 1
         return moved
+
+    async def _fail_share(self, info: kspeed_pb2.DatasetInfo, share: kspeed_pb2.Share) -> bool:
+        """Give the share of a gone server the server it was being handed to, if that one serves; else :meth:`_move`."""
+        target = share.handoff_to
+        share.handoff_to = ""
+        record = next((r for r in self._membership.snapshot() if r.id == target and r.state in SERVING), None)
+        if record is None:
+            return await self._move(info, share)
+        old = share.server_id
+        share.server_id = target
+        self._share_status.pop((info.spec.name, old, share.first_id), None)
+        self._changed(info)
+        self.failovers += 1
+        log.warning(
+            "dataset %s: samples %d..%d of %s (gone mid-handoff) are held by %s, which was taking them over",
+            info.spec.name,
+            share.first_id,
+            share.end_id - 1,
+            old,
+            target,
+        )
+        return True
 
     async def rehome(self) -> int:
         """Give the shares held on demand a holder with a copy, where a ready server has the
@@ -591,19 +781,20 @@ class DatasetCatalog:
                         moved += 1
         return moved
 
-    async def _move(self, info: kspeed_pb2.DatasetInfo, share: kspeed_pb2.Share, *, copy_only: bool = False) -> bool:
-        """Give ``share`` another holder: a ready server with the regions free (an empty spare
-        first, then the one with the most room), which reloads it in the order the feeds consume
-        it; else (unless ``copy_only``) a ready survivor that serves it **on demand**, reading each
-        sample from the backend into its production window as feeds need it (the dataset is
-        degraded until :meth:`rehome` finds it a holder with room). Returns whether it moved."""
-        name, old = info.spec.name, share.server_id
+    def _targets(
+        self, info: kspeed_pb2.DatasetInfo, share: kspeed_pb2.Share, *, copy_only: bool
+    ) -> list[tuple[kspeed_pb2.ServerRecord, bool]]:
+        """Where ``share`` may go, best first, each with whether it would be served on demand: the
+        ready servers (never a draining one) with the regions free (an empty spare first, then the
+        one with the most room); then, unless ``copy_only``, the ready survivors that can serve it
+        on demand (the one serving the fewest such shares first)."""
+        old = share.server_id
         ready = [
             r
             for r in self._membership.snapshot()
             if r.state == READY and r.id != old and r.inventory.region_size == info.region_size
         ]
-        holding = {s.server_id for d in self._datasets.values() for s in d.shares}
+        holding = self.holders()
         roomy = [
             r
             for r in ready
@@ -619,20 +810,55 @@ class DatasetCatalog:
             load = collections.Counter(s.server_id for d in self._datasets.values() for s in d.shares if s.on_demand)
             survivors = sorted((r for r in ready if r.inventory.regions_window > 0), key=lambda r: (load[r.id], r.id))
             targets += [(r, True) for r in survivors]
-        for target, on_demand in targets:
-            moving = kspeed_pb2.Share()
-            moving.CopyFrom(share)
-            moving.server_id, moving.on_demand = target.id, on_demand
-            request = kspeed_pb2.DatasetRequest(name=name, first_id=share.first_id)
-            try:
-                await self._calls.call(target.address, target.id, "AssignShare", self._assignment(info, moving))
-                await self._calls.call(target.address, target.id, "StartPreload", request)
-            except KSpeedError as exc:
-                log.warning("dataset %s: %s cannot take the share of %s: %s", name, target.id, old, exc)
+        return targets
+
+    async def _give(
+        self,
+        info: kspeed_pb2.DatasetInfo,
+        share: kspeed_pb2.Share,
+        target: kspeed_pb2.ServerRecord,
+        on_demand: bool,
+        *,
+        handoff: bool = False,
+    ) -> bool:
+        """Assign ``share`` to ``target`` and start its load there (``handoff``: while its holder
+        serves on); whether the server took it. The record sent is the dataset as it will be once
+        the share has gone there."""
+        moving = kspeed_pb2.Share()
+        moving.CopyFrom(share)
+        moving.server_id, moving.on_demand = target.id, on_demand
+        record = _record(info)
+        record.revision += 1
+        planned = next(s for s in record.shares if s.first_id == share.first_id)
+        if handoff:
+            planned.handoff_to = target.id
+        else:
+            planned.server_id, planned.on_demand, planned.handoff_to = target.id, on_demand, ""
+        request = kspeed_pb2.DatasetRequest(name=info.spec.name, first_id=share.first_id)
+        try:
+            await self._calls.call(
+                target.address, target.id, "AssignShare", self._assignment(info, moving, record=record)
+            )
+            await self._calls.call(target.address, target.id, "StartPreload", request)
+        except KSpeedError as exc:
+            log.warning(
+                "dataset %s: %s cannot take the share of %s: %s", info.spec.name, target.id, share.server_id, exc
+            )
+            return False
+        return True
+
+    async def _move(self, info: kspeed_pb2.DatasetInfo, share: kspeed_pb2.Share, *, copy_only: bool = False) -> bool:
+        """Give ``share`` another holder (:meth:`_targets`), which reloads it in the order the feeds
+        consume it, or serves it **on demand**, reading each sample from the backend into its
+        production window as feeds need it (the dataset is degraded until :meth:`rehome` finds it a
+        holder with room). Returns whether it moved."""
+        name, old = info.spec.name, share.server_id
+        for target, on_demand in self._targets(info, share, copy_only=copy_only):
+            if not await self._give(info, share, target, on_demand):
                 continue
             share.server_id, share.on_demand = target.id, on_demand
             self._share_status.pop((name, old, share.first_id), None)
-            self._store.save_dataset(info)
+            self._changed(info)
             self.failovers += 1
             if on_demand:
                 log.error(
@@ -660,7 +886,7 @@ class DatasetCatalog:
             return True
         if not copy_only:
             log.error(
-                "dataset %s: no ready server can take samples %d..%d of failed server %s; the dataset is degraded "
+                "dataset %s: no ready server can take samples %d..%d of %s, which is gone; the dataset is degraded "
                 "until it returns or a server registers",
                 name,
                 share.first_id,
@@ -669,11 +895,113 @@ class DatasetCatalog:
             )
         return False
 
+    # -- drains ----------------------------------------------------------------------------------
+
+    def plan_drain(self, server_id: str, *, allow_degraded: bool) -> list[kspeed_pb2.ShareRef]:
+        """The shares a drain of ``server_id`` hands off, once it is checked that each has somewhere
+        to go (changes nothing).
+
+        Raises:
+            CapacityError: a share has no ready server with room (and may not go on demand), named
+                with what would let the drain go ahead.
+        """
+        refs = []
+        for name in sorted(self._datasets):
+            info = self._datasets[name]
+            for share in info.shares:
+                if share.server_id != server_id:
+                    continue
+                refs.append(kspeed_pb2.ShareRef(dataset=name, first_id=share.first_id))
+                if share.handoff_to or self._targets(info, share, copy_only=not allow_degraded):
+                    continue
+                need = f"{share.slice_bytes} bytes" if share.slice_bytes else f"{needed_regions(share)} region(s)"
+                raise CapacityError(
+                    f"cannot drain {server_id}: no ready server has {need} free for samples {share.first_id}.."
+                    f"{share.end_id - 1} of dataset {name!r}; start a spare server, remove a dataset, or let a "
+                    "survivor serve it on demand (kspeed server drain --allow-degraded)"
+                )
+        return refs
+
+    def start_drain(self, server_id: str, *, allow_degraded: bool) -> None:
+        """Begin handing ``server_id``'s shares off (in the background; see :meth:`continue_drain`)."""
+        self._degrade[server_id] = allow_degraded
+        self._spawn(self.continue_drain(server_id), f"drain-{server_id}")
+
+    async def continue_drain(self, server_id: str) -> int:
+        """Hand each share of a draining server that is not being handed off yet to a ready server
+        with room (it loads it while the draining server serves on; :meth:`on_heartbeat` moves it
+        once loaded), or, where the drain allows it and no server has room, to a survivor that
+        serves it on demand at once. Called again as servers become ready. Returns the handoffs begun."""
+        begun = 0
+        allow_degraded = self._degrade.get(server_id, False)
+        for name in sorted(self._datasets):
+            info = self._datasets.get(name)
+            if info is None or not any(s.server_id == server_id and not s.handoff_to for s in info.shares):
+                continue
+            async with self._locks.setdefault(name, asyncio.Lock()):
+                for share in info.shares:
+                    if share.server_id != server_id or share.handoff_to:
+                        continue
+                    for target, on_demand in self._targets(info, share, copy_only=not allow_degraded):
+                        if not await self._give(info, share, target, on_demand, handoff=not on_demand):
+                            continue
+                        if on_demand:  # nothing to load: it serves from the backend at once
+                            share.server_id, share.on_demand = target.id, True
+                            self._changed(info)
+                            self.handoffs += 1
+                            log.warning(
+                                "dataset %s: drain of %s: no server has room for samples %d..%d; %s serves them on "
+                                "demand (degraded)",
+                                name,
+                                server_id,
+                                share.first_id,
+                                share.end_id - 1,
+                                target.id,
+                            )
+                            self._spawn(self._release_share(info, server_id, share.first_id), f"release-{name}")
+                        else:
+                            share.handoff_to = target.id
+                            self._changed(info)
+                            log.info(
+                                "dataset %s: drain of %s: %s takes over samples %d..%d (loading while %s serves them)",
+                                name,
+                                server_id,
+                                target.id,
+                                share.first_id,
+                                share.end_id - 1,
+                                server_id,
+                            )
+                        begun += 1
+                        break
+        return begun
+
+    def _complete_handoff(self, status: kspeed_pb2.ShareStatus, server_id: str) -> None:
+        """Move a share to the server taking it over once that server reports it loaded; the old
+        holder is then told to drop it, which ends its feeds there (their clients follow the share)."""
+        info = self._datasets.get(status.dataset)
+        share = next((s for s in info.shares if s.first_id == status.first_id), None) if info else None
+        if info is None or share is None or share.handoff_to != server_id or not _loaded(status, share):
+            return
+        old = share.server_id
+        share.server_id, share.handoff_to = server_id, ""
+        self._share_status.pop((info.spec.name, old, share.first_id), None)
+        self._changed(info)
+        self.handoffs += 1
+        log.warning(
+            "dataset %s: samples %d..%d handed off from %s to %s",
+            info.spec.name,
+            share.first_id,
+            share.end_id - 1,
+            old,
+            server_id,
+        )
+        self._spawn(self._release_share(info, old, share.first_id), f"release-{info.spec.name}")
+
     async def _release_share(self, info: kspeed_pb2.DatasetInfo, server_id: str, first: int) -> None:
         """Tell ``server_id`` to drop one share of ``info`` that is held elsewhere now (its next
         heartbeat would say so too)."""
         record = next((r for r in self._membership.snapshot() if r.id == server_id), None)
-        if record is None or record.state != READY:
+        if record is None or record.state not in SERVING:
             return
         request = kspeed_pb2.DatasetRequest(name=info.spec.name, first_id=first)
         try:
@@ -725,7 +1053,20 @@ class DatasetCatalog:
         return lease
 
     def renew(self, lease_id: str) -> kspeed_pb2.Lease:
-        """Extend a lease by its TTL."""
+        """Extend a lease by its TTL. A lease this registry does not know on a dataset it does (the
+        registry was rebuilt from the servers, or the lease expired while its job was stalled) is
+        taken up again: the job that renews it is alive.
+
+        Raises:
+            NotFoundError: neither the lease nor its dataset is known.
+        """
+        dataset = lease_id.partition("/")[0]
+        if lease_id not in self._leases and dataset in self._datasets and re.fullmatch(LEASE_ID, lease_id):
+            lease = kspeed_pb2.Lease(id=lease_id, dataset=dataset, holder=LOST_LEASE_HOLDER, ttl_s=self._lease_ttl)
+            self._leases[lease_id] = lease
+            log.warning(
+                "lease %s on dataset %s was unknown here; taken up again for the job renewing it", lease_id, dataset
+            )
         lease = self._lease(lease_id)
         lease.expires_unix = self._wall() + lease.ttl_s
         self._store.save_lease(lease)
@@ -746,6 +1087,7 @@ class DatasetCatalog:
                 del self._leases[lease_id]
                 self._store.delete_lease(lease_id)
         held = {lease.dataset for lease in self._leases.values()}
+        held |= {name for name, until in self._orphaned.items() if until > now}
         for name, info in list(self._datasets.items()):
             if info.owner == JOB and name not in held:
                 log.info("dataset %s: no job holds a lease any more; freeing its memory", name)

@@ -3,15 +3,25 @@
 Lifecycle (``kspeed.v1.ServerState``)::
 
     JOINING --probe ok--> READY --silent suspect_after / probes failing--> SUSPECT
-       |                    ^                                                 |
-       |                    +------------- heard again ------------------------+
-       +--silent fail_after--> FAILED <--silent fail_after-- SUSPECT
-    any --deregister--> LEFT          FAILED/LEFT --register--> JOINING (new incarnation)
+       |                  ^  |  ^                                             |
+       |                  |  |  +------------- heard again -------------------+
+       |                  |  +--drain--> DRAINING --its shares held elsewhere, it deregisters--> LEFT
+       +--silent fail_after--> FAILED <--silent fail_after-- SUSPECT, DRAINING
+    live --deregister, pool kept--> STOPPED --restart_grace passes--> LEFT
+    live --deregister, pool discarded--> LEFT
+    FAILED/STOPPED/LEFT --register--> JOINING (new incarnation; a draining server goes on draining)
 
-A server in FAILED or LEFT must register again: its heartbeats are refused with NotFoundError so
-that it does. Membership is driven by the manager's event loop (RPCs, the ticker, the prober);
-a lock lets the HTTP thread read snapshots. Every change bumps ``revision`` and is announced to
-listeners (the membership watch streams).
+A clean stop that keeps the pool is a **restart** in the making: the manager leaves the server's
+shares where they are for ``restart_grace``; the server that comes back within it re-adopts its
+pool and nothing moves. Past the grace period (or at once when the pool was discarded) the server
+has left and the catalog moves its shares, as it does for a failed one. A **drain** retires a
+server while it still serves: the catalog hands each share to another server and lets it go once
+the new holder has loaded it; the heartbeat reply then tells the server to retire.
+
+A server in FAILED, STOPPED or LEFT must register again: its heartbeats are refused with
+NotFoundError so that it does. Membership is driven by the manager's event loop (RPCs, the ticker,
+the prober); a lock lets the HTTP thread read snapshots. Every change bumps ``revision`` and is
+announced to listeners (the membership watch streams).
 """
 
 from __future__ import annotations
@@ -22,39 +32,43 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kspeed.errors import NotFoundError, ProtocolError
+from kspeed.control.lifecycle import state_name
+from kspeed.errors import NotFoundError, ProtocolError, StateError
 from kspeed.manager.store import Store
 from kspeed.proto import kspeed_pb2
 
 log = logging.getLogger(__name__)
 
 State = kspeed_pb2.ServerState
-JOINING, READY, SUSPECT, FAILED, LEFT = (
+JOINING, READY, SUSPECT, FAILED, LEFT, STOPPED, DRAINING = (
     State.SERVER_STATE_JOINING,
     State.SERVER_STATE_READY,
     State.SERVER_STATE_SUSPECT,
     State.SERVER_STATE_FAILED,
     State.SERVER_STATE_LEFT,
+    State.SERVER_STATE_STOPPED,
+    State.SERVER_STATE_DRAINING,
 )
-LIVE = (JOINING, READY, SUSPECT)
+LIVE = (JOINING, READY, SUSPECT, DRAINING)
+ALL_STATES = (JOINING, READY, SUSPECT, DRAINING, STOPPED, FAILED, LEFT)
 PROBE_FAILURES_SUSPECT = 2  # consecutive failed probes that make a server suspect
 #: What a server registers with and a heartbeat may not change: where clients reach it (the
 #: hostname decides ``shm`` against ``tcp``), how its memory is carved, what it offers.
 IDENTITY = ("hostname", "memory_bytes", "region_size", "transports")
 
 
-def state_name(state: kspeed_pb2.ServerState) -> str:
-    """``"ready"`` for ``SERVER_STATE_READY`` and so on."""
-    return State.Name(state).removeprefix("SERVER_STATE_").lower()
+__all__ = ["DRAINING", "FAILED", "JOINING", "LEFT", "LIVE", "READY", "STOPPED", "SUSPECT", "Membership", "Timers"]
 
 
 @dataclass
 class Timers:
-    """Liveness thresholds in seconds."""
+    """Liveness thresholds in seconds; ``restart_grace``: how long a server stopped cleanly with
+    its pool kept is waited for before it counts as gone."""
 
     heartbeat_interval: float
     suspect_after: float
     fail_after: float
+    restart_grace: float = 0.0
 
 
 @dataclass
@@ -65,6 +79,8 @@ class _Entry:
     probe_failures: int = 0
     probed_ok: bool = False
     dirty: bool = field(default=False)
+    draining: bool = False  # an operator asked to drain it: healthy is DRAINING, not READY
+    stopped_at: float = 0.0  # monotonic time of a clean stop that kept the pool
 
 
 Listener = Callable[[kspeed_pb2.ServerRecord, int], None]
@@ -90,7 +106,9 @@ class Membership:
         self.revision = 0
         now = clock()
         for record in store.servers():
-            entry = _Entry(record=record, heard_at=now, heard=False)
+            entry = _Entry(record=record, heard_at=now, heard=False, draining=record.state == DRAINING)
+            # A server stopped for a restart gets the whole grace period again: the manager was away.
+            entry.stopped_at = now
             if record.state in LIVE:
                 # Soft state is gone: the server must prove itself again; its heartbeats will.
                 record.state = SUSPECT
@@ -112,10 +130,15 @@ class Membership:
                     out.append(copy)
             return out
 
+    def known(self) -> set[str]:
+        """Ids of every server on record, whatever its state."""
+        with self._lock:
+            return set(self._entries)
+
     def counts(self) -> dict[str, int]:
         """Number of servers per state name."""
         with self._lock:
-            counts = {state_name(s): 0 for s in (JOINING, READY, SUSPECT, FAILED, LEFT)}
+            counts = {state_name(s): 0 for s in ALL_STATES}
             for entry in self._entries.values():
                 counts[state_name(entry.record.state)] += 1
             return counts
@@ -158,7 +181,9 @@ class Membership:
                 software_version=request.version.software_version,
                 state_reason="registered; awaiting health probe",
             )
-            self._entries[request.id] = _Entry(record=record, heard_at=self._clock())
+            # A drain outlives a restart of the server being drained (its shares are still to hand off).
+            draining = previous is not None and previous.draining and previous.record.state != LEFT
+            self._entries[request.id] = _Entry(record=record, heard_at=self._clock(), draining=draining)
             self._commit(record)
         log.info("server %s registered at %s (incarnation %d)", request.id, request.address, record.incarnation)
         return record
@@ -173,7 +198,7 @@ class Membership:
         """
         with self._lock:
             entry = self._entries.get(request.id)
-            if entry is None or entry.record.state in (FAILED, LEFT):
+            if entry is None or entry.record.state not in LIVE:
                 why = "unknown" if entry is None else state_name(entry.record.state)
                 raise NotFoundError(f"server {request.id!r} is {why} here; register again")
             if request.incarnation != entry.record.incarnation:  # 0 is no wildcard: incarnations start at 1
@@ -205,7 +230,8 @@ class Membership:
             return copy
 
     def deregister(self, request: kspeed_pb2.DeregisterServerRequest) -> None:
-        """Mark a server as having left cleanly.
+        """Mark a server as stopped cleanly: STOPPED, waited for ``restart_grace``, when it kept its
+        pool for a restart (and was not being drained); else LEFT at once.
 
         Raises:
             NotFoundError: for an unknown id.
@@ -220,7 +246,47 @@ class Membership:
                     f"server {request.id!r}: incarnation {request.incarnation} is not the "
                     f"current one ({entry.record.incarnation})"
                 )
-            self._set_state(entry, LEFT, request.reason or "deregistered")
+            reason = request.reason or "deregistered"
+            if request.keep_pool and self._timers.restart_grace > 0 and not entry.draining:
+                entry.stopped_at = self._clock()
+                self._set_state(
+                    entry,
+                    STOPPED,
+                    f"stopped cleanly ({reason}); its shares wait {self._timers.restart_grace:g}s for it to restart",
+                )
+            else:
+                entry.draining = False
+                self._set_state(entry, LEFT, reason)
+
+    def drain(self, server_id: str) -> kspeed_pb2.ServerRecord:
+        """Mark a live server as draining: it serves on while its shares are handed to others, and
+        is never chosen to hold anything new.
+
+        Raises:
+            NotFoundError: for an unknown id.
+            StateError: the server is not live (stopped, failed or left: its shares move anyway).
+        """
+        with self._lock:
+            entry = self._entries.get(server_id)
+            if entry is None:
+                raise NotFoundError(f"unknown server {server_id!r}")
+            if entry.record.state not in LIVE:
+                raise StateError(
+                    f"server {server_id!r} is {state_name(entry.record.state)}, not live: there is nothing to "
+                    "drain (the shares of a server that is gone move on their own)"
+                )
+            entry.draining = True
+            if entry.record.state in (JOINING, READY):
+                self._set_state(entry, DRAINING, "draining: its shares are being handed to other servers")
+            copy = kspeed_pb2.ServerRecord()
+            copy.CopyFrom(entry.record)
+            return copy
+
+    def draining(self, server_id: str) -> bool:
+        """Whether an operator asked to drain this server (and it has not left)."""
+        with self._lock:
+            entry = self._entries.get(server_id)
+            return entry is not None and entry.draining
 
     def probe_result(self, server_id: str, incarnation: int, ok: bool, detail: str = "") -> None:
         """Record the outcome of an active health probe."""
@@ -237,10 +303,18 @@ class Membership:
             self._evaluate(entry)
 
     def tick(self) -> None:
-        """Apply the timers to every live server; persist heartbeat times in one transaction."""
+        """Apply the timers to every live server and the restart grace to stopped ones; persist
+        heartbeat times in one transaction."""
         with self._lock:
             dirty = []
             for entry in self._entries.values():
+                if entry.record.state == STOPPED:
+                    waited = self._clock() - entry.stopped_at
+                    if waited >= self._timers.restart_grace:
+                        self._set_state(
+                            entry, LEFT, f"stopped and not back within restart_grace ({waited:.1f}s); its shares move"
+                        )
+                    continue
                 if entry.record.state in LIVE and not self._evaluate(entry) and entry.dirty:
                     dirty.append(entry.record)
                 entry.dirty = False
@@ -272,6 +346,8 @@ class Membership:
             return False
         if not entry.heard:  # restored: ready once its heartbeat says what it holds, not before
             return False
+        if entry.draining:
+            return self._set_state(entry, DRAINING, "draining: its shares are being handed to other servers")
         return self._set_state(entry, READY, "heartbeating and healthy")
 
     def _set_state(self, entry: _Entry, state: kspeed_pb2.ServerState, reason: str) -> bool:

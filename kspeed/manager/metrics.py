@@ -8,8 +8,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kspeed.control.lifecycle import state_name
 from kspeed.manager.datasets import DatasetCatalog
-from kspeed.manager.membership import Membership, state_name
+from kspeed.manager.membership import Membership
 from kspeed.proto import kspeed_pb2
 
 

@@ -13,10 +13,11 @@ import grpc
 from kspeed import names
 from kspeed._version import __version__
 from kspeed.control.rpc import negotiate
-from kspeed.errors import ProtocolError
+from kspeed.errors import ConflictError, ProtocolError
 from kspeed.manager.datasets import DatasetCatalog
 from kspeed.manager.jobs import JobBoard
-from kspeed.manager.membership import Membership
+from kspeed.manager.membership import DRAINING, Membership
+from kspeed.manager.store import Store
 from kspeed.proto import kspeed_pb2
 from kspeed.rdma.rails import rail_names
 
@@ -55,12 +56,12 @@ class ManagerService:
     """Implements every RPC of ``kspeed.v1.Manager`` over a :class:`Membership`."""
 
     def __init__(
-        self, membership: Membership, catalog: DatasetCatalog, cluster_id: str, heartbeat_interval: float
+        self, membership: Membership, catalog: DatasetCatalog, store: Store, heartbeat_interval: float
     ) -> None:
         self._membership = membership
         self._catalog = catalog
         self.jobs = JobBoard()
-        self._cluster_id = cluster_id
+        self._store = store
         self._heartbeat_interval = heartbeat_interval
         self._started = time.monotonic()
         self.watchers = 0
@@ -73,7 +74,7 @@ class ManagerService:
             protocol_version=version,
             features=sorted(set(FEATURES) & set(request.version.features)),
             manager_version=__version__,
-            cluster_id=self._cluster_id,
+            cluster_id=self._store.cluster_id,
         )
 
     async def RegisterServer(
@@ -81,14 +82,43 @@ class ManagerService:
     ) -> kspeed_pb2.RegisterServerReply:
         validate_registration(request)
         version = negotiate(request.version.protocol_versions)
+        self._check_cluster(request)
         record = self._membership.register(request, version)
         self._catalog.forget_progress(request.id)
+        self._catalog.adopt(request.id, list(request.holding))
         return kspeed_pb2.RegisterServerReply(
             incarnation=record.incarnation,
             protocol_version=version,
             heartbeat_interval_s=self._heartbeat_interval,
-            cluster_id=self._cluster_id,
+            cluster_id=self._store.cluster_id,
             assignments=self._catalog.assignments_for(request.id),
+        )
+
+    def _check_cluster(self, request: kspeed_pb2.RegisterServerRequest) -> None:
+        """Take over the cluster id of a server that holds data while the registry's own is
+        provisional (its file was missing or empty); refuse a server that holds another cluster's data.
+
+        Raises:
+            ConflictError: the server holds data of another cluster (named, with what to do).
+        """
+        theirs, ours = request.cluster_id, self._store.cluster_id
+        if not theirs or theirs == ours or not request.holding:
+            return
+        if self._store.provisional:
+            log.warning(
+                "cluster id %s taken over from server %s, which holds %d share(s): this manager's registry (%s) was "
+                "empty, so it is rebuilt from what the servers hold",
+                theirs,
+                request.id,
+                len(request.holding),
+                self._store.path,
+            )
+            self._store.take_cluster_id(theirs)
+            return
+        raise ConflictError(
+            f"server {request.id!r} holds {len(request.holding)} share(s) of cluster {theirs}, and this manager runs "
+            f"cluster {ours} (registry {self._store.path}); point the server at its own cluster's manager, or discard "
+            "its data first with `kspeed server purge` on its host (with the server stopped)"
         )
 
     async def Heartbeat(
@@ -102,6 +132,8 @@ class ManagerService:
             drop_datasets=stale,
             drop_shares=moved,
             assign=missing,
+            retire=record.state == DRAINING and not self._catalog.holds(request.id),
+            records=self._catalog.records_for(list(request.shares)),
         )
 
     async def DeregisterServer(
@@ -111,6 +143,17 @@ class ManagerService:
             raise ProtocolError(f"deregistration reason of {len(request.reason)} chars exceeds {_MAX_TEXT}")
         self._membership.deregister(request)
         return kspeed_pb2.DeregisterServerReply()
+
+    async def DrainServer(
+        self, request: kspeed_pb2.DrainServerRequest, context: grpc.aio.ServicerContext
+    ) -> kspeed_pb2.DrainServerReply:
+        names.SERVER_ID.check(request.id)
+        self._membership.get(request.id)  # NotFoundError for an unknown one
+        shares = self._catalog.plan_drain(request.id, allow_degraded=request.allow_degraded)
+        record = self._membership.drain(request.id)
+        self._catalog.start_drain(request.id, allow_degraded=request.allow_degraded)
+        log.warning("server %s: drain requested; %d share(s) to hand off", request.id, len(shares))
+        return kspeed_pb2.DrainServerReply(server=record, shares=shares)
 
     async def ListServers(
         self, request: kspeed_pb2.ListServersRequest, context: grpc.aio.ServicerContext
@@ -163,7 +206,7 @@ class ManagerService:
     def status(self) -> kspeed_pb2.ClusterStatus:
         """The cluster as one message (also rendered as JSON by /v1/status)."""
         return kspeed_pb2.ClusterStatus(
-            cluster_id=self._cluster_id,
+            cluster_id=self._store.cluster_id,
             manager_version=__version__,
             uptime_s=time.monotonic() - self._started,
             servers=self._membership.snapshot(),

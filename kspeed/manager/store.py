@@ -1,13 +1,22 @@
 """The manager's hard state in one SQLite file under its state directory.
 
-Only durable facts live here: the cluster id and the server registry (identity, addresses,
-inventory, last known state). Liveness timers are soft state and restart with the manager.
+Only durable facts live here: the cluster id, the server registry (identity, addresses, inventory,
+last known state), the datasets with their shares, the leases, and the names of removed datasets.
+Liveness timers are soft state and restart with the manager.
+
+The file is the registry's owner, not its only copy: every server keeps the assignments of the
+shares it holds, each with the dataset as the registry recorded it. A missing or empty file starts a
+registry whose cluster id is **provisional** until a server that holds data brings the cluster's own
+(the registry is then rebuilt from what the servers report, :mod:`kspeed.manager.datasets`) or this
+manager registers a dataset itself. A damaged file is refused with the command that rebuilds it.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sqlite3
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -28,24 +37,61 @@ CREATE TABLE IF NOT EXISTS leases (
     id TEXT PRIMARY KEY,
     lease BLOB NOT NULL           -- a serialized kspeed.v1.Lease
 );
+CREATE TABLE IF NOT EXISTS removed (
+    name TEXT PRIMARY KEY,
+    removed_unix REAL NOT NULL    -- when the dataset was removed: a server's older copy is not taken back
+);
 """
 SCHEMA_VERSION = "1"
+STATE_FILE = "manager.sqlite3"
+MAX_REMOVED = 10_000  # names of removed datasets remembered (the oldest are forgotten first)
+
+log = logging.getLogger(__name__)
 
 
 class Store:
-    """SQLite-backed registry storage (one writer: the manager's event loop)."""
+    """SQLite-backed registry storage (one writer: the manager's event loop).
 
-    def __init__(self, state_dir: str) -> None:
-        self.path = os.path.join(state_dir, "manager.sqlite3")
+    Args:
+        state_dir: the manager's state directory.
+        rebuild: a damaged state file is moved aside (``<file>.damaged-<time>``) and a fresh
+            registry started, to be rebuilt from the servers, instead of refusing to start.
+
+    Raises:
+        ConfigError: the file cannot be opened, is damaged (with the command that rebuilds it) or
+            has another schema.
+    """
+
+    def __init__(self, state_dir: str, *, rebuild: bool = False) -> None:
+        self.path = os.path.join(state_dir, STATE_FILE)
         try:
-            self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.executescript(_SCHEMA)
-        except sqlite3.Error as exc:
+            self._db = self._open()
+        except sqlite3.OperationalError as exc:  # not there to be opened (a directory, permissions, a full disk)
             raise ConfigError(
                 f"manager.state_dir: cannot open {self.path!r}: {exc}", field="manager.state_dir", value=state_dir
             ) from exc
+        except sqlite3.DatabaseError as exc:  # opened, and not a sound registry
+            if not rebuild:
+                raise ConfigError(
+                    f"manager.state_dir: {self.path!r} is damaged ({exc}). The servers keep the assignments of what "
+                    "they hold: start the manager once with --rebuild-state (KSPEED_REBUILD_STATE=true) to move the "
+                    "damaged file aside and rebuild the registry from them",
+                    field="manager.state_dir",
+                    value=state_dir,
+                ) from exc
+            aside = f"{self.path}.damaged-{time.strftime('%Y%m%dT%H%M%S')}"
+            for suffix in ("", "-wal", "-shm"):
+                if os.path.exists(self.path + suffix):
+                    os.replace(self.path + suffix, aside + suffix)
+            log.warning(
+                "state file %s was damaged (%s); moved aside to %s, rebuilding from the servers", self.path, exc, aside
+            )
+            try:
+                self._db = self._open()
+            except sqlite3.Error as again:
+                raise ConfigError(
+                    f"manager.state_dir: cannot open {self.path!r}: {again}", field="manager.state_dir", value=state_dir
+                ) from again
         version = self._get("schema_version")
         if version is None:
             self._put("schema_version", SCHEMA_VERSION)
@@ -55,7 +101,48 @@ class Store:
                 field="manager.state_dir",
                 value=state_dir,
             )
-        self.cluster_id = self._get("cluster_id") or self._put("cluster_id", uuid.uuid4().hex[:12])
+        cluster_id = self._get("cluster_id")
+        if cluster_id is None:
+            cluster_id = self._put("cluster_id", uuid.uuid4().hex[:12])
+            self._put("cluster_id_provisional", "1")
+        self.cluster_id = cluster_id
+
+    def _open(self) -> sqlite3.Connection:
+        """Connect, check the file's integrity and create the tables.
+
+        Raises:
+            sqlite3.DatabaseError: the file is not a database, or a damaged one.
+        """
+        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        try:
+            (verdict,) = db.execute("PRAGMA quick_check").fetchone()
+            if verdict != "ok":
+                raise sqlite3.DatabaseError(f"integrity check: {verdict}")
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.executescript(_SCHEMA)
+        except sqlite3.Error:
+            db.close()
+            raise
+        return db
+
+    @property
+    def provisional(self) -> bool:
+        """Whether the cluster id was made up by this registry and may still give way to the
+        cluster id of servers that hold data (the registry was empty or missing at start)."""
+        return self._get("cluster_id_provisional") == "1"
+
+    def take_cluster_id(self, cluster_id: str) -> None:
+        """Make ``cluster_id`` (brought by a server that holds data) the registry's, for good."""
+        with self._db:
+            self._db.execute("BEGIN")
+            self._put("cluster_id", cluster_id)
+            self._db.execute("DELETE FROM meta WHERE key = 'cluster_id_provisional'")
+        self.cluster_id = cluster_id
+
+    def confirm_cluster_id(self) -> None:
+        """Keep the registry's own cluster id for good (it registered a dataset)."""
+        self._db.execute("DELETE FROM meta WHERE key = 'cluster_id_provisional'")
 
     def _get(self, key: str) -> str | None:
         row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
@@ -96,12 +183,22 @@ class Store:
             "INSERT OR REPLACE INTO datasets (name, info) VALUES (?, ?)", (info.spec.name, info.SerializeToString())
         )
 
-    def delete_dataset(self, name: str) -> None:
-        """Forget a dataset and its leases."""
+    def delete_dataset(self, name: str, removed_unix: float) -> None:
+        """Forget a dataset and its leases, remembering when it was removed."""
         with self._db:
             self._db.execute("BEGIN")
             self._db.execute("DELETE FROM datasets WHERE name = ?", (name,))
             self._db.execute("DELETE FROM leases WHERE id LIKE ?", (f"{name}/%",))
+            self._db.execute("INSERT OR REPLACE INTO removed (name, removed_unix) VALUES (?, ?)", (name, removed_unix))
+            self._db.execute(
+                "DELETE FROM removed WHERE name NOT IN (SELECT name FROM removed ORDER BY removed_unix DESC LIMIT ?)",
+                (MAX_REMOVED,),
+            )
+
+    def removed_at(self, name: str) -> float | None:
+        """When a dataset of this name was last removed (None: never, as far as this registry knows)."""
+        row = self._db.execute("SELECT removed_unix FROM removed WHERE name = ?", (name,)).fetchone()
+        return float(row[0]) if row else None
 
     def leases(self) -> Iterator[kspeed_pb2.Lease]:
         """Every stored lease."""

@@ -15,6 +15,8 @@ class ServerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SERVER_STATE_SUSPECT: _ClassVar[ServerState]
     SERVER_STATE_FAILED: _ClassVar[ServerState]
     SERVER_STATE_LEFT: _ClassVar[ServerState]
+    SERVER_STATE_STOPPED: _ClassVar[ServerState]
+    SERVER_STATE_DRAINING: _ClassVar[ServerState]
 
 class DatasetOwner(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -36,6 +38,8 @@ SERVER_STATE_READY: ServerState
 SERVER_STATE_SUSPECT: ServerState
 SERVER_STATE_FAILED: ServerState
 SERVER_STATE_LEFT: ServerState
+SERVER_STATE_STOPPED: ServerState
+SERVER_STATE_DRAINING: ServerState
 DATASET_OWNER_UNSPECIFIED: DatasetOwner
 DATASET_OWNER_JOB: DatasetOwner
 DATASET_OWNER_OPERATOR: DatasetOwner
@@ -154,18 +158,22 @@ class ServerRecord(_message.Message):
     def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., http_address: _Optional[str] = ..., state: _Optional[_Union[ServerState, str]] = ..., inventory: _Optional[_Union[ServerInventory, _Mapping]] = ..., registered_unix: _Optional[float] = ..., last_heartbeat_unix: _Optional[float] = ..., incarnation: _Optional[int] = ..., protocol_version: _Optional[int] = ..., software_version: _Optional[str] = ..., state_reason: _Optional[str] = ...) -> None: ...
 
 class RegisterServerRequest(_message.Message):
-    __slots__ = ("id", "address", "http_address", "inventory", "version")
+    __slots__ = ("id", "address", "http_address", "inventory", "version", "cluster_id", "holding")
     ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HTTP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INVENTORY_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
+    HOLDING_FIELD_NUMBER: _ClassVar[int]
     id: str
     address: str
     http_address: str
     inventory: ServerInventory
     version: PeerVersion
-    def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., http_address: _Optional[str] = ..., inventory: _Optional[_Union[ServerInventory, _Mapping]] = ..., version: _Optional[_Union[PeerVersion, _Mapping]] = ...) -> None: ...
+    cluster_id: str
+    holding: _containers.RepeatedCompositeFieldContainer[AssignShareRequest]
+    def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., http_address: _Optional[str] = ..., inventory: _Optional[_Union[ServerInventory, _Mapping]] = ..., version: _Optional[_Union[PeerVersion, _Mapping]] = ..., cluster_id: _Optional[str] = ..., holding: _Optional[_Iterable[_Union[AssignShareRequest, _Mapping]]] = ...) -> None: ...
 
 class RegisterServerReply(_message.Message):
     __slots__ = ("incarnation", "protocol_version", "heartbeat_interval_s", "cluster_id", "assignments")
@@ -194,28 +202,34 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ..., incarnation: _Optional[int] = ..., inventory: _Optional[_Union[ServerInventory, _Mapping]] = ..., shares: _Optional[_Iterable[_Union[ShareStatus, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("state", "heartbeat_interval_s", "drop_datasets", "drop_shares", "assign")
+    __slots__ = ("state", "heartbeat_interval_s", "drop_datasets", "drop_shares", "assign", "retire", "records")
     STATE_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     DROP_DATASETS_FIELD_NUMBER: _ClassVar[int]
     DROP_SHARES_FIELD_NUMBER: _ClassVar[int]
     ASSIGN_FIELD_NUMBER: _ClassVar[int]
+    RETIRE_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
     state: ServerState
     heartbeat_interval_s: float
     drop_datasets: _containers.RepeatedScalarFieldContainer[str]
     drop_shares: _containers.RepeatedCompositeFieldContainer[ShareRef]
     assign: _containers.RepeatedCompositeFieldContainer[AssignShareRequest]
-    def __init__(self, state: _Optional[_Union[ServerState, str]] = ..., heartbeat_interval_s: _Optional[float] = ..., drop_datasets: _Optional[_Iterable[str]] = ..., drop_shares: _Optional[_Iterable[_Union[ShareRef, _Mapping]]] = ..., assign: _Optional[_Iterable[_Union[AssignShareRequest, _Mapping]]] = ...) -> None: ...
+    retire: bool
+    records: _containers.RepeatedCompositeFieldContainer[DatasetInfo]
+    def __init__(self, state: _Optional[_Union[ServerState, str]] = ..., heartbeat_interval_s: _Optional[float] = ..., drop_datasets: _Optional[_Iterable[str]] = ..., drop_shares: _Optional[_Iterable[_Union[ShareRef, _Mapping]]] = ..., assign: _Optional[_Iterable[_Union[AssignShareRequest, _Mapping]]] = ..., retire: _Optional[bool] = ..., records: _Optional[_Iterable[_Union[DatasetInfo, _Mapping]]] = ...) -> None: ...
 
 class DeregisterServerRequest(_message.Message):
-    __slots__ = ("id", "incarnation", "reason")
+    __slots__ = ("id", "incarnation", "reason", "keep_pool")
     ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    KEEP_POOL_FIELD_NUMBER: _ClassVar[int]
     id: str
     incarnation: int
     reason: str
-    def __init__(self, id: _Optional[str] = ..., incarnation: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    keep_pool: bool
+    def __init__(self, id: _Optional[str] = ..., incarnation: _Optional[int] = ..., reason: _Optional[str] = ..., keep_pool: _Optional[bool] = ...) -> None: ...
 
 class DeregisterServerReply(_message.Message):
     __slots__ = ()
@@ -226,6 +240,22 @@ class ListServersRequest(_message.Message):
     INCLUDE_LEFT_FIELD_NUMBER: _ClassVar[int]
     include_left: bool
     def __init__(self, include_left: _Optional[bool] = ...) -> None: ...
+
+class DrainServerRequest(_message.Message):
+    __slots__ = ("id", "allow_degraded")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_DEGRADED_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    allow_degraded: bool
+    def __init__(self, id: _Optional[str] = ..., allow_degraded: _Optional[bool] = ...) -> None: ...
+
+class DrainServerReply(_message.Message):
+    __slots__ = ("server", "shares")
+    SERVER_FIELD_NUMBER: _ClassVar[int]
+    SHARES_FIELD_NUMBER: _ClassVar[int]
+    server: ServerRecord
+    shares: _containers.RepeatedCompositeFieldContainer[ShareRef]
+    def __init__(self, server: _Optional[_Union[ServerRecord, _Mapping]] = ..., shares: _Optional[_Iterable[_Union[ShareRef, _Mapping]]] = ...) -> None: ...
 
 class ListServersReply(_message.Message):
     __slots__ = ("servers", "revision")
@@ -310,7 +340,7 @@ class Fingerprint(_message.Message):
     def __init__(self, count: _Optional[int] = ..., total_bytes: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class Share(_message.Message):
-    __slots__ = ("server_id", "first_id", "end_id", "first_region", "num_regions", "bytes", "on_demand", "policy", "memory_regions", "slice_bytes")
+    __slots__ = ("server_id", "first_id", "end_id", "first_region", "num_regions", "bytes", "on_demand", "policy", "memory_regions", "slice_bytes", "handoff_to")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_ID_FIELD_NUMBER: _ClassVar[int]
     END_ID_FIELD_NUMBER: _ClassVar[int]
@@ -321,6 +351,7 @@ class Share(_message.Message):
     POLICY_FIELD_NUMBER: _ClassVar[int]
     MEMORY_REGIONS_FIELD_NUMBER: _ClassVar[int]
     SLICE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_TO_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     first_id: int
     end_id: int
@@ -331,7 +362,8 @@ class Share(_message.Message):
     policy: str
     memory_regions: int
     slice_bytes: int
-    def __init__(self, server_id: _Optional[str] = ..., first_id: _Optional[int] = ..., end_id: _Optional[int] = ..., first_region: _Optional[int] = ..., num_regions: _Optional[int] = ..., bytes: _Optional[int] = ..., on_demand: _Optional[bool] = ..., policy: _Optional[str] = ..., memory_regions: _Optional[int] = ..., slice_bytes: _Optional[int] = ...) -> None: ...
+    handoff_to: str
+    def __init__(self, server_id: _Optional[str] = ..., first_id: _Optional[int] = ..., end_id: _Optional[int] = ..., first_region: _Optional[int] = ..., num_regions: _Optional[int] = ..., bytes: _Optional[int] = ..., on_demand: _Optional[bool] = ..., policy: _Optional[str] = ..., memory_regions: _Optional[int] = ..., slice_bytes: _Optional[int] = ..., handoff_to: _Optional[str] = ...) -> None: ...
 
 class ShareRef(_message.Message):
     __slots__ = ("dataset", "first_id")
@@ -364,7 +396,7 @@ class PreloadProgress(_message.Message):
     def __init__(self, samples_loaded: _Optional[int] = ..., samples_total: _Optional[int] = ..., bytes_loaded: _Optional[int] = ..., bytes_total: _Optional[int] = ..., bytes_per_s: _Optional[float] = ..., running: _Optional[bool] = ..., error_count: _Optional[int] = ..., errors: _Optional[_Iterable[str]] = ..., samples_read: _Optional[int] = ...) -> None: ...
 
 class ShareStatus(_message.Message):
-    __slots__ = ("dataset", "progress", "regions_sealed", "integrity_repairs", "changed_samples", "changes", "samples_checked", "stage_seconds", "first_id", "epochs")
+    __slots__ = ("dataset", "progress", "regions_sealed", "integrity_repairs", "changed_samples", "changes", "samples_checked", "stage_seconds", "first_id", "epochs", "revision")
     class StageSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -382,6 +414,7 @@ class ShareStatus(_message.Message):
     STAGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     progress: PreloadProgress
     regions_sealed: int
@@ -392,7 +425,8 @@ class ShareStatus(_message.Message):
     stage_seconds: _containers.ScalarMap[str, float]
     first_id: int
     epochs: _containers.RepeatedCompositeFieldContainer[EpochFigures]
-    def __init__(self, dataset: _Optional[str] = ..., progress: _Optional[_Union[PreloadProgress, _Mapping]] = ..., regions_sealed: _Optional[int] = ..., integrity_repairs: _Optional[int] = ..., changed_samples: _Optional[int] = ..., changes: _Optional[_Iterable[str]] = ..., samples_checked: _Optional[int] = ..., stage_seconds: _Optional[_Mapping[str, float]] = ..., first_id: _Optional[int] = ..., epochs: _Optional[_Iterable[_Union[EpochFigures, _Mapping]]] = ...) -> None: ...
+    revision: int
+    def __init__(self, dataset: _Optional[str] = ..., progress: _Optional[_Union[PreloadProgress, _Mapping]] = ..., regions_sealed: _Optional[int] = ..., integrity_repairs: _Optional[int] = ..., changed_samples: _Optional[int] = ..., changes: _Optional[_Iterable[str]] = ..., samples_checked: _Optional[int] = ..., stage_seconds: _Optional[_Mapping[str, float]] = ..., first_id: _Optional[int] = ..., epochs: _Optional[_Iterable[_Union[EpochFigures, _Mapping]]] = ..., revision: _Optional[int] = ...) -> None: ...
 
 class EpochFigures(_message.Message):
     __slots__ = ("epoch", "planned", "written", "misses", "backend_bytes", "backend_requests", "stall_s")
@@ -427,7 +461,7 @@ class Lease(_message.Message):
     def __init__(self, id: _Optional[str] = ..., dataset: _Optional[str] = ..., holder: _Optional[str] = ..., ttl_s: _Optional[float] = ..., expires_unix: _Optional[float] = ...) -> None: ...
 
 class DatasetInfo(_message.Message):
-    __slots__ = ("spec", "owner", "state", "fingerprint", "region_size", "shares", "progress", "share_status", "class_names", "leases", "created_unix", "server_addresses", "changes", "changed_reason", "sample_dtype", "sample_shape", "shard_starts")
+    __slots__ = ("spec", "owner", "state", "fingerprint", "region_size", "shares", "progress", "share_status", "class_names", "leases", "created_unix", "server_addresses", "changes", "changed_reason", "sample_dtype", "sample_shape", "shard_starts", "revision")
     class ServerAddressesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -452,6 +486,7 @@ class DatasetInfo(_message.Message):
     SAMPLE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_SHAPE_FIELD_NUMBER: _ClassVar[int]
     SHARD_STARTS_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
     spec: DatasetSpec
     owner: DatasetOwner
     state: DatasetState
@@ -469,7 +504,8 @@ class DatasetInfo(_message.Message):
     sample_dtype: str
     sample_shape: _containers.RepeatedScalarFieldContainer[int]
     shard_starts: bytes
-    def __init__(self, spec: _Optional[_Union[DatasetSpec, _Mapping]] = ..., owner: _Optional[_Union[DatasetOwner, str]] = ..., state: _Optional[_Union[DatasetState, str]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., region_size: _Optional[int] = ..., shares: _Optional[_Iterable[_Union[Share, _Mapping]]] = ..., progress: _Optional[_Union[PreloadProgress, _Mapping]] = ..., share_status: _Optional[_Iterable[_Union[ShareStatus, _Mapping]]] = ..., class_names: _Optional[_Iterable[str]] = ..., leases: _Optional[int] = ..., created_unix: _Optional[float] = ..., server_addresses: _Optional[_Mapping[str, str]] = ..., changes: _Optional[_Iterable[str]] = ..., changed_reason: _Optional[str] = ..., sample_dtype: _Optional[str] = ..., sample_shape: _Optional[_Iterable[int]] = ..., shard_starts: _Optional[bytes] = ...) -> None: ...
+    revision: int
+    def __init__(self, spec: _Optional[_Union[DatasetSpec, _Mapping]] = ..., owner: _Optional[_Union[DatasetOwner, str]] = ..., state: _Optional[_Union[DatasetState, str]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., region_size: _Optional[int] = ..., shares: _Optional[_Iterable[_Union[Share, _Mapping]]] = ..., progress: _Optional[_Union[PreloadProgress, _Mapping]] = ..., share_status: _Optional[_Iterable[_Union[ShareStatus, _Mapping]]] = ..., class_names: _Optional[_Iterable[str]] = ..., leases: _Optional[int] = ..., created_unix: _Optional[float] = ..., server_addresses: _Optional[_Mapping[str, str]] = ..., changes: _Optional[_Iterable[str]] = ..., changed_reason: _Optional[str] = ..., sample_dtype: _Optional[str] = ..., sample_shape: _Optional[_Iterable[int]] = ..., shard_starts: _Optional[bytes] = ..., revision: _Optional[int] = ...) -> None: ...
 
 class CreateDatasetRequest(_message.Message):
     __slots__ = ("spec", "owner", "holder", "lease_ttl_s")
@@ -542,16 +578,18 @@ class ReleaseLeaseReply(_message.Message):
     def __init__(self) -> None: ...
 
 class AssignShareRequest(_message.Message):
-    __slots__ = ("spec", "fingerprint", "region_size", "share")
+    __slots__ = ("spec", "fingerprint", "region_size", "share", "dataset")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     REGION_SIZE_FIELD_NUMBER: _ClassVar[int]
     SHARE_FIELD_NUMBER: _ClassVar[int]
+    DATASET_FIELD_NUMBER: _ClassVar[int]
     spec: DatasetSpec
     fingerprint: Fingerprint
     region_size: int
     share: Share
-    def __init__(self, spec: _Optional[_Union[DatasetSpec, _Mapping]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., region_size: _Optional[int] = ..., share: _Optional[_Union[Share, _Mapping]] = ...) -> None: ...
+    dataset: DatasetInfo
+    def __init__(self, spec: _Optional[_Union[DatasetSpec, _Mapping]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., region_size: _Optional[int] = ..., share: _Optional[_Union[Share, _Mapping]] = ..., dataset: _Optional[_Union[DatasetInfo, _Mapping]] = ...) -> None: ...
 
 class DescribeDatasetReply(_message.Message):
     __slots__ = ("fingerprint", "class_names", "region_size", "region_starts", "region_bytes", "sample_dtype", "sample_shape", "shard_starts")

@@ -57,6 +57,11 @@ class ManagerStub:
                 request_serializer=kspeed__pb2.DeregisterServerRequest.SerializeToString,
                 response_deserializer=kspeed__pb2.DeregisterServerReply.FromString,
                 _registered_method=True)
+        self.DrainServer = channel.unary_unary(
+                '/kspeed.v1.Manager/DrainServer',
+                request_serializer=kspeed__pb2.DrainServerRequest.SerializeToString,
+                response_deserializer=kspeed__pb2.DrainServerReply.FromString,
+                _registered_method=True)
         self.ListServers = channel.unary_unary(
                 '/kspeed.v1.Manager/ListServers',
                 request_serializer=kspeed__pb2.ListServersRequest.SerializeToString,
@@ -152,6 +157,14 @@ class ManagerServicer:
 
     def DeregisterServer(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DrainServer(self, request, context):
+        """Start handing a server's shares to others (FAILED_PRECONDITION where a share has nowhere to
+        go, unless allowed to degrade); the server leaves once they are held elsewhere.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -260,6 +273,11 @@ def add_ManagerServicer_to_server(servicer, server):
                     servicer.DeregisterServer,
                     request_deserializer=kspeed__pb2.DeregisterServerRequest.FromString,
                     response_serializer=kspeed__pb2.DeregisterServerReply.SerializeToString,
+            ),
+            'DrainServer': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainServer,
+                    request_deserializer=kspeed__pb2.DrainServerRequest.FromString,
+                    response_serializer=kspeed__pb2.DrainServerReply.SerializeToString,
             ),
             'ListServers': grpc.unary_unary_rpc_method_handler(
                     servicer.ListServers,
@@ -438,6 +456,33 @@ class Manager:
             '/kspeed.v1.Manager/DeregisterServer',
             kspeed__pb2.DeregisterServerRequest.SerializeToString,
             kspeed__pb2.DeregisterServerReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrainServer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kspeed.v1.Manager/DrainServer',
+            kspeed__pb2.DrainServerRequest.SerializeToString,
+            kspeed__pb2.DrainServerReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -2,8 +2,10 @@
 
 The agent runs on its own thread. While the manager is unreachable the server keeps serving and
 the agent retries with capped backoff; when the manager answers a heartbeat with NOT_FOUND (it
-lost or failed this server) the agent registers again. A version mismatch or a refused token is
-fatal: retrying cannot fix it, so the agent reports it and the daemon stops.
+lost or failed this server) the agent registers again, telling the manager its cluster id and the
+shares it holds (a manager that lost its registry rebuilds it from them). A version mismatch, a
+refused token or a manager of another cluster is fatal: retrying cannot fix it, so the agent
+reports it and the daemon stops. A heartbeat reply that says the server was drained retires it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import grpc
 
 from kspeed.config import SecurityConfig
 from kspeed.control import rpc
-from kspeed.errors import AuthError, KSpeedError, NotFoundError, ProtocolError, UnavailableError
+from kspeed.errors import AuthError, ConflictError, KSpeedError, NotFoundError, ProtocolError, UnavailableError
 from kspeed.proto import kspeed_pb2, kspeed_pb2_grpc
 from kspeed.server.metrics import ServerMetrics
 
@@ -50,6 +52,11 @@ class ManagerAgent:
         on_registered: Callable[[kspeed_pb2.RegisterServerReply, int], None] = lambda reply, mark: None,
         on_drop: Callable[[str, int | None], None] = lambda name, first: None,
         on_assign: Callable[[list[kspeed_pb2.AssignShareRequest]], None] = lambda requests: None,
+        holding: Callable[[], list[kspeed_pb2.AssignShareRequest]] = list,
+        cluster_id: str = "",
+        on_cluster_id: Callable[[str], None] = lambda cluster_id: None,
+        on_retire: Callable[[], None] = lambda: None,
+        on_records: Callable[[list[kspeed_pb2.DatasetInfo]], None] = lambda records: None,
     ) -> None:
         self._manager = manager_address
         self._metadata = rpc.call_metadata(security)
@@ -66,6 +73,11 @@ class ManagerAgent:
         self._on_registered = on_registered
         self._on_drop = on_drop
         self._on_assign = on_assign
+        self._holding = holding
+        self.cluster_id = cluster_id
+        self._on_cluster_id = on_cluster_id
+        self._on_retire = on_retire
+        self._on_records = on_records
         self._stop = threading.Event()
         self._wake = threading.Event()  # set to end a pause: news to report, or the agent stops
         self._thread = threading.Thread(target=self._run, name="kspeed-agent", daemon=True)
@@ -105,8 +117,13 @@ class ManagerAgent:
                 http_address=self._http_address,
                 inventory=self._inventory(),
                 version=rpc.peer_version(),
+                cluster_id=self.cluster_id,
+                holding=self._holding(),
             ),
         )
+        if reply.cluster_id and reply.cluster_id != self.cluster_id:
+            self.cluster_id = reply.cluster_id
+            self._on_cluster_id(reply.cluster_id)
         self.incarnation = reply.incarnation
         self.interval = reply.heartbeat_interval_s or self.interval
         self._on_registered(reply, mark)
@@ -136,8 +153,13 @@ class ManagerAgent:
                 "the manager assigns share %d.. of dataset %s elsewhere now; dropping it", ref.first_id, ref.dataset
             )
             self._on_drop(ref.dataset, ref.first_id)
+        if reply.records:
+            self._on_records(list(reply.records))
         if reply.assign:
             self._on_assign(list(reply.assign))
+        if reply.retire:
+            log.warning("the manager handed every share of this server to others (drained); retiring")
+            self._on_retire()
 
     def _run(self) -> None:
         backoff = 0.2
@@ -159,7 +181,7 @@ class ManagerAgent:
                 self._metrics.heartbeats.labels("not_found").inc()
                 self.registered.clear()
                 self._metrics.registered.set(0)
-            except (AuthError, ProtocolError) as exc:
+            except (AuthError, ProtocolError, ConflictError) as exc:
                 log.error("manager refused this server: %s", exc)
                 self._on_fatal(exc)
                 return
@@ -195,8 +217,9 @@ class ManagerAgent:
         finally:
             ready.cancel()
 
-    def stop(self, deregister: bool, reason: str = "shutdown") -> None:
-        """Stop the loop and, if asked and registered, deregister (best effort, bounded)."""
+    def stop(self, deregister: bool, reason: str = "shutdown", *, keep_pool: bool = False) -> None:
+        """Stop the loop and, if asked and registered, deregister (best effort, bounded);
+        ``keep_pool``: the pool stays for a restart, which the manager then waits for."""
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=CALL_TIMEOUT + 1)
@@ -204,7 +227,9 @@ class ManagerAgent:
             try:
                 self._call(
                     "DeregisterServer",
-                    kspeed_pb2.DeregisterServerRequest(id=self._id, incarnation=self.incarnation, reason=reason),
+                    kspeed_pb2.DeregisterServerRequest(
+                        id=self._id, incarnation=self.incarnation, reason=reason, keep_pool=keep_pool
+                    ),
                 )
                 log.info("deregistered from manager %s", self._manager)
             except KSpeedError as exc:

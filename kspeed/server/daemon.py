@@ -2,7 +2,10 @@
 
 It starts empty, registers with the manager and reports its inventory, heartbeats, serves
 ``kspeed.v1.Server`` and ``grpc.health.v1.Health`` over gRPC and ``/healthz``, ``/readyz`` and
-``/metrics`` over HTTP. On SIGTERM or SIGINT it reports NOT_SERVING, drains, deregisters and exits.
+``/metrics`` over HTTP. On SIGTERM or SIGINT it reports NOT_SERVING, finishes the calls in flight,
+deregisters and exits, keeping its pool (``keep_pool_on_exit``) for a restart to re-adopt: the
+manager waits ``restart_grace`` for it before moving its shares. Once drained (every share handed to
+other servers) it is told to retire: it exits the same way, discarding its pool.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from kspeed.server.allowlist import AllowList
 from kspeed.server.backend import Backend
 from kspeed.server.datasets import DatasetHost
 from kspeed.server.feeder_pool import FeederPool
+from kspeed.server.local_state import StateLock, pool_dir, read_cluster_id, write_cluster_id
 from kspeed.server.metrics import ServerMetrics
 from kspeed.server.pool import WINDOW_OWNER, MemoryPool, RegionState
 from kspeed.server.prep_pool import PrepPool
@@ -53,7 +57,9 @@ class Server:
         self.config = config
         use_verbs_api(config.verbs_api)
         self.state_dir = ensure_state_dir(config.state_dir, "server.state_dir")
+        self._lock: StateLock | None = StateLock(self.state_dir)
         self.id = inv.server_id(config, self.state_dir)
+        self._retiring = threading.Event()  # drained: exit discarding the pool
         self.host: DatasetHost | None = None
         self.feeders: FeederPool | None = None
         self.prep: PrepPool | None = None
@@ -84,11 +90,7 @@ class Server:
 
     def pool_dir(self) -> str:
         """Where the pool's region files live (tmpfs by default, named by server id)."""
-        if self.config.pool_dir:
-            return self.config.pool_dir
-        if os.path.isdir("/dev/shm"):
-            return f"/dev/shm/kspeed-pool-{self.id}"
-        return os.path.join(self.state_dir, "pool")
+        return pool_dir(self.config, self.id, self.state_dir)
 
     def start(self) -> None:
         """Open the pool, bind gRPC and HTTP, then start registering with the manager."""
@@ -189,6 +191,11 @@ class Server:
                 name, "the manager no longer assigns it here", final=False, first=first
             ),
             on_assign=host.retake,
+            holding=host.held,
+            cluster_id=read_cluster_id(self.state_dir),
+            on_cluster_id=lambda cluster_id: write_cluster_id(self.state_dir, cluster_id),
+            on_retire=self._retire,
+            on_records=host.keep_records,
         )
         host.on_loaded = lambda name: agent.report_soon()
         agent.start()
@@ -220,6 +227,10 @@ class Server:
         self.fatal = exc
         self._stopped.set()
 
+    def _retire(self) -> None:
+        self._retiring.set()
+        self._stopped.set()
+
     def run_until_stopped(self) -> None:
         """Serve until SIGTERM/SIGINT (or a fatal refusal by the manager, seen within half a
         second), then shut down."""
@@ -231,13 +242,19 @@ class Server:
             raise self.fatal
 
     def stop(self) -> None:
-        """Report NOT_SERVING, drain, deregister (unless the manager refused us) and release everything."""
+        """Report NOT_SERVING, finish the calls in flight, deregister (unless the manager refused
+        us) and release everything; the pool is kept for a restart unless the server retires or
+        ``keep_pool_on_exit`` is off."""
         self._stopped.set()
+        retiring = self._retiring.is_set()
+        keep_pool = self.config.keep_pool_on_exit and not retiring
         self.health.enter_graceful_shutdown()
         for name in ("", SERVICE):
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         if self.agent is not None:
-            self.agent.stop(deregister=self.fatal is None, reason="shutdown")
+            self.agent.stop(
+                deregister=self.fatal is None, reason="drained" if retiring else "shutdown", keep_pool=keep_pool
+            )
         if self._grpc is not None:
             self._grpc.stop(grace=self.config.drain_timeout).wait()
         if self.streams is not None:
@@ -250,15 +267,22 @@ class Server:
             self.prep.close()  # after the feeders' producers; a preload still caching samples then stops
         if self.host is not None:
             self.host.close()
-            if self.config.keep_pool_on_exit:
+            if keep_pool:
                 self.host.pool.close()
             else:
                 self.host.pool.destroy()
         if self.config.ready_file:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.config.ready_file)
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
         if self._serving:
-            log.info("kspeed-server %s stopped", self.id)
+            log.info(
+                "kspeed-server %s %s",
+                self.id,
+                "retired (drained; pool discarded)" if retiring else "stopped" + (" (pool kept)" if keep_pool else ""),
+            )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -63,6 +63,11 @@ def _vindices(share: kspeed_pb2.Share) -> range:
     return range(share.first_region, share.first_region + held)
 
 
+def _same_share(a: kspeed_pb2.AssignShareRequest, b: kspeed_pb2.AssignShareRequest) -> bool:
+    """Whether two assignments give the same share (the record of the dataset sent along is not part of it)."""
+    return (a.spec, a.fingerprint, a.region_size, a.share) == (b.spec, b.fingerprint, b.region_size, b.share)
+
+
 def _span(share: kspeed_pb2.Share) -> str:
     return f"{share.first_id}..{share.end_id - 1}"
 
@@ -345,9 +350,12 @@ class DatasetHost:
         self.check_pipeline(request.spec)
         with self._lock:
             current = self._hosted.get(key)
-            if current is not None and current.request == request:
+            if current is not None and _same_share(current.request, request):
                 self.assignments += 1  # the manager's word again: as new as a fresh assignment
                 self._assigned[key] = self.assignments
+                if current.request.dataset != request.dataset:  # a newer record of the dataset: keep it
+                    current.request = request
+                    self._save_assignments()
                 return self.status(name, key[1])
             for other in self.shares(name, missing_ok=True):
                 s = other.request.share
@@ -533,6 +541,25 @@ class DatasetHost:
         why = self._dropped.get(name)
         raise NotFoundError(f"dataset {name!r} is not hosted on this server" + (f": {why}" if why else ""))
 
+    def keep_records(self, records: list[kspeed_pb2.DatasetInfo]) -> None:
+        """Keep the newer records of hosted datasets the manager sent with the shares (saved once)."""
+        newer = {r.spec.name: r for r in records}
+        with self._lock:
+            changed = False
+            for hosted in self._hosted.values():
+                record = newer.get(hosted.name)
+                if record is not None and record.revision > hosted.request.dataset.revision:
+                    hosted.request.dataset.CopyFrom(record)
+                    changed = True
+            if changed:
+                self._save_assignments()
+
+    def held(self) -> list[kspeed_pb2.AssignShareRequest]:
+        """The assignments of every hosted share, as the manager sent them (a manager that lost its
+        registry rebuilds it from these)."""
+        with self._lock:
+            return [h.request for h in self._hosted.values()]
+
     def keys(self) -> list[ShareKey]:
         """(dataset, first sample) of every hosted share."""
         with self._lock:
@@ -568,6 +595,7 @@ class DatasetHost:
             changed_samples=changes.count,
             changes=[str(c) for c in changes.first()],
             samples_checked=changes.checked,
+            revision=hosted.request.dataset.revision,
             stage_seconds=self.prep.seconds_of(name) if self.prep is not None else {},
             epochs=[
                 kspeed_pb2.EpochFigures(

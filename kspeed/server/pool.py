@@ -507,3 +507,16 @@ def _remove_pool_files(directory: Path) -> None:
             or child.name in (MANIFEST_NAME, f".{MANIFEST_NAME}.tmp")
         ):
             child.unlink(missing_ok=True)
+
+
+def discard_pool(directory: str | os.PathLike[str]) -> int:
+    """Delete the files of the pool in ``directory`` (not mapped by any process: a server that is
+    not running), and the directory once empty; returns the bytes they took."""
+    path = Path(directory)
+    if not path.is_dir():
+        return 0
+    freed = sum(child.stat().st_blocks * 512 for child in path.iterdir() if child.is_file())
+    _remove_pool_files(path)
+    with contextlib.suppress(OSError):
+        path.rmdir()
+    return freed

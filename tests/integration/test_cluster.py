@@ -170,7 +170,23 @@ def test_unknown_server_heartbeat_is_not_found_and_server_reregisters(cluster):
         )
 
 
-def test_sigterm_server_deregisters_and_leaves(cluster):
+def test_sigterm_server_is_waited_for_its_restart_grace_then_leaves(cluster_factory):
+    cluster = cluster_factory(2, manager_args=["--restart-grace", "1s"])
+    leaving = cluster.servers[1]
+    with client_for(cluster) as client:
+        wait_for(lambda: all_ready(client, 2), 10, "both servers ready")
+        assert leaving.stop() == 0
+        record = next(r for r in client.servers() if r.id == leaving.ready["id"])
+        assert record.state == S.SERVER_STATE_STOPPED, record
+        assert "wait 1s for it to restart" in record.state_reason
+        wait_for(lambda: states(client)[leaving.ready["id"]] == S.SERVER_STATE_LEFT, 10, "the grace to pass")
+        gone = next(r for r in client.servers(include_left=True) if r.id == leaving.ready["id"])
+        assert "not back within restart_grace" in gone.state_reason
+        assert leaving.ready["id"] not in {r.id for r in client.servers()}
+
+
+def test_sigterm_server_without_its_pool_leaves_at_once(cluster_factory):
+    cluster = cluster_factory(2, server_args=["--keep-pool-on-exit", "false"])
     leaving = cluster.servers[1]
     with client_for(cluster) as client:
         wait_for(lambda: all_ready(client, 2), 10, "both servers ready")
@@ -187,7 +203,7 @@ def test_membership_watch_streams_snapshot_then_changes(cluster):
         assert first.snapshot and len(first.servers) == 2
         cluster.servers[0].stop()
         for event in stream:
-            if any(r.state == S.SERVER_STATE_LEFT for r in event.servers):
+            if any(r.state == S.SERVER_STATE_STOPPED for r in event.servers):
                 assert event.revision > first.revision
                 break
         stream.cancel()
