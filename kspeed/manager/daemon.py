@@ -62,7 +62,13 @@ class Manager:
             join_wait=config.join_wait,
             verify_on_attach=config.verify_on_attach,
         )
-        self.service = ManagerService(self.membership, self.catalog, self.store, config.heartbeat_interval)
+        self.service = ManagerService(
+            self.membership,
+            self.catalog,
+            self.store,
+            config.heartbeat_interval,
+            probe=lambda address: self.calls.probe(address, config.probe_timeout),
+        )
         self.metrics = ManagerMetrics(self.membership, self.catalog)
         self.health = HealthServicer()
         self._stopping = asyncio.Event()

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
@@ -56,9 +56,15 @@ class ManagerService:
     """Implements every RPC of ``kspeed.v1.Manager`` over a :class:`Membership`."""
 
     def __init__(
-        self, membership: Membership, catalog: DatasetCatalog, store: Store, heartbeat_interval: float
+        self,
+        membership: Membership,
+        catalog: DatasetCatalog,
+        store: Store,
+        heartbeat_interval: float,
+        probe: Callable[[str], Awaitable[tuple[bool, str]]] | None = None,
     ) -> None:
         self._membership = membership
+        self._probe = probe
         self._catalog = catalog
         self.jobs = JobBoard()
         self._store = store
@@ -154,6 +160,16 @@ class ManagerService:
         self._catalog.start_drain(request.id, allow_degraded=request.allow_degraded)
         log.warning("server %s: drain requested; %d share(s) to hand off", request.id, len(shares))
         return kspeed_pb2.DrainServerReply(server=record, shares=shares)
+
+    async def ProbeAddress(
+        self, request: kspeed_pb2.ProbeAddressRequest, context: grpc.aio.ServicerContext
+    ) -> kspeed_pb2.ProbeAddressReply:
+        if not _ADDRESS.fullmatch(request.address) or not 0 < int(request.address.rpartition(":")[2]) < 65536:
+            raise ProtocolError(f"address {request.address[:80]!r} is not host:port")
+        if self._probe is None:
+            return kspeed_pb2.ProbeAddressReply(serving=False, detail="this manager does not probe addresses")
+        serving, detail = await self._probe(request.address)
+        return kspeed_pb2.ProbeAddressReply(serving=serving, detail=detail)
 
     async def ListServers(
         self, request: kspeed_pb2.ListServersRequest, context: grpc.aio.ServicerContext

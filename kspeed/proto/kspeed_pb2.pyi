@@ -249,6 +249,20 @@ class DrainServerRequest(_message.Message):
     allow_degraded: bool
     def __init__(self, id: _Optional[str] = ..., allow_degraded: _Optional[bool] = ...) -> None: ...
 
+class ProbeAddressRequest(_message.Message):
+    __slots__ = ("address",)
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    def __init__(self, address: _Optional[str] = ...) -> None: ...
+
+class ProbeAddressReply(_message.Message):
+    __slots__ = ("serving", "detail")
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    serving: bool
+    detail: str
+    def __init__(self, serving: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
+
 class DrainServerReply(_message.Message):
     __slots__ = ("server", "shares")
     SERVER_FIELD_NUMBER: _ClassVar[int]

@@ -62,6 +62,11 @@ class ManagerStub:
                 request_serializer=kspeed__pb2.DrainServerRequest.SerializeToString,
                 response_deserializer=kspeed__pb2.DrainServerReply.FromString,
                 _registered_method=True)
+        self.ProbeAddress = channel.unary_unary(
+                '/kspeed.v1.Manager/ProbeAddress',
+                request_serializer=kspeed__pb2.ProbeAddressRequest.SerializeToString,
+                response_deserializer=kspeed__pb2.ProbeAddressReply.FromString,
+                _registered_method=True)
         self.ListServers = channel.unary_unary(
                 '/kspeed.v1.Manager/ListServers',
                 request_serializer=kspeed__pb2.ListServersRequest.SerializeToString,
@@ -164,6 +169,13 @@ class ManagerServicer:
     def DrainServer(self, request, context):
         """Start handing a server's shares to others (FAILED_PRECONDITION where a share has nowhere to
         go, unless allowed to degrade); the server leaves once they are held elsewhere.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ProbeAddress(self, request, context):
+        """`kspeed doctor`: whether the manager reaches an address (a server's advertised one).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -278,6 +290,11 @@ def add_ManagerServicer_to_server(servicer, server):
                     servicer.DrainServer,
                     request_deserializer=kspeed__pb2.DrainServerRequest.FromString,
                     response_serializer=kspeed__pb2.DrainServerReply.SerializeToString,
+            ),
+            'ProbeAddress': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProbeAddress,
+                    request_deserializer=kspeed__pb2.ProbeAddressRequest.FromString,
+                    response_serializer=kspeed__pb2.ProbeAddressReply.SerializeToString,
             ),
             'ListServers': grpc.unary_unary_rpc_method_handler(
                     servicer.ListServers,
@@ -483,6 +500,33 @@ class Manager:
             '/kspeed.v1.Manager/DrainServer',
             kspeed__pb2.DrainServerRequest.SerializeToString,
             kspeed__pb2.DrainServerReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProbeAddress(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kspeed.v1.Manager/ProbeAddress',
+            kspeed__pb2.ProbeAddressRequest.SerializeToString,
+            kspeed__pb2.ProbeAddressReply.FromString,
             options,
             channel_credentials,
             insecure,
