@@ -551,23 +551,7 @@ class DatasetCatalog:
             )
         info.revision = 1
         addresses = {r.id: r.address for r in ready}
-        done: list[kspeed_pb2.Share] = []
-        try:
-            for share in info.shares:
-                done.append(share)  # dropped on failure too: the server may have taken it as the call failed
-                await self._calls.call(
-                    addresses[share.server_id], share.server_id, "AssignShare", self._assignment(info, share)
-                )
-        except BaseException as exc:  # an error, or the caller gave up (the call cancelled): undo, then say so
-            log.warning(
-                "dataset %s: registration failed on %s (%s); undoing the %d assignment(s) made",
-                spec.name,
-                done[-1].server_id if done else "?",
-                exc if isinstance(exc, KSpeedError) else type(exc).__name__,
-                len(done),
-            )
-            await asyncio.shield(self._drop_shares(spec.name, done, addresses))
-            raise
+        await self._assign_all(info, addresses)
         log.info(
             "dataset %s: %d samples, %d bytes in %d regions on %d server(s)%s",
             spec.name,
@@ -578,6 +562,48 @@ class DatasetCatalog:
             f"; policy {policy}, held in {allocation.memory_regions} region(s)" if policy else "",
         )
         return info
+
+    async def _assign_all(self, info: kspeed_pb2.DatasetInfo, addresses: dict[str, str]) -> None:
+        """Assign every share of a new dataset, the servers at once (each lists the backend, which
+        may take long), one server's shares in turn. A failure anywhere, or the caller giving up,
+        drops the share on every server it was sent to (the one whose call failed too: it may have
+        taken it as the call failed), then is raised.
+
+        Raises:
+            KSpeedError: the first server's refusal, named.
+        """
+        name = info.spec.name
+        holders: dict[str, list[kspeed_pb2.Share]] = collections.defaultdict(list)
+        for share in info.shares:
+            holders[share.server_id].append(share)
+        sent: list[kspeed_pb2.Share] = []
+
+        async def assign(server_id: str, shares: list[kspeed_pb2.Share]) -> None:
+            for share in shares:
+                sent.append(share)
+                await self._calls.call(addresses[server_id], server_id, "AssignShare", self._assignment(info, share))
+
+        tasks = [asyncio.ensure_future(assign(sid, shares)) for sid, shares in holders.items()]
+        try:
+            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            failed = next((t.exception() for t in done if t.exception() is not None), None)
+            if failed is not None:
+                for task in pending:  # no use waiting for the others' listings
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+                raise failed
+        except BaseException as exc:  # an error, or the caller gave up (the calls cancelled): undo, then say so
+            log.warning(
+                "dataset %s: registration failed (%s); undoing the %d assignment(s) sent",
+                name,
+                exc if isinstance(exc, KSpeedError) else type(exc).__name__,
+                len(sent),
+            )
+            for task in tasks:
+                task.cancel()
+            await asyncio.shield(asyncio.gather(*tasks, return_exceptions=True))
+            await asyncio.shield(self._drop_shares(name, sent, addresses))
+            raise
 
     @staticmethod
     def _place(

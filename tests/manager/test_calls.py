@@ -12,7 +12,7 @@ import pytest
 
 from kspeed import wire
 from kspeed.config import SecurityConfig
-from kspeed.errors import UnavailableError
+from kspeed.errors import CapacityError, UnavailableError
 from kspeed.manager.calls import ServerCalls
 from kspeed.manager.datasets import DatasetCatalog
 from kspeed.manager.membership import Membership, Timers
@@ -150,3 +150,41 @@ def test_a_registration_given_up_mid_assignment_is_undone_on_every_server(tmp_pa
     dropped = [sid for sid, method in calls.log if method == "DropDataset"]
     assert sorted(dropped) == ["a", "b"]  # b too: it may have taken it as the call was cut
     assert catalog.datasets() == [] and list(store.datasets()) == []
+
+
+class RefusingAssign(HangingAssign):
+    """As :class:`HangingAssign`, and ``refuse``'s AssignShare fails at once."""
+
+    def __init__(self, hang: str, refuse: str) -> None:
+        super().__init__(hang)
+        self.refuse = refuse
+
+    async def call(self, address, server_id, method, request, timeout=None):
+        if method == "AssignShare" and server_id == self.refuse:
+            self.log.append((server_id, method))
+            await self.hanging.wait()  # the other server is busy listing
+            raise CapacityError(f"server {server_id}: no free regions")
+        return await super().call(address, server_id, method, request, timeout)
+
+
+def test_one_server_refusing_ends_the_registration_without_waiting_for_the_others(tmp_path):
+    store = Store(str(tmp_path))
+    membership = Membership(store, Timers(1.0, 3.0, 10.0))
+    for sid in ("a", "b"):
+        inventory = kspeed_pb2.ServerInventory(region_size=1 << 20, regions_total=2, regions_window=1)
+        record = membership.register(
+            kspeed_pb2.RegisterServerRequest(id=sid, address=f"{sid}:1", inventory=inventory), 1
+        )
+        membership.probe_result(sid, record.incarnation, True)
+    calls = RefusingAssign(hang="a", refuse="b")
+    catalog = DatasetCatalog(store, membership, calls, lease_ttl=60.0)
+    spec = kspeed_pb2.DatasetSpec(name="ds", uri="/data/ds")
+
+    async def run() -> None:
+        # a's listing never ends; b's refusal must still come back (the assignments run at once)
+        await asyncio.wait_for(catalog.create(kspeed_pb2.CreateDatasetRequest(spec=spec)), timeout=5)
+
+    with pytest.raises(CapacityError, match="server b: no free regions"):
+        asyncio.run(run())
+    assert sorted(sid for sid, method in calls.log if method == "DropDataset") == ["a", "b"]
+    assert catalog.datasets() == []
