@@ -428,7 +428,8 @@ class ServerConfig(DaemonConfig):
     manager: str = option("127.0.0.1:7070", "the manager's gRPC address", parse=parse_address, env="KSPEED_MANAGER")
     advertise: str = option(
         "",
-        "address announced to the manager and clients (default: listen, with the hostname for a wildcard host)",
+        "address the manager probes and clients dial (default: listen; for a wildcard host, the address this "
+        "host reaches the manager from)",
         parse=_parse_optional_address,
         env="KSPEED_SERVER_ADVERTISE",
     )

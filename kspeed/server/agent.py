@@ -50,6 +50,7 @@ class ManagerAgent:
         on_registered: Callable[[kspeed_pb2.RegisterServerReply, int], None] = lambda reply, mark: None,
         on_drop: Callable[[str, int | None], None] = lambda name, first: None,
         on_assign: Callable[[list[kspeed_pb2.AssignShareRequest]], None] = lambda requests: None,
+        on_state: Callable[[kspeed_pb2.ServerState], None] = lambda state: None,
     ) -> None:
         self._manager = manager_address
         self._metadata = rpc.call_metadata(security)
@@ -66,6 +67,7 @@ class ManagerAgent:
         self._on_registered = on_registered
         self._on_drop = on_drop
         self._on_assign = on_assign
+        self._on_state = on_state  # told the state each heartbeat reply gives this server
         self._stop = threading.Event()
         self._wake = threading.Event()  # set to end a pause: news to report, or the agent stops
         self._thread = threading.Thread(target=self._run, name="kspeed-agent", daemon=True)
@@ -138,6 +140,7 @@ class ManagerAgent:
             self._on_drop(ref.dataset, ref.first_id)
         if reply.assign:
             self._on_assign(list(reply.assign))
+        self._on_state(reply.state)
 
     def _run(self) -> None:
         backoff = 0.2
