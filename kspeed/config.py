@@ -39,6 +39,7 @@ __all__ = [
     "parse_address",
     "parse_bytes",
     "parse_duration",
+    "setting",
 ]
 
 C = TypeVar("C")
@@ -809,6 +810,15 @@ def gpu_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 _SECTIONS = {ManagerConfig: "manager", ServerConfig: "server", ClientConfig: "client"}
+
+
+def setting(name: str) -> str:
+    """How an operator sets the field ``name`` (``"security.token_file"``), for messages that say what to
+    change: ``security.token_file (KSPEED_TOKEN_FILE, --token-file)``."""
+    section, _, leaf = name.partition(".")
+    classes: dict[str, type] = {"security": SecurityConfig, **{section: cls for cls, section in _SECTIONS.items()}}
+    field = next(f for f in dataclasses.fields(classes[section]) if f.name == leaf)
+    return f"{name} ({_env(field, section)}, --{leaf.replace('_', '-')})"
 
 
 # ---------------------------------------------------------------------------------------------
