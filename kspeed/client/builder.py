@@ -130,9 +130,12 @@ def ring_cap(configured: int) -> int:
 def ring_size(
     info: kspeed_pb2.DatasetInfo, batch_size: int, requested: int, sample_bytes: int = 0, cap: int = 0
 ) -> int:
-    """``requested``, or (for 0) room for :data:`RING_BATCHES` batches of average samples (at least
-    ``sample_bytes`` each: what the servers' preprocessing makes of one), at least :data:`MIN_RING`,
-    and at most ``cap`` (0: no cap).
+    """``requested``, or (for 0) room for :data:`RING_BATCHES` batches of ``batch_size`` average samples
+    (at least ``sample_bytes`` each: what the servers' preprocessing makes of one), at least
+    :data:`MIN_RING`, and at most ``cap`` (0: no cap).
+
+    ``batch_size`` is the largest batch an epoch makes: the batch size asked for, or the rank's
+    samples per epoch when there are fewer (:meth:`~kspeed.client.sampling.EpochOrders.largest_batch`).
 
     Raises:
         CapacityError: ``requested``, or one batch of average samples, is larger than ``cap``
@@ -253,7 +256,7 @@ def build_feed(
     )
     delivery = make_delivery(options.device)
     ring_bytes = ring_size(
-        info, options.batch_size, requested, prep.nbytes if prep is not None else 0, ring_cap(config.ring_max_bytes)
+        info, orders.largest_batch(), requested, prep.nbytes if prep is not None else 0, ring_cap(config.ring_max_bytes)
     )
     # The NIC and cores nearest this process's GPU (no preference without a GPU or NIC); a forced
     # NIC that does not exist is an error here, never a silent fallback.
