@@ -65,6 +65,32 @@ def test_two_servers_ready_in_status_json_metrics_and_cli(cluster):
     assert all(any(i in line and "ready" in line for line in lines) for i in ids)
 
 
+def test_status_shows_a_server_that_left_and_why(cluster):
+    gone = cluster.servers[1]
+    gone_id = gone.ready["id"]
+    gone.stop()  # SIGTERM: it deregisters
+    with client_for(cluster) as client:
+        wait_for(lambda: states(client)[gone_id] == S.SERVER_STATE_LEFT, 10, "left")
+    out = subprocess.run(
+        [sys.executable, "-m", "kspeed.cli", "status", "--manager", cluster.address, "--auth", "none"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
+    assert any(gone_id in line and " left " in line for line in out.splitlines()), out
+    assert f"{gone_id} is left: shutdown" in out, out
+    out = subprocess.run(
+        [sys.executable, "-m", "kspeed.cli", "status", "--json", "--manager", cluster.address, "--auth", "none"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
+    listed = {s["id"]: (s["state"], s["state_reason"]) for s in json.loads(out)["servers"]}
+    assert listed[gone_id] == ("left", "shutdown") and listed[cluster.servers[0].ready["id"]][0] == "ready"
+
+
 def test_sigkill_moves_server_to_failed_within_timeout(cluster):
     victim = cluster.servers[0]
     with client_for(cluster) as client:
