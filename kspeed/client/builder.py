@@ -233,7 +233,7 @@ def build_feed(
     if options.sampler is None:  # the built-in sampler splits each epoch over the job's ranks
         rank, world_size, source = job_rank(options.rank, options.world_size)
         if source != "given":
-            log.info("dataset %s: rank %d of %d, from %s", name, rank, world_size, source)
+            log.debug("dataset %s: rank %d of %d, from %s", name, rank, world_size, source)
         options = dataclasses.replace(options, rank=rank, world_size=world_size)
     places = {link.server_id: (places or {}).get(link.server_id) or ServerPlace(link.address) for link in links}
     requested = options.ring_bytes if options.ring_bytes is not None else config.ring_bytes
@@ -262,7 +262,7 @@ def build_feed(
     # NIC that does not exist is an error here, never a silent fallback.
     placement = place(environ=gpu_environment(), nic=config.nic or None)
     if placement.gpu_bus_id or placement.nic:
-        log.info("dataset %s: placement %s", name, placement.reason)
+        log.debug("dataset %s: placement %s", name, placement.reason)
     cores = placement.cores if config.pin_threads else ()
     use_verbs_api(config.verbs_api)
     choice = choose_rail(places, options.rail or config.rail)
@@ -271,7 +271,7 @@ def build_feed(
     if delivery.device.type == "cuda":
         device_memory, why = device_ring(config.gpudirect, choice.rail, delivery.device, ring_bytes)
         if device_memory is None:
-            log.info(
+            log.debug(
                 "dataset %s: rail %s writes into the pinned host ring, copied to %s (no GPUDirect ring: %s)",
                 name,
                 choice.rail,
@@ -280,7 +280,7 @@ def build_feed(
             )
         else:
             delivery = DeviceRingDelivery(delivery.device, CupyRingViews(device_memory))
-            log.info(
+            log.debug(
                 "dataset %s: rail %s writes straight into a %d-byte ring on %s (GPUDirect RDMA)",
                 name,
                 choice.rail,

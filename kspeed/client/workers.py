@@ -138,7 +138,7 @@ def check_loader(loader: Callable[..., Any], path: str) -> str:
     except Exception:
         return "file"
     name = getattr(loader, "__qualname__", repr(loader))
-    log.info(
+    log.debug(
         "loader %s fails on a file object (%s: %s) but reads a path: it is given a scratch file of each "
         "sample's bytes under the sample's own file name",
         name,
