@@ -15,11 +15,13 @@ import dataclasses
 import ipaddress
 import socket
 
-__all__ = ["WILDCARDS", "Announced", "announce", "http_address"]
+from kspeed.config import setting
+
+__all__ = ["ADVERTISE", "WILDCARDS", "Announced", "announce", "http_address"]
 
 WILDCARDS = ("0.0.0.0", "::", "[::]", "")
 #: The setting that overrides the choice, as an operator sets it.
-ADVERTISE = "server.advertise (KSPEED_SERVER_ADVERTISE, --advertise)"
+ADVERTISE = setting("server.advertise")
 
 
 @dataclasses.dataclass(frozen=True)
