@@ -4,7 +4,8 @@ Each process has a dataclass whose fields carry their own help text, environment
 and check. Values are merged in a fixed order: defaults, then the YAML file (``--config`` or
 ``KSPEED_CONFIG``; the section named after the component plus a shared ``security`` section), then
 ``KSPEED_*`` environment variables, then command-line flags. A bad value raises
-:class:`~kspeed.errors.ConfigError` naming the field, the value and where it came from.
+:class:`~kspeed.errors.ConfigError` naming the field, the value and where it came from; a rule
+across fields (checked once all are merged) names where each of its fields came from.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ __all__ = [
     "parse_address",
     "parse_bytes",
     "parse_duration",
+    "setting",
 ]
 
 C = TypeVar("C")
@@ -441,7 +443,8 @@ class ServerConfig(DaemonConfig):
     manager: str = option("127.0.0.1:7070", "the manager's gRPC address", parse=parse_address, env="KSPEED_MANAGER")
     advertise: str = option(
         "",
-        "address announced to the manager and clients (default: listen, with the hostname for a wildcard host)",
+        "address the manager probes and clients dial (default: listen; for a wildcard host, the address this "
+        "host reaches the manager from)",
         parse=_parse_optional_address,
         env="KSPEED_SERVER_ADVERTISE",
     )
@@ -640,8 +643,9 @@ class ServerConfig(DaemonConfig):
             )
         if self.memory and self.production_window >= self.memory:
             raise ConfigError(
-                f"server.production_window: {self.production_window} bytes leave nothing of the "
-                f"{self.memory} bytes of memory for datasets",
+                f"server.production_window: {format_bytes(self.production_window)} leaves nothing of "
+                f"server.memory ({format_bytes(self.memory)}) for datasets: make it smaller than memory, or leave "
+                "it out (the default is an eighth of memory)",
                 field="server.production_window",
                 value=self.production_window,
             )
@@ -822,6 +826,15 @@ def gpu_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
 _SECTIONS = {ManagerConfig: "manager", ServerConfig: "server", ClientConfig: "client"}
 
 
+def setting(name: str) -> str:
+    """How an operator sets the field ``name`` (``"security.token_file"``), for messages that say what to
+    change: ``security.token_file (KSPEED_TOKEN_FILE, --token-file)``."""
+    section, _, leaf = name.partition(".")
+    classes: dict[str, type] = {"security": SecurityConfig, **{section: cls for cls, section in _SECTIONS.items()}}
+    field = next(f for f in dataclasses.fields(classes[section]) if f.name == leaf)
+    return f"{name} ({_env(field, section)}, --{leaf.replace('_', '-')})"
+
+
 # ---------------------------------------------------------------------------------------------
 # Loading
 
@@ -831,7 +844,7 @@ def _env(field: dataclasses.Field, section: str) -> str:
     return str(field.metadata["env"]).replace("{SECTION}", section.upper())
 
 
-def _set(obj: Any, field: dataclasses.Field, raw: object, section: str, source: str) -> None:
+def _set(obj: Any, field: dataclasses.Field, raw: object, section: str, source: str, sources: dict[str, str]) -> None:
     name = f"{section}.{field.name}"
     try:
         value = field.metadata["parse"](raw)
@@ -840,6 +853,26 @@ def _set(obj: Any, field: dataclasses.Field, raw: object, section: str, source: 
             f"{name}: invalid value {raw!r} (from {source}): {exc}", field=name, value=raw, source=source
         ) from None
     setattr(obj, field.name, value)
+    sources[name] = source
+
+
+def _naming_sources(exc: ConfigError, sources: Mapping[str, str], names: Collection[str]) -> ConfigError:
+    """``exc`` (raised by a ``validate``) with where each field it names got its value: the YAML
+    file, the environment variable or the flag, or the default.
+
+    A cross-field rule names several fields; the one to change may have come from anywhere.
+    """
+    message = str(exc)
+    named = [n for n in names if n == exc.field or re.search(rf"(?<![\w.]){re.escape(n)}(?!\w)", message)]
+    if not named:
+        return exc
+    origins = ", ".join(f"{n} from {sources[n]}" if n in sources else f"{n} is the default" for n in named)
+    return ConfigError(
+        f"{message} ({origins})",
+        field=exc.field,
+        value=exc.value,
+        source=sources.get(exc.field or "") if exc.source is None else exc.source,
+    )
 
 
 def _leaf_fields(cls: type) -> list[tuple[str, dataclasses.Field]]:
@@ -928,6 +961,7 @@ def load_config(
     section = _SECTIONS[cls]
     config: Any = cls()
     targets = {"": config, "security": config.security}
+    sources: dict[str, str] = {}  # "section.field" -> where its value came from (none: the default)
     path = (getattr(args, "config", None) if args is not None else None) or environ.get("KSPEED_CONFIG", "")
     if path:
         data = _read_yaml(path)
@@ -948,7 +982,7 @@ def load_config(
                     value=path,
                 )
             if field.name in block:
-                _set(targets[holder], field, block[field.name], holder or section, f"{path}")
+                _set(targets[holder], field, block[field.name], holder or section, f"config file {path}", sources)
         for holder in {section, "security"}:
             block = data.get(holder) or {}
             known_fields = {f.name for h, f in _leaf_fields(cls) if (h or section) == holder}
@@ -962,17 +996,21 @@ def load_config(
     for holder, field in _leaf_fields(cls):
         env = _env(field, section)
         if env and env in environ:
-            _set(targets[holder], field, environ[env], holder or section, f"environment {env}")
+            _set(targets[holder], field, environ[env], holder or section, f"environment {env}", sources)
     if args is not None:
         for holder, field in _leaf_fields(cls):
             raw = getattr(args, f"cfg_{holder}_{field.name}", None)
             if raw is not None:
-                _set(targets[holder], field, raw, holder or section, "--" + field.name.replace("_", "-"))
+                _set(targets[holder], field, raw, holder or section, "--" + field.name.replace("_", "-"), sources)
     for name, raw in (overrides or {}).items():
         holder, _, leaf = name.rpartition(".")
         found = next((f for h, f in _leaf_fields(cls) if h == holder and f.name == leaf), None)
         if found is None:
             raise ConfigError(f"unknown configuration field {name!r}", field=name, value=raw)
-        _set(targets[holder], found, raw, holder or section, "override")
-    config.validate()
+        _set(targets[holder], found, raw, holder or section, "override", sources)
+    try:
+        config.validate()
+    except ConfigError as exc:
+        names = [f"{holder or section}.{field.name}" for holder, field in _leaf_fields(cls)]
+        raise _naming_sources(exc, sources, names) from exc
     return config

@@ -87,3 +87,16 @@ def test_sizes_are_shown_as_they_are_read(value):
 def test_durations_are_shown_as_they_are_read(value):
     shown = format_duration(value)
     assert parse_duration(shown) == pytest.approx(value) and shown[-1] in "smh"
+
+
+def test_status_table_says_why_a_server_is_not_ready():
+    from kspeed.cli.tables import status_table
+    from kspeed.proto import kspeed_pb2
+
+    S = kspeed_pb2.ServerState
+    status = kspeed_pb2.ClusterStatus(cluster_id="c1", manager_version="1.0")
+    status.servers.add(id="srv-a", address="10.0.0.1:7071", state=S.SERVER_STATE_READY, state_reason="healthy")
+    status.servers.add(id="srv-b", address="10.0.0.2:7071", state=S.SERVER_STATE_LEFT, state_reason="shutdown")
+    text = status_table(status, now=0.0)
+    assert "3 server(s)" not in text and "2 server(s), 1 of them left" in text
+    assert "srv-b is left: shutdown" in text and "srv-a is ready" not in text

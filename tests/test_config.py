@@ -139,3 +139,24 @@ def test_pacing_options():
         load_config(ClientConfig, environ={"KSPEED_PACING": "sometimes"})
     with pytest.raises(ConfigError, match="pace_round"):
         load_config(ClientConfig, environ={"KSPEED_PACE_ROUND": "0s"})
+
+
+def test_a_cross_field_error_names_where_each_value_came_from(tmp_path):
+    path = tmp_path / "kspeed.yaml"
+    path.write_text("server:\n  production_window: 8GiB\nsecurity:\n  auth: none\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(ServerConfig, environ={"KSPEED_CONFIG": str(path), "KSPEED_SERVER_MEMORY": "4GiB"})
+    message = str(info.value)
+    assert f"server.production_window from config file {path}" in message
+    assert "server.memory from environment KSPEED_SERVER_MEMORY" in message
+    assert info.value.field == "server.production_window" and info.value.source == f"config file {path}"
+    with pytest.raises(ConfigError) as info:
+        load_config(ServerConfig, flags(ServerConfig, "--production-window", "2GiB"), environ=NO_AUTH)
+    assert "server.production_window from --production-window" in str(info.value)
+    assert "server.memory is the default" in str(info.value)
+
+
+def test_a_token_file_error_names_the_variable_that_set_it(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_config(ManagerConfig, environ={"KSPEED_TOKEN_FILE": str(tmp_path / "nope")})
+    assert "security.token_file from environment KSPEED_TOKEN_FILE" in str(info.value)

@@ -60,6 +60,20 @@ def test_example_config_loads_for_every_process(tmp_path):
         assert service["ExecStart"].endswith("--config /etc/kspeed/kspeed.yaml")
 
 
+@pytest.mark.parametrize("memory", ["2GiB", "16GiB", "64GiB", "512GiB"])
+def test_example_config_fits_any_memory(tmp_path, memory):
+    # An operator edits memory for the node; nothing else in the file may then stop the server.
+    token = tmp_path / "token"
+    token.write_text("example-token\n")
+    env = {
+        "KSPEED_CONFIG": str(DEPLOY / "config" / "kspeed.yaml"),
+        "KSPEED_TOKEN_FILE": str(token),
+        "KSPEED_SERVER_MEMORY": memory,
+    }
+    server = load_config(ServerConfig, environ=env)
+    assert server.region_size <= server.window_bytes() < server.memory
+
+
 @pytest.mark.parametrize("path", UNITS, ids=[p.stem for p in UNITS])
 def test_units_run_as_the_user_sysusers_creates(path, tmp_path):
     service = unit(path)["Service"]

@@ -4,7 +4,8 @@ What operators get wrong, each checked the way the cluster will use it, each fin
 change:
 
 - **server**: the manager is reachable with this token and these TLS settings; the address the
-  server announces resolves to something the manager can dial, and the manager does reach it (it
+  server will announce (chosen as the server chooses it, :mod:`kspeed.server.announce`) is one the
+  manager can dial, and the manager does reach it (it
   dials the running server, or a stand-in that listens where the server will, with its TLS
   certificate); ``memory`` fits the file system of the pool (``/dev/shm``) and leaves room besides
   the production window; the state directory is writable; every backend allow-list entry names a
@@ -18,11 +19,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import ipaddress
 import json
 import os
 import socket
-import ssl
 from collections.abc import Iterator
 from concurrent import futures
 
@@ -73,25 +72,6 @@ class Report:
 # -- what both sides check ---------------------------------------------------------------------------
 
 
-def speaks_tls(address: str, timeout: float = PROBE_TIMEOUT) -> bool | None:
-    """Whether ``address`` answers a TLS handshake (None: it cannot be reached at all)."""
-    host, _, port = address.rpartition(":")
-    context = ssl.create_default_context()
-    context.check_hostname = False
-    context.verify_mode = ssl.CERT_NONE
-    context.set_alpn_protocols(["h2"])
-    try:
-        with (
-            socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as raw,
-            context.wrap_socket(raw, server_hostname=host.strip("[]")),
-        ):
-            return True
-    except ssl.SSLError:
-        return False
-    except OSError:
-        return None
-
-
 def check_manager(report: Report, config: ClientConfig) -> kspeed_pb2.ClusterStatus | None:
     """The manager answers with this token and these TLS settings; returns the cluster's status."""
     where = f"manager {config.manager}"
@@ -109,7 +89,8 @@ def check_manager(report: Report, config: ClientConfig) -> kspeed_pb2.ClusterSta
         )
         return None
     except KSpeedError as exc:
-        tls = speaks_tls(config.manager)
+        host, _, port = config.manager.rpartition(":")
+        tls = rpc.speaks_tls(host.strip("[]"), int(port)) if _listens(config.manager) else None
         if tls is None:
             report.problem(
                 "manager",
@@ -158,15 +139,14 @@ def health_of(address: str, security: SecurityConfig, timeout: float = PROBE_TIM
 # -- server ----------------------------------------------------------------------------------------
 
 
-def _addresses(host: str) -> list[str]:
+def _listens(address: str) -> bool:
+    """Whether something accepts TCP connections at ``address`` from this host."""
+    host, _, port = address.rpartition(":")
     try:
-        return sorted({str(info[4][0]) for info in socket.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)})
-    except socket.gaierror:
-        return []
-
-
-def _loopback(addresses: list[str]) -> bool:
-    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 @contextlib.contextmanager
@@ -191,30 +171,23 @@ def standing_in(config: ServerConfig) -> Iterator[bool]:
 
 
 def check_advertised(report: Report, config: ServerConfig, client: ManagerClient | None) -> None:
-    """The address the server announces resolves to something the manager can dial, and it does."""
-    from kspeed.server.inventory import advertised
+    """The address the server will announce (chosen as the server chooses it) is one the manager
+    can dial, and the manager does reach it."""
+    from kspeed.server.announce import ADVERTISE, announce
 
-    address = advertised(config.listen, config.listen, config.advertise)
-    host = address.rpartition(":")[0]
-    resolved = _addresses(host)
-    manager_host = config.manager.rpartition(":")[0]
-    if not resolved:
+    announced = announce(config.listen, config.advertise, config.manager)
+    address = announced.address
+    if announced.doubt:
         report.problem(
             "advertise",
-            f"the server would announce {address}, and {host!r} does not resolve here",
-            "set advertise (KSPEED_SERVER_ADVERTISE) to host:port that the manager and the clients can dial",
-        )
-        return
-    if _loopback(resolved) and not _loopback(_addresses(manager_host)):
-        report.problem(
-            "advertise",
-            f"the server would announce {address}, which resolves to {', '.join(resolved)} (loopback) while the "
-            f"manager is at {config.manager}",
-            "set advertise (KSPEED_SERVER_ADVERTISE) to this host's address on the cluster network, e.g. "
-            f"{_routable(manager_host) or '<ip>'}:{address.rpartition(':')[2]}",
+            f"the server would announce {address} ({announced.how}): {announced.doubt}",
+            f"set {ADVERTISE} to host:port that the manager and the clients can dial",
         )
         return
     if client is None:
+        return
+    if address.endswith(":0"):
+        report.ok("advertise", f"the server listens on any free port ({address}): nothing to check before it runs")
         return
     with standing_in(config) as stand_in:
         try:
@@ -224,26 +197,12 @@ def check_advertised(report: Report, config: ServerConfig, client: ManagerClient
             return
     who = "a stand-in listening where the server will" if stand_in else "the server running there"
     if reply.serving:
-        report.ok("advertise", f"the manager reaches {address} ({who})")
+        report.ok("advertise", f"the manager reaches {address}, {announced.how} ({who})")
         return
-    fix = "set advertise to an address the manager can dial, and open the port between them"
-    if "ssl" in reply.detail.lower() or "handshake" in reply.detail.lower() or "socket closed" in reply.detail.lower():
+    fix = f"set {ADVERTISE} to an address the manager can dial, and open the port between them"
+    if rpc.tls_mismatch(reply.detail, probe=False):
         fix = "give the server tls_cert/tls_key signed by the manager's tls_ca (or turn TLS off on both)"
-    report.problem("advertise", f"the manager cannot reach {address} ({who}): {reply.detail}", fix)
-
-
-def _routable(manager_host: str) -> str:
-    """This host's address on the route to the manager ("" when there is none)."""
-    addresses = _addresses(manager_host)
-    if not addresses:
-        return ""
-    family = socket.AF_INET6 if ":" in addresses[0] else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect((addresses[0], 9))
-        except OSError:
-            return ""
-        return str(probe.getsockname()[0])
+    report.problem("advertise", f"the manager cannot reach {address}, {announced.how} ({who}): {reply.detail}", fix)
 
 
 def check_memory(report: Report, config: ServerConfig) -> None:

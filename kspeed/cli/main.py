@@ -141,6 +141,9 @@ def cmd_status(args: argparse.Namespace) -> int:
             say(json.dumps(job_dict(job), indent=2, sort_keys=True) if args.json else job_table(job))
             return 0
         status = client.status()
+        # The status lists the live servers; the ones that left stay known, with why they left.
+        shown = {record.id for record in status.servers}
+        status.servers.extend(r for r in client.servers(include_left=True) if r.id not in shown)
     if args.json:
         say(json.dumps(status_dict(status), indent=2, sort_keys=True))
     else:
@@ -267,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
         "status",
         "print the cluster: servers, pooled memory, datasets (or one job's ranks)",
         "  kspeed status --manager 10.0.0.5:7070\n"
-        "  kspeed status --json                  the same as GET /v1/status\n"
+        "  kspeed status --json                  GET /v1/status, and the servers that left\n"
         "  kspeed status --job resnet50          data wait and throughput per rank, and their spread\n",
     )
     status.add_argument("--job", default="", metavar="NAME", help="show this training job's ranks instead")

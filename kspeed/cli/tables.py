@@ -10,6 +10,8 @@ from kspeed.proto import kspeed_pb2
 
 __all__ = ["dataset_table", "job_table", "status_table"]
 
+READY, LEFT = kspeed_pb2.ServerState.SERVER_STATE_READY, kspeed_pb2.ServerState.SERVER_STATE_LEFT
+
 
 def dataset_table(datasets: list[kspeed_pb2.DatasetInfo]) -> str:
     """Datasets as a fixed-width table."""
@@ -53,7 +55,8 @@ def _table(header: tuple[str, ...], rows: Sequence[Sequence[object]]) -> str:
 
 
 def status_table(status: kspeed_pb2.ClusterStatus, now: float | None = None) -> str:
-    """The cluster as a fixed-width table, one server per row."""
+    """The cluster as a fixed-width table, one server per row, then why each server that is not
+    ready is in its state."""
     now = time.time() if now is None else now
     header = ("SERVER", "ADDRESS", "STATE", "MEMORY (USED/POOL)", "REGIONS FREE/ALLOC/FILL/SEAL", "LAST HEARTBEAT")
     rows = []
@@ -63,8 +66,17 @@ def status_table(status: kspeed_pb2.ClusterStatus, now: float | None = None) -> 
         memory = f"{human_bytes(inv.memory_used_bytes)} / {human_bytes(inv.memory_bytes)}"
         regions = f"{inv.regions_free}/{inv.regions_allocated}/{inv.regions_filling}/{inv.regions_sealed}"
         rows.append((record.id, record.address, state_name(record.state), memory, regions, age))
-    text = f"cluster {status.cluster_id}  manager {status.manager_version}  {len(rows)} server(s)\n"
+    left = sum(record.state == LEFT for record in status.servers)
+    counted = f"{len(rows)} server(s)" + (f", {left} of them left" if left else "")
+    text = f"cluster {status.cluster_id}  manager {status.manager_version}  {counted}\n"
     text += _table(header, rows)
+    reasons = [
+        f"{record.id} is {state_name(record.state)}: {record.state_reason}"
+        for record in status.servers
+        if record.state != READY and record.state_reason
+    ]
+    if reasons:
+        text += "\n" + "\n".join(reasons)
     if status.datasets:
         text += "\n\n" + dataset_table(list(status.datasets))
     return text

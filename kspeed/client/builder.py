@@ -130,9 +130,12 @@ def ring_cap(configured: int) -> int:
 def ring_size(
     info: kspeed_pb2.DatasetInfo, batch_size: int, requested: int, sample_bytes: int = 0, cap: int = 0
 ) -> int:
-    """``requested``, or (for 0) room for :data:`RING_BATCHES` batches of average samples (at least
-    ``sample_bytes`` each: what the servers' preprocessing makes of one), at least :data:`MIN_RING`,
-    and at most ``cap`` (0: no cap).
+    """``requested``, or (for 0) room for :data:`RING_BATCHES` batches of ``batch_size`` average samples
+    (at least ``sample_bytes`` each: what the servers' preprocessing makes of one), at least
+    :data:`MIN_RING`, and at most ``cap`` (0: no cap).
+
+    ``batch_size`` is the largest batch an epoch makes: the batch size asked for, or the rank's
+    samples per epoch when there are fewer (:meth:`~kspeed.client.sampling.EpochOrders.largest_batch`).
 
     Raises:
         CapacityError: ``requested``, or one batch of average samples, is larger than ``cap``
@@ -230,7 +233,7 @@ def build_feed(
     if options.sampler is None:  # the built-in sampler splits each epoch over the job's ranks
         rank, world_size, source = job_rank(options.rank, options.world_size)
         if source != "given":
-            log.info("dataset %s: rank %d of %d, from %s", name, rank, world_size, source)
+            log.debug("dataset %s: rank %d of %d, from %s", name, rank, world_size, source)
         options = dataclasses.replace(options, rank=rank, world_size=world_size)
     places = {link.server_id: (places or {}).get(link.server_id) or ServerPlace(link.address) for link in links}
     requested = options.ring_bytes if options.ring_bytes is not None else config.ring_bytes
@@ -253,13 +256,13 @@ def build_feed(
     )
     delivery = make_delivery(options.device)
     ring_bytes = ring_size(
-        info, options.batch_size, requested, prep.nbytes if prep is not None else 0, ring_cap(config.ring_max_bytes)
+        info, orders.largest_batch(), requested, prep.nbytes if prep is not None else 0, ring_cap(config.ring_max_bytes)
     )
     # The NIC and cores nearest this process's GPU (no preference without a GPU or NIC); a forced
     # NIC that does not exist is an error here, never a silent fallback.
     placement = place(environ=gpu_environment(), nic=config.nic or None)
     if placement.gpu_bus_id or placement.nic:
-        log.info("dataset %s: placement %s", name, placement.reason)
+        log.debug("dataset %s: placement %s", name, placement.reason)
     cores = placement.cores if config.pin_threads else ()
     use_verbs_api(config.verbs_api)
     choice = choose_rail(places, options.rail or config.rail)
@@ -268,7 +271,7 @@ def build_feed(
     if delivery.device.type == "cuda":
         device_memory, why = device_ring(config.gpudirect, choice.rail, delivery.device, ring_bytes)
         if device_memory is None:
-            log.info(
+            log.debug(
                 "dataset %s: rail %s writes into the pinned host ring, copied to %s (no GPUDirect ring: %s)",
                 name,
                 choice.rail,
@@ -277,7 +280,7 @@ def build_feed(
             )
         else:
             delivery = DeviceRingDelivery(delivery.device, CupyRingViews(device_memory))
-            log.info(
+            log.debug(
                 "dataset %s: rail %s writes straight into a %d-byte ring on %s (GPUDirect RDMA)",
                 name,
                 choice.rail,

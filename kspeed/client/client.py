@@ -66,7 +66,7 @@ class KSpeedClient:
             raise
         self._datasets: list[KSpeedDataset | WrappedDataset] = []
         self._closed = False
-        log.info("connected to manager %s (cluster %s)", config.manager, hello.cluster_id)
+        log.debug("connected to manager %s (cluster %s)", config.manager, hello.cluster_id)
 
     @property
     def manager(self) -> ManagerClient:

@@ -188,7 +188,7 @@ class Feed:
             "replaced_servers": 0,
         }
         for path in self.paths:
-            log.info("dataset %s: %s fed over %s: %s", dataset, path.link.name, rail, path.reason)
+            log.debug("dataset %s: %s fed over %s: %s", dataset, path.link.name, rail, path.reason)
         try:
             self._open_all(max(options.connect_timeout, 5.0) * 2)
             granting.start(self, max(options.connect_timeout, 5.0))

@@ -197,7 +197,7 @@ class Paced(Granting):
                 self.pacer.tables[path.index].set(index, fastest)
                 best_rate = max(best_rate, size / fastest)
         self.pacer.seed(best_rate)
-        log.info(
+        log.debug(
             "dataset %s: paced; probed latency %s, rate %.0f MB/s",
             feed.dataset,
             {k: f"{v * 1e3:.2f}ms" for k, v in self.pacer.stats()["latency"].items() if v is not None},

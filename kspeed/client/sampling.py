@@ -269,6 +269,27 @@ class EpochOrders:
                 value=self.identity,
             ) from exc
 
+    def largest_batch(self) -> int:
+        """Samples in an epoch's largest batch: ``batch_size``, or the whole epoch when it is shorter
+        (``batch_size`` for a sampler without ``len()``). A ring sized for more would be wasted.
+
+        Raises:
+            ConfigError: ``drop_last`` with an epoch shorter than one batch: every epoch would be empty.
+        """
+        try:
+            n = len(self.sampler)  # type: ignore[arg-type]
+        except TypeError:
+            return self.batch_size
+        if self.drop_last and n < self.batch_size:
+            split = f" ({self.num_samples} samples over {self.world_size} ranks)" if (self.world_size or 1) > 1 else ""
+            raise ConfigError(
+                f"dataset {self.dataset!r}: drop_last=True with batch_size={self.batch_size} would drop every sample: "
+                f"this rank gets {n} per epoch{split}; use a batch_size of at most {n}, or drop_last=False",
+                field="batch_size",
+                value=self.batch_size,
+            )
+        return max(1, min(self.batch_size, n))
+
     def num_batches(self) -> int:
         """Batches per epoch."""
         n = self.samples_per_epoch()

@@ -32,6 +32,7 @@ import numpy as np
 import torch.multiprocessing
 from torch.utils.data import default_collate
 
+from kspeed.client.main_guard import check_main_guarded
 from kspeed.errors import ConfigError, PreprocessError, StateError
 from kspeed.preprocess.pipeline import STATUS, Pipeline, read_status
 from kspeed.preprocess.runner import Runner
@@ -137,7 +138,7 @@ def check_loader(loader: Callable[..., Any], path: str) -> str:
     except Exception:
         return "file"
     name = getattr(loader, "__qualname__", repr(loader))
-    log.info(
+    log.debug(
         "loader %s fails on a file object (%s: %s) but reads a path: it is given a scratch file of each "
         "sample's bytes under the sample's own file name",
         name,
@@ -482,9 +483,14 @@ class TransformPool:
     Args:
         workers: number of processes.
         stages: the loader, transforms and collation each worker runs.
+
+    Raises:
+        StateError: the pool is made from a top-level statement of the main script outside
+            ``if __name__ == "__main__":``, which each spawned worker would run again.
     """
 
     def __init__(self, workers: int, stages: Stages) -> None:
+        check_main_guarded("the transform workers")
         self.workers = workers
         self._executor: ProcessPoolExecutor | None = ProcessPoolExecutor(
             workers, mp_context=torch.multiprocessing.get_context("spawn"), initializer=_init, initargs=(stages,)

@@ -171,7 +171,7 @@ def folder_spec(
             field="list_dir",
             value=directory,
         ) from exc
-    log.info("wrapped %d files as dataset %s (list %s)", len(paths), name, uri)
+    log.debug("wrapped %d files as dataset %s (list %s)", len(paths), name, uri)
     return DatasetSpec(name=name, uri=uri, kind="list", pipeline=pipeline, cache=cache)
 
 
@@ -568,6 +568,7 @@ def wrap(client: KSpeedClient, dataset: Any, options: FeedOptions, wrapping: Wra
             value=wrapping.cache,
         )
     inner = None
+    level = logging.DEBUG
     if pipeline is not None:
         spec = folder_spec(
             paths, list_dir=wrapping.list_dir, name=wrapping.name, pipeline=pipeline, cache=wrapping.cache
@@ -575,13 +576,14 @@ def wrap(client: KSpeedClient, dataset: Any, options: FeedOptions, wrapping: Wra
         try:
             inner = client.open(spec, options)
             stages = dataclasses.replace(stages, loader=None, transform=None)
-            log.info("dataset %s: loader and transforms offloaded to the servers (%s)", spec.name, pipeline)
+            log.debug("dataset %s: loader and transforms offloaded to the servers (%s)", spec.name, pipeline)
         except (AccessDeniedError, ConfigError) as exc:
             if wrapping.cache:
                 raise
             why = f"the servers refused its pipeline: {exc}"
+            level = logging.WARNING  # the servers' preprocess_allow or workers, not the dataset: worth a word
     if inner is None:
-        log.info("wrapped dataset: its loader and transforms run in client workers (%s)", why)
+        log.log(level, "wrapped dataset: its loader and transforms run in client workers (%s)", why)
         spec = folder_spec(paths, list_dir=wrapping.list_dir, name=wrapping.name)
         inner = client.open(spec, options)
     try:

@@ -106,10 +106,11 @@ def follow_preload(
 
 
 def _draw(bar: tqdm, info: kspeed_pb2.DatasetInfo, started: float) -> None:
-    """Move the bar to the dataset's progress; bytes and the byte rate go in its postfix."""
+    """Move the bar to the dataset's progress; bytes and the byte rate go in its postfix (which
+    tqdm writes after ", ")."""
     p = info.progress
     bar.total = p.samples_total
     bar.update(p.samples_loaded - bar.n)
     elapsed = time.monotonic() - started
     rate = p.bytes_per_s or (p.bytes_loaded / elapsed if elapsed > 0 else 0.0)
-    bar.set_postfix_str(f", {human_bytes(p.bytes_loaded)}/{human_bytes(p.bytes_total)}, {human_bytes(rate)}/s")
+    bar.set_postfix_str(f"{human_bytes(p.bytes_loaded)}/{human_bytes(p.bytes_total)}, {human_bytes(rate)}/s")

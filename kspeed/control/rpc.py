@@ -12,7 +12,10 @@ import contextlib
 import hmac
 import inspect
 import logging
+import re
 import socket
+import ssl
+import urllib.parse
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, cast
 
@@ -21,7 +24,7 @@ from google.protobuf import message as pb_message
 
 from kspeed import errors
 from kspeed._version import PROTOCOL_VERSIONS
-from kspeed.config import SecurityConfig
+from kspeed.config import SecurityConfig, setting
 from kspeed.proto import kspeed_pb2
 
 log = logging.getLogger(__name__)
@@ -112,15 +115,21 @@ def _allowed(details: grpc.HandlerCallDetails, token: str) -> bool:
     return method.startswith(OPEN_METHODS) or _token_ok(details.invocation_metadata, token)
 
 
+def _refusal(details: grpc.HandlerCallDetails) -> str:
+    """Why a call's token was refused: none was sent, or it is not this daemon's."""
+    if any(key == AUTH_HEADER for key, _ in details.invocation_metadata or ()):
+        return "the bearer token does not match this daemon's"
+    return "no bearer token was sent and this daemon requires one"
+
+
 def token_ok(header: str | None, token: str) -> bool:
     """Whether an HTTP ``Authorization`` header carries the bearer ``token`` (compared in constant time)."""
     return header is not None and hmac.compare_digest(header.encode(), f"Bearer {token}".encode())
 
 
-def _deny(handler: grpc.RpcMethodHandler | None, aio: bool) -> grpc.RpcMethodHandler | None:
+def _deny(handler: grpc.RpcMethodHandler | None, aio: bool, message: str) -> grpc.RpcMethodHandler | None:
     if handler is None:
         return None
-    message = "missing or wrong bearer token"
 
     async def abort_async(request: Any, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
@@ -148,7 +157,7 @@ class TokenInterceptor(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if _allowed(handler_call_details, self._token):
             return handler
-        return _deny(handler, aio=False)
+        return _deny(handler, aio=False, message=_refusal(handler_call_details))
 
 
 class AioTokenInterceptor(grpc.aio.ServerInterceptor):
@@ -161,7 +170,7 @@ class AioTokenInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if _allowed(handler_call_details, self._token):
             return handler
-        return _deny(handler, aio=True)
+        return _deny(handler, aio=True, message=_refusal(handler_call_details))
 
 
 def server_interceptors(security: SecurityConfig, *, aio: bool) -> list[Any]:
@@ -299,7 +308,8 @@ def open_channel(address: str, security: SecurityConfig, *, aio: bool = False) -
 
 @contextlib.contextmanager
 def map_rpc_errors(what: str) -> Iterator[None]:
-    """Convert a failed call into the matching :class:`~kspeed.errors.KSpeedError`.
+    """Convert a failed call into the matching :class:`~kspeed.errors.KSpeedError` (a connection the
+    daemon closed at once is checked for a daemon that serves TLS: see :func:`error_from_rpc`).
 
     Args:
         what: the call's target for messages, e.g. ``"manager at 127.0.0.1:7070"``.
@@ -307,11 +317,59 @@ def map_rpc_errors(what: str) -> Iterator[None]:
     try:
         yield
     except grpc.RpcError as exc:
-        raise error_from_rpc(exc, what) from exc
+        raise error_from_rpc(exc, what, probe_tls=True) from exc
 
 
-def error_from_rpc(exc: grpc.RpcError, what: str) -> errors.KSpeedError:
-    """The :class:`~kspeed.errors.KSpeedError` that stands for a failed call."""
+#: A TLS client's handshake with a plaintext gRPC server (BoringSSL reads HTTP/2 as a bad record).
+_PLAINTEXT_PEER = "WRONG_VERSION_NUMBER"
+#: A plaintext client's connection to a TLS server: the server hangs up on the HTTP/2 preface.
+_CLOSED_AT_ONCE = re.compile(r"\b(ipv4|ipv6):(\S+):(\d+): Socket closed")
+TLS_PROBE_TIMEOUT = 1.0
+
+
+def speaks_tls(host: str, port: int, timeout: float = TLS_PROBE_TIMEOUT) -> bool:
+    """Whether ``host:port`` completes a TLS handshake (its certificate unchecked: this tells a TLS
+    listener from a plaintext one, nothing more)."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    context.set_alpn_protocols(["h2"])
+    try:
+        with socket.create_connection((host, port), timeout) as raw, context.wrap_socket(raw):
+            return True
+    except OSError:  # ssl.SSLError included: not TLS, or gone
+        return False
+
+
+def tls_mismatch(details: str, *, probe: bool) -> str:
+    """What to change when a failed connection's ``details`` show a TLS mismatch ("" when they do not).
+
+    A TLS client's failed handshake with a plaintext daemon is in the details. A plaintext client
+    sees only a closed socket; with ``probe`` the peer is asked for a TLS handshake to tell a daemon
+    that serves TLS from one that went away (a blocking connect of at most
+    :data:`TLS_PROBE_TIMEOUT`, for callers outside an event loop).
+    """
+    if _PLAINTEXT_PEER in details:
+        return (
+            f"TLS mismatch: this process dials with TLS ({setting('security.tls_ca')} is set) but the daemon serves "
+            f"without it: give the daemon {setting('security.tls_cert')} and {setting('security.tls_key')}, or "
+            "leave tls_ca unset here"
+        )
+    found = _CLOSED_AT_ONCE.search(details) if probe else None
+    if found is not None and speaks_tls(urllib.parse.unquote(found.group(2)).strip("[]"), int(found.group(3))):
+        return (
+            f"TLS mismatch: the daemon serves TLS (it has tls_cert and tls_key) but this process dials without it: "
+            f"set {setting('security.tls_ca')} to the CA bundle that signed the daemon's certificate"
+        )
+    return ""
+
+
+def error_from_rpc(exc: grpc.RpcError, what: str, *, probe_tls: bool = False) -> errors.KSpeedError:
+    """The :class:`~kspeed.errors.KSpeedError` that stands for a failed call.
+
+    A refused token says which settings give the cluster's token; a connection that failed for a
+    TLS mismatch says so and which TLS settings to change (``probe_tls``: see :func:`tls_mismatch`).
+    """
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)
     name = ""
@@ -324,8 +382,15 @@ def error_from_rpc(exc: grpc.RpcError, what: str) -> errors.KSpeedError:
     cls = getattr(errors, name, None) if name in errors.__all__ else None
     if cls is None:
         cls = _ERROR_OF.get(code, errors.KSpeedError)
+    if code == grpc.StatusCode.UNAVAILABLE and not name and (mismatch := tls_mismatch(details or "", probe=probe_tls)):
+        return cls(f"{what}: {mismatch} ({details})")
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and not name:
         return cls(f"{what} is unreachable ({code.name.lower()}: {details})")
+    if code == grpc.StatusCode.UNAUTHENTICATED and not name:
+        return cls(
+            f"{what}: {details}: every process of the cluster must use the same token; set "
+            f"{setting('security.token_file')} to the cluster's token file (or {setting('security.token')})"
+        )
     return cls(f"{what}: {details}")
 
 

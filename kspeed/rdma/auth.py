@@ -24,6 +24,11 @@ __all__ = ["NONCE_BYTES", "accept", "dial", "open_material", "recv_exact"]
 log = logging.getLogger(__name__)
 
 NONCE_BYTES = 32
+#: What to check when a handshake fails: the data-plane key derives from the cluster's bearer token.
+TOKEN_HINT = (
+    "the client and the servers must use the same cluster token: check security.token_file "
+    "(KSPEED_TOKEN_FILE) or KSPEED_TOKEN on each"
+)
 _MAC_BYTES = 32
 _OK = b"\x01"
 _REFUSED = b"\x00"
@@ -53,7 +58,7 @@ def open_material(
     if token is not None:
         return info, token
     if info["secret"] is None:
-        raise AuthError(f"{rail} receiver expects the cluster token, but no token was configured")
+        raise AuthError(f"{rail} receiver expects the cluster token, but no token was configured here; {TOKEN_HINT}")
     try:
         return info, bytes.fromhex(info["secret"])
     except (ValueError, TypeError) as exc:
@@ -101,10 +106,12 @@ def dial(sock: socket.socket, key: bytes, hello: bytes) -> None:
     reply = recv_exact(sock, NONCE_BYTES + _MAC_BYTES, "handshake")
     listener_nonce, listener_mac = reply[:NONCE_BYTES], reply[NONCE_BYTES:]
     if not hmac.compare_digest(listener_mac, _mac(key, b"kspeed-listener", hello, nonce, listener_nonce)):
-        raise AuthError("data-plane listener failed authentication (wrong token or connection material)")
+        raise AuthError(f"data-plane listener failed authentication (wrong token or connection material); {TOKEN_HINT}")
     _send(sock, _mac(key, b"kspeed-dialer", hello, nonce, listener_nonce), "handshake")
     if recv_exact(sock, 1, "handshake") != _OK:
-        raise AuthError("data-plane listener refused our credentials (wrong token or connection material)")
+        raise AuthError(
+            f"data-plane listener refused our credentials (wrong token or connection material); {TOKEN_HINT}"
+        )
 
 
 def accept(sock: socket.socket, key: bytes, hello: bytes) -> None:
@@ -123,5 +130,5 @@ def accept(sock: socket.socket, key: bytes, hello: bytes) -> None:
             sock.sendall(_REFUSED)
         except OSError:
             log.debug("dialer left before hearing it was refused")
-        raise AuthError("data-plane dialer failed authentication (wrong token or connection material)")
+        raise AuthError(f"data-plane dialer failed authentication (wrong token or connection material); {TOKEN_HINT}")
     _send(sock, _OK, "handshake")

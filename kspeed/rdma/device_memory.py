@@ -199,7 +199,7 @@ class DeviceMemory:
             driver.free(device, ptr)
             raise
         memory = cls(device, ptr, size, fd, flushes, driver)
-        log.info("device ring of %d bytes on CUDA device %d, exported as dma-buf %d", size, device, fd)
+        log.debug("device ring of %d bytes on CUDA device %d, exported as dma-buf %d", size, device, fd)
         return memory
 
     @property

@@ -327,7 +327,7 @@ def _say_no_preference(reason: str) -> None:
     global _said_no_preference
     if not _said_no_preference:
         _said_no_preference = True
-        logger.info("topology: no NIC or core preference: %s", reason)
+        logger.debug("topology: no NIC or core preference: %s", reason)
 
 
 def place(
@@ -406,7 +406,7 @@ def place(
         f"{f'GPU {gpu} ({how})' if gpu_chain else f'no GPU: {how}'}; {why}; {cores_why}",
     )
     if chosen is not None or gpu_chain:
-        logger.info(
+        logger.debug(
             "topology: nic=%s rail=%s cores=%s: %s",
             placement.nic,
             placement.rail,

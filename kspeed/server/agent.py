@@ -57,6 +57,7 @@ class ManagerAgent:
         on_cluster_id: Callable[[str], None] = lambda cluster_id: None,
         on_retire: Callable[[], None] = lambda: None,
         on_records: Callable[[list[kspeed_pb2.DatasetInfo]], None] = lambda records: None,
+        on_state: Callable[[kspeed_pb2.ServerState], None] = lambda state: None,
     ) -> None:
         self._manager = manager_address
         self._metadata = rpc.call_metadata(security)
@@ -78,6 +79,7 @@ class ManagerAgent:
         self._on_cluster_id = on_cluster_id
         self._on_retire = on_retire
         self._on_records = on_records
+        self._on_state = on_state  # told the state each heartbeat reply gives this server
         self._stop = threading.Event()
         self._wake = threading.Event()  # set to end a pause: news to report, or the agent stops
         self._thread = threading.Thread(target=self._run, name="kspeed-agent", daemon=True)
@@ -160,6 +162,7 @@ class ManagerAgent:
         if reply.retire:
             log.warning("the manager handed every share of this server to others (drained); retiring")
             self._on_retire()
+        self._on_state(reply.state)
 
     def _run(self) -> None:
         backoff = 0.2

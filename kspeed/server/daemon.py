@@ -18,7 +18,7 @@ import threading
 from concurrent import futures
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kspeed._version import __version__
 from kspeed.config import ServerConfig
@@ -34,6 +34,7 @@ from kspeed.rdma.rails import use_verbs_api
 from kspeed.server import inventory as inv
 from kspeed.server.agent import ManagerAgent
 from kspeed.server.allowlist import AllowList
+from kspeed.server.announce import ADVERTISE, WILDCARDS, Announced, announce, http_address
 from kspeed.server.backend import Backend
 from kspeed.server.datasets import DatasetHost
 from kspeed.server.feeder_pool import FeederPool
@@ -41,6 +42,7 @@ from kspeed.server.local_state import StateLock, pool_dir, read_cluster_id, writ
 from kspeed.server.metrics import ServerMetrics
 from kspeed.server.pool import WINDOW_OWNER, MemoryPool, RegionState
 from kspeed.server.prep_pool import PrepPool
+from kspeed.server.readiness import ProbedHealth, ReadinessWatch
 from kspeed.server.service import ServerService
 from kspeed.server.window import ProductionWindow
 
@@ -65,7 +67,8 @@ class Server:
         self.prep: PrepPool | None = None
         self.streams: StreamGuard | None = None
         self.metrics = ServerMetrics(lambda: self.host, lambda: self.feeders.production if self.feeders else None)
-        self.health = health.HealthServicer()
+        self.readiness = ReadinessWatch(config.manager)
+        self.health = ProbedHealth(self.readiness.probed)
         self._stopped = threading.Event()
         self.fatal: KSpeedError | None = None
         self._grpc: grpc.Server | None = None
@@ -157,7 +160,9 @@ class Server:
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         bound = rpc.bind(self._grpc, cfg.listen, cfg.security)
-        self.address = inv.advertised(cfg.listen, bound, cfg.advertise)
+        announced = announce(bound, cfg.advertise, cfg.manager)
+        self.address = announced.address
+        self.readiness.announced = announced
         self._http = HttpEndpoint(
             cfg.http_listen,
             {
@@ -168,7 +173,7 @@ class Server:
             token=cfg.http_token(),
             open_routes=cfg.http_open,
         )
-        http_address = inv.advertised(cfg.http_listen, self._http.address, "")
+        http_announced = http_address(self._http.address, announced)
         self._grpc.start()
         self.health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
         self._serving = True
@@ -180,7 +185,7 @@ class Server:
             security=cfg.security,
             server_id=self.id,
             address=self.address,
-            http_address=http_address,
+            http_address=http_announced,
             inventory=self.inventory,
             metrics=self.metrics,
             on_fatal=self._fatal,
@@ -196,6 +201,7 @@ class Server:
             on_cluster_id=lambda cluster_id: write_cluster_id(self.state_dir, cluster_id),
             on_retire=self._retire,
             on_records=host.keep_records,
+            on_state=lambda state: self.readiness.observe(state, agent.interval),
         )
         host.on_loaded = lambda name: agent.report_soon()
         agent.start()
@@ -212,7 +218,31 @@ class Server:
             cfg.region_size,
             ", ".join(cfg.backend_allow) or "none",
         )
+        self._say_announced(announced)
         write_ready_file(cfg.ready_file, {"grpc": bound, "http": self._http.address, "id": self.id, "pid": os.getpid()})
+
+    def _say_announced(self, announced: Announced) -> None:
+        """Log what the manager and the clients are told to dial and why; loudly when it may not work."""
+        cfg = self.config
+        if announced.doubt:
+            log.warning(
+                "announcing %s to the manager and the clients (%s), but they may fail to reach it: %s. The manager "
+                "keeps a server it cannot probe from becoming ready: set %s to an address they reach this host at",
+                announced.address,
+                announced.how,
+                announced.doubt,
+                ADVERTISE,
+            )
+        elif not cfg.advertise and cfg.listen.rpartition(":")[0] in WILDCARDS:
+            log.info(
+                "announcing %s to the manager and the clients (%s; listen %s is a wildcard address); if they reach "
+                "this host at another address, set %s%s",
+                announced.address,
+                announced.how,
+                cfg.listen,
+                ADVERTISE,
+                " (with TLS, the certificate must name the announced host)" if cfg.security.tls_cert else "",
+            )
 
     def _registration(self) -> tuple[bool, int]:
         agent = self.agent

@@ -76,13 +76,3 @@ def inventory(config: ServerConfig, memory_used: int = 0) -> kspeed_pb2.ServerIn
         libraries=libraries(),
         preprocess_workers=config.preprocess_workers or usable_cores(config.cores),
     )
-
-
-def advertised(listen: str, bound: str, configured: str) -> str:
-    """The address peers should dial: the configured one, else the bound one with a real host."""
-    if configured:
-        return configured
-    host, _, port = bound.rpartition(":")
-    if host in ("0.0.0.0", "::", "[::]", ""):
-        host = socket.gethostname()
-    return f"{host}:{port}"

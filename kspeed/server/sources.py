@@ -15,15 +15,17 @@ import dataclasses
 import hashlib
 import logging
 import posixpath
+import socket
 from collections.abc import Iterator, Sequence
 
+import fsspec
 import numpy as np
 
 from kspeed.errors import BackendError, ChangedError, DatasetError, NotFoundError
 from kspeed.server.backend import Backend
 from kspeed.server.changes import Change
 from kspeed.server.checksum import crc32c
-from kspeed.server.listing import SOURCE_KINDS, Keys, list_dataset, stamp
+from kspeed.server.listing import SOURCE_KINDS, Keys, Listing, list_dataset, stamp
 from kspeed.server.localread import LocalReader, fd_path
 
 __all__ = ["SOURCE_KINDS", "Fingerprint", "Source", "open_source"]
@@ -426,19 +428,12 @@ def open_source(backend: Backend, dataset: str, uri: str, *, kind: str = "auto")
         DatasetError: the dataset is empty or malformed.
     """
     fs, root, protocol = backend.resolve(uri, dataset=dataset)
-    with backend.errors(f"list {uri}", dataset=dataset):
-        if kind == "auto":
-            if "{" in root or root.endswith(".tar"):
-                kind = "tar"
-            elif fs.isdir(root):
-                kind = "dir"
-            elif root.endswith(".npy"):
-                kind = "npy"
-            elif root.endswith((".manifest", ".manifest.txt")):
-                kind = "manifest"
-            else:
-                kind = "list"
-        found = list_dataset(backend, dataset, uri, fs, root, protocol, kind)
+    try:
+        found = _list(backend, dataset, uri, fs, root, protocol, kind)
+    except BackendError as exc:
+        if backend.is_local(protocol) and isinstance(exc.__cause__, FileNotFoundError) and not fs.exists(root):
+            raise BackendError(f"{exc}; {_not_here(root)}", dataset=dataset) from exc.__cause__
+        raise
     source = Source(
         backend,
         dataset,
@@ -461,6 +456,34 @@ def open_source(backend: Backend, dataset: str, uri: str, *, kind: str = "auto")
         row_shape=found.row_shape,
     )
     if source.count == 0:
-        raise DatasetError(f"dataset {dataset!r}: {uri} holds no samples", dataset=dataset)
-    log.info("dataset %s: listed %s (%s): %s", dataset, uri, kind, source.fingerprint)
+        hint = f"; {_not_here(root)}" if backend.is_local(protocol) else ""
+        raise DatasetError(f"dataset {dataset!r}: {uri} holds no samples{hint}", dataset=dataset)
+    log.info("dataset %s: listed %s (%s): %s", dataset, uri, found.kind, source.fingerprint)
     return source
+
+
+def _not_here(root: str) -> str:
+    """What to do about a local dataset path this server cannot see (or sees empty)."""
+    return (
+        f"the servers read a dataset themselves, so {root} must hold it on each of them (a shared file system, or "
+        f"a copy at the same path), not only where the client runs (this server's host: {socket.gethostname()})"
+    )
+
+
+def _list(
+    backend: Backend, dataset: str, uri: str, fs: fsspec.AbstractFileSystem, root: str, protocol: str, kind: str
+) -> Listing:
+    """The listing of ``uri`` of ``kind`` (``auto``: guessed from the path), backend errors converted."""
+    with backend.errors(f"list {uri}", dataset=dataset):
+        if kind == "auto":
+            if "{" in root or root.endswith(".tar"):
+                kind = "tar"
+            elif fs.isdir(root):
+                kind = "dir"
+            elif root.endswith(".npy"):
+                kind = "npy"
+            elif root.endswith((".manifest", ".manifest.txt")):
+                kind = "manifest"
+            else:
+                kind = "list"
+        return list_dataset(backend, dataset, uri, fs, root, protocol, kind)

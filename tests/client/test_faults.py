@@ -16,6 +16,7 @@ from kspeed.client.rail_choice import ServerPlace, choose_rail, needs_pacing
 from kspeed.errors import ConfigError, DatasetError, PeerLostError, RailUnavailableError, StateError, TransportError
 from kspeed.rdma.base import Completions
 from kspeed.rdma.rails import available_rails, capabilities
+from tests.client.conftest import N_SAMPLES
 from tests.client.fakes import client_config, open_dataset
 
 
@@ -216,3 +217,20 @@ def test_a_failing_pacing_thread_is_named_not_a_hang(make_ds):
     pacer.release = broken
     with pytest.raises(TransportError, match=r"pacing thread failed: RuntimeError.*model exploded"):
         next(iter(ds))
+
+
+def test_drop_last_with_a_batch_larger_than_the_epoch_is_refused(make_ds):
+    # DataLoader yields no batch at all here; a training loop would run empty epochs silently.
+    with pytest.raises(ConfigError, match=r"drop_last=True with batch_size=500 would drop every sample") as info:
+        make_ds(batch_size=500, drop_last=True)
+    assert f"this rank gets {N_SAMPLES} per epoch" in str(info.value)
+    with pytest.raises(ConfigError, match=r"\(203 samples over 2 ranks\)"):
+        make_ds(batch_size=103, drop_last=True, rank=0, world_size=2)  # 102 each (DistributedSampler pads)
+
+
+def test_a_batch_larger_than_the_epoch_needs_only_the_epochs_ring_space(make_ds, samples):
+    # batch_size=10**6 of 203 samples: one batch of all of them, in an explicit 1 MiB ring, as DataLoader gives.
+    config = client_config(ring_max_bytes=64 << 20)
+    ds, _ = make_ds(batch_size=10**6, ring_bytes=1 << 20, config=config, shuffle=False)
+    batches = [[bytes(s.numpy()) for s in batch.samples] for batch in ds]
+    assert len(ds) == 1 and batches == [samples]

@@ -146,7 +146,7 @@ def test_ranks_epochs_resume_and_held_batches(fed, rail):
 
 
 def test_bad_input_is_named(fed):
-    cluster, client, _, spec = fed
+    cluster, client, files, spec = fed
     with socket.socket() as probe:  # a port nobody listens on
         probe.bind(("127.0.0.1", 0))
         dead = f"127.0.0.1:{probe.getsockname()[1]}"
@@ -161,17 +161,20 @@ def test_bad_input_is_named(fed):
     small = client.dataset(spec, batch_size=64, ring_bytes=64 << 10, quiet=True)
     with pytest.raises(CapacityError, match="more than the receive ring's 65536"):
         iter(small)
+    # A batch larger than the epoch is the epoch's samples in one batch, as DataLoader gives; it needs
+    # no more ring than they take.
+    whole = client.dataset(spec, batch_size=10**6, ring_bytes=8 << 20, quiet=True)
+    assert len(whole) == 1 and [len(batch) for batch in whole] == [len(files)]
+    whole.close()
     # A ring larger than the cap (default a quarter of the available memory) is refused before
     # anything is allocated: no descriptor, mapping or thread is left behind.
     fds, threads = set(os.listdir("/proc/self/fd")), threading.active_count()
-    for batch_size in (10**6, 2**50):
-        with pytest.raises(CapacityError, match="more than the largest receive ring allowed"):
-            client.dataset(spec, batch_size=batch_size, quiet=True)
-    with (
-        KSpeedClient(config=config_for(cluster, ring_max_bytes="1MiB")) as capped,
-        pytest.raises(CapacityError, match="larger than the largest allowed"),
-    ):
-        capped.dataset(spec, 4, ring_bytes=2 << 20)
+    with KSpeedClient(config=config_for(cluster, ring_max_bytes="256KiB")) as capped:
+        for batch_size in (64, 10**6, 2**50):  # the larger two count the epoch's samples: still over 256 KiB
+            with pytest.raises(CapacityError, match="more than the largest receive ring allowed"):
+                capped.dataset(spec, batch_size=batch_size, quiet=True)
+        with pytest.raises(CapacityError, match="larger than the largest allowed"):
+            capped.dataset(spec, 4, ring_bytes=2 << 20)
     assert set(os.listdir("/proc/self/fd")) <= fds
     # (the closed client's threads end soon after its close, on a busy machine not at once; a leaked one never does)
     wait_for(lambda: threading.active_count() <= threads, 10, f"no more than the {threads} threads from before")

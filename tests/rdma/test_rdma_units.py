@@ -85,6 +85,7 @@ def test_auth_accepts_same_key_and_refuses_other():
     result = _handshake(TOKEN, b"x" * 26)
     assert isinstance(result["dial"], AuthError)
     assert isinstance(result["accept"], (AuthError, PeerLostError))
+    assert "security.token_file (KSPEED_TOKEN_FILE)" in str(result["dial"])  # the setting to check
 
 
 def test_auth_times_out_on_silent_peer():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import time
 
 import numpy as np
@@ -213,6 +214,20 @@ def test_symlink_out_of_tree_is_refused_at_listing(tmp_path, backend):
     os.symlink("/etc/hostname", tmp_path / "d" / "cat" / "evil")
     with pytest.raises(AccessDeniedError, match="refused"):
         open_source(backend, "ds", str(tmp_path / "d"))
+
+
+@pytest.mark.parametrize("made", [True, False], ids=["empty", "missing"])
+def test_a_path_this_server_cannot_see_says_the_servers_read_it_themselves(tmp_path, backend, made):
+    # A path that exists only where the client runs: empty or missing on the server.
+    path = tmp_path / "only-on-the-client"
+    if made:
+        path.mkdir()
+    with pytest.raises(DatasetError) as info:
+        open_source(backend, "ds", str(path))
+    said = str(info.value)
+    assert ("holds no samples" if made else "No such file") in said
+    assert "the servers read a dataset themselves" in said and "not only where the client runs" in said
+    assert f"this server's host: {socket.gethostname()}" in said
 
 
 def test_uri_outside_allow_list(backend):

@@ -139,7 +139,7 @@ class ShmReceiver(Receiver):
             self._readers[conn] = framing.FrameReader()
             self._new.append((conn, sock))
         self._wake_w.send(b"\0")
-        log.info("shm writer %d connected (pid %d)", conn, pid)
+        log.debug("shm writer %d connected (pid %d)", conn, pid)
 
     def _drop(self, conn: int, error: KSpeedError | None) -> None:
         with self._lock:

@@ -212,7 +212,7 @@ class ReceiverProcess:
     def _drop_consumer(self, c: _Consumer) -> None:
         if self.consumers.pop(c.cid, None) is None:
             return
-        log.info("consumer %d left", c.cid)
+        log.debug("consumer %d left", c.cid)
         for bulk in [b for b in self.bulks.values() if b.consumer is c]:
             self._drop_bulk(bulk, None)
         self.sel.unregister(c.sock)

@@ -196,7 +196,7 @@ class VerbsReceiverProcess(tcp_process.ReceiverProcess):
                     sock.sendall(framing.frame(framing.ERROR, str(exc).encode()))
                 sock.close()
                 continue
-            log.info(
+            log.debug(
                 "verbs: writer %d (NIC %s) -> consumer %d over NIC %s",
                 peer.conn,
                 writer_nic,
