@@ -100,3 +100,18 @@ def test_status_table_says_why_a_server_is_not_ready():
     text = status_table(status, now=0.0)
     assert "3 server(s)" not in text and "2 server(s), 1 of them left" in text
     assert "srv-b is left: shutdown" in text and "srv-a is ready" not in text
+
+
+def test_status_table_names_a_share_being_handed_off():
+    from kspeed.cli.tables import status_table
+    from kspeed.proto import kspeed_pb2
+
+    S = kspeed_pb2.ServerState
+    status = kspeed_pb2.ClusterStatus(cluster_id="c1", manager_version="1.0")
+    status.servers.add(id="srv-a", state=S.SERVER_STATE_DRAINING, state_reason="an operator asked to drain it")
+    info = status.datasets.add(spec=kspeed_pb2.DatasetSpec(name="imgs", uri="/data"))
+    info.shares.add(server_id="srv-a", first_id=0, end_id=100, num_regions=2, handoff_to="srv-c")
+    info.share_status.add()
+    text = status_table(status, now=0.0)
+    assert "srv-a is draining: an operator asked to drain it" in text
+    assert "imgs: samples 0..99 are being handed off from srv-a (draining; it serves them meanwhile) to srv-c" in text

@@ -33,6 +33,12 @@ def dataset_table(datasets: list[kspeed_pb2.DatasetInfo]) -> str:
             for s in d["shares"]
             if s["policy"] != "cache" and not s["on_demand"]
         ]
+        notes += [
+            f"{d['name']}: samples {s['first_id']}..{s['end_id'] - 1} are being handed off from {s['server_id']} "
+            f"(draining; it serves them meanwhile) to {s['handoff_to']}, which loads them"
+            for s in d["shares"]
+            if s["handoff_to"]
+        ]
         total = d["progress"]["samples_total"] or 1
         rows.append(
             (

@@ -90,6 +90,7 @@ def dataset_dict(info: kspeed_pb2.DatasetInfo) -> dict:
                 "policy": s.policy or "cache",
                 "memory_regions": s.memory_regions if s.policy else s.num_regions,
                 "slice_bytes": s.slice_bytes,
+                "handoff_to": s.handoff_to,
                 "samples_loaded": st.progress.samples_loaded,
                 "regions_sealed": st.regions_sealed,
             }

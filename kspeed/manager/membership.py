@@ -277,7 +277,9 @@ class Membership:
                 )
             entry.draining = True
             if entry.record.state in (JOINING, READY):
-                self._set_state(entry, DRAINING, "draining: its shares are being handed to other servers")
+                self._set_state(
+                    entry, DRAINING, "an operator asked to drain it; its shares are being handed to other servers"
+                )
             copy = kspeed_pb2.ServerRecord()
             copy.CopyFrom(entry.record)
             return copy
@@ -347,7 +349,9 @@ class Membership:
         if not entry.heard:  # restored: ready once its heartbeat says what it holds, not before
             return False
         if entry.draining:
-            return self._set_state(entry, DRAINING, "draining: its shares are being handed to other servers")
+            return self._set_state(
+                entry, DRAINING, "an operator asked to drain it; its shares are being handed to other servers"
+            )
         return self._set_state(entry, READY, "heartbeating and healthy")
 
     def _set_state(self, entry: _Entry, state: kspeed_pb2.ServerState, reason: str) -> bool:
