@@ -74,7 +74,7 @@ class Store:
             if not rebuild:
                 raise ConfigError(
                     f"manager.state_dir: {self.path!r} is damaged ({exc}). The servers keep the assignments of what "
-                    "they hold: start the manager once with --rebuild-state (KSPEED_REBUILD_STATE=true) to move the "
+                    "they hold: start the manager once with --rebuild-state true (KSPEED_REBUILD_STATE=true) to move the "
                     "damaged file aside and rebuild the registry from them",
                     field="manager.state_dir",
                     value=state_dir,
