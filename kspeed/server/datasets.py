@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,6 +91,31 @@ def decode_ids(data: bytes, dataset: str, count: int) -> np.ndarray:
 
 
 ShareKey = tuple[str, int]  # (dataset, first sample ID of the share)
+
+
+class _ShareLocks:
+    """A lock per share being taken, so two assignments of one share run one after the other
+    (kept only while some assignment of that share is under way)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[ShareKey, tuple[threading.Lock, int]] = {}
+
+    @contextlib.contextmanager
+    def hold(self, key: ShareKey) -> Iterator[None]:
+        with self._lock:
+            lock, users = self._held.get(key, (threading.Lock(), 0))
+            self._held[key] = (lock, users + 1)
+        try:
+            with lock:
+                yield
+        finally:
+            with self._lock:
+                lock, users = self._held[key]
+                if users > 1:
+                    self._held[key] = (lock, users - 1)
+                else:
+                    del self._held[key]
 
 
 @dataclass
@@ -165,7 +190,8 @@ class DatasetHost:
         self._path = os.path.join(state_dir, ASSIGNMENTS_FILE)
         self._threads = preload_threads
         self._scrub_interval = scrub_interval
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # never held over backend I/O: heartbeats and status calls take it
+        self._taking = _ShareLocks()
         self._hosted: dict[ShareKey, Hosted] = {}
         self._dropped: dict[str, str] = {}  # recently dropped datasets and why, to answer with the reason
         self.on_drop: Callable[[str, int, str], None] = lambda name, first, reason: None  # e.g. close its feeds
@@ -332,6 +358,12 @@ class DatasetHost:
         """Hold ``request.share`` of the dataset (idempotent). A share of the dataset here that
         starts at the same sample, or overlaps it, is replaced; other shares stay.
 
+        The pipeline is checked and the backend listed before the host's lock is taken: a listing
+        can take minutes, and heartbeats, health and status calls need the lock meanwhile.
+        Assignments of one share wait for each other, so the second finds the first's share and
+        changes nothing; what else changed meanwhile (other shares, free regions) is looked at
+        under the lock.
+
         ``keep``: (dataset, virtual region) pairs not to free even when no hosted share holds
         them (the other shares of a restart being re-adopted).
 
@@ -342,23 +374,17 @@ class DatasetHost:
         """
         name, share = request.spec.name, request.share
         key = (name, int(share.first_id))
-        self.check_pipeline(request.spec)
-        with self._lock:
-            current = self._hosted.get(key)
-            if current is not None and current.request == request:
-                self.assignments += 1  # the manager's word again: as new as a fresh assignment
-                self._assigned[key] = self.assignments
-                return self.status(name, key[1])
-            for other in self.shares(name, missing_ok=True):
-                s = other.request.share
-                if other.key == key or (s.first_id < share.end_id and share.first_id < s.end_id):
-                    self.drop(name, "its share changed", final=False, first=other.key[1])
+        with self._taking.hold(key):
+            with self._lock:
+                if self._again(key, request):
+                    return self.status(name, key[1])
             if request.region_size != self.pool.region_size:
                 raise ConfigError(
                     f"dataset {name!r}: assigned with region size {request.region_size}, this "
                     f"server's pool uses {self.pool.region_size}",
                     field="server.region_size",
                 )
+            self.check_pipeline(request.spec)
             source = self._open(request.spec)
             if fingerprint_pb(source) != request.fingerprint:
                 raise DatasetError(
@@ -367,83 +393,108 @@ class DatasetHost:
                     f"{source.fingerprint}); remove the dataset and register it again",
                     dataset=name,
                 )
-            wanted = set(_vindices(share))
-            claimed = {v for h in self.shares(name, missing_ok=True) for v in _vindices(h.request.share)}
-            held = {r.vindex for r in self.pool.regions(name) if r.vindex is not None}
-            stale = held - wanted - claimed - {v for n, v in keep if n == name}
-            if stale:
-                self.pool.release(name, stale)
-            missing = sorted(wanted - held)
-            if missing:
-                self.pool.allocate(name, missing)
-            sliced = bool(share.slice_bytes) and not share.on_demand
-            try:
-                slot = self.slices.take(key, int(share.slice_bytes)) if sliced else None
-                preloader = Preloader(
-                    source,
-                    self.pool,
-                    lo=share.first_id,
-                    hi=share.end_id,
-                    first_region=share.first_region,
-                    threads=self._threads,
-                    on_demand=share.on_demand or bool(share.policy),
-                    slot=slot,
-                    changes=ChangeLog(
-                        name, share.first_id, share.end_id, on_change=lambda changes: self.on_changed(name, changes)
-                    ),
-                )
-            except KSpeedError:
-                if missing:
-                    self.pool.release(name, missing)
-                if sliced:
-                    self.slices.give(key)
-                raise
-            preloader.on_finished = lambda: self.on_loaded(name)
+            with self._lock:
+                return self._install(request, source, keep)
+
+    def _again(self, key: ShareKey, request: kspeed_pb2.AssignShareRequest) -> bool:
+        """Whether ``request`` is the share held at ``key`` already; if so, it counts as assigned now
+        (the manager's word again: as new as a fresh assignment). Called under the lock."""
+        current = self._hosted.get(key)
+        if current is None or current.request != request:
+            return False
+        self.assignments += 1
+        self._assigned[key] = self.assignments
+        return True
+
+    def _install(
+        self, request: kspeed_pb2.AssignShareRequest, source: Source, keep: frozenset[tuple[str, int]]
+    ) -> kspeed_pb2.ShareStatus:
+        """Hold the share of ``request`` over its listing ``source``: replace the shares it overlaps,
+        allocate its regions, record it; on an error nothing of it is left. Called under the lock."""
+        name, share = request.spec.name, request.share
+        key = (name, int(share.first_id))
+        for other in self.shares(name, missing_ok=True):
+            s = other.request.share
+            if other.key == key or (s.first_id < share.end_id and share.first_id < s.end_id):
+                self.drop(name, "its share changed", final=False, first=other.key[1])
+        wanted = set(_vindices(share))
+        claimed = {v for h in self.shares(name, missing_ok=True) for v in _vindices(h.request.share)}
+        held = {r.vindex for r in self.pool.regions(name) if r.vindex is not None}
+        stale = held - wanted - claimed - {v for n, v in keep if n == name}
+        if stale:
+            self.pool.release(name, stale)
+        missing = sorted(wanted - held)
+        if missing:
+            self.pool.allocate(name, missing)
+        sliced = bool(share.slice_bytes) and not share.on_demand
+        try:
+            slot = self.slices.take(key, int(share.slice_bytes)) if sliced else None
+            preloader = Preloader(
+                source,
+                self.pool,
+                lo=share.first_id,
+                hi=share.end_id,
+                first_region=share.first_region,
+                threads=self._threads,
+                on_demand=share.on_demand or bool(share.policy),
+                slot=slot,
+                changes=ChangeLog(
+                    name, share.first_id, share.end_id, on_change=lambda changes: self.on_changed(name, changes)
+                ),
+            )
             store = SampleStore(preloader)
-            if self._scrub_interval > 0 and not share.on_demand and not share.policy:
-                store.start_scrub(self._scrub_interval)
             self._hosted[key] = Hosted(request, source, preloader, store)
-            self.assignments += 1
-            self._assigned[key] = self.assignments
-            self._dropped.pop(name, None)
             self._save_assignments()
-            if slot is not None:
-                log.info(
-                    "dataset %s: holding samples %d..%d in a slice of %d bytes of shared region %d",
-                    name,
-                    share.first_id,
-                    share.end_id - 1,
-                    slot[2],
-                    slot[0],
-                )
-            elif share.policy and not share.on_demand:
-                log.info(
-                    "dataset %s: holding samples %d..%d under policy %s in %d of their %d region(s)",
-                    name,
-                    share.first_id,
-                    share.end_id - 1,
-                    share.policy,
-                    share.memory_regions,
-                    share.num_regions,
-                )
-            elif share.on_demand:
-                log.warning(
-                    "dataset %s: serving samples %d..%d on demand (read from the backend as feeds need them; "
-                    "no server had %d regions free)",
-                    name,
-                    share.first_id,
-                    share.end_id - 1,
-                    share.num_regions,
-                )
-            else:
-                log.info(
-                    "dataset %s: holding samples %d..%d in %d region(s)",
-                    name,
-                    share.first_id,
-                    share.end_id - 1,
-                    share.num_regions,
-                )
-            return self.status(name, key[1])
+        except KSpeedError:
+            self._hosted.pop(key, None)
+            if missing:
+                self.pool.release(name, missing)
+            if sliced:
+                self.slices.give(key)
+            raise
+        preloader.on_finished = lambda: self.on_loaded(name)
+        if self._scrub_interval > 0 and not share.on_demand and not share.policy:
+            store.start_scrub(self._scrub_interval)
+        self.assignments += 1
+        self._assigned[key] = self.assignments
+        self._dropped.pop(name, None)
+        if slot is not None:
+            log.info(
+                "dataset %s: holding samples %d..%d in a slice of %d bytes of shared region %d",
+                name,
+                share.first_id,
+                share.end_id - 1,
+                slot[2],
+                slot[0],
+            )
+        elif share.policy and not share.on_demand:
+            log.info(
+                "dataset %s: holding samples %d..%d under policy %s in %d of their %d region(s)",
+                name,
+                share.first_id,
+                share.end_id - 1,
+                share.policy,
+                share.memory_regions,
+                share.num_regions,
+            )
+        elif share.on_demand:
+            log.warning(
+                "dataset %s: serving samples %d..%d on demand (read from the backend as feeds need them; "
+                "no server had %d regions free)",
+                name,
+                share.first_id,
+                share.end_id - 1,
+                share.num_regions,
+            )
+        else:
+            log.info(
+                "dataset %s: holding samples %d..%d in %d region(s)",
+                name,
+                share.first_id,
+                share.end_id - 1,
+                share.num_regions,
+            )
+        return self.status(name, key[1])
 
     def drop(self, name: str, reason: str = "", *, final: bool = True, first: int | None = None) -> None:
         """Stop serving ``name`` (every share of it here, or only the one starting at ``first``) and
