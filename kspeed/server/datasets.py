@@ -30,7 +30,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from kspeed import names, wire
-from kspeed.errors import ConfigError, DatasetError, KSpeedError, NotFoundError, NotHeldError, ProtocolError
+from kspeed.errors import (
+    ConfigError,
+    DatasetError,
+    KSpeedError,
+    NotFoundError,
+    NotHeldError,
+    ProtocolError,
+    StateFileError,
+)
 from kspeed.layout import region_bounds
 from kspeed.preprocess.pipeline import Pipeline
 from kspeed.preprocess.runner import Runner
@@ -45,6 +53,7 @@ from kspeed.server.prep_pool import PrepPool
 from kspeed.server.production_state import EpochFigures
 from kspeed.server.slices import SharedRegions
 from kspeed.server.sources import Source, open_source
+from kspeed.server.statefile import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -230,15 +239,18 @@ class DatasetHost:
     # -- assignments -----------------------------------------------------------------------------
 
     def restore(self) -> None:
-        """Re-adopt the shares recorded before a restart (errors are logged, not fatal)."""
+        """Re-adopt the shares recorded before a restart (errors are logged, not fatal: a server
+        whose state disk is full starts with what it can re-adopt, and says what it cannot write)."""
         requests = self._load_assignments()
         keep = frozenset((r.spec.name, v) for r in requests for v in _vindices(r.share))
         for request in requests:
             try:
-                self.assign(request, keep=keep)
+                self.assign(request, keep=keep, save=False)
                 log.info("dataset %s: share %s re-adopted after restart", request.spec.name, _span(request.share))
             except KSpeedError as exc:
                 log.error("dataset %s: cannot re-adopt share %s: %s", request.spec.name, _span(request.share), exc)
+        if len(self.keys()) < len(requests):
+            self._record()
 
     def reconcile(self, assignments: list[kspeed_pb2.AssignShareRequest], *, before: int | None = None) -> None:
         """Make the hosted shares exactly ``assignments`` (the manager's word at registration).
@@ -353,7 +365,11 @@ class DatasetHost:
         return CachedSource(source, pipeline, pipeline.cached_stages(spec.cache), self.prep)
 
     def assign(
-        self, request: kspeed_pb2.AssignShareRequest, *, keep: frozenset[tuple[str, int]] = frozenset()
+        self,
+        request: kspeed_pb2.AssignShareRequest,
+        *,
+        keep: frozenset[tuple[str, int]] = frozenset(),
+        save: bool = True,
     ) -> kspeed_pb2.ShareStatus:
         """Hold ``request.share`` of the dataset (idempotent). A share of the dataset here that
         starts at the same sample, or overlaps it, is replaced; other shares stay.
@@ -365,12 +381,14 @@ class DatasetHost:
         under the lock.
 
         ``keep``: (dataset, virtual region) pairs not to free even when no hosted share holds
-        them (the other shares of a restart being re-adopted).
+        them (the other shares of a restart being re-adopted). ``save``: record the assignment in
+        the state directory (a restart re-adopts what is recorded already).
 
         Raises:
             DatasetError: the backend changed since the dataset was registered.
             CapacityError: the pool lacks free regions (nothing is allocated).
             ConfigError: the manager's region size is not this pool's.
+            StateFileError: the assignment cannot be recorded (nothing is allocated or kept).
         """
         name, share = request.spec.name, request.share
         key = (name, int(share.first_id))
@@ -394,7 +412,7 @@ class DatasetHost:
                     dataset=name,
                 )
             with self._lock:
-                return self._install(request, source, keep)
+                return self._install(request, source, keep, save)
 
     def _again(self, key: ShareKey, request: kspeed_pb2.AssignShareRequest) -> bool:
         """Whether ``request`` is the share held at ``key`` already; if so, it counts as assigned now
@@ -407,7 +425,7 @@ class DatasetHost:
         return True
 
     def _install(
-        self, request: kspeed_pb2.AssignShareRequest, source: Source, keep: frozenset[tuple[str, int]]
+        self, request: kspeed_pb2.AssignShareRequest, source: Source, keep: frozenset[tuple[str, int]], save: bool
     ) -> kspeed_pb2.ShareStatus:
         """Hold the share of ``request`` over its listing ``source``: replace the shares it overlaps,
         allocate its regions, record it; on an error nothing of it is left. Called under the lock."""
@@ -444,7 +462,8 @@ class DatasetHost:
             )
             store = SampleStore(preloader)
             self._hosted[key] = Hosted(request, source, preloader, store)
-            self._save_assignments()
+            if save:
+                self._save_assignments()
         except KSpeedError:
             self._hosted.pop(key, None)
             if missing:
@@ -536,7 +555,7 @@ class DatasetHost:
                 for hosted in dropping:
                     self.pool.release(name, _vindices(hosted.request.share))
                     hosted.preloader.forget_index()
-            self._save_assignments()
+            self._record()
         for hosted in dropping:
             log.info("dataset %s: share %s dropped", name, _span(hosted.request.share))
 
@@ -740,14 +759,25 @@ class DatasetHost:
     # -- persistence -----------------------------------------------------------------------------
 
     def _save_assignments(self) -> None:
+        """Record the hosted shares in :data:`ASSIGNMENTS_FILE`.
+
+        Raises:
+            StateFileError: it cannot be written (the previous version stays).
+        """
         data = {
             f"{name}@{first}": base64.b64encode(h.request.SerializeToString()).decode()
             for (name, first), h in self._hosted.items()
         }
-        tmp = f"{self._path}.tmp"
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(data, fh)
-        os.replace(tmp, self._path)
+        write_atomic(self._path, json.dumps(data).encode())
+
+    def _record(self) -> None:
+        """Record the hosted shares after some were let go: a file that cannot be written still
+        lists them, which costs a restart nothing but re-adopting them until the manager says
+        otherwise, so the failure is logged, not raised."""
+        try:
+            self._save_assignments()
+        except StateFileError as exc:
+            log.error("%s; it still lists shares this server has let go", exc)
 
     def _load_assignments(self) -> list[kspeed_pb2.AssignShareRequest]:
         try:
