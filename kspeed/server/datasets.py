@@ -41,7 +41,7 @@ from kspeed.errors import (
 )
 from kspeed.layout import region_bounds
 from kspeed.preprocess.pipeline import Pipeline
-from kspeed.preprocess.runner import Runner
+from kspeed.preprocess.runner import Runner, check_allowed
 from kspeed.proto import kspeed_pb2
 from kspeed.server.backend import Backend
 from kspeed.server.cached_source import CachedSource
@@ -300,8 +300,8 @@ class DatasetHost:
         """List a dataset's backend for the manager: its samples laid out in this server's regions
         (where each region starts, the bytes in it), classes and fingerprint.
 
-        A pipeline is checked first: every stage must resolve here (built-in ops with their
-        parameters, modules on the operator's preprocess allow-list).
+        A pipeline is checked first: every server stage must resolve on this server's preprocessing
+        workers (built-in ops with their parameters, modules on the operator's preprocess allow-list).
         """
         self.check_pipeline(spec)
         source = self._open(spec, describing=True)
@@ -330,9 +330,18 @@ class DatasetHost:
             region_bytes=wire.pack_i64(cum[starts[1:]] - cum[starts[:-1]]),
         )
 
-    def check_pipeline(self, spec: kspeed_pb2.DatasetSpec) -> None:
+    def check_pipeline(self, spec: kspeed_pb2.DatasetSpec, *, resolve: bool = True) -> None:
         """Refuse a pipeline whose server stages (up to the last declared output) this server could
         not run, with the reason; client and GPU stages are the client's to run.
+
+        Only the preprocessing workers import the stages' modules, never this process: an import
+        holds its interpreter for seconds (torchvision's), and this process answers health probes
+        and heartbeats. What needs no import (ops, parameters, the module allow-list) is checked
+        here; the workers start resolving the stages at once, and with ``resolve`` this waits for
+        them (a dataset being described, at registration). An assignment does not wait: on a spare
+        taking a failed server's share that import would lengthen the jobs' pause, and a stage that
+        does not resolve fails each of its samples with the reason. Without workers (a host built
+        by itself, in tests) the stages are resolved here.
 
         Raises:
             AccessDeniedError: a stage's module is not on the allow-list.
@@ -340,9 +349,15 @@ class DatasetHost:
         """
         if spec.pipeline.stages:
             pipeline = Pipeline.from_proto(spec.pipeline)
-            if self.prep is not None and pipeline.server_stages:
-                self.prep.warm(spec.name, spec.pipeline.SerializeToString(), pipeline.server_stages)
-            Runner(pipeline, allow=self.preprocess_allow, dataset=spec.name, stages=pipeline.server_stages)
+            stages = pipeline.server_stages
+            check_allowed(pipeline, self.preprocess_allow, dataset=spec.name, stages=stages)
+            if self.prep is None:
+                Runner(pipeline, allow=self.preprocess_allow, dataset=spec.name, stages=stages)
+            elif stages:
+                message = spec.pipeline.SerializeToString()
+                self.prep.warm(spec.name, message, stages)
+                if resolve:
+                    self.prep.check(spec.name, message, stages)
             pipeline.cached_stages(spec.cache)
         elif spec.cache:
             raise ConfigError(f"dataset {spec.name!r}: cache {spec.cache!r} needs a pipeline", field="cache")
@@ -402,7 +417,7 @@ class DatasetHost:
                     f"server's pool uses {self.pool.region_size}",
                     field="server.region_size",
                 )
-            self.check_pipeline(request.spec)
+            self.check_pipeline(request.spec, resolve=False)
             source = self._open(request.spec)
             if fingerprint_pb(source) != request.fingerprint:
                 raise DatasetError(
