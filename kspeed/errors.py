@@ -14,6 +14,7 @@ operating system and the transports are converted at the boundary (``raise ... f
     ├── ConflictError            a name is taken by something defined otherwise
     ├── StateError               an operation in the wrong lifecycle state
     ├── CapacityError            not enough memory, ring space or regions
+    ├── StateFileError           a daemon's state file (registry, assignments, pool manifest, index) cannot be written
     ├── DatasetError             a dataset cannot be listed, loaded or served
     │   ├── BackendError         the backend storage refused or failed a read
     │   ├── AccessDeniedError    a URI outside the operator's allow-list
@@ -48,6 +49,7 @@ __all__ = [
     "RailUnavailableError",
     "RangeError",
     "StateError",
+    "StateFileError",
     "TransportError",
     "UnavailableError",
     "VersionMismatchError",
@@ -121,6 +123,23 @@ class CapacityError(KSpeedError):
 
 class BusyError(CapacityError):
     """A server has as many streams open as it serves at once: the same call succeeds shortly."""
+
+
+class StateFileError(KSpeedError):
+    """A daemon's state file (the manager's registry; a server's assignments, its pool's manifest, a
+    share's sample index) cannot be written: the disk is full, or the directory is read-only. The
+    previous version of the file stays whole.
+
+    Args:
+        message: which file, why, and what to do.
+        path: the file.
+        free_bytes: bytes left to unprivileged users on its file system, when they could be counted.
+    """
+
+    def __init__(self, message: str, *, path: str = "", free_bytes: int | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.free_bytes = free_bytes
 
 
 class DatasetError(KSpeedError):

@@ -40,6 +40,15 @@ def ensure_state_dir(path: str, field: str) -> str:
     return os.path.abspath(path)
 
 
+def free_bytes(path: str | os.PathLike[str]) -> int | None:
+    """Bytes an unprivileged user may still write on the file system of ``path`` (``None``: unknown)."""
+    try:
+        stat = os.statvfs(os.path.dirname(os.path.abspath(path)))
+    except OSError:
+        return None
+    return stat.f_bavail * stat.f_frsize
+
+
 def write_ready_file(path: str, payload: dict) -> None:
     """Atomically write the daemon's bound addresses for supervisors (``kspeed up``, tests)."""
     if not path:

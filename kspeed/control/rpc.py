@@ -46,6 +46,7 @@ _STATUS_OF: list[tuple[type[Exception], grpc.StatusCode]] = [
     (errors.ConflictError, grpc.StatusCode.ALREADY_EXISTS),
     (errors.StateError, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.StateFileError, grpc.StatusCode.RESOURCE_EXHAUSTED),  # gRPC's word for "the file system is full"
     (errors.UnavailableError, grpc.StatusCode.UNAVAILABLE),
     (errors.DatasetError, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.TransportError, grpc.StatusCode.UNAVAILABLE),

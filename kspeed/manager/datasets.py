@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import re
 import secrets
@@ -48,6 +49,7 @@ from kspeed.errors import (
     NotFoundError,
     ProtocolError,
     StateError,
+    StateFileError,
     UnavailableError,
 )
 from kspeed.manager.allocator import (
@@ -297,12 +299,21 @@ class DatasetCatalog:
         }
         return [_record(self._datasets[name]) for name in sorted(stale)]
 
+    @property
+    def write_failures(self) -> int:
+        """Writes of the registry that failed (a full disk) since the start."""
+        return self._store.write_failures
+
+    def _addresses(self) -> dict[str, str]:
+        """Server id -> address of every server on record."""
+        return {r.id: r.address for r in self._membership.snapshot(include_left=True)}
+
     def _changed(self, info: kspeed_pb2.DatasetInfo) -> None:
         """Record a change of ``info``'s shares made here: a new revision, saved; from now on the
         registry's copy wins over any server's."""
         info.revision += 1
         self._adopted.discard(info.spec.name)
-        self._store.save_dataset(info)
+        self._store.keep(functools.partial(self._store.save_dataset, info))
 
     def _spawn(self, work: Coroutine[Any, Any, Any], name: str) -> None:
         """Run ``work`` in the background (its reference kept until it ends)."""
@@ -339,7 +350,7 @@ class DatasetCatalog:
             self._adopted.add(name)
             if reported.owner == JOB:
                 self._orphaned[name] = self._wall() + self._lease_ttl
-            self._store.save_dataset(self._datasets[name])
+            self._store.keep(functools.partial(self._store.save_dataset, self._datasets[name]))
             taken.append(name)
             log.warning(
                 "dataset %s: taken back from the copy server %s keeps (revision %d, %d share(s) on %s): the registry "
@@ -351,7 +362,7 @@ class DatasetCatalog:
                 ", ".join(sorted({s.server_id for s in reported.shares})),
             )
         if taken:
-            self._store.confirm_cluster_id()
+            self._store.keep(self._store.confirm_cluster_id)
         return taken
 
     def forget_progress(self, server_id: str) -> None:
@@ -431,9 +442,14 @@ class DatasetCatalog:
                     )
                 await self._verify(existing)
             else:
-                self._datasets[spec.name] = await self._allocate(spec, owner)
-                self._store.save_dataset(self._datasets[spec.name])
-                self._store.confirm_cluster_id()
+                info = await self._allocate(spec, owner)
+                try:
+                    self._store.save_dataset(info)  # a dataset the registry cannot record is not created
+                    self._store.confirm_cluster_id()
+                except StateFileError:
+                    await asyncio.shield(self._drop_shares(spec.name, list(info.shares), self._addresses()))
+                    raise
+                self._datasets[spec.name] = info
                 created = True
             reply = kspeed_pb2.CreateDatasetReply(created=created)
             if owner == JOB:
@@ -478,7 +494,7 @@ class DatasetCatalog:
                 f"the backend's listing changed since registration ({old.count} samples, {old.total_bytes} bytes, "
                 f"{old.digest[:12]} -> {new.count} samples, {new.total_bytes} bytes, {new.digest[:12]})"
             )
-            self._store.save_dataset(info)
+            self._store.keep(functools.partial(self._store.save_dataset, info))
             log.error("dataset %s: %s", name, info.changed_reason)
             await self._check_shares(info)
         live = self._live(info)
@@ -737,7 +753,7 @@ class DatasetCatalog:
                 del self._leases[lease_id]
             for key in [k for k in self._share_status if k[0] == name]:
                 del self._share_status[key]
-            self._store.delete_dataset(name, self._wall())
+            self._store.keep(functools.partial(self._store.delete_dataset, name, self._wall()))
         log.info("dataset %s removed", name)
 
     # -- failover --------------------------------------------------------------------------------
@@ -1063,7 +1079,7 @@ class DatasetCatalog:
             expires_unix=self._wall() + ttl,
         )
         self._leases[lease.id] = lease
-        self._store.save_lease(lease)
+        self._store.keep(functools.partial(self._store.save_lease, lease))
         return lease
 
     def _lease(self, lease_id: str) -> kspeed_pb2.Lease:
@@ -1095,14 +1111,14 @@ class DatasetCatalog:
             )
         lease = self._lease(lease_id)
         lease.expires_unix = self._wall() + lease.ttl_s
-        self._store.save_lease(lease)
+        self._store.keep(functools.partial(self._store.save_lease, lease))
         return lease
 
     def release(self, lease_id: str) -> None:
         """End a lease now."""
         self._lease(lease_id)
         del self._leases[lease_id]
-        self._store.delete_lease(lease_id)
+        self._store.keep(functools.partial(self._store.delete_lease, lease_id))
 
     async def expire(self) -> None:
         """Drop expired leases, then remove job datasets that no lease holds any more."""
@@ -1111,7 +1127,7 @@ class DatasetCatalog:
             if lease.expires_unix <= now:
                 log.info("lease %s of %r expired", lease_id, lease.holder)
                 del self._leases[lease_id]
-                self._store.delete_lease(lease_id)
+                self._store.keep(functools.partial(self._store.delete_lease, lease_id))
         held = {lease.dataset for lease in self._leases.values()}
         held |= {name for name, until in self._orphaned.items() if until > now}
         for name, info in list(self._datasets.items()):

@@ -308,7 +308,6 @@ class Membership:
         """Apply the timers to every live server and the restart grace to stopped ones; persist
         heartbeat times in one transaction."""
         with self._lock:
-            dirty = []
             for entry in self._entries.values():
                 if entry.record.state == STOPPED:
                     waited = self._clock() - entry.stopped_at
@@ -316,12 +315,12 @@ class Membership:
                         self._set_state(
                             entry, LEFT, f"stopped and not back within restart_grace ({waited:.1f}s); its shares move"
                         )
-                    continue
-                if entry.record.state in LIVE and not self._evaluate(entry) and entry.dirty:
-                    dirty.append(entry.record)
-                entry.dirty = False
-            if dirty:
-                self._store.save_servers(dirty)
+                elif entry.record.state in LIVE:
+                    self._evaluate(entry)
+            dirty = [e.record for e in self._entries.values() if e.dirty]  # (a change is saved as it is made)
+            if dirty and self._store.keep(lambda: self._store.save_servers(dirty)):
+                for record in dirty:  # else written at the next tick that has room
+                    self._entries[record.id].dirty = False
 
     def probe_targets(self) -> list[tuple[str, str, int]]:
         """``(id, address, incarnation)`` of every live server."""
@@ -372,7 +371,8 @@ class Membership:
         return True
 
     def _commit(self, record: kspeed_pb2.ServerRecord) -> None:
-        self._store.save_server(record)
+        # Saved now; on a full disk the manager goes on from memory and the next tick writes it.
+        self._entries[record.id].dirty = not self._store.keep(lambda: self._store.save_server(record))
         self.revision += 1
         copy = kspeed_pb2.ServerRecord()
         copy.CopyFrom(record)

@@ -59,7 +59,19 @@ class _CatalogCollector(Collector):
             states.add_metric([name], count)
         yield states
         yield CounterMetricFamily(
-            "kspeed_manager_failovers", "Shares moved off failed servers", value=self._catalog.failovers
+            "kspeed_manager_failovers",
+            "Shares moved off servers that failed or stopped past restart_grace",
+            value=self._catalog.failovers,
+        )
+        yield CounterMetricFamily(
+            "kspeed_manager_handoffs",
+            "Shares handed off by drains while their server served on",
+            value=self._catalog.handoffs,
+        )
+        yield CounterMetricFamily(
+            "kspeed_manager_state_write_failures",
+            "Writes of the registry file that failed (a full disk): the manager went on from memory",
+            value=self._catalog.write_failures,
         )
 
 

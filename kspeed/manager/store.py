@@ -13,14 +13,17 @@ manager registers a dataset itself. A damaged file is refused with the command t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sqlite3
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
-from kspeed.errors import ConfigError
+from kspeed.control.daemon import free_bytes
+from kspeed.control.status import human_bytes
+from kspeed.errors import ConfigError, StateFileError
 from kspeed.proto import kspeed_pb2
 
 _SCHEMA = """
@@ -45,6 +48,7 @@ CREATE TABLE IF NOT EXISTS removed (
 SCHEMA_VERSION = "1"
 STATE_FILE = "manager.sqlite3"
 MAX_REMOVED = 10_000  # names of removed datasets remembered (the oldest are forgotten first)
+UNSAVED_LOG_EVERY = 60.0  # seconds between two log lines about registry writes that fail
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +78,8 @@ class Store:
             if not rebuild:
                 raise ConfigError(
                     f"manager.state_dir: {self.path!r} is damaged ({exc}). The servers keep the assignments of what "
-                    "they hold: start the manager once with --rebuild-state true (KSPEED_REBUILD_STATE=true) to move the "
-                    "damaged file aside and rebuild the registry from them",
+                    "they hold: start the manager once with --rebuild-state true (KSPEED_REBUILD_STATE=true) to move "
+                    "the damaged file aside and rebuild the registry from them",
                     field="manager.state_dir",
                     value=state_dir,
                 ) from exc
@@ -106,6 +110,22 @@ class Store:
             cluster_id = self._put("cluster_id", uuid.uuid4().hex[:12])
             self._put("cluster_id_provisional", "1")
         self.cluster_id = cluster_id
+        self.write_failures = 0  # registry writes that failed (a full disk): the manager went on from memory
+        self._failure_logged = -UNSAVED_LOG_EVERY
+
+    def keep(self, write: Callable[[], None]) -> bool:
+        """Run ``write``, whose failure must not stop the manager: it goes on from what it holds in
+        memory (the servers keep their records too), and the failure is counted and logged (at most
+        once a minute). Returns whether it was written."""
+        try:
+            write()
+        except StateFileError as exc:
+            self.write_failures += 1
+            if time.monotonic() - self._failure_logged >= UNSAVED_LOG_EVERY:
+                self._failure_logged = time.monotonic()
+                log.error("%s (%d write(s) failed so far)", exc, self.write_failures)
+            return False
+        return True
 
     def _open(self) -> sqlite3.Connection:
         """Connect, check the file's integrity and create the tables.
@@ -132,9 +152,25 @@ class Store:
         cluster id of servers that hold data (the registry was empty or missing at start)."""
         return self._get("cluster_id_provisional") == "1"
 
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Turn a failed write of the registry into :class:`~kspeed.errors.StateFileError` naming
+        the file and the space left (SQLite keeps the file whole: the transaction is undone)."""
+        try:
+            yield
+        except sqlite3.Error as exc:
+            free = free_bytes(self.path)
+            left = f"{human_bytes(free)} free there" if free is not None else "free space unknown"
+            raise StateFileError(
+                f"cannot write the registry {self.path}: {exc} ({left}); free space there (the manager goes on from "
+                "what it holds in memory and records it at the next change that fits)",
+                path=self.path,
+                free_bytes=free,
+            ) from exc
+
     def take_cluster_id(self, cluster_id: str) -> None:
         """Make ``cluster_id`` (brought by a server that holds data) the registry's, for good."""
-        with self._db:
+        with self._writing(), self._db:
             self._db.execute("BEGIN")
             self._put("cluster_id", cluster_id)
             self._db.execute("DELETE FROM meta WHERE key = 'cluster_id_provisional'")
@@ -142,7 +178,8 @@ class Store:
 
     def confirm_cluster_id(self) -> None:
         """Keep the registry's own cluster id for good (it registered a dataset)."""
-        self._db.execute("DELETE FROM meta WHERE key = 'cluster_id_provisional'")
+        with self._writing():
+            self._db.execute("DELETE FROM meta WHERE key = 'cluster_id_provisional'")
 
     def _get(self, key: str) -> str | None:
         row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
@@ -159,13 +196,14 @@ class Store:
 
     def save_server(self, record: kspeed_pb2.ServerRecord) -> None:
         """Insert or replace one server record."""
-        self._db.execute(
-            "INSERT OR REPLACE INTO servers (id, record) VALUES (?, ?)", (record.id, record.SerializeToString())
-        )
+        with self._writing():
+            self._db.execute(
+                "INSERT OR REPLACE INTO servers (id, record) VALUES (?, ?)", (record.id, record.SerializeToString())
+            )
 
     def save_servers(self, records: list[kspeed_pb2.ServerRecord]) -> None:
         """Replace several records in one transaction."""
-        with self._db:
+        with self._writing(), self._db:
             self._db.execute("BEGIN")
             self._db.executemany(
                 "INSERT OR REPLACE INTO servers (id, record) VALUES (?, ?)",
@@ -179,13 +217,14 @@ class Store:
 
     def save_dataset(self, info: kspeed_pb2.DatasetInfo) -> None:
         """Insert or replace one dataset."""
-        self._db.execute(
-            "INSERT OR REPLACE INTO datasets (name, info) VALUES (?, ?)", (info.spec.name, info.SerializeToString())
-        )
+        with self._writing():
+            self._db.execute(
+                "INSERT OR REPLACE INTO datasets (name, info) VALUES (?, ?)", (info.spec.name, info.SerializeToString())
+            )
 
     def delete_dataset(self, name: str, removed_unix: float) -> None:
         """Forget a dataset and its leases, remembering when it was removed."""
-        with self._db:
+        with self._writing(), self._db:
             self._db.execute("BEGIN")
             self._db.execute("DELETE FROM datasets WHERE name = ?", (name,))
             self._db.execute("DELETE FROM leases WHERE id LIKE ?", (f"{name}/%",))
@@ -207,13 +246,15 @@ class Store:
 
     def save_lease(self, lease: kspeed_pb2.Lease) -> None:
         """Insert or replace one lease."""
-        self._db.execute(
-            "INSERT OR REPLACE INTO leases (id, lease) VALUES (?, ?)", (lease.id, lease.SerializeToString())
-        )
+        with self._writing():
+            self._db.execute(
+                "INSERT OR REPLACE INTO leases (id, lease) VALUES (?, ?)", (lease.id, lease.SerializeToString())
+            )
 
     def delete_lease(self, lease_id: str) -> None:
         """Forget one lease."""
-        self._db.execute("DELETE FROM leases WHERE id = ?", (lease_id,))
+        with self._writing():
+            self._db.execute("DELETE FROM leases WHERE id = ?", (lease_id,))
 
     def close(self) -> None:
         """Checkpoint and close the database."""

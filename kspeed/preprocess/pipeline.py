@@ -59,6 +59,9 @@ STATUS = _STATUS.size
 MAX_STAGES = 64
 MAX_PARAMS = 64 * 1024
 TORCHVISION = "torchvision.transforms"
+#: The torchvision transforms that draw random numbers, named here so that telling whether a stage
+#: is random imports no torch (a server's own process never imports a pipeline's libraries).
+TORCHVISION_RANDOM = frozenset({"RandomResizedCrop", "RandomHorizontalFlip"})
 _USER_OP = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -265,9 +268,7 @@ class Stage:
 
             return ops.get(self.op).random
         if self.module in (TORCHVISION, f"{TORCHVISION}.v2"):
-            from kspeed.preprocess import transforms
-
-            return transforms.is_random(self.op)
+            return self.op.partition(":")[2] in TORCHVISION_RANDOM
         return True
 
 

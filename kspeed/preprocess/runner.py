@@ -26,12 +26,35 @@ from kspeed.errors import AccessDeniedError, ConfigError, PreprocessError
 from kspeed.preprocess import ops, rng
 from kspeed.preprocess.pipeline import TORCHVISION, Output, Pipeline, Stage
 
-__all__ = ["Runner", "allowed", "to_array"]
+__all__ = ["Runner", "allowed", "check_allowed", "to_array"]
 
 
 def allowed(module: str, rules: Sequence[str]) -> bool:
     """Whether ``module`` is one of ``rules`` or inside a package that one of them names."""
     return any(module == rule or module.startswith(rule + ".") for rule in rules)
+
+
+def check_allowed(
+    pipeline: Pipeline, allow: Sequence[str] | None, *, dataset: str = "", stages: int | None = None
+) -> None:
+    """Refuse a pipeline whose first ``stages`` stages name a module ``allow`` does not admit, importing
+    nothing (a server's own process checks this; its preprocessing workers import the modules).
+
+    Raises:
+        AccessDeniedError: a stage's module is not allowed (the message names it and the rule).
+    """
+    for index, stage in enumerate(pipeline.stages[:stages]):
+        _check_allowed(index, stage, allow, dataset)
+
+
+def _check_allowed(index: int, stage: Stage, allow: Sequence[str] | None, dataset: str) -> None:
+    module = stage.module
+    if module and allow is not None and not allowed(module, allow):
+        raise AccessDeniedError(
+            f"dataset {dataset!r} stage {index} ({stage.op}): module {module!r} is not on this server's "
+            f"preprocess allow-list ({', '.join(allow) or 'empty'}); the operator adds it to server.preprocess_allow",
+            dataset=dataset or None,
+        )
 
 
 def to_array(value: Any) -> np.ndarray:
@@ -86,12 +109,7 @@ class Runner:
     def _resolve(self, index: int, stage: Stage, allow: Sequence[str] | None) -> _Step:
         where = f"dataset {self.dataset!r} stage {index} ({stage.op})"
         module = stage.module
-        if module and allow is not None and not allowed(module, allow):
-            raise AccessDeniedError(
-                f"{where}: module {module!r} is not on this server's preprocess allow-list "
-                f"({', '.join(allow) or 'empty'}); the operator adds it to server.preprocess_allow",
-                dataset=self.dataset or None,
-            )
+        _check_allowed(index, stage, allow, self.dataset)
         params = dict(stage.params)
         if module in (TORCHVISION, f"{TORCHVISION}.v2"):
             from kspeed.preprocess import transforms

@@ -31,6 +31,7 @@ from PIL import Image
 from torchvision.transforms import InterpolationMode
 
 from kspeed.errors import ConfigError, PreprocessError
+from kspeed.preprocess.pipeline import TORCHVISION_RANDOM
 
 __all__ = [
     "SENDABLE",
@@ -56,7 +57,7 @@ _PARAMS: dict[str, tuple[str, ...]] = {
     "ConvertImageDtype": ("dtype",),
     "Normalize": ("mean", "std", "inplace"),
 }
-_RANDOM = frozenset({"RandomResizedCrop", "RandomHorizontalFlip"})
+_RANDOM = TORCHVISION_RANDOM
 _MODULES = {"torchvision.transforms": v1, "torchvision.transforms.v2": v2}
 _CLASSES: dict[str, type] = {f"{ns}:{name}": getattr(mod, name) for ns, mod in _MODULES.items() for name in _PARAMS}
 _OPS: dict[type, str] = {cls: op for op, cls in _CLASSES.items()}

@@ -24,16 +24,24 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
 from kspeed import names, wire
-from kspeed.errors import ConfigError, DatasetError, KSpeedError, NotFoundError, NotHeldError, ProtocolError
+from kspeed.errors import (
+    ConfigError,
+    DatasetError,
+    KSpeedError,
+    NotFoundError,
+    NotHeldError,
+    ProtocolError,
+    StateFileError,
+)
 from kspeed.layout import region_bounds
 from kspeed.preprocess.pipeline import Pipeline
-from kspeed.preprocess.runner import Runner
+from kspeed.preprocess.runner import Runner, check_allowed
 from kspeed.proto import kspeed_pb2
 from kspeed.server.backend import Backend
 from kspeed.server.cached_source import CachedSource
@@ -45,6 +53,7 @@ from kspeed.server.prep_pool import PrepPool
 from kspeed.server.production_state import EpochFigures
 from kspeed.server.slices import SharedRegions
 from kspeed.server.sources import Source, open_source
+from kspeed.server.statefile import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +105,31 @@ def decode_ids(data: bytes, dataset: str, count: int) -> np.ndarray:
 
 
 ShareKey = tuple[str, int]  # (dataset, first sample ID of the share)
+
+
+class _ShareLocks:
+    """A lock per share being taken, so two assignments of one share run one after the other
+    (kept only while some assignment of that share is under way)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[ShareKey, tuple[threading.Lock, int]] = {}
+
+    @contextlib.contextmanager
+    def hold(self, key: ShareKey) -> Iterator[None]:
+        with self._lock:
+            lock, users = self._held.get(key, (threading.Lock(), 0))
+            self._held[key] = (lock, users + 1)
+        try:
+            with lock:
+                yield
+        finally:
+            with self._lock:
+                lock, users = self._held[key]
+                if users > 1:
+                    self._held[key] = (lock, users - 1)
+                else:
+                    del self._held[key]
 
 
 @dataclass
@@ -170,7 +204,8 @@ class DatasetHost:
         self._path = os.path.join(state_dir, ASSIGNMENTS_FILE)
         self._threads = preload_threads
         self._scrub_interval = scrub_interval
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # never held over backend I/O: heartbeats and status calls take it
+        self._taking = _ShareLocks()
         self._hosted: dict[ShareKey, Hosted] = {}
         self._dropped: dict[str, str] = {}  # recently dropped datasets and why, to answer with the reason
         self.on_drop: Callable[[str, int, str], None] = lambda name, first, reason: None  # e.g. close its feeds
@@ -209,15 +244,18 @@ class DatasetHost:
     # -- assignments -----------------------------------------------------------------------------
 
     def restore(self) -> None:
-        """Re-adopt the shares recorded before a restart (errors are logged, not fatal)."""
+        """Re-adopt the shares recorded before a restart (errors are logged, not fatal: a server
+        whose state disk is full starts with what it can re-adopt, and says what it cannot write)."""
         requests = self._load_assignments()
         keep = frozenset((r.spec.name, v) for r in requests for v in _vindices(r.share))
         for request in requests:
             try:
-                self.assign(request, keep=keep)
+                self.assign(request, keep=keep, save=False)
                 log.info("dataset %s: share %s re-adopted after restart", request.spec.name, _span(request.share))
             except KSpeedError as exc:
                 log.error("dataset %s: cannot re-adopt share %s: %s", request.spec.name, _span(request.share), exc)
+        if len(self.keys()) < len(requests):
+            self._record()
 
     def reconcile(self, assignments: list[kspeed_pb2.AssignShareRequest], *, before: int | None = None) -> None:
         """Make the hosted shares exactly ``assignments`` (the manager's word at registration).
@@ -267,8 +305,8 @@ class DatasetHost:
         """List a dataset's backend for the manager: its samples laid out in this server's regions
         (where each region starts, the bytes in it), classes and fingerprint.
 
-        A pipeline is checked first: every stage must resolve here (built-in ops with their
-        parameters, modules on the operator's preprocess allow-list).
+        A pipeline is checked first: every server stage must resolve on this server's preprocessing
+        workers (built-in ops with their parameters, modules on the operator's preprocess allow-list).
         """
         self.check_pipeline(spec)
         source = self._open(spec, describing=True)
@@ -297,9 +335,18 @@ class DatasetHost:
             region_bytes=wire.pack_i64(cum[starts[1:]] - cum[starts[:-1]]),
         )
 
-    def check_pipeline(self, spec: kspeed_pb2.DatasetSpec) -> None:
+    def check_pipeline(self, spec: kspeed_pb2.DatasetSpec, *, resolve: bool = True) -> None:
         """Refuse a pipeline whose server stages (up to the last declared output) this server could
         not run, with the reason; client and GPU stages are the client's to run.
+
+        Only the preprocessing workers import the stages' modules, never this process: an import
+        holds its interpreter for seconds (torchvision's), and this process answers health probes
+        and heartbeats. What needs no import (ops, parameters, the module allow-list) is checked
+        here; the workers start resolving the stages at once, and with ``resolve`` this waits for
+        them (a dataset being described, at registration). An assignment does not wait: on a spare
+        taking a failed server's share that import would lengthen the jobs' pause, and a stage that
+        does not resolve fails each of its samples with the reason. Without workers (a host built
+        by itself, in tests) the stages are resolved here.
 
         Raises:
             AccessDeniedError: a stage's module is not on the allow-list.
@@ -307,9 +354,15 @@ class DatasetHost:
         """
         if spec.pipeline.stages:
             pipeline = Pipeline.from_proto(spec.pipeline)
-            if self.prep is not None and pipeline.server_stages:
-                self.prep.warm(spec.name, spec.pipeline.SerializeToString(), pipeline.server_stages)
-            Runner(pipeline, allow=self.preprocess_allow, dataset=spec.name, stages=pipeline.server_stages)
+            stages = pipeline.server_stages
+            check_allowed(pipeline, self.preprocess_allow, dataset=spec.name, stages=stages)
+            if self.prep is None:
+                Runner(pipeline, allow=self.preprocess_allow, dataset=spec.name, stages=stages)
+            elif stages:
+                message = spec.pipeline.SerializeToString()
+                self.prep.warm(spec.name, message, stages)
+                if resolve:
+                    self.prep.check(spec.name, message, stages)
             pipeline.cached_stages(spec.cache)
         elif spec.cache:
             raise ConfigError(f"dataset {spec.name!r}: cache {spec.cache!r} needs a pipeline", field="cache")
@@ -332,41 +385,44 @@ class DatasetHost:
         return CachedSource(source, pipeline, pipeline.cached_stages(spec.cache), self.prep)
 
     def assign(
-        self, request: kspeed_pb2.AssignShareRequest, *, keep: frozenset[tuple[str, int]] = frozenset()
+        self,
+        request: kspeed_pb2.AssignShareRequest,
+        *,
+        keep: frozenset[tuple[str, int]] = frozenset(),
+        save: bool = True,
     ) -> kspeed_pb2.ShareStatus:
         """Hold ``request.share`` of the dataset (idempotent). A share of the dataset here that
         starts at the same sample, or overlaps it, is replaced; other shares stay.
 
+        The pipeline is checked and the backend listed before the host's lock is taken: a listing
+        can take minutes, and heartbeats, health and status calls need the lock meanwhile.
+        Assignments of one share wait for each other, so the second finds the first's share and
+        changes nothing; what else changed meanwhile (other shares, free regions) is looked at
+        under the lock.
+
         ``keep``: (dataset, virtual region) pairs not to free even when no hosted share holds
-        them (the other shares of a restart being re-adopted).
+        them (the other shares of a restart being re-adopted). ``save``: record the assignment in
+        the state directory (a restart re-adopts what is recorded already).
 
         Raises:
             DatasetError: the backend changed since the dataset was registered.
             CapacityError: the pool lacks free regions (nothing is allocated).
             ConfigError: the manager's region size is not this pool's.
+            StateFileError: the assignment cannot be recorded (nothing is allocated or kept).
         """
         name, share = request.spec.name, request.share
         key = (name, int(share.first_id))
-        self.check_pipeline(request.spec)
-        with self._lock:
-            current = self._hosted.get(key)
-            if current is not None and _same_share(current.request, request):
-                self.assignments += 1  # the manager's word again: as new as a fresh assignment
-                self._assigned[key] = self.assignments
-                if current.request.dataset != request.dataset:  # a newer record of the dataset: keep it
-                    current.request = request
-                    self._save_assignments()
-                return self.status(name, key[1])
-            for other in self.shares(name, missing_ok=True):
-                s = other.request.share
-                if other.key == key or (s.first_id < share.end_id and share.first_id < s.end_id):
-                    self.drop(name, "its share changed", final=False, first=other.key[1])
+        with self._taking.hold(key):
+            with self._lock:
+                if self._again(key, request):
+                    return self.status(name, key[1])
             if request.region_size != self.pool.region_size:
                 raise ConfigError(
                     f"dataset {name!r}: assigned with region size {request.region_size}, this "
                     f"server's pool uses {self.pool.region_size}",
                     field="server.region_size",
                 )
+            self.check_pipeline(request.spec, resolve=False)
             source = self._open(request.spec)
             if fingerprint_pb(source) != request.fingerprint:
                 raise DatasetError(
@@ -375,83 +431,112 @@ class DatasetHost:
                     f"{source.fingerprint}); remove the dataset and register it again",
                     dataset=name,
                 )
-            wanted = set(_vindices(share))
-            claimed = {v for h in self.shares(name, missing_ok=True) for v in _vindices(h.request.share)}
-            held = {r.vindex for r in self.pool.regions(name) if r.vindex is not None}
-            stale = held - wanted - claimed - {v for n, v in keep if n == name}
-            if stale:
-                self.pool.release(name, stale)
-            missing = sorted(wanted - held)
-            if missing:
-                self.pool.allocate(name, missing)
-            sliced = bool(share.slice_bytes) and not share.on_demand
-            try:
-                slot = self.slices.take(key, int(share.slice_bytes)) if sliced else None
-                preloader = Preloader(
-                    source,
-                    self.pool,
-                    lo=share.first_id,
-                    hi=share.end_id,
-                    first_region=share.first_region,
-                    threads=self._threads,
-                    on_demand=share.on_demand or bool(share.policy),
-                    slot=slot,
-                    changes=ChangeLog(
-                        name, share.first_id, share.end_id, on_change=lambda changes: self.on_changed(name, changes)
-                    ),
-                )
-            except KSpeedError:
-                if missing:
-                    self.pool.release(name, missing)
-                if sliced:
-                    self.slices.give(key)
-                raise
-            preloader.on_finished = lambda: self.on_loaded(name)
+            with self._lock:
+                return self._install(request, source, keep, save)
+
+    def _again(self, key: ShareKey, request: kspeed_pb2.AssignShareRequest) -> bool:
+        """Whether ``request`` is the share held at ``key`` already; if so, it counts as assigned now
+        (the manager's word again: as new as a fresh assignment). Called under the lock."""
+        current = self._hosted.get(key)
+        if current is None or not _same_share(current.request, request):
+            return False
+        self.assignments += 1
+        self._assigned[key] = self.assignments
+        if current.request.dataset.revision < request.dataset.revision:  # a newer record of the dataset: keep it
+            current.request = request
+            self._record()
+        return True
+
+    def _install(
+        self, request: kspeed_pb2.AssignShareRequest, source: Source, keep: frozenset[tuple[str, int]], save: bool
+    ) -> kspeed_pb2.ShareStatus:
+        """Hold the share of ``request`` over its listing ``source``: replace the shares it overlaps,
+        allocate its regions, record it; on an error nothing of it is left. Called under the lock."""
+        name, share = request.spec.name, request.share
+        key = (name, int(share.first_id))
+        for other in self.shares(name, missing_ok=True):
+            s = other.request.share
+            if other.key == key or (s.first_id < share.end_id and share.first_id < s.end_id):
+                self.drop(name, "its share changed", final=False, first=other.key[1])
+        wanted = set(_vindices(share))
+        claimed = {v for h in self.shares(name, missing_ok=True) for v in _vindices(h.request.share)}
+        held = {r.vindex for r in self.pool.regions(name) if r.vindex is not None}
+        stale = held - wanted - claimed - {v for n, v in keep if n == name}
+        if stale:
+            self.pool.release(name, stale)
+        missing = sorted(wanted - held)
+        if missing:
+            self.pool.allocate(name, missing)
+        sliced = bool(share.slice_bytes) and not share.on_demand
+        try:
+            slot = self.slices.take(key, int(share.slice_bytes)) if sliced else None
+            preloader = Preloader(
+                source,
+                self.pool,
+                lo=share.first_id,
+                hi=share.end_id,
+                first_region=share.first_region,
+                threads=self._threads,
+                on_demand=share.on_demand or bool(share.policy),
+                slot=slot,
+                changes=ChangeLog(
+                    name, share.first_id, share.end_id, on_change=lambda changes: self.on_changed(name, changes)
+                ),
+            )
             store = SampleStore(preloader)
-            if self._scrub_interval > 0 and not share.on_demand and not share.policy:
-                store.start_scrub(self._scrub_interval)
             self._hosted[key] = Hosted(request, source, preloader, store)
-            self.assignments += 1
-            self._assigned[key] = self.assignments
-            self._dropped.pop(name, None)
-            self._save_assignments()
-            if slot is not None:
-                log.info(
-                    "dataset %s: holding samples %d..%d in a slice of %d bytes of shared region %d",
-                    name,
-                    share.first_id,
-                    share.end_id - 1,
-                    slot[2],
-                    slot[0],
-                )
-            elif share.policy and not share.on_demand:
-                log.info(
-                    "dataset %s: holding samples %d..%d under policy %s in %d of their %d region(s)",
-                    name,
-                    share.first_id,
-                    share.end_id - 1,
-                    share.policy,
-                    share.memory_regions,
-                    share.num_regions,
-                )
-            elif share.on_demand:
-                log.warning(
-                    "dataset %s: serving samples %d..%d on demand (read from the backend as feeds need them; "
-                    "no server had %d regions free)",
-                    name,
-                    share.first_id,
-                    share.end_id - 1,
-                    share.num_regions,
-                )
-            else:
-                log.info(
-                    "dataset %s: holding samples %d..%d in %d region(s)",
-                    name,
-                    share.first_id,
-                    share.end_id - 1,
-                    share.num_regions,
-                )
-            return self.status(name, key[1])
+            if save:
+                self._save_assignments()
+        except KSpeedError:
+            self._hosted.pop(key, None)
+            if missing:
+                self.pool.release(name, missing)
+            if sliced:
+                self.slices.give(key)
+            raise
+        preloader.on_finished = lambda: self.on_loaded(name)
+        if self._scrub_interval > 0 and not share.on_demand and not share.policy:
+            store.start_scrub(self._scrub_interval)
+        self.assignments += 1
+        self._assigned[key] = self.assignments
+        self._dropped.pop(name, None)
+        if slot is not None:
+            log.info(
+                "dataset %s: holding samples %d..%d in a slice of %d bytes of shared region %d",
+                name,
+                share.first_id,
+                share.end_id - 1,
+                slot[2],
+                slot[0],
+            )
+        elif share.policy and not share.on_demand:
+            log.info(
+                "dataset %s: holding samples %d..%d under policy %s in %d of their %d region(s)",
+                name,
+                share.first_id,
+                share.end_id - 1,
+                share.policy,
+                share.memory_regions,
+                share.num_regions,
+            )
+        elif share.on_demand:
+            log.warning(
+                "dataset %s: serving samples %d..%d on demand (read from the backend as feeds need them; "
+                "no server had %d regions free)",
+                name,
+                share.first_id,
+                share.end_id - 1,
+                share.num_regions,
+            )
+        else:
+            log.info(
+                "dataset %s: holding samples %d..%d in %d region(s)",
+                name,
+                share.first_id,
+                share.end_id - 1,
+                share.num_regions,
+            )
+        return self.status(name, key[1])
 
     def drop(self, name: str, reason: str = "", *, final: bool = True, first: int | None = None) -> None:
         """Stop serving ``name`` (every share of it here, or only the one starting at ``first``) and
@@ -493,7 +578,7 @@ class DatasetHost:
                 for hosted in dropping:
                     self.pool.release(name, _vindices(hosted.request.share))
                     hosted.preloader.forget_index()
-            self._save_assignments()
+            self._record()
         for hosted in dropping:
             log.info("dataset %s: share %s dropped", name, _span(hosted.request.share))
 
@@ -542,7 +627,8 @@ class DatasetHost:
         raise NotFoundError(f"dataset {name!r} is not hosted on this server" + (f": {why}" if why else ""))
 
     def keep_records(self, records: list[kspeed_pb2.DatasetInfo]) -> None:
-        """Keep the newer records of hosted datasets the manager sent with the shares (saved once)."""
+        """Keep the newer records of hosted datasets the manager sent with the shares (saved once; a
+        full disk is logged: the next record, or the next assignment, is saved again)."""
         newer = {r.spec.name: r for r in records}
         with self._lock:
             changed = False
@@ -552,7 +638,7 @@ class DatasetHost:
                     hosted.request.dataset.CopyFrom(record)
                     changed = True
             if changed:
-                self._save_assignments()
+                self._record()
 
     def held(self) -> list[kspeed_pb2.AssignShareRequest]:
         """The assignments of every hosted share, as the manager sent them (a manager that lost its
@@ -717,14 +803,25 @@ class DatasetHost:
     # -- persistence -----------------------------------------------------------------------------
 
     def _save_assignments(self) -> None:
+        """Record the hosted shares in :data:`ASSIGNMENTS_FILE`.
+
+        Raises:
+            StateFileError: it cannot be written (the previous version stays).
+        """
         data = {
             f"{name}@{first}": base64.b64encode(h.request.SerializeToString()).decode()
             for (name, first), h in self._hosted.items()
         }
-        tmp = f"{self._path}.tmp"
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(data, fh)
-        os.replace(tmp, self._path)
+        write_atomic(self._path, json.dumps(data).encode())
+
+    def _record(self) -> None:
+        """Record the hosted shares after some were let go: a file that cannot be written still
+        lists them, which costs a restart nothing but re-adopting them until the manager says
+        otherwise, so the failure is logged, not raised."""
+        try:
+            self._save_assignments()
+        except StateFileError as exc:
+            log.error("%s; it still lists shares this server has let go", exc)
 
     def _load_assignments(self) -> list[kspeed_pb2.AssignShareRequest]:
         try:

@@ -14,12 +14,12 @@ import io
 import json
 import logging
 import os
-from pathlib import Path
 
 import numpy as np
 
 from kspeed.errors import NotFoundError, StateError
 from kspeed.layout import region_bounds
+from kspeed.server.statefile import write_atomic
 
 __all__ = ["SampleIndex", "layout"]
 
@@ -133,8 +133,11 @@ class SampleIndex:
     # ------------------------------------------------------------------ persistence
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the index atomically (temporary file + rename) to ``path``."""
-        path = Path(path)
+        """Write the index atomically (temporary file + rename) to ``path``.
+
+        Raises:
+            StateFileError: it cannot be written (the previous version stays).
+        """
         meta = {
             "format": _FORMAT,
             "dataset": self.dataset,
@@ -152,12 +155,7 @@ class SampleIndex:
             crc=self.crc,
             loaded=self.loaded,
         )
-        tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(buf.getbuffer())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_atomic(path, buf.getbuffer())
 
     @classmethod
     def load(

@@ -11,6 +11,13 @@ On-disk layout of a pool directory::
     region-00000.bin ...      one file per region, exactly ``region_size`` bytes
     ds-<dataset>.<name>       side files of a dataset (e.g. its sample index), removed on release
 
+The manifest is rewritten whole at every change. When it cannot be written (a full disk) the pool
+goes on as this process knows it and the manifest keeps its last version: a restart then reloads
+what was filled since, and finds the regions released since still given to their dataset (whose
+saved index went with them, so they are reloaded if it is assigned here again, never served as
+they are). Only a dataset's allocation is refused (:class:`~kspeed.errors.StateFileError`): its
+regions would not be re-adopted. The next change that can be written brings the manifest up to date.
+
 Region lifecycle (:class:`RegionState`)::
 
     FREE --allocate--> ALLOCATED --begin_fill--> FILLING --seal--> SEALED
@@ -36,7 +43,8 @@ from pathlib import Path
 import numpy as np
 
 from kspeed import names
-from kspeed.errors import CapacityError, ConfigError, DatasetError, StateError
+from kspeed.errors import CapacityError, ConfigError, DatasetError, StateError, StateFileError
+from kspeed.server.statefile import write_atomic
 
 __all__ = [
     "DEFAULT_REGION_SIZE",
@@ -147,6 +155,7 @@ class MemoryPool:
         self._maps: list[mmap.mmap | None] = [None] * region_count
         self._arrays: list[np.ndarray | None] = [None] * region_count
         self._closed = False
+        self._unsaved: StateFileError | None = None
 
     # ------------------------------------------------------------------ construction
 
@@ -302,6 +311,7 @@ class MemoryPool:
         Raises:
             CapacityError: fewer FREE regions than requested; nothing is allocated.
             StateError: the dataset already holds one of the virtual indices.
+            StateFileError: the manifest cannot record a dataset's regions; nothing is allocated.
         """
         check_dataset_name(dataset)
         wanted = [int(v) for v in vindices]
@@ -320,7 +330,14 @@ class MemoryPool:
                 )
             for i, v in zip(free, wanted, strict=False):
                 self._regions[i] = _Region(RegionState.ALLOCATED, dataset, v)
-            self._save()
+            try:
+                # A dataset's regions are re-adopted after a restart only if the manifest says whose
+                # they are; the window's and the shared regions never outlive this process.
+                self._save(strict=dataset not in (WINDOW_OWNER, SHARED_OWNER))
+            except StateFileError:
+                for i in free[: len(wanted)]:
+                    self._regions[i] = _Region()
+                raise
             return [self.region(i) for i in free[: len(wanted)]]
 
     def begin_fill(self, index: int) -> None:
@@ -443,18 +460,37 @@ class MemoryPool:
                 count,
             )
 
-    def _save(self) -> None:
+    @property
+    def unsaved(self) -> StateFileError | None:
+        """Why the last write of the manifest failed (``None``: the manifest is up to date)."""
+        return self._unsaved
+
+    def _save(self, *, strict: bool = False) -> None:
+        """Write the manifest; a failure is logged and the pool goes on (see the module docstring),
+        or with ``strict`` raised.
+
+        Raises:
+            StateFileError: with ``strict``, the manifest cannot be written.
+        """
         doc = {
             "version": _MANIFEST_VERSION,
             "region_size": self.region_size,
             "regions": [{"state": r.state.value, "dataset": r.dataset, "vindex": r.vindex} for r in self._regions],
         }
-        tmp = self.directory / f".{MANIFEST_NAME}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(doc, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.directory / MANIFEST_NAME)
+        try:
+            write_atomic(self.directory / MANIFEST_NAME, json.dumps(doc).encode())
+        except StateFileError as exc:
+            if strict:
+                raise
+            if self._unsaved is None:
+                log.error(
+                    "pool %s: %s; the manifest keeps its last version until it can be written", self.directory, exc
+                )
+            self._unsaved = exc
+            return
+        if self._unsaved is not None:
+            log.info("pool %s: manifest written again", self.directory)
+            self._unsaved = None
 
 
 def _region_count(memory_bytes: int, region_size: int) -> int:

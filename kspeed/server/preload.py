@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from kspeed.errors import ChangedError, DatasetError, StateError
+from kspeed.errors import ChangedError, DatasetError, StateError, StateFileError
 from kspeed.server.changes import Change, ChangeLog
 from kspeed.server.crew import Crew, ThreadTuner
 from kspeed.server.index import SampleIndex
@@ -220,6 +220,8 @@ class Preloader:
         self._errors: list[DatasetError] = []
         self._last_save = time.monotonic()
         self._save_s = 0.0  # how long the last save of the index took
+        #: why the index could not be saved last time (``None``: the saved index is up to date)
+        self.save_error: StateFileError | None = None
 
     @property
     def pool_indices(self) -> tuple[int, ...]:
@@ -520,9 +522,25 @@ class Preloader:
                     self.pool.seal(pool_index)
 
     def _save_index(self) -> None:
+        """Save the index; one that cannot be saved (a full disk) costs a restart the reload of what
+        was loaded since the last save, nothing now: it is logged, never counted as a sample failure."""
         with self._lock:
             started = time.monotonic()
-            self.index.save(self.index_path)
+            try:
+                self.index.save(self.index_path)
+            except StateFileError as exc:
+                if self.save_error is None:
+                    log.error(
+                        "dataset %s: %s; the samples loaded are served, but a restart reloads those "
+                        "loaded since the index was last saved",
+                        self.dataset,
+                        exc,
+                    )
+                self.save_error = exc
+            else:
+                if self.save_error is not None:
+                    log.info("dataset %s: index %s saved again", self.dataset, self.index_path)
+                self.save_error = None
             self._last_save = time.monotonic()
             self._save_s = self._last_save - started
 

@@ -9,10 +9,13 @@ stages run once at preload, the results sent back over the pipe; its stored byte
 stages' declared output, and per-epoch tasks start after them.
 Workers are spawned (never forked: the server's gRPC threads and mappings must not be inherited),
 run one task at a time single-threaded (torchvision's transforms seed torch's global generator per
-sample), and resolve each pipeline once against the operator's module allow-list. The first
-pipeline a server is asked to check starts them and has each resolve it in the background, so the
-seconds torchvision takes to import pass while the dataset registers and preloads, not before its
-first batch. A worker that dies is replaced and its task done again once by the new one.
+sample), and resolve each pipeline once against the operator's module allow-list. They are the only
+processes of a server that import a pipeline's modules (:meth:`PrepPool.check`): an import holds
+its interpreter for seconds (torchvision's), which in the server's own process would leave health
+probes and heartbeats unanswered. The first pipeline a server is asked to check starts them and
+has each resolve it in the background, so the seconds torchvision takes to import pass while the
+dataset registers and preloads, not before its first batch. A worker that dies is replaced and its
+task done again once by the new one.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import numpy as np
 
 from kspeed.control.daemon import die_with_parent
 from kspeed.control.logs import LogSettings
-from kspeed.errors import KSpeedError, StateError
+from kspeed.errors import ConfigError, KSpeedError, StateError
 from kspeed.preprocess.pipeline import STATUS, Pipeline, write_status
 from kspeed.preprocess.runner import Runner
 from kspeed.proto import kspeed_pb2
@@ -80,6 +83,16 @@ class PrepTask:
     start: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class _Resolve:
+    """Ask a worker to resolve a pipeline's first ``stages`` stages (importing what they need); it
+    answers ``None``, or the :class:`~kspeed.errors.KSpeedError` that resolving raised."""
+
+    dataset: str
+    pipeline: bytes
+    stages: int
+
+
 class _Maps:
     """Region files mapped by a worker, remapped when a path names a new file."""
 
@@ -109,21 +122,13 @@ def _work(conn: Connection, allow: tuple[str, ...], logs: LogSettings, parent: i
     inputs, outputs = _Maps(), _Maps()
     while True:
         try:
-            task: PrepTask = conn.recv()
+            task: PrepTask | _Resolve = conn.recv()
         except (EOFError, OSError):
             return
-        key = (task.pipeline, task.stages)
-        runner = runners.get(key)
-        if runner is None:
-            try:
-                message = kspeed_pb2.Pipeline.FromString(task.pipeline)
-                pipeline = Pipeline.from_proto(message, task.stages)
-                runner = Runner(pipeline, allow=allow, dataset=task.dataset, stages=task.stages)
-            except KSpeedError as exc:
-                runner = exc
-            if len(runners) > 16:
-                runners.clear()
-            runners[key] = runner
+        runner = _runner(runners, task.dataset, task.pipeline, task.stages, allow)
+        if isinstance(task, _Resolve):
+            conn.send(runner if isinstance(runner, KSpeedError) else None)
+            continue
         results: list[int | str | bytes] = []
         seconds: dict[str, float] = {}
         places = task.outputs if task.outputs is not None else [None] * len(task.samples)
@@ -143,6 +148,29 @@ def _work(conn: Connection, allow: tuple[str, ...], logs: LogSettings, parent: i
                     result += STATUS
             results.append(out[:result].tobytes() if place is None and isinstance(result, int) else result)
         conn.send((results, seconds))
+
+
+def _runner(
+    runners: dict[tuple[bytes, int], Runner | KSpeedError],
+    dataset: str,
+    pipeline: bytes,
+    stages: int,
+    allow: tuple[str, ...],
+) -> Runner | KSpeedError:
+    """A worker's runner of a pipeline's first ``stages`` stages, resolved on first use (or why it
+    cannot be), kept for the next tasks."""
+    key = (pipeline, stages)
+    runner = runners.get(key)
+    if runner is None:
+        try:
+            message = kspeed_pb2.Pipeline.FromString(pipeline)
+            runner = Runner(Pipeline.from_proto(message, stages), allow=allow, dataset=dataset, stages=stages)
+        except KSpeedError as exc:
+            runner = exc
+        if len(runners) > 16:
+            runners.clear()
+        runners[key] = runner
+    return runner
 
 
 def _output(
@@ -230,6 +258,7 @@ class PrepPool:
         self.stage_seconds: dict[str, dict[str, float]] = {}
         self._started = False
         self._warming = False  # warm() was called
+        self._warm_failed = False  # warming found the pipeline cannot be resolved (and said so)
         self._warm: set[_Worker] = set()  # workers resolving a pipeline for warm()
         self._helpers: ThreadPoolExecutor | None = None  # threads of run_all, made on its first call
 
@@ -251,11 +280,11 @@ class PrepPool:
                 return
             self._warming = True
         self._start()
-        task = PrepTask(dataset, pipeline, stages, seed=0, epoch=0, samples=(), inputs=(), outputs=())
+        task = _Resolve(dataset, pipeline, stages)
         for _ in range(self.workers):
             threading.Thread(target=self._warm_one, args=(task,), name="kspeed-prep-warm", daemon=True).start()
 
-    def _warm_one(self, task: PrepTask) -> None:
+    def _warm_one(self, task: _Resolve) -> None:
         try:
             worker = self._take()
         except StateError:
@@ -268,10 +297,14 @@ class PrepPool:
             try:
                 worker.conn.send(task)
                 hung = not worker.conn.poll(TASK_TIMEOUT)
-                if not hung:
-                    worker.conn.recv()
+                failure = None if hung else worker.conn.recv()
             except (EOFError, OSError):
-                hung = False  # a worker lost here is replaced by its next task
+                hung, failure = False, None  # a worker lost here is replaced by its next task
+            if failure is not None:  # every worker finds the same: said once
+                with self._lock:
+                    said, self._warm_failed = self._warm_failed, True
+                if not said:
+                    log.error("dataset %s: its pipeline cannot run on this server's workers: %s", task.dataset, failure)
             with self._lock:
                 self._warm.discard(worker)
             if hung:  # its late answer would be taken for the next task's
@@ -290,6 +323,60 @@ class PrepPool:
     def _spawn(self) -> _Worker:
         self._count += 1
         return _Worker(self._ctx, self.allow, self._logs, self._count)
+
+    def _replace(self, worker: _Worker) -> None:
+        """Stop a worker that was lost (or hung) and put a new one in the pool.
+
+        Raises:
+            StateError: the pool is closed.
+        """
+        worker.stop()
+        with self._lock:
+            self.restarts += 1
+            if self._closed:
+                raise StateError("the preprocessing pool is closed")
+            replacement = self._spawn()
+        self._idle.put(replacement)
+
+    def check(self, dataset: str, pipeline: bytes, stages: int) -> None:
+        """Resolve ``pipeline``'s first ``stages`` stages on a worker, importing their modules there
+        (never in this process), and wait for the outcome. A worker that dies doing so is replaced
+        and the new one asked once more.
+
+        Raises:
+            AccessDeniedError: a stage's module is not on the allow-list.
+            ConfigError: a stage cannot be resolved (a module that does not import, bad parameters),
+                or resolving it killed two workers.
+            StateError: the pool is closed.
+        """
+        self._start()
+        lost = ""
+        for _ in range(2):
+            worker = self._take()
+            try:
+                worker.conn.send(_Resolve(dataset, pipeline, stages))
+                if not worker.conn.poll(TASK_TIMEOUT):
+                    raise TimeoutError(f"no answer within {TASK_TIMEOUT:g}s")
+                failure = worker.conn.recv()
+            except (EOFError, OSError, TimeoutError) as exc:
+                lost = f"{exc}, exit code {worker.process.exitcode}"
+                log.warning(
+                    "dataset %s: preprocessing worker %d lost resolving the pipeline (%s); replacing it",
+                    dataset,
+                    worker.process.pid,
+                    lost,
+                )
+                self._replace(worker)
+                continue
+            self._idle.put(worker)
+            if failure is not None:
+                raise failure
+            return
+        raise ConfigError(
+            f"dataset {dataset!r}: resolving its pipeline's server stages killed two preprocessing workers "
+            f"({lost}); check the stages' modules on this server",
+            field="pipeline",
+        )
 
     def run(self, task: PrepTask) -> list[int | str | bytes]:
         """Run ``task`` on a free worker; per sample, the bytes written (or, without outputs, the
@@ -320,13 +407,7 @@ class PrepPool:
                     exc,
                     code,
                 )
-                worker.stop()
-                with self._lock:
-                    self.restarts += 1
-                    if self._closed:
-                        raise StateError("the preprocessing pool is closed") from exc
-                    worker = self._spawn()
-                self._idle.put(worker)
+                self._replace(worker)
                 why = f"the preprocessing worker died twice on these samples (exit code {code})"
                 results = [f"dataset {task.dataset!r} sample {s}: {why}" for s in task.samples]
                 continue

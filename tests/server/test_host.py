@@ -1,12 +1,16 @@
-"""A server holding several shares of one dataset (after a failover), and a share held on demand."""
+"""A server holding several shares of one dataset (after a failover), a share held on demand, and
+assignments whose backend listing takes long."""
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import pytest
 
-from kspeed.errors import NotFoundError, NotHeldError, ProtocolError
+from kspeed.errors import DatasetError, NotFoundError, NotHeldError, ProtocolError
 from kspeed.proto import kspeed_pb2
+from kspeed.server import datasets
 from kspeed.server.datasets import DatasetHost, fingerprint_pb
 from kspeed.server.pool import MemoryPool, RegionState
 from kspeed.server.sources import open_source
@@ -129,3 +133,87 @@ def test_registration_drops_what_the_manager_moved_but_keeps_what_it_assigned_me
     assert host.keys() == [("ds", 6)]
     host.reconcile([])  # without a mark, the reply is the whole truth
     assert host.keys() == []
+
+
+class BlockedListing:
+    """Stands in for :func:`open_source` in :mod:`kspeed.server.datasets`: each listing says it
+    started, then waits until the test lets it go (as a backend that takes minutes to list)."""
+
+    def __init__(self) -> None:
+        self.started = threading.Semaphore(0)
+        self.go = threading.Event()
+        self.calls = 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        self.started.release()
+        assert self.go.wait(60), "the test never let the listing go"
+        return open_source(*args, **kwargs)
+
+
+def in_thread(call) -> tuple[threading.Thread, list]:
+    """Run ``call`` on a thread; returns it and the list its result (or error) lands in."""
+    out: list = []
+
+    def run() -> None:
+        try:
+            out.append(call())
+        except Exception as exc:  # handed to the test through ``out``
+            out.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def test_a_slow_listing_leaves_heartbeats_and_status_calls_answered(tmp_path, backend, pool, tree, monkeypatch):
+    host = DatasetHost(pool, backend, str(tmp_path))
+    host.assign(request(backend, tmp_path, 0, 6))
+    host.start_preload("ds", 0)
+    host.get("ds", 0).preloader.wait()
+    second = request(backend, tmp_path, 6, 12)
+    listing = BlockedListing()
+    monkeypatch.setattr(datasets, "open_source", listing)
+
+    assigning, assigned = in_thread(lambda: host.assign(second))
+    assert listing.started.acquire(timeout=30)
+    # What a heartbeat, a status call and a client's read need, while the backend is still being listed.
+    asking, answers = in_thread(
+        lambda: (host.statuses(), host.status("ds", 0), host.memory_used(), host.read("ds", np.array([1])))
+    )
+    asking.join(30)
+    still_listing = not listing.go.is_set() and assigning.is_alive()
+    listing.go.set()
+    assigning.join(30)
+    assert still_listing and answers, "a status call waited for the listing of another share"
+    statuses, status, used, read = answers[0]
+    assert [s.first_id for s in statuses] == [0] and status.progress.samples_loaded == 6
+    assert used == 2 * REGION and read.data == tree[sorted(tree)[1]]
+    assert assigned and assigned[0].first_id == 6 and host.keys() == [("ds", 0), ("ds", 6)]
+    assert held(pool) == [0, 1, 2, 3]
+
+
+def test_two_assignments_of_one_share_at_once_take_it_once(tmp_path, backend, pool, tree, monkeypatch):
+    host = DatasetHost(pool, backend, str(tmp_path))
+    share = request(backend, tmp_path, 0, 6)
+    listing = BlockedListing()
+    monkeypatch.setattr(datasets, "open_source", listing)
+    first, first_out = in_thread(lambda: host.assign(share))
+    assert listing.started.acquire(timeout=30)
+    second, second_out = in_thread(lambda: host.assign(share))  # e.g. a retake beside the manager's call
+    listing.go.set()
+    first.join(30)
+    second.join(30)
+    assert [out[0].first_id for out in (first_out, second_out)] == [0, 0]
+    assert listing.calls == 1  # the second found the share the first took
+    assert host.keys() == [("ds", 0)] and held(pool) == [0, 1] and host.assignments == 2
+
+
+def test_an_assignment_whose_backend_changed_takes_nothing(tmp_path, backend, pool, tree):
+    host = DatasetHost(pool, backend, str(tmp_path))
+    host.assign(request(backend, tmp_path, 0, 6))
+    share = request(backend, tmp_path, 6, 12)
+    (tmp_path / "ds" / sorted(tree)[7]).write_bytes(b"changed")
+    with pytest.raises(DatasetError, match="the backend changed since registration"):
+        host.assign(share)
+    assert host.keys() == [("ds", 0)] and held(pool) == [0, 1]

@@ -1,0 +1,59 @@
+"""Writing a server's state files (its assignments, its pool's manifest, the shares' sample indexes).
+
+A state file is written whole or not at all: into a temporary file beside it, flushed to disk, then
+renamed over the old one, so a crash or a full disk leaves the previous version intact (and no
+half-written temporary file taking the space that is left). The operating system's errors are
+turned into :class:`~kspeed.errors.StateFileError` here, in one place, naming the file and the space
+left on its file system.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+from collections.abc import Iterator
+
+from kspeed.control.daemon import free_bytes
+from kspeed.control.status import human_bytes
+from kspeed.errors import StateFileError
+
+__all__ = ["state_file_errors", "write_atomic"]
+
+
+@contextlib.contextmanager
+def state_file_errors(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Turn an :class:`OSError` raised while writing ``path`` into :class:`~kspeed.errors.StateFileError`."""
+    try:
+        yield
+    except OSError as exc:
+        name = os.fspath(path)
+        free = free_bytes(name)
+        left = f"{human_bytes(free)} free there" if free is not None else "free space unknown"
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            hint = "free space there (the server keeps serving what it holds)"
+        else:
+            hint = "check that the directory exists and that the server may write there"
+        reason = exc.strerror or str(exc)
+        raise StateFileError(f"cannot write {name}: {reason} ({left}); {hint}", path=name, free_bytes=free) from exc
+
+
+def write_atomic(path: str | os.PathLike[str], data: bytes | memoryview) -> None:
+    """Replace ``path`` with ``data`` whole, durably (the old file stays if anything fails).
+
+    Raises:
+        StateFileError: the file cannot be written (the disk is full, the directory read-only...).
+    """
+    name = os.fspath(path)
+    tmp = os.path.join(os.path.dirname(name), f".{os.path.basename(name)}.tmp")
+    with state_file_errors(name):
+        try:
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, name)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
