@@ -258,7 +258,10 @@ class DatasetHost:
             self._record()
 
     def reconcile(self, assignments: list[kspeed_pb2.AssignShareRequest], *, before: int | None = None) -> None:
-        """Make the hosted shares exactly ``assignments`` (the manager's word at registration).
+        """Make the hosted shares exactly ``assignments`` (the manager's word at registration): the
+        ones held already are kept, the others dropped, and the ones not held yet are taken and
+        loaded in the background (:meth:`retake`: a listing can take minutes, and this runs on the
+        thread that heartbeats).
 
         ``before``: :attr:`assignments` when the registration was sent; shares assigned since
         (the manager assigning one to the server it just declared ready) are newer than its reply
@@ -270,11 +273,19 @@ class DatasetHost:
                 continue
             log.info("dataset %s: the manager no longer assigns share %d.. here; dropping", name, first)
             self.drop(name, "the manager assigns its share to another server", final=False, first=first)
-        for request in wanted.values():
+        with self._lock:
+            held = {key: h.request for key, h in self._hosted.items()}
+        new = []
+        for key, request in wanted.items():
+            if key not in held or not _same_share(held[key], request):
+                new.append(request)  # to list and load: in the background, as the agent must heartbeat
+                continue
             try:
-                self.assign(request)
+                self.assign(request)  # held already: counted as assigned now (nothing is listed)
             except KSpeedError as exc:
                 log.error("dataset %s: cannot take the assigned share: %s", request.spec.name, exc)
+        if new:
+            self.retake(new)
 
     def retake(self, requests: list[kspeed_pb2.AssignShareRequest]) -> None:
         """Take again shares the manager assigns here that this server did not report (dropped by

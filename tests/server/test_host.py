@@ -4,6 +4,7 @@ assignments whose backend listing takes long."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -217,3 +218,25 @@ def test_an_assignment_whose_backend_changed_takes_nothing(tmp_path, backend, po
     with pytest.raises(DatasetError, match="the backend changed since registration"):
         host.assign(share)
     assert host.keys() == [("ds", 0)] and held(pool) == [0, 1]
+
+
+def test_registration_takes_a_share_it_does_not_hold_in_the_background(tmp_path, backend, pool, tree, monkeypatch):
+    # The registration reply is taken in on the thread that heartbeats: a share to list and load
+    # (a handoff or a move the server missed while away) must not hold it for the listing.
+    host = DatasetHost(pool, backend, str(tmp_path))
+    kept = request(backend, tmp_path, 0, 6)
+    host.assign(kept)
+    listing = BlockedListing()
+    monkeypatch.setattr(datasets, "open_source", listing)
+    new = request(backend, tmp_path, 6, 12)
+    replying, _ = in_thread(lambda: host.reconcile([kept, new]))
+    replying.join(10)
+    returned = not replying.is_alive()
+    assert listing.started.acquire(timeout=30)  # the new share is being listed ...
+    listing.go.set()
+    assert returned, "the registration waited for a listing"  # ... and the reply was taken in meanwhile
+    deadline = time.monotonic() + 30
+    while host.keys() != [("ds", 0), ("ds", 6)] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert host.keys() == [("ds", 0), ("ds", 6)]
+    host.close()
