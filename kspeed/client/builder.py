@@ -329,6 +329,7 @@ def build_feed(
             ring_bytes=ring_bytes,
             pool=io,
             prep=prep,
+            drop=feed.drop_plan,
         )
         sample = (info.sample_dtype, tuple(int(d) for d in info.sample_shape))
         pump = Pump(feed, planner, orders.deterministic, thread_cores=cores, delivery=delivery, sample=sample)

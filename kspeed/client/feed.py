@@ -293,9 +293,9 @@ class Feed:
             slot.discarded = True
             self._settle(slot)
 
-    def drop_plan(self, plan: EpochPlan) -> None:
-        """Tell every server the plan will not be granted again."""
-        message = grants.encode_drop_plan(plan.feed_epoch)
+    def drop_plan(self, feed_epoch: int) -> None:
+        """Tell every server the plan of pass ``feed_epoch`` will not be granted again."""
+        message = grants.encode_drop_plan(feed_epoch)
         with self.lock:
             for path in self.paths:
                 if path.conn is not None and not path.lost:

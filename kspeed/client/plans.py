@@ -13,13 +13,21 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 import numpy as np
 
-from kspeed.errors import CapacityError, DatasetError, NotHeldError, PeerLostError, ProtocolError, UnavailableError
+from kspeed.errors import (
+    CapacityError,
+    DatasetError,
+    KSpeedError,
+    NotHeldError,
+    PeerLostError,
+    ProtocolError,
+    UnavailableError,
+)
 from kspeed.layout import BatchLayout, batch_layout
 
 from .links import Link, RemoteSplit, ServerPlan
@@ -292,7 +300,9 @@ def _commit_all(
         for index, (link, feed_id) in targets:
             one(index, link, feed_id)
         return
-    for future in [pool.submit(one, index, link, feed_id) for index, (link, feed_id) in targets]:
+    futures = [pool.submit(one, index, link, feed_id) for index, (link, feed_id) in targets]
+    wait(futures)  # all answered before one's error is raised: a pass dropped then is dropped wherever it went
+    for future in futures:
         future.result()
 
 
@@ -312,6 +322,9 @@ class EpochPlanner:
         ring_bytes: ring capacity.
         pool: threads to talk to several servers at once.
         prep: how preprocessing is split between the servers and this client.
+        drop: tells the servers to let go of a pass (the feed's ``drop_plan``): one whose plan
+            failed part way, committed to some servers and not others (a server lost meanwhile),
+            would otherwise be followed there, never granted, ahead of the passes that are.
     """
 
     def __init__(
@@ -326,7 +339,9 @@ class EpochPlanner:
         ring_bytes: int,
         pool: ThreadPoolExecutor | None = None,
         prep: PlanPrep | None = None,
+        drop: Callable[[int], None] | None = None,
     ) -> None:
+        self._drop = drop
         self._links = list(links)
         self._feed_ids = list(feed_ids)
         self._prep = prep
@@ -352,17 +367,23 @@ class EpochPlanner:
 
     def __call__(self, epoch: int) -> EpochPlan:
         """Plan ``epoch`` as a new pass (see :func:`make_plan` for what it raises)."""
-        return make_plan(
-            self._links,
-            dataset=self._dataset,
-            feed_ids=self._feed_ids,
-            epoch=epoch,
-            feed_epoch=next(self._passes),
-            ids=self._orders.order(epoch),
-            batch_size=self._batch_size,
-            labelled=self._labelled,
-            deterministic=self._orders.deterministic,
-            ring_bytes=self._ring_bytes,
-            pool=self._pool,
-            prep=self._prep,
-        )
+        feed_epoch = next(self._passes)
+        try:
+            return make_plan(
+                self._links,
+                dataset=self._dataset,
+                feed_ids=self._feed_ids,
+                epoch=epoch,
+                feed_epoch=feed_epoch,
+                ids=self._orders.order(epoch),
+                batch_size=self._batch_size,
+                labelled=self._labelled,
+                deterministic=self._orders.deterministic,
+                ring_bytes=self._ring_bytes,
+                pool=self._pool,
+                prep=self._prep,
+            )
+        except KSpeedError:
+            if self._drop is not None:
+                self._drop(feed_epoch)
+            raise

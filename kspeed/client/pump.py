@@ -121,7 +121,7 @@ class Pump:
         keep = {self._current.epoch, self._current.epoch + 1} if self._current else set()
         for epoch, plan in list(self._plans.items()):
             if epoch not in keep and plan.slots == 0:
-                self.feed.drop_plan(plan)
+                self.feed.drop_plan(plan.feed_epoch)
                 del self._plans[epoch]
 
     # -- epochs ----------------------------------------------------------------------------------
@@ -251,11 +251,13 @@ class Pump:
         restart = (head.plan, head.batch) if head is not None else self._cursor
         while self._queue:
             self.feed.discard(self._queue.popleft())
-        self._future, self._future_epoch = None, None  # a plan being made may lack the new servers
+        if self._future is not None:  # a plan being made may lack the new servers: it is made again
+            self._future.add_done_callback(self._drop_made)
+        self._future, self._future_epoch = None, None
         kept = [p for p in (restart[0] if restart else None, self._current) if p is not None]
         for epoch, plan in list(self._plans.items()):
             if all(plan is not k for k in kept):
-                self.feed.drop_plan(plan)
+                self.feed.drop_plan(plan.feed_epoch)
                 del self._plans[epoch]
         done: list[EpochPlan] = []
         for plan in kept:
@@ -263,7 +265,15 @@ class Pump:
                 self.failover.recommit(plan, replaced, restart[1] if restart and plan is restart[0] else 0)
                 done.append(plan)
         self._cursor = restart
+        if self._deterministic and self._current is not None:
+            self._prefetch(self._current.epoch + 1)
         self.top_up(force=True)
+
+    def _drop_made(self, future: Future) -> None:
+        """Tell the servers to let go of the plan a discarded ``future`` made (they would otherwise
+        follow it, never granted, ahead of the plans that are)."""
+        if not future.cancelled() and future.exception() is None:
+            self.feed.drop_plan(future.result().feed_epoch)
 
     def _tick(self) -> None:
         self.delivery.poll()

@@ -8,7 +8,9 @@ last op of each carrying the grant's tag; a grant that needs a sample not produc
 (grants behind it that are ready do not), up to ``production_timeout`` seconds, after which the
 client gets an ERROR naming the sample; a sample whose production failed fails its grants at once
 with the reason. What was written is reported to the main process (window slots are reclaimed
-from those reports), with how long grants waited.
+from those reports), with how long grants waited, and so are positions granted a second time (the
+client fenced a server and grants again what it had not delivered): production then holds them,
+or makes them resident again, for the new grant.
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ WAIT_POLL = 0.002  # how often a feed with waiting grants looks for newly produc
 MAX_PLANS = 3  # epoch plans a feed keeps (the current one, the next one, one spare)
 GRANTS_PER_WRITE = 8  # grants served by one write: fewer calls, yet the first tags are not held back long
 REPORT_EVERY = 0.02  # seconds between progress reports to the main process (at most)
-WANT_AFTER = 1.0  # a grant still waiting after this asks the main process for its samples
 RESCAN_EVERY = 0.25  # waiting grants are looked at again this often even when no sample moved
 HEAD_GRANTS = 16  # when samples moved, the oldest waiting grants looked at
 
@@ -64,6 +65,8 @@ class PlanPart:
         ticket: per owned position, the window slot's ticket (0: at home).
         processed: per owned position, whether it is produced here by the dataset's pipeline
             (placed per plan, see :meth:`place`) rather than served as the raw sample (located by ID).
+        granted: per owned position, whether a grant asked for it (kept by the feeder; ``None``
+            until the first grant).
     """
 
     starts: np.ndarray
@@ -76,7 +79,23 @@ class PlanPart:
     ticket: np.ndarray
     processed: np.ndarray | None = None
     failures: dict[int, str] = field(default_factory=dict)  # processed owned index -> why it failed
+    granted: np.ndarray | None = None
     _order: np.ndarray | None = field(default=None, repr=False)
+
+    def span(self, batch: int, first: int, end: int) -> tuple[int, int]:
+        """The owned positions ``i:j`` that a grant of positions ``first:end`` of ``batch`` covers."""
+        lo = int(self.starts[batch]) + first
+        hi = min(int(self.starts[batch]) + end, int(self.starts[batch + 1]))
+        i, j = np.searchsorted(self.positions, (lo, hi))
+        return int(i), int(j)
+
+    def grant(self, i: int, j: int) -> np.ndarray:
+        """Record a grant of owned positions ``i:j``; returns those a grant asked for before."""
+        if self.granted is None:
+            self.granted = np.zeros(len(self.ids), dtype=bool)
+        again = np.flatnonzero(self.granted[i:j]) + i
+        self.granted[i:j] = True
+        return again
 
     def where(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(owned positions, index into ids)`` of every occurrence of ``ids`` in the plan."""
@@ -125,8 +144,7 @@ class FeedProgress:
     written: np.ndarray
     waiting: int
     waited: tuple[float, ...] = ()
-    wanted: np.ndarray | None = None  # sample IDs a long-waiting grant needs, asked for again
-    wanted_at: tuple[tuple[int, np.ndarray], ...] = ()  # (epoch, owned indices) of processed ones
+    again: tuple[tuple[int, np.ndarray], ...] = ()  # (epoch, owned positions) a grant asked for a second time
     dropped: tuple[int, ...] = ()  # plans the client will not grant again (nothing more is produced for them)
 
 
@@ -201,11 +219,10 @@ class FeedWriter:
         self.production_timeout = production_timeout
         self.plans: dict[int, PlanPart] = {}
         self.served = 0
-        self._pending: deque[list] = deque()  # [grant, arrival, asked for again]
+        self._pending: deque[tuple[np.void, float]] = deque()  # (grant, arrival)
         self._written: list[tuple[int, int, int, int]] = []
         self._waited: list[float] = []
-        self._wanted: list[np.ndarray] = []
-        self._wanted_at: list[tuple[int, np.ndarray]] = []
+        self._again: list[tuple[int, np.ndarray]] = []
         self._dropped: list[int] = []
         self._last_report = time.monotonic()
         self._last_waiting = 0
@@ -242,7 +259,13 @@ class FeedWriter:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                unreported = self._written or self._waited or self._dropped or len(self._pending) != self._last_waiting
+                unreported = (
+                    self._written
+                    or self._waited
+                    or self._again
+                    or self._dropped
+                    or len(self._pending) != self._last_waiting
+                )
                 if self._pending or unreported:
                     message = self.writer.recv(WAIT_POLL if self._pending else REPORT_EVERY)
                 else:
@@ -254,7 +277,8 @@ class FeedWriter:
                     decoded = grants.decode(message)
                     if isinstance(decoded, np.ndarray):
                         now = time.monotonic()
-                        self._pending.extend([grant, now, False] for grant in decoded)
+                        self._note(decoded)
+                        self._pending.extend((grant, now) for grant in decoded)
                     elif isinstance(decoded, grants.DropPlan):
                         with self.shared.lock:  # the feeder's commands walk the plans under it
                             self.plans.pop(decoded.epoch, None)
@@ -292,9 +316,9 @@ class FeedWriter:
 
     def _worth_a_scan(self, arrived: bool) -> str:
         """How much of the waiting grants to look at: ``"all"`` every :data:`RESCAN_EVERY` (what
-        became hopeless, what to ask for again) or when grants arrived, ``"head"`` when samples
-        moved, ``""`` otherwise. Looking only then keeps a feed whose grants wait on production
-        from burning the server's CPU."""
+        became hopeless) or when grants arrived, ``"head"`` when samples moved, ``""`` otherwise.
+        Looking only then keeps a feed whose grants wait on production from burning the server's
+        CPU."""
         now = time.monotonic()
         moves = self.shared.moves
         if arrived or now - self._last_scan > RESCAN_EVERY:
@@ -308,24 +332,29 @@ class FeedWriter:
     def _report(self, force: bool = False) -> None:
         now = time.monotonic()
         waiting = len(self._pending)
-        changed = (
-            self._written
-            or self._waited
-            or self._wanted
-            or self._wanted_at
-            or self._dropped
-            or waiting != self._last_waiting
-        )
+        changed = self._written or self._waited or self._again or self._dropped or waiting != self._last_waiting
         if not changed or (not force and now - self._last_report < REPORT_EVERY and len(self._written) < 256):
             return
         written = np.array(self._written, dtype=np.int64).reshape(-1, 4)
-        wanted = np.concatenate(self._wanted) if self._wanted else None
         progress = FeedProgress(
-            self.feed_id, written, waiting, tuple(self._waited), wanted, tuple(self._wanted_at), tuple(self._dropped)
+            self.feed_id, written, waiting, tuple(self._waited), tuple(self._again), tuple(self._dropped)
         )
         self.shared.send(progress)
-        self._written, self._waited, self._wanted, self._wanted_at, self._dropped = [], [], [], [], []
+        self._written, self._waited, self._again, self._dropped = [], [], [], []
         self._last_report, self._last_waiting = now, waiting
+
+    def _note(self, rows: np.ndarray) -> None:
+        """Record the positions newly arrived grants ask for; those a grant asked for before are
+        reported as granted again (a client that fenced a server grants again every batch it has
+        not delivered, on every server: production must make them resident once more)."""
+        for grant in rows:
+            plan = self.plans.get(int(grant["epoch"]))
+            index = int(grant["batch"])
+            if plan is None or not 0 <= index < len(plan.starts) - 1:  # (a probe, or refused when served)
+                continue
+            again = plan.grant(*plan.span(index, int(grant["first"]), int(grant["end"])))
+            if len(again):
+                self._again.append((int(grant["epoch"]), again))
 
     def _serve_pending(self, head: int | None = None) -> None:
         """Write every pending grant whose samples are ready (in arrival order); fail the hopeless.
@@ -337,14 +366,14 @@ class FeedWriter:
         now = time.monotonic()
         ready: list[tuple[np.void, PlanPart | None, int, int]] = []
         held: list[tuple[int, float]] = []
-        keep: deque[list] = deque()
+        keep: deque[tuple[np.void, float]] = deque()
         pending = self._pending
-        rest: deque[list] = deque()
+        rest: deque[tuple[np.void, float]] = deque()
         if head is not None and len(pending) > head:
             rest = deque(itertools.islice(pending, head, None))
             pending = deque(itertools.islice(pending, head))
         for entry in pending:
-            grant, arrival, asked = entry
+            grant, arrival = entry
             epoch, index, tag = int(grant["epoch"]), int(grant["batch"]), int(grant["tag"])
             if epoch == grants.PROBE_EPOCH:
                 self._probe(grant)
@@ -354,21 +383,12 @@ class FeedWriter:
                 why = f"no plan for epoch {epoch}" if plan is None else f"epoch {epoch} has no batch {index}"
                 self._refuse(epoch, index, tag, why)
                 continue
-            lo = int(plan.starts[index]) + int(grant["first"])
-            hi = min(int(plan.starts[index]) + int(grant["end"]), int(plan.starts[index + 1]))
-            i, j = (int(x) for x in np.searchsorted(plan.positions, (lo, hi)))
+            i, j = plan.span(index, int(grant["first"]), int(grant["end"]))
             why, sample = self._hopeless(plan, i, j, now - arrival)
             if why:
                 self._refuse(epoch, index, tag, why, sample)
                 continue
             if (plan.region[i:j] < 0).any():
-                if not asked and now - arrival > WANT_AFTER:
-                    absent = plan.region[i:j] < 0
-                    if plan.processed is not None:  # produced per plan: asked for by position
-                        self._wanted_at.append((epoch, i + np.flatnonzero(absent & plan.processed[i:j])))
-                        absent &= ~plan.processed[i:j]
-                    self._wanted.append(plan.ids[i:j][absent])
-                    entry[2] = True
                 keep.append(entry)
                 continue
             if now - arrival > WAIT_POLL:
@@ -441,7 +461,7 @@ class FeedWriter:
             for grant, plan, i, j in ready:
                 assert plan is not None
                 if (plan.region[i:j] < 0).any():  # moved away since it was found ready: wait again
-                    self._pending.appendleft([grant, time.monotonic(), False])
+                    self._pending.appendleft((grant, time.monotonic()))
                     continue
                 served.append(grant)
                 parts.append(

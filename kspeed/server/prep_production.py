@@ -3,8 +3,8 @@ server stages into the production window by the preprocessing workers (:mod:`ksp
 
 Unlike raw samples, which are made resident once and served from home afterwards, processed
 samples are per plan (random stages draw from the epoch): each position is produced into its own
-window slot, placed in the feeder's plan, and its slot reused once written (a re-grant after a
-fence has it produced again, identically). :class:`ProcessedProduction` is the part of
+window slot, placed in the feeder's plan, and its slot reused once written (a position granted
+again after a fence is produced again, identically). :class:`ProcessedProduction` is the part of
 :class:`kspeed.server.production.Production` that does this; it uses its lock, window, feeds and
 feeder commands.
 """
@@ -58,9 +58,9 @@ class ProcessedProduction:
         plan.slots.clear()
 
     def _release(self, feed: FeedState, plan: PlanState, i: int, j: int) -> None:
-        """Processed positions ``i:j`` were written: their slots are reused once the feeder no longer
-        reads them (a re-grant after a fence has them produced again, identically); under the lock."""
-        at = [k for k in range(i, j) if k in plan.slots]
+        """A grant of processed positions ``i:j`` was written: the slots of those written for good
+        (not granted again meanwhile) are reused once the feeder no longer reads them; under the lock."""
+        at = [k for k in range(i, j) if k in plan.slots and plan.written[k]]
         if not at:
             return
         slots = [plan.slots.pop(k) for k in at]

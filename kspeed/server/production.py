@@ -13,8 +13,10 @@ so a client that stops reading cannot starve the others. A window slot is retire
 is no longer within any feed's **horizon** (the unwritten positions among the next ``depth`` of
 its plans): the sample is first copied home (so the preload never reads it again, and a later
 epoch finds it there), then every feeder is told its new place; the slot is reused when no feeder
-is still reading it. A re-grant after a fence that needs a retired sample finds it at home (or,
-when it has no home, asks for it and waits while it is produced again).
+is still reading it. Positions granted again (the client fenced a server and grants again what
+it had not delivered, survivors included) are unwritten again: they re-enter the horizon, so a
+retired sample is found at home or, with no home, produced anew, and each is held until its last
+grant is written (:meth:`Production.progress`).
 
 The background preload (:mod:`kspeed.server.preload`) runs beside it and reads what the plans need
 after the producers' depth first, then the rest; claims on the share's
@@ -28,7 +30,7 @@ window of its own (the regions the manager gave it; nothing is preloaded and not
   fits (a sampler deterministic in (seed, epoch) has it committed early), so the window never
   drains at an epoch boundary. A sample is let go once no feed's horizon holds it and no feed's
   current plan still needs it: every attached consumer was served it (a re-grant after a fence
-  reads it again), and none is read twice for one plan. Each plan fills chunks of its own, so a
+  reads it again), and none is read twice for one grant of it. Each plan fills chunks of its own, so a
   chunk is freed as its plan is written. Feeds of one share with
   the same order (two jobs on one dataset) share a sample while both horizons hold it, that is
   while they are at most a window apart; beyond that each pays its own reads.
@@ -127,8 +129,6 @@ class Production(ProcessedProduction):
         self._stirs = 0  # bumped by whatever may give producers work (see _produce_loop)
         self._shares: dict[ShareKey, ShareState] = {}
         self._feeds: dict[str, FeedState] = {}
-        self._urgent: deque[tuple[ShareKey, np.ndarray]] = deque()
-        self._urgent_prep: deque[tuple[str, int, np.ndarray]] = deque()  # (feed, epoch, owned indices)
         self._draining: dict[int, Draining] = {}
         self._told: dict[int, set[int]] = {}  # per feeder: the pool regions whose files it was told
         self._turn = itertools.count()
@@ -243,7 +243,6 @@ class Production(ProcessedProduction):
                 for plan in self._feeds[feed_id].plans.values():
                     self._forget_plan(self._feeds[feed_id], plan)
                 self._feeds.pop(feed_id)
-            self._urgent = deque((k, ids) for k, ids in self._urgent if k != key)
             if share is None:
                 return
             window = self._window_of(share)
@@ -256,7 +255,8 @@ class Production(ProcessedProduction):
                 del self._draining[ticket]
 
     def progress(self, feeder: int, event: FeedProgress) -> None:
-        """A feeder's report: grants written (slots may retire), grants waiting, waits, samples wanted."""
+        """A feeder's report: positions granted again, grants written (slots may retire), grants
+        waiting, waits."""
         for seconds in event.waited:
             self.waits.observe(seconds)
         with self._lock:
@@ -269,6 +269,11 @@ class Production(ProcessedProduction):
                 current = next((p for _, p in sorted(feed.plans.items()) if p.next < len(p.ids)), None)
                 if current is not None:
                     share.figures_of(current.user_epoch).stall_s += float(sum(event.waited))
+            # (before the writes: a grant's repetition is reported no later than the grant's write)
+            for epoch, at in event.again:
+                plan = feed.plans.get(epoch)
+                if plan is not None:
+                    self._granted_again(share, feed, plan, at)
             feed.served += len(event.written)
             for epoch, batch, first, end in event.written.tolist():
                 plan = feed.plans.get(epoch)
@@ -284,21 +289,25 @@ class Production(ProcessedProduction):
             # (after the writes: a report may carry a plan's last grants and its drop)
             for epoch in event.dropped:  # its samples leave the horizon: their window slots retire
                 self._unfollow(share, feed, feed.plans.pop(epoch, None))
-            if len(event.written) or event.dropped:
+            if len(event.written) or event.dropped or event.again:
                 self._recount(share, feed)
                 self._sweep(share)
-                self._stir()  # the feed's horizon moved on (and window slots were released)
-            for epoch, at in event.wanted_at:
-                plan = feed.plans.get(epoch)
-                if plan is not None and plan.state is not None and len(at):
-                    # a re-grant of positions written and released: produce them again (identically)
-                    self._urgent_prep.append((feed.feed_id, epoch, at[plan.state[at] == ABSENT]))
-                    self._stir()
-            if event.wanted is not None and len(event.wanted):
-                # A re-grant (after a fence) of samples already written and retired: produce them
-                # again (they go home once written, as nothing else needs them).
-                self._urgent.append((share.key, event.wanted))
-                self._stir()
+                self._stir()  # the feed's horizon moved (and window slots were released)
+
+    def _granted_again(self, share: ShareState, feed: FeedState, plan: PlanState, at: np.ndarray) -> None:
+        """Positions ``at`` of ``plan`` were granted again (the client fenced a server and grants
+        again what it had not delivered): they are within the feed's horizon again, so those
+        written already are made resident anew (read from the backend again where nothing kept
+        them) and every one is held until its new grant is written; under the lock."""
+        again = plan.granted_again(at)
+        if not len(again):
+            return
+        if share.own_window:
+            share.figures_of(plan.user_epoch).written -= len(again)
+        if feed.counted == plan.epoch:
+            raw = again if plan.processed is None else again[~plan.processed[again]]
+            np.add.at(share.uses, plan.ids[raw] - share.lo, 1)
+        log.debug("feed %s: %d position(s) of plan %d granted again", feed.feed_id, len(again), plan.epoch)
 
     def freed(self, feeder: int, tickets: Iterable[int]) -> None:
         """A feeder no longer reads these retired window tickets."""
@@ -707,30 +716,7 @@ class Production(ProcessedProduction):
     # -- the producers ---------------------------------------------------------------------------
 
     def _next_work(self) -> Work | None:
-        """The next samples to produce: asked-for ones first, then each feed's next absent ones."""
-        while self._urgent_prep:
-            feed_id, epoch, at = self._urgent_prep.popleft()
-            feed = self._feeds.get(feed_id)
-            plan = feed.plans.get(epoch) if feed else None
-            share = self._shares.get(feed.share) if feed else None
-            if feed is None or plan is None or plan.state is None or share is None:
-                continue
-            at = at[plan.state[at] == ABSENT]
-            if len(at) > TASK_SAMPLES:
-                self._urgent_prep.appendleft((feed_id, epoch, at[TASK_SAMPLES:]))
-                at = at[:TASK_SAMPLES]
-            if len(at):
-                plan.state[at] = READING
-                return Work(share, feed_id, plan.ids[at], epoch, at, plan)
-        while self._urgent:
-            key, ids = self._urgent.popleft()
-            share = self._shares.get(key)
-            if share is not None:
-                taken = share.residency.claim(ids[:TASK_SAMPLES], retry_failed_after=0.0)
-                if len(ids) > TASK_SAMPLES:
-                    self._urgent.appendleft((key, ids[TASK_SAMPLES:]))
-                if len(taken):
-                    return Work(share, "", taken)
+        """The next samples to produce: each feed's next absent ones."""
         feeds = list(self._feeds.values())
         busy = [f for f in feeds if any(p.next < len(p.ids) for p in f.plans.values())]
         if not busy:
@@ -789,7 +775,7 @@ class Production(ProcessedProduction):
 
     def _produce_loop(self) -> None:
         """Produce while there is work. A producer that looked and found none sleeps until stirred
-        (a plan installed, a feed's progress, samples asked for, a slot freed, a failure) or, for
+        (a plan installed, a feed's progress, positions granted again, a slot freed, a failure) or, for
         failed samples due a retry, :data:`RETRY_FAILED_S`: looking means scanning every feed's
         plans, and a producer that looked every few milliseconds cost the server a core's
         fraction per hundred idle feeds."""
@@ -816,8 +802,8 @@ class Production(ProcessedProduction):
                 log.exception("dataset %s: producing samples %s failed", work.share.dataset, work.ids[:4].tolist())
 
     def _produce(self, share: ShareState, feed_id: str, ids: np.ndarray, epoch: int = -1, plan: int = -1) -> None:
-        """Read ``ids`` (claimed, for plan ``plan`` of sampler epoch ``epoch``, or -1 when asked for
-        again) from the backend into window slots and tell the feeders where they are.
+        """Read ``ids`` (claimed, for plan ``plan`` of sampler epoch ``epoch``) from the backend
+        into window slots and tell the feeders where they are.
 
         In a share's own window each plan of a feed fills chunks of its own: the samples of one
         chunk are then written, and freed, together (a chunk holding the next epoch's sample
@@ -911,7 +897,7 @@ class Production(ProcessedProduction):
         )
         log.debug("dataset %s: produced %d sample(s) into the window", share.dataset, len(good))
         if feed is None or plan not in feed.plans:
-            # produced for a plan dropped meanwhile (or asked for again): what no horizon holds goes.
+            # produced for a plan dropped meanwhile: what no horizon holds goes.
             # (A sample of a plan still followed was in its horizon when claimed; the sweep after
             # the feed's next progress report covers a horizon that shrank since.)
             self._sweep(share)

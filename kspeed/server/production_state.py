@@ -77,20 +77,44 @@ class PlanState:
     state: np.ndarray | None = None  # per processed position: ABSENT, READING (being produced), WINDOW, FAILED
     slots: dict[int, Slot] = dataclasses.field(default_factory=dict)  # owned index -> its produced slot
     user_epoch: int = 0  # the sampler's epoch (figures are kept by it; plans are numbered per feed)
+    # per owned position, the writes due beyond the next one (a re-grant while an earlier grant of
+    # it was still unwritten); allocated at the first such re-grant
+    extra: np.ndarray | None = None
 
     def mark(self, batch: int, first: int, end: int) -> tuple[int, int, np.ndarray]:
         """Record a written grant; returns the range of owned indices it covered and those of
-        them that were not written before."""
+        them written now (not before, and not due again: a position granted twice stays
+        unwritten until its second grant is written)."""
         if not 0 <= batch < len(self.starts) - 1:
             return 0, 0, np.zeros(0, np.int64)
         lo = int(self.starts[batch]) + first
         hi = min(int(self.starts[batch]) + end, int(self.starts[batch + 1]))
         i, j = (int(x) for x in np.searchsorted(self.positions, (lo, hi)))
-        fresh = np.flatnonzero(~self.written[i:j]) + i
-        self.written[i:j] = True
+        span = np.arange(i, j)
+        if self.extra is not None:
+            due = self.extra[i:j] > 0
+            self.extra[span[due]] -= 1
+            span = span[~due]
+        fresh = span[~self.written[span]]
+        self.written[fresh] = True
         while self.next < len(self.written) and self.written[self.next]:
             self.next += 1
         return i, j, fresh
+
+    def granted_again(self, at: np.ndarray) -> np.ndarray:
+        """Owned positions ``at`` were granted again (a re-grant after a fence): each is due one
+        more write. Returns those that were written (unwritten again now: produced anew)."""
+        at = np.asarray(at, dtype=np.int64)
+        done = at[self.written[at]]
+        pending = at[~self.written[at]]
+        if len(pending):
+            if self.extra is None:
+                self.extra = np.zeros(len(self.ids), dtype=np.int32)
+            np.add.at(self.extra, pending, 1)
+        if len(done):
+            self.written[done] = False
+            self.next = min(self.next, int(done.min()))
+        return done
 
     def delivered_before(self, position: int) -> None:
         """Record the plan positions before ``position`` as written (delivered before a failover)."""
@@ -143,7 +167,7 @@ class Work:
     epoch: int = -1
     at: np.ndarray | None = None
     plan: PlanState | None = None
-    user_epoch: int = -1  # raw samples read for a plan: its sampler epoch (-1: asked for again)
+    user_epoch: int = -1  # raw samples read for a plan: its sampler epoch
 
 
 @dataclasses.dataclass

@@ -11,9 +11,18 @@ import pytest
 from torch.utils.data import DataLoader
 
 from kspeed import grants
+from kspeed.cli.cluster import wait_for
 from kspeed.client.options import FeedOptions
 from kspeed.client.rail_choice import ServerPlace, choose_rail, needs_pacing
-from kspeed.errors import ConfigError, DatasetError, PeerLostError, RailUnavailableError, StateError, TransportError
+from kspeed.errors import (
+    ConfigError,
+    DatasetError,
+    PeerLostError,
+    RailUnavailableError,
+    StateError,
+    TransportError,
+    UnavailableError,
+)
 from kspeed.rdma.base import Completions
 from kspeed.rdma.rails import available_rails, capabilities
 from tests.client.conftest import N_SAMPLES
@@ -161,6 +170,60 @@ def test_a_new_iteration_supersedes_the_old_one(make_ds):
     with pytest.raises(StateError, match="superseded"):
         next(first)
     assert len(list(second)) == len(ds)
+
+
+class NoFailover:
+    """Stands in for a failover that replaced no path (the pump's re-grant alone is tested)."""
+
+    def recommit(self, plan, replaced, first_batch=0) -> None:
+        assert replaced == []
+
+
+def test_the_next_epochs_plan_made_before_a_failover_is_let_go_and_made_again(make_ds, samples):
+    # After a failover the plans in use are committed again; the next epoch's, made early by the
+    # planner thread with the old servers, is made again. The servers that took it must let it
+    # go: a share held under a memory policy follows its plans in order, and one never granted
+    # held back every plan after it (the survivor of a kill stopped producing at the next epoch).
+    ds, fakes = make_ds(ring_bytes=128 << 10)  # a few batches: the early plan stays a future until its epoch
+    ds.set_epoch(0)
+    it = iter(ds)
+    got = [next(it).ids.tolist()]
+    pump = ds._pump
+    early = pump._future.result(timeout=10)  # the next epoch's plan, committed everywhere
+    assert all(early.feed_epoch in fake.plans for fake in fakes)
+    pump.failover = NoFailover()
+    pump._grant_again([])  # as after a failover
+    pump.failover = None
+    wait_for(lambda: all(early.feed_epoch not in fake.plans for fake in fakes), 10, "the early plan let go")
+    got += [batch.ids.tolist() for batch in it]
+    ds.set_epoch(1)
+    again = [batch.ids.tolist() for batch in ds]
+    assert sorted(i for ids in got for i in ids) == sorted(i for ids in again for i in ids) == list(range(len(samples)))
+    assert pump._plans[1].feed_epoch > early.feed_epoch  # (made again, with the servers of now)
+
+
+def test_a_plan_committed_to_some_servers_only_is_let_go_there(make_ds, monkeypatch):
+    # A server lost while a plan is committed: the others took it and would follow it, never
+    # granted, ahead of the plans that are; the planner tells them to let it go.
+    ds, fakes = make_ds(ring_bytes=128 << 10)
+    next(iter(ds))
+    ds._pump._future.result(timeout=10)  # (the next epoch's plan, made early)
+    committed = []
+    take = fakes[0].commit_plan
+
+    def recorded(feed_id, plan):
+        committed.append(plan.feed_epoch)
+        return take(feed_id, plan)
+
+    def lost(feed_id, plan):
+        raise UnavailableError(f"{fakes[1].name} is gone")
+
+    monkeypatch.setattr(fakes[0], "commit_plan", recorded)
+    monkeypatch.setattr(fakes[1], "commit_plan", lost)
+    with pytest.raises(PeerLostError, match="is gone"):
+        ds._pump._plan_epoch(3)
+    assert len(committed) == 1
+    wait_for(lambda: committed[0] not in fakes[0].plans, 10, "the pass let go on the server that took it")
 
 
 def test_rail_choice_and_forced_rails():

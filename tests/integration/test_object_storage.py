@@ -1,9 +1,9 @@
 """Object storage through fsspec: a dataset in an S3 bucket trains exactly like the same files in a directory.
 
-The S3 endpoint is moto's server mode (what s3fs's own tests use), started on a free loopback port
-by the fixture and stopped after the test. The servers read the bucket through s3fs with the
-endpoint and credentials of their own configuration (``--backend-options``); the client names only
-the ``s3://`` URI, and the allow-list admits the bucket's prefix only.
+The S3 endpoint is moto's server mode, started on a free loopback port by the ``s3_endpoint``
+fixture (``tests/integration/conftest.py``) and stopped after the test. The servers read the bucket
+through s3fs with the endpoint and credentials of their own configuration (``--backend-options``);
+the client names only the ``s3://`` URI, and the allow-list admits the bucket's prefix only.
 """
 
 from __future__ import annotations
@@ -11,41 +11,21 @@ from __future__ import annotations
 import functools
 import http.server
 import json
-import socket
 import threading
-import urllib.request
 
 import pytest
 
 from kspeed import DatasetSpec, KSpeedClient
 from kspeed.errors import AccessDeniedError, KSpeedError
+from tests.integration.conftest import S3_KEY, S3_SECRET
 from tests.integration.test_client import config_for, loader_order
 from tests.integration.test_datasets import make_tree, write_shards
 
-s3fs = pytest.importorskip("s3fs")
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("s3fs")
+pytest.importorskip("moto.server")
 
 BATCH = 8
 SEED = 2
-KEY, SECRET = "kspeed-test-key", "kspeed-test-secret"
-
-
-@pytest.fixture
-def s3_endpoint():
-    """A local S3 endpoint (moto) on a free loopback port: ``(url, s3fs file system)``."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    url = f"http://127.0.0.1:{port}"
-    # moto keeps its buckets per process, not per server: start from none
-    urllib.request.urlopen(urllib.request.Request(f"{url}/moto-api/reset", method="POST"), timeout=10).close()
-    fs = s3fs.S3FileSystem(key=KEY, secret=SECRET, client_kwargs={"endpoint_url": url}, skip_instance_cache=True)
-    try:
-        yield url, fs
-    finally:
-        server.stop()
 
 
 def upload(fs, files: dict[str, bytes], prefix: str) -> None:
@@ -80,7 +60,7 @@ def test_an_s3_bucket_trains_exactly_like_a_directory_of_the_same_files(cluster_
     url, fs = s3_endpoint
     files = make_tree(tmp_path / "imgs", per_class=30, max_size=32 * 1024, seed=5)
     upload(fs, files, "train-bucket/imagenet/train")
-    options = {"s3": {"key": KEY, "secret": SECRET, "client_kwargs": {"endpoint_url": url}}}
+    options = {"s3": {"key": S3_KEY, "secret": S3_SECRET, "client_kwargs": {"endpoint_url": url}}}
     cluster = cluster_factory(
         2,
         server_args=[
@@ -116,7 +96,7 @@ def test_the_allow_list_holds_for_buckets_and_prefixes(cluster_factory, tmp_path
     upload(fs, files, "train-bucket/imagenet/train")
     upload(fs, files, "train-bucket/private/train")
     upload(fs, files, "other-bucket/imagenet/train")
-    options = {"s3": {"key": KEY, "secret": SECRET, "client_kwargs": {"endpoint_url": url}}}
+    options = {"s3": {"key": S3_KEY, "secret": S3_SECRET, "client_kwargs": {"endpoint_url": url}}}
     cluster = cluster_factory(
         1, server_args=["--backend-allow", "s3://train-bucket/imagenet", "--backend-options", json.dumps(options)]
     )
@@ -178,7 +158,7 @@ def test_tar_shards_locally_and_in_a_bucket_train_exactly_like_the_directory(clu
     for path in shards:
         fs.makedirs("train-bucket/shards", exist_ok=True)
         fs.put_file(path, f"train-bucket/shards/{path.rsplit('/', 1)[-1]}")
-    options = {"s3": {"key": KEY, "secret": SECRET, "client_kwargs": {"endpoint_url": url}}}
+    options = {"s3": {"key": S3_KEY, "secret": S3_SECRET, "client_kwargs": {"endpoint_url": url}}}
     cluster = cluster_factory(
         2, server_args=["--backend-allow", f"{tmp_path},s3://train-bucket", "--backend-options", json.dumps(options)]
     )

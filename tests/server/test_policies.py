@@ -40,12 +40,12 @@ class PolicyHost:
         return self._regions
 
 
-def serve(production: Production, feeders: Feeders, feed: str, epoch: int, pool, files) -> None:
-    """Act as a client reading a whole plan: each batch once it is resident, byte-checked."""
+def serve(production: Production, feeders: Feeders, feed: str, epoch: int, pool, files, batches=None) -> None:
+    """Act as a client reading a plan (``batches`` of it, or all): each batch once it is resident,
+    byte-checked."""
     plan = feeders.plans[feed, epoch]
     keys = sorted(files)
-    batches = len(plan.starts) - 1
-    for b in range(batches):
+    for b in range(len(plan.starts) - 1) if batches is None else batches:
         lo, hi = int(plan.starts[b]), int(plan.starts[b + 1])
         wait(lambda lo=lo, hi=hi: (plan.region[lo:hi] >= 0).all())
         for k in range(lo, hi):
@@ -166,3 +166,49 @@ def test_reuse_lets_go_of_the_farthest_next_use_and_lru_of_the_oldest(run, pool)
     assert uses.tolist() == [19, 14, 0, 200]
     # a sample no plan needs again goes first
     assert production._next_use(share, np.array([N - 1]))[0] == N - 1
+
+
+def serve_ready(production: Production, feeders: Feeders, feed: str, epoch: int, pool, files, grants: list) -> None:
+    """Act as a feeder with ``grants`` (batches, a batch granted twice listed twice) waiting: write
+    whichever is resident, the oldest first, byte-checked, until none is left."""
+    plan = feeders.plans[feed, epoch]
+    keys = sorted(files)
+    starts = plan.starts.tolist()
+
+    def ready() -> int | None:
+        return next((b for b in grants if (plan.region[starts[b] : starts[b + 1]] >= 0).all()), None)
+
+    while grants:
+        wait(lambda: ready() is not None)
+        b = ready()
+        for k in range(starts[b], starts[b + 1]):
+            start, n = int(plan.src[k]), int(plan.length[k])
+            assert pool.array(int(plan.region[k]))[start : start + n].tobytes() == files[keys[int(plan.ids[k])]]
+        production.progress(0, FeedProgress(feed, np.array([[epoch, b, 0, 1 << 30]]), len(grants) - 1))
+        grants.remove(b)
+
+
+@pytest.mark.parametrize("policy", ["stream", "minio", "reuse", "lru"])
+def test_positions_granted_again_after_a_fence_are_made_resident_again(run, pool, policy):
+    # A client fenced another server and grants again every batch it had not delivered: here
+    # batches 6..23, after 0..9 were written and while the grants of 10 and 11 still wait. Batches
+    # 6..9 were let go (or kept, as the policy chose): they are made resident again, and each
+    # position is held until its last grant is written. (Before, the grant of batch 6 waited
+    # forever.)
+    host, feeders, production = run(policy)
+    lengths = host.preloader.index.length
+    order = ORDERS[0]
+    production.install("f", 0, ("ds", 0), 0, plan_of(order, lengths[order], 10), user_epoch=0)
+    serve(production, feeders, "f", 0, pool, host.files, range(10))
+    production.progress(0, FeedProgress("f", np.zeros((0, 4), np.int64), 2, again=((0, np.arange(60, 120)),)))
+    serve_ready(production, feeders, "f", 0, pool, host.files, [10, 11, *range(6, 24)])
+    plan = production._feeds["f"].plans[0]
+    assert plan.written.all() and plan.next == N and plan.extra is not None and not plan.extra.any()
+    figures = production.figures(("ds", 0))
+    assert figures[0].written == figures[0].planned == N
+    assert figures[0].misses == int(host.source.reads.sum())
+    share = production._shares["ds", 0]
+    if policy == "stream":
+        assert (host.source.reads[order[60:100]] >= 2).all()  # let go once written: read again
+        wait(lambda: share.window.live_bytes == 0)
+        assert not share.slots and (share.uses == 0).all()

@@ -13,6 +13,7 @@ from kspeed.server.feed_writer import FeederShared, FeedProgress, PlanPart
 from kspeed.server.feeder_process import Failed, InstallPlan, Locate, Reply
 from kspeed.server.preload import Preloader
 from kspeed.server.production import Production
+from kspeed.server.production_state import PlanState
 from kspeed.server.residency import HOME
 from kspeed.server.sources import open_source
 from kspeed.server.window import ProductionWindow
@@ -204,6 +205,23 @@ def test_plan_locations_follow_duplicates_and_window_reads_are_counted():
     assert shared.retire([11, 13]) == [11]  # 11 is being read; 13 is free at once
     assert shared.let_go(np.array([11])) == [] and shared.let_go(np.array([11, 12])) == [11]
     assert shared.in_use == {}
+
+
+def test_a_position_granted_again_is_due_one_more_write_whenever_its_grant_comes():
+    # The feeder notes the positions each grant asks for; a second grant of one is reported.
+    part = plan_of(np.arange(20), np.full(20, 8), 4)
+    assert part.span(1, 0, 1 << 30) == (4, 8) and part.span(1, 1, 3) == (5, 7)
+    assert part.grant(4, 8).tolist() == [] and part.grant(0, 4).tolist() == []
+    assert part.grant(2, 6).tolist() == [2, 3, 4, 5]  # a re-grant after a fence (2, 3 and 4, 5)
+    # Production: positions 0..3 written, then granted again (unwritten again, its next goes back);
+    # 4..7 granted again while their first grant still waits (both writes are due).
+    state = PlanState(0, part.ids, part.positions, part.starts, np.zeros(20, dtype=bool))
+    assert state.mark(0, 0, 1 << 30)[2].tolist() == [0, 1, 2, 3] and state.next == 4
+    assert state.granted_again(np.arange(0, 8)).tolist() == [0, 1, 2, 3] and state.next == 0
+    assert state.mark(1, 0, 1 << 30)[2].tolist() == []  # the first grant of batch 1: one more is due
+    assert state.mark(0, 0, 1 << 30)[2].tolist() == [0, 1, 2, 3] and state.next == 4
+    assert state.mark(1, 0, 1 << 30)[2].tolist() == [4, 5, 6, 7] and state.next == 8
+    assert not state.extra.any()
 
 
 def done(epoch: int, batches: range) -> np.ndarray:

@@ -1,0 +1,181 @@
+"""A holder killed while a dataset larger than its memory streams: every memory policy, every source kind.
+
+Real daemons on loopback: two servers over a backend that takes a few milliseconds a read
+(``slowfile``, or moto's S3), a dataset about three times the memory it is given, not preloaded,
+so grants wait on production and a kill finds them in flight. A holder is SIGKILLed while epoch 0
+streams; its share moves to a spare, or to the survivor; the client fences the dead path and
+grants again, on every server, each batch it had not delivered, so the survivor must make
+resident again samples it had written and let go. Both epochs arrive whole: every sample exactly
+once, in the sampler's order, bytes intact.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+
+import numpy as np
+import pytest
+
+from kspeed import DatasetSpec, KSpeedClient
+from tests.integration.conftest import S3_KEY, S3_SECRET
+from tests.integration.test_client import config_for, loader_order
+from tests.integration.test_datasets import make_tree, write_shards
+from tests.integration.test_failover import BATCH, SEED, check_epoch
+
+REGION = 256 << 10
+MEMORY = ["--memory", "8MiB", "--region-size", "256KiB"]  # 32 regions, 4 of them the server's window
+QUOTA = 2 * REGION  # one region on each server, a third of the dataset
+# A backend read takes 5 ms, and a server reads 2 MB/s at most: slower than the client consumes,
+# so its grants wait for production (under every policy: a whole dataset's preload reads in runs).
+SLOW = {"latency": 0.005, "bandwidth": 2e6}
+
+
+def dataset(kind: str, root, s3=None) -> tuple[dict[str, bytes], str, str]:
+    """A dataset of about 1.5 MB as a source of ``kind`` under ``root`` (``s3*`` kinds: uploaded to
+    the moto endpoint ``s3``): ``(bytes per key in sample ID order, uri, DatasetSpec kind)``."""
+    if kind == "npy":
+        rows = np.random.default_rng(7).integers(0, 256, (384, 4096), dtype=np.uint8)
+        np.save(root / "rows.npy", rows)
+        return {str(i): row.tobytes() for i, row in enumerate(rows)}, f"slowfile://{root / 'rows.npy'}", "npy"
+    files = make_tree(root / "imgs", per_class=100, max_size=32 * 1024, seed=12)
+    if kind == "dir":
+        return files, f"slowfile://{root / 'imgs'}", "dir"
+    if kind == "list":  # IDs follow the lines: the keys' sorted order, as the directory's
+        (root / "train.txt").write_text("".join(f"imgs/{key}\n" for key in files))
+        return files, f"slowfile://{root / 'train.txt'}", "list"
+    if kind == "manifest":
+        (root / "train.manifest").write_text("".join(f"imgs/{key} {len(data)}\n" for key, data in files.items()))
+        return files, f"slowfile://{root / 'train.manifest'}", "manifest"
+    if kind == "tar":
+        write_shards(root / "shards", files, 4)
+        return files, f"slowfile://{root / 'shards'}", "tar"
+    fs = s3[1]
+    fs.mkdir("train-bucket")
+    if kind == "s3dir":
+        for key, data in files.items():
+            fs.pipe_file(f"train-bucket/imgs/{key}", data)
+        return files, "s3://train-bucket/imgs", "dir"
+    assert kind == "s3tar", kind
+    for path in write_shards(root / "shards", files, 4):
+        fs.put_file(path, f"train-bucket/shards/{path.rsplit('/', 1)[-1]}")
+    return files, "s3://train-bucket/shards", "tar"
+
+
+def slow_servers(cluster_factory, tmp_path, s3=None):
+    """Two servers reading ``tmp_path`` through ``slowfile`` (and the bucket of the moto endpoint ``s3``)."""
+    options = {"slowfile": SLOW}
+    allow = f"slowfile://{tmp_path}"
+    if s3 is not None:
+        options["s3"] = {"key": S3_KEY, "secret": S3_SECRET, "client_kwargs": {"endpoint_url": s3[0]}}
+        allow += ",s3://train-bucket"
+    args = ["--backend-allow", allow, "--backend-options", json.dumps(options), "--production-threads", "2"]
+    return cluster_factory(2, server_args=[*MEMORY, *args])
+
+
+def kill_while_streaming(cluster_factory, tmp_path, policy: str, kind: str, spare: bool, s3=None) -> None:
+    """Two servers, a dataset of ``kind`` held under ``policy``; a holder killed after the first batch
+    of epoch 0 (with a ``spare`` registered, or not); epochs 0 and 1 checked whole."""
+    files, uri, source = dataset(kind, tmp_path, s3)
+    cluster = slow_servers(cluster_factory, tmp_path, s3)
+    quota = 0 if policy == "cache" else QUOTA
+    spec = DatasetSpec(name="big", uri=uri, kind=source, quota_bytes=quota, policy=policy)
+    with KSpeedClient(config=config_for(cluster, failover_timeout="60s")) as client:
+        ds = client.dataset(spec, batch_size=BATCH, seed=SEED, ring_bytes=1 << 20, quiet=True)
+        shares = client.manager.dataset("big").shares
+        assert len(shares) == 2 and {s.policy for s in shares} == {"" if policy == "cache" else policy}, shares
+        if policy != "cache":  # held in part: each server streams a share three times its window
+            assert all(s.num_regions >= 3 * s.memory_regions for s in shares), shares
+        if spare:
+            cluster.add_server()  # registered after the dataset: it holds nothing
+        victim = next(s for s in cluster.servers if s.ready["id"] == shares[0].server_id)
+
+        check_epoch(ds, files, 0, lambda k: k == 0 and victim.signal(signal.SIGKILL))
+        stats = ds.stats()
+        assert stats["replaced_servers"] == 1 and stats["fenced_grants"] >= 1, stats  # grants were in flight
+        check_epoch(ds, files, 1)  # the moved share, held by its new server, for a whole epoch
+        holders = {s.server_id for s in client.manager.dataset("big").shares}
+        assert victim.ready["id"] not in holders and len(holders) == (2 if spare else 1), holders
+        ds.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("policy", "kind", "spare"),
+    [
+        ("stream", "dir", False),
+        ("stream", "tar", True),
+        ("minio", "list", False),
+        ("reuse", "manifest", True),
+        ("lru", "npy", False),
+        ("cache", "dir", True),
+    ],
+)
+def test_a_holder_killed_while_a_dataset_streams_costs_a_pause_not_a_sample(
+    cluster_factory, tmp_path, policy, kind, spare
+):
+    kill_while_streaming(cluster_factory, tmp_path, policy, kind, spare)
+
+
+@pytest.mark.timeout(120)
+def test_a_holder_killed_while_tar_shards_in_a_bucket_stream_costs_a_pause_not_a_sample(
+    cluster_factory, tmp_path, s3_endpoint
+):
+    kill_while_streaming(cluster_factory, tmp_path, "stream", "s3tar", True, s3_endpoint)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("spare", [False, True], ids=["survivor", "spare"])
+@pytest.mark.parametrize("kind", ["dir", "list", "manifest", "npy", "tar", "s3dir", "s3tar"])
+@pytest.mark.parametrize("policy", ["stream", "minio", "reuse", "lru", "cache"])
+def test_every_policy_and_source_kind_survive_a_holder_killed_while_streaming(
+    cluster_factory, tmp_path, request, policy, kind, spare
+):
+    s3 = request.getfixturevalue("s3_endpoint") if kind.startswith("s3") else None
+    kill_while_streaming(cluster_factory, tmp_path, policy, kind, spare, s3)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_two_ranks_streaming_at_once_survive_a_holder_killed(cluster_factory, tmp_path):
+    # Both ranks' feeds share the survivor's window; each grants again its own batches.
+    files, uri, source = dataset("dir", tmp_path)
+    cluster = slow_servers(cluster_factory, tmp_path)
+    spec = DatasetSpec(name="big", uri=uri, kind=source, quota_bytes=QUOTA, policy="stream")
+    with KSpeedClient(config=config_for(cluster)) as client:  # an operator's: it outlives the ranks
+        client.manager.create_dataset(spec.to_proto(), operator=True)
+        victim_id = client.manager.dataset("big").shares[0].server_id
+    victim = next(s for s in cluster.servers if s.ready["id"] == victim_id)
+    keys = list(files)
+    streaming = threading.Barrier(2, timeout=60)  # both ranks have a batch: the kill finds both streaming
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            with KSpeedClient(config=config_for(cluster, failover_timeout="60s")) as client:
+                ds = client.dataset(spec, batch_size=BATCH, seed=SEED, rank=r, world_size=2, quiet=True)
+                for epoch in (0, 1):
+                    ds.set_epoch(epoch)
+                    got = []
+                    for k, batch in enumerate(ds):
+                        for i, sid in enumerate(batch.ids.tolist()):
+                            assert batch.numpy(i).tobytes() == files[keys[sid]], (r, epoch, sid)
+                        got.append(batch.ids.tolist())
+                        if epoch == 0 and k == 0 and streaming.wait() == 0:
+                            victim.signal(signal.SIGKILL)
+                    assert got == loader_order(len(files), 2, r, True, SEED, False, epoch, BATCH), (r, epoch)
+                assert ds.stats()["replaced_servers"] == 1
+                ds.close()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=140)
+    assert not any(t.is_alive() for t in threads), "a rank did not finish"
+    if errors:
+        raise errors[0]
