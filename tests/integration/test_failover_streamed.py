@@ -63,15 +63,16 @@ def dataset(kind: str, root, s3=None) -> tuple[dict[str, bytes], str, str]:
     return files, "s3://train-bucket/shards", "tar"
 
 
-def slow_servers(cluster_factory, tmp_path, s3=None):
-    """Two servers reading ``tmp_path`` through ``slowfile`` (and the bucket of the moto endpoint ``s3``)."""
+def slow_servers(cluster_factory, tmp_path, s3=None, manager_args=()):
+    """Two servers reading ``tmp_path`` through ``slowfile`` (and the bucket of the moto endpoint ``s3``);
+    ``manager_args``: more flags for the manager."""
     options = {"slowfile": SLOW}
     allow = f"slowfile://{tmp_path}"
     if s3 is not None:
         options["s3"] = {"key": S3_KEY, "secret": S3_SECRET, "client_kwargs": {"endpoint_url": s3[0]}}
         allow += ",s3://train-bucket"
     args = ["--backend-allow", allow, "--backend-options", json.dumps(options), "--production-threads", "2"]
-    return cluster_factory(2, server_args=[*MEMORY, *args])
+    return cluster_factory(2, server_args=[*MEMORY, *args], manager_args=manager_args)
 
 
 def kill_while_streaming(cluster_factory, tmp_path, policy: str, kind: str, spare: bool, s3=None) -> None:
