@@ -207,9 +207,9 @@ def check_advertised(report: Report, config: ServerConfig, client: ManagerClient
 
 def check_memory(report: Report, config: ServerConfig) -> None:
     """``memory`` fits the pool's file system and leaves room besides the production window."""
-    from kspeed.server.local_state import pool_dir
+    from kspeed.server.local_state import pool_dir, stored_id
 
-    server_id = config.server_id or _stored_id(config.state_dir)
+    server_id = config.server_id or stored_id(config.state_dir)
     where = pool_dir(config, server_id or "<id>", config.state_dir)
     existing = os.path.dirname(where.rstrip("/")) if not os.path.isdir(where) else where
     while existing and not os.path.isdir(existing):
@@ -234,16 +234,6 @@ def check_memory(report: Report, config: ServerConfig) -> None:
             f"the production window takes {human_bytes(window)} of memory {human_bytes(config.memory)}",
             "lower production_window (default: an eighth of memory) or raise memory: datasets get what is left",
         )
-
-
-def _stored_id(state_dir: str) -> str:
-    from kspeed.server.inventory import ID_FILE
-
-    try:
-        with open(os.path.join(state_dir, ID_FILE), encoding="utf-8") as fh:
-            return fh.read().strip()
-    except OSError:
-        return ""
 
 
 def _size_of(directory: str) -> int:

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 LOCK_FILE = "server.lock"
 CLUSTER_FILE = "cluster_id"
 
-__all__ = ["Purged", "StateLock", "pool_dir", "purge", "read_cluster_id", "write_cluster_id"]
+__all__ = ["Purged", "StateLock", "pool_dir", "purge", "read_cluster_id", "stored_id", "write_cluster_id"]
 
 
 class StateLock:
@@ -97,12 +97,12 @@ def write_cluster_id(state_dir: str, cluster_id: str) -> None:
         log.warning("cannot record cluster id %s in %s: %s", cluster_id, path, exc.strerror)
 
 
-def _stored_id(state_dir: str) -> str:
+def stored_id(state_dir: str) -> str:
     """The identity kept in ``state_dir`` ("" for a server that never started there)."""
     try:
         with open(os.path.join(state_dir, inv.ID_FILE), encoding="utf-8") as fh:
             return fh.read().strip()
-    except FileNotFoundError:
+    except OSError:
         return ""
 
 
@@ -132,7 +132,7 @@ def purge(config: ServerConfig) -> Purged:
         )
     lock = StateLock(state_dir)
     try:
-        server_id = config.server_id or _stored_id(state_dir)
+        server_id = config.server_id or stored_id(state_dir)
         where = pool_dir(config, server_id, state_dir) if server_id or config.pool_dir else ""
         freed = discard_pool(where) if where else 0
         removed = []

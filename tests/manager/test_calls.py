@@ -7,10 +7,8 @@ from __future__ import annotations
 import asyncio
 
 import grpc
-import numpy as np
 import pytest
 
-from kspeed import wire
 from kspeed.config import SecurityConfig
 from kspeed.errors import CapacityError, UnavailableError
 from kspeed.manager.calls import ServerCalls
@@ -18,6 +16,7 @@ from kspeed.manager.datasets import DatasetCatalog
 from kspeed.manager.membership import Membership, Timers
 from kspeed.manager.store import Store
 from kspeed.proto import kspeed_pb2, kspeed_pb2_grpc
+from tests.manager.fakes import listing, ready
 
 
 class SlowServer(kspeed_pb2_grpc.ServerServicer):
@@ -111,13 +110,7 @@ class HangingAssign:
     async def call(self, address, server_id, method, request, timeout=None):
         self.log.append((server_id, method))
         if method == "DescribeDataset":
-            # 20 samples of 100 bytes in two regions of 1 MiB each
-            return kspeed_pb2.DescribeDatasetReply(
-                fingerprint=kspeed_pb2.Fingerprint(count=20, total_bytes=2000, digest="d"),
-                region_size=1 << 20,
-                region_starts=wire.pack_i64(np.array([0, 10, 20])),
-                region_bytes=wire.pack_i64(np.array([1000, 1000])),
-            )
+            return listing()
         if method == "AssignShare" and server_id == self.hang:
             self.hanging.set()
             await asyncio.Event().wait()
@@ -127,13 +120,7 @@ class HangingAssign:
 def test_a_registration_given_up_mid_assignment_is_undone_on_every_server(tmp_path):
     store = Store(str(tmp_path))
     membership = Membership(store, Timers(1.0, 3.0, 10.0))
-    for sid in ("a", "b"):
-        # one region each besides the window: each takes one share of the two-region dataset
-        inventory = kspeed_pb2.ServerInventory(region_size=1 << 20, regions_total=2, regions_window=1)
-        record = membership.register(
-            kspeed_pb2.RegisterServerRequest(id=sid, address=f"{sid}:1", inventory=inventory), 1
-        )
-        membership.probe_result(sid, record.incarnation, True)
+    ready(membership, "a", "b")  # one region each besides the window: one share of the dataset each
     calls = HangingAssign(hang="b")
     catalog = DatasetCatalog(store, membership, calls, lease_ttl=60.0)
     spec = kspeed_pb2.DatasetSpec(name="ds", uri="/data/ds")
@@ -170,12 +157,7 @@ class RefusingAssign(HangingAssign):
 def test_one_server_refusing_ends_the_registration_without_waiting_for_the_others(tmp_path):
     store = Store(str(tmp_path))
     membership = Membership(store, Timers(1.0, 3.0, 10.0))
-    for sid in ("a", "b"):
-        inventory = kspeed_pb2.ServerInventory(region_size=1 << 20, regions_total=2, regions_window=1)
-        record = membership.register(
-            kspeed_pb2.RegisterServerRequest(id=sid, address=f"{sid}:1", inventory=inventory), 1
-        )
-        membership.probe_result(sid, record.incarnation, True)
+    ready(membership, "a", "b")  # one region each besides the window: one share of the dataset each
     calls = RefusingAssign(hang="a", refuse="b")
     catalog = DatasetCatalog(store, membership, calls, lease_ttl=60.0)
     spec = kspeed_pb2.DatasetSpec(name="ds", uri="/data/ds")

@@ -8,16 +8,15 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 
-import numpy as np
 import pytest
 
-from kspeed import wire
 from kspeed.errors import StateFileError
 from kspeed.manager.datasets import DatasetCatalog
 from kspeed.manager.membership import FAILED, READY, Membership, Timers
 from kspeed.manager.store import Store
 from kspeed.proto import kspeed_pb2
 from tests.fulldisk import fill, small_disk
+from tests.manager.fakes import listing, ready
 
 
 class Calls:
@@ -29,12 +28,7 @@ class Calls:
     async def call(self, address, server_id, method, request, timeout=None):
         self.log.append((server_id, method))
         if method == "DescribeDataset":
-            return kspeed_pb2.DescribeDatasetReply(
-                fingerprint=kspeed_pb2.Fingerprint(count=20, total_bytes=2000, digest="d"),
-                region_size=1 << 20,
-                region_starts=wire.pack_i64(np.array([0, 10, 20])),
-                region_bytes=wire.pack_i64(np.array([1000, 1000])),
-            )
+            return listing()
         return kspeed_pb2.ShareStatus()
 
 
@@ -64,12 +58,7 @@ def test_a_full_disk_costs_the_manager_new_datasets_only_and_what_it_held_is_wri
         membership = Membership(store, Timers(1.0, 3.0, 10.0), clock=clock, wall=clock)
         calls = Calls()
         catalog = DatasetCatalog(store, membership, calls, lease_ttl=60.0)
-        inventory = kspeed_pb2.ServerInventory(region_size=1 << 20, regions_total=2, regions_window=1)
-        for sid in ("a", "b"):
-            record = membership.register(
-                kspeed_pb2.RegisterServerRequest(id=sid, address=f"{sid}:1", inventory=inventory), 1
-            )
-            membership.probe_result(sid, record.incarnation, True)
+        ready(membership, "a", "b")
         filler = fill(disk)
 
         with pytest.raises(StateFileError, match=rf"cannot write the registry {disk}/manager.sqlite3: .*free there"):
