@@ -10,7 +10,7 @@ from kspeed.proto import kspeed_pb2
 
 
 def spec(**fields) -> kspeed_pb2.DatasetSpec:
-    return kspeed_pb2.DatasetSpec(name="imgs", uri="/data", **fields)
+    return kspeed_pb2.DatasetSpec(**{"name": "imgs", "uri": "/data", **fields})
 
 
 def test_a_cache_is_checked_and_part_of_the_identity():
@@ -24,3 +24,12 @@ def test_a_cache_is_checked_and_part_of_the_identity():
     assert _same_definition(
         spec(pipeline=pipeline, cache="preprocessed"), spec(pipeline=pipeline, cache="preprocessed")
     )
+
+
+def test_a_uri_with_credentials_is_refused_without_echoing_them():
+    for uri in ("http://alice:S3CRETPW@data.example/imgs", "https://data.example/x.npy?X-Amz-Signature=S3CRETPW"):
+        with pytest.raises(ProtocolError, match=r"carries credentials.*backend_options") as refused:
+            validate_spec(spec(uri=uri))
+        assert "S3CRETPW" not in str(refused.value) and "dataset 'imgs': uri" in str(refused.value)
+    with pytest.raises(ProtocolError, match="control character"):
+        validate_spec(spec(uri="/data\x1b[2J"))
