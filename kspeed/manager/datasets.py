@@ -75,7 +75,6 @@ _KINDS = ("", "auto", "dir", "list", "manifest", "npy", "tar")
 _LABELS = ("", "dirname", "cls")
 _CACHES = ("", "preprocessed")
 _POLICIES = ("", *POLICIES)
-MAX_HOLDER = 256
 VERIFY_TTL = 60.0  # seconds a successful attach-time listing holds for further attaches
 CHANGES_SHOWN = 5
 JOIN_POLL = 0.05  # seconds between looks at servers that are still joining
@@ -421,8 +420,7 @@ class DatasetCatalog:
         spec = request.spec
         validate_spec(spec)
         owner = request.owner or JOB
-        if len(request.holder) > MAX_HOLDER:
-            raise ProtocolError(f"lease holder of {len(request.holder)} chars exceeds {MAX_HOLDER}")
+        names.HOLDER.check(request.holder)
         if request.lease_ttl_s < 0 or request.lease_ttl_s > 86400:
             raise ProtocolError(f"lease_ttl_s {request.lease_ttl_s} must be between 0 and 86400")
         async with self._locks.setdefault(spec.name, asyncio.Lock()):
