@@ -199,13 +199,22 @@ _FLAG_STYLE: dict[Callable[[object], Any], tuple[str, Callable[[Any], str]]] = {
 
 
 def option(
-    default: Any, help: str, *, parse: Callable[[object], Any] = _parse_str, env: str = "", metavar: str = ""
+    default: Any,
+    help: str,
+    *,
+    parse: Callable[[object], Any] = _parse_str,
+    env: str = "",
+    metavar: str = "",
+    secret: bool = False,
 ) -> Any:
     """Declare a configuration field with its help text, parser and environment variable.
 
-    ``metavar`` names the value in ``--help`` (default: from the parser, e.g. SIZE or DURATION).
+    ``metavar`` names the value in ``--help`` (default: from the parser, e.g. SIZE or DURATION);
+    ``secret``: the value holds credentials, so an error about it never shows it.
     """
-    kwargs: dict[str, Any] = {"metadata": {"help": help, "parse": parse, "env": env, "metavar": metavar}}
+    kwargs: dict[str, Any] = {
+        "metadata": {"help": help, "parse": parse, "env": env, "metavar": metavar, "secret": secret}
+    }
     if isinstance(default, (list, dict, set)):
         kwargs["default_factory"] = lambda: type(default)(default)
     else:
@@ -228,7 +237,9 @@ class SecurityConfig:
         env="KSPEED_AUTH",
     )
     token_file: str = option("", "file holding the bearer token", env="KSPEED_TOKEN_FILE", metavar="FILE")
-    token: str = option("", "the bearer token itself (prefer token_file)", env="KSPEED_TOKEN", metavar="TOKEN")
+    token: str = option(
+        "", "the bearer token itself (prefer token_file)", env="KSPEED_TOKEN", metavar="TOKEN", secret=True
+    )
     tls_cert: str = option("", "PEM certificate of this daemon's gRPC server", env="KSPEED_TLS_CERT", metavar="FILE")
     tls_key: str = option("", "PEM private key of this daemon's gRPC server", env="KSPEED_TLS_KEY", metavar="FILE")
     tls_ca: str = option(
@@ -505,6 +516,7 @@ class ServerConfig(DaemonConfig):
         "per protocol, options (credentials) of its fsspec file system; YAML mapping or JSON",
         parse=_parse_mapping,
         env="KSPEED_BACKEND_OPTIONS",
+        secret=True,
     )
     preload_threads: int = option(
         16, "backend reads in flight per preload", parse=_parse_int, env="KSPEED_PRELOAD_THREADS"
@@ -849,8 +861,12 @@ def _set(obj: Any, field: dataclasses.Field, raw: object, section: str, source: 
     try:
         value = field.metadata["parse"](raw)
     except ValueError as exc:
+        if field.metadata.get("secret"):  # credentials: the value is never shown, nor kept in the error
+            shown, raw = f"of {len(str(raw))} characters (not shown: it holds credentials)", None
+        else:
+            shown = repr(raw)
         raise ConfigError(
-            f"{name}: invalid value {raw!r} (from {source}): {exc}", field=name, value=raw, source=source
+            f"{name}: invalid value {shown} (from {source}): {exc}", field=name, value=raw, source=source
         ) from None
     setattr(obj, field.name, value)
     sources[name] = source

@@ -35,6 +35,7 @@ __all__ = [
     "GRANT_DTYPE",
     "MAX_GENERATION",
     "MAX_PROBE",
+    "MAX_RING_OFFSET",
     "PROBE_EPOCH",
     "Closing",
     "DropPlan",
@@ -64,6 +65,9 @@ GRANT_DTYPE = np.dtype(
 _ERROR_HEAD = struct.Struct("<IIIq")
 _DROP = struct.Struct("<I")
 MAX_GENERATION = 255
+#: The largest ring offset a grant may name: no ring is anywhere near it, and a batch's offsets
+#: added to it stay within int64 (the server's arithmetic). A larger one is a malformed message.
+MAX_RING_OFFSET = (1 << 62) - 1
 PROBE_EPOCH = 0xFFFFFFFF
 MAX_PROBE = 4 << 20
 _SEQ_MASK = (1 << 24) - 1
@@ -186,7 +190,8 @@ def decode(message: bytes) -> Message:
     """The message as its record; grants as a read-only :data:`GRANT_DTYPE` array.
 
     Raises:
-        ProtocolError: an empty, unknown or truncated message.
+        ProtocolError: an empty, unknown or truncated message, or a grant naming a ring offset
+            beyond :data:`MAX_RING_OFFSET`.
     """
     if not message:
         raise ProtocolError("empty feed message")
@@ -198,7 +203,15 @@ def decode(message: bytes) -> Message:
         if kind == _GRANTS:
             if len(body) % GRANT_DTYPE.itemsize:
                 raise ProtocolError(f"grant message of {len(body)} bytes is not whole grants")
-            return np.frombuffer(body, dtype=GRANT_DTYPE)
+            rows = np.frombuffer(body, dtype=GRANT_DTYPE)
+            far = np.flatnonzero(rows["ring_offset"] > MAX_RING_OFFSET)
+            if len(far):
+                grant = rows[far[0]]
+                raise ProtocolError(
+                    f"grant tagged {int(grant['tag'])} (epoch {int(grant['epoch'])}, batch {int(grant['batch'])}) "
+                    f"names ring offset {int(grant['ring_offset'])}, beyond {MAX_RING_OFFSET}: no ring is that large"
+                )
+            return rows
         if kind == _ERROR:
             epoch, batch, tag, sample = _ERROR_HEAD.unpack_from(body)
             text = bytes(body[_ERROR_HEAD.size :]).decode(errors="replace")

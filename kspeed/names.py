@@ -1,4 +1,4 @@
-"""The one home of name rules: datasets, servers, feeds and jobs.
+"""The one home of name rules: datasets, servers, feeds, jobs and lease holders.
 
 Names reach file names (a pool's side files), log lines, metric labels and status pages, so each
 kind has one rule, checked wherever a name enters: a training script (``ConfigError``), an RPC
@@ -14,7 +14,7 @@ from typing import Any
 
 from kspeed.errors import KSpeedError, ProtocolError
 
-__all__ = ["DATASET", "FEED_ID", "JOB", "SERVER_ID", "NameRule"]
+__all__ = ["DATASET", "FEED_ID", "HOLDER", "JOB", "SERVER_ID", "NameRule"]
 
 _SHOWN = 80
 
@@ -71,4 +71,12 @@ JOB = NameRule(
     "job name",
     r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}",
     "1-128 letters, digits, '.', '_', ':', '@' or '-', starting with a letter or digit",
+)
+#: Free text naming who holds a lease (``pid 4242 on node7 rank 0``), shown by status and in logs:
+#: no control character (C0, DEL, C1), line separator or bidirectional override, which would forge
+#: log lines or disguise what a terminal shows.
+HOLDER = NameRule(
+    "lease holder",
+    r"[^\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]{0,256}",
+    "at most 256 characters, none of them a control character, line separator or bidirectional override",
 )

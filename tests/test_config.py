@@ -160,3 +160,16 @@ def test_a_token_file_error_names_the_variable_that_set_it(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(ManagerConfig, environ={"KSPEED_TOKEN_FILE": str(tmp_path / "nope")})
     assert "security.token_file from environment KSPEED_TOKEN_FILE" in str(info.value)
+
+
+def test_a_bad_backend_options_value_is_refused_without_showing_the_credentials_in_it(tmp_path):
+    for raw in ('{"s3": "key=AKIA secret=S3CRETPW"}', '{"s3": {"secret": "S3CRETPW"}'):
+        with pytest.raises(ConfigError, match=r"server\.backend_options: invalid value of .* characters") as bad:
+            load_config(ServerConfig, environ={**NO_AUTH, "KSPEED_BACKEND_OPTIONS": raw})
+        assert "S3CRETPW" not in str(bad.value) and bad.value.value is None
+        assert bad.value.source == "environment KSPEED_BACKEND_OPTIONS"
+    path = tmp_path / "kspeed.yaml"
+    path.write_text("server:\n  backend_options:\n    s3: [S3CRETPW]\n")
+    with pytest.raises(ConfigError, match="not shown: it holds credentials") as bad:
+        load_config(ServerConfig, environ={**NO_AUTH, "KSPEED_CONFIG": str(path)})
+    assert "S3CRETPW" not in str(bad.value)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from kspeed import names
+from kspeed import names, uris
 from kspeed.errors import ConfigError
 from kspeed.policies import POLICIES
 from kspeed.preprocess.pipeline import Pipeline
@@ -18,7 +18,6 @@ __all__ = ["DatasetSpec"]
 
 KINDS = ("auto", "dir", "list", "manifest", "npy", "tar")
 LABELS = ("", "dirname", "cls")
-MAX_URI = 4096
 
 
 @dataclass(frozen=True)
@@ -32,6 +31,8 @@ class DatasetSpec:
             pattern such as ``train-{000..099}.tar``, or a directory of them; path or fsspec URL) that the
             servers' operator allows. A relative path is made absolute against this process's
             working directory (the servers read the same path: a local cluster, or a shared mount).
+            It names no credentials (``user:password@``, a token or a signature in the query):
+            those belong to the servers' ``backend_options`` (:mod:`kspeed.uris`).
         kind: how to read ``uri``: ``auto`` (default), ``dir``, ``list``, ``manifest``, ``npy`` or ``tar``.
         labels: ``""`` (no labels), ``"dirname"`` (class index of each sample's parent directory) or
             ``"cls"`` (tar shards: the integer in each sample's ``.cls`` member).
@@ -61,12 +62,13 @@ class DatasetSpec:
 
     def __post_init__(self) -> None:
         names.DATASET.check(self.name, ConfigError, what="DatasetSpec.name", field="name", value=self.name)
-        if not isinstance(self.uri, str) or not self.uri or len(self.uri) > MAX_URI or "\0" in self.uri:
-            raise ConfigError(
-                f"DatasetSpec.uri of dataset {self.name!r} must be 1-{MAX_URI} characters without NUL",
-                field="uri",
-                value=self.uri,
-            )
+        uris.check(
+            self.uri,
+            ConfigError,
+            what=f"DatasetSpec.uri of dataset {self.name!r}",
+            field="uri",
+            value=uris.redact(self.uri) if isinstance(self.uri, str) else self.uri,
+        )
         if "://" not in self.uri and not os.path.isabs(self.uri):
             object.__setattr__(self, "uri", os.path.abspath(self.uri))
         if self.kind not in KINDS:

@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from kspeed import names, wire
+from kspeed import names, uris, wire
 from kspeed.control.lifecycle import SERVING
 from kspeed.errors import (
     CapacityError,
@@ -75,8 +75,6 @@ _KINDS = ("", "auto", "dir", "list", "manifest", "npy", "tar")
 _LABELS = ("", "dirname", "cls")
 _CACHES = ("", "preprocessed")
 _POLICIES = ("", *POLICIES)
-MAX_URI = 4096
-MAX_HOLDER = 256
 VERIFY_TTL = 60.0  # seconds a successful attach-time listing holds for further attaches
 CHANGES_SHOWN = 5
 JOIN_POLL = 0.05  # seconds between looks at servers that are still joining
@@ -91,8 +89,7 @@ def validate_spec(spec: kspeed_pb2.DatasetSpec) -> None:
         ProtocolError: naming the field and the value.
     """
     names.DATASET.check(spec.name)
-    if not spec.uri or len(spec.uri) > MAX_URI or "\0" in spec.uri:
-        raise ProtocolError(f"dataset {spec.name!r}: uri must be 1-{MAX_URI} characters without NUL")
+    uris.check(spec.uri, what=f"dataset {spec.name!r}: uri")
     if spec.kind not in _KINDS:
         raise ProtocolError(f"dataset {spec.name!r}: kind {spec.kind!r} is not one of {', '.join(_KINDS[1:])}")
     if spec.labels not in _LABELS:
@@ -423,8 +420,7 @@ class DatasetCatalog:
         spec = request.spec
         validate_spec(spec)
         owner = request.owner or JOB
-        if len(request.holder) > MAX_HOLDER:
-            raise ProtocolError(f"lease holder of {len(request.holder)} chars exceeds {MAX_HOLDER}")
+        names.HOLDER.check(request.holder)
         if request.lease_ttl_s < 0 or request.lease_ttl_s > 86400:
             raise ProtocolError(f"lease_ttl_s {request.lease_ttl_s} must be between 0 and 86400")
         async with self._locks.setdefault(spec.name, asyncio.Lock()):

@@ -6,26 +6,88 @@ an :class:`~kspeed.server.allowlist.AllowList` and builds file systems with the 
 client sends reaches those options. Protocols ``slowfile`` and ``throttled``
 (:mod:`kspeed.server.throttle`: latency per request, a bandwidth cap) stand in for remote storage
 in tests and benchmarks.
+
+HTTP file systems follow redirects and, when listing, the links of a page: every request one makes
+passes :class:`RequestGuard` first, which refuses one outside the allow-list before it connects (a
+redirect from an allowed host to ``169.254.169.254`` goes nowhere).
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import fsspec
 
-from kspeed.errors import BackendError, ConfigError
+from kspeed import uris
+from kspeed.errors import AccessDeniedError, BackendError, ConfigError, DatasetError
 from kspeed.server import throttle  # noqa: F401  (registers the slowfile and throttled protocols)
 from kspeed.server.allowlist import LOCAL_PROTOCOLS, AllowList
 
-__all__ = ["Backend"]
+__all__ = ["FAILURES", "Backend", "RequestGuard"]
 
 log = logging.getLogger(__name__)
 
 URL_PROTOCOLS = frozenset({"http", "https"})  # paths on these file systems are whole URLs
+
+
+def _failures() -> tuple[type[BaseException], ...]:
+    """What a backend's file system raises when it fails: OS and fsspec errors, and aiohttp's
+    (an HTTP server that drops the connection), where it is installed."""
+    try:
+        from aiohttp import ClientError
+    except ImportError:
+        return (OSError, ValueError, RuntimeError)
+    return (OSError, ValueError, RuntimeError, ClientError)
+
+
+#: The exceptions :meth:`Backend.errors` converts to :class:`BackendError`.
+FAILURES = _failures()
+
+
+class RequestGuard:
+    """An aiohttp client middleware that lets a request through only if the allow-list admits its URL.
+
+    It sees every request a session sends, the redirects it follows included, just before the
+    connection, with the URL as it goes on the wire (percent-decoding and ``..`` already applied).
+    """
+
+    def __init__(self, allow: AllowList) -> None:
+        self.allow = allow
+
+    async def __call__(self, request: Any, handler: Any) -> Any:
+        url = str(request.url)
+        if not self.allow.admits_request(url):
+            raise AccessDeniedError(
+                f"a request to {uris.redact(url)} was refused before connecting: it lies outside the "
+                f"{self.allow.name} (a redirect or a link may lead there); rules: "
+                + (", ".join(repr(r.text) for r in self.allow.rules) or "none")
+            )
+        return await handler(request)
+
+    def __repr__(self) -> str:  # part of fsspec's cache key for the file system
+        return f"RequestGuard({self.allow!r})"
+
+
+def _guarded(options: Mapping[str, Any], allow: AllowList) -> dict[str, Any]:
+    """HTTP storage options with :class:`RequestGuard` first among the session's middlewares.
+
+    Raises:
+        ConfigError: the installed aiohttp has no client middlewares (before 3.12).
+    """
+    import aiohttp
+
+    if "middlewares" not in inspect.signature(aiohttp.ClientSession).parameters:
+        raise ConfigError(
+            f"HTTP backends need aiohttp 3.12 or later (installed: {aiohttp.__version__}): a server checks every "
+            "request and redirect they make against its allow-list with a client middleware"
+        )
+    client = dict(options.get("client_kwargs") or {})
+    client["middlewares"] = (RequestGuard(allow), *client.get("middlewares", ()))
+    return {**options, "client_kwargs": client}
 
 
 class Backend:
@@ -50,8 +112,11 @@ class Backend:
         """
         fs = self._fs.get(protocol)
         if fs is None:
+            options = self._options.get(protocol, {})
             try:
-                fs = fsspec.filesystem(protocol, **self._options.get(protocol, {}))
+                if protocol in URL_PROTOCOLS:
+                    options = _guarded(options, self.allow)
+                fs = fsspec.filesystem(protocol, **options)
             except (ImportError, ValueError) as exc:
                 raise ConfigError(f"backend protocol {protocol!r} is not available: {exc}") from exc
             self._fs[protocol] = fs
@@ -81,13 +146,23 @@ class Backend:
         """
         try:
             yield
-        except (OSError, ValueError, RuntimeError) as exc:
+        except FAILURES as exc:
             raise self.error(exc, what, dataset=dataset, sample=sample) from exc
 
     @staticmethod
-    def error(exc: BaseException, what: str, *, dataset: str, sample: object = None) -> BackendError:
-        """The :class:`BackendError` for ``exc`` raised while doing ``what`` (see :meth:`errors`)."""
+    def error(exc: BaseException, what: str, *, dataset: str, sample: object = None) -> DatasetError:
+        """The :class:`BackendError` for ``exc`` raised while doing ``what`` (see :meth:`errors`), or
+        an :class:`AccessDeniedError` where :class:`RequestGuard` refused a request behind it (an
+        HTTP file system reports that as a missing file)."""
         where = f"dataset {dataset!r}" + (f" sample {sample}" if sample is not None else "")
-        err = BackendError(f"{where}: cannot {what}: {type(exc).__name__}: {exc}", dataset=dataset, sample=sample)
+        cause: BaseException | None = exc
+        for _ in range(8):  # (a chain is short; the bound keeps a cyclic one from looping)
+            if cause is None or isinstance(cause, AccessDeniedError):
+                break
+            cause = cause.__cause__ or cause.__context__
+        if isinstance(cause, AccessDeniedError):
+            err: DatasetError = AccessDeniedError(f"{where}: cannot {what}: {cause}", dataset=dataset, sample=sample)
+        else:
+            err = BackendError(f"{where}: cannot {what}: {type(exc).__name__}: {exc}", dataset=dataset, sample=sample)
         err.__cause__ = exc
         return err

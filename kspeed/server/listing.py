@@ -34,7 +34,7 @@ import numpy as np
 from numpy.lib import format as npy_format
 
 from kspeed.errors import DatasetError
-from kspeed.server.backend import Backend
+from kspeed.server.backend import URL_PROTOCOLS, Backend
 from kspeed.server.shards import expand_braces, index_shards
 
 __all__ = ["SOURCE_KINDS", "Keys", "Listing", "list_dataset", "stamp"]
@@ -147,6 +147,8 @@ def _open_dir(
         key = name[len(prefix) :] if name.startswith(prefix) else name
         if any(part.startswith(".") for part in key.split("/")):
             continue
+        if protocol in URL_PROTOCOLS:  # a page's links may lead anywhere: each must lie under the allow-list
+            backend.allow.check(name, dataset=dataset, sample=key)
         if info.get("islink"):
             backend.allow.check(f"{protocol}://{name}", dataset=dataset, sample=key)
         elif info.get("type") != "file":

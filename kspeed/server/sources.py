@@ -22,7 +22,7 @@ import fsspec
 import numpy as np
 
 from kspeed.errors import BackendError, ChangedError, DatasetError, NotFoundError
-from kspeed.server.backend import Backend
+from kspeed.server.backend import FAILURES, Backend
 from kspeed.server.changes import Change
 from kspeed.server.checksum import crc32c
 from kspeed.server.listing import SOURCE_KINDS, Keys, Listing, list_dataset, stamp
@@ -145,6 +145,10 @@ class Source:
             return key
         return posixpath.join(self.root, key) if self.root else key
 
+    def where(self, path: str) -> str:
+        """``path`` as a URI, for messages (an HTTP file system's paths are whole URLs already)."""
+        return path if "://" in path else f"{self.protocol}://{path}"
+
     def paths(self, ids: Sequence[int]) -> list[str]:
         """The backend paths of owned, valid sample IDs (no ID check: for the preload's runs)."""
         if self._keys is None:
@@ -198,7 +202,7 @@ class Source:
                 raise errors[0]
             return size
         path = self.path(i)
-        what = f"read {self.protocol}://{path}"
+        what = f"read {self.where(path)}"
         try:
             return self._read_remote(i, path, what, view, size)
         except FileNotFoundError:
@@ -290,7 +294,7 @@ class Source:
             ends.append(end)
         try:
             got = self.fs.cat_ranges(paths, starts, ends, on_error="return")
-        except (OSError, ValueError, RuntimeError) as exc:  # the whole call failed: each sample with it
+        except FAILURES as exc:  # the whole call failed: each sample with it
             got = [exc] * len(paths)
         out: list[DatasetError | None] = []
         for i, path, dst, data in zip(ids, paths, dsts, got, strict=True):
@@ -298,7 +302,7 @@ class Source:
             if isinstance(data, FileNotFoundError):
                 out.append(self.changed_error(Change(int(i), path, "deleted")))
             elif isinstance(data, BaseException):
-                out.append(self.backend.error(data, f"read {self.protocol}://{path}", dataset=self.dataset, sample=i))
+                out.append(self.backend.error(data, f"read {self.where(path)}", dataset=self.dataset, sample=i))
             elif len(data) != size:
                 out.append(self.size_changed(int(i), size, len(data)))
             else:
@@ -349,7 +353,7 @@ class Source:
 
     def _differs(self, path: str, size: int, listed: float | None, *, exact: bool) -> str:
         """What differs between ``path`` now and its listing ("" when nothing)."""
-        with self.backend.errors(f"stat {self.protocol}://{path}", dataset=self.dataset):
+        with self.backend.errors(f"stat {self.where(path)}", dataset=self.dataset):
             try:
                 info = self.fs.info(path)
             except FileNotFoundError:

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from kspeed.errors import AccessDeniedError
+from kspeed.errors import AccessDeniedError, ConfigError
 from kspeed.server.allowlist import AllowList
 
 
@@ -56,3 +56,60 @@ def test_remote_protocol_and_prefix():
     assert not allow.admits("file:///bucket/prefix/a")
     assert allow.admits("gs://anything/at/all")
     assert not allow.admits("http://bucket/prefix/a")
+
+
+@pytest.mark.parametrize(
+    ("rule", "meant"),
+    [("http", "'http://'"), ("s3:", "'s3://'"), ("https:/", "'https://'"), ("data/imgs", "an absolute path such as")],
+)
+def test_a_rule_that_is_not_absolute_is_refused_naming_what_was_meant(rule, meant, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / rule.split(":")[0]).mkdir(parents=True)  # it would have admitted this tree
+    with pytest.raises(ConfigError) as refused:
+        AllowList([rule], name="--backend-allow")
+    message = str(refused.value)
+    assert f"--backend-allow entry {rule!r} is a relative path" in message and meant in message
+    assert refused.value.field == "server.backend_allow"
+    if meant.startswith("an absolute"):
+        assert repr(str(tmp_path / rule)) in message
+    with pytest.raises(ConfigError, match="is not an absolute local path"):
+        AllowList(["file://data/imgs"])
+
+
+def test_a_rule_with_credentials_is_refused_without_showing_them():
+    with pytest.raises(ConfigError) as refused:
+        AllowList(["https://alice:S3CRETPW@data.example/imgs"])
+    assert "S3CRETPW" not in str(refused.value) and "backend_options" in str(refused.value)
+    assert "S3CRETPW" not in str(refused.value.value)
+
+
+@pytest.mark.parametrize(
+    ("uri", "why"),
+    [
+        ("http://alice:S3CRETPW@data.example/imgs/x.npy", "carries credentials"),
+        ("http://data.example/imgs/x.npy?X-Amz-Signature=S3CRETPW", "carries credentials"),
+        ("simplecache::http://data.example/imgs/x.npy", "chained URL"),
+        ("zip://x.npy::http://data.example/imgs/a.zip", "chained URL"),
+        ("file://169.254.169.254/imgs/x.npy", "not an absolute local path"),
+        ("imgs/x.npy", "not an absolute local path"),
+        ("http://data.example/imgs/%2e%2e/admin", "contains '..'"),
+        ("http://data.example/imgs/%252E%252E/admin", "contains '..'"),
+        ("http://data.example/imgs/..%5Cadmin", "contains '..'"),
+    ],
+)
+def test_uris_refused_whatever_the_rules(uri, why, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "imgs").mkdir()
+    allow = AllowList(["http://", "zip://", "simplecache://", "file://", str(tmp_path)])
+    with pytest.raises(AccessDeniedError, match=why) as refused:
+        allow.check(uri, dataset="ds")
+    assert "S3CRETPW" not in str(refused.value) and refused.value.dataset == "ds"
+
+
+def test_a_request_is_admitted_by_where_it_goes_only():
+    allow = AllowList(["http://127.0.0.1:8000/data"])
+    assert allow.admits_request("http://127.0.0.1:8000/data/x.npy?X-Amz-Signature=abc")  # a presigned redirect
+    assert not allow.admits_request("http://127.0.0.1:8000/other/x.npy")
+    assert not allow.admits_request("http://127.0.0.1:8001/data/x.npy")
+    assert not allow.admits_request("http://169.254.169.254/latest/meta-data/")
+    assert not allow.admits_request("http://127.0.0.1:8000/data/%2e%2e/x")

@@ -1,0 +1,1 @@
+"""Attacks against real daemons on loopback, bounded in time and count (marker ``security``)."""
