@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from kspeed.control.lifecycle import state_name
 from kspeed.proto import kspeed_pb2
+from kspeed.uris import redact
 
 __all__ = ["dataset_dict", "human_bytes", "job_dict", "server_dict", "state_name", "status_dict"]
 
@@ -53,7 +54,7 @@ def dataset_dict(info: kspeed_pb2.DatasetInfo) -> dict:
     p = info.progress
     return {
         "name": info.spec.name,
-        "uri": info.spec.uri,
+        "uri": redact(info.spec.uri),  # (a registry written before credentials were refused may hold some)
         "kind": info.spec.kind or "auto",
         "labels": info.spec.labels,
         "quota_bytes": info.spec.quota_bytes,

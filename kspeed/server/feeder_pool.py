@@ -215,6 +215,7 @@ class FeederPool:
             RailUnavailableError, AuthError, PeerLostError: the data-plane connection failed.
         """
         names.FEED_ID.check(request.feed_id)
+        names.HOLDER.check(request.holder)  # it reaches the log
         if not 1 <= request.generation <= 255:
             raise ProtocolError(f"feed {request.feed_id}: generation {request.generation} must be 1..255")
         if request.rail not in available_rails():
