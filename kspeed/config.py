@@ -550,6 +550,13 @@ class ServerConfig(DaemonConfig):
         parse=parse_duration,
         env="KSPEED_STREAM_IDLE_TIMEOUT",
     )
+    max_plan_bytes: int = option(
+        1024**3,
+        "largest plan part one client may send this server in one call (about 24 bytes a sample); a stream "
+        "past it is refused as its chunks arrive",
+        parse=parse_bytes,
+        env="KSPEED_MAX_PLAN_BYTES",
+    )
     production_window: int = option(
         0,
         "pool memory reserved for samples produced ahead of the plans that are not at home yet "
@@ -633,6 +640,12 @@ class ServerConfig(DaemonConfig):
                 "server.stream_idle_timeout must be positive",
                 field="server.stream_idle_timeout",
                 value=self.stream_idle_timeout,
+            )
+        if self.max_plan_bytes < 1024**2:
+            raise ConfigError(
+                f"server.max_plan_bytes: {format_bytes(self.max_plan_bytes)} is less than 1MiB",
+                field="server.max_plan_bytes",
+                value=self.max_plan_bytes,
             )
         unknown = sorted(set(self.transports) - set(_rail_names()))
         if unknown:

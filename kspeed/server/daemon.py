@@ -154,7 +154,15 @@ class Server:
             interceptors=[*rpc.server_interceptors(cfg.security, aio=False), self.streams],
             options=rpc.server_options(cfg.max_request_bytes),
         )
-        service = ServerService(self.id, cfg.manager, self.host, self.feeders, self.inventory, self._registration)
+        service = ServerService(
+            self.id,
+            cfg.manager,
+            self.host,
+            self.feeders,
+            self.inventory,
+            self._registration,
+            max_plan_bytes=cfg.max_plan_bytes,
+        )
         self._grpc.add_generic_rpc_handlers(
             (rpc.service_handler("Server", service, max_request_bytes=cfg.max_request_bytes),)
         )
