@@ -344,15 +344,17 @@ class DaemonConfig:
         metavar="PATH,...",
     )
     max_connections: int = option(
-        1024,
-        "gRPC connections at once; more are refused (each holds a file descriptor: keep the unit's LimitNOFILE "
-        "above this plus http_connections)",
+        16384,
+        "gRPC connections at once (every client process holds one to the manager and one to each server); more "
+        "are closed as they come. Each holds a file descriptor: keep the unit's LimitNOFILE above this plus "
+        "http_connections",
         parse=_parse_int,
         env="KSPEED_MAX_CONNECTIONS",
     )
     handshake_timeout: float = option(
         10.0,
-        "longest a new gRPC connection may take to finish its TLS and HTTP/2 handshake, however it trickles",
+        "longest a new gRPC connection may take to finish its TLS and HTTP/2 handshake, however it trickles, and a "
+        "call to a server to send its request (each waits on one of the server's rpc_threads)",
         parse=parse_duration,
         env="KSPEED_HANDSHAKE_TIMEOUT",
     )

@@ -39,7 +39,7 @@ import grpc
 from kspeed.control.rpc import ERROR_HEADER, OPEN_METHODS
 from kspeed.errors import BusyError
 
-__all__ = ["AioStreamGuard", "StreamGuard"]
+__all__ = ["AioStreamGuard", "StreamGuard", "peer_address"]
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ class StreamGuard(grpc.ServerInterceptor):
         return guarded
 
     def _admit(self, context: grpc.ServicerContext, method: str) -> _Stream:
-        admitted = self._admission.admit(_address(context.peer()), method)
+        admitted = self._admission.admit(peer_address(context.peer()), method)
         if isinstance(admitted, _Stream):
             return admitted
         context.set_trailing_metadata(((ERROR_HEADER, BusyError.__name__),))
@@ -285,7 +285,7 @@ class AioStreamGuard(grpc.aio.ServerInterceptor):
         )
 
     async def _admit(self, context: grpc.aio.ServicerContext, method: str) -> _Stream:
-        admitted = self._admission.admit(_address(context.peer()), method)
+        admitted = self._admission.admit(peer_address(context.peer()), method)
         if isinstance(admitted, _Stream):
             return admitted
         context.set_trailing_metadata(((ERROR_HEADER, BusyError.__name__),))
@@ -385,7 +385,7 @@ class _Touching:
         return getattr(self._context, name)
 
 
-def _address(peer: str) -> str:
+def peer_address(peer: str) -> str:
     """A gRPC peer without its port (``ipv4:10.0.0.1:5000`` -> ``ipv4:10.0.0.1``)."""
     kind, _, rest = peer.partition(":")
     if kind in ("ipv4", "ipv6"):

