@@ -197,7 +197,6 @@ class HttpEndpoint:
                 log.debug("http %s " + format, self.address_string(), *args)
 
         self.gate = Gate("HTTP connection", total=limits.connections, per_peer=limits.per_peer, deadline=limits.timeout)
-        self.scheme = "https" if tls is not None else "http"
         try:
             self._server = _GatedServer((host, int(port)), Handler, self.gate, tls)
         except OSError as exc:
