@@ -69,7 +69,10 @@ def split_address(address: str | tuple[str, int]) -> tuple[str, int]:
 
 
 def _dial(address: str | tuple[str, int], source: str = "", timeout: float = 2.0) -> socket.socket:
-    """A connection to ``host:port``, or to an abstract Unix socket given as ``"\\0name"``."""
+    """A connection to ``host:port``, or to an abstract Unix socket given as ``"\\0name"`` (or
+    ``unix-abstract:name``, as a command line can spell it)."""
+    if isinstance(address, str) and address.startswith("unix-abstract:"):
+        address = "\0" + address.partition(":")[2]
     if isinstance(address, str) and address.startswith("\0"):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         target: str | tuple[str, int] = address
@@ -427,8 +430,9 @@ _ATTACKS: dict[str, Callable[..., Any]] = {
 def main(argv: list[str] | None = None) -> int:
     """``python -m tests.security.attacks NAME ADDRESS [--key value ...]``: run one attack, print its report.
 
-    Each ``--key value`` is the attack function's keyword argument (numbers as numbers, ``--payload``
-    as text, ``--sources`` comma-separated).
+    Each ``--key value`` is the attack function's keyword argument: numbers as numbers, ``--payload``
+    as text or ``--payload-hex`` as hex (a tcp hello:
+    ``wire.HELLO.pack(wire.MAGIC, wire.BULK, consumer, 0).hex()``), ``--sources`` comma-separated.
     """
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("attack", choices=sorted(_ATTACKS))
@@ -441,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
             kwargs[name] = value.split(",")
         elif name == "payload":
             kwargs[name] = value.encode()
+        elif name == "payload_hex":
+            kwargs["payload"] = bytes.fromhex(value)
         else:
             kwargs[name] = json.loads(value) if value[:1].isdigit() or value[:1] == "-" else value
     report = _ATTACKS[args.attack](args.address, **kwargs)
