@@ -354,11 +354,83 @@ class DaemonConfig:
         env="KSPEED_HTTP_OPEN",
         metavar="PATH,...",
     )
+    max_connections: int = option(
+        16384,
+        "gRPC connections at once (every client process holds one to the manager and one to each server); more "
+        "are closed as they come. Each holds a file descriptor: keep the unit's LimitNOFILE above this plus "
+        "http_connections",
+        parse=_parse_int,
+        env="KSPEED_MAX_CONNECTIONS",
+    )
+    handshake_timeout: float = option(
+        10.0,
+        "longest a new gRPC connection may take to finish its TLS and HTTP/2 handshake, however it trickles, and a "
+        "call to a server to send its request (each waits on one of the server's rpc_threads)",
+        parse=parse_duration,
+        env="KSPEED_HANDSHAKE_TIMEOUT",
+    )
+    connection_idle_timeout: float = option(
+        300.0,
+        "a gRPC connection that carries no call for this long is closed (a client reconnects at its next call)",
+        parse=parse_duration,
+        env="KSPEED_CONNECTION_IDLE_TIMEOUT",
+    )
+    stream_idle_timeout: float = option(
+        30.0,
+        "longest a gRPC stream may wait for its caller's next message (a health Watch: for a change of status) "
+        "before it is cancelled",
+        parse=parse_duration,
+        env="KSPEED_STREAM_IDLE_TIMEOUT",
+    )
+    health_watches: int = option(
+        16,
+        "grpc.health.v1 Watch streams at once, a quarter of them from one address: they need no token, so they get "
+        "a share of their own and never take a stream that token holders need",
+        parse=_parse_int,
+        env="KSPEED_HEALTH_WATCHES",
+    )
+    http_connections: int = option(
+        64,
+        "HTTP connections at once (a thread each); past it, or past http_connections_per_peer from one address, "
+        "the oldest connection is closed to make room",
+        parse=_parse_int,
+        env="KSPEED_HTTP_CONNECTIONS",
+    )
+    http_connections_per_peer: int = option(
+        16, "HTTP connections at once from one address", parse=_parse_int, env="KSPEED_HTTP_CONNECTIONS_PER_PEER"
+    )
+    http_timeout: float = option(
+        10.0,
+        "longest an HTTP connection stays open (TLS handshake, request and answer): a slow or idle client is dropped",
+        parse=parse_duration,
+        env="KSPEED_HTTP_TIMEOUT",
+    )
     security: SecurityConfig = dataclasses.field(default_factory=SecurityConfig)
 
     def http_token(self) -> str:
         """The token HTTP routes other than :attr:`http_open` require ("" when auth is off)."""
         return self.security.token if self.security.auth == "token" else ""
+
+    def validate_listeners(self, section: str) -> None:
+        """Check the listeners' caps (``section`` names the daemon in messages)."""
+        for name, low, high in (
+            ("max_connections", 16, 1 << 20),
+            ("health_watches", 1, 1 << 16),
+            ("http_connections", 1, 1 << 16),
+            ("http_connections_per_peer", 1, 1 << 16),
+        ):
+            value = getattr(self, name)
+            if not low <= value <= high:
+                raise ConfigError(
+                    f"{section}.{name}: {value} is not between {low} and {high}", field=f"{section}.{name}", value=value
+                )
+        if self.http_connections_per_peer > self.http_connections:
+            raise ConfigError(
+                f"{section}.http_connections_per_peer ({self.http_connections_per_peer}) exceeds "
+                f"{section}.http_connections ({self.http_connections})",
+                field=f"{section}.http_connections_per_peer",
+                value=self.http_connections_per_peer,
+            )
 
 
 def default_of(name: str, value: Any) -> Any:
@@ -416,6 +488,13 @@ class ManagerConfig(DaemonConfig):
         parse=parse_duration,
         env="KSPEED_RESTART_GRACE",
     )
+    max_streams: int = option(
+        1024,
+        "gRPC streams at once (membership watches of clients), at most half of them from one address; one more "
+        "is refused with BusyError (the caller retries)",
+        parse=_parse_int,
+        env="KSPEED_MANAGER_MAX_STREAMS",
+    )
     rebuild_state: bool = option(
         False,
         "move a damaged state file aside and rebuild the registry from the servers' assignment files (once, "
@@ -440,6 +519,13 @@ class ManagerConfig(DaemonConfig):
                 field="manager.heartbeat_interval",
                 value=self.heartbeat_interval,
             )
+        if not 2 <= self.max_streams <= 1 << 16:
+            raise ConfigError(
+                f"manager.max_streams: {self.max_streams} is not between 2 and {1 << 16}",
+                field="manager.max_streams",
+                value=self.max_streams,
+            )
+        self.validate_listeners("manager")
         self.security.validate()
 
 
@@ -556,11 +642,12 @@ class ServerConfig(DaemonConfig):
         parse=_parse_int,
         env="KSPEED_RPC_THREADS",
     )
-    stream_idle_timeout: float = option(
-        30.0,
-        "longest a gRPC stream may wait for its caller's next message before it is cancelled",
-        parse=parse_duration,
-        env="KSPEED_STREAM_IDLE_TIMEOUT",
+    max_plan_bytes: int = option(
+        1024**3,
+        "largest plan part one client may send this server in one call (about 24 bytes a sample); a stream "
+        "past it is refused as its chunks arrive",
+        parse=parse_bytes,
+        env="KSPEED_MAX_PLAN_BYTES",
     )
     production_window: int = option(
         0,
@@ -640,12 +727,13 @@ class ServerConfig(DaemonConfig):
                 field="server.rpc_threads",
                 value=self.rpc_threads,
             )
-        if not self.stream_idle_timeout > 0:
+        if self.max_plan_bytes < 1024**2:
             raise ConfigError(
-                "server.stream_idle_timeout must be positive",
-                field="server.stream_idle_timeout",
-                value=self.stream_idle_timeout,
+                f"server.max_plan_bytes: {format_bytes(self.max_plan_bytes)} is less than 1MiB",
+                field="server.max_plan_bytes",
+                value=self.max_plan_bytes,
             )
+        self.validate_listeners("server")
         unknown = sorted(set(self.transports) - set(_rail_names()))
         if unknown:
             raise ConfigError(

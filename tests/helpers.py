@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import ssl
 import urllib.error
 import urllib.request
 
@@ -19,13 +20,15 @@ def client_for(cluster: LocalCluster) -> ManagerClient:
     return ManagerClient(load_config(ClientConfig, environ={}, overrides=overrides))
 
 
-def http_get(address: str, path: str, token: str = "") -> tuple[int, str]:
-    """GET ``http://address/path`` (with a bearer ``token`` if given) and return (status, body)."""
-    request = urllib.request.Request(f"http://{address}{path}")
+def http_get(address: str, path: str, token: str = "", ca: str | None = None) -> tuple[int, str]:
+    """GET ``http://address/path`` (with a bearer ``token`` if given) and return (status, body);
+    ``https://`` verified against the CA bundle ``ca`` when it is given (a daemon with TLS)."""
+    request = urllib.request.Request(f"{'https' if ca else 'http'}://{address}{path}")
     if token:
         request.add_header("Authorization", f"Bearer {token}")
+    context = ssl.create_default_context(cafile=ca) if ca else None
     try:
-        with urllib.request.urlopen(request, timeout=5) as response:
+        with urllib.request.urlopen(request, timeout=5, context=context) as response:
             return response.status, response.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()

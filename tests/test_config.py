@@ -87,6 +87,27 @@ def test_cross_field_rules():
         load_config(ServerConfig, environ={**NO_AUTH, "KSPEED_SERVER_ID": "../x"})
 
 
+@pytest.mark.parametrize(
+    ("config", "variables", "field"),
+    [
+        (
+            ManagerConfig,
+            {"KSPEED_HTTP_CONNECTIONS": "8", "KSPEED_HTTP_CONNECTIONS_PER_PEER": "9"},
+            "manager.http_connections_per_peer",
+        ),
+        (ServerConfig, {"KSPEED_HTTP_CONNECTIONS": "0"}, "server.http_connections"),
+        (ServerConfig, {"KSPEED_MAX_CONNECTIONS": "4"}, "server.max_connections"),
+        (ManagerConfig, {"KSPEED_HEALTH_WATCHES": "0"}, "manager.health_watches"),
+        (ManagerConfig, {"KSPEED_MANAGER_MAX_STREAMS": "1"}, "manager.max_streams"),
+        (ServerConfig, {"KSPEED_MAX_PLAN_BYTES": "64KiB"}, "server.max_plan_bytes"),
+    ],
+)
+def test_listener_caps_out_of_range_name_the_field(config, variables, field):
+    with pytest.raises(ConfigError) as err:
+        load_config(config, environ={**NO_AUTH, **variables})
+    assert err.value.field == field and field in str(err.value)
+
+
 def test_token_is_required_unless_auth_none(tmp_path):
     with pytest.raises(ConfigError, match="no token"):
         load_config(ManagerConfig, environ={})

@@ -122,3 +122,20 @@ def test_units_are_hardened(path, tmp_path):
     match = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", done.stdout)
     assert match, done.stdout + done.stderr
     assert float(match.group(1)) <= EXPOSURE_LIMIT, done.stdout
+
+
+@pytest.mark.parametrize("name", ["manager", "server"])
+def test_units_limit_descriptors_and_tasks_above_the_daemons_own_caps(name, tmp_path):
+    # Without limits of its own, a daemon took a thread and a descriptor per idle HTTP connection
+    # until the host's ran out; the units' limits must still leave room for the daemons' own caps.
+    token = tmp_path / "token"
+    token.write_text("example-token\n")
+    env = {"KSPEED_CONFIG": str(DEPLOY / "config" / "kspeed.yaml"), "KSPEED_TOKEN_FILE": str(token)}
+    cfg = load_config(ManagerConfig if name == "manager" else ServerConfig, environ=env)
+    service = unit(DEPLOY / "systemd" / f"kspeed-{name}.service")["Service"]
+    descriptors, tasks = int(service["LimitNOFILE"]), int(service["TasksMax"])
+    assert descriptors > cfg.max_connections + cfg.http_connections
+    threads = cfg.http_connections + (
+        cfg.rpc_threads + cfg.preload_threads + cfg.production_threads if isinstance(cfg, ServerConfig) else 0
+    )
+    assert tasks > 2 * threads

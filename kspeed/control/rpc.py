@@ -24,7 +24,7 @@ from google.protobuf import message as pb_message
 
 from kspeed import errors
 from kspeed._version import PROTOCOL_VERSIONS
-from kspeed.config import SecurityConfig, setting
+from kspeed.config import DaemonConfig, SecurityConfig, setting
 from kspeed.proto import kspeed_pb2
 
 log = logging.getLogger(__name__)
@@ -291,6 +291,22 @@ def server_options(max_request_bytes: int) -> list[tuple[str, Any]]:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ("grpc.so_reuseport", 0),
+    ]
+
+
+def listener_options(config: DaemonConfig) -> list[tuple[str, Any]]:
+    """Options that bound a daemon's gRPC connections: how many at once (more are closed as they
+    come), how long a handshake may take in all (TLS and the HTTP/2 preface, however it trickles),
+    and how long a connection may carry no call before it is closed.
+
+    gRPC cannot cap connections per address: their streams are capped per address instead
+    (:mod:`kspeed.control.streams`), and a connection without a call does not outlive
+    ``connection_idle_timeout``; deploy/README.md shows a firewall rule for a per-address cap.
+    """
+    return [
+        ("grpc.max_allowed_incoming_connections", config.max_connections),
+        ("grpc.server_handshake_timeout_ms", int(config.handshake_timeout * 1000)),
+        ("grpc.max_connection_idle_ms", int(config.connection_idle_timeout * 1000)),
     ]
 
 

@@ -25,8 +25,9 @@ from grpc_health.v1._async import HealthServicer
 from kspeed.config import ManagerConfig
 from kspeed.control import rpc
 from kspeed.control.daemon import daemon_main, ensure_state_dir, write_ready_file
-from kspeed.control.http import HttpEndpoint, json_response, metrics_route, text_response
+from kspeed.control.http import HttpEndpoint, HttpLimits, json_response, metrics_route, server_tls, text_response
 from kspeed.control.status import status_dict
+from kspeed.control.streams import AioStreamGuard
 from kspeed.manager.calls import ServerCalls
 from kspeed.manager.datasets import DatasetCatalog
 from kspeed.manager.membership import DRAINING, FAILED, JOINING, LEFT, READY, Membership, Timers
@@ -74,6 +75,7 @@ class Manager:
         self._stopping = asyncio.Event()
         self._ready = False
         self._server: grpc.aio.Server | None = None
+        self.streams: AioStreamGuard | None = None
         self._http: HttpEndpoint | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._probes: set[asyncio.Task[Any]] = set()  # probes and failovers under way
@@ -83,9 +85,12 @@ class Manager:
     async def start(self) -> None:
         """Bind gRPC and HTTP, start the timers and the prober."""
         cfg = self.config
+        self.streams = AioStreamGuard(
+            cfg.max_streams, max(cfg.max_streams // 2, 1), cfg.stream_idle_timeout, watches=cfg.health_watches
+        )
         self._server = grpc.aio.server(
-            interceptors=rpc.server_interceptors(cfg.security, aio=True),
-            options=rpc.server_options(cfg.max_request_bytes),
+            interceptors=[*rpc.server_interceptors(cfg.security, aio=True), self.streams],
+            options=[*rpc.server_options(cfg.max_request_bytes), *rpc.listener_options(cfg)],
         )
         self._server.add_generic_rpc_handlers(
             (rpc.service_handler("Manager", self.service, max_request_bytes=cfg.max_request_bytes),)
@@ -102,6 +107,8 @@ class Manager:
             },
             token=cfg.http_token(),
             open_routes=cfg.http_open,
+            limits=HttpLimits.of(cfg),
+            tls=server_tls(cfg.security),
         )
         await self._server.start()
         await self.health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
@@ -239,6 +246,8 @@ class Manager:
             await task
         if self._server is not None:
             await self._server.stop(grace=1.0)
+        if self.streams is not None:
+            await self.streams.close()
         await self.calls.close()
         if self._http is not None:
             self._http.close()

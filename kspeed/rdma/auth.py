@@ -1,9 +1,19 @@
 """Mutual challenge-response that authenticates a data-plane connection before anything is honoured.
 
 Each side sends a fresh 32-byte nonce; each proves knowledge of the shared key with an HMAC-SHA256
-over a role label, the dialer's hello (which names what it wants to reach) and both nonces. Neither
-side sends anything derived from the key before it has seen the other's nonce, so a recorded
-exchange cannot be replayed, and the listener answers only after the dialer has proved itself.
+over a role label, the dialer's hello (which names what it wants to reach) and both nonces::
+
+    dialer                                   listener
+    hello, dialer nonce        ------>
+                               <------       listener nonce
+    dialer MAC                 ------>
+                               <------       OK + listener MAC   (or REFUSED, then close)
+
+Neither side sends anything derived from the key before it has seen the other's nonce, so a
+recorded exchange cannot be replayed. The listener proves itself only after the dialer has: a
+hello names a consumer by a small number, so a listener that answered every hello with a MAC would
+hand anyone who can reach its port material to test guesses of a weak token offline. A dialer
+reaches a listener only through material handed over the authenticated control plane.
 """
 
 from __future__ import annotations
@@ -98,24 +108,24 @@ def dial(sock: socket.socket, key: bytes, hello: bytes) -> None:
     """Authenticate as the dialer, after ``hello`` was sent in the clear.
 
     Raises:
-        AuthError: the listener could not prove it knows the key, or refused ours.
+        AuthError: the listener refused our proof, or could not prove it knows the key.
         PeerLostError: the listener vanished or stalled during the exchange.
     """
     nonce = os.urandom(NONCE_BYTES)
     _send(sock, nonce, "handshake")
-    reply = recv_exact(sock, NONCE_BYTES + _MAC_BYTES, "handshake")
-    listener_nonce, listener_mac = reply[:NONCE_BYTES], reply[NONCE_BYTES:]
-    if not hmac.compare_digest(listener_mac, _mac(key, b"kspeed-listener", hello, nonce, listener_nonce)):
-        raise AuthError(f"data-plane listener failed authentication (wrong token or connection material); {TOKEN_HINT}")
+    listener_nonce = recv_exact(sock, NONCE_BYTES, "handshake")
     _send(sock, _mac(key, b"kspeed-dialer", hello, nonce, listener_nonce), "handshake")
     if recv_exact(sock, 1, "handshake") != _OK:
         raise AuthError(
             f"data-plane listener refused our credentials (wrong token or connection material); {TOKEN_HINT}"
         )
+    listener_mac = recv_exact(sock, _MAC_BYTES, "handshake")
+    if not hmac.compare_digest(listener_mac, _mac(key, b"kspeed-listener", hello, nonce, listener_nonce)):
+        raise AuthError(f"data-plane listener failed authentication (wrong token or connection material); {TOKEN_HINT}")
 
 
 def accept(sock: socket.socket, key: bytes, hello: bytes) -> None:
-    """Authenticate a dialer whose ``hello`` has been read.
+    """Authenticate a dialer whose ``hello`` has been read; prove ourselves only once it has.
 
     Raises:
         AuthError: the dialer could not prove it knows the key (it is told so, then dropped).
@@ -123,7 +133,7 @@ def accept(sock: socket.socket, key: bytes, hello: bytes) -> None:
     """
     dialer_nonce = recv_exact(sock, NONCE_BYTES, "handshake")
     nonce = os.urandom(NONCE_BYTES)
-    _send(sock, nonce + _mac(key, b"kspeed-listener", hello, dialer_nonce, nonce), "handshake")
+    _send(sock, nonce, "handshake")
     dialer_mac = recv_exact(sock, _MAC_BYTES, "handshake")
     if not hmac.compare_digest(dialer_mac, _mac(key, b"kspeed-dialer", hello, dialer_nonce, nonce)):
         try:
@@ -131,4 +141,4 @@ def accept(sock: socket.socket, key: bytes, hello: bytes) -> None:
         except OSError:
             log.debug("dialer left before hearing it was refused")
         raise AuthError(f"data-plane dialer failed authentication (wrong token or connection material); {TOKEN_HINT}")
-    _send(sock, _OK, "handshake")
+    _send(sock, _OK + _mac(key, b"kspeed-listener", hello, dialer_nonce, nonce), "handshake")

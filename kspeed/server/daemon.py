@@ -23,8 +23,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kspeed._version import __version__
 from kspeed.config import ServerConfig
 from kspeed.control import rpc
+from kspeed.control.arrivals import ArrivalGuard
 from kspeed.control.daemon import StopSignals, daemon_main, ensure_state_dir, write_ready_file
-from kspeed.control.http import HttpEndpoint, metrics_route, text_response
+from kspeed.control.http import HttpEndpoint, HttpLimits, metrics_route, server_tls, text_response
 from kspeed.control.logs import LogSettings
 from kspeed.control.streams import StreamGuard
 from kspeed.errors import KSpeedError
@@ -66,6 +67,7 @@ class Server:
         self.feeders: FeederPool | None = None
         self.prep: PrepPool | None = None
         self.streams: StreamGuard | None = None
+        self.arrivals: ArrivalGuard | None = None
         self.metrics = ServerMetrics(lambda: self.host, lambda: self.feeders.production if self.feeders else None)
         self.readiness = ReadinessWatch(config.manager)
         self.health = ProbedHealth(self.readiness.probed)
@@ -148,13 +150,22 @@ class Server:
         )
         host.watch.start()
         streams = max(cfg.rpc_threads - UNARY_THREADS, 1)
-        self.streams = StreamGuard(streams, max(streams // 2, 1), cfg.stream_idle_timeout)
+        self.streams = StreamGuard(streams, max(streams // 2, 1), cfg.stream_idle_timeout, watches=cfg.health_watches)
+        self.arrivals = ArrivalGuard(cfg.handshake_timeout, max(cfg.rpc_threads // 4, 1))
         self._grpc = grpc.server(
             futures.ThreadPoolExecutor(streams + UNARY_THREADS, thread_name_prefix="kspeed-rpc"),
-            interceptors=[*rpc.server_interceptors(cfg.security, aio=False), self.streams],
-            options=rpc.server_options(cfg.max_request_bytes),
+            interceptors=[*rpc.server_interceptors(cfg.security, aio=False), self.arrivals, self.streams],
+            options=[*rpc.server_options(cfg.max_request_bytes), *rpc.listener_options(cfg)],
         )
-        service = ServerService(self.id, cfg.manager, self.host, self.feeders, self.inventory, self._registration)
+        service = ServerService(
+            self.id,
+            cfg.manager,
+            self.host,
+            self.feeders,
+            self.inventory,
+            self._registration,
+            max_plan_bytes=cfg.max_plan_bytes,
+        )
         self._grpc.add_generic_rpc_handlers(
             (rpc.service_handler("Server", service, max_request_bytes=cfg.max_request_bytes),)
         )
@@ -172,6 +183,8 @@ class Server:
             },
             token=cfg.http_token(),
             open_routes=cfg.http_open,
+            limits=HttpLimits.of(cfg),
+            tls=server_tls(cfg.security),
         )
         http_announced = http_address(self._http.address, announced)
         self._grpc.start()
@@ -289,6 +302,8 @@ class Server:
             self._grpc.stop(grace=self.config.drain_timeout).wait()
         if self.streams is not None:
             self.streams.close()
+        if self.arrivals is not None:
+            self.arrivals.close()
         if self._http is not None:
             self._http.close()
         if self.feeders is not None:

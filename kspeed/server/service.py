@@ -9,11 +9,12 @@ import numpy as np
 
 from kspeed import wire
 from kspeed._version import PROTOCOL_VERSIONS, __version__
+from kspeed.config import format_bytes
 from kspeed.control import rpc
-from kspeed.errors import ProtocolError
+from kspeed.errors import CapacityError, ProtocolError
 from kspeed.proto import kspeed_pb2
 from kspeed.server.datasets import DatasetHost, decode_ids
-from kspeed.server.feeder_pool import FeederPool, PlanOffer
+from kspeed.server.feeder_pool import MAX_PLAN, FeederPool, PlanOffer
 
 MAX_LOOKUP_CHUNK = 1 << 20  # IDs per Lookup call
 MAX_READ_IDS = 1 << 16  # IDs per Read call
@@ -31,8 +32,11 @@ class ServerService:
         feeders: FeederPool,
         inventory: Callable[[], kspeed_pb2.ServerInventory],
         registration: Callable[[], tuple[bool, int]],
+        *,
+        max_plan_bytes: int,
     ) -> None:
         self._id = server_id
+        self._max_plan_bytes = max_plan_bytes
         self._feeders = feeders
         self._manager = manager_address
         self._host = host
@@ -118,12 +122,38 @@ class ServerService:
         return self._commit(requests)
 
     def _commit(self, requests: Iterable[kspeed_pb2.PlanChunk]) -> kspeed_pb2.PlanReply:
-        """Install the plan part of ``requests`` (one message, or the chunks of a stream)."""
+        """Install the plan part of ``requests`` (one message, or the chunks of a stream).
+
+        Each chunk is checked as it arrives, before it is kept: the first must name an open feed
+        and a plan of at most :data:`MAX_PLAN` samples, and the chunks together may hold no more
+        IDs than that plan and no more than ``max_plan_bytes``. A stream that breaks a rule is
+        refused at once, whatever follows it, so a call's memory is bounded.
+        """
         head = None
+        dataset = ""
+        taken = kept = 0  # IDs and bytes of the chunks so far
         ids, lengths, positions, offsets, remote = [], [], [], [], []
         for chunk in requests:
-            head = head or chunk
+            if head is None:
+                if not chunk.feed_id:
+                    raise ProtocolError("CommitPlan: the first chunk must name the feed")
+                dataset = self._feeders.dataset_of(chunk.feed_id)  # NotFoundError: nothing was kept
+                if chunk.count > MAX_PLAN:
+                    raise ProtocolError(f"CommitPlan: a plan of {chunk.count} samples exceeds {MAX_PLAN}")
+                head = chunk
             count = len(chunk.ids) // 8
+            taken += count
+            kept += len(chunk.ids) + len(chunk.lengths) + len(chunk.positions) + len(chunk.offsets) + len(chunk.remote)
+            if taken > head.count:
+                raise ProtocolError(
+                    f"CommitPlan: the chunks hold {taken} IDs or more, beyond the plan's {head.count} samples"
+                )
+            if kept > self._max_plan_bytes:
+                raise CapacityError(
+                    f"CommitPlan: plan part of feed {head.feed_id} exceeds {format_bytes(self._max_plan_bytes)} "
+                    f"(server.max_plan_bytes, about 24 bytes a sample): raise it on the servers, or spread the "
+                    "dataset over more servers"
+                )
             if (
                 len(chunk.ids) % 8
                 or len(chunk.lengths) != 4 * count
@@ -142,9 +172,8 @@ class ServerService:
             offsets.append(chunk.offsets)
             bits = np.frombuffer(chunk.remote, dtype=np.uint8)
             remote.append(np.unpackbits(bits, count=count).astype(bool) if len(bits) else np.zeros(count, bool))
-        if head is None or not head.feed_id:
+        if head is None:
             raise ProtocolError("CommitPlan: the first chunk must name the feed")
-        dataset = self._feeders.dataset_of(head.feed_id)
         processed = np.concatenate(remote) if remote else np.zeros(0, bool)
         plan = PlanOffer(
             count=int(head.count),

@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,9 +19,12 @@ from kspeed.errors import AuthError, PeerLostError, RailUnavailableError, RangeE
 from kspeed.rdma.base import RegionKey
 from kspeed.rdma.options import RailOptions
 from kspeed.rdma.rails import available_rails, get_rail
-from kspeed.rdma.tcp.receiver_process import HELLO_TIMEOUT, MAX_HANDSHAKES
+from kspeed.rdma.shm import writer as shm_writer
+from kspeed.rdma.tcp import wire as tcp_wire
+from kspeed.rdma.tcp.receiver_process import MAX_HANDSHAKES
 from tests.conformance.conftest import IO_TIMEOUT
 from tests.conformance.rail_workers import pattern, serve_ring, stream_forever, write_patterns
+from tests.security.attacks import drip_handshakes
 
 BOUND = 4 * IO_TIMEOUT + 3.0  # detection bound asserted for every failure (timeouts plus slack)
 
@@ -469,25 +471,74 @@ def test_both_ends_sending_at_once_never_deadlock(rail, options):
 
 
 @pytest.mark.skipif("tcp" not in available_rails(), reason="the tcp rail is unavailable here")
-def test_idle_dialers_cannot_grow_the_tcp_receivers_threads():
-    options = RailOptions(io_timeout=5.0)
+def test_dripping_dialers_neither_grow_the_tcp_receivers_threads_nor_keep_a_writer_out():
+    # One byte of a hello every 0.2 s renewed a per-read timeout forever: 32 such dialers held
+    # every handshake slot. Each handshake now has connect_timeout in all, and at the cap the
+    # oldest makes room for the newcomer.
+    options = RailOptions(io_timeout=5.0, connect_timeout=1.0)
     with get_rail("tcp").listen(options) as rx:
         ring = rx.register(1 << 16)
         (pid,) = rx.helper_pids
-        port = json.loads(rx.material)["port"]
+        material = json.loads(rx.material)
         before = len(os.listdir(f"/proc/{pid}/task"))
-        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(200)]  # never say hello
+        stop = threading.Event()
+        hello = tcp_wire.HELLO.pack(tcp_wire.MAGIC, tcp_wire.BULK, material["consumer"], 0) + bytes(32)
+        reports = []
+        attack = threading.Thread(
+            target=lambda: reports.append(
+                drip_handshakes(
+                    ("127.0.0.1", material["port"]), 40, payload=hello, interval=0.2, duration=30, stop=stop
+                )
+            )
+        )
+        attack.start()
         try:
-            time.sleep(0.5)
-            assert len(os.listdir(f"/proc/{pid}/task")) <= before + MAX_HANDSHAKES
-            # The dialers past the cap were closed at once; the rest are dropped when their hello
-            # does not come, and a real writer gets in after them.
-            time.sleep(HELLO_TIMEOUT + 1)
-            assert len(os.listdir(f"/proc/{pid}/task")) <= before + 1
-            with get_rail("tcp").connect(rx.material, options) as writer:
-                writer.write(RegionKey.from_bytes(ring.key.to_bytes()), b"after the flood", 0, imm=7)
+            peak = 0
+            deadline = time.monotonic() + 3 * options.connect_timeout
+            while time.monotonic() < deadline:  # the attack's connections come and go: watch the threads
+                peak = max(peak, len(os.listdir(f"/proc/{pid}/task")))
+                time.sleep(0.05)
+            with get_rail("tcp").connect(rx.material, options) as writer:  # while the drip goes on
+                writer.write(RegionKey.from_bytes(ring.key.to_bytes()), b"during the drip", 0, imm=7)
                 assert _poll_until(rx, 1)[0] == [7]
-                assert ring.array()[:15].tobytes() == b"after the flood"
+                assert ring.array()[:15].tobytes() == b"during the drip"
         finally:
-            for sock in idle:
-                sock.close()
+            stop.set()
+            attack.join(timeout=10)
+        (report,) = reports
+        assert peak <= before + MAX_HANDSHAKES + 1  # (+1: the gate's deadline thread)
+        assert report.closed_by_target >= 40 and report.refused == 0, report
+        assert report.longest_held < options.connect_timeout + 1.5, report  # whole handshakes, not per read
+
+
+def test_a_stalled_shm_dialer_keeps_no_writer_waiting():
+    # The shm receiver authenticated its dialers one after another, each read given the whole
+    # connect_timeout: one dialer dripping its hello held every writer out.
+    options = RailOptions(io_timeout=5.0, connect_timeout=1.0)
+    with get_rail("shm").listen(options) as rx:
+        ring = rx.register(1 << 16)
+        stop, started = threading.Event(), threading.Event()
+        reports = []
+        name = "\0" + json.loads(rx.material)["socket"]
+        hello = shm_writer.HELLO + bytes(32)
+        attack = threading.Thread(
+            target=lambda: reports.append(
+                drip_handshakes(name, 12, payload=hello, interval=0.2, duration=30, stop=stop, started=started)
+            )
+        )
+        attack.start()
+        try:
+            assert started.wait(10)  # the dialers are in their handshakes (a writer that came first would pass anyway)
+            with get_rail("shm").connect(rx.material, options) as writer:
+                writer.write(RegionKey.from_bytes(ring.key.to_bytes()), b"during the drip", 0, imm=9)
+                assert _poll_until(rx, 1)[0] == [9]
+                assert ring.array()[:15].tobytes() == b"during the drip"
+            wait = time.monotonic() + 3 * options.connect_timeout
+            while time.monotonic() < wait:
+                rx.poll(0.05)
+        finally:
+            stop.set()
+            attack.join(timeout=10)
+        (report,) = reports
+        assert report.closed_by_target >= 12 and report.refused == 0, report
+        assert report.longest_held < options.connect_timeout + 1.5, report  # whole handshakes, not per read

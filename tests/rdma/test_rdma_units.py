@@ -88,6 +88,41 @@ def test_auth_accepts_same_key_and_refuses_other():
     assert "security.token_file (KSPEED_TOKEN_FILE)" in str(result["dial"])  # the setting to check
 
 
+def test_auth_listener_reveals_nothing_derived_from_the_key_to_a_dialer_that_has_not_proved_itself():
+    # A hello names a consumer by a small number: a listener that answered it with a MAC gave
+    # anyone who reached its port what it needs to test guesses of a weak token offline.
+    a, b = socket.socketpair()
+    a.settimeout(2)
+    b.settimeout(2)
+    outcome = []
+    listener = threading.Thread(target=lambda: outcome.append(_refused(b)))
+    listener.start()
+    dialer_nonce = os.urandom(auth.NONCE_BYTES)
+    a.sendall(dialer_nonce)
+    heard = auth.recv_exact(a, auth.NONCE_BYTES, "listener nonce")
+    a.sendall(bytes(32))  # a guess at the proof
+    heard += a.recv(4096)
+    listener.join()
+    a.close()
+    b.close()
+    listener_nonce = heard[: auth.NONCE_BYTES]
+    macs = [
+        auth._mac(TOKEN, label, b"hello", dialer_nonce, listener_nonce)
+        for label in (b"kspeed-listener", b"kspeed-dialer")
+    ]
+    assert not any(mac in heard for mac in macs)
+    assert heard[auth.NONCE_BYTES :] == b"\x00"  # refused, and nothing else
+    assert isinstance(outcome[0], AuthError)
+
+
+def _refused(sock: socket.socket) -> BaseException | None:
+    try:
+        auth.accept(sock, TOKEN, b"hello")
+    except (AuthError, PeerLostError) as exc:
+        return exc
+    return None
+
+
 def test_auth_times_out_on_silent_peer():
     a, b = socket.socketpair()
     a.settimeout(0.3)

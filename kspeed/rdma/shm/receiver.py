@@ -2,9 +2,12 @@
 
 The receiver listens on an abstract-namespace Unix socket (nothing on disk to leak), checks each
 dialer's uid with SO_PEERCRED, authenticates it (``auth``), then passes its rings' memfds with
-SCM_RIGHTS. The writer (``shm_writer``) maps each ring once and copies source slices straight in
-(one copy per slice); immediates follow as frames on the socket after the copies, so the ``send``
-syscall orders the bytes before the completion for the receiver on any CPU.
+SCM_RIGHTS. Each handshake runs in a thread of its own inside a :class:`~kspeed.admission.Gate`:
+``connect_timeout`` seconds in all, capped per dialing process and in total, so a dialer that
+stalls keeps no other writer waiting. The writer (``shm_writer``) maps each ring once and copies
+source slices straight in (one copy per slice); immediates follow as frames on the socket after
+the copies, so the ``send`` syscall orders the bytes before the completion for the receiver on any
+CPU.
 
 Fencing: :meth:`ShmReceiver.disconnect` stops a writer's completions and messages, but a mapping
 cannot be revoked from another process; the owner must retire the ring (register a new one) before
@@ -26,6 +29,7 @@ from itertools import count
 
 import numpy as np
 
+from kspeed.admission import Gate, Ticket
 from kspeed.errors import KSpeedError, TransportError
 from kspeed.rdma import auth, framing
 from kspeed.rdma.base import (
@@ -44,6 +48,14 @@ from .writer import socket_name
 __all__ = ["ShmReceiver"]
 
 log = logging.getLogger(__name__)
+
+#: Dialers being authenticated at once, and from one process; at a cap the oldest handshake is
+#: closed to let the newcomer in.
+MAX_HANDSHAKES = 32
+MAX_HANDSHAKES_PER_PEER = 8
+#: Connected writers at most, and from one process (a feeder holds one per ring); more are refused.
+MAX_WRITERS = 1024
+MAX_WRITERS_PER_PEER = 256
 
 
 def _key_for(options: RailOptions, secret: bytes) -> bytes:
@@ -79,6 +91,9 @@ class ShmReceiver(Receiver):
         self._wake_r.setblocking(False)
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
         self._closed = False
+        self._gate = Gate(
+            "shm handshake", total=MAX_HANDSHAKES, per_peer=MAX_HANDSHAKES_PER_PEER, deadline=options.connect_timeout
+        )
         self._acceptor = threading.Thread(target=self._accept_loop, name="kspeed-shm-accept", daemon=True)
         self._acceptor.start()
 
@@ -113,14 +128,37 @@ class ShmReceiver(Receiver):
             except OSError:
                 return  # listener shut down by close()
             try:
-                self._admit(sock)
+                pid = framing.check_peer_uid(sock, self._options.allowed_uids)
+                with self._lock:
+                    mine = sum(1 for c in self._conns if self._writers.get(c) == pid)
+                    if len(self._conns) >= MAX_WRITERS or mine >= MAX_WRITERS_PER_PEER:
+                        raise TransportError(
+                            f"{len(self._conns)} writers are connected ({mine} from pid {pid}), at most {MAX_WRITERS} "
+                            f"({MAX_WRITERS_PER_PEER} from one process)"
+                        )
             except (KSpeedError, OSError) as exc:
                 log.warning("refused shm writer: %s", exc)
                 sock.close()
+                continue
+            ticket = self._gate.enter(sock, f"pid {pid}")
+            threading.Thread(
+                target=self._handshake, args=(sock, pid, ticket), name="kspeed-shm-handshake", daemon=True
+            ).start()
 
-    def _admit(self, sock: socket.socket) -> None:
-        sock.settimeout(self._options.connect_timeout)
-        pid = framing.check_peer_uid(sock, self._options.allowed_uids)
+    def _handshake(self, sock: socket.socket, pid: int, ticket: Ticket) -> None:
+        """Authenticate and admit one dialer (in its own thread, inside the gate)."""
+        try:
+            self._admit(sock, pid)
+        except (KSpeedError, OSError) as exc:
+            if not ticket.ended:  # (the gate counts and logs those it ended)
+                log.warning("refused shm writer pid %d: %s", pid, exc)
+            self._gate.leave(ticket)
+            sock.close()
+        else:
+            self._gate.leave(ticket)
+
+    def _admit(self, sock: socket.socket, pid: int) -> None:
+        sock.settimeout(self._options.connect_timeout)  # per read; the gate bounds the whole handshake
         hello = auth.recv_exact(sock, len(_HELLO), "shm hello")
         if hello != _HELLO:
             raise TransportError(f"shm dialer pid {pid} sent an unknown hello {hello!r}")
@@ -275,6 +313,7 @@ class ShmReceiver(Receiver):
             self._listener.shutdown(socket.SHUT_RDWR)
         self._acceptor.join(self._options.connect_timeout + 1)
         self._listener.close()
+        self._gate.close()
         for conn in list(self._conns):
             self._drop(conn, None)
         for region, _ in self._regions.values():

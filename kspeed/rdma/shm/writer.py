@@ -36,7 +36,7 @@ from kspeed.rdma.write_batch import WriteBatch
 
 __all__ = ["HELLO", "ShmWriter"]
 
-HELLO = b"KSPEED-SHM-v1\x00\x00\x00"
+HELLO = b"KSPEED-SHM-v2\x00\x00\x00"  # v2: the dialer proves itself first (kspeed.rdma.auth)
 #: The abstract socket a receiver listens on (:func:`socket_name`); a writer dials no other.
 SOCKET_NAME = re.compile(r"kspeed-shm-[0-9]{1,10}-[0-9a-f]{16}")
 

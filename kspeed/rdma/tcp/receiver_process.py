@@ -8,7 +8,10 @@ single-threaded selector loop ``recvmsg_into``s each payload at its offset in th
 with the header that follows it (one syscall per write), checks every header against the region
 before a byte lands, and forwards completions (one frame per consumer
 per loop turn), messages and losses to the consumer. Handshakes run in short-lived threads so a
-slow dialer never stalls the data path.
+slow dialer never stalls the data path; a :class:`~kspeed.admission.Gate` gives each handshake
+``connect_timeout`` seconds in all (not per read) and caps them per dialing address and in total,
+letting a newcomer in at a cap by closing the oldest: dialers that drip their hello cannot keep a
+new holder's feeders out during a failover.
 
 It exits when its consumer goes (parent-death signal and EOF on the control socket), or, when
 shared by name, when the last consumer has gone.
@@ -32,6 +35,7 @@ import threading
 import time
 from itertools import count
 
+from kspeed.admission import Gate, Ticket
 from kspeed.errors import KSpeedError, TransportError
 from kspeed.rdma import auth, framing
 from kspeed.rdma.memory import MemfdSegment
@@ -44,13 +48,15 @@ log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 _READ_BUDGET = 16 << 20  # bytes read from one connection before serving the others
 _MESSAGE_BACKLOG = 64 << 20  # messages queued for one writer that is not reading them, at most
-#: Dialers being authenticated at once (a thread each); one more is closed at once, so idle or
-#: hostile connections cannot grow threads without bound.
-MAX_HANDSHAKES = 32
-#: Admitted writer connections at most (a server's feeders each hold one per ring).
+#: Dialers being authenticated at once (a thread each), and from one address; at a cap the oldest
+#: handshake is closed to let the newcomer in, so idle or hostile connections cannot grow threads
+#: without bound nor keep writers out.
+MAX_HANDSHAKES = 64
+MAX_HANDSHAKES_PER_PEER = 16
+#: Admitted writer connections at most, and from one address (a server's feeders each hold one
+#: per ring); more are closed at once.
 MAX_WRITERS = 4096
-#: Seconds a dialer has to send its hello (a writer sends it as soon as it is connected).
-HELLO_TIMEOUT = 2.0
+MAX_WRITERS_PER_PEER = 1024
 _U32 = struct.Struct("<I")
 
 
@@ -67,10 +73,11 @@ class _Consumer:
 
 
 class _Bulk:
-    def __init__(self, sock: socket.socket, consumer: _Consumer, conn: int) -> None:
+    def __init__(self, sock: socket.socket, consumer: _Consumer, conn: int, origin: str) -> None:
         self.sock = sock
         self.consumer = consumer
         self.conn = conn
+        self.origin = origin  # the dialer's address
         self.hdr = bytearray(wire.WRITE_HEADER.size)
         self.hdr_view = memoryview(self.hdr)
         self.hdr_got = 0
@@ -114,8 +121,13 @@ class ReceiverProcess:
         self.admitted: queue.SimpleQueue = queue.SimpleQueue()
         self.consumers: dict[int, _Consumer] = {}
         self.bulks: dict[int, _Bulk] = {}
-        self.handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
-        self.refused = 0  # dialers closed at once: too many handshakes or writers
+        self.gate = Gate(
+            "tcp handshake",
+            total=MAX_HANDSHAKES,
+            per_peer=MAX_HANDSHAKES_PER_PEER,
+            deadline=self.options.connect_timeout,
+        )
+        self.refused = 0  # dialers closed at once: too many writers
         self.cids = count(1)
         self.conns = count(1)
         self.ever_attached = False
@@ -226,64 +238,76 @@ class ReceiverProcess:
 
     def _accept_writer(self) -> None:
         sock, addr = self.listener.accept()
-        if len(self.bulks) >= MAX_WRITERS or not self.handshakes.acquire(blocking=False):
+        origin = str(addr[0])
+        mine = sum(1 for b in self.bulks.values() if b.origin == origin)
+        if len(self.bulks) >= MAX_WRITERS or mine >= MAX_WRITERS_PER_PEER:
             self.refused += 1
             if self.refused in (1, 10, 100) or self.refused % 1000 == 0:
                 log.warning(
-                    "refused tcp dialer %s: %d handshakes and %d writers at once at most (%d refused so far)",
+                    "refused tcp dialer %s: %d writers at once at most, %d from one address (%d refused so far)",
                     addr,
-                    MAX_HANDSHAKES,
                     MAX_WRITERS,
+                    MAX_WRITERS_PER_PEER,
                     self.refused,
                 )
             sock.close()
             return
-        threading.Thread(target=self._handshake, args=(sock, addr), daemon=True).start()
+        ticket = self.gate.enter(sock, origin)
+        threading.Thread(target=self._handshake, args=(sock, addr, ticket), daemon=True).start()
 
-    def _handshake(self, sock: socket.socket, addr: object) -> None:
-        """Authenticate a dialer (in its own thread, one of at most :data:`MAX_HANDSHAKES`); hand it
-        to the loop through the queue."""
+    def _handshake(self, sock: socket.socket, addr: tuple, ticket: Ticket) -> None:
+        """Authenticate a dialer (in its own thread, inside the gate); hand it to the loop through the queue."""
         try:
-            self._authenticate(sock, addr)
+            admitted = self._authenticate(sock, addr)
+        except (KSpeedError, OSError, struct.error, ValueError, KeyError) as exc:
+            if not ticket.ended:  # (the gate counts and logs those it ended)
+                log.warning("refused dialer %s: %s", addr, exc)
+            admitted = None
         finally:
-            self.handshakes.release()
-
-    def _authenticate(self, sock: socket.socket, addr: object) -> None:
-        try:
-            sock.settimeout(min(self.options.connect_timeout, HELLO_TIMEOUT))
-            hello = auth.recv_exact(sock, wire.HELLO.size, "tcp hello")
-            sock.settimeout(self.options.connect_timeout)
-            magic, role, cid, conn = wire.HELLO.unpack(hello)
-            consumer = self.consumers.get(cid)
-            if magic != wire.MAGIC or role not in (wire.BULK, wire.MESSAGES):
-                raise TransportError(f"unknown hello from {addr}")
-            if consumer is None or consumer.key is None:
-                raise TransportError(f"dialer {addr} asked for consumer {cid}, which is not attached")
-            auth.accept(sock, consumer.key, hello)
-            wire.tune(sock, self.options, nodelay=role == wire.MESSAGES)
-            if role == wire.BULK:
-                conn = next(self.conns)
-                self.admitted.put((sock, role, consumer, conn))
-                self.wake_w.send(b"\0")
-                sock.sendall(framing.frame(framing.WELCOME, json.dumps({"conn": conn}).encode()))
-            else:
-                self.admitted.put((sock, role, consumer, conn))
-                self.wake_w.send(b"\0")
-        except (KSpeedError, OSError, struct.error) as exc:
-            log.warning("refused tcp dialer %s: %s", addr, exc)
+            self.gate.leave(ticket)
+        if admitted is None or ticket.ended:
             sock.close()
+            return
+        self.admitted.put(admitted)
+        self.wake_w.send(b"\0")
+
+    def _authenticate(self, sock: socket.socket, addr: tuple) -> tuple:
+        """Read the hello and authenticate the dialer; returns what :meth:`_admit` takes.
+
+        Raises:
+            KSpeedError, OSError, struct.error: the dialer is refused (the caller closes it).
+        """
+        sock.settimeout(self.options.connect_timeout)  # per read; the gate bounds the whole handshake
+        hello = auth.recv_exact(sock, wire.HELLO.size, "tcp hello")
+        magic, role, cid, conn = wire.HELLO.unpack(hello)
+        consumer = self.consumers.get(cid)
+        if magic != wire.MAGIC or role not in (wire.BULK, wire.MESSAGES):
+            raise TransportError(f"unknown hello from {addr}")
+        if consumer is None or consumer.key is None:
+            raise TransportError(f"dialer {addr} asked for consumer {cid}, which is not attached")
+        auth.accept(sock, consumer.key, hello)
+        wire.tune(sock, self.options, nodelay=role == wire.MESSAGES)
+        return sock, role, consumer, conn, str(addr[0])
 
     def _admit(self) -> None:
         with contextlib.suppress(BlockingIOError):
             self.wake_r.recv(4096)
         while not self.admitted.empty():
-            sock, role, consumer, conn = self.admitted.get()
+            sock, role, consumer, conn, origin = self.admitted.get()
             if consumer.cid not in self.consumers:
                 sock.close()
                 continue
             sock.setblocking(False)
             if role == wire.BULK:
-                bulk = _Bulk(sock, consumer, conn)
+                # Numbered and welcomed here, once it is known: its message connection names it.
+                conn = next(self.conns)
+                try:
+                    sock.send(framing.frame(framing.WELCOME, json.dumps({"conn": conn}).encode()))
+                except OSError as exc:  # (a fresh socket's buffer takes a few bytes: it left)
+                    log.warning("tcp writer from %s left before its welcome: %s", origin, exc)
+                    sock.close()
+                    continue
+                bulk = _Bulk(sock, consumer, conn, origin)
                 self.bulks[conn] = bulk
                 self.sel.register(sock, selectors.EVENT_READ, bulk)
                 self._to_consumer(consumer, framing.WELCOME, _U32.pack(conn))

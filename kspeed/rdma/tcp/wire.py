@@ -33,7 +33,7 @@ __all__ = [
     "tune",
 ]
 
-MAGIC = b"KSPEEDTCP1"
+MAGIC = b"KSPEEDTCP2"  # 2: the dialer proves itself first (kspeed.rdma.auth)
 #: magic, role, consumer id, connection id (0 until the bulk connection was welcomed).
 HELLO = struct.Struct("<10sBxII")
 BULK = 1

@@ -53,11 +53,12 @@ _U32 = struct.Struct("<I")
 class _Peer:
     """One writer: its setup socket (messages, credits), queue pair and registrations."""
 
-    def __init__(self, sock: socket.socket, consumer: tcp_process._Consumer, conn: int, qp: Any) -> None:
+    def __init__(self, sock: socket.socket, consumer: tcp_process._Consumer, conn: int, qp: Any, origin: str) -> None:
         self.sock = sock
         self.consumer = consumer
         self.conn = conn
         self.qp = qp
+        self.origin = origin  # the dialer's address
         self.mrs: dict[int, Any] = {}
         self.credit = 0  # receives consumed since the last credit frame
         # (what the tcp loop's message and stall handling use)
@@ -152,44 +153,43 @@ class VerbsReceiverProcess(tcp_process.ReceiverProcess):
 
     # --------------------------------------------------------------------------------- writers
 
-    def _authenticate(self, sock: socket.socket, addr: object) -> None:
-        try:
-            sock.settimeout(min(self.options.connect_timeout, tcp_process.HELLO_TIMEOUT))
-            hello = auth.recv_exact(sock, wire.HELLO.size, "verbs hello")
-            sock.settimeout(self.options.connect_timeout)
-            magic, cid = wire.HELLO.unpack(hello)
-            consumer = self.consumers.get(cid)
-            if magic != wire.MAGIC:
-                raise TransportError(f"unknown hello from {addr}")
-            if consumer is None or consumer.key is None:
-                raise TransportError(f"dialer {addr} asked for consumer {cid}, which is not attached")
-            auth.accept(sock, consumer.key, hello)
-            tcp_wire.tune(sock, self.options, nodelay=True)
-            reader = framing.FrameReader(4096)
-            setup = None
-            while setup is None:
-                if reader.recv(sock) == 0:
-                    raise TransportError(f"dialer {addr} left before its setup")
-                for kind, payload in reader.frames():
-                    if kind == wire.SETUP:
-                        setup = json.loads(payload)
-            material = QpMaterial.from_dict(setup["qp"])
-            self.admitted.put((sock, consumer, material, str(setup.get("nic", "?"))))
-            self.wake_w.send(b"\0")
-        except (KSpeedError, OSError, struct.error, ValueError, KeyError) as exc:
-            log.warning("refused verbs dialer %s: %s", addr, exc)
-            sock.close()
+    def _authenticate(self, sock: socket.socket, addr: tuple) -> tuple:
+        """Read the hello, authenticate the dialer and read its queue pair's setup (all inside the
+        handshake gate); returns what :meth:`_admit` takes.
+
+        Raises:
+            KSpeedError, OSError, struct.error, ValueError, KeyError: the dialer is refused.
+        """
+        sock.settimeout(self.options.connect_timeout)  # per read; the gate bounds the whole handshake
+        hello = auth.recv_exact(sock, wire.HELLO.size, "verbs hello")
+        magic, cid = wire.HELLO.unpack(hello)
+        consumer = self.consumers.get(cid)
+        if magic != wire.MAGIC:
+            raise TransportError(f"unknown hello from {addr}")
+        if consumer is None or consumer.key is None:
+            raise TransportError(f"dialer {addr} asked for consumer {cid}, which is not attached")
+        auth.accept(sock, consumer.key, hello)
+        tcp_wire.tune(sock, self.options, nodelay=True)
+        reader = framing.FrameReader(4096)
+        setup = None
+        while setup is None:
+            if reader.recv(sock) == 0:
+                raise TransportError(f"dialer {addr} left before its setup")
+            for kind, payload in reader.frames():
+                if kind == wire.SETUP:
+                    setup = json.loads(payload)
+        return sock, consumer, QpMaterial.from_dict(setup["qp"]), str(setup.get("nic", "?")), str(addr[0])
 
     def _admit(self) -> None:
         with contextlib.suppress(BlockingIOError):
             self.wake_r.recv(4096)
         while not self.admitted.empty():
-            sock, consumer, material, writer_nic = self.admitted.get()
+            sock, consumer, material, writer_nic, origin = self.admitted.get()
             if consumer.cid not in self.consumers:
                 sock.close()
                 continue
             try:
-                peer = self._connect(sock, consumer, material)
+                peer = self._connect(sock, consumer, material, origin)
             except Exception as exc:  # the device refused: tell the writer, keep serving the others
                 log.warning("could not connect verbs writer from NIC %s: %s", writer_nic, exc)
                 with contextlib.suppress(OSError):
@@ -204,7 +204,9 @@ class VerbsReceiverProcess(tcp_process.ReceiverProcess):
                 self.nic.name,
             )
 
-    def _connect(self, sock: socket.socket, consumer: tcp_process._Consumer, material: QpMaterial) -> _Peer:
+    def _connect(
+        self, sock: socket.socket, consumer: tcp_process._Consumer, material: QpMaterial, origin: str
+    ) -> _Peer:
         nic = self.nic
         qp = nic.create_qp(self.send_cq, self.cq, self.srq, 1)
         try:
@@ -215,7 +217,7 @@ class VerbsReceiverProcess(tcp_process.ReceiverProcess):
         except BaseException:
             qp.close()
             raise
-        peer = _Peer(sock, consumer, next(self.conns), qp)
+        peer = _Peer(sock, consumer, next(self.conns), qp, origin)
         keys = {str(h): self._register(peer, h, seg) for h, seg in consumer.regions.items()}
         welcome = {"conn": peer.conn, "qp": nic.material(qp, psn).to_dict(), "keys": keys, "credits": CREDITS}
         sock.sendall(framing.frame(framing.WELCOME, json.dumps(welcome).encode()))

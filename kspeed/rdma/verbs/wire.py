@@ -25,7 +25,7 @@ import struct
 
 __all__ = ["CREDIT", "HELLO", "KEYS", "MAGIC", "SETUP"]
 
-MAGIC = b"KSPEEDVRB1"
+MAGIC = b"KSPEEDVRB2"  # 2: the dialer proves itself first (kspeed.rdma.auth)
 #: magic, consumer id.
 HELLO = struct.Struct("<10s2xI")
 

@@ -1,0 +1,152 @@
+"""Admission of connections to a listener: caps per peer and in total, and one deadline for each.
+
+A listener that spends a thread on each connection before it knows what the caller wants (a
+handshake, an HTTP request being read) is exhausted by connections that never finish: one byte
+every second renews any per-read timeout forever. A :class:`Gate` holds each such connection to a
+deadline counted from its accept, whatever it sends, and caps how many one peer and all peers
+hold at once. At a cap the newcomer is let in and the oldest connection of the busiest peer is
+shut down instead (of the newcomer's own peer, when that peer is at its cap): a legitimate
+handshake or request takes a round trip or two, so it is never the oldest for long, and slow
+connections, however many, cannot lock it out; they only cost their sender its own connections.
+
+The gate shuts a connection down (``shutdown(SHUT_RDWR)``, which wakes a thread blocked on it);
+the thread that owns it closes it, after :meth:`Gate.leave`, so a descriptor is never shut down
+once it may have been reused.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+__all__ = ["Gate", "Ticket"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One connection inside a gate.
+
+    Attributes:
+        peer: who called (an address, a process), as the gate's user names it.
+        fd: the connection's descriptor (shut down, never closed, by the gate).
+        deadline: monotonic time by which it must have left the gate.
+        ended: why the gate shut it down ("expired", "displaced"), or "" while it has not.
+    """
+
+    peer: str
+    fd: int
+    deadline: float
+    ended: str = field(default="")
+
+
+class Gate:
+    """Connections of one listener in the phase that a slow caller could stretch (see the module docstring).
+
+    Args:
+        what: what the connections are doing, for logs ("tcp handshake", "HTTP request").
+        total: connections inside at most.
+        per_peer: connections of one peer inside at most.
+        deadline: seconds a connection may stay inside, from :meth:`enter`.
+    """
+
+    def __init__(
+        self,
+        what: str,
+        *,
+        total: int,
+        per_peer: int,
+        deadline: float,
+    ) -> None:
+        if total < 1 or per_peer < 1 or deadline <= 0:
+            raise ValueError(f"{what}: caps must be positive and the deadline too")
+        self.what, self.total, self.per_peer, self.deadline = what, total, per_peer, deadline
+        self._cond = threading.Condition()
+        self._inside: list[Ticket] = []  # oldest first
+        self._closed = False
+        self._reaper: threading.Thread | None = None
+        #: connections shut down to make room for newer ones, and for their deadline
+        self.displaced = 0
+        self.expired = 0
+
+    def enter(self, sock: socket.socket, peer: str) -> Ticket:
+        """Let ``sock`` in (it was just accepted from ``peer``), making room at a cap.
+
+        The caller must call :meth:`leave` with the ticket before it closes ``sock``, and treat
+        the connection as lost when ``sock`` fails: it may have been shut down to make room.
+        """
+        ticket = Ticket(peer, sock.fileno(), time.monotonic() + self.deadline)
+        with self._cond:
+            mine = [t for t in self._inside if t.peer == peer]
+            if len(mine) >= self.per_peer:
+                self._end(mine[0], "displaced")
+            elif len(self._inside) >= self.total:
+                busiest, _ = Counter(t.peer for t in self._inside).most_common(1)[0]
+                self._end(next(t for t in self._inside if t.peer == busiest), "displaced")
+            self._inside.append(ticket)
+            if self._reaper is None:
+                self._reaper = threading.Thread(target=self._reap, name=f"kspeed-gate-{self.what}", daemon=True)
+                self._reaper.start()
+            self._cond.notify()
+        return ticket
+
+    def leave(self, ticket: Ticket) -> None:
+        """The connection is past the gated phase (or about to be closed): the gate forgets it."""
+        with self._cond:
+            if ticket in self._inside:
+                self._inside.remove(ticket)
+
+    def held(self, peer: str | None = None) -> int:
+        """Connections inside now (of ``peer``, or all)."""
+        with self._cond:
+            return sum(1 for t in self._inside if peer is None or t.peer == peer)
+
+    def close(self) -> None:
+        """Stop the gate's deadline thread (connections inside are left to their owners)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if self._reaper is not None:
+            self._reaper.join(timeout=5)
+
+    def _end(self, ticket: Ticket, why: str) -> None:
+        """Shut ``ticket``'s connection down and forget it (under the lock)."""
+        self._inside.remove(ticket)
+        ticket.ended = why
+        if why == "displaced":
+            self.displaced += 1
+        else:
+            self.expired += 1
+        ended = self.displaced + self.expired
+        if ended in (1, 10, 100) or ended % 1000 == 0:
+            log.warning(
+                "%s from %s %s (so far %d displaced by newer ones, %d past %g s; at most %d at once, %d per peer)",
+                self.what,
+                ticket.peer,
+                "shut to make room for a newer one" if why == "displaced" else f"not done within {self.deadline:g} s",
+                self.displaced,
+                self.expired,
+                self.deadline,
+                self.total,
+                self.per_peer,
+            )
+        try:  # through a duplicate: shutdown acts on the connection, and the owner keeps its descriptor
+            with socket.socket(fileno=os.dup(ticket.fd)) as dup:
+                dup.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already gone: its owner finds out by itself
+
+    def _reap(self) -> None:
+        with self._cond:
+            while not self._closed:
+                now = time.monotonic()
+                while self._inside and self._inside[0].deadline <= now:
+                    self._end(self._inside[0], "expired")
+                wait = self._inside[0].deadline - now if self._inside else None
+                self._cond.wait(wait)
