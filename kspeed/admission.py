@@ -24,7 +24,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-__all__ = ["Gate", "Ticket"]
+__all__ = ["Gate", "Ticket", "worth_telling"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,12 @@ class Ticket:
     fd: int
     deadline: float
     ended: str = field(default="")
+
+
+def worth_telling(count: int) -> bool:
+    """Whether the ``count``-th of a repeated event an attacker can provoke (a refused or expired
+    connection) is worth a log line: the 1st, 10th, 100th and every 1000th, so no peer floods a log."""
+    return count in (1, 10, 100) or count % 1000 == 0
 
 
 class Gate:
@@ -124,7 +130,7 @@ class Gate:
         else:
             self.expired += 1
         ended = self.displaced + self.expired
-        if ended in (1, 10, 100) or ended % 1000 == 0:
+        if worth_telling(ended):
             log.warning(
                 "%s from %s %s (so far %d displaced by newer ones, %d past %g s; at most %d at once, %d per peer)",
                 self.what,

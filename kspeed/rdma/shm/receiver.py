@@ -29,7 +29,7 @@ from itertools import count
 
 import numpy as np
 
-from kspeed.admission import Gate, Ticket
+from kspeed.admission import Gate, Ticket, worth_telling
 from kspeed.errors import KSpeedError, TransportError
 from kspeed.rdma import auth, framing
 from kspeed.rdma.base import (
@@ -91,6 +91,7 @@ class ShmReceiver(Receiver):
         self._wake_r.setblocking(False)
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
         self._closed = False
+        self._failed = 0  # dialers refused (counted across threads: an estimate is enough)
         self._gate = Gate(
             "shm handshake", total=MAX_HANDSHAKES, per_peer=MAX_HANDSHAKES_PER_PEER, deadline=options.connect_timeout
         )
@@ -137,7 +138,10 @@ class ShmReceiver(Receiver):
                             f"({MAX_WRITERS_PER_PEER} from one process)"
                         )
             except (KSpeedError, OSError) as exc:
-                log.warning("refused shm writer: %s", exc)
+                self._failed += 1  # a local peer must not flood the job's log
+                log.log(
+                    logging.WARNING if worth_telling(self._failed) else logging.DEBUG, "refused shm writer: %s", exc
+                )
                 sock.close()
                 continue
             ticket = self._gate.enter(sock, f"pid {pid}")
@@ -151,7 +155,9 @@ class ShmReceiver(Receiver):
             self._admit(sock, pid)
         except (KSpeedError, OSError) as exc:
             if not ticket.ended:  # (the gate counts and logs those it ended)
-                log.warning("refused shm writer pid %d: %s", pid, exc)
+                self._failed += 1
+                level = logging.WARNING if worth_telling(self._failed) else logging.DEBUG
+                log.log(level, "refused shm writer pid %d: %s (%d refused so far)", pid, exc, self._failed)
             self._gate.leave(ticket)
             sock.close()
         else:

@@ -35,7 +35,7 @@ import threading
 import time
 from itertools import count
 
-from kspeed.admission import Gate, Ticket
+from kspeed.admission import Gate, Ticket, worth_telling
 from kspeed.errors import KSpeedError, TransportError
 from kspeed.rdma import auth, framing
 from kspeed.rdma.memory import MemfdSegment
@@ -128,6 +128,7 @@ class ReceiverProcess:
             deadline=self.options.connect_timeout,
         )
         self.refused = 0  # dialers closed at once: too many writers
+        self.failed = 0  # dialers whose handshake failed (counted across threads: an estimate is enough)
         self.cids = count(1)
         self.conns = count(1)
         self.ever_attached = False
@@ -242,7 +243,7 @@ class ReceiverProcess:
         mine = sum(1 for b in self.bulks.values() if b.origin == origin)
         if len(self.bulks) >= MAX_WRITERS or mine >= MAX_WRITERS_PER_PEER:
             self.refused += 1
-            if self.refused in (1, 10, 100) or self.refused % 1000 == 0:
+            if worth_telling(self.refused):
                 log.warning(
                     "refused tcp dialer %s: %d writers at once at most, %d from one address (%d refused so far)",
                     addr,
@@ -261,7 +262,9 @@ class ReceiverProcess:
             admitted = self._authenticate(sock, addr)
         except (KSpeedError, OSError, struct.error, ValueError, KeyError) as exc:
             if not ticket.ended:  # (the gate counts and logs those it ended)
-                log.warning("refused dialer %s: %s", addr, exc)
+                self.failed += 1  # an unauthenticated dialer must not flood the job's stderr
+                level = logging.WARNING if worth_telling(self.failed) else logging.DEBUG
+                log.log(level, "refused dialer %s: %s (%d refused handshakes so far)", addr, exc, self.failed)
             admitted = None
         finally:
             self.gate.leave(ticket)
