@@ -142,6 +142,7 @@ class Server:
             production_threads=cfg.production_threads,
             prep=self.prep,
             logs=LogSettings(cfg.log_level, cfg.log_format),
+            verify=cfg.verify_served,
         )
         host.on_drop = self.feeders.close_share
         host.figures = self.feeders.production.figures
