@@ -155,6 +155,17 @@ def forge_reply(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return np.zeros(16, dtype=np.uint8)
 
 
+def overreport(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Return 16 zeros; from its worker's next task on, report every result as a gigabyte long."""
+    from kspeed.server import prep_worker
+
+    def lying(runner: object, job: prep_worker.Job, scratch: np.ndarray) -> tuple[list, dict]:
+        return [(1 << 30, None) for _ in job.samples], {}
+
+    prep_worker._run = lying  # type: ignore[assignment]
+    return np.zeros(16, dtype=np.uint8)
+
+
 def outcomes(sample: np.ndarray) -> dict:
     """What :func:`attempts` reported in its sample."""
     return json.loads(bytes(sample).rstrip(b"\0"))

@@ -349,3 +349,18 @@ def test_a_worker_that_sends_what_a_worker_never_sends_is_replaced_and_nothing_o
         assert not marker.exists()  # the forged pickle was never loaded by this process
     finally:
         workers.close()
+
+
+LIAR = Pipeline([Stage("tests.security.sandbox_functions:overreport", output=Output(shape=(16,), dtype="uint8"))])
+
+
+def test_a_worker_that_reports_more_than_its_place_holds_is_replaced_and_nothing_is_copied():
+    workers = PrepPool(1, ("tests",), LogSettings())
+    try:
+        message = LIAR.to_proto().SerializeToString()
+        first, second = np.ones(16, np.uint8), np.ones(16, np.uint8)
+        assert workers.run(PrepTask("ds", message, 1, 0, 0, (0,), (b"x",), (first,))) == [16]  # it lies from now on
+        assert workers.run(PrepTask("ds", message, 1, 0, 0, (1,), (b"y",), (second,))) == [16]  # by a new worker
+        assert workers.restarts == 1 and not first.any() and not second.any()
+    finally:
+        workers.close()

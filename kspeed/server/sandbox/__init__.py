@@ -105,8 +105,8 @@ class Confinement:
         return (
             f"the preprocessing sandbox is incomplete: a worker could {', '.join(self.reachable)}{missing}. "
             "Run the server as root (the workers then become server.preprocess_user), or allow Landlock and "
-            "seccomp to the server (systemd: SystemCallFilter=@sandbox), or accept it with "
-            "server.preprocess_sandbox: best-effort"
+            "seccomp to the server (systemd: SystemCallFilter=@sandbox where the unit's filter refuses them), "
+            "or accept it with server.preprocess_sandbox: best-effort"
         )
 
     def to_dict(self) -> dict[str, list[str]]:
