@@ -131,9 +131,11 @@ class Confinement:
 
 
 def import_paths(path: Sequence[str], protected: Sequence[str]) -> list[str]:
-    """The directories a worker imports from: absolute entries of ``path`` (``sys.path``) and the
-    Python prefixes, without any that would open a protected path (the working directory, ``/``)."""
-    candidates = [*path, sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]
+    """The directories a worker imports from: absolute entries of ``path`` (``sys.path``), the
+    Python prefixes and KSpeed's own package (which an editable install keeps outside them),
+    without any that would open a protected path (the working directory, ``/``)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # kspeed/server
+    candidates = [*path, sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, os.path.dirname(package)]
     kept: list[str] = []
     for entry in candidates:
         if not entry or not os.path.isabs(entry) or entry in kept:
