@@ -41,7 +41,7 @@ from kspeed.proto import kspeed_pb2
 from kspeed.server.prep_worker import BOOT, Job, Resolve, Scratch, Setup
 from kspeed.server.sandbox import Confinement, worker_user
 
-__all__ = ["PrepTask", "WorkerLink", "WorkerLost"]
+__all__ = ["PrepTask", "WorkerLink", "WorkerLost", "sweep_temporary"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,7 @@ MAX_REPLY = 16 << 20  # bytes of one reply (results and stage times of one task)
 MAX_STAGE_KEY = 200  # characters of a stage's name in a reply
 SCRATCH_MIN = 1 << 20
 ALIGN = 64  # each input and output starts on a cache line of the scratch
+TMP_PREFIX = "kspeed-prep-"  # a worker's temporary directory: kspeed-prep-<server pid>-<number>-<random>
 #: The errors a worker may name when it cannot resolve a pipeline (any other is a ConfigError).
 _DATASET_ERRORS: dict[str, type[DatasetError]] = {
     "AccessDeniedError": AccessDeniedError,
@@ -108,7 +109,7 @@ class WorkerLink:
 
     def __init__(self, setup: Setup, environment: dict[str, str], number: int) -> None:
         # Its own temporary directory (libraries expect one), the only place it may write by default.
-        self.tmp = tempfile.mkdtemp(prefix=f"kspeed-prep-{number}-")
+        self.tmp = tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-{number}-")
         user = worker_user(setup.policy)
         if user is not None:
             os.chown(self.tmp, user.uid, user.gid)
@@ -292,6 +293,22 @@ class WorkerLink:
     def kill(self) -> None:
         with contextlib.suppress(OSError):
             self.process.kill()
+
+
+def sweep_temporary() -> None:
+    """Remove the temporary directories that workers of servers no longer running left behind
+    (a server killed, its workers with it, never removed theirs); named after the server's pid."""
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        pid = name.removeprefix(TMP_PREFIX).split("-", 1)[0]
+        if not name.startswith(TMP_PREFIX) or not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        except OSError:
+            continue  # alive (another user's): not ours to remove
 
 
 def _stage_seconds(raw: dict[Any, Any]) -> dict[str, float]:

@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from kspeed.config import ServerConfig, preprocess_environment
 from kspeed.control.logs import LogSettings
 from kspeed.errors import ConfigError, StateError
-from kspeed.server.prep_link import PrepTask, WorkerLink, WorkerLost
+from kspeed.server.prep_link import PrepTask, WorkerLink, WorkerLost, sweep_temporary
 from kspeed.server.prep_worker import Resolve, Setup
 from kspeed.server.sandbox import SandboxPolicy, check_policy
 
@@ -119,6 +119,7 @@ class PrepPool:
             if self._started or self._closed:
                 return
             self._started = True
+            sweep_temporary()
             for _ in range(self.workers):
                 self._idle.put(self._spawn())
 

@@ -5,12 +5,15 @@ accepts of a worker's report."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import tempfile
 
 import pytest
 
 from kspeed.config import ServerConfig, load_config, preprocess_environment
 from kspeed.errors import ConfigError
+from kspeed.server.prep_link import sweep_temporary
 from kspeed.server.sandbox import Confinement, SandboxPolicy, check_policy, import_paths
 from kspeed.server.sandbox.identity import resolve_user
 
@@ -75,3 +78,14 @@ def test_a_preprocessing_user_that_is_root_or_unknown_is_a_configuration_error()
         check_policy(SandboxPolicy(user="no-such-user-here"))
     assert resolve_user("65534:65534").uid == 65534
     check_policy(SandboxPolicy(user="nobody"))
+
+
+def test_the_temporary_directories_of_workers_of_a_server_that_died_are_removed(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a server killed with its workers: their directories stay behind
+    (tmp_path / f"kspeed-prep-{gone.pid}-1-abc").mkdir()
+    (tmp_path / f"kspeed-prep-{os.getpid()}-1-def").mkdir()  # a running server's
+    (tmp_path / "kspeed-prep-notapid").mkdir()
+    sweep_temporary()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"kspeed-prep-{os.getpid()}-1-def", "kspeed-prep-notapid"]
