@@ -39,6 +39,7 @@ __all__ = [
     "parse_address",
     "parse_bytes",
     "parse_duration",
+    "preprocess_environment",
     "setting",
 ]
 
@@ -689,6 +690,60 @@ class ServerConfig(DaemonConfig):
         env="KSPEED_PREPROCESS_ALLOW",
         metavar="MODULE,...",
     )
+    preprocess_sandbox: str = option(
+        "required",
+        "how the preprocessing workers are confined (docs/preprocessing.md): required (a worker that could "
+        "reach the token, the state directory, the pool, the network or a shell runs no pipeline), "
+        "best-effort (it runs them, and the server logs what it could reach) or off",
+        parse=_choice("required", "best-effort", "off"),
+        env="KSPEED_PREPROCESS_SANDBOX",
+    )
+    preprocess_user: str = option(
+        "",
+        "user the preprocessing workers run as when the server runs as root: a name or uid[:gid], never root "
+        "(default: nobody; a dedicated user such as kspeed-prep is better). An unprivileged server's workers "
+        "keep its user and are confined by Landlock",
+        env="KSPEED_PREPROCESS_USER",
+        metavar="USER",
+    )
+    preprocess_network: bool = option(
+        False,
+        "let the preprocessing workers open network sockets (default: no network namespace interface "
+        "and no socket but AF_UNIX)",
+        parse=_parse_bool,
+        env="KSPEED_PREPROCESS_NETWORK",
+    )
+    preprocess_read_paths: tuple[str, ...] = option(
+        (),
+        "files or directories the preprocessing workers may read besides the Python installation and "
+        "the modules they import (e.g. a model's weights a user function loads)",
+        parse=_parse_list,
+        env="KSPEED_PREPROCESS_READ_PATHS",
+        metavar="PATH,...",
+    )
+    preprocess_write_paths: tuple[str, ...] = option(
+        (),
+        "files or directories the preprocessing workers may also write (default: none; their results "
+        "go back to the server, which copies them)",
+        parse=_parse_list,
+        env="KSPEED_PREPROCESS_WRITE_PATHS",
+        metavar="PATH,...",
+    )
+    preprocess_env: tuple[str, ...] = option(
+        (),
+        "environment variables the preprocessing workers are started with besides PATH, the locale, TZ "
+        "and LD_LIBRARY_PATH (names; a KSPEED_ variable is never passed)",
+        parse=_parse_list,
+        env="KSPEED_PREPROCESS_ENV",
+        metavar="NAME,...",
+    )
+    verify_served: bool = option(
+        True,
+        "check each stored sample's crc32c before a feeder writes it to a client; a mismatch is re-read from "
+        "the backend and counted (false: only the scrub finds corrupted memory)",
+        parse=_parse_bool,
+        env="KSPEED_VERIFY_SERVED",
+    )
     data_networks: tuple[str, ...] = option(
         (),
         "networks (CIDR) whose addresses a feed's receiver may have besides the address its client "
@@ -753,6 +808,22 @@ class ServerConfig(DaemonConfig):
             names.SERVER_ID.check(
                 self.server_id, ConfigError, what="server.server_id", field="server.server_id", value=self.server_id
             )
+        for field in ("preprocess_read_paths", "preprocess_write_paths"):
+            relative = [p for p in getattr(self, field) if not os.path.isabs(p)]
+            if relative:
+                raise ConfigError(
+                    f"server.{field}: {relative[0]!r} is not an absolute path",
+                    field=f"server.{field}",
+                    value=relative[0],
+                )
+        for name in self.preprocess_env:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) or name.upper().startswith("KSPEED_"):
+                raise ConfigError(
+                    f"server.preprocess_env: {name!r} is not a variable the preprocessing workers may get (a name; "
+                    "KSPEED_ variables hold the server's secrets and are never passed)",
+                    field="server.preprocess_env",
+                    value=name,
+                )
         self.security.validate()
 
 
@@ -921,6 +992,21 @@ def gpu_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The variables that say which GPU this process uses (CUDA's and the launcher's, read here)."""
     environ = os.environ if environ is None else environ
     return {k: environ[k] for k in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "LOCAL_RANK") if k in environ}
+
+
+#: What every preprocessing worker is started with from the server's environment (when set).
+PREPROCESS_ENVIRONMENT = ("PATH", "LANG", "LANGUAGE", "TZ", "LD_LIBRARY_PATH")
+
+
+def preprocess_environment(names: Collection[str] = (), environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The whole environment of a preprocessing worker: :data:`PREPROCESS_ENVIRONMENT`, the ``LC_*``
+    locale variables and the variables ``names`` (``server.preprocess_env``) the server has, never a
+    ``KSPEED_`` one (the token and the backends' credentials come from there)."""
+    environ = os.environ if environ is None else environ
+    wanted = {*PREPROCESS_ENVIRONMENT, *names}
+    return {
+        k: v for k, v in environ.items() if (k in wanted or k.startswith("LC_")) and not k.upper().startswith("KSPEED_")
+    }
 
 
 _SECTIONS = {ManagerConfig: "manager", ServerConfig: "server", ClientConfig: "client"}

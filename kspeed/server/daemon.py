@@ -42,7 +42,7 @@ from kspeed.server.feeder_pool import FeederPool
 from kspeed.server.local_state import StateLock, pool_dir, read_cluster_id, write_cluster_id
 from kspeed.server.metrics import ServerMetrics
 from kspeed.server.pool import WINDOW_OWNER, MemoryPool, RegionState
-from kspeed.server.prep_pool import PrepPool
+from kspeed.server.prep_pool import PrepPool, sandbox_policy
 from kspeed.server.readiness import ProbedHealth, ReadinessWatch
 from kspeed.server.service import ServerService
 from kspeed.server.window import ProductionWindow
@@ -105,10 +105,13 @@ class Server:
         backend = Backend(AllowList(cfg.backend_allow, name="--backend-allow"), cfg.backend_options)
         pool = MemoryPool.open(self.pool_dir(), cfg.memory, region_size=cfg.region_size)
         window = ProductionWindow(pool, cfg.window_bytes())
+        sandbox = sandbox_policy(cfg, state_dir=self.state_dir, pool_dir=self.pool_dir(), region_file=str(pool.path(0)))
         self.prep = PrepPool(
             cfg.preprocess_workers or inv.usable_cores(cfg.cores),
             cfg.preprocess_allow,
             LogSettings(cfg.log_level, cfg.log_format),
+            sandbox=sandbox,
+            environment=cfg.preprocess_env,
         )
         host = self.host = DatasetHost(
             pool,
@@ -141,6 +144,7 @@ class Server:
             production_threads=cfg.production_threads,
             prep=self.prep,
             logs=LogSettings(cfg.log_level, cfg.log_format),
+            verify=cfg.verify_served,
         )
         host.on_drop = self.feeders.close_share
         host.figures = self.feeders.production.figures

@@ -11,6 +11,12 @@ with the reason. What was written is reported to the main process (window slots 
 from those reports), with how long grants waited, and so are positions granted a second time (the
 client fenced a server and grants again what it had not delivered): production then holds them,
 or makes them resident again, for the new grant.
+
+Before a write, every sample whose crc32c the main process gave with its place (a stored sample,
+at home or in the window as the backend's bytes) is checked against it, per write of up to
+:data:`GRANTS_PER_WRITE` grants. A sample whose bytes changed in memory is never written: its
+grants wait, it counts as not resident here, and the main process is told (:class:`Corrupt`); it
+re-reads the sample from the backend and tells its place again.
 """
 
 from __future__ import annotations
@@ -29,9 +35,10 @@ import numpy as np
 from kspeed import grants
 from kspeed.errors import KSpeedError, PeerLostError
 from kspeed.rdma.base import RegionKey, Writer
+from kspeed.server.checksum import crc32c
 from kspeed.server.doorbell import Doorbell
 
-__all__ = ["FeedProgress", "FeedWriter", "FeederShared", "PlanPart"]
+__all__ = ["Corrupt", "FeedProgress", "FeedWriter", "FeederShared", "PlanPart"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +70,8 @@ class PlanPart:
         region: per owned position, the pool region holding the sample now (-1: not produced yet).
         src: per owned position, the sample's offset in that region.
         ticket: per owned position, the window slot's ticket (0: at home).
+        crc: per owned position, the crc32c its bytes must have where they are now (-1: none to
+            check, e.g. a processed sample); ``None``: nothing is checked.
         processed: per owned position, whether it is produced here by the dataset's pipeline
             (placed per plan, see :meth:`place`) rather than served as the raw sample (located by ID).
         granted: per owned position, whether a grant asked for it (kept by the feeder; ``None``
@@ -77,6 +86,7 @@ class PlanPart:
     region: np.ndarray
     src: np.ndarray
     ticket: np.ndarray
+    crc: np.ndarray | None = None
     processed: np.ndarray | None = None
     failures: dict[int, str] = field(default_factory=dict)  # processed owned index -> why it failed
     granted: np.ndarray | None = None
@@ -114,8 +124,11 @@ class PlanPart:
         at = np.repeat(lo, counts) + (np.arange(total) - np.repeat(starts, counts))
         return order[at], np.repeat(np.arange(len(ids)), counts)
 
-    def locate(self, ids: np.ndarray, region: np.ndarray, src: np.ndarray, ticket: np.ndarray) -> np.ndarray:
-        """Set the location of raw samples ``ids``; returns the tickets they had (for the window's bookkeeping)."""
+    def locate(
+        self, ids: np.ndarray, region: np.ndarray, src: np.ndarray, ticket: np.ndarray, crc: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Set the location (and the crc32c to check there, if given) of raw samples ``ids``;
+        returns the tickets they had (for the window's bookkeeping)."""
         at, which = self.where(ids)
         if self.processed is not None:
             raw = ~self.processed[at]
@@ -124,14 +137,18 @@ class PlanPart:
         self.region[at] = region[which]
         self.src[at] = src[which]
         self.ticket[at] = ticket[which]
+        if self.crc is not None:
+            self.crc[at] = -1 if crc is None else crc[which]
         return old
 
     def place(self, at: np.ndarray, region: np.ndarray, src: np.ndarray, ticket: np.ndarray) -> np.ndarray:
-        """Set the location of processed owned positions ``at``; returns the tickets they had."""
+        """Set the location of processed owned positions ``at`` (nothing to check); returns the tickets they had."""
         old = self.ticket[at].copy()
         self.region[at] = region
         self.src[at] = src
         self.ticket[at] = ticket
+        if self.crc is not None:
+            self.crc[at] = -1
         return old
 
 
@@ -455,8 +472,9 @@ class FeedWriter:
         )
 
     def _write(self, ready: list[tuple[np.void, PlanPart | None, int, int]]) -> None:
-        """Serve ready grants with one vectorized write per pool region; their tags follow the bytes."""
-        parts, tags, served = [], [], []
+        """Serve ready grants with one vectorized write per pool region; their tags follow the bytes.
+        A grant with a sample whose bytes fail their check waits (see :meth:`_withhold`)."""
+        parts, tags, served, checks = [], [], [], []
         with self.shared.lock:  # a consistent snapshot of the locations, and the window slots held
             for grant, plan, i, j in ready:
                 assert plan is not None
@@ -473,13 +491,24 @@ class FeedWriter:
                         plan.ticket[i:j].copy(),
                     )
                 )
+                checks.append((plan.ids[i:j], None if plan.crc is None else plan.crc[i:j].copy()))
                 tags.append(int(grant["tag"]))
             if not parts:
                 return
-            region, src_at, nbytes, dst_at, tickets = (np.concatenate(a) for a in zip(*parts, strict=True))
-            held = tickets[tickets > 0]
+            held = np.concatenate([part[4] for part in parts])
+            held = held[held > 0]
             self.shared.hold(held)
         try:
+            # (the window slots are held: none is reused while its bytes are checked and written)
+            spoiled = self._check(parts, checks)
+            if spoiled:
+                keep = [n for n in range(len(parts)) if n not in spoiled]
+                for n in sorted(spoiled, reverse=True):
+                    self._pending.appendleft((served[n], time.monotonic()))
+                parts, tags, served = [parts[n] for n in keep], [tags[n] for n in keep], [served[n] for n in keep]
+                if not parts:
+                    return
+            region, src_at, nbytes, dst_at, _ = (np.concatenate(a) for a in zip(*parts, strict=True))
             groups = np.unique(region)
             if len(groups) == 0:  # nothing of ours in these ranges: still exactly one completion each
                 self.writer.write_batch(self.key, b"", src_at, nbytes, dst_at, imms=tags)
@@ -501,6 +530,48 @@ class FeedWriter:
         self.served += len(tags)
         for grant in served:
             self._written.append((int(grant["epoch"]), int(grant["batch"]), int(grant["first"]), int(grant["end"])))
+
+    def _check(
+        self,
+        parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
+        checks: list[tuple[np.ndarray, np.ndarray | None]],
+    ) -> set[int]:
+        """Check each sample of the parts that has a crc32c to match where it is; the parts (grants)
+        with a sample that fails, whose samples are withheld. One loop over the write's samples,
+        a C call each (:func:`~kspeed.server.checksum.crc32c`)."""
+        if all(crc is None for _, crc in checks):
+            return set()
+        crc = np.concatenate([c if c is not None else np.full(len(ids), -1) for ids, c in checks])
+        want = np.flatnonzero(crc >= 0)
+        if not len(want):
+            return set()
+        region, src, length = (np.concatenate([part[k] for part in parts])[want] for k in range(3))
+        arrays = self.regions.get
+        bad = [
+            k
+            for k, r, at, n, c in zip(want.tolist(), region.tolist(), src.tolist(), length.tolist(), crc[want].tolist())
+            if crc32c(arrays(r)[at : at + n]) != c
+        ]
+        if not bad:
+            return set()
+        owner = np.repeat(np.arange(len(parts)), [len(ids) for ids, _ in checks])
+        ids = np.concatenate([ids for ids, _ in checks])
+        self._withhold(np.unique(ids[bad]))
+        return set(owner[bad].tolist())
+
+    def _withhold(self, ids: np.ndarray) -> None:
+        """Samples whose bytes changed in memory: not resident here until production places them
+        again (it re-reads them from the backend); their grants wait meanwhile."""
+        log.warning(
+            "feed %s: dataset %s sample(s) %s fail their crc32c check; re-read", self.feed_id, self.dataset, ids[:8]
+        )
+        with self.shared.lock:
+            for plan in self.plans.values():
+                at, _ = plan.where(ids)
+                if plan.processed is not None:
+                    at = at[~plan.processed[at]]
+                plan.region[at] = -1
+        self.shared.send(Corrupt(self.feed_id, tuple(ids.tolist())))
 
     def close(self, reason: str = "") -> None:
         """Stop serving; with a ``reason``, tell the client why first (it ends the feed with that).
@@ -536,6 +607,15 @@ class FeedClosed:
 
     feed_id: str
     token: int  # the CloseFeed command's
+
+
+@dataclass(frozen=True)
+class Corrupt:
+    """Reported by a feeder: samples of a feed's dataset whose bytes failed their crc32c check where
+    they are; the server re-reads them from the backend (and counts it), then places them again."""
+
+    feed_id: str
+    ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from kspeed.rdma.options import RailOptions
 from kspeed.rdma.rails import available_rails
 from kspeed.server import feeder_process
 from kspeed.server.datasets import DatasetHost
-from kspeed.server.feed_writer import FeedClosed, FeedGone, FeedProgress, Freed, PlanPart
+from kspeed.server.feed_writer import Corrupt, FeedClosed, FeedGone, FeedProgress, Freed, PlanPart
 from kspeed.server.feeder_process import CloseFeed, Command, MarkChanged, OpenFeed, Reply, Stop
 from kspeed.server.prep_pool import PrepPool
 from kspeed.server.production import PrepSpec, Production
@@ -107,6 +107,7 @@ class FeederPool:
         production_threads: producer threads.
         prep: the preprocessing workers (server stages of pipelines).
         logs: log level and format of the feeder processes.
+        verify: feeders check each stored sample's crc32c before they write it (``verify_served``).
     """
 
     def __init__(
@@ -122,6 +123,7 @@ class FeederPool:
         production_threads: int = 8,
         prep: PrepPool | None = None,
         logs: LogSettings | None = None,
+        verify: bool = True,
     ) -> None:
         self._host = host
         self._lock = threading.Lock()
@@ -154,7 +156,7 @@ class FeederPool:
             their_events.close()
             self._feeders.append(_Feeder(process, ours, events, threading.Lock()))
         self.production = Production(
-            window, host, self._command, depth=production_depth, threads=production_threads, prep=prep
+            window, host, self._command, depth=production_depth, threads=production_threads, prep=prep, verify=verify
         )
         for index, worker in enumerate(self._feeders):
             worker.reader = threading.Thread(
@@ -183,6 +185,13 @@ class FeederPool:
                     self.production.freed(index, event.tickets)
                 elif isinstance(event, FeedGone):  # closed from another thread: this one keeps reading
                     threading.Thread(target=self._reap, args=(event,), name="kspeed-feed-reaper", daemon=True).start()
+                elif isinstance(event, Corrupt):  # re-read from the backend, away from the reports
+                    threading.Thread(
+                        target=self.production.corrupt,
+                        args=(event.feed_id, event.ids),
+                        name="kspeed-repair",
+                        daemon=True,
+                    ).start()
             except Exception:  # a bug must not stop the reports of the other feeds
                 log.exception("feeder %d: cannot take in its report %r", index, type(event).__name__)
 

@@ -100,9 +100,10 @@ class MarkChanged:
 @dataclass(frozen=True)
 class Locate:
     """Samples of ``dataset`` are now at ``region``/``src`` (``region`` -1: nowhere; ``ticket`` > 0: a
-    window slot). The reply's ``busy`` lists the window tickets they left that a read still uses.
-    A ``quiet`` one gets no reply: the places of samples just produced or loaded, which leave no
-    slot behind (the server goes on producing instead of waiting for every feeder's answer)."""
+    window slot), where their bytes must have the crc32c ``crc`` (``None``: not checked). The reply's
+    ``busy`` lists the window tickets they left that a read still uses. A ``quiet`` one gets no
+    reply: the places of samples just produced or loaded, which leave no slot behind (the server
+    goes on producing instead of waiting for every feeder's answer)."""
 
     dataset: str
     ids: np.ndarray
@@ -110,6 +111,7 @@ class Locate:
     src: np.ndarray
     ticket: np.ndarray
     quiet: bool = False
+    crc: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -221,7 +223,7 @@ class Feeder:
                 if feed.dataset != command.dataset:
                     continue
                 for plan in feed.plans.values():
-                    old = plan.locate(command.ids, command.region, command.src, command.ticket)
+                    old = plan.locate(command.ids, command.region, command.src, command.ticket, command.crc)
                     retired.update(t for t in old.tolist() if t > 0)
             retired.difference_update(command.ticket.tolist())
             return self.shared.retire(sorted(retired))

@@ -55,7 +55,9 @@ class SampleStore:
         self._scrub_thread: threading.Thread | None = None
         self._scrub_stop = threading.Event()
 
-    def _count(self, name: str) -> None:
+    def count(self, name: str) -> None:
+        """Count one event (``crc_mismatches``, ``repaired``, ``backend_reads``), e.g. a sample
+        found corrupt where production keeps it outside its home and produced again."""
         with self._lock:
             self.counters[name] += 1
 
@@ -72,12 +74,12 @@ class SampleStore:
         pos = int(sample_id) - self.index.lo
         if not self.index.loaded[pos]:
             self._backend_read(int(sample_id), dst)
-            self._count("backend_reads")
+            self.count("backend_reads")
             return int(length)
         src = self.preloader.region_array(int(region))[int(offset) : int(offset) + int(length)]
         dst[:] = src
         if google_crc32c.value(dst) != int(crc):
-            self._count("crc_mismatches")
+            self.count("crc_mismatches")
             dst[:] = self._repair(int(sample_id))
         return int(length)
 
@@ -115,7 +117,7 @@ class SampleStore:
         src = self.preloader.region_array(int(self.index.region[pos]))[off : off + n]
         if google_crc32c.value(src) == int(self.index.crc[pos]):
             return True
-        self._count("crc_mismatches")
+        self.count("crc_mismatches")
         self._repair(int(sample_id))
         return False
 
@@ -186,6 +188,6 @@ class SampleStore:
                 sample=sample_id,
             )
         self.preloader.region_array(int(self.index.region[pos]))[off : off + n] = fresh
-        self._count("repaired")
+        self.count("repaired")
         log.warning("dataset %s sample %d: crc32c mismatch repaired from the backend", self.dataset, sample_id)
         return fresh

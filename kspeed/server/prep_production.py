@@ -1,5 +1,6 @@
 """Production of preprocessed samples: a plan's processed positions, run through the dataset's
-server stages into the production window by the preprocessing workers (:mod:`kspeed.server.prep_pool`).
+server stages by the preprocessing workers (:mod:`kspeed.server.prep_pool`), each result copied by
+the server into the sample's production-window slot (the sandboxed workers map no pool memory).
 
 Unlike raw samples, which are made resident once and served from home afterwards, processed
 samples are per plan (random stages draw from the epoch): each position is produced into its own
@@ -116,7 +117,7 @@ class ProcessedProduction:
                     prep.epoch,
                     tuple(int(ids[k]) for k in keep),
                     tuple(inputs[k] for k in keep),
-                    tuple((self.window.paths[slots[k].region], slots[k].offset, slots[k].nbytes) for k in keep),
+                    tuple(self.window.view(slots[k]) for k in keep),
                     prep.skip,
                     prep.start,
                 )
@@ -135,19 +136,18 @@ class ProcessedProduction:
                 with self._lock:
                     plan.state[at[plan.state[at] == READING]] = ABSENT
 
-    def _raw_inputs(
-        self, share: ShareState, ids: np.ndarray
-    ) -> tuple[list[bytes | tuple[str, int, int]], dict[int, str]]:
-        """Each sample's stored bytes for a worker: its home (mapped by the worker) or read from the
-        backend now (and then brought home, unless the preload is reading it too)."""
-        lengths = share.preloader.index.length[ids - share.lo]
-        inputs: list[bytes | tuple[str, int, int]] = [b""] * len(ids)
+    def _raw_inputs(self, share: ShareState, ids: np.ndarray) -> tuple[list[bytes | np.ndarray], dict[int, str]]:
+        """Each sample's stored bytes for a worker: a view of its home (the server copies it to the
+        worker, which maps no pool memory) or read from the backend now (and then brought home,
+        unless the preload is reading it too)."""
+        index = share.preloader.index
+        lengths = index.length[ids - share.lo]
+        inputs: list[bytes | np.ndarray] = [b""] * len(ids)
         home = share.residency.of(ids) == HOME
-        if home.any():
-            paths = share.home_paths()
-            region, src = share.preloader.home(ids[home])
-            for k, r, o in zip(np.flatnonzero(home).tolist(), region.tolist(), src.tolist(), strict=True):
-                inputs[k] = (paths[r], o, int(lengths[k]))
+        for k in np.flatnonzero(home).tolist():
+            pos = int(ids[k]) - index.lo
+            at = int(index.offset[pos])
+            inputs[k] = share.preloader.region_array(int(index.region[pos]))[at : at + int(lengths[k])]
         away = np.flatnonzero(~home)
         if not len(away):
             return inputs, {}

@@ -57,9 +57,10 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from kspeed.errors import KSpeedError
+from kspeed.errors import DatasetError, KSpeedError, StateError
 from kspeed.histogram import Histogram
 from kspeed.policies import CACHING
+from kspeed.server.checksum import crc32c
 from kspeed.server.datasets import DatasetHost, ShareKey
 from kspeed.server.feed_writer import MAX_PLANS, FeedProgress, PlanPart
 from kspeed.server.feeder_process import Command, Failed, InstallPlan, Locate, Reply
@@ -105,6 +106,9 @@ class Production(ProcessedProduction):
         producer: what fills the window with raw samples (default: the backend reader).
         prep: the worker processes that run pipelines' server stages (plans with processed
             positions need it).
+        verify: feeders check each stored sample's crc32c before they write it (its place is told
+            with the checksum its bytes must have there); a sample that fails is re-read
+            (:meth:`corrupt`).
     """
 
     def __init__(
@@ -117,9 +121,11 @@ class Production(ProcessedProduction):
         threads: int = 8,
         producer: Producer | None = None,
         prep: PrepPool | None = None,
+        verify: bool = True,
     ) -> None:
         self.window = window
         self.prep = prep
+        self.verify = verify
         self.producer = producer or BackendReader()
         self.host = host
         self.depth = max(int(depth), 1)
@@ -195,9 +201,11 @@ class Production(ProcessedProduction):
             )
             if first_batch > 0:
                 follow.delivered_before(int(plan.starts[min(first_batch, len(plan.starts) - 1)]))
-            plan.region, plan.src, plan.ticket = self._places(share, plan.ids)
+            plan.region, plan.src, plan.ticket, crc = self._places(share, plan.ids)
+            plan.crc = crc if self.verify else None
             if processed is not None:
                 plan.region[processed], plan.src[processed], plan.ticket[processed] = -1, 0, 0
+                crc[processed] = -1
             # A feeder maps each region once: it is told only the files it has not been told. (Every
             # plan carried every region's file, and listing them walked the whole pool: a commit
             # cost grew with the server's memory, at every epoch boundary for every rank.)
@@ -322,6 +330,59 @@ class Production(ProcessedProduction):
                     entry.window.free(entry.slot)
                     self._stir()
 
+    def corrupt(self, feed_id: str, reported: Iterable[int]) -> None:
+        """A feeder found samples of ``feed_id``'s share whose bytes fail their crc32c check: each is
+        checked again where it is now. One corrupt at home is re-read from the backend into its
+        place; one corrupt in the window lets its slot go, so that it is produced anew from the
+        backend. Both are counted (the share's ``crc_mismatches`` and ``repaired``: its
+        ``integrity_repairs``). Then the feeders are told the place of every one again; one that the
+        backend no longer gives as it was fails its grants, saying so."""
+        with self._lock:
+            feed = self._feeds.get(feed_id)
+            share = self._shares.get(feed.share) if feed else None
+        if share is None:
+            return
+        try:
+            store = self.host.get(*share.key).store
+        except KSpeedError:  # dropped meanwhile
+            return
+        ids = np.unique(np.asarray(list(reported), dtype=np.int64))
+        ids = ids[share.preloader.index.owns(ids)]
+        home = ids[share.residency.of(ids) == HOME]
+        failed: dict[int, str] = {}
+        for sample in home.tolist():
+            try:
+                store.verify(sample)  # re-read from the backend (and counted) if corrupt
+            except (DatasetError, StateError) as exc:
+                failed[sample] = str(exc)
+        with self._lock:
+            if self._shares.get(share.key) is not share:
+                return
+            window = self._window_of(share)
+            spoiled = []
+            for sample in ids[share.residency.of(ids) == WINDOW].tolist():
+                slot, recorded, _ = share.slots[sample]
+                if crc32c(window.view(slot)) != recorded:
+                    spoiled.append(sample)
+                    store.count("crc_mismatches")
+                    store.count("repaired")
+            if spoiled:
+                log.warning(
+                    "dataset %s: window copies of %s failed their crc32c check; read again", share.dataset, spoiled
+                )
+                self._let_go(share, np.array(spoiled, dtype=np.int64))
+            if failed:
+                bad = np.array(sorted(failed), dtype=np.int64)
+                share.residency.fail(bad, [failed[i] for i in bad.tolist()])
+                self._failed(share, bad, [failed[i] for i in bad.tolist()])
+            placed = np.setdiff1d(ids, np.array([*spoiled, *failed], dtype=np.int64))
+            if len(placed):
+                region, src, ticket, crc = self._places(share, placed)
+                self._broadcast(
+                    share, Locate(share.dataset, placed, region, src, ticket, quiet=True, crc=self._checked(crc))
+                )
+            self._stir()
+
     # -- state -----------------------------------------------------------------------------------
 
     def _share(self, key: ShareKey) -> ShareState:
@@ -345,19 +406,31 @@ class Production(ProcessedProduction):
                 preloader.on_failed = functools.partial(self._failed, share)
             return share
 
-    def _places(self, share: ShareState, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Where ``ids`` are now: (pool region or -1, offset, window ticket or 0)."""
+    def _places(self, share: ShareState, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Where ``ids`` are now: (pool region or -1, offset, window ticket or 0, the crc32c of their
+        bytes there or -1)."""
         region = np.full(len(ids), -1, dtype=np.int64)
         src = np.zeros(len(ids), dtype=np.int64)
         ticket = np.zeros(len(ids), dtype=np.int64)
+        crc = np.full(len(ids), -1, dtype=np.int64)
         state = share.residency.of(ids)
         home = state == HOME
         if home.any():
             region[home], src[home] = share.preloader.home(ids[home])
+            crc[home] = self._home_crcs(share, ids[home])
         for k in np.flatnonzero(state == WINDOW).tolist():
-            slot = share.slots[int(ids[k])][0]
+            slot, crc[k], _ = share.slots[int(ids[k])]
             region[k], src[k], ticket[k] = slot.region, slot.offset, slot.ticket
-        return region, src, ticket
+        return region, src, ticket, crc
+
+    @staticmethod
+    def _home_crcs(share: ShareState, ids: np.ndarray) -> np.ndarray:
+        """The crc32c recorded for samples ``ids`` at home."""
+        return share.preloader.index.crc[np.asarray(ids, dtype=np.int64) - share.lo].astype(np.int64)
+
+    def _checked(self, crc: np.ndarray) -> np.ndarray | None:
+        """What a Locate carries as the checksums of its samples (none when feeders do not check)."""
+        return np.asarray(crc, dtype=np.int64) if self.verify else None
 
     def _broadcast(self, share: ShareState, command: Command) -> dict[int, Reply]:
         """Send ``command`` to every feeder with a feed of ``share``; replies by feeder."""
@@ -516,9 +589,9 @@ class Production(ProcessedProduction):
                 return
             if len(ids):
                 region, src = share.preloader.home(ids)
-                self._broadcast(
-                    share, Locate(share.dataset, ids, region, src, np.zeros(len(ids), np.int64), quiet=True)
-                )
+                none = np.zeros(len(ids), np.int64)
+                crc = self._checked(self._home_crcs(share, ids))
+                self._broadcast(share, Locate(share.dataset, ids, region, src, none, quiet=True, crc=crc))
 
     def _failed(self, share: ShareState, ids: np.ndarray, reasons: list[str]) -> None:
         with self._lock:
@@ -547,7 +620,7 @@ class Production(ProcessedProduction):
             ids, [self.window.view(slot) for slot, _, _ in entries], np.array([c for _, c, _ in entries], np.uint32)
         )
         region, src = share.preloader.home(ids)
-        self._relocate(share, ids, region, src, entries)
+        self._relocate(share, ids, region, src, entries, crc=np.array([c for _, c, _ in entries], np.int64))
 
     def _relocate(
         self,
@@ -556,10 +629,13 @@ class Production(ProcessedProduction):
         region: np.ndarray,
         src: np.ndarray,
         entries: list[tuple[Slot, int, str]],
+        crc: np.ndarray | None = None,
     ) -> None:
-        """Tell the feeders the new places of ``ids`` (-1: none) and reuse their old slots once
-        no feeder reads them."""
-        replies = self._broadcast(share, Locate(share.dataset, ids, region, src, np.zeros(len(ids), np.int64)))
+        """Tell the feeders the new places of ``ids`` (-1: none) and the crc32c of their bytes there,
+        and reuse their old slots once no feeder reads them."""
+        none = np.zeros(len(ids), np.int64)
+        checked = None if crc is None else self._checked(crc)
+        replies = self._broadcast(share, Locate(share.dataset, ids, region, src, none, crc=checked))
         busy: dict[int, set[int]] = {}
         for index, reply in replies.items():
             for ticket in reply.busy:
@@ -893,6 +969,7 @@ class Production(ProcessedProduction):
                 np.array([s.offset for s in placed], np.int64),
                 np.array([s.ticket for s in placed], np.int64),
                 quiet=True,
+                crc=self._checked(crcs[ok]),
             ),
         )
         log.debug("dataset %s: produced %d sample(s) into the window", share.dataset, len(good))

@@ -3,9 +3,10 @@ run, ``wrap`` sends a torchvision folder's transforms to the servers, and every 
 sample and stage.
 
 The servers run under ``ATEN_CPU_CAPABILITY=default`` while this process keeps its own CPU
-capability, so a kernel that depended on it would show as a difference between placements. Their
-``PYTHONPATH`` holds this checkout, so they can import :mod:`tests.integration.prep_functions`
-where their ``--preprocess-allow`` admits it.
+capability, so a kernel that depended on it would show as a difference between placements (the
+servers pass it to their sandboxed workers with ``--preprocess-env``). Their ``PYTHONPATH`` holds
+this checkout, so they can import :mod:`tests.integration.prep_functions` where their
+``--preprocess-allow`` admits it.
 """
 
 from __future__ import annotations
@@ -163,7 +164,15 @@ def parent(pid: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def start(tmp_path_factory):
+def gates(tmp_path_factory) -> Path:
+    """The one directory the servers' sandboxed workers may write (gates of :func:`prep_functions.hold`)."""
+    path = tmp_path_factory.mktemp("gates")
+    os.chmod(path, 0o777)  # (the workers run as nobody when the tests run as root)
+    return path
+
+
+@pytest.fixture(scope="module")
+def start(tmp_path_factory, gates):
     """``start(servers=1, allow=()) -> (cluster, client, photos)``: a cluster of ``servers`` servers
     with one preprocessing worker each, under ``ATEN_CPU_CAPABILITY=default``, importing ``allow``
     beside torchvision's transforms, and a client of it.
@@ -196,6 +205,10 @@ def start(tmp_path_factory):
                     "1",
                     "--preprocess-allow",
                     ",".join(["torchvision.transforms", *allow]),
+                    "--preprocess-env",
+                    "ATEN_CPU_CAPABILITY",
+                    "--preprocess-write-paths",
+                    str(gates),
                 ],
                 env={"ATEN_CPU_CAPABILITY": SERVER_CPU, "PYTHONPATH": path},
             )
@@ -407,9 +420,9 @@ def test_a_user_function_that_raises_is_named_with_its_error(start):
 
 
 @pytest.mark.timeout(90)
-def test_a_killed_preprocessing_worker_is_replaced_and_the_epoch_completes(start, tmp_path):
+def test_a_killed_preprocessing_worker_is_replaced_and_the_epoch_completes(start, gates):
     cluster, client, photos = start(allow=("tests",))
-    gate = tmp_path / "gate"
+    gate = gates / "gate"
     pipeline = crop_pipeline(Stage(f"{USER}:hold", {"gate": str(gate)}))
     spec = DatasetSpec(name="held", uri=str(photos.root), labels="dirname", pipeline=pipeline)
     restarts = total(cluster, RESTARTS)
@@ -417,7 +430,7 @@ def test_a_killed_preprocessing_worker_is_replaced_and_the_epoch_completes(start
         epoch = pool.submit(list, ds)
         try:
             # The worker announces itself from inside its first task, which it cannot finish yet.
-            announced = wait_for(lambda: sorted(tmp_path.glob("gate.*")), 30, "a preprocessing worker to hold")
+            announced = wait_for(lambda: sorted(gates.glob("gate.*")), 30, "a preprocessing worker to hold")
             pid = int(announced[0].suffix[1:])
             assert parent(pid) == cluster.servers[0].process.pid  # a worker of the server daemon
             assert environ(pid)["ATEN_CPU_CAPABILITY"] == SERVER_CPU

@@ -86,6 +86,7 @@ def test_a_server_importing_a_pipelines_modules_answers_and_stays_a_member(clust
     make_tree(tmp_path / "imgs", per_class=4)
     probe = tmp_path / "probe"
     probe.mkdir()
+    os.chmod(probe, 0o777)  # the sandboxed workers write there (as nobody when the tests run as root)
     (probe / "spin").touch()  # the module keeps its interpreter to itself until the test lets it go
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     cluster = cluster_factory(
@@ -97,8 +98,12 @@ def test_a_server_importing_a_pipelines_modules_answers_and_stays_a_member(clust
             "tests.preprocess",
             "--preprocess-workers",
             "1",
+            "--preprocess-env",
+            "PREP_PROBE_DIR",
+            "--preprocess-write-paths",
+            str(probe),
         ],
-        env={"KSPEED_TEST_PROBE_DIR": str(probe), "PYTHONPATH": path},
+        env={"PREP_PROBE_DIR": str(probe), "PYTHONPATH": path},
     )
     server = cluster.servers[0]
     pipeline = Pipeline([Stage("tests.preprocess.import_probe:same", output=Output(shape=(16,), dtype="uint8"))])

@@ -1,9 +1,11 @@
 """A user-function module whose import a test can see and hold up.
 
-Imported with ``KSPEED_TEST_PROBE_DIR`` set, it leaves ``imported.<pid>`` there, then waits while a
-file ``hold`` is there (a minute at most), as a module that takes long to import does; while a file
-``spin`` is there it keeps the interpreter to itself, in calls of about two seconds each that
-release nothing, as the initialisation of a large extension module (torch's) does.
+Imported with ``PREP_PROBE_DIR`` set (a server passes it to its sandboxed workers with
+``preprocess_env`` and lets them write there with ``preprocess_write_paths``), it leaves
+``imported.<pid>`` there, then waits while a file ``hold`` is there (a minute at most), as a module
+that takes long to import does; while a file ``spin`` is there it keeps the interpreter to itself,
+in calls of about two seconds each that release nothing, as the initialisation of a large
+extension module (torch's) does.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import time
 
 import numpy as np
 
-_DIR = os.environ.get("KSPEED_TEST_PROBE_DIR", "")
+_DIR = os.environ.get("PREP_PROBE_DIR", "")
 if _DIR:
     with open(os.path.join(_DIR, f"imported.{os.getpid()}"), "w"):
         pass

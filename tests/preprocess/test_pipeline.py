@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-import multiprocessing
 import os
 import signal
 import threading
@@ -28,6 +27,7 @@ from kspeed.preprocess.runner import Runner
 from kspeed.preprocess.versions import libraries
 from kspeed.server import prep_pool
 from kspeed.server.prep_pool import PrepPool, PrepTask
+from kspeed.server.sandbox import SandboxPolicy
 
 CROP = Output(shape=(3, 16, 16), dtype="uint8")
 
@@ -254,21 +254,32 @@ def test_a_split_that_would_mix_versions_is_refused_naming_them():
 # -- the servers' preprocessing workers -------------------------------------------------------------
 
 
+def shared_dir(tmp_path) -> str:
+    """``tmp_path``, where the sandboxed workers (``nobody`` when the tests run as root) may write."""
+    os.chmod(tmp_path, 0o777)
+    return str(tmp_path)
+
+
+def workers_for(tmp_path, count: int = 1) -> PrepPool:
+    """Sandboxed workers that may write in ``tmp_path`` and get ``PREP_PROBE_DIR`` (for the test
+    modules' gates and probes)."""
+    policy = SandboxPolicy(write=(shared_dir(tmp_path),))
+    return PrepPool(count, ("tests",), LogSettings(), sandbox=policy, environment=("PREP_PROBE_DIR",))
+
+
 @pytest.fixture
-def pool():
-    workers = PrepPool(1, ("tests",), LogSettings())
+def pool(tmp_path):
+    workers = workers_for(tmp_path)
     yield workers
     workers.close()
 
 
-def window(tmp_path, slots: int) -> tuple[str, np.memmap]:
-    path = str(tmp_path / "window")
-    with open(path, "wb") as f:
-        f.truncate(CROP.nbytes * slots)
-    return path, np.memmap(path, dtype=np.uint8, mode="r")
+def window(slots: int, size: int = CROP.nbytes) -> np.ndarray:
+    """A stand-in for production-window slots: one buffer, a slot every ``size`` bytes."""
+    return np.zeros(size * slots, dtype=np.uint8)
 
 
-def task(pipeline: Pipeline, path: str, inputs: list, stages: int = 4) -> PrepTask:
+def task(pipeline: Pipeline, mapped: np.ndarray, inputs: list, stages: int = 4) -> PrepTask:
     return PrepTask(
         "imgs",
         pipeline.to_proto().SerializeToString(),
@@ -277,16 +288,15 @@ def task(pipeline: Pipeline, path: str, inputs: list, stages: int = 4) -> PrepTa
         1,
         tuple(range(len(inputs))),
         tuple(inputs),
-        tuple((path, k * CROP.nbytes, CROP.nbytes) for k in range(len(inputs))),
+        tuple(mapped[k * CROP.nbytes : (k + 1) * CROP.nbytes] for k in range(len(inputs))),
     )
 
 
-def test_workers_write_into_window_slots_what_the_client_would_compute(pool, tmp_path):
-    path, mapped = window(tmp_path, 3)
-    home = tmp_path / "home"
+def test_workers_run_what_the_client_would_compute_and_the_server_copies_it_into_window_slots(pool):
+    mapped = window(3)
     data = [jpeg(k) for k in range(3)]
-    home.write_bytes(data[2])
-    results = pool.run(task(augment(), path, [data[0], b"broken", (str(home), 0, len(data[2]))]))
+    home = np.frombuffer(b"x" * 100 + data[2], dtype=np.uint8)[100:]  # a view of pool memory
+    results = pool.run(task(augment(), mapped, [data[0], b"broken", home]))
     assert results[0] == results[2] == CROP.nbytes
     assert isinstance(results[1], str) and "sample 1: stage 0 (decode_image) failed" in results[1]
     runner = Runner(augment())
@@ -297,7 +307,7 @@ def test_workers_write_into_window_slots_what_the_client_would_compute(pool, tmp
 
 
 def test_a_worker_that_dies_is_replaced_and_its_task_done_again(pool, tmp_path):
-    path, _ = window(tmp_path, 1)
+    mapped = window(1)
     gate = str(tmp_path / "gate")
     pipeline = Pipeline(
         [
@@ -308,7 +318,7 @@ def test_a_worker_that_dies_is_replaced_and_its_task_done_again(pool, tmp_path):
         ]
     )
     answer: list = []
-    runner = threading.Thread(target=lambda: answer.append(pool.run(task(pipeline, path, [jpeg(4)]))))
+    runner = threading.Thread(target=lambda: answer.append(pool.run(task(pipeline, mapped, [jpeg(4)]))))
     runner.start()
     announced = tmp_path.glob("gate.*")
     for _ in range(500):
@@ -332,8 +342,8 @@ def probed() -> Pipeline:
 
 
 def test_warming_resolves_the_pipeline_in_every_worker_before_any_task(tmp_path, monkeypatch):
-    monkeypatch.setenv("KSPEED_TEST_PROBE_DIR", str(tmp_path))
-    workers = PrepPool(2, ("tests",), LogSettings())
+    monkeypatch.setenv("PREP_PROBE_DIR", str(tmp_path))
+    workers = workers_for(tmp_path, 2)
     try:
         pipeline = probed().to_proto().SerializeToString()
         workers.warm("imgs", pipeline, 5)
@@ -341,8 +351,8 @@ def test_warming_resolves_the_pipeline_in_every_worker_before_any_task(tmp_path,
         wait_for(lambda: len(workers.pids()) == 2 and len(list(tmp_path.glob("imported.*"))) == 2, 60, "warm")
         assert {int(p.name.split(".")[1]) for p in tmp_path.glob("imported.*")} == set(workers.pids())
         assert workers.samples == 0 and workers.busy_seconds == 0  # warming is not work
-        path, mapped = window(tmp_path, 1)
-        results = workers.run(dataclasses.replace(task(probed(), path, [jpeg(3)], stages=5), pipeline=pipeline))
+        mapped = window(1)
+        results = workers.run(dataclasses.replace(task(probed(), mapped, [jpeg(3)], stages=5), pipeline=pipeline))
         assert results == [CROP.nbytes]
         expected = Runner(probed(), allow=("tests",)).run(jpeg(3), seed=7, epoch=1, sample=0, stop=5)
         assert np.array_equal(mapped[: CROP.nbytes].reshape(3, 16, 16), expected)
@@ -353,9 +363,9 @@ def test_warming_resolves_the_pipeline_in_every_worker_before_any_task(tmp_path,
 
 
 def test_closing_while_the_workers_warm_kills_them_at_once(tmp_path, monkeypatch):
-    monkeypatch.setenv("KSPEED_TEST_PROBE_DIR", str(tmp_path))
+    monkeypatch.setenv("PREP_PROBE_DIR", str(tmp_path))
     (tmp_path / "hold").touch()  # importing the probe takes a minute
-    workers = PrepPool(2, ("tests",), LogSettings())
+    workers = workers_for(tmp_path, 2)
     workers.warm("imgs", probed().to_proto().SerializeToString(), 5)
     wait_for(lambda: len(list(tmp_path.glob("imported.*"))) == 2, 60, "both workers importing")
     started = time.monotonic()
@@ -364,26 +374,26 @@ def test_closing_while_the_workers_warm_kills_them_at_once(tmp_path, monkeypatch
     pids = [int(p.name.split(".")[1]) for p in tmp_path.glob("imported.*")]
     assert not [pid for pid in pids if os.path.exists(f"/proc/{pid}") and not zombie(pid)]
     with pytest.raises(StateError):
-        workers.run(task(augment(), str(tmp_path / "window"), [jpeg(1)]))
+        workers.run(task(augment(), window(1), [jpeg(1)]))
 
 
 def test_a_worker_that_hangs_while_warming_is_replaced_and_tasks_still_get_their_own_answers(tmp_path, monkeypatch):
-    monkeypatch.setenv("KSPEED_TEST_PROBE_DIR", str(tmp_path))
+    monkeypatch.setenv("PREP_PROBE_DIR", str(tmp_path))
     monkeypatch.setattr(prep_pool, "TASK_TIMEOUT", 0.5)  # no answer within it: hung
     (tmp_path / "hold").touch()  # importing the probe takes a minute
-    workers = PrepPool(2, ("tests",), LogSettings())
+    workers = workers_for(tmp_path, 2)
     try:
         pipeline = probed().to_proto().SerializeToString()
         workers.warm("imgs", pipeline, 5)
-        first = {p.pid for p in multiprocessing.active_children() if p.name.startswith("kspeed-prep-")}
+        first = set(workers.all_pids())
         assert len(first) == 2
         wait_for(lambda: len(workers.pids()) == 2 and not first & set(workers.pids()), 30, "both replaced")
         assert not [pid for pid in first if os.path.exists(f"/proc/{pid}") and not zombie(pid)]
         assert workers.restarts == 2
         monkeypatch.setattr(prep_pool, "TASK_TIMEOUT", 300.0)
         (tmp_path / "hold").unlink()
-        path, mapped = window(tmp_path, 1)
-        results = workers.run(dataclasses.replace(task(probed(), path, [jpeg(5)], stages=5), pipeline=pipeline))
+        mapped = window(1)
+        results = workers.run(dataclasses.replace(task(probed(), mapped, [jpeg(5)], stages=5), pipeline=pipeline))
         assert results == [CROP.nbytes]  # not the late answer of a warming worker
         expected = Runner(probed(), allow=("tests",)).run(jpeg(5), seed=7, epoch=1, sample=0, stop=5)
         assert np.array_equal(mapped[: CROP.nbytes].reshape(3, 16, 16), expected)
@@ -396,11 +406,9 @@ def zombie(pid: int) -> bool:
         return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
 
 
-def test_when_skipping_a_failure_travels_in_the_sample_slot(pool, tmp_path):
-    path = str(tmp_path / "window")
+def test_when_skipping_a_failure_travels_in_the_sample_slot(pool):
     size = CROP.nbytes + STATUS
-    with open(path, "wb") as f:
-        f.truncate(size * 2)
+    mapped = window(2, size)
     skipping = PrepTask(
         "imgs",
         augment().to_proto().SerializeToString(),
@@ -409,18 +417,17 @@ def test_when_skipping_a_failure_travels_in_the_sample_slot(pool, tmp_path):
         1,
         (0, 1),
         (jpeg(0), b"broken"),
-        ((path, 0, size), (path, size, size)),
+        (mapped[:size], mapped[size:]),
         skip=True,
     )
     results = pool.run(skipping)
-    mapped = np.memmap(path, dtype=np.uint8, mode="r")
     assert results[0] == size and read_status(mapped[:size]) == ""
     assert isinstance(results[1], str) and "stage 0 (decode_image) failed" in read_status(mapped[size:])
     want = Runner(augment()).run(jpeg(0), seed=7, epoch=1, sample=0, stop=4)
     assert np.array_equal(mapped[STATUS:size].reshape(3, 16, 16), want)
 
 
-def test_a_task_can_start_past_cached_stages_and_send_its_results_back(pool, tmp_path):
+def test_a_task_can_start_past_cached_stages_and_send_its_results_back(pool):
     kept = Output(shape=(24, 24, 3), dtype="uint8")
     pipeline = Pipeline(
         [
@@ -435,8 +442,8 @@ def test_a_task_can_start_past_cached_stages_and_send_its_results_back(pool, tmp
     caching = PrepTask("imgs", message, 2, 0, 0, (0, 1), tuple(data), None)
     stored = pool.run(caching)  # no window slots: the results come back as their bytes
     assert all(isinstance(r, bytes) and len(r) == kept.nbytes for r in stored)
-    path, mapped = window(tmp_path, 2)
-    slots = tuple((path, k * CROP.nbytes, CROP.nbytes) for k in range(2))
+    mapped = window(2)
+    slots = tuple(mapped[k * CROP.nbytes : (k + 1) * CROP.nbytes] for k in range(2))
     epoch = PrepTask("imgs", message, 4, 7, 3, (0, 1), tuple(stored), slots, start=2)
     assert pool.run(epoch) == [CROP.nbytes, CROP.nbytes]
     runner = Runner(pipeline)

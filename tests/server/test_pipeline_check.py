@@ -5,7 +5,6 @@ verdict; an assignment (a spare taking a failed server's share) does not wait fo
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import sys
 import threading
@@ -19,6 +18,7 @@ from kspeed.preprocess import Output, Pipeline, Stage
 from kspeed.proto import kspeed_pb2
 from kspeed.server.datasets import DatasetHost, fingerprint_pb
 from kspeed.server.prep_pool import PrepPool
+from kspeed.server.sandbox import SandboxPolicy
 from kspeed.server.sources import open_source
 from tests.server.datasets import REGION, write_tree
 
@@ -37,8 +37,12 @@ def assignment(backend, spec: kspeed_pb2.DatasetSpec) -> kspeed_pb2.AssignShareR
 
 
 @pytest.fixture
-def workers():
-    prep = PrepPool(1, ("tests",), LogSettings())
+def workers(tmp_path):
+    probe = tmp_path / "probe"
+    probe.mkdir(mode=0o777)
+    os.chmod(probe, 0o777)  # (the sandboxed workers run as nobody when the tests run as root)
+    policy = SandboxPolicy(write=(str(probe),))
+    prep = PrepPool(1, ("tests",), LogSettings(), sandbox=policy, environment=("PREP_PROBE_DIR",))
     yield prep
     prep.close()
 
@@ -46,8 +50,7 @@ def workers():
 def test_the_server_process_never_imports_a_pipelines_modules(tmp_path, backend, pool, workers, monkeypatch):
     write_tree(tmp_path / "ds", [16] * 4)
     probe = tmp_path / "probe"
-    probe.mkdir()
-    monkeypatch.setenv("KSPEED_TEST_PROBE_DIR", str(probe))
+    monkeypatch.setenv("PREP_PROBE_DIR", str(probe))
     monkeypatch.delitem(sys.modules, PROBE, raising=False)  # imported afresh, wherever it is
     (probe / "hold").touch()  # importing the module takes until the test lets it go
     host = DatasetHost(pool, backend, str(tmp_path), preprocess_allow=("tests",), prep=workers)
@@ -60,7 +63,7 @@ def test_the_server_process_never_imports_a_pipelines_modules(tmp_path, backend,
     assigning.join(30)
     assert assigned and assigned[0].first_id == 0, "the assignment waited for the pipeline's import"
     (importer,) = wait_for(lambda: list(probe.glob("imported.*")), 60, "a worker importing the module")
-    assert int(importer.name.split(".")[1]) in {p.pid for p in multiprocessing.active_children()}
+    assert int(importer.name.split(".")[1]) in workers.all_pids()
 
     # Describing waits for the workers' verdict, here until the import is let go.
     described: list = []

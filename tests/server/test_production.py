@@ -9,12 +9,14 @@ import numpy as np
 import pytest
 
 from kspeed.layout import batch_layout
+from kspeed.server.checksum import crc32c
 from kspeed.server.feed_writer import FeederShared, FeedProgress, PlanPart
 from kspeed.server.feeder_process import Failed, InstallPlan, Locate, Reply
+from kspeed.server.integrity import SampleStore
 from kspeed.server.preload import Preloader
 from kspeed.server.production import Production
 from kspeed.server.production_state import PlanState
-from kspeed.server.residency import HOME
+from kspeed.server.residency import HOME, WINDOW
 from kspeed.server.sources import open_source
 from kspeed.server.window import ProductionWindow
 from tests.server.datasets import REGION, write_tree
@@ -36,7 +38,7 @@ class Feeders:
                 self.plans[command.feed_id, command.epoch] = command.plan
             elif isinstance(command, Locate):
                 for plan in self.plans.values():
-                    plan.locate(command.ids, command.region, command.src, command.ticket)
+                    plan.locate(command.ids, command.region, command.src, command.ticket, command.crc)
         return Reply(True)
 
     def located(self) -> list[Locate]:
@@ -49,6 +51,7 @@ class Host:
 
     def __init__(self, preloader) -> None:
         self.preloader = preloader
+        self.store = SampleStore(preloader)
 
     def get(self, name, first=None):
         return self
@@ -256,3 +259,41 @@ def test_a_share_held_on_demand_is_read_as_consumed_from_the_first_batch_still_n
         assert window.peak <= window.capacity
     finally:
         production.stop()
+
+
+def test_feeders_learn_each_stored_samples_checksum_and_a_corrupt_one_is_read_again(produced, pool):
+    files, _src, pre, _window, feeders, production = produced
+    keys = sorted(files)
+    ids = np.arange(60)
+    production.install("f", 0, ("ds", 0), 0, plan_of(ids, pre.index.length[ids], 10))
+    mine = feeders.plans["f", 0]
+    wait(lambda: (mine.region[:40] >= 0).all())
+    for k in range(40):  # every place comes with the checksum its bytes have there
+        start, n = int(mine.src[k]), int(mine.length[k])
+        assert mine.crc is not None and int(mine.crc[k]) == crc32c(pool.array(int(mine.region[k]))[start : start + n])
+    store = production.host.get("ds").store
+
+    # A copy in the window that changed is let go and produced again from the backend.
+    (k,) = np.flatnonzero(pre.residency.of(ids[:40]) == WINDOW)[:1]
+    start, n = int(mine.src[k]), int(mine.length[k])
+    pool.array(int(mine.region[k]))[start : start + n] ^= 0xFF
+    production.corrupt("f", [int(ids[k])])
+    wait(lambda: mine.region[k] >= 0 and mine.ticket[k] != 0 and store.counters["repaired"] == 1)
+    start, n = int(mine.src[k]), int(mine.length[k])
+    assert pool.array(int(mine.region[k]))[start : start + n].tobytes() == files[keys[int(ids[k])]]
+
+    # One at home is read again in its place; one intact is placed again as it was, uncounted.
+    pre.preload(timeout=60)  # (what the window holds for the feed stays there)
+    assert (pre.residency.of(np.array([50, 51])) == HOME).all()
+    region, offset = pre.home(np.array([50, 51]))
+    home = pool.array(int(region[0]))[int(offset[0]) : int(offset[0]) + len(files[keys[50]])]
+    home ^= 0xFF
+    production.corrupt("f", [50, 51])
+    assert home.tobytes() == files[keys[50]] and store.counters == {
+        "crc_mismatches": 2,
+        "repaired": 2,
+        "backend_reads": 0,
+    }
+    last = feeders.located()[-1]
+    assert last.ids.tolist() == [50, 51] and last.crc is not None
+    assert last.crc.tolist() == [int(pre.index.crc[50]), int(pre.index.crc[51])]
