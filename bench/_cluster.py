@@ -35,9 +35,12 @@ class BenchCluster:
         backend_root: the directory the servers may read (their allow-list).
         dataset_bytes: bytes of the largest sample set, to size the servers' pools.
         keep: keep the state directory (logs) after stopping.
+        server_args: more flags for every server (e.g. ``("--verify-served", "always")``).
     """
 
-    def __init__(self, backend_root: str, dataset_bytes: int, keep: bool = False) -> None:
+    def __init__(
+        self, backend_root: str, dataset_bytes: int, keep: bool = False, server_args: tuple[str, ...] = ()
+    ) -> None:
         self.keep = keep
         self.state_dir = tempfile.mkdtemp(prefix="kspeed-bench-cluster-")
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -47,7 +50,15 @@ class BenchCluster:
             self.state_dir,
             servers=SERVERS,
             pool_root=self.pool_root,
-            server_args=["--backend-allow", backend_root, "--memory", str(memory), "--keep-pool-on-exit", "false"],
+            server_args=[
+                "--backend-allow",
+                backend_root,
+                "--memory",
+                str(memory),
+                "--keep-pool-on-exit",
+                "false",
+                *server_args,
+            ],
         )
         self.manager: ManagerClient | None = None
 
@@ -86,8 +97,11 @@ class BenchCluster:
     def unload(self, name: str) -> None:
         """Remove a dataset and wait until the servers freed its memory."""
         self.manager.remove_dataset(name)
-        wait_for(
-            lambda: all(r.inventory.regions_free == r.inventory.regions_total for r in self.manager.servers()),
+        wait_for(  # (the production window's regions stay reserved)
+            lambda: all(
+                r.inventory.regions_free + r.inventory.regions_window == r.inventory.regions_total
+                for r in self.manager.servers()
+            ),
             60,
             f"the servers to free the memory of {name}",
         )

@@ -737,11 +737,13 @@ class ServerConfig(DaemonConfig):
         env="KSPEED_PREPROCESS_ENV",
         metavar="NAME,...",
     )
-    verify_served: bool = option(
-        True,
-        "check each stored sample's crc32c before a feeder writes it to a client; a mismatch is re-read from "
-        "the backend and counted (false: only the scrub finds corrupted memory)",
-        parse=_parse_bool,
+    verify_served: str = option(
+        "first",
+        "which stored samples a feeder checks against their crc32c before it writes them to a client (a mismatch "
+        "is re-read from the backend and counted): first (each the first time it serves it from where it is "
+        "now; only the server can write the pool meanwhile), always (every time: about a second copy of the "
+        "bytes), off (only the scrub finds corrupted memory)",
+        parse=_choice("first", "always", "off"),
         env="KSPEED_VERIFY_SERVED",
     )
     data_networks: tuple[str, ...] = option(

@@ -14,7 +14,11 @@ or makes them resident again, for the new grant.
 
 Before a write, every sample whose crc32c the main process gave with its place (a stored sample,
 at home or in the window as the backend's bytes) is checked against it, per write of up to
-:data:`GRANTS_PER_WRITE` grants. A sample whose bytes changed in memory is never written: its
+:data:`GRANTS_PER_WRITE` grants: a sample at home the first time this feeder writes it from there
+(``verify_served: first``; from then on only the server can write the pool: its files are the
+server's alone, its feeders map it read-only and its preprocessing workers never map it), or at
+every write (``always``: it costs about a second copy of the bytes); a window copy, made for the
+plans moments before, at every write. A sample whose bytes changed in memory is never written: its
 grants wait, it counts as not resident here, and the main process is told (:class:`Corrupt`); it
 re-reads the sample from the backend and tells its place again.
 """
@@ -170,8 +174,11 @@ class FeederShared:
     locations, the reads in progress per window ticket, failed samples, the event pipe, and the
     doorbell idle feeds wait on."""
 
-    def __init__(self, send_event) -> None:
+    def __init__(self, send_event, *, recheck: bool = False) -> None:
         self.lock = threading.Lock()
+        self.recheck = recheck  # check a sample at home at every write, not only the first
+        self._checked: dict[str, np.ndarray] = {}  # per dataset, by sample ID: checked at home since placed there
+        self.placements = 0  # bumped when a sample gets a new place: a check begun before proves nothing of it
         self.in_use: dict[int, int] = {}
         self.draining: set[int] = set()  # tickets to report freed once no read uses them
         self.failed: dict[str, dict[int, str]] = {}  # per dataset, samples whose production failed
@@ -179,6 +186,38 @@ class FeederShared:
         self._send = send_event
         self._send_lock = threading.Lock()
         self.doorbell = Doorbell()
+
+    def checked(self, dataset: str, ids: np.ndarray) -> np.ndarray:
+        """Which of ``ids`` were checked at home since they were placed there (all False with ``recheck``)."""
+        seen = self._checked.get(dataset)
+        if self.recheck or seen is None:
+            return np.zeros(len(ids), dtype=bool)
+        inside = ids < len(seen)
+        out = np.zeros(len(ids), dtype=bool)
+        out[inside] = seen[ids[inside]]
+        return out
+
+    def mark_checked(self, dataset: str, ids: np.ndarray, since: int) -> None:
+        """Samples ``ids`` passed their check at home, begun when :attr:`placements` was ``since``
+        (if a sample was placed anew meanwhile, nothing is marked: the next write checks again)."""
+        if self.recheck or not len(ids) or since != self.placements:
+            return
+        seen = self._checked.get(dataset)
+        top = int(ids.max()) + 1
+        if seen is None or len(seen) < top:
+            grown = np.zeros(max(top, 2 * len(seen) if seen is not None else top), dtype=bool)
+            if seen is not None:
+                grown[: len(seen)] = seen
+            seen = self._checked[dataset] = grown
+        seen[ids] = True
+
+    def unchecked(self, dataset: str, ids: np.ndarray) -> None:
+        """Samples ``ids`` have a new place, or new bytes at their place: their next write checks them."""
+        self.placements += 1
+        seen = self._checked.get(dataset)
+        if seen is not None:
+            ids = np.asarray(ids, dtype=np.int64)
+            seen[ids[ids < len(seen)]] = False
 
     def send(self, event: object) -> None:
         with self._send_lock, contextlib.suppress(OSError, ValueError):
@@ -542,7 +581,12 @@ class FeedWriter:
         if all(crc is None for _, crc in checks):
             return set()
         crc = np.concatenate([c if c is not None else np.full(len(ids), -1) for ids, c in checks])
-        want = np.flatnonzero(crc >= 0)
+        ids = np.concatenate([ids for ids, _ in checks])
+        home = np.concatenate([part[4] for part in parts]) == 0
+        with self.shared.lock:
+            done = home & self.shared.checked(self.dataset, ids)
+            since = self.shared.placements
+        want = np.flatnonzero((crc >= 0) & ~done)
         if not len(want):
             return set()
         region, src, length = (np.concatenate([part[k] for part in parts])[want] for k in range(3))
@@ -552,10 +596,12 @@ class FeedWriter:
             for k, r, at, n, c in zip(want.tolist(), region.tolist(), src.tolist(), length.tolist(), crc[want].tolist())
             if crc32c(arrays(r)[at : at + n]) != c
         ]
+        good = np.setdiff1d(want[home[want]], np.asarray(bad, dtype=np.int64))
+        with self.shared.lock:
+            self.shared.mark_checked(self.dataset, ids[good], since)
         if not bad:
             return set()
         owner = np.repeat(np.arange(len(parts)), [len(ids) for ids, _ in checks])
-        ids = np.concatenate([ids for ids, _ in checks])
         self._withhold(np.unique(ids[bad]))
         return set(owner[bad].tolist())
 

@@ -123,7 +123,7 @@ class FeederPool:
         production_threads: int = 8,
         prep: PrepPool | None = None,
         logs: LogSettings | None = None,
-        verify: bool = True,
+        verify: str = "first",
     ) -> None:
         self._host = host
         self._lock = threading.Lock()
@@ -147,6 +147,7 @@ class FeederPool:
                     logs or LogSettings(),
                     production_timeout,
                     os.getpid(),
+                    verify == "always",
                 ),
                 daemon=True,
                 name="kspeed-feeder",
@@ -156,7 +157,13 @@ class FeederPool:
             their_events.close()
             self._feeders.append(_Feeder(process, ours, events, threading.Lock()))
         self.production = Production(
-            window, host, self._command, depth=production_depth, threads=production_threads, prep=prep, verify=verify
+            window,
+            host,
+            self._command,
+            depth=production_depth,
+            threads=production_threads,
+            prep=prep,
+            verify=verify != "off",
         )
         for index, worker in enumerate(self._feeders):
             worker.reader = threading.Thread(

@@ -219,6 +219,7 @@ class Feeder:
             if failed:
                 for sample in command.ids.tolist():
                     failed.pop(sample, None)
+            self.shared.unchecked(command.dataset, command.ids)  # a new place (or new bytes): check it again
             for feed in self.feeds.values():
                 if feed.dataset != command.dataset:
                     continue
@@ -285,12 +286,14 @@ def serve(
     logs: LogSettings,
     production_timeout: float,
     parent: int = 0,
+    recheck: bool = False,
 ) -> None:
     """Entry point of a feeder process: obey commands from the server (``parent``) until told to
-    stop; die with it (a killed server's feeders must not keep writing into clients' rings)."""
+    stop; die with it (a killed server's feeders must not keep writing into clients' rings).
+    ``recheck``: check a stored sample's bytes at every write, not only the first from its place."""
     die_with_parent(parent, signal.SIGKILL)
     logs.apply("feeder", helper=True)
-    feeder = Feeder(server_id, options, FeederShared(events.send), production_timeout)
+    feeder = Feeder(server_id, options, FeederShared(events.send, recheck=recheck), production_timeout)
     while True:
         try:
             command = conn.recv()

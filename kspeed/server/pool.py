@@ -182,7 +182,8 @@ class MemoryPool:
         """
         count = _region_count(memory_bytes, region_size)
         directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(directory, 0o700)  # the server's alone, whatever the umask: no other user may open a region
         _remove_pool_files(directory)
         pool = cls(directory, count, region_size, huge_pages=huge_pages)
         pool._materialize(range(count))
@@ -218,6 +219,7 @@ class MemoryPool:
                 f"pool {directory}: manifest has region size {manifest['region_size']}, asked {region_size}; "
                 "destroy the pool to change the region size"
             )
+        os.chmod(directory, 0o700)  # (as :meth:`create`: a pool left by an older build may be open to others)
         entries = manifest["regions"]
         count = len(entries) if memory_bytes is None else _region_count(memory_bytes, region_size)
         pool = cls(directory, max(count, len(entries)), region_size, huge_pages=huge_pages)
