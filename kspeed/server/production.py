@@ -89,6 +89,7 @@ PREP_TASK_SAMPLES = 16  # samples one preprocessing task runs (fewer round trips
 RETRY_FAILED_S = 5.0  # a failed sample still needed is read again after this long (and producers with
 # nothing to do look again this often, for those)
 RATE_SPAN_S = 5.0  # the producer rate is measured over about this long
+STOP_WAIT_S = 5.0  # a stop waits this long in all for producers in a backend read (not this long each)
 STAGING = 4  # a caching policy prefetches into at most 1/STAGING of its share's window (it keeps the rest)
 EVICT_BATCH = 16  # samples a caching policy lets go at once when its window is full
 PREEMPT_BATCH = 4  # samples let go at once for a first grant that does not fit
@@ -1035,5 +1036,9 @@ class Production(ProcessedProduction):
             self._work.notify_all()
         if self.prep is not None:
             self.prep.close()
+        deadline = time.monotonic() + STOP_WAIT_S
         for thread in self._threads:
-            thread.join(timeout=5)
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        stuck = [thread.name for thread in self._threads if thread.is_alive()]
+        if stuck:  # daemon threads: they end with the process
+            log.warning("production stops with %s still busy (a backend read that has not answered)", ", ".join(stuck))

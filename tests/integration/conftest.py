@@ -13,7 +13,9 @@ S3_KEY, S3_SECRET = "kspeed-test-key", "kspeed-test-secret"  # what the endpoint
 @pytest.fixture
 def s3_endpoint():
     """A local S3 endpoint (moto's server mode, what s3fs's own tests use) on a free loopback port:
-    ``(url, s3fs file system)``; skipped without s3fs and moto."""
+    ``(url, s3fs file system)``; skipped without s3fs and moto. A test names it before
+    ``cluster_factory``, so that its servers stop before the endpoint does (fixtures end in the
+    reverse order): a server whose backend vanished mid-read waits for that read as it stops."""
     s3fs = pytest.importorskip("s3fs")
     moto_server = pytest.importorskip("moto.server")
     with socket.socket() as s:

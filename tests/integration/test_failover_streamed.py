@@ -121,7 +121,7 @@ def test_a_holder_killed_while_a_dataset_streams_costs_a_pause_not_a_sample(
 
 @pytest.mark.timeout(120)
 def test_a_holder_killed_while_tar_shards_in_a_bucket_stream_costs_a_pause_not_a_sample(
-    cluster_factory, tmp_path, s3_endpoint
+    s3_endpoint, cluster_factory, tmp_path
 ):
     kill_while_streaming(cluster_factory, tmp_path, "stream", "s3tar", True, s3_endpoint)
 
@@ -131,11 +131,10 @@ def test_a_holder_killed_while_tar_shards_in_a_bucket_stream_costs_a_pause_not_a
 @pytest.mark.parametrize("spare", [False, True], ids=["survivor", "spare"])
 @pytest.mark.parametrize("kind", ["dir", "list", "manifest", "npy", "tar", "s3dir", "s3tar"])
 @pytest.mark.parametrize("policy", ["stream", "minio", "reuse", "lru", "cache"])
-def test_every_policy_and_source_kind_survive_a_holder_killed_while_streaming(
-    cluster_factory, tmp_path, request, policy, kind, spare
-):
+def test_every_policy_and_source_kind_survive_a_holder_killed_while_streaming(tmp_path, request, policy, kind, spare):
+    # The bucket first: fixtures end in the reverse order, so the servers stop before it does.
     s3 = request.getfixturevalue("s3_endpoint") if kind.startswith("s3") else None
-    kill_while_streaming(cluster_factory, tmp_path, policy, kind, spare, s3)
+    kill_while_streaming(request.getfixturevalue("cluster_factory"), tmp_path, policy, kind, spare, s3)
 
 
 @pytest.mark.slow

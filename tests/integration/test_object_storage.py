@@ -56,7 +56,7 @@ def epochs(client, spec, files, epochs=2, **kwargs) -> list[list[tuple[list[int]
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("policy", ["auto", "stream"])
-def test_an_s3_bucket_trains_exactly_like_a_directory_of_the_same_files(cluster_factory, tmp_path, s3_endpoint, policy):
+def test_an_s3_bucket_trains_exactly_like_a_directory_of_the_same_files(s3_endpoint, cluster_factory, tmp_path, policy):
     url, fs = s3_endpoint
     files = make_tree(tmp_path / "imgs", per_class=30, max_size=32 * 1024, seed=5)
     upload(fs, files, "train-bucket/imagenet/train")
@@ -90,7 +90,7 @@ def test_an_s3_bucket_trains_exactly_like_a_directory_of_the_same_files(cluster_
 
 
 @pytest.mark.timeout(120)
-def test_the_allow_list_holds_for_buckets_and_prefixes(cluster_factory, tmp_path, s3_endpoint):
+def test_the_allow_list_holds_for_buckets_and_prefixes(s3_endpoint, cluster_factory, tmp_path):
     url, fs = s3_endpoint
     files = make_tree(tmp_path / "imgs", per_class=4, max_size=4096, seed=6)
     upload(fs, files, "train-bucket/imagenet/train")
@@ -135,7 +135,7 @@ def web_server(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_a_manifest_over_http_trains_like_the_directory(cluster_factory, tmp_path, web_server):
+def test_a_manifest_over_http_trains_like_the_directory(web_server, cluster_factory, tmp_path):
     url, root = web_server
     files = make_tree(root / "imgs", per_class=10, max_size=16 * 1024, seed=7)
     (root / "train.manifest").write_text("".join(f"imgs/{k} {len(v)}\n" for k, v in files.items()))
@@ -151,7 +151,7 @@ def test_a_manifest_over_http_trains_like_the_directory(cluster_factory, tmp_pat
 
 
 @pytest.mark.timeout(180)
-def test_tar_shards_locally_and_in_a_bucket_train_exactly_like_the_directory(cluster_factory, tmp_path, s3_endpoint):
+def test_tar_shards_locally_and_in_a_bucket_train_exactly_like_the_directory(s3_endpoint, cluster_factory, tmp_path):
     url, fs = s3_endpoint
     files = make_tree(tmp_path / "imgs", per_class=25, max_size=32 * 1024, seed=8)
     shards = write_shards(tmp_path / "shards", files, 4)

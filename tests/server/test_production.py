@@ -297,3 +297,39 @@ def test_feeders_learn_each_stored_samples_checksum_and_a_corrupt_one_is_read_ag
     last = feeders.located()[-1]
     assert last.ids.tolist() == [50, 51] and last.crc is not None
     assert last.crc.tolist() == [int(pre.index.crc[50]), int(pre.index.crc[51])]
+
+
+class Hanging:
+    """A backend read that does not answer until released."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Semaphore(0)
+        self.release = threading.Event()
+
+    def produce(self, preloader, ids, slots, window):
+        self.entered.release()
+        self.release.wait(60)
+        raise OSError("the backend never answered")
+
+
+def test_a_stop_waits_for_producers_stuck_in_a_backend_read_once_in_all_and_names_them(
+    tmp_path, backend, pool, monkeypatch, caplog
+):
+    # Each producer thread was joined for 5 s in turn: a server whose backend stopped answering
+    # took 5 s per busy producer to stop (10 s for two, behind a bucket gone before the server).
+    monkeypatch.setattr("kspeed.server.production.STOP_WAIT_S", 0.2)
+    window = ProductionWindow(pool, REGION)
+    _files, _src, pre = make(tmp_path, backend, pool, np.full(64, 1000), threads=1)
+    pre.start = lambda: None  # no preload: every sample is read by a producer
+    hanging = Hanging()
+    production = Production(window, Host(pre), Feeders().tell, depth=64, threads=3, producer=hanging)
+    try:
+        for feed in range(3):
+            production.install(f"f{feed}", 0, ("ds", 0), 0, plan_of(np.arange(64), pre.index.length, 8))
+        for _ in range(3):
+            assert hanging.entered.acquire(timeout=20), "a producer never reached the backend"
+        with caplog.at_level("WARNING", logger="kspeed.server.production"):
+            production.stop()
+        assert "producer-0, producer-1, producer-2 still busy" in caplog.text
+    finally:
+        hanging.release.set()
