@@ -53,6 +53,7 @@ class _Stream:
         idle_since: since when it has waited for its caller (request streams) or had nothing to send
             (watches); ``None`` while it is not idle, or when idleness is not held against it.
         end: ends it (cancel, or finish cleanly), for the watchdog.
+        sent: messages written so far (asyncio streams).
     """
 
     def __init__(self, peer: str, watch: bool) -> None:
@@ -60,6 +61,7 @@ class _Stream:
         self.watch = watch
         self.idle_since: float | None = time.monotonic() if watch else None
         self.end: Callable[[], Any] = lambda: None
+        self.sent = 0
 
 
 class _Admission:
@@ -110,6 +112,11 @@ class _Admission:
             else:
                 log.warning("cancelled a stream from %s: no message for %.0f s", stream.peer, self.idle_s)
             stream.end()
+
+    def open_watches(self) -> list[_Stream]:
+        """The health ``Watch`` streams open now."""
+        with self._lock:
+            return [s for s in self._open if s.watch]
 
     def count(self) -> int:
         with self._lock:
@@ -236,6 +243,15 @@ class StreamGuard(grpc.ServerInterceptor):
         """Streaming calls open now."""
         return self._admission.count()
 
+    def end_watches(self) -> int:
+        """End every health ``Watch`` (status OK, after the NOT_SERVING the daemon sent as it began
+        to stop): a stopping server's gRPC grace period waits for the calls still open, and a
+        watcher's stream held it for the whole ``drain_timeout``. Returns how many were ended."""
+        watches = self._admission.open_watches()
+        for stream in watches:  # (a sync health servicer has sent the new status already)
+            stream.end()
+        return len(watches)
+
     def close(self) -> None:
         """Stop the watchdog."""
         self._stop.set()
@@ -347,6 +363,19 @@ class AioStreamGuard(grpc.aio.ServerInterceptor):
         """Streaming calls open now."""
         return self._admission.count()
 
+    async def end_watches(self, settle_s: float = 0.5) -> int:
+        """End every health ``Watch`` (as :meth:`StreamGuard.end_watches`), each once it has written
+        the status the daemon set as it began to stop (an asyncio servicer writes it on its own
+        turn of the loop), or after ``settle_s``. Returns how many were ended."""
+        watches = self._admission.open_watches()
+        marks = [stream.sent for stream in watches]
+        deadline = time.monotonic() + settle_s
+        while time.monotonic() < deadline and any(s.sent == m for s, m in zip(watches, marks, strict=True)):
+            await asyncio.sleep(0.01)
+        for stream in watches:
+            stream.end()
+        return len(watches)
+
     async def close(self) -> None:
         """Stop the watchdog."""
         if self._watchdog is not None:
@@ -380,6 +409,7 @@ class _Touching:
         if self._stream.idle_since is not None:
             self._stream.idle_since = time.monotonic()
         await self._context.write(message)
+        self._stream.sent += 1
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._context, name)

@@ -242,6 +242,8 @@ class Manager:
         """Stop serving, finish background tasks, close the store."""
         self._stopping.set()
         await self.health.enter_graceful_shutdown()
+        if self.streams is not None:
+            await self.streams.end_watches()  # once they heard NOT_SERVING; open, they would hold the grace period
         for task in getattr(self, "_tasks", []):
             await task
         if self._server is not None:

@@ -298,6 +298,8 @@ class Server:
         self.health.enter_graceful_shutdown()
         for name in ("", SERVICE):
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.streams is not None:
+            self.streams.end_watches()  # they heard NOT_SERVING; open, they would hold the grace period
         if self.agent is not None:
             self.agent.stop(
                 deregister=self.fatal is None, reason="drained" if retiring else "shutdown", keep_pool=keep_pool

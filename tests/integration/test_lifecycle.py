@@ -17,9 +17,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kspeed import DatasetSpec, KSpeedClient
 from kspeed.cli.cluster import wait_for
@@ -287,3 +290,33 @@ def test_kspeed_up_keeps_the_logs_of_a_dead_server_without_its_pool(tmp_path):
     assert "pools discarded" in text, text
     assert os.path.exists(os.path.join(state_dir, "logs", "server-0.log"))
     assert not os.path.exists(os.path.join(state_dir, "server-0", "pool"))
+
+
+def watch(address: str, heard: list[int], ended: list[str]) -> None:
+    """Watch a daemon's health until the stream ends; note each status, then how it ended."""
+    channel = grpc.insecure_channel(address)
+    try:
+        for reply in health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service="")):
+            heard.append(reply.status)
+        ended.append("OK")
+    except grpc.RpcError as exc:
+        ended.append(f"{exc.code().name}: {exc.details()}")
+    finally:
+        channel.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_stopping_daemon_tells_its_health_watchers_and_ends_their_streams(cluster_factory):
+    # A server's gRPC grace period (drain_timeout, 10 s) waited for every call still open: one
+    # health watcher held each stop for those 10 s, then was cut off with UNAVAILABLE.
+    cluster = cluster_factory(1)
+    for daemon, address in ((cluster.servers[0], cluster.servers[0].ready["grpc"]), (cluster.manager, cluster.address)):
+        heard: list[int] = []
+        ended: list[str] = []
+        watcher = threading.Thread(target=watch, args=(address, heard, ended), daemon=True)
+        watcher.start()
+        wait_for(lambda heard=heard: heard == [health_pb2.HealthCheckResponse.SERVING] or None, 10, "the first status")
+        assert daemon.stop() == 0
+        watcher.join(10)
+        assert heard[-1] == health_pb2.HealthCheckResponse.NOT_SERVING, (daemon.name, heard)
+        assert ended == ["OK"], (daemon.name, ended)
