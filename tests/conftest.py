@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import faulthandler
+import os
+import sys
+import threading
+from pathlib import Path
+
 import pytest
 
 from kspeed.cli.cluster import LocalCluster
@@ -59,3 +65,34 @@ def verbs():
     use_verbs_api("tests.verbs_double:api")
     yield get_rail("verbs")
     use_verbs_api(None)
+
+
+# Seconds the interpreter may take to exit once the session is over before every thread's stack is
+# written to stderr and the process ends (a thread or child process the suite left behind would
+# otherwise hold the run, and the machine running it, until an outer timeout).
+EXIT_GRACE = 120
+
+
+def leftovers() -> list[str]:
+    """What a finished session leaves: live non-daemon threads and child processes, named."""
+    found = [
+        f"thread {t.name!r}"
+        for t in threading.enumerate()
+        if t is not threading.main_thread() and t.is_alive() and not t.daemon
+    ]
+    for task in Path(f"/proc/{os.getpid()}/task").glob("*/children"):
+        for pid in task.read_text().split():
+            try:
+                command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            found.append(f"process {pid}: {command.strip()[:200]}")
+    return found
+
+
+def pytest_sessionfinish(session, exitstatus):
+    left = leftovers()
+    if left:
+        sys.stderr.write("\nthe session left behind (the interpreter may wait on them at exit):\n")
+        sys.stderr.writelines(f"  {item}\n" for item in left)
+    faulthandler.dump_traceback_later(EXIT_GRACE, exit=True)
