@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -27,25 +28,23 @@ from kspeed.errors import AccessDeniedError, BackendError, ConfigError, DatasetE
 from kspeed.server import throttle  # noqa: F401  (registers the slowfile and throttled protocols)
 from kspeed.server.allowlist import LOCAL_PROTOCOLS, AllowList
 
-__all__ = ["FAILURES", "Backend", "RequestGuard"]
+__all__ = ["Backend", "RequestGuard", "failures"]
 
 log = logging.getLogger(__name__)
 
 URL_PROTOCOLS = frozenset({"http", "https"})  # paths on these file systems are whole URLs
 
 
-def _failures() -> tuple[type[BaseException], ...]:
-    """What a backend's file system raises when it fails: OS and fsspec errors, and aiohttp's
-    (an HTTP server that drops the connection), where it is installed."""
-    try:
-        from aiohttp import ClientError
-    except ImportError:
-        return (OSError, ValueError, RuntimeError)
-    return (OSError, ValueError, RuntimeError, ClientError)
+_FAILURES = (OSError, ValueError, RuntimeError)
 
 
-#: The exceptions :meth:`Backend.errors` converts to :class:`BackendError`.
-FAILURES = _failures()
+def failures() -> tuple[type[BaseException], ...]:
+    """What a backend's file system raises when it fails: OS and fsspec errors, and aiohttp's (an
+    HTTP server that drops the connection) once an HTTP file system has imported it (only then can
+    one be raised; importing aiohttp for this alone took a sixth of a second of each server start)."""
+    aiohttp = sys.modules.get("aiohttp")
+    client_error = getattr(aiohttp, "ClientError", None) if aiohttp is not None else None
+    return (*_FAILURES, client_error) if isinstance(client_error, type) else _FAILURES
 
 
 class RequestGuard:
@@ -146,7 +145,7 @@ class Backend:
         """
         try:
             yield
-        except FAILURES as exc:
+        except failures() as exc:
             raise self.error(exc, what, dataset=dataset, sample=sample) from exc
 
     @staticmethod

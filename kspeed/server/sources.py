@@ -22,7 +22,7 @@ import fsspec
 import numpy as np
 
 from kspeed.errors import BackendError, ChangedError, DatasetError, NotFoundError
-from kspeed.server.backend import FAILURES, Backend
+from kspeed.server.backend import Backend, failures
 from kspeed.server.changes import Change
 from kspeed.server.checksum import crc32c
 from kspeed.server.listing import SOURCE_KINDS, Keys, Listing, list_dataset, stamp
@@ -294,7 +294,7 @@ class Source:
             ends.append(end)
         try:
             got = self.fs.cat_ranges(paths, starts, ends, on_error="return")
-        except FAILURES as exc:  # the whole call failed: each sample with it
+        except failures() as exc:  # the whole call failed: each sample with it
             got = [exc] * len(paths)
         out: list[DatasetError | None] = []
         for i, path, dst, data in zip(ids, paths, dsts, got, strict=True):
