@@ -77,6 +77,18 @@ class Failover:
         self._ranges = [(int(s.first_id), int(s.end_id)) for s in info.shares]
         self._members = manager.membership()
         self._seen = -1  # the membership revision last looked at
+        # Per path, the incarnation of the server its link was made to: one that restarts before
+        # this feed notices is back as a newer one by then, and is dialled at once.
+        self._dialled: dict[int, int | None] = {}
+        self._note_incarnations()
+
+    def _note_incarnations(self) -> None:
+        """Note the incarnation of each path's server not noted yet (the membership may not be known
+        when the feed starts)."""
+        with self.feed.lock:
+            servers = [(p.index, p.link.server_id) for p in self.feed.paths if self._dialled.get(p.index) is None]
+        for index, server_id in servers:
+            self._dialled[index] = self._members.incarnation(server_id)
 
     # -- noticing ----------------------------------------------------------------------------------
 
@@ -89,6 +101,7 @@ class Failover:
         if not members.synced or revision == self._seen:
             return
         self._seen = revision
+        self._note_incarnations()
         with self.feed.lock:  # the paths (a few), not the grants
             gone = [p for p in self.feed.paths if not p.lost and members.state(p.link.server_id) in GONE]
         for path in gone:
@@ -131,7 +144,7 @@ class Failover:
         path = self.feed.paths[index]
         old, why = path.link.server_id, path.lost
         since = time.monotonic()
-        lost_as = self._members.incarnation(old)  # a server back as a new incarnation restarted: dial it at once
+        lost_as = self._dialled.get(index) or self._members.incarnation(old)  # back as a newer one: dial it at once
         last = ""
         while True:
             found = self._holder(index, old, last)
@@ -151,6 +164,7 @@ class Failover:
                     last = f"{link.name} could not take it: {exc}"
                 else:
                     self.planner.replace_link(index, link, path.feed_id)
+                    self._dialled[index] = self._members.incarnation(found[0])
                     log.warning(
                         "dataset %s: %s was lost (%s); %s serves its share now", self.dataset, old, why, link.name
                     )
