@@ -144,7 +144,9 @@ class Failover:
         path = self.feed.paths[index]
         old, why = path.link.server_id, path.lost
         since = time.monotonic()
-        lost_as = self._dialled.get(index) or self._members.incarnation(old)  # back as a newer one: dial it at once
+        lost_as = self._dialled.get(index)  # a server back as a newer incarnation restarted: dial it at once
+        if lost_as is None:
+            lost_as = self._members.incarnation(old)
         last = ""
         while True:
             found = self._holder(index, old, last)
