@@ -107,3 +107,18 @@ def test_the_asyncio_guard_caps_watches_and_ends_idle_ones():
     statuses, refused = asyncio.run(scenario())
     assert statuses == [SERVING]
     assert refused == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_refusals_are_counted_and_logged_at_the_1st_10th_100th_and_1000th(caplog):
+    # An attacker renewing refused watches every 0.2 s made 176 WARNING lines a second.
+    from kspeed.control.streams import _Admission
+
+    admission = _Admission(limit=4, per_peer=4, watches=4, idle_s=60)
+    assert not isinstance(admission.admit("ipv4:10.0.0.1", "/grpc.health.v1.Health/Watch"), str)
+    with caplog.at_level("DEBUG", logger="kspeed.control.streams"):
+        for _ in range(1000):
+            refusal = admission.admit("ipv4:10.0.0.1", "/grpc.health.v1.Health/Watch")
+            assert isinstance(refusal, str) and "at most 4 (1 per caller)" in refusal
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert [m.rsplit("; ", 1)[1] for m in warned] == [f"{n} refused so far)" for n in (1, 10, 100, 1000)]
+    assert admission.refused == 1000 and len(caplog.records) == 1000

@@ -36,6 +36,7 @@ from typing import Any
 
 import grpc
 
+from kspeed.admission import worth_telling
 from kspeed.control.rpc import ERROR_HEADER, OPEN_METHODS
 from kspeed.errors import BusyError
 
@@ -87,9 +88,18 @@ class _Admission:
                 self._open.append(stream)
                 return stream
             self.refused += 1
-            busy = len(same)
+            refused, busy = self.refused, len(same)
         what = "health watches" if watch else "streams"
-        log.warning("refused %s from %s: %d %s open (%d of them from it)", method, peer, busy, what, mine)
+        log.log(
+            logging.WARNING if worth_telling(refused) else logging.DEBUG,
+            "refused %s from %s: %d %s open (%d of them from it; %d refused so far)",
+            method,
+            peer,
+            busy,
+            what,
+            mine,
+            refused,
+        )
         return (
             f"this daemon has {busy} {what} open ({mine} from {peer}), at most {limit} ({per_peer} per caller); "
             "retry shortly"
