@@ -11,7 +11,8 @@ holds no thread per stream, but each open stream still costs memory. The guards 
 - ``grpc.health.v1`` ``Watch`` streams need no token (:data:`~kspeed.control.rpc.OPEN_METHODS`), so
   they have a budget of their own (``watches``, a quarter of it per address) and never take a
   stream a token holder needs: 28 of them from one address made that address's ``StreamPlan``
-  calls ``BusyError``;
+  calls ``BusyError``; an asyncio daemon answers a refused one after :data:`REFUSAL_DELAY_S`, so
+  that a caller renewing them pays the wait instead of the daemon paying the refusals;
 - a stream that waits longer than ``idle_s`` for its caller's next message is cancelled, and a
   ``Watch`` that has had no change of status to send for ``idle_s`` is ended (its caller watches
   again and hears the current status at once), so idle or abandoned streams give back what they
@@ -43,6 +44,12 @@ from kspeed.errors import BusyError
 __all__ = ["AioStreamGuard", "StreamGuard", "peer_address"]
 
 log = logging.getLogger(__name__)
+
+# An asyncio daemon answers a health Watch refused at its cap after this long: a caller without a
+# token that renews refused watches at once made the manager refuse ~180 a second (a tenth of a
+# core, taken from whatever shares it). Waiting costs an asyncio server nothing but the stream.
+REFUSAL_DELAY_S = 1.0
+MAX_DELAYED = 256  # refusals waiting at once; beyond, answered at once
 
 
 class _Stream:
@@ -282,6 +289,7 @@ class AioStreamGuard(grpc.aio.ServerInterceptor):
         self._admission = _Admission(limit, per_peer, watches, idle_s)
         self.idle_s = idle_s
         self._watchdog: asyncio.Task[None] | None = None
+        self._delayed = 0  # refused watches waiting for their answer
 
     @property
     def refused(self) -> int:
@@ -314,6 +322,12 @@ class AioStreamGuard(grpc.aio.ServerInterceptor):
         admitted = self._admission.admit(peer_address(context.peer()), method)
         if isinstance(admitted, _Stream):
             return admitted
+        if method.startswith(OPEN_METHODS) and self._delayed < MAX_DELAYED:
+            self._delayed += 1
+            try:
+                await asyncio.sleep(REFUSAL_DELAY_S)
+            finally:
+                self._delayed -= 1
         context.set_trailing_metadata(((ERROR_HEADER, BusyError.__name__),))
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, admitted)
         raise AssertionError("unreachable: abort raises")
