@@ -83,8 +83,11 @@ def test_calls_that_never_send_their_request_are_cut(sync_server):
         channel.close()
 
 
-def test_the_asyncio_guard_caps_watches_and_ends_idle_ones():
-    async def scenario() -> tuple[list, grpc.StatusCode]:
+def test_the_asyncio_guard_caps_watches_answers_a_refused_one_after_a_wait_and_ends_idle_ones(monkeypatch):
+    # Refused at once, a peer renewing its watches made the manager refuse ~180 a second.
+    monkeypatch.setattr("kspeed.control.streams.REFUSAL_DELAY_S", 0.5)
+
+    async def scenario() -> tuple[list, grpc.StatusCode, float]:
         guard = AioStreamGuard(4, 2, 1.0, watches=4)
         server = grpc.aio.server(interceptors=[guard])
         health_pb2_grpc.add_HealthServicer_to_server(AioHealthServicer(), server)
@@ -95,18 +98,21 @@ def test_the_asyncio_guard_caps_watches_and_ends_idle_ones():
         try:
             first = stub.Watch(health_pb2.HealthCheckRequest())
             statuses = [(await first.read()).status]
+            began = asyncio.get_running_loop().time()
             with pytest.raises(grpc.aio.AioRpcError) as refused:  # one per address (a quarter of 4)
                 await stub.Watch(health_pb2.HealthCheckRequest()).read()
+            waited = asyncio.get_running_loop().time() - began
             assert await first.read() is grpc.aio.EOF  # ended when idle, status OK
-            return statuses, refused.value.code()
+            return statuses, refused.value.code(), waited
         finally:
             await channel.close()
             await server.stop(0)
             await guard.close()
 
-    statuses, refused = asyncio.run(scenario())
+    statuses, refused, waited = asyncio.run(scenario())
     assert statuses == [SERVING]
     assert refused == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert waited >= 0.5  # answered once the wait was over, not before
 
 
 def test_refusals_are_counted_and_logged_at_the_1st_10th_100th_and_1000th(caplog):
@@ -122,33 +128,3 @@ def test_refusals_are_counted_and_logged_at_the_1st_10th_100th_and_1000th(caplog
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert [m.rsplit("; ", 1)[1] for m in warned] == [f"{n} refused so far)" for n in (1, 10, 100, 1000)]
     assert admission.refused == 1000 and len(caplog.records) == 1000
-
-
-def test_the_asyncio_guard_answers_a_refused_watch_only_after_a_wait(monkeypatch):
-    # Refused at once, a peer renewing its watches made the manager refuse ~180 a second.
-    monkeypatch.setattr("kspeed.control.streams.REFUSAL_DELAY_S", 0.5)
-
-    async def scenario() -> tuple[grpc.StatusCode, float]:
-        guard = AioStreamGuard(4, 2, 60.0, watches=4)
-        server = grpc.aio.server(interceptors=[guard])
-        health_pb2_grpc.add_HealthServicer_to_server(AioHealthServicer(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        stub = health_pb2_grpc.HealthStub(channel)
-        loop = asyncio.get_running_loop()
-        try:
-            held = stub.Watch(health_pb2.HealthCheckRequest())
-            await held.read()
-            began = loop.time()
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await stub.Watch(health_pb2.HealthCheckRequest()).read()
-            return refused.value.code(), loop.time() - began
-        finally:
-            await channel.close()
-            await server.stop(0)
-            await guard.close()
-
-    code, waited = asyncio.run(scenario())
-    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert waited >= 0.5  # answered once the wait was over, not before
