@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -288,12 +289,15 @@ def test_kspeed_up_keeps_the_logs_of_a_dead_server_without_its_pool(tmp_path):
         if "fail_after" in line:
             break
     up.send_signal(signal.SIGINT)
-    rest, _ = up.communicate(timeout=60)
-    text = "".join(out) + rest
-    assert "the manager marks the server failed once it has been silent for fail_after" in text, text
-    assert "pools discarded" in text, text
-    assert os.path.exists(os.path.join(state_dir, "logs", "server-0.log"))
-    assert not os.path.exists(os.path.join(state_dir, "server-0", "pool"))
+    try:
+        rest, _ = up.communicate(timeout=60)
+        text = "".join(out) + rest
+        assert "the manager marks the server failed once it has been silent for fail_after" in text, text
+        assert "pools discarded" in text, text
+        assert os.path.exists(os.path.join(state_dir, "logs", "server-0.log"))
+        assert not os.path.exists(os.path.join(state_dir, "server-0", "pool"))
+    finally:
+        shutil.rmtree(state_dir, ignore_errors=True)  # kept for the operator (in /dev/shm): the test's to remove
 
 
 def watch(address: str, heard: list[int], ended: list[str]) -> None:
