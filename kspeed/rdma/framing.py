@@ -55,6 +55,10 @@ def send_draining(sock: socket.socket, data: bytes, timeout: float, drain: Calla
     thread that both sends and reads. A plain ``sendall`` on each side could wait for the other
     forever once both buffers fill; a sender that keeps reading while it waits cannot.
 
+    The timeout is the peer's: it is over only when a poll made after the deadline still finds
+    the socket full. A pause of this process (a long ``drain``, a garbage collection that joins a
+    DataLoader's workers, a starved thread) is not taken for a peer that stopped reading.
+
     Raises:
         TimeoutError: no byte could be sent for ``timeout`` seconds.
         OSError: the socket failed (the caller names it with :func:`lost`).
@@ -64,9 +68,7 @@ def send_draining(sock: socket.socket, data: bytes, timeout: float, drain: Calla
     poller = select.poll()  # (not select(): descriptors above 1023 are common on a busy server)
     poller.register(sock, select.POLLIN | select.POLLOUT)
     while view.nbytes:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError("no progress sending")
+        remaining = max(0.0, deadline - time.monotonic())
         events = 0
         for _, mask in poller.poll(remaining * 1e3):
             events |= mask
@@ -78,6 +80,8 @@ def send_draining(sock: socket.socket, data: bytes, timeout: float, drain: Calla
             sent = sock.send(view)  # writable: some bytes go at once (an error is raised here)
             view = view[sent:]
             deadline = time.monotonic() + timeout
+        elif remaining == 0:
+            raise TimeoutError("no progress sending")
 
 
 def lost(what: str, exc: BaseException | None = None, conn: int | None = None) -> PeerLostError:

@@ -14,7 +14,7 @@ import pytest
 from kspeed.errors import AuthError, ConfigError, PeerLostError, RailUnavailableError, RangeError, TransportError
 from kspeed.rdma import auth
 from kspeed.rdma.base import RegionKey
-from kspeed.rdma.framing import IMMS, MSG, FrameReader, frame
+from kspeed.rdma.framing import IMMS, MSG, FrameReader, frame, send_draining
 from kspeed.rdma.memory import PAGE_SIZE, HostBuffer, MemfdSegment
 from kspeed.rdma.options import RailOptions
 from kspeed.rdma.rails import available_rails, get_rail, rail_names, rail_status, register_rail, unregister_rail
@@ -181,6 +181,56 @@ def test_frame_reader_splits_partial_frames():
     assert frames[1] == (MSG, b"hi")
     a.close()
     b.close()
+
+
+def _fill(sock: socket.socket) -> int:
+    """Send into ``sock`` until its buffers are full; returns how many bytes went."""
+    sock.setblocking(False)
+    sent = 0
+    try:
+        while True:
+            sent += sock.send(bytes(1 << 16))
+    except BlockingIOError:
+        pass
+    sock.settimeout(5.0)
+    return sent
+
+
+def test_send_draining_times_out_on_a_peer_that_stops_reading():
+    a, b = socket.socketpair()
+    with a, b:
+        _fill(a)
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="no progress"):
+            send_draining(a, b"x" * 4096, 0.2, lambda: None)
+        assert time.monotonic() - started >= 0.2
+
+
+def test_send_draining_does_not_blame_the_peer_for_a_pause_of_its_own():
+    # The buffers are full and the peer has sent something: the drain runs, and this process
+    # stalls in it past the timeout (a garbage collection joining a DataLoader's workers) while
+    # the peer reads everything. The send then goes on: the peer made progress all along.
+    a, b = socket.socketpair()
+    with a, b:
+        queued = _fill(a)
+        b.send(b"!")
+        data = bytes(range(256)) * 64
+        got = bytearray()
+
+        def read_all() -> None:
+            while len(got) < queued + len(data):
+                got.extend(b.recv(1 << 16))
+
+        reader = threading.Thread(target=read_all)
+
+        def drain() -> None:
+            assert a.recv(16) == b"!"
+            reader.start()
+            time.sleep(0.6)  # three timeouts
+
+        send_draining(a, data, 0.2, drain)
+        reader.join(5)
+        assert not reader.is_alive() and bytes(got[queued:]) == data
 
 
 def test_registry_reports_unavailable_rail_with_reason():
