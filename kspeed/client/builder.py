@@ -22,6 +22,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from kspeed import wire
+from kspeed.client.device import Delivery, make_delivery
+from kspeed.client.device_ring import CupyRingViews, DeviceRingDelivery, device_ring
+from kspeed.client.failover import Failover
+from kspeed.client.feed import Feed
+from kspeed.client.granting import Granting, Paced, Unpaced
+from kspeed.client.links import Link
+from kspeed.client.options import FeedOptions
+from kspeed.client.pacing import Pacer
+from kspeed.client.plans import EpochPlanner, PlanPrep
+from kspeed.client.pump import Pump
+from kspeed.client.rail_choice import ServerPlace, choose_rail, local_address_towards, needs_pacing
+from kspeed.client.sampling import EpochOrders, job_rank
+from kspeed.client.stats import RankStats, StatsReporter, default_job
 from kspeed.config import ClientConfig, gpu_environment
 from kspeed.control.manager_client import ManagerClient
 from kspeed.errors import CapacityError, ConfigError, KSpeedError
@@ -30,20 +43,6 @@ from kspeed.proto import kspeed_pb2
 from kspeed.rdma.options import RailOptions
 from kspeed.rdma.rails import use_verbs_api
 from kspeed.rdma.topology import Placement, pin, place
-
-from .device import Delivery, make_delivery
-from .device_ring import CupyRingViews, DeviceRingDelivery, device_ring
-from .failover import Failover
-from .feed import Feed
-from .granting import Granting, Paced, Unpaced
-from .links import Link
-from .options import FeedOptions
-from .pacing import Pacer
-from .plans import EpochPlanner, PlanPrep
-from .pump import Pump
-from .rail_choice import ServerPlace, choose_rail, local_address_towards, needs_pacing
-from .sampling import EpochOrders, job_rank
-from .stats import RankStats, StatsReporter, default_job
 
 __all__ = ["MAX_IO_THREADS", "MIN_RING", "RING_BATCHES", "FeedParts", "build_feed", "ring_size"]
 

@@ -31,17 +31,16 @@ from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
+from kspeed.client.batch import Batch
+from kspeed.client.builder import FeedParts
+from kspeed.client.lease import LeaseKeeper
+from kspeed.client.options import FeedOptions
+from kspeed.client.plans import EpochPlan, PlanPrep
 from kspeed.control.manager_client import ManagerClient
 from kspeed.control.progress import PreloadSummary, follow_preload
 from kspeed.errors import ConfigError, KSpeedError, StateError
 from kspeed.preprocess.pipeline import Pipeline
 from kspeed.proto import kspeed_pb2
-
-from .batch import Batch
-from .builder import FeedParts
-from .lease import LeaseKeeper
-from .options import FeedOptions
-from .plans import EpochPlan, PlanPrep
 
 __all__ = ["KSpeedDataset"]
 

@@ -33,9 +33,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from kspeed.client.batch import Batch, BatchMeta, make_batch, ring_batch
 from kspeed.errors import CapacityError, ConfigError, StateError
-
-from .batch import Batch, BatchMeta, make_batch, ring_batch
 
 __all__ = [
     "CpuDelivery",

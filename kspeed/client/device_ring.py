@@ -29,12 +29,11 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from kspeed.client.batch import Batch, BatchMeta, make_batch
+from kspeed.client.device import CudaBackend, EventedDelivery
 from kspeed.errors import RailUnavailableError, TransportError
 from kspeed.rdma.device_memory import CudaDriver, DeviceMemory
 from kspeed.rdma.rails import capabilities
-
-from .batch import Batch, BatchMeta, make_batch
-from .device import CudaBackend, EventedDelivery
 
 __all__ = ["CupyRingViews", "DeviceRingDelivery", "RingViews", "device_ring"]
 

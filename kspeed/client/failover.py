@@ -27,15 +27,14 @@ import time
 
 import numpy as np
 
+from kspeed.client.feed import Feed
+from kspeed.client.links import ServerLink
+from kspeed.client.plans import EpochPlan, EpochPlanner, reaching
 from kspeed.config import ClientConfig
 from kspeed.control.lifecycle import GONE, SERVING, state_name
 from kspeed.control.manager_client import ManagerClient
 from kspeed.errors import DatasetError, KSpeedError, NotFoundError, PeerLostError, ProtocolError
 from kspeed.proto import kspeed_pb2
-
-from .feed import Feed
-from .links import ServerLink
-from .plans import EpochPlan, EpochPlanner, reaching
 
 __all__ = ["Failover"]
 

@@ -31,6 +31,10 @@ from typing import Any
 import numpy as np
 
 from kspeed import grants
+from kspeed.client.granting import Granting, Outstanding
+from kspeed.client.links import Link
+from kspeed.client.plans import EpochPlan
+from kspeed.client.ring import RingAllocator
 from kspeed.errors import (
     DatasetError,
     KSpeedError,
@@ -44,11 +48,6 @@ from kspeed.rdma.base import MAX_MESSAGE, Completions, Receiver
 from kspeed.rdma.device_memory import DeviceMemory
 from kspeed.rdma.options import RailOptions
 from kspeed.rdma.rails import get_rail
-
-from .granting import Granting, Outstanding
-from .links import Link
-from .plans import EpochPlan
-from .ring import RingAllocator
 
 __all__ = ["POLL_TICK", "Feed", "ServerPath", "Slot"]
 

@@ -28,13 +28,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kspeed import grants
+from kspeed.client.pacing import SIZE_CLASSES, Pacer, SubGrant
 from kspeed.errors import KSpeedError, PeerLostError, TransportError, UnavailableError
 from kspeed.rdma.base import Completions
 
-from .pacing import SIZE_CLASSES, Pacer, SubGrant
-
 if TYPE_CHECKING:
-    from .feed import Feed, ServerPath, Slot
+    from kspeed.client.feed import Feed, ServerPath, Slot
 
 __all__ = ["Granting", "Outstanding", "Paced", "Unpaced"]
 

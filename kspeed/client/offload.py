@@ -13,13 +13,12 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from kspeed.client.options import FeedOptions
+from kspeed.client.plans import PlanPrep
 from kspeed.errors import ConfigError
 from kspeed.preprocess.pipeline import STATUS, Output, Pipeline, Stage
 from kspeed.preprocess.versions import libraries, mismatch
 from kspeed.proto import kspeed_pb2
-
-from .options import FeedOptions
-from .plans import PlanPrep
 
 __all__ = ["attached_pipeline", "folder_pipeline", "plan_prep"]
 
@@ -92,9 +91,8 @@ def folder_pipeline(loader: Any, transform: Any, *, cache: bool = False) -> tupl
     dataset cached preprocessed keeps the samples as they leave it (e.g. after ``Resize`` and
     ``CenterCrop``); none such is a reason not to offload.
     """
+    from kspeed.client.workers import pil_file_loader
     from kspeed.preprocess import transforms
-
-    from .workers import pil_file_loader
 
     if loader is not pil_file_loader:
         return None, "its loader is not torchvision's PIL loader"

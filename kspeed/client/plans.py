@@ -19,6 +19,8 @@ from typing import TypeVar
 
 import numpy as np
 
+from kspeed.client.links import Link, RemoteSplit, ServerPlan
+from kspeed.client.sampling import EpochOrders
 from kspeed.errors import (
     CapacityError,
     DatasetError,
@@ -29,9 +31,6 @@ from kspeed.errors import (
     UnavailableError,
 )
 from kspeed.layout import BatchLayout, batch_layout
-
-from .links import Link, RemoteSplit, ServerPlan
-from .sampling import EpochOrders
 
 __all__ = [
     "EpochPlan",

@@ -21,15 +21,14 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
+from kspeed.client.batch import Batch, BatchMeta
+from kspeed.client.device import CpuDelivery, Delivery
+from kspeed.client.failover import Failover
+from kspeed.client.feed import Feed, Slot
+from kspeed.client.plans import EpochPlan
+from kspeed.client.ring import RingAllocator
 from kspeed.errors import CapacityError, StateError, TransportError
 from kspeed.rdma.topology import pin
-
-from .batch import Batch, BatchMeta
-from .device import CpuDelivery, Delivery
-from .failover import Failover
-from .feed import Feed, Slot
-from .plans import EpochPlan
-from .ring import RingAllocator
 
 __all__ = ["Pump"]
 

@@ -47,16 +47,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
-from kspeed.control.progress import PreloadSummary
-from kspeed.errors import AccessDeniedError, ConfigError, DatasetError, KSpeedError, StateError
-from kspeed.preprocess.pipeline import CACHES, Pipeline
-
-from .dataset import KSpeedDataset
-from .gpu_stages import GpuStages
-from .offload import folder_pipeline
-from .options import FeedOptions
-from .spec import DatasetSpec
-from .workers import (
+from kspeed.client.dataset import KSpeedDataset
+from kspeed.client.gpu_stages import GpuStages
+from kspeed.client.offload import folder_pipeline
+from kspeed.client.options import FeedOptions
+from kspeed.client.spec import DatasetSpec
+from kspeed.client.workers import (
     Draw,
     InlinePool,
     SampleFailure,
@@ -67,9 +63,12 @@ from .workers import (
     resolve_loader,
     run_samples,
 )
+from kspeed.control.progress import PreloadSummary
+from kspeed.errors import AccessDeniedError, ConfigError, DatasetError, KSpeedError, StateError
+from kspeed.preprocess.pipeline import CACHES, Pipeline
 
 if TYPE_CHECKING:
-    from .client import KSpeedClient
+    from kspeed.client.client import KSpeedClient
 
 __all__ = ["WrapOptions", "WrappedDataset", "folder_spec", "wrap"]
 
