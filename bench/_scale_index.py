@@ -3,15 +3,15 @@
 Four places hold state per sample, each measured in a fresh worker process (so one's memory never
 hides another's) from synthetic ImageNet-like sizes (lognormal, ~110 KB mean):
 
-- ``index``: a server's :class:`~kspeed.server.index.SampleIndex` for a share of N samples, the
-  :class:`~kspeed.server.residency.Residency` beside it, and what the preload, the heartbeat
+- ``index``: a server's :class:`~kspeed.server.hosting.index.SampleIndex` for a share of N samples, the
+  :class:`~kspeed.server.memory.residency.Residency` beside it, and what the preload, the heartbeat
   status, the scrub and the index save cost per sample;
-- ``listing``: :func:`~kspeed.server.sources.open_source` of a ``manifest`` (``key size`` per line,
+- ``listing``: :func:`~kspeed.server.backend.sources.open_source` of a ``manifest`` (``key size`` per line,
   written to a temporary directory), which every server holding a share keeps for the WHOLE dataset;
 - ``describe``: the ``DescribeDataset`` reply (the lister's region layout, 16 bytes per region)
   against the gRPC limits of the manager's channels, and
   :func:`~kspeed.manager.allocator.allocate_regions` over it;
-- ``plan``: a rank's :class:`~kspeed.client.plans.EpochPlan` for its share of an epoch, and
+- ``plan``: a rank's :class:`~kspeed.client.planning.plans.EpochPlan` for its share of an epoch, and
   ``order``: the built-in ``DistributedSampler`` order it is made from.
 
 Memory is what the arrays hold (``nbytes``, exact) next to the worker's resident growth and peak
@@ -72,31 +72,37 @@ SITES = {
     "manager_verify_describe": ("kspeed/manager/datasets.py", '"DescribeDataset", info.spec)'),
     "server_send_limit": ("kspeed/control/rpc.py", '("grpc.max_send_message_length", 256 * 1024**2)'),
     "describe_layout": ("proto/kspeed.proto", "bytes region_starts = 5;"),
-    "server_describe": ("kspeed/server/datasets.py", "region_starts=wire.pack_i64(starts),"),
-    "listing_per_share": ("kspeed/server/datasets.py", "source = self._open(request.spec)"),
+    "server_describe": ("kspeed/server/hosting/datasets.py", "region_starts=wire.pack_i64(starts),"),
+    "listing_per_share": ("kspeed/server/hosting/datasets.py", "source = self._open(request.spec)"),
     "index_offset": (
-        "kspeed/server/index.py",
+        "kspeed/server/hosting/index.py",
         "return (local + first_region).astype(np.int32), offset.astype(np.int64)",
     ),
-    "index_loaded": ("kspeed/server/index.py", "self.loaded = np.zeros(len(self.length), dtype=bool)"),
-    "residency_state": ("kspeed/server/residency.py", "self.state = np.where("),
-    "keys_offsets": ("kspeed/server/listing.py", "self.blob, self.starts, self.ends = blob, starts.astype(np.int64)"),
-    "manifest_blob": ("kspeed/server/listing.py", "keys=Keys(data, starts, ends))"),
+    "index_loaded": ("kspeed/server/hosting/index.py", "self.loaded = np.zeros(len(self.length), dtype=bool)"),
+    "residency_state": ("kspeed/server/memory/residency.py", "self.state = np.where("),
+    "keys_offsets": (
+        "kspeed/server/backend/listing.py",
+        "self.blob, self.starts, self.ends = blob, starts.astype(np.int64)",
+    ),
+    "manifest_blob": ("kspeed/server/backend/listing.py", "keys=Keys(data, starts, ends))"),
     "fingerprint_copy": (
-        "kspeed/server/sources.py",
+        "kspeed/server/backend/sources.py",
         'h = hashlib.sha256(kind.encode() + b"\\0" + self.sizes.tobytes()',
     ),
-    "save_on_seal": ("kspeed/server/preload.py", "self._save_index()\n                    self.pool.seal"),
-    "progress_mask": ("kspeed/server/preload.py", "done_bytes = int(self.index.length[loaded].sum())"),
+    "save_on_seal": ("kspeed/server/hosting/preload.py", "self._save_index()\n                    self.pool.seal"),
+    "progress_mask": ("kspeed/server/hosting/preload.py", "done_bytes = int(self.index.length[loaded].sum())"),
     "pending_region_list": (
-        "kspeed/server/preload.py",
+        "kspeed/server/hosting/preload.py",
         'self._region = (np.searchsorted(bounds, ids, side="right") - 1).tolist()',
     ),
-    "scrub_list": ("kspeed/server/integrity.py", "for pos in np.flatnonzero(self.index.loaded).tolist():"),
-    "plan_arrays": ("kspeed/client/plans.py", "labels = np.full(n, -1, dtype=np.int64)"),
+    "scrub_list": ("kspeed/server/hosting/integrity.py", "for pos in np.flatnonzero(self.index.loaded).tolist():"),
+    "plan_arrays": ("kspeed/client/planning/plans.py", "labels = np.full(n, -1, dtype=np.int64)"),
     "layout_offsets": ("kspeed/layout.py", "offsets = cum - cum[starts[:-1]][batch_of] if n else cum"),
-    "sampler_order": ("kspeed/client/sampling.py", "ids = np.fromiter((int(i) for i in sampler), dtype=np.int64)"),
-    "plans_kept": ("kspeed/client/pump.py", "keep = {self._current.epoch, self._current.epoch + 1}"),
+    "sampler_order": (
+        "kspeed/client/planning/sampling.py",
+        "ids = np.fromiter((int(i) for i in sampler), dtype=np.int64)",
+    ),
+    "plans_kept": ("kspeed/client/feeding/pump.py", "keep = {self._current.epoch, self._current.epoch + 1}"),
 }
 
 
@@ -553,9 +559,9 @@ def _unique_nbytes(arrays: dict[str, np.ndarray | None]) -> dict[str, int]:
 
 
 def _work_index(p: dict) -> dict:
-    from kspeed.server import preload
-    from kspeed.server.index import SampleIndex
-    from kspeed.server.residency import Residency
+    from kspeed.server.hosting import preload
+    from kspeed.server.hosting.index import SampleIndex
+    from kspeed.server.memory.residency import Residency
 
     meter = _Meter()
     n = p["n"]
@@ -623,9 +629,9 @@ def _work_index(p: dict) -> dict:
 
 
 def _work_listing(p: dict) -> dict:
-    from kspeed.server.allowlist import AllowList
-    from kspeed.server.backend import Backend
-    from kspeed.server.sources import open_source
+    from kspeed.server.backend.access import Backend
+    from kspeed.server.backend.allowlist import AllowList
+    from kspeed.server.backend.sources import open_source
 
     n = p["n"]
     path = os.path.join(p["scratch"], f"train-{n}.manifest")
@@ -729,7 +735,7 @@ def _work_describe(p: dict) -> dict:
 
 
 def _work_plan(p: dict) -> dict:
-    from kspeed.client.plans import make_plan
+    from kspeed.client.planning.plans import make_plan
 
     n, ranks, servers = p["n"], p["ranks"], p["servers"]
     planned = -(-n // ranks)
@@ -796,7 +802,7 @@ def _work_plan(p: dict) -> dict:
 
 
 def _work_order(p: dict) -> dict:
-    from kspeed.client.sampling import EpochOrders
+    from kspeed.client.planning.sampling import EpochOrders
 
     n = p["n"]
     orders = EpochOrders(

@@ -42,7 +42,7 @@ from _common import machine_info, write_json
 from kspeed import DatasetSpec, KSpeedClient, KSpeedError
 from kspeed.cli.cluster import LocalCluster
 from kspeed.config import ClientConfig, load_config
-from kspeed.server.throttle import SlowFileSystem
+from kspeed.testing.throttle import SlowFileSystem
 
 TARGET_MULTIPLE = 5.0
 THREADS = 8  # the server's production threads (its default)

@@ -48,7 +48,7 @@ from _common import MIB, machine_info, write_files, write_json
 from kspeed import DatasetSpec, KSpeedClient
 from kspeed.cli.cluster import LocalCluster, wait_for
 from kspeed.config import ClientConfig, load_config
-from kspeed.server.production import TASK_SAMPLES
+from kspeed.server.production.core import TASK_SAMPLES
 
 POLICIES = ("stream", "minio", "reuse", "lru")
 RANKS = 2
@@ -128,7 +128,7 @@ class ThrottledFiles:
 
     def __getitem__(self, i: int) -> bytes:
         if self._fs is None:
-            from kspeed.server.throttle import SlowFileSystem
+            from kspeed.testing.throttle import SlowFileSystem
 
             self._fs = SlowFileSystem(**self.options, skip_instance_cache=True)
         with self._fs.open(self.paths[i], "rb") as f:

@@ -31,12 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _common import write_files
 
-from kspeed.server.allowlist import AllowList
-from kspeed.server.backend import Backend
-from kspeed.server.pool import MemoryPool
-from kspeed.server.preload import Preloader
-from kspeed.server.sources import open_source
-from kspeed.server.throttle import SlowFileSystem
+from kspeed.server.backend.access import Backend
+from kspeed.server.backend.allowlist import AllowList
+from kspeed.server.backend.sources import open_source
+from kspeed.server.hosting.preload import Preloader
+from kspeed.server.memory.pool import MemoryPool
+from kspeed.testing.throttle import SlowFileSystem
 
 TARGET_SPEEDUP = 8.0
 KIB, MIB = 1 << 10, 1 << 20

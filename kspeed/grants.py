@@ -13,7 +13,7 @@ sample travels here: the positions of a grant map to samples and offsets through
 
 A **probe** is a grant of epoch :data:`PROBE_EPOCH`: the server writes ``end`` bytes (at most
 :data:`MAX_PROBE`) of filler at ``ring_offset`` and completes it like any grant, so the client can
-measure the latency of a transfer of that size before the first epoch (kspeed.client.pacing).
+measure the latency of a transfer of that size before the first epoch (kspeed.client.feeding.pacing).
 
 A tag is 32 bits: the path's generation (8 bits) and a sequence number (24 bits). The client
 bumps a server's generation when it cuts that server's path (fencing), so a completion that

@@ -15,7 +15,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kspeed import errors
-from kspeed.client import links
+from kspeed.client.feeding import links
 from kspeed.config import SecurityConfig
 from kspeed.control import rpc
 from kspeed.errors import AccessDeniedError, ConfigError

@@ -349,7 +349,7 @@ class LocalCluster:
 
     def discard_pools(self) -> int:
         """Delete the pool files of every server that is not running; returns the bytes freed."""
-        from kspeed.server.pool import discard_pool
+        from kspeed.server.memory.pool import discard_pool
 
         return sum(discard_pool(self.pool_dir(server)) for server in self.servers if not server.running)
 

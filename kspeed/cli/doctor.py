@@ -266,7 +266,7 @@ def check_state_dir(report: Report, config: ServerConfig) -> None:
 
 def check_allow_list(report: Report, config: ServerConfig) -> None:
     """Each backend allow-list entry names an existing tree, or a protocol this host can open."""
-    from kspeed.server.allowlist import LOCAL_PROTOCOLS, split_uri
+    from kspeed.server.backend.allowlist import LOCAL_PROTOCOLS, split_uri
 
     if not config.backend_allow:
         report.problem(

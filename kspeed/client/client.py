@@ -16,15 +16,15 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
-from kspeed.client.builder import build_feed
 from kspeed.client.dataset import KSpeedDataset
+from kspeed.client.feeding.builder import build_feed
+from kspeed.client.feeding.links import ServerLink
+from kspeed.client.feeding.rail_choice import ServerPlace
 from kspeed.client.lease import LeaseKeeper
-from kspeed.client.links import ServerLink
-from kspeed.client.offload import attached_pipeline, plan_prep
 from kspeed.client.options import FeedOptions
-from kspeed.client.rail_choice import ServerPlace
+from kspeed.client.prep.offload import attached_pipeline, plan_prep
+from kspeed.client.prep.workers import sample_bytes
 from kspeed.client.spec import DatasetSpec
-from kspeed.client.workers import sample_bytes
 from kspeed.client.wrap import WrapOptions, WrappedDataset, wrap
 from kspeed.config import ClientConfig, load_config, parse_address
 from kspeed.control.manager_client import ManagerClient

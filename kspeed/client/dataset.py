@@ -10,7 +10,7 @@ Usage (normally through :meth:`kspeed.KSpeedClient.dataset`)::
             train(batch.samples, batch.labels)
 
 With ``device="cuda"`` (or ``"cuda:N"``) every batch is copied to that GPU in one asynchronous copy
-of its ring range (:mod:`kspeed.client.device`); ``batch.samples`` are then views of the device copy.
+of its ring range (:mod:`kspeed.client.delivery.device`); ``batch.samples`` are then views of the device copy.
 
 Resume: :meth:`KSpeedDataset.state_dict` is a few hundred bytes (epoch, batches consumed, seed and
 the sampler's identity). For samplers deterministic in (seed, epoch) (the built-in one,
@@ -32,10 +32,10 @@ from typing import Any
 from torch.utils.data import IterableDataset, get_worker_info
 
 from kspeed.client.batch import Batch
-from kspeed.client.builder import FeedParts
+from kspeed.client.feeding.builder import FeedParts
 from kspeed.client.lease import LeaseKeeper
 from kspeed.client.options import FeedOptions
-from kspeed.client.plans import EpochPlan, PlanPrep
+from kspeed.client.planning.plans import EpochPlan, PlanPrep
 from kspeed.control.manager_client import ManagerClient
 from kspeed.control.progress import PreloadSummary, follow_preload
 from kspeed.errors import ConfigError, KSpeedError, StateError
@@ -62,7 +62,7 @@ class KSpeedDataset(IterableDataset):
 
     Args:
         info: the dataset as the manager describes it (name, sample count, classes).
-        parts: the feed's parts (:func:`kspeed.client.builder.build_feed`).
+        parts: the feed's parts (:func:`kspeed.client.feeding.builder.build_feed`).
         options: the feed's options.
         manager: a ``ManagerClient`` for :meth:`preload`.
         lease: the lease keeper to stop on :meth:`close`.

@@ -31,7 +31,7 @@ class FeedOptions:
         shuffle_buffer: tar shards only: 0 (default) for the exact order of the built-in sampler
             (any sample next: one ranged read each); N > 0 for WebDataset's order (shards
             shuffled and split over the ranks, samples shuffled within a buffer of N;
-            :class:`kspeed.client.sampling.ShardOrder`).
+            :class:`kspeed.client.planning.sampling.ShardOrder`).
         drop_last: drop the last incomplete batch of each epoch.
         rank: this rank for the built-in sampler (default: from the job's launcher).
         world_size: ranks sharing each epoch for the built-in sampler.

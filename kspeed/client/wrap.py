@@ -19,12 +19,12 @@ The dataset's name is a hash of the paths, so wrapping the same files again atta
 already cached. Targets never travel: the client looks them up by the delivered sample IDs.
 
 When the loader is torchvision's PIL loader and every transform is one of torchvision's common
-ones (:func:`kspeed.client.offload.folder_pipeline`), the dataset gets a pipeline: the servers
+ones (:func:`kspeed.client.prep.offload.folder_pipeline`), the dataset gets a pipeline: the servers
 decode and run the transforms up to the last uint8 one, re-created from their parameters and
 seeded per sample, and the client runs the float rest (``ToTensor``, ``Normalize``) and
 ``collate_fn``; the dataset's name then also hashes the pipeline. Otherwise (or with
 ``offload=0``, or when the servers refuse the pipeline) the loader, transforms and ``collate_fn``
-run in spawned worker processes (:mod:`kspeed.client.workers`), and why is logged once; the
+run in spawned worker processes (:mod:`kspeed.client.prep.workers`), and why is logged once; the
 loader gets each sample's bytes as an ``io.BytesIO`` (torchvision's path-based
 ``pil_loader``/``default_loader`` are swapped for the same PIL code on a file object). They must
 therefore be picklable (module-level functions or objects), and the batches keep the sampler's
@@ -48,11 +48,10 @@ import numpy as np
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
 from kspeed.client.dataset import KSpeedDataset
-from kspeed.client.gpu_stages import GpuStages
-from kspeed.client.offload import folder_pipeline
 from kspeed.client.options import FeedOptions
-from kspeed.client.spec import DatasetSpec
-from kspeed.client.workers import (
+from kspeed.client.prep.gpu_stages import GpuStages
+from kspeed.client.prep.offload import folder_pipeline
+from kspeed.client.prep.workers import (
     Draw,
     InlinePool,
     SampleFailure,
@@ -63,6 +62,7 @@ from kspeed.client.workers import (
     resolve_loader,
     run_samples,
 )
+from kspeed.client.spec import DatasetSpec
 from kspeed.control.progress import PreloadSummary
 from kspeed.errors import AccessDeniedError, ConfigError, DatasetError, KSpeedError, StateError
 from kspeed.preprocess.pipeline import CACHES, Pipeline

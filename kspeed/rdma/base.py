@@ -409,7 +409,7 @@ class Writer(ABC):
     def fileno(self) -> int:
         """The descriptor that turns readable when a message, or the receiver's end, arrives.
 
-        For waiting on many writers with one poller (:class:`kspeed.server.doorbell.Doorbell`);
+        For waiting on many writers with one poller (:class:`kspeed.server.feeder.doorbell.Doorbell`);
         only :meth:`recv` reads from it.
         """
 

@@ -12,7 +12,7 @@ offset). Before a kernel reads what the NIC wrote, :meth:`DeviceMemory.flush` ca
 Every CUDA driver call goes through a :class:`CudaDriver` (:class:`CudaBindings`: cuda-python's
 ``cuda.bindings.driver``, the ``gpu`` extra), so the bookkeeping runs on a CPU with a stand-in
 (``tests/client/device_ring.py``: a memfd plays the dma-buf). The training process sees the memory
-as a ``torch`` tensor through cupy (:mod:`kspeed.client.device`); nothing here imports torch.
+as a ``torch`` tensor through cupy (:mod:`kspeed.client.delivery.device`); nothing here imports torch.
 """
 
 from __future__ import annotations

@@ -34,18 +34,18 @@ from kspeed.rdma.options import RailOptions
 from kspeed.rdma.rails import use_verbs_api
 from kspeed.server import inventory as inv
 from kspeed.server.agent import ManagerAgent
-from kspeed.server.allowlist import AllowList
 from kspeed.server.announce import ADVERTISE, WILDCARDS, Announced, announce, http_address
-from kspeed.server.backend import Backend
-from kspeed.server.datasets import DatasetHost
-from kspeed.server.feeder_pool import FeederPool
+from kspeed.server.backend.access import Backend
+from kspeed.server.backend.allowlist import AllowList
+from kspeed.server.feeder.supervisor import FeederPool
+from kspeed.server.hosting.datasets import DatasetHost
 from kspeed.server.local_state import StateLock, pool_dir, read_cluster_id, write_cluster_id
+from kspeed.server.memory.pool import WINDOW_OWNER, MemoryPool, RegionState
+from kspeed.server.memory.window import ProductionWindow
 from kspeed.server.metrics import ServerMetrics
-from kspeed.server.pool import WINDOW_OWNER, MemoryPool, RegionState
-from kspeed.server.prep_pool import PrepPool, sandbox_policy
+from kspeed.server.prep.pool import PrepPool, sandbox_policy
 from kspeed.server.readiness import ProbedHealth, ReadinessWatch
 from kspeed.server.service import ServerService
-from kspeed.server.window import ProductionWindow
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from kspeed.config import ServerConfig
 from kspeed.errors import ConfigError, StateError
 from kspeed.server import inventory as inv
-from kspeed.server.datasets import ASSIGNMENTS_FILE
-from kspeed.server.pool import discard_pool
+from kspeed.server.hosting.datasets import ASSIGNMENTS_FILE
+from kspeed.server.memory.pool import discard_pool
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from prometheus_client.registry import Collector
 from kspeed.errors import NotFoundError
 
 if TYPE_CHECKING:
-    from kspeed.server.datasets import DatasetHost
-    from kspeed.server.production import Production
+    from kspeed.server.hosting.datasets import DatasetHost
+    from kspeed.server.production.core import Production
 
 
 class _HostCollector(Collector):

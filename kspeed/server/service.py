@@ -13,8 +13,8 @@ from kspeed.config import format_bytes
 from kspeed.control import rpc
 from kspeed.errors import CapacityError, ProtocolError
 from kspeed.proto import kspeed_pb2
-from kspeed.server.datasets import DatasetHost, decode_ids
-from kspeed.server.feeder_pool import MAX_PLAN, FeederPool, PlanOffer
+from kspeed.server.feeder.supervisor import MAX_PLAN, FeederPool, PlanOffer
+from kspeed.server.hosting.datasets import DatasetHost, decode_ids
 
 MAX_LOOKUP_CHUNK = 1 << 20  # IDs per Lookup call
 MAX_READ_IDS = 1 << 16  # IDs per Read call

@@ -68,7 +68,7 @@ class HostDriver:
 
 
 class HostRingViews:
-    """:class:`~kspeed.client.device_ring.RingViews` over a :class:`HostDriver`'s memory."""
+    """:class:`~kspeed.client.delivery.device_ring.RingViews` over a :class:`HostDriver`'s memory."""
 
     def __init__(self, driver: HostDriver, memory: DeviceMemory) -> None:
         self.driver, self.memory = driver, memory

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from kspeed import grants
-from kspeed.client.builder import build_feed
 from kspeed.client.dataset import KSpeedDataset
-from kspeed.client.links import ServerPlan
+from kspeed.client.feeding.builder import build_feed
+from kspeed.client.feeding.links import ServerPlan
 from kspeed.config import ClientConfig, load_config
 from kspeed.errors import KSpeedError, NotFoundError, NotHeldError, ProtocolError
 from kspeed.layout import batch_starts

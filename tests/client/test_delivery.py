@@ -261,7 +261,7 @@ def test_a_batch_sampler_is_refused_with_what_to_do(make_ds):
 
 
 def test_rank_and_world_size_come_from_the_launcher_unless_given(monkeypatch):
-    from kspeed.client.sampling import job_rank
+    from kspeed.client.planning.sampling import job_rank
 
     assert job_rank(None, None, {}) == (0, 1, "no process group or launcher (a single process)")
     assert job_rank(None, None, {"RANK": 3, "WORLD_SIZE": 4})[:2] == (3, 4)

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-import kspeed.client.builder as builder_module
+import kspeed.client.feeding.builder as builder_module
 from kspeed.client.batch import BatchMeta
-from kspeed.client.device import CpuDelivery, CudaDelivery, DeferredReleases, make_delivery, parse_device
-from kspeed.client.ring import RingAllocator
+from kspeed.client.delivery.device import CpuDelivery, CudaDelivery, DeferredReleases, make_delivery, parse_device
+from kspeed.client.delivery.ring import RingAllocator
 from kspeed.errors import ConfigError
 from tests.client.test_delivery import check_batch
 

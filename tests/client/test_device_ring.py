@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from kspeed.client.batch import BatchMeta
-from kspeed.client.device_ring import DeviceRingDelivery, device_ring
-from kspeed.client.ring import RingAllocator
+from kspeed.client.delivery.device_ring import DeviceRingDelivery, device_ring
+from kspeed.client.delivery.ring import RingAllocator
 from kspeed.errors import RailUnavailableError
 from kspeed.rdma.device_memory import GPU_PAGE, DeviceMemory, gpudirect_unavailable
 from kspeed.rdma.rails import get_rail
@@ -150,7 +150,7 @@ def test_rails_without_gpudirect_refuse_a_device_ring():
 @pytest.mark.gpu
 @pytest.mark.skipif(NO_GPU, reason="needs a CUDA GPU: torch.cuda.is_available() is False")
 def test_gpu_device_ring_memory_is_exported_viewed_and_flushed():
-    from kspeed.client.device_ring import CupyRingViews
+    from kspeed.client.delivery.device_ring import CupyRingViews
 
     why = gpudirect_unavailable(0)
     if why:

@@ -12,8 +12,8 @@ from torch.utils.data import DataLoader
 
 from kspeed import grants
 from kspeed.cli.cluster import wait_for
+from kspeed.client.feeding.rail_choice import ServerPlace, choose_rail, needs_pacing
 from kspeed.client.options import FeedOptions
-from kspeed.client.rail_choice import ServerPlace, choose_rail, needs_pacing
 from kspeed.errors import (
     ConfigError,
     DatasetError,

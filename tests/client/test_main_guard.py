@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 POOL = """\
-from kspeed.client.workers import Stages, TransformPool, sample_bytes
+from kspeed.client.prep.workers import Stages, TransformPool, sample_bytes
 
 
 def run():

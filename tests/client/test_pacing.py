@@ -1,4 +1,4 @@
-"""The pacer's model (kspeed.client.pacing), driven in simulated time against a model link.
+"""The pacer's model (kspeed.client.feeding.pacing), driven in simulated time against a model link.
 
 The link is a FIFO bottleneck of a given rate behind which each server's path adds its own
 propagation delay, so the tests can change the rate mid-run or slow one server down and check what
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from kspeed import grants
-from kspeed.client.pacing import HELD_GRACE, RATE_WINDOW, SIZE_CLASSES, DrainRate, LatencyTable, Pacer, SubGrant
+from kspeed.client.feeding.pacing import HELD_GRACE, RATE_WINDOW, SIZE_CLASSES, DrainRate, LatencyTable, Pacer, SubGrant
 from kspeed.grants import Grant
 
 MiB = 1 << 20

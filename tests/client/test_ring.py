@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from kspeed.client.ring import RingAllocator
+from kspeed.client.delivery.ring import RingAllocator
 
 
 def test_back_to_back_then_full():

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
-from kspeed.client.sampling import EpochOrders, ShardOrder, distributed_order
+from kspeed.client.planning.sampling import EpochOrders, ShardOrder, distributed_order
 from kspeed.errors import ConfigError, DatasetError
 
 N = 103

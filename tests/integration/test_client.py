@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from kspeed import DatasetSpec, KSpeedClient
 from kspeed.cli.cluster import wait_for
-from kspeed.client import links
+from kspeed.client.feeding import links
 from kspeed.client.stats import PrometheusCollector
 from kspeed.config import ClientConfig, load_config
 from kspeed.errors import (

@@ -67,7 +67,7 @@ def test_a_restart_within_the_grace_period_is_a_pause_and_nothing_moves(cluster_
     # The restarted server is dialled as soon as it is back (a newer incarnation than the one the
     # feed was made to), never after the wait for a server still called ready: the restart is
     # usually over before the job notices it, and the job then waited those 5 s.
-    monkeypatch.setattr("kspeed.client.failover.SAME_SERVER_AFTER", 1000.0)
+    monkeypatch.setattr("kspeed.client.feeding.failover.SAME_SERVER_AFTER", 1000.0)
     cluster, files, spec = lifecycle_cluster(cluster_factory, tmp_path, grace="30s")
     with KSpeedClient(config=config_for(cluster, failover_timeout="60s")) as client:
         ds = client.dataset(spec, batch_size=BATCH, seed=SEED, ring_bytes=1 << 20, quiet=True)

@@ -15,10 +15,10 @@ import threading
 import pytest
 import torch
 
-import kspeed.client.builder as builder
+import kspeed.client.feeding.builder as builder
 from kspeed import DatasetSpec, KSpeedClient
-from kspeed.client.device import CudaDelivery
-from kspeed.client.device_ring import DeviceRingDelivery, device_ring
+from kspeed.client.delivery.device import CudaDelivery
+from kspeed.client.delivery.device_ring import DeviceRingDelivery, device_ring
 from kspeed.preprocess import Output, Pipeline, Stage
 from tests.client.device_ring_standin import HostDriver, HostRingViews
 from tests.client.test_device import FakeCuda

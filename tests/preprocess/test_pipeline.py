@@ -16,18 +16,18 @@ from PIL import Image
 
 from kspeed import DatasetSpec
 from kspeed.cli.cluster import wait_for
-from kspeed.client.offload import attached_pipeline, plan_prep
 from kspeed.client.options import FeedOptions
-from kspeed.client.plans import remote_positions
+from kspeed.client.planning.plans import remote_positions
+from kspeed.client.prep.offload import attached_pipeline, plan_prep
 from kspeed.control.logs import LogSettings
 from kspeed.errors import AccessDeniedError, ConfigError, PreprocessError, StateError
 from kspeed.preprocess import Output, Pipeline, Stage
 from kspeed.preprocess.pipeline import HEADER, STATUS, read_status
 from kspeed.preprocess.runner import Runner
 from kspeed.preprocess.versions import libraries
-from kspeed.server import prep_pool
-from kspeed.server.prep_pool import PrepPool, PrepTask
-from kspeed.server.sandbox import SandboxPolicy
+from kspeed.server.prep import pool as prep_pool
+from kspeed.server.prep.pool import PrepPool, PrepTask
+from kspeed.server.prep.sandbox import SandboxPolicy
 
 CROP = Output(shape=(3, 16, 16), dtype="uint8")
 

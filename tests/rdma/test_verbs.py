@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from kspeed.client.builder import rail_options_for
+from kspeed.client.feeding.builder import rail_options_for
 from kspeed.config import ClientConfig, load_config
 from kspeed.errors import PeerLostError, RailUnavailableError
 from kspeed.rdma.options import RailOptions

@@ -157,7 +157,7 @@ def forge_reply(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 
 def overreport(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """Return 16 zeros; from its worker's next task on, report every result as a gigabyte long."""
-    from kspeed.server import prep_worker
+    from kspeed.server.prep import worker as prep_worker
 
     def lying(runner: object, job: prep_worker.Job, scratch: np.ndarray) -> tuple[list, dict]:
         return [(1 << 30, None) for _ in job.samples], {}

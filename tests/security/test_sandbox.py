@@ -34,9 +34,9 @@ from kspeed.cli.cluster import LocalCluster, wait_for
 from kspeed.control.logs import LogSettings
 from kspeed.errors import ConfigError
 from kspeed.preprocess import Output, Pipeline, Stage
-from kspeed.server.pool import WINDOW_OWNER
-from kspeed.server.prep_pool import PrepPool, PrepTask
-from kspeed.server.sandbox import SandboxPolicy, landlock
+from kspeed.server.memory.pool import WINDOW_OWNER
+from kspeed.server.prep.pool import PrepPool, PrepTask
+from kspeed.server.prep.sandbox import SandboxPolicy, landlock
 from tests.conftest import FAST_MANAGER, SERVER_MEMORY
 from tests.security.sandbox_functions import OUTPUT, outcomes
 
@@ -207,7 +207,7 @@ def test_landlock_alone_keeps_a_process_from_a_world_readable_file(open_dir):
         TRIES
         + f"""
 import ctypes
-from kspeed.server.sandbox import landlock
+from kspeed.server.prep.sandbox import landlock
 ctypes.CDLL(None).prctl(38, 1, 0, 0, 0)  # no_new_privs
 abi = landlock.restrict([{str(allowed)!r}], [], network=False)
 print(json.dumps({{"abi": abi, "secret": attempt(lambda: read({str(secret)!r})),
@@ -226,7 +226,7 @@ def test_seccomp_alone_refuses_sockets_and_programs():
     got = run_python(
         TRIES
         + """
-from kspeed.server.sandbox import seccomp
+from kspeed.server.prep.sandbox import seccomp
 import ctypes
 ctypes.CDLL(None).prctl(38, 1, 0, 0, 0)  # no_new_privs
 seccomp.install(network=False)
@@ -257,7 +257,7 @@ def test_the_seccomp_filter_lets_the_network_through_when_the_operator_allows_it
     got = run_python(
         TRIES
         + """
-from kspeed.server.sandbox import seccomp
+from kspeed.server.prep.sandbox import seccomp
 import ctypes
 ctypes.CDLL(None).prctl(38, 1, 0, 0, 0)
 seccomp.install(network=True)
@@ -278,7 +278,7 @@ def test_the_identity_switch_drops_root_and_shows_only_what_the_worker_imports(t
     got = run_python(
         TRIES
         + f"""
-from kspeed.server.sandbox import identity
+from kspeed.server.prep.sandbox import identity
 user = identity.resolve_user("nobody")
 mechanisms = identity.become(user, network=False, read=[{str(imports)!r}], write=[])
 print(json.dumps({{"uid": os.getuid(), "euid": os.geteuid(), "groups": os.getgroups(),

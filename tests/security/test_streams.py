@@ -17,7 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kspeed import DatasetSpec, KSpeedClient
-from kspeed.client import links
+from kspeed.client.feeding import links
 from kspeed.proto import kspeed_pb2, kspeed_pb2_grpc
 from tests.helpers import client_for
 from tests.integration.test_client import config_for

@@ -15,9 +15,9 @@ import pytest
 
 from kspeed import DatasetSpec, KSpeedClient
 from kspeed.errors import AccessDeniedError, BackendError, KSpeedError
-from kspeed.server.allowlist import AllowList
-from kspeed.server.backend import Backend
-from kspeed.server.sources import open_source
+from kspeed.server.backend.access import Backend
+from kspeed.server.backend.allowlist import AllowList
+from kspeed.server.backend.sources import open_source
 from tests.integration.test_client import config_for
 from tests.security.web import Trap, Web
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kspeed.server.allowlist import AllowList
-from kspeed.server.backend import Backend
-from kspeed.server.pool import MemoryPool
+from kspeed.server.backend.access import Backend
+from kspeed.server.backend.allowlist import AllowList
+from kspeed.server.memory.pool import MemoryPool
 from tests.server.datasets import REGION
 
 

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from kspeed.errors import AccessDeniedError, ConfigError
-from kspeed.server.allowlist import AllowList
+from kspeed.server.backend.allowlist import AllowList
 
 
 def test_empty_allow_list_refuses_everything(tmp_path):

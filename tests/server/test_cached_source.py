@@ -14,11 +14,11 @@ from kspeed.errors import PreprocessError, StateError
 from kspeed.preprocess import Output, Pipeline, Stage
 from kspeed.preprocess.pipeline import HEADER
 from kspeed.preprocess.runner import Runner
-from kspeed.server.cached_source import CachedSource
-from kspeed.server.checksum import crc32c
-from kspeed.server.preload import Preloader
-from kspeed.server.prep_pool import PrepPool
-from kspeed.server.sources import open_source
+from kspeed.server.backend.sources import open_source
+from kspeed.server.hosting.cached_source import CachedSource
+from kspeed.server.hosting.preload import Preloader
+from kspeed.server.memory.checksum import crc32c
+from kspeed.server.prep.pool import PrepPool
 
 SIDE = 12
 FIXED = Output(shape=(SIDE, SIDE, 3), dtype="uint8")

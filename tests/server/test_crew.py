@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from kspeed.server.crew import Crew, ThreadTuner
+from kspeed.server.hosting.crew import Crew, ThreadTuner
 
 
 def feed(tuner, tasks, *, units, wall, cpu, dt):

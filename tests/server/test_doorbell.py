@@ -12,8 +12,8 @@ import pytest
 from kspeed import grants
 from kspeed.errors import PeerLostError
 from kspeed.rdma.base import RegionKey, Writer
-from kspeed.server.doorbell import Doorbell
-from kspeed.server.feed_writer import CLOSE_GRACE, FeederShared, FeedWriter
+from kspeed.server.feeder.doorbell import Doorbell
+from kspeed.server.feeder.writer import CLOSE_GRACE, FeederShared, FeedWriter
 
 
 @pytest.fixture

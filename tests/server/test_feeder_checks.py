@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kspeed.server.feed_writer import FeederShared
+from kspeed.server.feeder.writer import FeederShared
 
 
 def ids(*values: int) -> np.ndarray:

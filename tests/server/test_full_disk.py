@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from kspeed.errors import StateFileError
-from kspeed.server.datasets import ASSIGNMENTS_FILE, DatasetHost
-from kspeed.server.pool import MANIFEST_NAME, WINDOW_OWNER, MemoryPool, RegionState
-from kspeed.server.preload import Preloader
-from kspeed.server.sources import open_source
+from kspeed.server.backend.sources import open_source
+from kspeed.server.hosting.datasets import ASSIGNMENTS_FILE, DatasetHost
+from kspeed.server.hosting.preload import Preloader
+from kspeed.server.memory.pool import MANIFEST_NAME, WINDOW_OWNER, MemoryPool, RegionState
 from tests.fulldisk import fill, small_disk
 from tests.server.datasets import REGION, write_tree
 from tests.server.test_host import SIZES, held, request
@@ -64,7 +64,7 @@ def test_an_index_that_cannot_be_saved_is_not_a_failed_sample(tmp_path, backend,
             pool.allocate("ds", range(Preloader.regions_needed(source, REGION)))
             preloader = Preloader(source, pool, threads=2)
             fill(disk)
-            with caplog.at_level(logging.ERROR, logger="kspeed.server.preload"):
+            with caplog.at_level(logging.ERROR, logger="kspeed.server.hosting.preload"):
                 result = preloader.preload(timeout=60)
             assert result.complete and result.errors == () and preloader.progress().errors == 0
             assert isinstance(preloader.save_error, StateFileError)

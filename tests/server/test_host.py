@@ -11,10 +11,10 @@ import pytest
 
 from kspeed.errors import DatasetError, NotFoundError, NotHeldError, ProtocolError
 from kspeed.proto import kspeed_pb2
-from kspeed.server import datasets
-from kspeed.server.datasets import DatasetHost, fingerprint_pb
-from kspeed.server.pool import MemoryPool, RegionState
-from kspeed.server.sources import open_source
+from kspeed.server.backend.sources import open_source
+from kspeed.server.hosting import datasets
+from kspeed.server.hosting.datasets import DatasetHost, fingerprint_pb
+from kspeed.server.memory.pool import MemoryPool, RegionState
 from tests.server.datasets import REGION, write_tree
 
 SIZES = [300_000] * 12  # three samples a region: shares of 6 samples take 2 regions each
@@ -137,7 +137,7 @@ def test_registration_drops_what_the_manager_moved_but_keeps_what_it_assigned_me
 
 
 class BlockedListing:
-    """Stands in for :func:`open_source` in :mod:`kspeed.server.datasets`: each listing says it
+    """Stands in for :func:`open_source` in :mod:`kspeed.server.hosting.datasets`: each listing says it
     started, then waits until the test lets it go (as a backend that takes minutes to list)."""
 
     def __init__(self) -> None:

@@ -13,7 +13,7 @@ import pytest
 from kspeed import grants
 from kspeed.errors import ProtocolError
 from kspeed.rdma.base import RegionKey
-from kspeed.server.feed_writer import FeederShared, FeedWriter
+from kspeed.server.feeder.writer import FeederShared, FeedWriter
 from tests.server.test_doorbell import SocketWriter
 
 

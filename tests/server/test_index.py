@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kspeed.errors import DatasetError, NotFoundError, StateError
-from kspeed.server.index import SampleIndex
+from kspeed.server.hosting.index import SampleIndex
 
 R = 1000
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from kspeed.errors import AccessDeniedError, ChangedError, DatasetError
-from kspeed.server.checksum import GIL_FREE_MIN, crc32c, crc32c_extend
-from kspeed.server.localread import PIECE
-from kspeed.server.sources import open_source
+from kspeed.server.backend.localread import PIECE
+from kspeed.server.backend.sources import open_source
+from kspeed.server.memory.checksum import GIL_FREE_MIN, crc32c, crc32c_extend
 from tests.server.datasets import write_tree
 
 

@@ -16,10 +16,10 @@ from kspeed.control.logs import LogSettings
 from kspeed.errors import AccessDeniedError, ConfigError
 from kspeed.preprocess import Output, Pipeline, Stage
 from kspeed.proto import kspeed_pb2
-from kspeed.server.datasets import DatasetHost, fingerprint_pb
-from kspeed.server.prep_pool import PrepPool
-from kspeed.server.sandbox import SandboxPolicy
-from kspeed.server.sources import open_source
+from kspeed.server.backend.sources import open_source
+from kspeed.server.hosting.datasets import DatasetHost, fingerprint_pb
+from kspeed.server.prep.pool import PrepPool
+from kspeed.server.prep.sandbox import SandboxPolicy
 from tests.server.datasets import REGION, write_tree
 
 PROBE = "tests.preprocess.import_probe"

@@ -9,12 +9,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kspeed.server.feed_writer import FeedProgress
-from kspeed.server.preload import Preloader
-from kspeed.server.production import Production
-from kspeed.server.residency import WINDOW
-from kspeed.server.sources import open_source
-from kspeed.server.window import ProductionWindow
+from kspeed.server.backend.sources import open_source
+from kspeed.server.feeder.writer import FeedProgress
+from kspeed.server.hosting.preload import Preloader
+from kspeed.server.memory.residency import WINDOW
+from kspeed.server.memory.window import ProductionWindow
+from kspeed.server.production.core import Production
 from tests.server.datasets import REGION, write_tree
 from tests.server.test_preload import CountingSource
 from tests.server.test_production import Feeders, plan_of, wait

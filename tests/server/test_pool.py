@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kspeed.errors import CapacityError, ConfigError, DatasetError, StateError
-from kspeed.server.pool import MANIFEST_NAME, MemoryPool, RegionState, map_region
+from kspeed.server.memory.pool import MANIFEST_NAME, MemoryPool, RegionState, map_region
 from tests.server.datasets import REGION
 
 

@@ -11,12 +11,12 @@ import pytest
 
 from kspeed.cli.cluster import wait_for
 from kspeed.errors import ChangedError, DatasetError, IntegrityError, NotFoundError, StateError
-from kspeed.server.allowlist import AllowList
-from kspeed.server.backend import Backend
-from kspeed.server.integrity import SampleStore
-from kspeed.server.pool import MemoryPool, RegionState
-from kspeed.server.preload import SAVE_COST_SHARE, Preloader
-from kspeed.server.sources import open_source
+from kspeed.server.backend.access import Backend
+from kspeed.server.backend.allowlist import AllowList
+from kspeed.server.backend.sources import open_source
+from kspeed.server.hosting.integrity import SampleStore
+from kspeed.server.hosting.preload import SAVE_COST_SHARE, Preloader
+from kspeed.server.memory.pool import MemoryPool, RegionState
 from tests.server.datasets import REGION, write_tree
 
 

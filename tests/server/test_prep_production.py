@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from kspeed.server.preload import Preloader
-from kspeed.server.prep_production import ProcessedProduction
-from kspeed.server.production_state import ShareState
-from kspeed.server.residency import HOME
-from kspeed.server.sources import open_source
+from kspeed.server.backend.sources import open_source
+from kspeed.server.hosting.preload import Preloader
+from kspeed.server.memory.residency import HOME
+from kspeed.server.production.prepared import ProcessedProduction
+from kspeed.server.production.state import ShareState
 from tests.server.datasets import write_tree
 from tests.server.test_preload import CountingSource
 

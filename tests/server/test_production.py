@@ -9,16 +9,16 @@ import numpy as np
 import pytest
 
 from kspeed.layout import batch_layout
-from kspeed.server.checksum import crc32c
-from kspeed.server.feed_writer import FeederShared, FeedProgress, PlanPart
-from kspeed.server.feeder_process import Failed, InstallPlan, Locate, Reply
-from kspeed.server.integrity import SampleStore
-from kspeed.server.preload import Preloader
-from kspeed.server.production import Production
-from kspeed.server.production_state import PlanState
-from kspeed.server.residency import HOME, WINDOW
-from kspeed.server.sources import open_source
-from kspeed.server.window import ProductionWindow
+from kspeed.server.backend.sources import open_source
+from kspeed.server.feeder.process import Failed, InstallPlan, Locate, Reply
+from kspeed.server.feeder.writer import FeederShared, FeedProgress, PlanPart
+from kspeed.server.hosting.integrity import SampleStore
+from kspeed.server.hosting.preload import Preloader
+from kspeed.server.memory.checksum import crc32c
+from kspeed.server.memory.residency import HOME, WINDOW
+from kspeed.server.memory.window import ProductionWindow
+from kspeed.server.production.core import Production
+from kspeed.server.production.state import PlanState
 from tests.server.datasets import REGION, write_tree
 from tests.server.test_preload import CountingSource, make
 
@@ -317,7 +317,7 @@ def test_a_stop_waits_for_producers_stuck_in_a_backend_read_once_in_all_and_name
 ):
     # Each producer thread was joined for 5 s in turn: a server whose backend stopped answering
     # took 5 s per busy producer to stop (10 s for two, behind a bucket gone before the server).
-    monkeypatch.setattr("kspeed.server.production.STOP_WAIT_S", 0.2)
+    monkeypatch.setattr("kspeed.server.production.core.STOP_WAIT_S", 0.2)
     window = ProductionWindow(pool, REGION)
     _files, _src, pre = make(tmp_path, backend, pool, np.full(64, 1000), threads=1)
     pre.start = lambda: None  # no preload: every sample is read by a producer
@@ -328,7 +328,7 @@ def test_a_stop_waits_for_producers_stuck_in_a_backend_read_once_in_all_and_name
             production.install(f"f{feed}", 0, ("ds", 0), 0, plan_of(np.arange(64), pre.index.length, 8))
         for _ in range(3):
             assert hanging.entered.acquire(timeout=20), "a producer never reached the backend"
-        with caplog.at_level("WARNING", logger="kspeed.server.production"):
+        with caplog.at_level("WARNING", logger="kspeed.server.production.core"):
             production.stop()
         assert "producer-0, producer-1, producer-2 still busy" in caplog.text
     finally:

@@ -13,9 +13,9 @@ import pytest
 
 from kspeed.config import ServerConfig, load_config, preprocess_environment
 from kspeed.errors import ConfigError
-from kspeed.server.prep_link import sweep_temporary
-from kspeed.server.sandbox import Confinement, SandboxPolicy, check_policy, import_paths
-from kspeed.server.sandbox.identity import resolve_user
+from kspeed.server.prep.link import sweep_temporary
+from kspeed.server.prep.sandbox import Confinement, SandboxPolicy, check_policy, import_paths
+from kspeed.server.prep.sandbox.identity import resolve_user
 
 
 def test_a_worker_gets_the_locale_and_what_the_operator_names_never_a_kspeed_variable():

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from kspeed.errors import AccessDeniedError, DatasetError
-from kspeed.server.shards import expand_braces, index_shards, sample_key
-from kspeed.server.sources import open_source
+from kspeed.server.backend.shards import expand_braces, index_shards, sample_key
+from kspeed.server.backend.sources import open_source
 
 
 def write_shard(path, samples: list[tuple[str, bytes, int | None]]) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kspeed.errors import CapacityError
-from kspeed.server.pool import SHARED_OWNER
-from kspeed.server.slices import SharedRegions
+from kspeed.server.memory.pool import SHARED_OWNER
+from kspeed.server.memory.slices import SharedRegions
 from tests.server.datasets import REGION
 
 K = 64 << 10

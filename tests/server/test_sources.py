@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from kspeed.errors import AccessDeniedError, ChangedError, DatasetError, NotFoundError
-from kspeed.server.allowlist import AllowList
-from kspeed.server.backend import Backend
-from kspeed.server.sources import open_source
+from kspeed.server.backend.access import Backend
+from kspeed.server.backend.allowlist import AllowList
+from kspeed.server.backend.sources import open_source
 from tests.server.datasets import write_tree
 
 

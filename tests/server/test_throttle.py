@@ -8,7 +8,7 @@ import time
 import fsspec
 import pytest
 
-from kspeed.server.throttle import Bucket, SlowFileSystem, ThrottledFileSystem
+from kspeed.testing.throttle import Bucket, SlowFileSystem, ThrottledFileSystem
 
 
 def test_each_request_waits_its_latency_and_requests_in_flight_overlap(tmp_path):

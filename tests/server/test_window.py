@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from kspeed.errors import CapacityError, ConfigError
-from kspeed.server.pool import WINDOW_OWNER
-from kspeed.server.residency import ABSENT, FAILED, HOME, READING, WINDOW, Residency
-from kspeed.server.window import ProductionWindow
+from kspeed.server.memory.pool import WINDOW_OWNER
+from kspeed.server.memory.residency import ABSENT, FAILED, HOME, READING, WINDOW, Residency
+from kspeed.server.memory.window import ProductionWindow
 from tests.server.datasets import REGION
 
 

@@ -1,0 +1,388 @@
+"""Epoch plans: ask each server about its IDs, learn their lengths, commit each server its part.
+
+A plan is this rank's ordered IDs for one pass plus what the lookup replies said about them
+(owner, length, label) and the ring layout :func:`kspeed.layout.batch_layout` makes of them. Each
+server is asked only about the IDs of its share and handed only its part of the plan (positions,
+IDs, lengths, offsets), so its cost of a boundary is its share of the order; a grant only names a
+batch and a range of positions.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import numpy as np
+
+from kspeed.client.feeding.links import Link, RemoteSplit, ServerPlan
+from kspeed.client.planning.sampling import EpochOrders
+from kspeed.errors import (
+    CapacityError,
+    DatasetError,
+    KSpeedError,
+    NotHeldError,
+    PeerLostError,
+    ProtocolError,
+    UnavailableError,
+)
+from kspeed.layout import BatchLayout, batch_layout
+
+__all__ = [
+    "EpochPlan",
+    "EpochPlanner",
+    "PlanPrep",
+    "check_fits",
+    "make_plan",
+    "reaching",
+    "remote_positions",
+    "server_plan",
+]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class PlanPrep:
+    """How a plan splits preprocessing between the servers and this client.
+
+    Attributes:
+        server_stages: leading pipeline stages the servers run for remote samples.
+        fraction: share of each batch's samples preprocessed on the servers (0..1).
+        seed: the job's seed (random stages draw from ``(seed, epoch, sample, stage)``).
+        nbytes: ring bytes of a sample after the server stages (their declared output, and the
+            status word when skipping).
+        skip: a sample whose server stages fail arrives as a failure record (``on_error="skip"``).
+    """
+
+    server_stages: int
+    fraction: float
+    seed: int
+    nbytes: int
+    skip: bool = False
+
+
+def remote_positions(count: int, batch_size: int, fraction: float) -> np.ndarray:
+    """Which of ``count`` plan positions the servers preprocess: within every batch, the counters
+    ``floor((k + 1) * fraction) > floor(k * fraction)`` of its ``k``-th sample, so each batch holds
+    the ratio to within one sample."""
+    k = np.arange(count, dtype=np.int64) % max(batch_size, 1)
+    return np.floor((k + 1) * fraction + 1e-9) > np.floor(k * fraction + 1e-9)
+
+
+@dataclass(eq=False)
+class EpochPlan:
+    """One committed pass over an epoch's order.
+
+    Attributes:
+        epoch: the user's epoch number.
+        feed_epoch: the number this pass carries in grants (unique per feed, so two passes over one
+            epoch, or a discarded prediction, never collide on the servers).
+        ids: sample IDs in delivery order.
+        lengths: their lengths in bytes.
+        labels: their labels (-1 without labels).
+        owner: per position, the index of the server that writes it.
+        layout: where every sample lands relative to its batch.
+        owed: ``(servers, batches)`` booleans: which servers write something in which batch.
+        deterministic: the order is a function of (seed, epoch), so the plan may be reused.
+        remote: per position, whether the servers preprocess it (``None``: no pipeline on them).
+        lookup_s: seconds the lookup on every server took.
+        commit_s: seconds the commit to every server took.
+    """
+
+    epoch: int
+    feed_epoch: int
+    ids: np.ndarray
+    lengths: np.ndarray
+    labels: np.ndarray
+    owner: np.ndarray
+    layout: BatchLayout
+    owed: np.ndarray
+    deterministic: bool
+    slots: int = field(default=0)
+    remote: np.ndarray | None = None
+    lookup_s: float = 0.0
+    commit_s: float = 0.0
+
+    @property
+    def num_batches(self) -> int:
+        return self.layout.num_batches
+
+
+def reaching(link: Link, call: Callable[[], T]) -> T:
+    """``call()`` on ``link``; its server unreachable, or no longer holding the link's share, is a
+    lost server (:class:`PeerLostError` naming it and the link's share), which a feed with failover
+    carries over (to wherever the manager moved the share)."""
+    try:
+        return call()
+    except (UnavailableError, PeerLostError, NotHeldError) as exc:  # unreachable, our feed or share there gone
+        raise PeerLostError(str(exc), server_id=link.server_id, first_id=link.first_id) from exc
+
+
+def _lookup_all(
+    links: Sequence[Link], dataset: str, ids: np.ndarray, pool: ThreadPoolExecutor | None
+) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Each link's ``(positions in ids, lengths, labels)`` of the IDs it owns.
+
+    A link that knows its share's ID range is asked only about the IDs in it (ownership is
+    contiguous ranges, known from the allocation), so a server's lookup costs its share of the
+    order, not the whole order; one that does not is asked about every ID.
+    """
+
+    def one(link: Link) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        first, end = link.first_id, link.end_id
+        if first is None or end is None:
+            return reaching(link, lambda: link.lookup(dataset, ids))
+        asked = np.flatnonzero((ids >= first) & (ids < end))
+        positions, lengths, labels = reaching(link, lambda: link.lookup(dataset, ids[asked]))
+        return asked[positions], lengths, labels
+
+    if pool is None or len(links) == 1:
+        return [one(link) for link in links]
+    futures = [pool.submit(one, link) for link in links]
+    return [f.result() for f in futures]
+
+
+def make_plan(
+    links: Sequence[Link],
+    *,
+    dataset: str,
+    feed_ids: Sequence[str],
+    epoch: int,
+    feed_epoch: int,
+    ids: np.ndarray,
+    batch_size: int,
+    labelled: bool,
+    deterministic: bool,
+    ring_bytes: int,
+    pool: ThreadPoolExecutor | None = None,
+    prep: PlanPrep | None = None,
+) -> EpochPlan:
+    """Look ``ids`` up on their servers, check the answers, and commit each server its part of the plan.
+
+    Args:
+        links: every server of the dataset.
+        dataset: its name.
+        feed_ids: this client's feed on each link.
+        epoch: the user's epoch.
+        feed_epoch: the pass number sent to servers.
+        ids: the order.
+        batch_size: samples per batch.
+        labelled: whether lookup replies carry labels.
+        deterministic: whether the order may be reused for the same epoch.
+        ring_bytes: ring capacity (a batch larger than it is refused here).
+        pool: threads to talk to several servers at once.
+        prep: how preprocessing is split (remote samples take the server stages' output size).
+
+    Raises:
+        DatasetError: a sample is owned by no server (named).
+        ProtocolError: two servers claim one sample.
+        CapacityError: a batch does not fit in the ring.
+    """
+    n = len(ids)
+    owner = np.full(n, -1, dtype=np.int32)
+    lengths = np.zeros(n, dtype=np.int64)
+    labels = np.full(n, -1, dtype=np.int64)
+    started = time.perf_counter()
+    replies = _lookup_all(links, dataset, ids, pool)
+    lookup_s = time.perf_counter() - started
+    for index, (positions, lens, labs) in enumerate(replies):
+        clash = positions[owner[positions] >= 0]
+        if len(clash):
+            p = int(clash[0])
+            raise ProtocolError(
+                f"dataset {dataset!r}: sample {int(ids[p])} is claimed by {links[owner[p]].name} and "
+                f"{links[index].name}"
+            )
+        owner[positions] = index
+        lengths[positions] = lens
+        if labelled and len(labs) == len(positions):
+            labels[positions] = labs
+    orphans = np.flatnonzero(owner < 0)
+    if len(orphans):
+        sample = int(ids[orphans[0]])
+        raise DatasetError(
+            f"dataset {dataset!r}: sample {sample} is owned by no server ({len(orphans)} sample(s) "
+            "unowned); the dataset's shares do not cover it",
+            dataset=dataset,
+            sample=sample,
+        )
+    remote = None
+    if prep is not None and prep.fraction > 0:
+        remote = remote_positions(n, batch_size, prep.fraction)
+        lengths[remote] = prep.nbytes
+    layout = batch_layout(lengths, batch_size)
+    check_fits(layout, ring_bytes, dataset, epoch)
+    owed = np.zeros((len(links), layout.num_batches), dtype=bool)
+    if n:
+        for index in range(len(links)):
+            owed[index] = np.add.reduceat((owner == index).astype(np.int64), layout.starts[:-1]) > 0
+    plan = EpochPlan(
+        epoch, feed_epoch, ids, lengths, labels, owner, layout, owed, deterministic, remote=remote, lookup_s=lookup_s
+    )
+    started = time.perf_counter()
+    _commit_all(list(enumerate(zip(links, feed_ids, strict=True))), plan, batch_size, pool, prep)
+    plan.commit_s = time.perf_counter() - started
+    log.debug(
+        "dataset %s: epoch %d planned as pass %d (%d samples, %d batches)",
+        dataset,
+        epoch,
+        feed_epoch,
+        n,
+        layout.num_batches,
+    )
+    return plan
+
+
+def check_fits(layout: BatchLayout, ring_bytes: int, dataset: str, epoch: int) -> None:
+    """Refuse a plan whose largest batch cannot fit in the ring.
+
+    Raises:
+        CapacityError: naming the batch, its size and the ring's.
+    """
+    if not len(layout.batch_bytes):
+        return
+    b = int(np.argmax(layout.batch_bytes))
+    need = int(layout.batch_bytes[b])
+    if need > ring_bytes:
+        raise CapacityError(
+            f"dataset {dataset!r}: batch {b} of epoch {epoch} needs {need} bytes, more than the "
+            f"receive ring's {ring_bytes}; raise ring_bytes (KSPEED_RING_BYTES) or lower batch_size"
+        )
+
+
+def server_plan(
+    plan: EpochPlan, index: int, batch_size: int, prep: PlanPrep | None, first_batch: int = 0
+) -> ServerPlan:
+    """The part of ``plan`` that server ``index`` writes: its positions, IDs, lengths and offsets."""
+    mine = np.flatnonzero(plan.owner == index)
+    remote = plan.remote[mine] if plan.remote is not None else None
+    split = None
+    if remote is not None and prep is not None:
+        split = RemoteSplit(prep.server_stages, prep.seed, plan.epoch, prep.skip)
+    return ServerPlan(
+        feed_epoch=plan.feed_epoch,
+        batch_size=batch_size,
+        count=len(plan.ids),
+        positions=mine,
+        ids=plan.ids[mine],
+        lengths=plan.lengths[mine],
+        offsets=plan.layout.offsets[mine],
+        remote=remote if split is not None else None,
+        split=split,
+        first_batch=first_batch,
+        epoch=plan.epoch,
+    )
+
+
+def _commit_all(
+    targets: Sequence[tuple[int, tuple[Link, str]]],
+    plan: EpochPlan,
+    batch_size: int,
+    pool: ThreadPoolExecutor | None,
+    prep: PlanPrep | None,
+    first_batch: int = 0,
+) -> None:
+    """Commit to each ``(owner index, (link, feed id))`` of ``targets`` its part of ``plan``."""
+
+    def one(index: int, link: Link, feed_id: str) -> None:
+        part = server_plan(plan, index, batch_size, prep, first_batch)
+        reaching(link, lambda: link.commit_plan(feed_id, part))
+
+    if pool is None or len(targets) == 1:
+        for index, (link, feed_id) in targets:
+            one(index, link, feed_id)
+        return
+    futures = [pool.submit(one, index, link, feed_id) for index, (link, feed_id) in targets]
+    wait(futures)  # all answered before one's error is raised: a pass dropped then is dropped wherever it went
+    for future in futures:
+        future.result()
+
+
+class EpochPlanner:
+    """Plans the epochs of one feed: the sampler's order of an epoch, looked up and committed everywhere.
+
+    Each call is a new pass with its own ``feed_epoch`` (so two passes over one epoch, or a
+    discarded prediction, never collide on the servers).
+
+    Args:
+        links: every server of the dataset.
+        dataset: its name.
+        feed_ids: this client's feed on each link.
+        orders: the sampler's orders.
+        batch_size: samples per batch.
+        labelled: whether lookup replies carry labels.
+        ring_bytes: ring capacity.
+        pool: threads to talk to several servers at once.
+        prep: how preprocessing is split between the servers and this client.
+        drop: tells the servers to let go of a pass (the feed's ``drop_plan``): one whose plan
+            failed part way, committed to some servers and not others (a server lost meanwhile),
+            would otherwise be followed there, never granted, ahead of the passes that are.
+    """
+
+    def __init__(
+        self,
+        links: Sequence[Link],
+        *,
+        dataset: str,
+        feed_ids: Sequence[str],
+        orders: EpochOrders,
+        batch_size: int,
+        labelled: bool,
+        ring_bytes: int,
+        pool: ThreadPoolExecutor | None = None,
+        prep: PlanPrep | None = None,
+        drop: Callable[[int], None] | None = None,
+    ) -> None:
+        self._drop = drop
+        self._links = list(links)
+        self._feed_ids = list(feed_ids)
+        self._prep = prep
+        self._dataset = dataset
+        self._orders = orders
+        self._batch_size = batch_size
+        self._labelled = labelled
+        self._ring_bytes = ring_bytes
+        self._pool = pool
+        self._passes = itertools.count(1)
+
+    def replace_link(self, index: int, link: Link, feed_id: str) -> None:
+        """Plan with ``link`` (the feed ``feed_id`` there) in place of server ``index`` from now
+        on (its share moved there)."""
+        self._links[index] = link
+        self._feed_ids[index] = feed_id
+
+    def commit(self, plan: EpochPlan, index: int, first_batch: int = 0) -> None:
+        """Commit an existing plan to the server of path ``index`` (one that took a share over),
+        from batch ``first_batch`` on (the ones before were delivered)."""
+        target = (index, (self._links[index], self._feed_ids[index]))
+        _commit_all([target], plan, self._batch_size, None, self._prep, first_batch)
+
+    def __call__(self, epoch: int) -> EpochPlan:
+        """Plan ``epoch`` as a new pass (see :func:`make_plan` for what it raises)."""
+        feed_epoch = next(self._passes)
+        try:
+            return make_plan(
+                self._links,
+                dataset=self._dataset,
+                feed_ids=self._feed_ids,
+                epoch=epoch,
+                feed_epoch=feed_epoch,
+                ids=self._orders.order(epoch),
+                batch_size=self._batch_size,
+                labelled=self._labelled,
+                deterministic=self._orders.deterministic,
+                ring_bytes=self._ring_bytes,
+                pool=self._pool,
+                prep=self._prep,
+            )
+        except KSpeedError:
+            if self._drop is not None:
+                self._drop(feed_epoch)
+            raise

@@ -1,0 +1,130 @@
+"""Where a dataset's pipeline runs for this rank: how much of each batch the servers preprocess.
+
+A pipeline's ``server`` stages run on the servers for a fraction of each batch's samples
+(``offload=``, all of them by default) and on this client's workers for the rest; the split is
+exact per batch (:func:`kspeed.client.planning.plans.remote_positions`). The same sample must come out the
+same wherever it was preprocessed, so a split that would mix library versions (between this
+client and the servers, or among the servers) is refused with the versions named.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from kspeed.client.options import FeedOptions
+from kspeed.client.planning.plans import PlanPrep
+from kspeed.errors import ConfigError
+from kspeed.preprocess.pipeline import STATUS, Output, Pipeline, Stage
+from kspeed.preprocess.versions import libraries, mismatch
+from kspeed.proto import kspeed_pb2
+
+__all__ = ["attached_pipeline", "folder_pipeline", "plan_prep"]
+
+log = logging.getLogger(__name__)
+
+
+def attached_pipeline(message: kspeed_pb2.Pipeline) -> Pipeline | None:
+    """The pipeline of a dataset attached by name: every stage up to the last that declares its
+    output runs on the servers, the rest on this client."""
+    return Pipeline.from_proto(message) if message.stages else None
+
+
+def plan_prep(
+    dataset: str,
+    pipeline: Pipeline | None,
+    cached: int,
+    options: FeedOptions,
+    servers: Mapping[str, Mapping[str, str]],
+) -> PlanPrep | None:
+    """How this rank's plans split the pipeline (``None``: the servers preprocess nothing per epoch).
+
+    Args:
+        dataset: the dataset's name (for messages).
+        pipeline: its pipeline with this rank's places.
+        cached: leading stages the servers keep applied (every sample arrives past them).
+        options: the feed's options (``offload``, ``seed``).
+        servers: per server of the dataset, the libraries it reported.
+
+    Raises:
+        ConfigError: the split would mix library versions (named).
+    """
+    if pipeline is None or pipeline.server_stages <= cached:
+        return None
+    fraction = 1.0 if options.offload is None else float(options.offload)
+    if fraction <= 0.0:
+        return None
+    problems = []
+    reports = sorted(servers.items())
+    if reports:
+        first_id, first = reports[0]
+        for server_id, theirs in reports[1:]:
+            problems += [f"servers {first_id} and {server_id}: {m}" for m in mismatch(dict(first), dict(theirs))]
+    if fraction < 1.0:
+        ours = libraries()
+        for server_id, theirs in reports:
+            problems += [f"this client and server {server_id}: {m}" for m in mismatch(ours, dict(theirs))]
+    if problems:
+        raise ConfigError(
+            f"dataset {dataset!r}: preprocessing split {fraction:g} would give samples different bytes depending "
+            f"on where they run ({'; '.join(problems[:4])}); install the same versions everywhere, or use "
+            "offload=1.0 (servers only) or offload=0 (this client only)",
+            field="offload",
+            value=fraction,
+        )
+    stages = pipeline.server_stages
+    skip = options.on_error == "skip"
+    nbytes = pipeline.output(stages).nbytes + (STATUS if skip else 0)
+    return PlanPrep(stages, fraction, options.seed, nbytes, skip)
+
+
+def folder_pipeline(loader: Any, transform: Any, *, cache: bool = False) -> tuple[Pipeline | None, str]:
+    """The pipeline that runs a folder dataset's loader and transforms on the servers, or why not.
+
+    Possible when the loader is torchvision's PIL loader (an exact ``decode_image`` to RGB) and
+    every transform can be sent as data (:func:`kspeed.preprocess.transforms.describe`). The
+    servers run the transforms up to the last one that yields uint8 (float stages such as
+    ``ToTensor``/``Normalize`` would send 4x the bytes: they stay on this client), which must give
+    a fixed size so the ring can be laid out before the bytes exist. With ``cache`` the last of the
+    leading transforms that are not random and give a fixed size declares its output too, so a
+    dataset cached preprocessed keeps the samples as they leave it (e.g. after ``Resize`` and
+    ``CenterCrop``); none such is a reason not to offload.
+    """
+    from kspeed.client.prep.workers import pil_file_loader
+    from kspeed.preprocess import transforms
+
+    if loader is not pil_file_loader:
+        return None, "its loader is not torchvision's PIL loader"
+    if transform is None:
+        return None, "it has no transforms that give a fixed size"
+    try:
+        described = transforms.describe(transform)
+    except ConfigError as exc:
+        return None, str(exc)
+    produced = transforms.Produces("pil", "uint8", None)
+    cut = transforms.default_cut(described, produced)
+    outputs: dict[int, Output] = {}
+    deterministic = True
+    for k, (op, params) in enumerate(described[:cut]):
+        produced = transforms.produces(op, params, produced)
+        deterministic = deterministic and not transforms.is_random(op)
+        if cache and deterministic and produced.size is not None:
+            outputs = {k: _declared(produced)}
+    if cut == 0 or produced.size is None:
+        return None, "no leading uint8 transform gives a fixed size (e.g. a crop), so nothing is worth sending"
+    if cache and not outputs:
+        return None, "cache='preprocessed' needs a leading transform that is not random and gives a fixed size"
+    outputs[cut - 1] = _declared(produced)
+    stages = [Stage("decode_image", {"mode": "RGB"}, "server")]
+    for k, (op, params) in enumerate(described):
+        stages.append(Stage(op, params, "server" if k < cut else "client", outputs.get(k)))
+    return Pipeline(stages), ""
+
+
+def _declared(produced: Any) -> Output:
+    """How a fixed-size uint8 stage's result travels and is stored."""
+    height, width = produced.size
+    if produced.kind == "pil":
+        return Output(shape=(height, width, 3), dtype="uint8", kind="pil")
+    return Output(shape=(3, height, width), dtype=produced.dtype, kind="tensor")

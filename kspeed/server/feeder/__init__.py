@@ -1,0 +1,6 @@
+"""Feeders: the processes that write ready samples into clients' rings.
+
+:mod:`.supervisor` runs in the server's main process: it starts the feeder processes and relays
+plans, places and frees to them. :mod:`.process` and :mod:`.writer` run in each feeder process
+(one per usable core, at most four). :mod:`.doorbell` wakes a feeder from the main process.
+"""

@@ -1,0 +1,671 @@
+"""One feed in a feeder process: the thread that answers a client's grants when their samples are ready.
+
+A grant names plan positions (docs/feeding.md). Each owned position has a location the main
+process keeps current (:mod:`kspeed.server.production.core`): a pool region and offset (the sample's
+home, or a slot of the production window), or none yet. A grant whose samples all have one is
+written at once, up to :data:`GRANTS_PER_WRITE` grants with one vectorized write per region, the
+last op of each carrying the grant's tag; a grant that needs a sample not produced yet waits
+(grants behind it that are ready do not), up to ``production_timeout`` seconds, after which the
+client gets an ERROR naming the sample; a sample whose production failed fails its grants at once
+with the reason. What was written is reported to the main process (window slots are reclaimed
+from those reports), with how long grants waited, and so are positions granted a second time (the
+client fenced a server and grants again what it had not delivered): production then holds them,
+or makes them resident again, for the new grant.
+
+Before a write, every sample whose crc32c the main process gave with its place (a stored sample,
+at home or in the window as the backend's bytes) is checked against it, per write of up to
+:data:`GRANTS_PER_WRITE` grants: a sample at home the first time this feeder writes it from there
+(``verify_served: first``; from then on only the server can write the pool: its files are the
+server's alone, its feeders map it read-only and its preprocessing workers never map it), or at
+every write (``always``: it costs about a second copy of the bytes); a window copy, made for the
+plans moments before, at every write. A sample whose bytes changed in memory is never written: its
+grants wait, it counts as not resident here, and the main process is told (:class:`Corrupt`); it
+re-reads the sample from the backend and tells its place again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kspeed import grants
+from kspeed.errors import KSpeedError, PeerLostError
+from kspeed.rdma.base import RegionKey, Writer
+from kspeed.server.feeder.doorbell import Doorbell
+from kspeed.server.memory.checksum import crc32c
+
+__all__ = ["Corrupt", "FeedProgress", "FeedWriter", "FeederShared", "PlanPart"]
+
+log = logging.getLogger(__name__)
+
+CLOSE_GRACE = 2.0  # seconds a closed feed's thread has to finish before its I/O is interrupted
+WAIT_POLL = 0.002  # how often a feed with waiting grants looks for newly produced samples
+MAX_PLANS = 3  # epoch plans a feed keeps (the current one, the next one, one spare)
+GRANTS_PER_WRITE = 8  # grants served by one write: fewer calls, yet the first tags are not held back long
+REPORT_EVERY = 0.02  # seconds between progress reports to the main process (at most)
+RESCAN_EVERY = 0.25  # waiting grants are looked at again this often even when no sample moved
+HEAD_GRANTS = 16  # when samples moved, the oldest waiting grants looked at
+
+
+@functools.cache
+def _filler() -> np.ndarray:
+    """What probes write (allocated by the first probe)."""
+    return np.zeros(grants.MAX_PROBE, dtype=np.uint8)
+
+
+@dataclass
+class PlanPart:
+    """The positions of one epoch plan this server owns, with where their bytes are now and go.
+
+    Attributes:
+        starts: plan index of each batch's first position, plus the plan's length.
+        positions: sorted plan positions owned by this server.
+        ids: per owned position, the sample's ID.
+        length: per owned position, the sample's length.
+        dst: per owned position, the sample's offset within its batch (the client's layout).
+        region: per owned position, the pool region holding the sample now (-1: not produced yet).
+        src: per owned position, the sample's offset in that region.
+        ticket: per owned position, the window slot's ticket (0: at home).
+        crc: per owned position, the crc32c its bytes must have where they are now (-1: none to
+            check, e.g. a processed sample); ``None``: nothing is checked.
+        processed: per owned position, whether it is produced here by the dataset's pipeline
+            (placed per plan, see :meth:`place`) rather than served as the raw sample (located by ID).
+        granted: per owned position, whether a grant asked for it (kept by the feeder; ``None``
+            until the first grant).
+    """
+
+    starts: np.ndarray
+    positions: np.ndarray
+    ids: np.ndarray
+    length: np.ndarray
+    dst: np.ndarray
+    region: np.ndarray
+    src: np.ndarray
+    ticket: np.ndarray
+    crc: np.ndarray | None = None
+    processed: np.ndarray | None = None
+    failures: dict[int, str] = field(default_factory=dict)  # processed owned index -> why it failed
+    granted: np.ndarray | None = None
+    _order: np.ndarray | None = field(default=None, repr=False)
+
+    def span(self, batch: int, first: int, end: int) -> tuple[int, int]:
+        """The owned positions ``i:j`` that a grant of positions ``first:end`` of ``batch`` covers."""
+        lo = int(self.starts[batch]) + first
+        hi = min(int(self.starts[batch]) + end, int(self.starts[batch + 1]))
+        i, j = np.searchsorted(self.positions, (lo, hi))
+        return int(i), int(j)
+
+    def grant(self, i: int, j: int) -> np.ndarray:
+        """Record a grant of owned positions ``i:j``; returns those a grant asked for before."""
+        if self.granted is None:
+            self.granted = np.zeros(len(self.ids), dtype=bool)
+        again = np.flatnonzero(self.granted[i:j]) + i
+        self.granted[i:j] = True
+        return again
+
+    def where(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(owned positions, index into ids)`` of every occurrence of ``ids`` in the plan."""
+        if self._order is None:
+            self._order = np.argsort(self.ids, kind="stable")
+        order = self._order
+        ordered = self.ids[order]
+        ids = np.asarray(ids, dtype=np.int64)
+        lo = np.searchsorted(ordered, ids, side="left")
+        hi = np.searchsorted(ordered, ids, side="right")
+        counts = hi - lo
+        total = int(counts.sum())
+        if not total:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        starts = np.cumsum(counts) - counts
+        at = np.repeat(lo, counts) + (np.arange(total) - np.repeat(starts, counts))
+        return order[at], np.repeat(np.arange(len(ids)), counts)
+
+    def locate(
+        self, ids: np.ndarray, region: np.ndarray, src: np.ndarray, ticket: np.ndarray, crc: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Set the location (and the crc32c to check there, if given) of raw samples ``ids``;
+        returns the tickets they had (for the window's bookkeeping)."""
+        at, which = self.where(ids)
+        if self.processed is not None:
+            raw = ~self.processed[at]
+            at, which = at[raw], which[raw]
+        old = self.ticket[at].copy()
+        self.region[at] = region[which]
+        self.src[at] = src[which]
+        self.ticket[at] = ticket[which]
+        if self.crc is not None:
+            self.crc[at] = -1 if crc is None else crc[which]
+        return old
+
+    def place(self, at: np.ndarray, region: np.ndarray, src: np.ndarray, ticket: np.ndarray) -> np.ndarray:
+        """Set the location of processed owned positions ``at`` (nothing to check); returns the tickets they had."""
+        old = self.ticket[at].copy()
+        self.region[at] = region
+        self.src[at] = src
+        self.ticket[at] = ticket
+        if self.crc is not None:
+            self.crc[at] = -1
+        return old
+
+
+@dataclass(frozen=True)
+class FeedProgress:
+    """Reported by a feeder: grants written (rows of epoch, batch, first, end), grants waiting now,
+    and the seconds each grant that had to wait waited."""
+
+    feed_id: str
+    written: np.ndarray
+    waiting: int
+    waited: tuple[float, ...] = ()
+    again: tuple[tuple[int, np.ndarray], ...] = ()  # (epoch, owned positions) a grant asked for a second time
+    dropped: tuple[int, ...] = ()  # plans the client will not grant again (nothing more is produced for them)
+
+
+class FeederShared:
+    """What the feeds of one feeder process share with its command loop: one lock over every plan's
+    locations, the reads in progress per window ticket, failed samples, the event pipe, and the
+    doorbell idle feeds wait on."""
+
+    def __init__(self, send_event, *, recheck: bool = False) -> None:
+        self.lock = threading.Lock()
+        self.recheck = recheck  # check a sample at home at every write, not only the first
+        self._checked: dict[str, np.ndarray] = {}  # per dataset, by sample ID: checked at home since placed there
+        self.placements = 0  # bumped when a sample gets a new place: a check begun before proves nothing of it
+        self.in_use: dict[int, int] = {}
+        self.draining: set[int] = set()  # tickets to report freed once no read uses them
+        self.failed: dict[str, dict[int, str]] = {}  # per dataset, samples whose production failed
+        self.moves = 0  # bumped whenever a location, a plan or a failure changes: waiting grants may be ready
+        self._send = send_event
+        self._send_lock = threading.Lock()
+        self.doorbell = Doorbell()
+
+    def checked(self, dataset: str, ids: np.ndarray) -> np.ndarray:
+        """Which of ``ids`` were checked at home since they were placed there (all False with ``recheck``)."""
+        seen = self._checked.get(dataset)
+        if self.recheck or seen is None:
+            return np.zeros(len(ids), dtype=bool)
+        inside = ids < len(seen)
+        out = np.zeros(len(ids), dtype=bool)
+        out[inside] = seen[ids[inside]]
+        return out
+
+    def mark_checked(self, dataset: str, ids: np.ndarray, since: int) -> None:
+        """Samples ``ids`` passed their check at home, begun when :attr:`placements` was ``since``
+        (if a sample was placed anew meanwhile, nothing is marked: the next write checks again)."""
+        if self.recheck or not len(ids) or since != self.placements:
+            return
+        seen = self._checked.get(dataset)
+        top = int(ids.max()) + 1
+        if seen is None or len(seen) < top:
+            grown = np.zeros(max(top, 2 * len(seen) if seen is not None else top), dtype=bool)
+            if seen is not None:
+                grown[: len(seen)] = seen
+            seen = self._checked[dataset] = grown
+        seen[ids] = True
+
+    def unchecked(self, dataset: str, ids: np.ndarray) -> None:
+        """Samples ``ids`` have a new place, or new bytes at their place: their next write checks them."""
+        self.placements += 1
+        seen = self._checked.get(dataset)
+        if seen is not None:
+            ids = np.asarray(ids, dtype=np.int64)
+            seen[ids[ids < len(seen)]] = False
+
+    def send(self, event: object) -> None:
+        with self._send_lock, contextlib.suppress(OSError, ValueError):
+            self._send(event)
+
+    def hold(self, tickets: np.ndarray) -> None:
+        for t in tickets.tolist():
+            self.in_use[t] = self.in_use.get(t, 0) + 1
+
+    def let_go(self, tickets: np.ndarray) -> list[int]:
+        """Drop reads of ``tickets``; returns those now free to reuse (no read left, and retired)."""
+        freed = []
+        for t in tickets.tolist():
+            left = self.in_use.get(t, 0) - 1
+            if left > 0:
+                self.in_use[t] = left
+                continue
+            self.in_use.pop(t, None)
+            if t in self.draining:
+                self.draining.discard(t)
+                freed.append(t)
+        return freed
+
+    def retire(self, tickets: list[int]) -> list[int]:
+        """Tickets no longer located anywhere: those still being read are reported later; returns them."""
+        busy = [t for t in tickets if self.in_use.get(t, 0) > 0]
+        self.draining.update(busy)
+        return busy
+
+
+class FeedWriter:
+    """One client's data-plane path and the thread that serves its grants."""
+
+    def __init__(
+        self,
+        feed_id: str,
+        dataset: str,
+        writer: Writer,
+        key: RegionKey,
+        regions,
+        shared: FeederShared,
+        *,
+        production_timeout: float = 60.0,
+        generation: int = 0,
+    ) -> None:
+        self.feed_id = feed_id
+        self.generation = generation  # the client's connection generation this feed serves
+        self.dataset = dataset
+        self.changed: dict[int, str] = {}  # samples whose backend file changed since listing: never served
+        self._changed_ids = np.zeros(0, dtype=np.int64)
+        self.writer = writer
+        self.key = key
+        self.regions = regions
+        self.shared = shared
+        self.production_timeout = production_timeout
+        self.plans: dict[int, PlanPart] = {}
+        self.served = 0
+        self._pending: deque[tuple[np.void, float]] = deque()  # (grant, arrival)
+        self._written: list[tuple[int, int, int, int]] = []
+        self._waited: list[float] = []
+        self._again: list[tuple[int, np.ndarray]] = []
+        self._dropped: list[int] = []
+        self._last_report = time.monotonic()
+        self._last_waiting = 0
+        self._reason = ""
+        self._seen_moves = -1
+        self._last_scan = 0.0
+        self._stop = threading.Event()
+        self._bell = threading.Event()  # set by the doorbell (the connection is readable) or by close()
+        self._fd = writer.fileno()
+        self._thread = threading.Thread(target=self._run, name=f"feed-{feed_id}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def mark_changed(self, what: dict[int, str]) -> None:
+        """Refuse from now on the grants that need these samples (ID -> what changed)."""
+        self.changed = {**self.changed, **what}
+        self._changed_ids = np.array(sorted(self.changed), dtype=np.int64)
+
+    def install(self, epoch: int, plan: PlanPart) -> list[int]:
+        """Add an epoch plan (dropping the oldest beyond :data:`MAX_PLANS`); returns the epochs dropped."""
+        self.plans[epoch] = plan
+        dropped = sorted(self.plans)[:-MAX_PLANS]
+        for old in dropped:
+            self.plans.pop(old, None)
+        return dropped
+
+    # -- the feed thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                unreported = (
+                    self._written
+                    or self._waited
+                    or self._again
+                    or self._dropped
+                    or len(self._pending) != self._last_waiting
+                )
+                if self._pending or unreported:
+                    message = self.writer.recv(WAIT_POLL if self._pending else REPORT_EVERY)
+                else:
+                    message = self.writer.recv(0)
+                    if message is None:
+                        self._idle()
+                        continue
+                if message is not None:
+                    decoded = grants.decode(message)
+                    if isinstance(decoded, np.ndarray):
+                        now = time.monotonic()
+                        self._note(decoded)
+                        self._pending.extend((grant, now) for grant in decoded)
+                    elif isinstance(decoded, grants.DropPlan):
+                        with self.shared.lock:  # the feeder's commands walk the plans under it
+                            self.plans.pop(decoded.epoch, None)
+                        self._dropped.append(decoded.epoch)
+                if self._pending:
+                    look = self._worth_a_scan(message is not None)
+                    if look:
+                        self._serve_pending(None if look == "all" else HEAD_GRANTS)
+                self._report()
+        except PeerLostError as exc:
+            log.info("feed %s: client gone (%s)", self.feed_id, exc)
+            gone = f"its client is gone ({exc})"
+        except KSpeedError as exc:
+            log.warning("feed %s: closed after error: %s", self.feed_id, exc)
+            gone = f"it failed: {exc}"
+        else:
+            gone = ""
+        finally:
+            self._report(force=True)
+            self.shared.doorbell.forget(self._fd)
+            with contextlib.suppress(KSpeedError):
+                if self._reason:  # the feed ends for good: the client learns why before the connection goes
+                    self.writer.send(grants.encode_closing(grants.Closing(self._reason)))
+                self.writer.close()
+        if gone and not self._stop.is_set():  # ended by the client's side, not closed here: reclaim it
+            self.shared.send(FeedGone(self.feed_id, self.generation, gone))
+
+    def _idle(self) -> None:
+        """Sleep until the connection is readable or the feed is closed (nothing to serve, nothing
+        to report: no reason to wake before)."""
+        self._bell.clear()
+        self.shared.doorbell.watch(self._fd, self._bell)
+        if not self._stop.is_set():  # (close() sets the stop before the bell: a ring is never lost)
+            self._bell.wait()
+
+    def _worth_a_scan(self, arrived: bool) -> str:
+        """How much of the waiting grants to look at: ``"all"`` every :data:`RESCAN_EVERY` (what
+        became hopeless) or when grants arrived, ``"head"`` when samples moved, ``""`` otherwise.
+        Looking only then keeps a feed whose grants wait on production from burning the server's
+        CPU."""
+        now = time.monotonic()
+        moves = self.shared.moves
+        if arrived or now - self._last_scan > RESCAN_EVERY:
+            self._seen_moves, self._last_scan = moves, now
+            return "all"
+        if moves != self._seen_moves:
+            self._seen_moves = moves
+            return "head"
+        return ""
+
+    def _report(self, force: bool = False) -> None:
+        now = time.monotonic()
+        waiting = len(self._pending)
+        changed = self._written or self._waited or self._again or self._dropped or waiting != self._last_waiting
+        if not changed or (not force and now - self._last_report < REPORT_EVERY and len(self._written) < 256):
+            return
+        written = np.array(self._written, dtype=np.int64).reshape(-1, 4)
+        progress = FeedProgress(
+            self.feed_id, written, waiting, tuple(self._waited), tuple(self._again), tuple(self._dropped)
+        )
+        self.shared.send(progress)
+        self._written, self._waited, self._again, self._dropped = [], [], [], []
+        self._last_report, self._last_waiting = now, waiting
+
+    def _note(self, rows: np.ndarray) -> None:
+        """Record the positions newly arrived grants ask for; those a grant asked for before are
+        reported as granted again (a client that fenced a server grants again every batch it has
+        not delivered, on every server: production must make them resident once more)."""
+        for grant in rows:
+            plan = self.plans.get(int(grant["epoch"]))
+            index = int(grant["batch"])
+            if plan is None or not 0 <= index < len(plan.starts) - 1:  # (a probe, or refused when served)
+                continue
+            again = plan.grant(*plan.span(index, int(grant["first"]), int(grant["end"])))
+            if len(again):
+                self._again.append((int(grant["epoch"]), again))
+
+    def _serve_pending(self, head: int | None = None) -> None:
+        """Write every pending grant whose samples are ready (in arrival order); fail the hopeless.
+
+        With ``head``, only the first ``head`` pending grants are looked at (samples are produced
+        in plan order, so when some moved it is the oldest grants that became ready); the others
+        keep their place for the next full look.
+        """
+        now = time.monotonic()
+        ready: list[tuple[np.void, PlanPart | None, int, int]] = []
+        held: list[tuple[int, float]] = []
+        keep: deque[tuple[np.void, float]] = deque()
+        pending = self._pending
+        rest: deque[tuple[np.void, float]] = deque()
+        if head is not None and len(pending) > head:
+            rest = deque(itertools.islice(pending, head, None))
+            pending = deque(itertools.islice(pending, head))
+        for entry in pending:
+            grant, arrival = entry
+            epoch, index, tag = int(grant["epoch"]), int(grant["batch"]), int(grant["tag"])
+            if epoch == grants.PROBE_EPOCH:
+                self._probe(grant)
+                continue
+            plan = self.plans.get(epoch)
+            if plan is None or index >= len(plan.starts) - 1:
+                why = f"no plan for epoch {epoch}" if plan is None else f"epoch {epoch} has no batch {index}"
+                self._refuse(epoch, index, tag, why)
+                continue
+            i, j = plan.span(index, int(grant["first"]), int(grant["end"]))
+            why, sample = self._hopeless(plan, i, j, now - arrival)
+            if why:
+                self._refuse(epoch, index, tag, why, sample)
+                continue
+            if (plan.region[i:j] < 0).any():
+                keep.append(entry)
+                continue
+            if now - arrival > WAIT_POLL:
+                self._waited.append(now - arrival)
+                held.append((tag, now - arrival))
+            ready.append((grant, plan, i, j))
+        keep.extend(rest)
+        self._pending = keep
+        if held:  # before the writes: the client's pacing must not take these waits for the path's latency
+            tags, seconds = zip(*held, strict=True)
+            self.writer.send(grants.encode_held(tags, seconds))
+        for start in range(0, len(ready), GRANTS_PER_WRITE):
+            self._write(ready[start : start + GRANTS_PER_WRITE])
+
+    def _hopeless(self, plan: PlanPart, i: int, j: int, waited: float) -> tuple[str, int]:
+        """Why a grant of positions ``i:j`` can never be served and the sample at fault, or ``("", -1)``."""
+        ids = plan.ids[i:j]
+        if len(self._changed_ids):
+            hit = np.flatnonzero(np.isin(ids, self._changed_ids))
+            if len(hit):
+                sample = int(ids[hit[0]])
+                why = f"dataset {self.dataset!r} sample {sample}: {self.changed[sample]}; its cached bytes are stale"
+                return why, sample
+        absent = plan.region[i:j] < 0
+        if not absent.any():
+            return "", -1
+        if plan.failures:  # processed positions of this plan whose server stages failed
+            for k in np.flatnonzero(absent).tolist():
+                if i + k in plan.failures:
+                    return plan.failures[i + k], int(ids[k])
+        if plan.processed is not None:
+            absent &= ~plan.processed[i:j]
+        missing = ids[absent]
+        failed = self.shared.failed.get(self.dataset)
+        if failed:
+            for sample in missing.tolist():
+                if sample in failed:
+                    return f"dataset {self.dataset!r} sample {sample} could not be produced: {failed[sample]}", sample
+        if waited > self.production_timeout:
+            late = int(missing[0]) if len(missing) else int(ids[np.flatnonzero(plan.region[i:j] < 0)[0]])
+            why = (
+                f"dataset {self.dataset!r} sample {late} was not produced within "
+                f"{self.production_timeout:g}s (the server is still reading it from the backend)"
+            )
+            return why, late
+        return "", -1
+
+    def _refuse(self, epoch: int, index: int, tag: int, why: str, sample: int = -1) -> None:
+        self.writer.send(grants.encode_error(grants.GrantError(epoch, index, tag, why, sample)))
+
+    def _probe(self, grant: np.void) -> None:
+        """Write filler of the probed size (docs/feeding.md, Pacing); a bad size is an ERROR, named."""
+        nbytes, tag = int(grant["end"]), int(grant["tag"])
+        if not 0 < nbytes <= grants.MAX_PROBE:
+            self._refuse(grants.PROBE_EPOCH, 0, tag, f"probe of {nbytes} bytes is outside 1..{grants.MAX_PROBE}")
+            return
+        self.writer.write_batch(
+            self.key,
+            _filler(),
+            np.zeros(1, np.int64),
+            np.array([nbytes], np.int64),
+            np.array([int(grant["ring_offset"])], np.int64),
+            imms=[tag],
+        )
+
+    def _write(self, ready: list[tuple[np.void, PlanPart | None, int, int]]) -> None:
+        """Serve ready grants with one vectorized write per pool region; their tags follow the bytes.
+        A grant with a sample whose bytes fail their check waits (see :meth:`_withhold`)."""
+        parts, tags, served, checks = [], [], [], []
+        with self.shared.lock:  # a consistent snapshot of the locations, and the window slots held
+            for grant, plan, i, j in ready:
+                assert plan is not None
+                if (plan.region[i:j] < 0).any():  # moved away since it was found ready: wait again
+                    self._pending.appendleft((grant, time.monotonic()))
+                    continue
+                served.append(grant)
+                parts.append(
+                    (
+                        plan.region[i:j].copy(),
+                        plan.src[i:j].copy(),
+                        plan.length[i:j],
+                        plan.dst[i:j] + int(grant["ring_offset"]),
+                        plan.ticket[i:j].copy(),
+                    )
+                )
+                checks.append((plan.ids[i:j], None if plan.crc is None else plan.crc[i:j].copy()))
+                tags.append(int(grant["tag"]))
+            if not parts:
+                return
+            held = np.concatenate([part[4] for part in parts])
+            held = held[held > 0]
+            self.shared.hold(held)
+        try:
+            # (the window slots are held: none is reused while its bytes are checked and written)
+            spoiled = self._check(parts, checks)
+            if spoiled:
+                keep = [n for n in range(len(parts)) if n not in spoiled]
+                for n in sorted(spoiled, reverse=True):
+                    self._pending.appendleft((served[n], time.monotonic()))
+                parts, tags, served = [parts[n] for n in keep], [tags[n] for n in keep], [served[n] for n in keep]
+                if not parts:
+                    return
+            region, src_at, nbytes, dst_at, _ = (np.concatenate(a) for a in zip(*parts, strict=True))
+            groups = np.unique(region)
+            if len(groups) == 0:  # nothing of ours in these ranges: still exactly one completion each
+                self.writer.write_batch(self.key, b"", src_at, nbytes, dst_at, imms=tags)
+            for n, r in enumerate(groups.tolist()):
+                mask = region == r if len(groups) > 1 else slice(None)
+                self.writer.write_batch(
+                    self.key,
+                    self.regions.get(r),
+                    src_at[mask],
+                    nbytes[mask],
+                    dst_at[mask],
+                    imms=tags if n == len(groups) - 1 else None,
+                )
+        finally:
+            with self.shared.lock:
+                freed = self.shared.let_go(held)
+            if freed:
+                self.shared.send(Freed(tuple(freed)))
+        self.served += len(tags)
+        for grant in served:
+            self._written.append((int(grant["epoch"]), int(grant["batch"]), int(grant["first"]), int(grant["end"])))
+
+    def _check(
+        self,
+        parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
+        checks: list[tuple[np.ndarray, np.ndarray | None]],
+    ) -> set[int]:
+        """Check each sample of the parts that has a crc32c to match where it is; the parts (grants)
+        with a sample that fails, whose samples are withheld. One loop over the write's samples,
+        a C call each (:func:`~kspeed.server.memory.checksum.crc32c`)."""
+        if all(crc is None for _, crc in checks):
+            return set()
+        crc = np.concatenate([c if c is not None else np.full(len(ids), -1) for ids, c in checks])
+        ids = np.concatenate([ids for ids, _ in checks])
+        home = np.concatenate([part[4] for part in parts]) == 0
+        with self.shared.lock:
+            done = home & self.shared.checked(self.dataset, ids)
+            since = self.shared.placements
+        want = np.flatnonzero((crc >= 0) & ~done)
+        if not len(want):
+            return set()
+        region, src, length = (np.concatenate([part[k] for part in parts])[want] for k in range(3))
+        arrays = self.regions.get
+        bad = [
+            k
+            for k, r, at, n, c in zip(want.tolist(), region.tolist(), src.tolist(), length.tolist(), crc[want].tolist())
+            if crc32c(arrays(r)[at : at + n]) != c
+        ]
+        good = np.setdiff1d(want[home[want]], np.asarray(bad, dtype=np.int64))
+        with self.shared.lock:
+            self.shared.mark_checked(self.dataset, ids[good], since)
+        if not bad:
+            return set()
+        owner = np.repeat(np.arange(len(parts)), [len(ids) for ids, _ in checks])
+        self._withhold(np.unique(ids[bad]))
+        return set(owner[bad].tolist())
+
+    def _withhold(self, ids: np.ndarray) -> None:
+        """Samples whose bytes changed in memory: not resident here until production places them
+        again (it re-reads them from the backend); their grants wait meanwhile."""
+        log.warning(
+            "feed %s: dataset %s sample(s) %s fail their crc32c check; re-read", self.feed_id, self.dataset, ids[:8]
+        )
+        with self.shared.lock:
+            for plan in self.plans.values():
+                at, _ = plan.where(ids)
+                if plan.processed is not None:
+                    at = at[~plan.processed[at]]
+                plan.region[at] = -1
+        self.shared.send(Corrupt(self.feed_id, tuple(ids.tolist())))
+
+    def close(self, reason: str = "") -> None:
+        """Stop serving; with a ``reason``, tell the client why first (it ends the feed with that).
+
+        The serving thread closes the writer itself (no write of it can meet released memory); a
+        thread blocked on a stalled client is interrupted after a short grace.
+        """
+        self._reason = reason  # sent by the serving thread itself, never beside one of its writes
+        self._stop.set()
+        self._bell.set()
+        self._thread.join(timeout=CLOSE_GRACE)
+        if self._thread.is_alive():
+            self.writer.interrupt()
+            self._thread.join(timeout=CLOSE_GRACE)
+        if self._thread.is_alive():
+            log.warning("feed %s: serving thread still busy after close; it closes the writer when done", self.feed_id)
+
+
+@dataclass(frozen=True)
+class FeedGone:
+    """Reported by a feeder: a feed ended on its own (its client vanished, or its connection
+    failed); the server closes it and reclaims its plans and window slots."""
+
+    feed_id: str
+    generation: int
+    why: str
+
+
+@dataclass(frozen=True)
+class FeedClosed:
+    """Reported by a feeder once it closed a feed on the server's command: every report of the
+    feed came before it (the server drops the feed's plans only then, its last writes counted)."""
+
+    feed_id: str
+    token: int  # the CloseFeed command's
+
+
+@dataclass(frozen=True)
+class Corrupt:
+    """Reported by a feeder: samples of a feed's dataset whose bytes failed their crc32c check where
+    they are; the server re-reads them from the backend (and counts it), then places them again."""
+
+    feed_id: str
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Freed:
+    """Reported by a feeder: window tickets that no read uses any more, after they were retired."""
+
+    tickets: tuple[int, ...]

@@ -1,0 +1,231 @@
+"""Production of preprocessed samples: a plan's processed positions, run through the dataset's
+server stages by the preprocessing workers (:mod:`kspeed.server.prep.pool`), each result copied by
+the server into the sample's production-window slot (the sandboxed workers map no pool memory).
+
+Unlike raw samples, which are made resident once and served from home afterwards, processed
+samples are per plan (random stages draw from the epoch): each position is produced into its own
+window slot, placed in the feeder's plan, and its slot reused once written (a position granted
+again after a fence is produced again, identically). :class:`ProcessedProduction` is the part of
+:class:`kspeed.server.production.core.Production` that does this; it uses its lock, window, feeds and
+feeder commands.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import numpy as np
+
+from kspeed.errors import KSpeedError
+from kspeed.server.feeder.process import Command, Place, Reply
+from kspeed.server.memory.residency import ABSENT, FAILED, HOME, READING, WINDOW
+from kspeed.server.memory.window import ProductionWindow, Slot
+from kspeed.server.prep.pool import PrepPool, PrepTask
+from kspeed.server.production.state import Draining, FeedState, PlanState, ShareState, Work
+
+__all__ = ["ProcessedProduction"]
+
+log = logging.getLogger(__name__)
+
+
+class ProcessedProduction:
+    """Processed positions of plans: produced by the preprocessing workers, placed per plan."""
+
+    window: ProductionWindow
+    prep: PrepPool | None
+    failed_samples: int
+    window_full: int
+    produced_samples: int
+    produced_bytes: int
+    _lock: threading.RLock
+    _tell: Callable[[int, Command], Reply]
+    _feeds: dict[str, FeedState]
+    _draining: dict[int, Draining]
+    _recent: deque[tuple[float, int]]
+    _came_home: Callable[[ShareState, np.ndarray], None]
+
+    def _forget_plan(self, feed: FeedState, plan: PlanState | None) -> None:
+        """Free the processed slots of a plan no longer followed (its feeder dropped it too); under the lock."""
+        if plan is None:
+            return
+        for slot in plan.slots.values():
+            feed.held -= slot.nbytes
+            self.window.free(slot)
+        plan.slots.clear()
+
+    def _release(self, feed: FeedState, plan: PlanState, i: int, j: int) -> None:
+        """A grant of processed positions ``i:j`` was written: the slots of those written for good
+        (not granted again meanwhile) are reused once the feeder no longer reads them; under the lock."""
+        at = [k for k in range(i, j) if k in plan.slots and plan.written[k]]
+        if not at:
+            return
+        slots = [plan.slots.pop(k) for k in at]
+        if plan.state is not None:
+            plan.state[at] = ABSENT
+        none = np.zeros(len(at), np.int64)
+        try:
+            busy = set(
+                self._tell(feed.feeder, Place(feed.feed_id, plan.epoch, np.array(at), none - 1, none, none)).busy
+            )
+        except KSpeedError:
+            busy = set()  # the feed is gone: nothing reads its slots any more
+        for slot in slots:
+            feed.held -= slot.nbytes
+            if slot.ticket in busy:
+                self._draining[slot.ticket] = Draining(slot, {feed.feeder}, self.window)
+            else:
+                self.window.free(slot)
+
+    def _produce_processed(self, work: Work) -> None:
+        """Run claimed positions of a plan through the server stages into window slots; tell the feeder."""
+        plan, at, ids, share = work.plan, work.at, work.ids, work.share
+        assert plan is not None and at is not None and plan.prep is not None and plan.state is not None
+        prep = plan.prep
+        slots: list[Slot] = []
+        placed = False
+        try:
+            for _ in range(len(at)):
+                slot = self.window.place(prep.nbytes, work.feed_id)
+                if slot is None:
+                    break
+                slots.append(slot)
+            if len(slots) < len(at):
+                with self._lock:
+                    plan.state[at[len(slots) :]] = ABSENT
+                    self.window_full += 1
+                at, ids = at[: len(slots)], ids[: len(slots)]
+                if not slots:
+                    self.window.wait_for_room(0.05)
+                    placed = True
+                    return
+            inputs, bad = self._raw_inputs(share, ids)
+            keep = [k for k in range(len(ids)) if int(ids[k]) not in bad]
+            results: dict[int, int | str] = {int(ids[k]): bad[int(ids[k])] for k in range(len(ids)) if k not in keep}
+            if keep:
+                if self.prep is None:
+                    raise KSpeedError("this server has no preprocessing workers")
+                task = PrepTask(
+                    share.dataset,
+                    prep.pipeline,
+                    prep.stages,
+                    prep.seed,
+                    prep.epoch,
+                    tuple(int(ids[k]) for k in keep),
+                    tuple(inputs[k] for k in keep),
+                    tuple(self.window.view(slots[k]) for k in keep),
+                    prep.skip,
+                    prep.start,
+                )
+                for k, result in zip(keep, self.prep.run(task), strict=True):
+                    results[int(ids[k])] = result if not isinstance(result, bytes) else len(result)
+            with self._lock:
+                feed = self._feeds.get(work.feed_id)
+                if feed is None or feed.plans.get(work.epoch) is not plan:  # dropped meanwhile
+                    return
+                self._settle_processed(share, feed, plan, at, ids, slots, [results[int(i)] for i in ids])
+                placed = True
+        finally:
+            if not placed:
+                for slot in slots:
+                    self.window.free(slot)
+                with self._lock:
+                    plan.state[at[plan.state[at] == READING]] = ABSENT
+
+    def _raw_inputs(self, share: ShareState, ids: np.ndarray) -> tuple[list[bytes | np.ndarray], dict[int, str]]:
+        """Each sample's stored bytes for a worker: a view of its home (the server copies it to the
+        worker, which maps no pool memory) or read from the backend now (and then brought home,
+        unless the preload is reading it too)."""
+        index = share.preloader.index
+        lengths = index.length[ids - share.lo]
+        inputs: list[bytes | np.ndarray] = [b""] * len(ids)
+        home = share.residency.of(ids) == HOME
+        for k in np.flatnonzero(home).tolist():
+            pos = int(ids[k]) - index.lo
+            at = int(index.offset[pos])
+            inputs[k] = share.preloader.region_array(int(index.region[pos]))[at : at + int(lengths[k])]
+        away = np.flatnonzero(~home)
+        if not len(away):
+            return inputs, {}
+        offsets = np.zeros(len(away) + 1, dtype=np.int64)
+        np.cumsum(lengths[away], out=offsets[1:])
+        buffer = np.empty(max(int(offsets[-1]), 1), dtype=np.uint8)
+        # Those no one else is reading come home too, so the preload does not read them again.
+        claimed = set(share.residency.claim(ids[away]).tolist())
+        crcs, errors = share.preloader.source.read_run(
+            [int(ids[k]) for k in away], buffer, offsets[:-1].tolist(), lengths[away].tolist()
+        )
+        share.preloader.changed(errors)
+        failed = {e.sample: str(e) for e in errors if isinstance(e.sample, int)}
+        for n, k in enumerate(away.tolist()):
+            inputs[k] = buffer[offsets[n] : offsets[n + 1]].tobytes()
+        home_now = [n for n, k in enumerate(away.tolist()) if int(ids[k]) in claimed and int(ids[k]) not in failed]
+        if home_now:
+            came = ids[away[home_now]]
+            share.preloader.adopt(
+                came, [buffer[offsets[n] : offsets[n + 1]] for n in home_now], np.asarray(crcs, np.uint32)[home_now]
+            )
+            self._came_home(share, came)
+        unread = np.array([i for i in claimed if i in failed], dtype=np.int64)
+        if len(unread):
+            share.residency.fail(unread, [failed[int(i)] for i in unread.tolist()])
+        return inputs, failed
+
+    def _settle_processed(
+        self,
+        share: ShareState,
+        feed: FeedState,
+        plan: PlanState,
+        at: np.ndarray,
+        ids: np.ndarray,
+        slots: list[Slot],
+        results: list[int | str],
+    ) -> None:
+        """Record processed positions and tell the feeder where they are (or why they failed); under the lock."""
+        assert plan.state is not None and plan.prep is not None
+        failures = [str(r) for r in results if isinstance(r, str)]
+        if failures and plan.prep.skip:  # the failure records were written in the slots: serve them
+            self.failed_samples += len(failures)
+            log.warning("dataset %s: %d sample(s) skipped: %s", share.dataset, len(failures), failures[0])
+            results = [len(r) if isinstance(r, str) else r for r in results]
+        ok = np.array([not isinstance(r, str) for r in results], dtype=bool)
+        for k in np.flatnonzero(~ok).tolist():
+            self.window.free(slots[k])
+        if (~ok).any():
+            plan.state[at[~ok]] = FAILED
+            reasons = tuple(str(r) for r in results if isinstance(r, str))
+            self.failed_samples += len(reasons)
+            log.warning("dataset %s: %d sample(s) failed preprocessing: %s", share.dataset, len(reasons), reasons[0])
+            none = np.zeros(len(reasons), np.int64)
+            with contextlib.suppress(KSpeedError):  # this plan's grants of them fail (another plan may skip them)
+                self._tell(feed.feeder, Place(feed.feed_id, plan.epoch, at[~ok], none - 1, none, none, reasons))
+        good = np.flatnonzero(ok)
+        if not len(good):
+            return
+        placed = [slots[k] for k in good.tolist()]
+        for k, slot in zip(at[good].tolist(), placed, strict=True):
+            plan.slots[k] = slot
+            feed.held += slot.nbytes
+        plan.state[at[good]] = WINDOW
+        nbytes = int(sum(int(results[k]) for k in good.tolist()))
+        self.produced_samples += len(good)
+        self.produced_bytes += nbytes
+        self._recent.append((time.monotonic(), nbytes))
+        try:
+            self._tell(
+                feed.feeder,
+                Place(
+                    feed.feed_id,
+                    plan.epoch,
+                    at[good],
+                    np.array([s.region for s in placed], np.int64),
+                    np.array([s.offset for s in placed], np.int64),
+                    np.array([s.ticket for s in placed], np.int64),
+                ),
+            )
+        except KSpeedError as exc:  # the feed is gone; its plans are forgotten with it
+            log.debug("feed %s: cannot place processed samples: %s", feed.feed_id, exc)
