@@ -35,7 +35,7 @@ from kspeed.client.batch import Batch
 from kspeed.client.feeding.builder import FeedParts
 from kspeed.client.lease import LeaseKeeper
 from kspeed.client.options import FeedOptions
-from kspeed.client.planning.plans import EpochPlan, PlanPrep
+from kspeed.client.planning.plans import EpochPlan, PrepSplit
 from kspeed.control.manager_client import ManagerClient
 from kspeed.control.progress import PreloadSummary, follow_preload
 from kspeed.errors import ConfigError, KSpeedError, StateError
@@ -83,7 +83,7 @@ class KSpeedDataset(IterableDataset):
         manager: ManagerClient | None = None,
         lease: LeaseKeeper | None = None,
         pipeline: Pipeline | None = None,
-        prep: PlanPrep | None = None,
+        prep: PrepSplit | None = None,
     ) -> None:
         super().__init__()
         self.name = info.spec.name

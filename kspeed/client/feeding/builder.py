@@ -32,7 +32,7 @@ from kspeed.client.feeding.pacing import Pacer
 from kspeed.client.feeding.pump import Pump
 from kspeed.client.feeding.rail_choice import ServerPlace, choose_rail, local_address_towards, needs_pacing
 from kspeed.client.options import FeedOptions
-from kspeed.client.planning.plans import EpochPlanner, PlanPrep
+from kspeed.client.planning.plans import EpochPlanner, PrepSplit
 from kspeed.client.planning.sampling import EpochOrders, job_rank
 from kspeed.client.stats import RankStats, StatsReporter, default_job
 from kspeed.config import ClientConfig, gpu_environment
@@ -209,7 +209,7 @@ def build_feed(
     options: FeedOptions,
     places: Mapping[str, ServerPlace] | None = None,
     manager: ManagerClient | None = None,
-    prep: PlanPrep | None = None,
+    prep: PrepSplit | None = None,
 ) -> FeedParts:
     """Build every part of this rank's feed of ``info`` from its servers' ``links``.
 

@@ -2,7 +2,7 @@
 
 Implements the client side of docs/feeding.md. The ring is registered with one rail; each server
 gets ``OpenFeed`` with the ring's key and the path's generation and answers with ``HELLO`` on the
-message channel. A granted batch (a :class:`Slot`) owes one completion per grant: one per server
+message channel. A granted batch (a :class:`GrantedBatch`) owes one completion per grant: one per server
 that writes something in it, or one per sub-batch when paced; the completion's immediate is the
 grant's tag (generation | sequence number).
 
@@ -25,13 +25,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from kspeed import grants
 from kspeed.client.delivery.ring import RingAllocator
+from kspeed.client.feeding.feed_state import GrantedBatch, ServerPath
 from kspeed.client.feeding.granting import Granting, Outstanding
 from kspeed.client.feeding.links import Link
 from kspeed.client.planning.plans import EpochPlan
@@ -49,7 +49,7 @@ from kspeed.rdma.device_memory import DeviceMemory
 from kspeed.rdma.options import RailOptions
 from kspeed.rdma.rails import get_rail
 
-__all__ = ["POLL_TICK", "Feed", "ServerPath", "Slot"]
+__all__ = ["POLL_TICK", "Feed", "GrantedBatch", "ServerPath"]
 
 log = logging.getLogger(__name__)
 
@@ -57,53 +57,6 @@ POLL_TICK = 0.05  # longest single wait for completions, so timeouts and top-ups
 REVOKED_CHECK_S = 0.5  # how often quarantined ranges are checked for writers that are gone
 _SEQ_LIMIT = 1 << 24
 _GRANTS_PER_MESSAGE = (MAX_MESSAGE - 1) // grants.GRANT_DTYPE.itemsize
-
-
-@dataclass(eq=False)
-class ServerPath:
-    """One server's data-plane path into the ring.
-
-    Attributes:
-        index: the server's position in the feed's server list (the plan's owner index).
-        link: its control-plane link.
-        reason: why this rail serves it (logged).
-        feed_id: the feed's id on that server (the feed's own, or, where another path of the
-            feed leads to the same server, one of its own).
-        generation: stamped into every tag; bumped by fencing.
-        conn: the receiver's connection id of its feeder, once it said HELLO.
-        lost: why the path was fenced ("" while healthy).
-        last_heard: monotonic time of its last completion or message.
-    """
-
-    index: int
-    link: Link
-    reason: str
-    feed_id: str = ""
-    generation: int = 1
-    conn: int | None = None
-    lost: str = ""
-    last_heard: float = 0.0
-
-
-@dataclass(eq=False)
-class Slot:
-    """A granted batch: where it lies in the ring and which completions it still waits for."""
-
-    plan: EpochPlan
-    batch: int
-    offset: int
-    owed: dict[int, int]  # server index -> completions still owed (one per sub-batch it writes in)
-    granted_at: float
-    discarded: bool = False
-    fenced: bool = False
-    error: str = ""
-    error_sample: int | None = None  # the sample a server's error named, where it named one
-    errors_from: list[str] = field(default_factory=list)
-    settled: bool = False
-
-    @property
-    def done(self) -> bool:
-        return not self.owed
 
 
 class Feed:
@@ -176,7 +129,7 @@ class Feed:
         self._by_conn: dict[int, ServerPath] = {}
         self.outstanding: dict[int, Outstanding] = {}
         self._seq = 0
-        self._fenced: list[tuple[Slot, int | None]] = []  # quarantined slots and the connection cut from them
+        self._fenced: list[tuple[GrantedBatch, int | None]] = []  # quarantined slots and the connection cut from them
         self._revoked_at = 0.0
         self.counters = {
             "grants": 0,
@@ -237,7 +190,7 @@ class Feed:
         self._seq = self._seq % (_SEQ_LIMIT - 1) + 1
         return grants.make_tag(path.generation, self._seq)
 
-    def grant(self, plan: EpochPlan, batch: int) -> Slot | None:
+    def grant(self, plan: EpochPlan, batch: int) -> GrantedBatch | None:
         """Reserve ring room for ``batch`` of ``plan`` and queue its grants; ``None`` when the ring is full.
 
         Call :meth:`flush` to send the queued grants (paced: the pacing thread sends them).
@@ -261,7 +214,7 @@ class Feed:
             if offset is None:
                 return None
             now = time.monotonic()
-            slot = Slot(plan, batch, offset, {}, now)
+            slot = GrantedBatch(plan, batch, offset, {}, now)
             self.granting.queue(self, slot, owed)
             for index in owed:
                 path = self.paths[index]
@@ -286,7 +239,7 @@ class Feed:
             self.take_messages()  # a server that ends the feed says why before it goes
             self.fence_path(path, f"sending grants failed: {exc}")
 
-    def discard(self, slot: Slot) -> None:
+    def discard(self, slot: GrantedBatch) -> None:
         """The batch will not be delivered; its range is released once every owed completion is in."""
         with self.lock:
             slot.discarded = True
@@ -333,7 +286,7 @@ class Feed:
         """Lift the quarantine of fenced ranges whose writer can write no more; returns how many."""
         with self.lock:
             self._revoked_at = time.monotonic()
-            keep: list[tuple[Slot, int | None]] = []
+            keep: list[tuple[GrantedBatch, int | None]] = []
             for slot, conn in self._fenced:
                 if conn is not None and not self.receiver.writer_gone(conn):
                     keep.append((slot, conn))
@@ -383,7 +336,7 @@ class Feed:
                 self._settle(entry.slot)  # a batch given up is released with its last completion
 
     @staticmethod
-    def _owed_one(slot: Slot, index: int) -> None:
+    def _owed_one(slot: GrantedBatch, index: int) -> None:
         left = slot.owed.get(index, 0) - 1
         if left > 0:
             slot.owed[index] = left
@@ -448,7 +401,7 @@ class Feed:
         self._owed_one(slot, entry.path)
         self._settle(slot)
 
-    def _settle(self, slot: Slot) -> None:
+    def _settle(self, slot: GrantedBatch) -> None:
         """Release a discarded slot's range once no server still owes a write in it (a fenced
         server owes none: its range waits in quarantine until its writer is gone)."""
         if slot.discarded and not slot.settled and slot.done:
@@ -457,7 +410,7 @@ class Feed:
             slot.plan.slots -= 1
             slot.settled = True
 
-    def wait(self, slot: Slot, tick: Callable[[], None]) -> None:
+    def wait(self, slot: GrantedBatch, tick: Callable[[], None]) -> None:
         """Wait until ``slot`` is complete, calling ``tick`` between checks (to top up grants).
 
         Raises:
@@ -477,7 +430,7 @@ class Feed:
                     return
             tick()
 
-    def _check(self, slot: Slot) -> None:
+    def _check(self, slot: GrantedBatch) -> None:
         """Raise what keeps ``slot`` from completing: a server's error, a cut path or a silent server."""
         failure = self.granting.failure
         if failure is not None:

@@ -21,19 +21,18 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from kspeed import grants
+from kspeed.client.delivery.ring import RingAllocator
+from kspeed.client.feeding.feed_state import GrantedBatch, ServerPath
 from kspeed.client.feeding.pacing import SIZE_CLASSES, Pacer, SubGrant
 from kspeed.errors import KSpeedError, PeerLostError, TransportError, UnavailableError
-from kspeed.rdma.base import Completions
-
-if TYPE_CHECKING:
-    from kspeed.client.feeding.feed import Feed, ServerPath, Slot
+from kspeed.rdma.base import Completions, Receiver
 
 __all__ = ["Granting", "Outstanding", "Paced", "Unpaced"]
 
@@ -43,6 +42,28 @@ WAIT_TICK = 0.05  # longest single wait for progress, so timeouts and top-ups ar
 PACE_TICK = 0.001  # longest wait of the pacing thread for completions while it has work (or had it lately)
 IDLE_TICK = 0.01  # longest wait of the pacing thread after a while without work
 PROBE_REPEAT = 2  # probes per size class and server; the fastest counts
+
+
+class Feed(Protocol):
+    """What a granting uses of its :class:`~kspeed.client.feeding.feed.Feed` (the feed owns the
+    state; the granting decides when grants go and who waits, under the feed's lock)."""
+
+    dataset: str
+    lock: threading.RLock
+    changed: threading.Condition
+    progress: int
+    receiver: Receiver
+    allocator: RingAllocator
+    paths: list[ServerPath]
+    outstanding: dict[int, Outstanding]
+
+    def next_tag(self, path: ServerPath) -> int: ...
+    def send_grants(self, path: ServerPath, rows: Sequence[grants.Grant]) -> None: ...
+    def poll(self, timeout: float = 0.0) -> None: ...
+    def accept(self, done: Completions) -> None: ...
+    def take_messages(self) -> None: ...
+    def tend(self) -> None: ...
+    def lost(self, exc: PeerLostError) -> None: ...
 
 
 @dataclass(eq=False)
@@ -55,7 +76,7 @@ class Outstanding:
         sub: its sub-batch when paced (``None`` unpaced).
     """
 
-    slot: Slot
+    slot: GrantedBatch
     path: int
     sub: SubGrant | None = None
 
@@ -73,7 +94,7 @@ class Granting(ABC):
         """Begin, once every server's feeder has connected."""
 
     @abstractmethod
-    def queue(self, feed: Feed, slot: Slot, owed: list[int]) -> None:
+    def queue(self, feed: Feed, slot: GrantedBatch, owed: list[int]) -> None:
         """Queue the grants of a reserved batch for the servers ``owed`` (lock held)."""
 
     @abstractmethod
@@ -115,7 +136,7 @@ class Unpaced(Granting):
     def start(self, feed: Feed, probe_timeout: float) -> None:
         self._feed = feed
 
-    def queue(self, feed: Feed, slot: Slot, owed: list[int]) -> None:
+    def queue(self, feed: Feed, slot: GrantedBatch, owed: list[int]) -> None:
         layout = slot.plan.layout
         size = int(layout.starts[slot.batch + 1] - layout.starts[slot.batch])
         for index in owed:
@@ -229,7 +250,7 @@ class Paced(Granting):
 
     # -- the feed's calls ------------------------------------------------------------------------
 
-    def queue(self, feed: Feed, slot: Slot, owed: list[int]) -> None:
+    def queue(self, feed: Feed, slot: GrantedBatch, owed: list[int]) -> None:
         """Split the batch into sub-batches and queue one grant per server and sub-batch it writes in."""
         plan, batch = slot.plan, slot.batch
         lo, hi = int(plan.layout.starts[batch]), int(plan.layout.starts[batch + 1])

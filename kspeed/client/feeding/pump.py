@@ -25,7 +25,8 @@ from kspeed.client.batch import Batch, BatchMeta
 from kspeed.client.delivery.device import CpuDelivery, Delivery
 from kspeed.client.delivery.ring import RingAllocator
 from kspeed.client.feeding.failover import Failover
-from kspeed.client.feeding.feed import Feed, Slot
+from kspeed.client.feeding.feed import Feed
+from kspeed.client.feeding.feed_state import GrantedBatch
 from kspeed.client.planning.plans import EpochPlan
 from kspeed.errors import CapacityError, StateError, TransportError
 from kspeed.rdma.topology import pin
@@ -72,7 +73,7 @@ class Pump:
             if deterministic
             else None
         )
-        self._queue: deque[Slot] = deque()
+        self._queue: deque[GrantedBatch] = deque()
         self._depth = 0  # the most batches ever granted ahead at once (the ring's depth in batches)
         self._cursor: tuple[EpochPlan, int] | None = None
         self._current: EpochPlan | None = None
@@ -201,7 +202,7 @@ class Pump:
         self._surviving(self.top_up)
         return result
 
-    def _wait_for(self, plan: EpochPlan, batch: int) -> Slot:
+    def _wait_for(self, plan: EpochPlan, batch: int) -> GrantedBatch:
         """Wait until ``batch`` of ``plan``, at the head of the queue, is complete."""
         self.delivery.poll()
         self.feed.allocator.drain()

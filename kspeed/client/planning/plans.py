@@ -35,7 +35,7 @@ from kspeed.layout import BatchLayout, batch_layout
 __all__ = [
     "EpochPlan",
     "EpochPlanner",
-    "PlanPrep",
+    "PrepSplit",
     "check_fits",
     "make_plan",
     "reaching",
@@ -49,7 +49,7 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True)
-class PlanPrep:
+class PrepSplit:
     """How a plan splits preprocessing between the servers and this client.
 
     Attributes:
@@ -162,7 +162,7 @@ def make_plan(
     deterministic: bool,
     ring_bytes: int,
     pool: ThreadPoolExecutor | None = None,
-    prep: PlanPrep | None = None,
+    prep: PrepSplit | None = None,
 ) -> EpochPlan:
     """Look ``ids`` up on their servers, check the answers, and commit each server its part of the plan.
 
@@ -258,7 +258,7 @@ def check_fits(layout: BatchLayout, ring_bytes: int, dataset: str, epoch: int) -
 
 
 def server_plan(
-    plan: EpochPlan, index: int, batch_size: int, prep: PlanPrep | None, first_batch: int = 0
+    plan: EpochPlan, index: int, batch_size: int, prep: PrepSplit | None, first_batch: int = 0
 ) -> ServerPlan:
     """The part of ``plan`` that server ``index`` writes: its positions, IDs, lengths and offsets."""
     mine = np.flatnonzero(plan.owner == index)
@@ -286,7 +286,7 @@ def _commit_all(
     plan: EpochPlan,
     batch_size: int,
     pool: ThreadPoolExecutor | None,
-    prep: PlanPrep | None,
+    prep: PrepSplit | None,
     first_batch: int = 0,
 ) -> None:
     """Commit to each ``(owner index, (link, feed id))`` of ``targets`` its part of ``plan``."""
@@ -337,7 +337,7 @@ class EpochPlanner:
         labelled: bool,
         ring_bytes: int,
         pool: ThreadPoolExecutor | None = None,
-        prep: PlanPrep | None = None,
+        prep: PrepSplit | None = None,
         drop: Callable[[int], None] | None = None,
     ) -> None:
         self._drop = drop

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kspeed.client.options import FeedOptions
-from kspeed.client.planning.plans import PlanPrep
+from kspeed.client.planning.plans import PrepSplit
 from kspeed.errors import ConfigError
 from kspeed.preprocess.pipeline import STATUS, Output, Pipeline, Stage
 from kspeed.preprocess.versions import libraries, mismatch
@@ -37,7 +37,7 @@ def plan_prep(
     cached: int,
     options: FeedOptions,
     servers: Mapping[str, Mapping[str, str]],
-) -> PlanPrep | None:
+) -> PrepSplit | None:
     """How this rank's plans split the pipeline (``None``: the servers preprocess nothing per epoch).
 
     Args:
@@ -76,7 +76,7 @@ def plan_prep(
     stages = pipeline.server_stages
     skip = options.on_error == "skip"
     nbytes = pipeline.output(stages).nbytes + (STATUS if skip else 0)
-    return PlanPrep(stages, fraction, options.seed, nbytes, skip)
+    return PrepSplit(stages, fraction, options.seed, nbytes, skip)
 
 
 def folder_pipeline(loader: Any, transform: Any, *, cache: bool = False) -> tuple[Pipeline | None, str]:
