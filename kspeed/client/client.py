@@ -25,7 +25,7 @@ from kspeed.client.options import FeedOptions
 from kspeed.client.prep.offload import attached_pipeline, plan_prep
 from kspeed.client.prep.workers import sample_bytes
 from kspeed.client.spec import DatasetSpec
-from kspeed.client.wrap import WrapOptions, WrappedDataset, wrap
+from kspeed.client.prepared import WrapOptions, WrappedDataset, wrap
 from kspeed.config import ClientConfig, load_config, parse_address
 from kspeed.control.manager_client import ManagerClient
 from kspeed.errors import ConfigError, KSpeedError, StateError, UnavailableError
@@ -99,7 +99,7 @@ class KSpeedClient:
 
         Without a pipeline or ``transform`` this returns a :class:`KSpeedDataset` of raw
         :class:`~kspeed.client.batch.Batch` es. With a pipeline (``spec.pipeline``) or a
-        ``transform``, it returns a :class:`~kspeed.client.wrap.WrappedDataset` yielding
+        ``transform``, it returns a :class:`~kspeed.client.prepared.WrappedDataset` yielding
         ``collate_fn`` of the prepared samples (with their labels if the dataset has any): the
         servers run the pipeline's ``server`` stages for ``offload`` of each batch's samples, client
         worker processes run the rest and ``transform`` (which, without a pipeline, gets each
@@ -256,7 +256,7 @@ class KSpeedClient:
         attaches to the cached data), preloads them unless ``preload=False``, and returns an
         iterable of batches as ``DataLoader(dataset, batch_size, sampler, collate_fn)`` yields
         them; the loader and transforms run in spawned worker processes on this host
-        (:mod:`kspeed.client.wrap`). :meth:`close` joins those workers.
+        (:mod:`kspeed.client.prepared`). :meth:`close` joins those workers.
 
         Args:
             dataset: an ``ImageFolder``/``DatasetFolder``-like object.

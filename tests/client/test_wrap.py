@@ -16,7 +16,7 @@ from torchvision.datasets import ImageFolder
 
 from kspeed.client.options import FeedOptions
 from kspeed.client.prep.workers import check_loader, check_picklable, pil_file_loader, resolve_loader
-from kspeed.client.wrap import WrappedDataset, folder_spec
+from kspeed.client.prepared import WrappedDataset, folder_spec
 from kspeed.errors import ConfigError, DatasetError
 from tests.client.fakes import FakeServer, client_config, fake_info, open_dataset
 
