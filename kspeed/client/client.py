@@ -20,15 +20,16 @@ from kspeed.client.dataset import KSpeedDataset
 from kspeed.client.feeding.builder import build_feed
 from kspeed.client.feeding.links import ServerLink
 from kspeed.client.feeding.rail_choice import ServerPlace
+from kspeed.client.folders import folder_pipeline_choice, folder_samples, folder_spec, folder_stages
 from kspeed.client.lease import LeaseKeeper
 from kspeed.client.options import FeedOptions
 from kspeed.client.prep.offload import attached_pipeline, plan_prep
 from kspeed.client.prep.workers import sample_bytes
+from kspeed.client.prepared import PreparedDataset
 from kspeed.client.spec import DatasetSpec
-from kspeed.client.prepared import WrapOptions, WrappedDataset, wrap
 from kspeed.config import ClientConfig, load_config, parse_address
 from kspeed.control.manager_client import ManagerClient
-from kspeed.errors import ConfigError, KSpeedError, StateError, UnavailableError
+from kspeed.errors import AccessDeniedError, ConfigError, DatasetError, KSpeedError, StateError, UnavailableError
 
 __all__ = ["KSpeedClient"]
 
@@ -63,7 +64,7 @@ class KSpeedClient:
         except KSpeedError:
             self._manager.close()
             raise
-        self._datasets: list[KSpeedDataset | WrappedDataset] = []
+        self._datasets: list[KSpeedDataset | PreparedDataset] = []
         self._closed = False
         log.debug("connected to manager %s (cluster %s)", config.manager, hello.cluster_id)
 
@@ -94,12 +95,12 @@ class KSpeedClient:
         num_workers: int | None = None,
         prefetch: int | None = None,
         on_error: str = "raise",
-    ) -> KSpeedDataset | WrappedDataset:
+    ) -> KSpeedDataset | PreparedDataset:
         """Register (or attach to) a dataset under a job lease and open this rank's feed.
 
         Without a pipeline or ``transform`` this returns a :class:`KSpeedDataset` of raw
         :class:`~kspeed.client.batch.Batch` es. With a pipeline (``spec.pipeline``) or a
-        ``transform``, it returns a :class:`~kspeed.client.prepared.WrappedDataset` yielding
+        ``transform``, it returns a :class:`~kspeed.client.prepared.PreparedDataset` yielding
         ``collate_fn`` of the prepared samples (with their labels if the dataset has any): the
         servers run the pipeline's ``server`` stages for ``offload`` of each batch's samples, client
         worker processes run the rest and ``transform`` (which, without a pipeline, gets each
@@ -162,7 +163,7 @@ class KSpeedClient:
             self._datasets.append(ds)
             return ds
         try:
-            prepared = WrappedDataset(
+            prepared = PreparedDataset(
                 ds,
                 loader=sample_bytes if ds.pipeline is None else None,
                 transform=transform,
@@ -249,7 +250,7 @@ class KSpeedClient:
         preload: bool = True,
         cache: str = "",
         **options: Any,
-    ) -> WrappedDataset:
+    ) -> PreparedDataset:
         """Serve a torchvision-style folder dataset (``.samples``, ``.loader``, transforms) from the servers.
 
         Registers the dataset's files (named by a hash of their paths, so wrapping them again
@@ -281,12 +282,41 @@ class KSpeedClient:
             DatasetError, AccessDeniedError: the servers cannot list or read the files.
             UnavailableError: the manager or a server cannot be reached (named).
         """
-        wrapped = wrap(
-            self,
-            dataset,
-            FeedOptions.from_kwargs(batch_size, sampler, **options),
-            WrapOptions(collate_fn, loader, num_workers, prefetch, list_dir, name, preload, cache),
-        )
+        paths, targets = folder_samples(dataset)
+        stages = folder_stages(dataset, loader, collate_fn)
+        feed_options = FeedOptions.from_kwargs(batch_size, sampler, **options)
+        pipeline, why = folder_pipeline_choice(stages, offload=feed_options.offload, cache=cache, workers=num_workers)
+        inner, level = None, logging.DEBUG
+        if pipeline is not None:
+            spec = folder_spec(paths, list_dir=list_dir, name=name, pipeline=pipeline, cache=cache)
+            try:
+                inner = self.open(spec, feed_options)
+                stages = dataclasses.replace(stages, loader=None, transform=None)
+                log.debug("dataset %s: loader and transforms offloaded to the servers (%s)", spec.name, pipeline)
+            except (AccessDeniedError, ConfigError) as exc:
+                if cache:
+                    raise
+                why = f"the servers refused its pipeline: {exc}"
+                level = logging.WARNING  # the servers' preprocess_allow or workers, not the dataset: worth a word
+        if inner is None:
+            log.log(level, "wrapped dataset: its loader and transforms run in client workers (%s)", why)
+            spec = folder_spec(paths, list_dir=list_dir, name=name)
+            inner = self.open(spec, feed_options)
+        try:
+            if inner.num_samples != len(paths):
+                raise DatasetError(
+                    f"dataset {spec.name!r} ({spec.uri}) lists {inner.num_samples} files on the servers, "
+                    f"the wrapped dataset has {len(paths)} samples (did the files change?)",
+                    dataset=spec.name,
+                )
+            if preload:
+                inner.preload()
+            wrapped = PreparedDataset(
+                inner, paths=paths, targets=targets, num_workers=num_workers, prefetch=prefetch, **stages.named()
+            )
+        except BaseException:
+            inner.close()
+            raise
         self._datasets.append(wrapped)  # close() closes it: its workers, then its KSpeed dataset
         return wrapped
 

@@ -67,7 +67,7 @@ class KSpeedDataset(IterableDataset):
         manager: a ``ManagerClient`` for :meth:`preload`.
         lease: the lease keeper to stop on :meth:`close`.
         pipeline: the dataset's pipeline with this rank's places (its batches are then raw or
-            server-preprocessed bytes; :class:`kspeed.client.prepared.WrappedDataset` runs the rest).
+            server-preprocessed bytes; :class:`kspeed.client.prepared.PreparedDataset` runs the rest).
         prep: how the plans split the pipeline's server stages.
 
     Raises:

@@ -1,40 +1,14 @@
-"""Serve a torchvision-style folder dataset from KSpeed: its files cached on the servers, its
-loader and transforms run on the servers when they can be sent as data, else on the client.
+"""Batches of a KSpeed dataset finished in the training process: its client-side pipeline
+stages, or a folder dataset's own loader and transforms, run in spawned worker processes, then
+``collate_fn``.
 
-Usage (normally through :meth:`kspeed.KSpeedClient.wrap`)::
-
-    folder = ImageFolder("/data/imgs", transform=my_transform)    # any object with .samples, .loader
-    loader = client.wrap(folder, batch_size=64)                    # registers and preloads the files
-    for epoch in range(epochs):
-        loader.set_epoch(epoch)
-        for images, targets in loader:                             # as DataLoader(folder, ...) yields
-            train(images, targets)
-
-The wrapped dataset is duck-typed: ``.samples`` is a list of ``(path, target)`` pairs, ``.loader``
-maps a file to a sample, ``.transform`` and ``.target_transform`` are optional. Its files become a
-KSpeed dataset whose sample ``i`` is ``samples[i]``: a ``dir`` dataset over the files' common root
-when the samples are exactly that tree in sorted order (no file is written), otherwise a ``list``
-file of absolute paths in a hidden ``.kspeed`` directory under that root (``list_dir=`` moves it).
-The dataset's name is a hash of the paths, so wrapping the same files again attaches to the data
-already cached. Targets never travel: the client looks them up by the delivered sample IDs.
-
-When the loader is torchvision's PIL loader and every transform is one of torchvision's common
-ones (:func:`kspeed.client.prep.offload.folder_pipeline`), the dataset gets a pipeline: the servers
-decode and run the transforms up to the last uint8 one, re-created from their parameters and
-seeded per sample, and the client runs the float rest (``ToTensor``, ``Normalize``) and
-``collate_fn``; the dataset's name then also hashes the pipeline. Otherwise (or with
-``offload=0``, or when the servers refuse the pipeline) the loader, transforms and ``collate_fn``
-run in spawned worker processes (:mod:`kspeed.client.prep.workers`), and why is logged once; the
-loader gets each sample's bytes as an ``io.BytesIO`` (torchvision's path-based
-``pil_loader``/``default_loader`` are swapped for the same PIL code on a file object). They must
-therefore be picklable (module-level functions or objects), and the batches keep the sampler's
-order.
+:meth:`kspeed.KSpeedClient.dataset` returns a :class:`PreparedDataset` for a dataset with a
+pipeline; :meth:`kspeed.KSpeedClient.wrap` returns one for a torchvision-style folder dataset
+(:mod:`kspeed.client.folders`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import logging
 import os
 from collections import deque
@@ -42,15 +16,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
 from kspeed.client.dataset import KSpeedDataset
-from kspeed.client.options import FeedOptions
 from kspeed.client.prep.gpu_stages import GpuStages
-from kspeed.client.prep.offload import folder_pipeline
 from kspeed.client.prep.workers import (
     Draw,
     InlinePool,
@@ -58,19 +30,12 @@ from kspeed.client.prep.workers import (
     Stages,
     TransformPool,
     check_loader,
-    check_picklable,
-    resolve_loader,
     run_samples,
 )
-from kspeed.client.spec import DatasetSpec
 from kspeed.control.progress import PreloadSummary
-from kspeed.errors import AccessDeniedError, ConfigError, DatasetError, KSpeedError, StateError
-from kspeed.preprocess.pipeline import CACHES, Pipeline
+from kspeed.errors import ConfigError, DatasetError, KSpeedError, StateError
 
-if TYPE_CHECKING:
-    from kspeed.client.client import KSpeedClient
-
-__all__ = ["WrapOptions", "WrappedDataset", "folder_spec", "wrap"]
+__all__ = ["PreparedDataset"]
 
 log = logging.getLogger(__name__)
 
@@ -78,100 +43,10 @@ log = logging.getLogger(__name__)
 DEFAULT_WORKERS = min(4, os.cpu_count() or 1)
 #: Batches in flight per worker (the ``DataLoader`` default ``prefetch_factor``).
 PREFETCH_PER_WORKER = 2
-LIST_DIR = ".kspeed"
 NO_WORKERS = (
     "a wrapped dataset runs its own worker processes and cannot itself run in DataLoader workers; "
     "iterate it directly, or use DataLoader(wrapped, batch_size=None, num_workers=0)"
 )
-
-
-# -- registration ----------------------------------------------------------------------------------
-
-
-def _tree_keys(root: str) -> list[str] | None:
-    """The non-hidden files under ``root`` as the servers' ``dir`` listing keys them, sorted.
-
-    ``None`` when a symbolic link is met: the servers check links against their allow-list, so
-    such a tree is registered as a list instead.
-    """
-    keys = []
-    for top, dirs, files in os.walk(root):
-        if any(os.path.islink(os.path.join(top, d)) for d in dirs):
-            return None
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
-        for f in files:
-            path = os.path.join(top, f)
-            if os.path.islink(path):
-                return None
-            if not f.startswith("."):
-                keys.append(os.path.relpath(path, root).replace(os.sep, "/"))
-    return sorted(keys)
-
-
-def _write_list(path: str, paths: Sequence[str]) -> None:
-    text = "".join(f"{p}\n" for p in paths).encode()
-    try:
-        with open(path, "rb") as f:
-            if f.read() == text:
-                return
-    except FileNotFoundError:
-        pass
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
-def folder_spec(
-    paths: Sequence[str],
-    *,
-    list_dir: str | None = None,
-    name: str | None = None,
-    pipeline: Pipeline | None = None,
-    cache: str = "",
-) -> DatasetSpec:
-    """The dataset spec whose sample ``i`` is the file ``paths[i]`` (absolute paths), with ``pipeline``
-    and ``cache``.
-
-    A ``dir`` spec over the common root when the paths are exactly its non-hidden files in sorted
-    order, else a ``list`` file written to ``list_dir`` (default ``<root>/.kspeed``).
-
-    Raises:
-        ConfigError: a path cannot be named in a list file, or the list file cannot be written.
-    """
-    root = os.path.commonpath(paths)
-    if root in paths:
-        root = os.path.dirname(root)
-    keys = [os.path.relpath(p, root).replace(os.sep, "/") for p in paths]
-    kind = "dir" if keys == sorted(keys) and _tree_keys(root) == keys else "list"
-    digest = hashlib.sha256("\n".join([kind, *paths]).encode()).hexdigest()
-    list_name = name or f"wrap-{digest[:24]}"  # the list file is the same with or without a pipeline
-    if name is None:
-        name = f"{list_name}-{pipeline.digest()[:12]}" if pipeline is not None else list_name
-        name += f"-{cache}" if cache else ""
-    if kind == "dir":
-        return DatasetSpec(name=name, uri=root, kind="dir", pipeline=pipeline, cache=cache)
-    for p in paths:
-        if "\n" in p or p != p.strip():
-            raise ConfigError(
-                f"sample path {p!r} has a line break or surrounding spaces and cannot be named in a list file",
-                field="samples",
-                value=p,
-            )
-    directory = list_dir if list_dir is not None else os.path.join(root, LIST_DIR)
-    uri = os.path.join(os.path.abspath(directory), f"{list_name}.list")
-    try:
-        os.makedirs(directory, exist_ok=True)
-        _write_list(uri, paths)
-    except OSError as exc:
-        raise ConfigError(
-            f"cannot write the list file of the wrapped dataset to {uri}: {exc}; pass list_dir= a "
-            "writable directory the servers are allowed to read",
-            field="list_dir",
-            value=directory,
-        ) from exc
-    log.debug("wrapped %d files as dataset %s (list %s)", len(paths), name, uri)
-    return DatasetSpec(name=name, uri=uri, kind="list", pipeline=pipeline, cache=cache)
 
 
 # -- iteration -------------------------------------------------------------------------------------
@@ -185,13 +60,13 @@ class _Task:
     ids: list[int]
 
 
-class WrappedDataset(IterableDataset):
+class PreparedDataset(IterableDataset):
     """Collated batches of a folder dataset whose bytes the KSpeed servers deliver.
 
     Yields what ``DataLoader(folder, batch_size, sampler)`` would: ``collate_fn`` of
     ``(transform(loader(file)), target_transform(target))`` pairs, in the sampler's order.
 
-    With a pipeline (``inner.pipeline``, e.g. the loader and transforms offloaded by :func:`wrap`)
+    With a pipeline (``inner.pipeline``, e.g. the loader and transforms that :meth:`kspeed.KSpeedClient.wrap` offloaded)
     the samples the servers preprocessed arrive as their server stages' output and only the
     client-side stages run here (the rest run all stages), each seeded by ``(seed, epoch, sample,
     stage)``; ``gpu`` stages then run on the collated batch on ``inner.device``.
@@ -476,132 +351,8 @@ class WrappedDataset(IterableDataset):
         except KSpeedError as exc:
             log.warning("wrapped dataset %s: error while closing: %s", self.name, exc)
 
-    def __enter__(self) -> WrappedDataset:
+    def __enter__(self) -> PreparedDataset:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _folder_samples(dataset: Any) -> tuple[list[str], list[Any]]:
-    samples = getattr(dataset, "samples", None)
-    if not isinstance(samples, Sequence) or not samples:
-        kind = type(dataset).__name__
-        raise ConfigError(
-            f"{kind} has no non-empty .samples list of (path, target) pairs (as torchvision's "
-            "ImageFolder/DatasetFolder have)",
-            field="dataset",
-            value=kind,
-        )
-    paths, targets = [], []
-    for i, entry in enumerate(samples):
-        if not isinstance(entry, Sequence) or isinstance(entry, str) or len(entry) != 2:
-            raise ConfigError(
-                f"{type(dataset).__name__}.samples[{i}] is {entry!r}, not a (path, target) pair",
-                field="samples",
-                value=entry,
-            )
-        paths.append(os.path.abspath(os.fspath(entry[0])))
-        targets.append(entry[1])
-    return paths, targets
-
-
-@dataclass(frozen=True)
-class WrapOptions:
-    """How :meth:`KSpeedClient.wrap` serves a folder dataset, beyond the feed's own options.
-
-    Attributes:
-        collate_fn: list of ``(sample, target)`` pairs -> batch (default ``default_collate``).
-        loader: replaces the dataset's ``loader``; called on a binary file object, or on a path to a
-            scratch file of the sample's bytes if it only takes paths.
-        num_workers: transform worker processes (default: up to 4, one per CPU).
-        prefetch: batches in flight in the workers (default: 2 per worker).
-        list_dir: where to write the list file when one is needed (default ``<root>/.kspeed``).
-        name: the dataset's name in the cluster (default: from a hash of the paths).
-        preload: wait for the servers to cache the files before returning.
-        cache: ``"preprocessed"``: the servers keep each image after the leading transforms that
-            are not random and give a fixed size (e.g. ``Resize`` and ``CenterCrop``), applied once
-            at preload; ``""`` (default): they keep the files' bytes.
-    """
-
-    collate_fn: Callable[..., Any] | None = None
-    loader: Callable[..., Any] | None = None
-    num_workers: int | None = None
-    prefetch: int | None = None
-    list_dir: str | None = None
-    name: str | None = None
-    preload: bool = True
-    cache: str = ""
-
-
-def wrap(client: KSpeedClient, dataset: Any, options: FeedOptions, wrapping: WrapOptions) -> WrappedDataset:
-    """Register ``dataset``'s files with ``client``, preload them and wrap them (see the module docstring).
-
-    Raises:
-        ConfigError: the dataset lacks ``.samples``/``.loader``, a stage cannot be pickled, the
-            loader needs a path, or the list file cannot be written (named).
-        DatasetError: the servers list another number of files than the dataset has.
-    """
-    paths, targets = _folder_samples(dataset)
-    stages = Stages(
-        loader=resolve_loader(wrapping.loader if wrapping.loader is not None else getattr(dataset, "loader", None)),
-        transform=getattr(dataset, "transform", None),
-        target_transform=getattr(dataset, "target_transform", None),
-        collate_fn=wrapping.collate_fn if wrapping.collate_fn is not None else default_collate,
-    )
-    if wrapping.num_workers != 0:  # the stages travel to spawned workers
-        check_picklable(stages)
-    if wrapping.cache not in CACHES:
-        raise ConfigError(
-            f"cache {wrapping.cache!r} is not one of '', 'preprocessed'", field="cache", value=wrapping.cache
-        )
-    pipeline, why = (
-        (None, "offload=0")
-        if options.offload == 0 and not wrapping.cache
-        else folder_pipeline(stages.loader, stages.transform, cache=bool(wrapping.cache))
-    )
-    if wrapping.cache and pipeline is None:
-        raise ConfigError(
-            f"cache={wrapping.cache!r} needs the loader and transforms to run on the servers, and {why}",
-            field="cache",
-            value=wrapping.cache,
-        )
-    inner = None
-    level = logging.DEBUG
-    if pipeline is not None:
-        spec = folder_spec(
-            paths, list_dir=wrapping.list_dir, name=wrapping.name, pipeline=pipeline, cache=wrapping.cache
-        )
-        try:
-            inner = client.open(spec, options)
-            stages = dataclasses.replace(stages, loader=None, transform=None)
-            log.debug("dataset %s: loader and transforms offloaded to the servers (%s)", spec.name, pipeline)
-        except (AccessDeniedError, ConfigError) as exc:
-            if wrapping.cache:
-                raise
-            why = f"the servers refused its pipeline: {exc}"
-            level = logging.WARNING  # the servers' preprocess_allow or workers, not the dataset: worth a word
-    if inner is None:
-        log.log(level, "wrapped dataset: its loader and transforms run in client workers (%s)", why)
-        spec = folder_spec(paths, list_dir=wrapping.list_dir, name=wrapping.name)
-        inner = client.open(spec, options)
-    try:
-        if inner.num_samples != len(paths):
-            raise DatasetError(
-                f"dataset {spec.name!r} ({spec.uri}) lists {inner.num_samples} files on the servers, "
-                f"the wrapped dataset has {len(paths)} samples (did the files change?)",
-                dataset=spec.name,
-            )
-        if wrapping.preload:
-            inner.preload()
-        return WrappedDataset(
-            inner,
-            paths=paths,
-            targets=targets,
-            num_workers=wrapping.num_workers,
-            prefetch=wrapping.prefetch,
-            **stages.named(),
-        )
-    except BaseException:
-        inner.close()
-        raise

@@ -14,9 +14,10 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
 from torchvision.datasets import ImageFolder
 
+from kspeed.client.folders import folder_spec
 from kspeed.client.options import FeedOptions
 from kspeed.client.prep.workers import check_loader, check_picklable, pil_file_loader, resolve_loader
-from kspeed.client.prepared import WrappedDataset, folder_spec
+from kspeed.client.prepared import PreparedDataset
 from kspeed.errors import ConfigError, DatasetError
 from tests.client.fakes import FakeServer, client_config, fake_info, open_dataset
 
@@ -116,7 +117,7 @@ def folder(tmp_path):
 
 @pytest.fixture
 def make_wrapped(folder):
-    """``make_wrapped(folder=folder, **kwargs) -> WrappedDataset`` over two fake servers; closed at teardown."""
+    """``make_wrapped(folder=folder, **kwargs) -> PreparedDataset`` over two fake servers; closed at teardown."""
     made = []
 
     def make(ds=folder, *, batch_size=8, sampler=None, seed=0, drop_last=False, **kwargs):
@@ -133,7 +134,7 @@ def make_wrapped(folder):
         inner = open_dataset(info, fakes, config=client_config(), options=options)
         kwargs.setdefault("num_workers", 2)
         try:
-            wrapped = WrappedDataset(
+            wrapped = PreparedDataset(
                 inner,
                 paths=[p for p, _ in ds.samples],
                 targets=[t for _, t in ds.samples],
