@@ -102,6 +102,51 @@ class Server:
         cfg = self.config
         for address in (cfg.listen, cfg.http_listen):  # fail before carving memory, not after
             rpc.check_bindable(address)
+        pool, window, host = self._open_hosting()
+        feeders = self._start_feeders(host, window)
+        bound, grpc_server = self._bind_grpc(host, feeders)
+        announced = announce(bound, cfg.advertise, cfg.manager)
+        self.address = announced.address
+        self.readiness.announced = announced
+        self._http = HttpEndpoint(
+            cfg.http_listen,
+            {
+                "/healthz": lambda: text_response("ok"),
+                "/readyz": self._readyz,
+                "/metrics": metrics_route(self.metrics.registry),
+            },
+            token=cfg.http_token(),
+            open_routes=cfg.http_open,
+            limits=HttpLimits.of(cfg),
+            tls=server_tls(cfg.security),
+        )
+        http_announced = http_address(self._http.address, announced)
+        grpc_server.start()
+        self.health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        self._serving = True
+        self.metrics.info.info({"id": self.id, "version": __version__, "address": self.address})
+        self.metrics.memory.set(cfg.memory)
+        self.metrics.memory_used.set_function(host.memory_used)
+        self._start_agent(host, http_announced)
+        log.info(
+            "kspeed-server %s listening: grpc %s (advertised %s), http %s; manager %s; pool %s: %d regions "
+            "of %d bytes; backends allowed: %s",
+            self.id,
+            bound,
+            self.address,
+            self._http.address,
+            cfg.manager,
+            pool.directory,
+            pool.region_count,
+            cfg.region_size,
+            ", ".join(cfg.backend_allow) or "none",
+        )
+        self._say_announced(announced)
+        write_ready_file(cfg.ready_file, {"grpc": bound, "http": self._http.address, "id": self.id, "pid": os.getpid()})
+
+    def _open_hosting(self) -> tuple[MemoryPool, ProductionWindow, DatasetHost]:
+        """Open (or re-adopt) the pool, start the preprocessing workers and restore the hosted shares."""
+        cfg = self.config
         backend = Backend(AllowList(cfg.backend_allow, name="--backend-allow"), cfg.backend_options)
         pool = MemoryPool.open(self.pool_dir(), cfg.memory, region_size=cfg.region_size)
         window = ProductionWindow(pool, cfg.window_bytes())
@@ -125,6 +170,11 @@ class Server:
             prep=self.prep,
         )
         host.restore()
+        return pool, window, host
+
+    def _start_feeders(self, host: DatasetHost, window: ProductionWindow) -> FeederPool:
+        """Start the feeder processes and production, and tie the host's events to them."""
+        cfg = self.config
         options = RailOptions(
             token=cfg.security.data_plane_token(),
             io_timeout=cfg.data_io_timeout,
@@ -132,12 +182,11 @@ class Server:
             nic=cfg.nic or None,
             verbs_api=cfg.verbs_api,
         )
-        count = cfg.feeders or min(4, inv.usable_cores(cfg.cores))
-        self.feeders = FeederPool(
-            count,
+        feeders = self.feeders = FeederPool(
+            cfg.feeders or min(4, inv.usable_cores(cfg.cores)),
             self.id,
             options,
-            self.host,
+            host,
             window,
             production_timeout=cfg.production_timeout,
             production_depth=cfg.production_depth,
@@ -146,17 +195,22 @@ class Server:
             logs=LogSettings(cfg.log_level, cfg.log_format),
             verify=cfg.verify_served,
         )
-        host.on_drop = self.feeders.close_share
-        host.figures = self.feeders.production.figures
-        feeders = self.feeders
+        host.on_drop = feeders.close_share
+        host.figures = feeders.production.figures
         host.on_changed = lambda name, changes: feeders.mark_changed(
             name, {c.sample: f"{c.path}: {c.what}" for c in changes}
         )
         host.watch.start()
+        return feeders
+
+    def _bind_grpc(self, host: DatasetHost, feeders: FeederPool) -> tuple[str, grpc.Server]:
+        """Build the gRPC server, its guards and the Server service, and bind it; returns the bound
+        address and the server (not started)."""
+        cfg = self.config
         streams = max(cfg.rpc_threads - UNARY_THREADS, 1)
         self.streams = StreamGuard(streams, max(streams // 2, 1), cfg.stream_idle_timeout, watches=cfg.health_watches)
         self.arrivals = ArrivalGuard(cfg.handshake_timeout, max(cfg.rpc_threads // 4, 1))
-        self._grpc = grpc.server(
+        server = self._grpc = grpc.server(
             futures.ThreadPoolExecutor(streams + UNARY_THREADS, thread_name_prefix="kspeed-rpc"),
             interceptors=[*rpc.server_interceptors(cfg.security, aio=False), self.arrivals, self.streams],
             options=[*rpc.server_options(cfg.max_request_bytes), *rpc.listener_options(cfg)],
@@ -164,39 +218,21 @@ class Server:
         service = ServerService(
             self.id,
             cfg.manager,
-            self.host,
-            self.feeders,
+            host,
+            feeders,
             self.inventory,
             self._registration,
             max_plan_bytes=cfg.max_plan_bytes,
         )
-        self._grpc.add_generic_rpc_handlers(
+        server.add_generic_rpc_handlers(
             (rpc.service_handler("Server", service, max_request_bytes=cfg.max_request_bytes),)
         )
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
-        bound = rpc.bind(self._grpc, cfg.listen, cfg.security)
-        announced = announce(bound, cfg.advertise, cfg.manager)
-        self.address = announced.address
-        self.readiness.announced = announced
-        self._http = HttpEndpoint(
-            cfg.http_listen,
-            {
-                "/healthz": lambda: text_response("ok"),
-                "/readyz": self._readyz,
-                "/metrics": metrics_route(self.metrics.registry),
-            },
-            token=cfg.http_token(),
-            open_routes=cfg.http_open,
-            limits=HttpLimits.of(cfg),
-            tls=server_tls(cfg.security),
-        )
-        http_announced = http_address(self._http.address, announced)
-        self._grpc.start()
-        self.health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
-        self._serving = True
-        self.metrics.info.info({"id": self.id, "version": __version__, "address": self.address})
-        self.metrics.memory.set(cfg.memory)
-        self.metrics.memory_used.set_function(self.host.memory_used)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        return rpc.bind(server, cfg.listen, cfg.security), server
+
+    def _start_agent(self, host: DatasetHost, http_announced: str) -> None:
+        """Start registering with the manager (and heartbeats, assignments, drops from it)."""
+        cfg = self.config
         self.agent = agent = ManagerAgent(
             manager_address=cfg.manager,
             security=cfg.security,
@@ -222,21 +258,6 @@ class Server:
         )
         host.on_loaded = lambda name: agent.report_soon()
         agent.start()
-        log.info(
-            "kspeed-server %s listening: grpc %s (advertised %s), http %s; manager %s; pool %s: %d regions "
-            "of %d bytes; backends allowed: %s",
-            self.id,
-            bound,
-            self.address,
-            self._http.address,
-            cfg.manager,
-            pool.directory,
-            pool.region_count,
-            cfg.region_size,
-            ", ".join(cfg.backend_allow) or "none",
-        )
-        self._say_announced(announced)
-        write_ready_file(cfg.ready_file, {"grpc": bound, "http": self._http.address, "id": self.id, "pid": os.getpid()})
 
     def _say_announced(self, announced: Announced) -> None:
         """Log what the manager and the clients are told to dial and why; loudly when it may not work."""

@@ -40,6 +40,7 @@ from kspeed.control.manager_client import ManagerClient
 from kspeed.errors import CapacityError, ConfigError, KSpeedError
 from kspeed.layout import SAMPLE_ALIGN
 from kspeed.proto import kspeed_pb2
+from kspeed.rdma.device_memory import DeviceMemory
 from kspeed.rdma.options import RailOptions
 from kspeed.rdma.rails import use_verbs_api
 from kspeed.rdma.topology import Placement, pin, place
@@ -229,30 +230,12 @@ def build_feed(
         UnavailableError: a server is unreachable (named).
     """
     name = info.spec.name
-    if options.sampler is None:  # the built-in sampler splits each epoch over the job's ranks
-        rank, world_size, source = job_rank(options.rank, options.world_size)
-        if source != "given":
-            log.debug("dataset %s: rank %d of %d, from %s", name, rank, world_size, source)
-        options = dataclasses.replace(options, rank=rank, world_size=world_size)
+    options = _with_job_rank(name, options)
     places = {link.server_id: (places or {}).get(link.server_id) or ServerPlace(link.address) for link in links}
     requested = options.ring_bytes if options.ring_bytes is not None else config.ring_bytes
     if requested < 0:
         raise ConfigError(f"dataset {name!r}: ring_bytes must not be negative, got {requested}", field="ring_bytes")
-    orders = EpochOrders(
-        options.sampler,
-        num_samples=int(info.fingerprint.count),
-        batch_size=options.batch_size,
-        drop_last=options.drop_last,
-        seed=options.seed,
-        shuffle=options.shuffle,
-        rank=options.rank,
-        world_size=options.world_size,
-        dataset=name,
-        shard_starts=wire.unpack_i64(info.shard_starts, f"dataset {name!r}: shard starts")
-        if info.shard_starts
-        else None,
-        shuffle_buffer=options.shuffle_buffer,
-    )
+    orders = _epoch_orders(info, options)
     delivery = make_delivery(options.device)
     ring_bytes = ring_size(
         info, orders.largest_batch(), requested, prep.nbytes if prep is not None else 0, ring_cap(config.ring_max_bytes)
@@ -268,26 +251,8 @@ def build_feed(
     rail_options = rail_options_for(config, _tcp_host(config, places), placement)
     device_memory = None
     if delivery.device.type == "cuda":
-        device_memory, why = device_ring(config.gpudirect, choice.rail, delivery.device, ring_bytes)
-        if device_memory is None:
-            log.debug(
-                "dataset %s: rail %s writes into the pinned host ring, copied to %s (no GPUDirect ring: %s)",
-                name,
-                choice.rail,
-                delivery.device,
-                why,
-            )
-        else:
-            delivery = DeviceRingDelivery(delivery.device, CupyRingViews(device_memory))
-            log.debug(
-                "dataset %s: rail %s writes straight into a %d-byte ring on %s (GPUDirect RDMA)",
-                name,
-                choice.rail,
-                device_memory.nbytes,
-                delivery.device,
-            )
+        delivery, device_memory = _gpu_delivery(name, config, choice.rail, delivery, ring_bytes)
     rank = options.rank or 0
-    feed_id = _feed_id(name, rank)
     holder = f"{_user()}@{socket.gethostname()} pid {os.getpid()} rank {rank}"
     with contextlib.ExitStack() as undo:
         if device_memory is not None:
@@ -298,7 +263,7 @@ def build_feed(
         undo.callback(io.shutdown, wait=False)
         feed = Feed(
             dataset=name,
-            feed_id=feed_id,
+            feed_id=_feed_id(name, rank),
             links=links,
             rail=choice.rail,
             reasons=choice.reasons,
@@ -313,11 +278,7 @@ def build_feed(
         undo.callback(feed.close)
         delivery.attach(feed.ring)
         undo.callback(delivery.close)
-        for pid in feed.helper_pids if cores else ():  # the tcp receiver process shares the node
-            try:
-                os.sched_setaffinity(pid, cores)
-            except OSError as exc:
-                log.warning("dataset %s: cannot pin receiver process %d to cores %s: %s", name, pid, cores, exc)
+        _pin_helpers(name, feed, cores)
         planner = EpochPlanner(
             links,
             dataset=name,
@@ -351,3 +312,68 @@ def build_feed(
             interval=config.stats_interval,
         )
     return parts
+
+
+def _with_job_rank(name: str, options: FeedOptions) -> FeedOptions:
+    """``options`` with this process's rank and world size when the built-in sampler splits each
+    epoch over the job's ranks (a given sampler splits it itself)."""
+    if options.sampler is not None:
+        return options
+    rank, world_size, source = job_rank(options.rank, options.world_size)
+    if source != "given":
+        log.debug("dataset %s: rank %d of %d, from %s", name, rank, world_size, source)
+    return dataclasses.replace(options, rank=rank, world_size=world_size)
+
+
+def _epoch_orders(info: kspeed_pb2.DatasetInfo, options: FeedOptions) -> EpochOrders:
+    """Each epoch's sample order for this rank, from the sampler or the built-in one."""
+    name = info.spec.name
+    return EpochOrders(
+        options.sampler,
+        num_samples=int(info.fingerprint.count),
+        batch_size=options.batch_size,
+        drop_last=options.drop_last,
+        seed=options.seed,
+        shuffle=options.shuffle,
+        rank=options.rank,
+        world_size=options.world_size,
+        dataset=name,
+        shard_starts=wire.unpack_i64(info.shard_starts, f"dataset {name!r}: shard starts")
+        if info.shard_starts
+        else None,
+        shuffle_buffer=options.shuffle_buffer,
+    )
+
+
+def _gpu_delivery(
+    name: str, config: ClientConfig, rail: str, delivery: Delivery, ring_bytes: int
+) -> tuple[Delivery, DeviceMemory | None]:
+    """Delivery to a CUDA device: straight into a device ring the rail writes (GPUDirect RDMA)
+    where one can be made, else ``delivery`` (copies from the pinned host ring)."""
+    device_memory, why = device_ring(config.gpudirect, rail, delivery.device, ring_bytes)
+    if device_memory is None:
+        log.debug(
+            "dataset %s: rail %s writes into the pinned host ring, copied to %s (no GPUDirect ring: %s)",
+            name,
+            rail,
+            delivery.device,
+            why,
+        )
+        return delivery, None
+    log.debug(
+        "dataset %s: rail %s writes straight into a %d-byte ring on %s (GPUDirect RDMA)",
+        name,
+        rail,
+        device_memory.nbytes,
+        delivery.device,
+    )
+    return DeviceRingDelivery(delivery.device, CupyRingViews(device_memory)), device_memory
+
+
+def _pin_helpers(name: str, feed: Feed, cores: tuple[int, ...]) -> None:
+    """Pin the feed's helper processes (the tcp receiver shares the node) to the training process's cores."""
+    for pid in feed.helper_pids if cores else ():
+        try:
+            os.sched_setaffinity(pid, cores)
+        except OSError as exc:
+            log.warning("dataset %s: cannot pin receiver process %d to cores %s: %s", name, pid, cores, exc)
