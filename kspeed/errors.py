@@ -14,6 +14,7 @@ operating system and the transports are converted at the boundary (``raise ... f
     ├── ConflictError            a name is taken by something defined otherwise
     ├── StateError               an operation in the wrong lifecycle state
     ├── CapacityError            not enough memory, ring space or regions
+    │   └── BusyError            a server serves as many streams as it can at once (retry shortly)
     ├── StateFileError           a daemon's state file (registry, assignments, pool manifest, index) cannot be written
     ├── DatasetError             a dataset cannot be listed, loaded or served
     │   ├── BackendError         the backend storage refused or failed a read

@@ -1,1 +1,1 @@
-"""Data plane: the transport seam and its rails (shm, tcp; verbs later)."""
+"""Data plane: the transport seam (:mod:`.base`) and its rails (shm, tcp, verbs), chosen by name from :mod:`.rails`."""
