@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kspeed.server.backend.sources import open_source
-from kspeed.server.feeder.writer import FeedProgress
+from kspeed.server.feeder.protocol import FeedProgress
 from kspeed.server.hosting.preload import Preloader
 from kspeed.server.memory.residency import WINDOW
 from kspeed.server.memory.window import ProductionWindow

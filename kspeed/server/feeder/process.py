@@ -6,7 +6,7 @@ copies. The server's main process sends commands over a pipe (open a feed, insta
 update where samples are, close a feed, stop); each open feed gets one thread
 (:class:`~kspeed.server.feeder.writer.FeedWriter`) that answers its grants when their samples are
 ready. Feeders report back over a second pipe what they wrote and which window slots no read uses
-any more (docs/feeding.md).
+any more (docs/feeding.md). :mod:`kspeed.server.feeder.protocol` defines both pipes' messages.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import dataclasses
 import gc
 import logging
 import signal
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 import numpy as np
@@ -23,17 +22,36 @@ import numpy as np
 from kspeed import grants
 from kspeed.control.daemon import die_with_parent
 from kspeed.control.logs import LogSettings
-from kspeed.errors import KSpeedError, PeerLostError, ProtocolError
+from kspeed.errors import KSpeedError, PeerLostError
 from kspeed.rdma.base import RegionKey
 from kspeed.rdma.options import RailOptions
 from kspeed.rdma.rails import get_rail, use_verbs_api
-from kspeed.server.feeder.writer import FeedClosed, FeederShared, FeedWriter, PlanPart
+from kspeed.server.feeder.protocol import (
+    COMMANDS,
+    CloseFeed,
+    Dispatcher,
+    Failed,
+    FeedClosed,
+    InstallPlan,
+    Locate,
+    MarkChanged,
+    OpenFeed,
+    Place,
+    Reply,
+    Stop,
+    failure,
+    wants_reply,
+)
+from kspeed.server.feeder.writer import FeederShared, FeedWriter
 from kspeed.server.memory.pool import map_region
 
 #: What a feeder dials when nothing says where its client called from (a caller on this host).
 LOOPBACK = ("127.0.0.0/8", "::1/128")
 
 log = logging.getLogger(__name__)
+
+#: The feeder's handler of each command of the main process (:mod:`kspeed.server.feeder.protocol`).
+COMMAND_HANDLERS: Dispatcher[Feeder, [], Reply] = Dispatcher("the feeder process", "command", COMMANDS)
 
 
 class RegionMaps:
@@ -52,111 +70,6 @@ class RegionMaps:
         return self._arrays[index]
 
 
-# -- the commands of the server's main process (kspeed.server.feeder.supervisor), sent over a pipe ------------
-
-
-@dataclass(frozen=True)
-class OpenFeed:
-    """Connect to a client's ring over ``rail`` and serve its grants (replacing a feed of the same id)."""
-
-    feed_id: str
-    dataset: str
-    rail: str
-    material: bytes
-    ring_key: bytes
-    generation: int
-    caller: tuple[str, ...] = ()  # where the client called from: a network rail dials only there (or data_networks)
-
-
-@dataclass(frozen=True)
-class InstallPlan:
-    """Serve the grants of pass ``epoch`` of a feed from ``plan``; ``paths`` maps pool regions to files."""
-
-    feed_id: str
-    epoch: int
-    plan: PlanPart
-    paths: dict[int, str]
-
-
-@dataclass(frozen=True)
-class CloseFeed:
-    """Stop serving a feed and close its connection; a ``reason`` is told to the client first.
-    :class:`~kspeed.server.feeder.writer.FeedClosed` with the same ``token`` is reported after."""
-
-    feed_id: str
-    reason: str = ""
-    token: int = 0
-
-
-@dataclass(frozen=True)
-class MarkChanged:
-    """Refuse the grants that need these samples of ``dataset``: their backend files changed since listing."""
-
-    dataset: str
-    ids: np.ndarray
-    what: dict[int, str]
-
-
-@dataclass(frozen=True)
-class Locate:
-    """Samples of ``dataset`` are now at ``region``/``src`` (``region`` -1: nowhere; ``ticket`` > 0: a
-    window slot), where their bytes must have the crc32c ``crc`` (``None``: not checked). The reply's
-    ``busy`` lists the window tickets they left that a read still uses. A ``quiet`` one gets no
-    reply: the places of samples just produced or loaded, which leave no slot behind (the server
-    goes on producing instead of waiting for every feeder's answer)."""
-
-    dataset: str
-    ids: np.ndarray
-    region: np.ndarray
-    src: np.ndarray
-    ticket: np.ndarray
-    quiet: bool = False
-    crc: np.ndarray | None = None
-
-
-@dataclass(frozen=True)
-class Place:
-    """Processed positions ``at`` (owned indices) of a feed's plan of ``epoch`` are now at
-    ``region``/``src``/``ticket`` (``region`` -1: released), or, with ``reasons``, failed for
-    those reasons (their grants fail at once). The reply's ``busy`` lists the window tickets they
-    left that a read still uses."""
-
-    feed_id: str
-    epoch: int
-    at: np.ndarray
-    region: np.ndarray
-    src: np.ndarray
-    ticket: np.ndarray
-    reasons: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Failed:
-    """Samples of ``dataset`` that could not be produced, with why: their grants fail at once."""
-
-    dataset: str
-    ids: np.ndarray
-    reasons: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Stop:
-    """Close every feed and exit."""
-
-
-Command = OpenFeed | InstallPlan | CloseFeed | MarkChanged | Locate | Place | Failed | Stop
-
-
-@dataclass(frozen=True)
-class Reply:
-    """The answer to a command: ``error`` names a :mod:`kspeed.errors` class when it failed."""
-
-    ok: bool
-    error: str = ""
-    message: str = ""
-    busy: tuple[int, ...] = ()
-
-
 class Feeder:
     """The state of one feeder process: its feeds and the pool regions they have mapped."""
 
@@ -169,46 +82,70 @@ class Feeder:
         self.regions = RegionMaps()
         self.feeds: dict[str, FeedWriter] = {}
         self.changed: dict[str, dict[int, str]] = {}  # per dataset, samples never to serve
+        self.stopped = False  # told to stop
 
-    def obey(self, command: Command) -> Reply:
-        """Carry out one command (not :class:`Stop`).
+    def obey(self, command: object) -> Reply:
+        """Carry out one command (after :class:`Stop`, :attr:`stopped` is set: the caller exits).
 
         Raises:
             KSpeedError: the command failed (the caller turns it into a reply).
+            ProtocolError: ``command`` is no command this process takes.
         """
         self.shared.moves += 1  # whatever changed, waiting grants are worth another look
-        if isinstance(command, OpenFeed):
-            self.open(command)
-        elif isinstance(command, InstallPlan):
-            feed = self.feeds.get(command.feed_id)
-            if feed is None or not feed.alive:
-                raise PeerLostError(f"feed {command.feed_id!r} is not connected (the client left?)")
-            self.regions.add(command.paths)
-            with self.shared.lock:
-                feed.install(command.epoch, command.plan)
-        elif isinstance(command, CloseFeed):
-            feed = self.feeds.pop(command.feed_id, None)
-            if feed is not None:
-                feed.close(command.reason)
-                del feed
-                gc.collect()  # views of the client's ring in reference cycles go now: its mapping with them
-            self.shared.send(FeedClosed(command.feed_id, command.token))  # after the feed's last report
-        elif isinstance(command, MarkChanged):
-            self.changed.setdefault(command.dataset, {}).update(command.what)
-            for feed in self.feeds.values():
-                if feed.dataset == command.dataset:
-                    feed.mark_changed(command.what)
-        elif isinstance(command, Locate):
-            return Reply(True, busy=tuple(self.locate(command)))
-        elif isinstance(command, Place):
-            return Reply(True, busy=tuple(self.place(command)))
-        elif isinstance(command, Failed):
-            with self.shared.lock:
-                self.shared.failed.setdefault(command.dataset, {}).update(
-                    zip(command.ids.tolist(), command.reasons, strict=True)
-                )
-        else:
-            raise ProtocolError(f"unknown feeder command {command!r}")
+        return COMMAND_HANDLERS(self, command)
+
+    @COMMAND_HANDLERS.handles(OpenFeed)
+    def _open_feed(self, command: OpenFeed) -> Reply:
+        self.open(command)
+        return Reply(True)
+
+    @COMMAND_HANDLERS.handles(InstallPlan)
+    def _install_plan(self, command: InstallPlan) -> Reply:
+        feed = self.feeds.get(command.feed_id)
+        if feed is None or not feed.alive:
+            raise PeerLostError(f"feed {command.feed_id!r} is not connected (the client left?)")
+        self.regions.add(command.paths)
+        with self.shared.lock:
+            feed.install(command.epoch, command.plan)
+        return Reply(True)
+
+    @COMMAND_HANDLERS.handles(CloseFeed)
+    def _close_feed(self, command: CloseFeed) -> Reply:
+        feed = self.feeds.pop(command.feed_id, None)
+        if feed is not None:
+            feed.close(command.reason)
+            del feed
+            gc.collect()  # views of the client's ring in reference cycles go now: its mapping with them
+        self.shared.send(FeedClosed(command.feed_id, command.token))  # after the feed's last report
+        return Reply(True)
+
+    @COMMAND_HANDLERS.handles(MarkChanged)
+    def _mark_changed(self, command: MarkChanged) -> Reply:
+        self.changed.setdefault(command.dataset, {}).update(command.what)
+        for feed in self.feeds.values():
+            if feed.dataset == command.dataset:
+                feed.mark_changed(command.what)
+        return Reply(True)
+
+    @COMMAND_HANDLERS.handles(Locate)
+    def _locate(self, command: Locate) -> Reply:
+        return Reply(True, busy=tuple(self.locate(command)))
+
+    @COMMAND_HANDLERS.handles(Place)
+    def _place(self, command: Place) -> Reply:
+        return Reply(True, busy=tuple(self.place(command)))
+
+    @COMMAND_HANDLERS.handles(Failed)
+    def _failed(self, command: Failed) -> Reply:
+        with self.shared.lock:
+            self.shared.failed.setdefault(command.dataset, {}).update(
+                zip(command.ids.tolist(), command.reasons, strict=True)
+            )
+        return Reply(True)
+
+    @COMMAND_HANDLERS.handles(Stop)
+    def _stop(self, command: Stop) -> Reply:
+        self.stopped = True  # (serve() exits and closes the feeds: no reply goes out)
         return Reply(True)
 
     def locate(self, command: Locate) -> list[int]:
@@ -299,13 +236,13 @@ def serve(
             command = conn.recv()
         except (EOFError, OSError):
             break  # the server is gone
-        if isinstance(command, Stop):
-            break
         try:
             reply = feeder.obey(command)
         except KSpeedError as exc:
-            reply = Reply(False, type(exc).__name__, str(exc))
-        if getattr(command, "quiet", False):
+            reply = failure(exc)
+        if feeder.stopped:
+            break
+        if not wants_reply(command):
             if not reply.ok:
                 log.warning("%s failed: %s: %s", type(command).__name__, reply.error, reply.message)
             continue

@@ -37,8 +37,24 @@ from kspeed.proto import kspeed_pb2
 from kspeed.rdma.options import RailOptions
 from kspeed.rdma.rails import available_rails
 from kspeed.server.feeder import process as feeder_process
-from kspeed.server.feeder.process import CloseFeed, Command, MarkChanged, OpenFeed, Reply, Stop
-from kspeed.server.feeder.writer import Corrupt, FeedClosed, FeedGone, FeedProgress, Freed, PlanPart
+from kspeed.server.feeder.protocol import (
+    EVENTS,
+    CloseFeed,
+    Command,
+    Corrupt,
+    Dispatcher,
+    FeedClosed,
+    FeedGone,
+    FeedProgress,
+    Freed,
+    MarkChanged,
+    OpenFeed,
+    Reply,
+    Stop,
+    error_of,
+    wants_reply,
+)
+from kspeed.server.feeder.writer import PlanPart
 from kspeed.server.hosting.datasets import DatasetHost
 from kspeed.server.memory.window import ProductionWindow
 from kspeed.server.prep.pool import PrepPool
@@ -50,6 +66,10 @@ COMMAND_TIMEOUT = 30.0
 REMEMBERED_ENDS = 1024  # ended feeds whose reason is kept for later calls about them
 MAX_PLAN = 1 << 28  # samples per plan
 MAX_RANKS = 1 << 16  # ranks a client may say its job has (a streamed share keeps each one's part)
+
+#: The main process's handler of each event of a feeder (:mod:`kspeed.server.feeder.protocol`); a
+#: handler takes the event and the index of the feeder that reported it.
+EVENT_HANDLERS: Dispatcher[FeederPool, [int], None] = Dispatcher("the server's main process", "event", EVENTS)
 
 
 @dataclass(frozen=True)
@@ -181,26 +201,36 @@ class FeederPool:
             except (EOFError, OSError):
                 return
             try:
-                if isinstance(event, FeedProgress):
-                    self.production.progress(index, event)
-                elif isinstance(event, FeedClosed):
-                    with self._lock:
-                        closing = self._closing.pop(event.token, None)
-                    if closing is not None:
-                        closing.set()
-                elif isinstance(event, Freed):
-                    self.production.freed(index, event.tickets)
-                elif isinstance(event, FeedGone):  # closed from another thread: this one keeps reading
-                    threading.Thread(target=self._reap, args=(event,), name="kspeed-feed-reaper", daemon=True).start()
-                elif isinstance(event, Corrupt):  # re-read from the backend, away from the reports
-                    threading.Thread(
-                        target=self.production.corrupt,
-                        args=(event.feed_id, event.ids),
-                        name="kspeed-repair",
-                        daemon=True,
-                    ).start()
+                EVENT_HANDLERS(self, event, index)
             except Exception:  # a bug must not stop the reports of the other feeds
                 log.exception("feeder %d: cannot take in its report %r", index, type(event).__name__)
+
+    @EVENT_HANDLERS.handles(FeedProgress)
+    def _on_progress(self, event: FeedProgress, index: int) -> None:
+        self.production.progress(index, event)
+
+    @EVENT_HANDLERS.handles(FeedClosed)
+    def _on_feed_closed(self, event: FeedClosed, index: int) -> None:
+        with self._lock:
+            closing = self._closing.pop(event.token, None)
+        if closing is not None:
+            closing.set()
+
+    @EVENT_HANDLERS.handles(Freed)
+    def _on_freed(self, event: Freed, index: int) -> None:
+        self.production.freed(index, event.tickets)
+
+    @EVENT_HANDLERS.handles(FeedGone)
+    def _on_feed_gone(self, event: FeedGone, index: int) -> None:
+        # closed from another thread: the event reader keeps reading (the close waits for a FeedClosed)
+        threading.Thread(target=self._reap, args=(event,), name="kspeed-feed-reaper", daemon=True).start()
+
+    @EVENT_HANDLERS.handles(Corrupt)
+    def _on_corrupt(self, event: Corrupt, index: int) -> None:
+        # re-read from the backend away from the reports
+        threading.Thread(
+            target=self.production.corrupt, args=(event.feed_id, event.ids), name="kspeed-repair", daemon=True
+        ).start()
 
     def _command(self, index: int, command: Command) -> Reply:
         worker = self._feeders[index]
@@ -209,16 +239,13 @@ class FeederPool:
             if not worker.process.is_alive():
                 raise UnavailableError(f"feeder process {index} exited (status {worker.process.exitcode})")
             worker.conn.send(command)
-            if getattr(command, "quiet", False):  # answered by no reply (see Locate)
+            if not wants_reply(command):  # a quiet Locate
                 return Reply(True)
             if not worker.conn.poll(COMMAND_TIMEOUT):
                 raise UnavailableError(f"feeder process {index} did not answer {what} in {COMMAND_TIMEOUT}s")
             reply: Reply = worker.conn.recv()
         if not reply.ok:
-            cls = getattr(errors, reply.error, None)
-            if not (isinstance(cls, type) and issubclass(cls, errors.KSpeedError)):
-                cls = errors.KSpeedError
-            raise cls(reply.message or f"feeder process {index} failed {what}")
+            raise error_of(reply, f"feeder process {index} failed {what}")
         return reply
 
     def open(self, request: kspeed_pb2.OpenFeedRequest, caller: tuple[str, ...] = ()) -> kspeed_pb2.OpenFeedReply:

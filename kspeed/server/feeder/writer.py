@@ -19,8 +19,9 @@ at home or in the window as the backend's bytes) is checked against it, per writ
 server's alone, its feeders map it read-only and its preprocessing workers never map it), or at
 every write (``always``: it costs about a second copy of the bytes); a window copy, made for the
 plans moments before, at every write. A sample whose bytes changed in memory is never written: its
-grants wait, it counts as not resident here, and the main process is told (:class:`Corrupt`); it
-re-reads the sample from the backend and tells its place again.
+grants wait, it counts as not resident here, and the main process is told
+(:class:`~kspeed.server.feeder.protocol.Corrupt`); it re-reads the sample from the backend and tells
+its place again. What a feeder reports is defined in :mod:`kspeed.server.feeder.protocol`.
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ from kspeed import grants
 from kspeed.errors import KSpeedError, PeerLostError
 from kspeed.rdma.base import RegionKey, Writer
 from kspeed.server.feeder.doorbell import Doorbell
+from kspeed.server.feeder.protocol import Corrupt, Event, FeedGone, FeedProgress, Freed
 from kspeed.server.memory.checksum import crc32c
 
-__all__ = ["Corrupt", "FeedProgress", "FeedWriter", "FeederShared", "PlanPart"]
+__all__ = ["FeedWriter", "FeederShared", "PlanPart"]
 
 log = logging.getLogger(__name__)
 
@@ -156,19 +158,6 @@ class PlanPart:
         return old
 
 
-@dataclass(frozen=True)
-class FeedProgress:
-    """Reported by a feeder: grants written (rows of epoch, batch, first, end), grants waiting now,
-    and the seconds each grant that had to wait waited."""
-
-    feed_id: str
-    written: np.ndarray
-    waiting: int
-    waited: tuple[float, ...] = ()
-    again: tuple[tuple[int, np.ndarray], ...] = ()  # (epoch, owned positions) a grant asked for a second time
-    dropped: tuple[int, ...] = ()  # plans the client will not grant again (nothing more is produced for them)
-
-
 class FeederShared:
     """What the feeds of one feeder process share with its command loop: one lock over every plan's
     locations, the reads in progress per window ticket, failed samples, the event pipe, and the
@@ -219,7 +208,8 @@ class FeederShared:
             ids = np.asarray(ids, dtype=np.int64)
             seen[ids[ids < len(seen)]] = False
 
-    def send(self, event: object) -> None:
+    def send(self, event: Event) -> None:
+        """Report ``event`` to the main process (nothing, once the pipe is closed)."""
         with self._send_lock, contextlib.suppress(OSError, ValueError):
             self._send(event)
 
@@ -634,38 +624,3 @@ class FeedWriter:
             self._thread.join(timeout=CLOSE_GRACE)
         if self._thread.is_alive():
             log.warning("feed %s: serving thread still busy after close; it closes the writer when done", self.feed_id)
-
-
-@dataclass(frozen=True)
-class FeedGone:
-    """Reported by a feeder: a feed ended on its own (its client vanished, or its connection
-    failed); the server closes it and reclaims its plans and window slots."""
-
-    feed_id: str
-    generation: int
-    why: str
-
-
-@dataclass(frozen=True)
-class FeedClosed:
-    """Reported by a feeder once it closed a feed on the server's command: every report of the
-    feed came before it (the server drops the feed's plans only then, its last writes counted)."""
-
-    feed_id: str
-    token: int  # the CloseFeed command's
-
-
-@dataclass(frozen=True)
-class Corrupt:
-    """Reported by a feeder: samples of a feed's dataset whose bytes failed their crc32c check where
-    they are; the server re-reads them from the backend (and counts it), then places them again."""
-
-    feed_id: str
-    ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Freed:
-    """Reported by a feeder: window tickets that no read uses any more, after they were retired."""
-
-    tickets: tuple[int, ...]

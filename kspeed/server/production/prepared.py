@@ -22,7 +22,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kspeed.errors import KSpeedError
-from kspeed.server.feeder.process import Command, Place, Reply
+from kspeed.server.feeder.protocol import Command, Place, Reply
 from kspeed.server.memory.residency import ABSENT, FAILED, HOME, READING, WINDOW
 from kspeed.server.memory.window import ProductionWindow, Slot
 from kspeed.server.prep.pool import PrepPool, PrepTask
