@@ -19,6 +19,7 @@ import pytest
 from kspeed.errors import KSpeedError, PeerLostError, ProtocolError
 from kspeed.rdma.options import RailOptions
 from kspeed.server.feeder import process, protocol, supervisor
+from kspeed.server.feeder.plan_part import PlanPart
 from kspeed.server.feeder.process import COMMAND_HANDLERS, Feeder
 from kspeed.server.feeder.protocol import (
     COMMANDS,
@@ -42,7 +43,7 @@ from kspeed.server.feeder.protocol import (
     wants_reply,
 )
 from kspeed.server.feeder.supervisor import EVENT_HANDLERS, FeederPool
-from kspeed.server.feeder.writer import FeederShared, PlanPart
+from kspeed.server.feeder.writer import FeederShared
 
 
 @dataclasses.dataclass(frozen=True)

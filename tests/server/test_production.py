@@ -10,8 +10,9 @@ import pytest
 
 from kspeed.layout import batch_layout
 from kspeed.server.backend.sources import open_source
+from kspeed.server.feeder.plan_part import PlanPart
 from kspeed.server.feeder.protocol import Failed, FeedProgress, InstallPlan, Locate, Reply
-from kspeed.server.feeder.writer import FeederShared, PlanPart
+from kspeed.server.feeder.writer import FeederShared
 from kspeed.server.hosting.integrity import SampleStore
 from kspeed.server.hosting.preload import Preloader
 from kspeed.server.memory.checksum import crc32c

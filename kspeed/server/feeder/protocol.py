@@ -45,7 +45,7 @@ what crosses it):
 **Where a sample is, held twice.** The main process holds the truth: production's share state
 (:class:`~kspeed.server.production.state.ShareState`) knows per sample whether it is at home, in a window
 slot (the :class:`~kspeed.server.memory.window.Slot` and its ticket) or nowhere yet. Each feeder holds,
-per owned position of each plan it serves (:class:`~kspeed.server.feeder.writer.PlanPart`), a copy: the
+per owned position of each plan it serves (:class:`~kspeed.server.feeder.plan_part.PlanPart`), a copy: the
 pool region and offset to write from (region -1: not resident), the window ticket (0: at home) and the
 crc32c to check there. :class:`InstallPlan` gives the copy its first values; from then on every change of
 place in the main process is sent as a :class:`Locate` (raw samples) or a :class:`Place` (processed
@@ -80,16 +80,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar, get_args
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, get_args
 
 import numpy as np
 from numpy.typing import NDArray
 
 from kspeed import errors
 from kspeed.errors import KSpeedError, ProtocolError
-
-if TYPE_CHECKING:  # (the writer imports the events from here)
-    from kspeed.server.feeder.writer import PlanPart
+from kspeed.server.feeder.plan_part import PlanPart
 
 __all__ = [
     "COMMANDS",

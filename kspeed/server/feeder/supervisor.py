@@ -37,6 +37,7 @@ from kspeed.proto import kspeed_pb2
 from kspeed.rdma.options import RailOptions
 from kspeed.rdma.rails import available_rails
 from kspeed.server.feeder import process as feeder_process
+from kspeed.server.feeder.plan_part import PlanPart
 from kspeed.server.feeder.protocol import (
     EVENTS,
     CloseFeed,
@@ -54,7 +55,6 @@ from kspeed.server.feeder.protocol import (
     error_of,
     wants_reply,
 )
-from kspeed.server.feeder.writer import PlanPart
 from kspeed.server.hosting.datasets import DatasetHost
 from kspeed.server.memory.window import ProductionWindow
 from kspeed.server.prep.pool import PrepPool

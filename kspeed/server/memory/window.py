@@ -1,8 +1,9 @@
 """The production window: a bounded staging area in the pool where producers put samples for feeders.
 
-Producers (production's backend readers, :mod:`kspeed.server.production.core`, and its preprocessed
-samples) write samples that are not resident in their home region into the window, in the order the committed plans will consume them; feeders write them
-from there into the clients' rings. The window is whole pool regions reserved at start (so the
+Producers (production's backend readers, :mod:`kspeed.server.production.core`, and its
+preprocessed samples) write samples that are not resident in their home region into the window,
+in the order the committed plans will consume them; feeders write them from there into the
+clients' rings. The window is whole pool regions reserved at start (so the
 manager never allocates them to a dataset), cut into equal **chunks**. Each owner (a feed) has
 its own open chunk, where its samples are placed back to back (a bump allocator); a sample larger
 than a chunk takes consecutive free chunks of one region. A chunk is reused once every sample

@@ -60,8 +60,9 @@ import numpy as np
 from kspeed.errors import DatasetError, KSpeedError, StateError
 from kspeed.histogram import Histogram
 from kspeed.policies import CACHING
+from kspeed.server.feeder.plan_part import PlanPart
 from kspeed.server.feeder.protocol import Command, Failed, FeedProgress, InstallPlan, Locate, Reply
-from kspeed.server.feeder.writer import MAX_PLANS, PlanPart
+from kspeed.server.feeder.writer import MAX_PLANS
 from kspeed.server.hosting.datasets import DatasetHost, ShareKey
 from kspeed.server.memory.checksum import crc32c
 from kspeed.server.memory.residency import ABSENT, FAILED, HOME, READING, WINDOW
