@@ -17,8 +17,6 @@ import logging
 import signal
 from multiprocessing.connection import Connection
 
-import numpy as np
-
 from kspeed import grants
 from kspeed.control.daemon import die_with_parent
 from kspeed.control.logs import LogSettings
@@ -42,8 +40,7 @@ from kspeed.server.feeder.protocol import (
     failure,
     wants_reply,
 )
-from kspeed.server.feeder.writer import FeederShared, FeedWriter
-from kspeed.server.memory.pool import map_region
+from kspeed.server.feeder.writer import FeederShared, FeedWriter, RegionMaps
 
 #: What a feeder dials when nothing says where its client called from (a caller on this host).
 LOOPBACK = ("127.0.0.0/8", "::1/128")
@@ -52,22 +49,6 @@ log = logging.getLogger(__name__)
 
 #: The feeder's handler of each command of the main process (:mod:`kspeed.server.feeder.protocol`).
 COMMAND_HANDLERS: Dispatcher[Feeder, [], Reply] = Dispatcher("the feeder process", "command", COMMANDS)
-
-
-class RegionMaps:
-    """Read-only numpy views of the pool's region files, mapped once when a plan first names them."""
-
-    def __init__(self) -> None:
-        self._arrays: dict[int, np.ndarray] = {}
-
-    def add(self, paths: dict[int, str]) -> None:
-        """Map the regions of ``paths`` (pool index -> file) not mapped yet."""
-        for index, path in paths.items():
-            if index not in self._arrays:
-                self._arrays[index] = np.frombuffer(map_region(path), dtype=np.uint8)
-
-    def get(self, index: int) -> np.ndarray:
-        return self._arrays[index]
 
 
 class Feeder:

@@ -33,6 +33,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 
@@ -43,6 +44,7 @@ from kspeed.server.feeder.doorbell import Doorbell
 from kspeed.server.feeder.plan_part import PlanPart
 from kspeed.server.feeder.protocol import Corrupt, Event, FeedGone, FeedProgress, Freed
 from kspeed.server.memory.checksum import crc32c
+from kspeed.server.memory.pool import map_region
 
 __all__ = ["FeedWriter", "FeederShared", "PlanPart"]
 
@@ -63,12 +65,28 @@ def _filler() -> np.ndarray:
     return np.zeros(grants.MAX_PROBE, dtype=np.uint8)
 
 
+class RegionMaps:
+    """Read-only numpy views of the pool's region files, mapped once when a plan first names them."""
+
+    def __init__(self) -> None:
+        self._arrays: dict[int, np.ndarray] = {}
+
+    def add(self, paths: dict[int, str]) -> None:
+        """Map the regions of ``paths`` (pool index -> file) not mapped yet."""
+        for index, path in paths.items():
+            if index not in self._arrays:
+                self._arrays[index] = np.frombuffer(map_region(path), dtype=np.uint8)
+
+    def get(self, index: int) -> np.ndarray:
+        return self._arrays[index]
+
+
 class FeederShared:
     """What the feeds of one feeder process share with its command loop: one lock over every plan's
     locations, the reads in progress per window ticket, failed samples, the event pipe, and the
     doorbell idle feeds wait on."""
 
-    def __init__(self, send_event, *, recheck: bool = False) -> None:
+    def __init__(self, send_event: Callable[[Event], object], *, recheck: bool = False) -> None:
         self.lock = threading.Lock()
         self.recheck = recheck  # check a sample at home at every write, not only the first
         self._checked: dict[str, np.ndarray] = {}  # per dataset, by sample ID: checked at home since placed there
@@ -152,7 +170,7 @@ class FeedWriter:
         dataset: str,
         writer: Writer,
         key: RegionKey,
-        regions,
+        regions: RegionMaps,
         shared: FeederShared,
         *,
         production_timeout: float = 60.0,
