@@ -37,7 +37,7 @@ from kspeed.server.agent import ManagerAgent
 from kspeed.server.announce import ADVERTISE, WILDCARDS, Announced, announce, http_address
 from kspeed.server.backend.access import Backend
 from kspeed.server.backend.allowlist import AllowList
-from kspeed.server.feeder.supervisor import FeederPool
+from kspeed.server.feeder.supervisor import FeederSupervisor
 from kspeed.server.hosting.datasets import DatasetHost
 from kspeed.server.local_state import StateLock, pool_dir, read_cluster_id, write_cluster_id
 from kspeed.server.memory.pool import WINDOW_OWNER, MemoryPool, RegionState
@@ -64,7 +64,7 @@ class Server:
         self.id = inv.server_id(config, self.state_dir)
         self._retiring = threading.Event()  # drained: exit discarding the pool
         self.host: DatasetHost | None = None
-        self.feeders: FeederPool | None = None
+        self.feeders: FeederSupervisor | None = None
         self.prep: PrepPool | None = None
         self.streams: StreamGuard | None = None
         self.arrivals: ArrivalGuard | None = None
@@ -172,7 +172,7 @@ class Server:
         host.restore()
         return pool, window, host
 
-    def _start_feeders(self, host: DatasetHost, window: ProductionWindow) -> FeederPool:
+    def _start_feeders(self, host: DatasetHost, window: ProductionWindow) -> FeederSupervisor:
         """Start the feeder processes and production, and tie the host's events to them."""
         cfg = self.config
         options = RailOptions(
@@ -182,7 +182,7 @@ class Server:
             nic=cfg.nic or None,
             verbs_api=cfg.verbs_api,
         )
-        feeders = self.feeders = FeederPool(
+        feeders = self.feeders = FeederSupervisor(
             cfg.feeders or min(4, inv.usable_cores(cfg.cores)),
             self.id,
             options,
@@ -203,7 +203,7 @@ class Server:
         host.watch.start()
         return feeders
 
-    def _bind_grpc(self, host: DatasetHost, feeders: FeederPool) -> tuple[str, grpc.Server]:
+    def _bind_grpc(self, host: DatasetHost, feeders: FeederSupervisor) -> tuple[str, grpc.Server]:
         """Build the gRPC server, its guards and the Server service, and bind it; returns the bound
         address and the server (not started)."""
         cfg = self.config

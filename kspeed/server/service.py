@@ -13,7 +13,7 @@ from kspeed.config import format_bytes
 from kspeed.control import rpc
 from kspeed.errors import CapacityError, ProtocolError
 from kspeed.proto import kspeed_pb2
-from kspeed.server.feeder.supervisor import MAX_PLAN, FeederPool, PlanOffer
+from kspeed.server.feeder.supervisor import MAX_PLAN, FeederSupervisor, PlanOffer
 from kspeed.server.hosting.datasets import DatasetHost, decode_ids
 
 MAX_LOOKUP_CHUNK = 1 << 20  # IDs per Lookup call
@@ -29,7 +29,7 @@ class ServerService:
         server_id: str,
         manager_address: str,
         host: DatasetHost,
-        feeders: FeederPool,
+        feeders: FeederSupervisor,
         inventory: Callable[[], kspeed_pb2.ServerInventory],
         registration: Callable[[], tuple[bool, int]],
         *,

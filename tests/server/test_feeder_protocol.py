@@ -42,7 +42,7 @@ from kspeed.server.feeder.protocol import (
     failure,
     wants_reply,
 )
-from kspeed.server.feeder.supervisor import EVENT_HANDLERS, FeederPool
+from kspeed.server.feeder.supervisor import EVENT_HANDLERS, FeederSupervisor
 from kspeed.server.feeder.writer import FeederShared
 
 
@@ -178,7 +178,7 @@ def test_every_event_has_a_handler_of_the_main_process():
     assert EVENT_HANDLERS.unhandled() == []
     for cls in EVENTS:
         handler = EVENT_HANDLERS.handler_of(cls)
-        assert handler is not None and handler.__qualname__.startswith("FeederPool."), cls
+        assert handler is not None and handler.__qualname__.startswith("FeederSupervisor."), cls
 
 
 def test_a_record_without_a_handler_is_unhandled():
@@ -272,7 +272,7 @@ def test_only_quiet_locates_and_stop_go_unanswered():
 def test_the_main_process_takes_events_from_the_pipe_and_logs_a_stray_one(caplog):
     """The supervisor's event reader hands each event to its handler; one it has no handler for is
     logged as a ProtocolError (never dropped silently), and the reader goes on."""
-    pool = FeederPool.__new__(FeederPool)  # (no feeder processes: only what the handlers use)
+    pool = FeederSupervisor.__new__(FeederSupervisor)  # (no feeder processes: only what the handlers use)
     pool._lock = threading.Lock()
     closing = threading.Event()
     pool._closing = {17: closing}

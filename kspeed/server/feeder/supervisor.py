@@ -69,7 +69,7 @@ MAX_RANKS = 1 << 16  # ranks a client may say its job has (a streamed share keep
 
 #: The main process's handler of each event of a feeder (:mod:`kspeed.server.feeder.protocol`); a
 #: handler takes the event and the index of the feeder that reported it.
-EVENT_HANDLERS: Dispatcher[FeederPool, [int], None] = Dispatcher("the server's main process", "event", EVENTS)
+EVENT_HANDLERS: Dispatcher[FeederSupervisor, [int], None] = Dispatcher("the server's main process", "event", EVENTS)
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ class _FeedInfo:
     ranks: int = 0  # the job's ranks, as its client told (0: not told)
 
 
-class FeederPool:
+class FeederSupervisor:
     """Feeder processes of one server and the feeds assigned to them.
 
     Args:
