@@ -25,10 +25,10 @@ from kspeed.client.dataset import KSpeedDataset
 from kspeed.client.prep.gpu_stages import GpuStages
 from kspeed.client.prep.workers import (
     Draw,
-    InlinePool,
+    InlineWorkers,
     SampleFailure,
     Stages,
-    TransformPool,
+    TransformWorkers,
     check_loader,
     run_samples,
 )
@@ -143,7 +143,7 @@ class PreparedDataset(IterableDataset):
         self._seconds: dict[str, float] = {}
         self.num_workers = workers
         self.prefetch = prefetch if prefetch is not None else max(PREFETCH_PER_WORKER * workers, 1)
-        self._pool: TransformPool | InlinePool | None = None
+        self._pool: TransformWorkers | InlineWorkers | None = None
         self._delivered = 0
         self._closed = False
 
@@ -176,10 +176,12 @@ class PreparedDataset(IterableDataset):
         batches = iter(self._inner)
         self._delivered = self._inner.state_dict()["batches"]
         if self._pool is None:
-            self._pool = TransformPool(self.num_workers, self._stages) if self.num_workers else InlinePool(self._stages)
+            self._pool = (
+                TransformWorkers(self.num_workers, self._stages) if self.num_workers else InlineWorkers(self._stages)
+            )
         return self._deliver(batches, self._pool)
 
-    def _deliver(self, batches: Iterator[Any], pool: TransformPool | InlinePool) -> Iterator[Any]:
+    def _deliver(self, batches: Iterator[Any], pool: TransformWorkers | InlineWorkers) -> Iterator[Any]:
         pending: deque[_Task] = deque()
         try:
             for batch in batches:
@@ -198,7 +200,7 @@ class PreparedDataset(IterableDataset):
             self._stop_pool()
             raise
 
-    def _submit(self, pool: TransformPool | InlinePool, batch: Any) -> _Task:
+    def _submit(self, pool: TransformWorkers | InlineWorkers, batch: Any) -> _Task:
         """Copy the batch's bytes into one buffer, give its ring range back and queue it.
 
         A batch the servers preprocessed whole, with no client stage left but the default

@@ -16,12 +16,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 POOL = """\
-from kspeed.client.prep.workers import Stages, TransformPool, sample_bytes
+from kspeed.client.prep.workers import Stages, TransformWorkers, sample_bytes
 
 
 def run():
     try:
-        pool = TransformPool(1, Stages(loader=sample_bytes))
+        pool = TransformWorkers(1, Stages(loader=sample_bytes))
     except Exception as exc:
         print("REFUSED", type(exc).__name__, exc, flush=True)
         return

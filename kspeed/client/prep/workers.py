@@ -1,8 +1,8 @@
 """Pools that turn delivered sample bytes into collated training batches, as ``DataLoader`` workers do.
 
 A wrapped folder dataset's own loader and transforms run on the client: in processes started with
-``spawn`` (:class:`TransformPool`; the client's gRPC channels and receive ring do not survive
-``fork``), or in the training process itself with ``num_workers=0`` (:class:`InlinePool`). A task
+``spawn`` (:class:`TransformWorkers`; the client's gRPC channels and receive ring do not survive
+``fork``), or in the training process itself with ``num_workers=0`` (:class:`InlineWorkers`). A task
 is one batch: its bytes as one buffer with sample offsets, its targets and its file names; the pool
 returns the batch collated as a ``DataLoader`` worker would, so tensors come back through torch's
 shared-memory reductions rather than the pipe. A loader that opens a path is given a scratch file
@@ -40,11 +40,11 @@ from kspeed.preprocess.runner import Runner
 __all__ = [
     "Delivered",
     "Draw",
-    "InlinePool",
+    "InlineWorkers",
     "SampleFailure",
     "ScratchFiles",
     "Stages",
-    "TransformPool",
+    "TransformWorkers",
     "check_loader",
     "check_picklable",
     "pil_file_loader",
@@ -427,7 +427,7 @@ def _run(
     return run_batch(_STAGES, _SCRATCH, buffer, offsets, targets, names, draw)
 
 
-class InlinePool:
+class InlineWorkers:
     """The stages run in the calling process, one batch at a time (``num_workers=0``, as ``DataLoader``).
 
     Args:
@@ -456,7 +456,7 @@ class InlinePool:
     ) -> Future:
         """Run one batch now; the future holds the :class:`Delivered` batch or the :class:`SampleFailure`."""
         if self._closed:
-            raise StateError("the transform pool is closed; iterate the wrapped dataset again to start a new one")
+            raise StateError("the transform workers are closed; iterate the wrapped dataset again to start a new one")
         future: Future = Future()
         try:
             future.set_result(run_batch(self._stages, self._scratch, buffer, offsets, targets, names, draw))
@@ -475,7 +475,7 @@ class InlinePool:
             self._scratch.close()
 
 
-class TransformPool:
+class TransformWorkers:
     """``workers`` spawned processes running ``loader``, the transforms and ``collate_fn`` per batch.
 
     The processes start on the first task and are joined by :meth:`close`.
@@ -511,7 +511,7 @@ class TransformPool:
     ) -> Future:
         """Queue one batch; the future yields the :class:`Delivered` batch or raises :class:`SampleFailure`."""
         if self._executor is None:
-            raise StateError("the transform pool is closed; iterate the wrapped dataset again to start a new one")
+            raise StateError("the transform workers are closed; iterate the wrapped dataset again to start a new one")
         return self._executor.submit(_run, buffer, offsets, targets, names, draw)
 
     def pids(self) -> list[int]:
@@ -544,4 +544,4 @@ class TransformPool:
                     )
                     process.terminate()
             stopper.join()
-        log.debug("transform pool of %d workers closed", self.workers)
+        log.debug("%d transform workers closed", self.workers)
