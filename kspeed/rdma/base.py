@@ -44,26 +44,29 @@ chained after it, so RC ordering makes every completion follow every byte of the
 QP number mapped to a connection id) after refilling the shared receive queue; messages are
 ``SEND``/``RECV`` on the same QP or a second QP. A UCX/NIXL rail maps the same way (``ucp_put``
 plus an active message for the immediate, rkeys packed into the material).
+
+The region types (:class:`RegionKey`, :class:`Region`, :class:`Memory`, the buffer aliases) are
+defined in :mod:`kspeed.rdma.regions`, below both this seam and :mod:`kspeed.rdma.write_batch`,
+and re-exported here as part of the seam.
 """
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import numpy.typing as npt
 
 if TYPE_CHECKING:
     from .device_memory import DeviceMemory
-    from .write_batch import WriteBatch
 
 from kspeed.errors import RailUnavailableError, RangeError, TransportError
 
 from .options import RailOptions
+from .regions import Buffer, Ints, Memory, Region, RegionKey, as_bytes_view
+from .write_batch import WriteBatch, check_batch, source_array
 
 __all__ = [
     "MAX_MESSAGE",
@@ -85,124 +88,13 @@ __all__ = [
 #: Largest small message (grant, credit, reply) in bytes.
 MAX_MESSAGE = 64 * 1024
 
-Buffer = bytes | bytearray | memoryview | np.ndarray
 #: One buffer, or a list of buffers gathered in order into one contiguous destination range.
 Sources = Buffer | list[Buffer] | tuple[Buffer, ...]
 #: ``(sources, offset, immediate or None)``.
 WriteOp = tuple[Sources, int, int | None]
-#: Per-op integers of a batch (an array, a sequence, or one int for every op).
-Ints = npt.ArrayLike
-
-
-class Memory(Protocol):
-    """What owns a region's bytes (``HostBuffer``, ``MemfdSegment``, a device allocation)."""
-
-    @property
-    def view(self) -> memoryview:
-        """The bytes (no copy)."""
-
-    def array(self) -> np.ndarray:
-        """The bytes as a ``uint8`` array (no copy)."""
-
-    def close(self) -> None:
-        """Release the memory (deferred while views are alive)."""
 
 
 _U32 = 1 << 32
-
-
-@dataclass(frozen=True)
-class RegionKey:
-    """What a writer needs to address a remote region; serializable, no secret inside.
-
-    Attributes:
-        rail: the rail that registered the region.
-        node: host (or device) that owns the region.
-        handle: the receiver's id of the region (the rkey on ``verbs``).
-        addr: remote address of byte 0 of this key's range (an offset on ``shm``/``tcp``; a
-            virtual address or IOVA on ``verbs``).
-        length: bytes covered by this key, starting at ``addr``.
-    """
-
-    rail: str
-    node: str
-    handle: int
-    addr: int
-    length: int
-
-    def __post_init__(self) -> None:
-        for name in ("handle", "addr", "length"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise TransportError(f"region key field {name} must be a non-negative integer, got {value!r}")
-
-    def slice(self, offset: int, length: int) -> RegionKey:
-        """A narrower key for ``[offset, offset + length)`` of this one (a grant).
-
-        Raises:
-            RangeError: the sub-range does not lie inside this key.
-        """
-        if offset < 0 or length < 0 or offset + length > self.length:
-            raise RangeError(f"sub-range [{offset}, {offset + length}) outside region key of {self.length} bytes")
-        return RegionKey(self.rail, self.node, self.handle, self.addr + offset, length)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> RegionKey:
-        """Rebuild a key from :meth:`to_dict` output.
-
-        Raises:
-            TransportError: a field is missing or malformed.
-        """
-        try:
-            return cls(str(data["rail"]), str(data["node"]), data["handle"], data["addr"], data["length"])
-        except (KeyError, TypeError) as exc:
-            raise TransportError(f"malformed region key {data!r}: {exc}") from exc
-
-    def to_bytes(self) -> bytes:
-        return json.dumps(self.to_dict(), separators=(",", ":")).encode()
-
-    @classmethod
-    def from_bytes(cls, blob: bytes) -> RegionKey:
-        """Rebuild a key from :meth:`to_bytes` output.
-
-        Raises:
-            TransportError: the blob is not a region key.
-        """
-        try:
-            data = json.loads(blob)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise TransportError(f"malformed region key: {exc}") from exc
-        if not isinstance(data, dict):
-            raise TransportError("malformed region key: not an object")
-        return cls.from_dict(data)
-
-
-class Region:
-    """A registered local buffer and the key that describes it to peers.
-
-    Args:
-        key: the region's key (whole region).
-        memory: the object owning the memory.
-    """
-
-    def __init__(self, key: RegionKey, memory: Memory) -> None:
-        self.key = key
-        self.memory = memory
-
-    @property
-    def view(self) -> memoryview:
-        """The region's bytes (no copy)."""
-        return self.memory.view
-
-    def array(self) -> np.ndarray:
-        """The region as a ``uint8`` array (no copy)."""
-        return self.memory.array()
-
-    def close(self) -> None:
-        self.memory.close()
 
 
 @dataclass(frozen=True)
@@ -231,17 +123,6 @@ class Completions:
         if len(parts) == 1:
             return parts[0]
         return Completions(np.concatenate([p.imm for p in parts]), np.concatenate([p.conn for p in parts]))
-
-
-def as_bytes_view(src: Buffer) -> memoryview:
-    """A flat byte view of a C-contiguous buffer (no copy)."""
-    view = src.data if isinstance(src, np.ndarray) else src if isinstance(src, memoryview) else memoryview(src)
-    if view.format != "B" or view.ndim != 1:
-        try:
-            view = view.cast("B")
-        except TypeError as exc:
-            raise TransportError(f"write source must be C-contiguous: {exc}") from exc
-    return view
 
 
 def check_imm(imm: int | None) -> None:
@@ -388,8 +269,6 @@ class Writer(ABC):
                 nothing was written.
             PeerLostError: the receiver is gone or stalled for ``io_timeout``.
         """
-        from .write_batch import check_batch, source_array  # (a module that imports this one)
-
         src = source_array(source)
         self.write_checked(key, src, check_batch(key, src.nbytes, src_offsets, lengths, dst_offsets, imms))
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from kspeed.errors import RangeError, TransportError
 
-from .base import Buffer, Ints, Memory, Region, RegionKey, as_bytes_view
+from .regions import Buffer, Ints, Memory, Region, RegionKey, as_bytes_view
 
 __all__ = ["WriteBatch", "check_batch", "runs", "source_array"]
 
@@ -46,7 +46,7 @@ class WriteBatch:
 def source_array(source: Region | Memory | Buffer) -> np.ndarray:
     """The source of a batch as a flat ``uint8`` array over the same memory (no copy).
 
-    Accepts a :class:`~kspeed.rdma.base.Region` or its memory, a ``uint8`` numpy array, or any
+    Accepts a :class:`~kspeed.rdma.regions.Region` or its memory, a ``uint8`` numpy array, or any
     C-contiguous buffer.
     """
     if isinstance(source, np.ndarray) and source.dtype == np.uint8 and source.ndim == 1:

@@ -19,9 +19,9 @@ from kspeed.errors import AuthError, PeerLostError, RailUnavailableError, RangeE
 from kspeed.rdma.base import RegionKey
 from kspeed.rdma.options import RailOptions
 from kspeed.rdma.rails import available_rails, get_rail
+from kspeed.rdma.receiver_process_base import MAX_HANDSHAKES
 from kspeed.rdma.shm import writer as shm_writer
 from kspeed.rdma.tcp import wire as tcp_wire
-from kspeed.rdma.tcp.receiver_process import MAX_HANDSHAKES
 from tests.conformance.conftest import IO_TIMEOUT
 from tests.conformance.rail_workers import pattern, serve_ring, stream_forever, write_patterns
 from tests.security.attacks import drip_handshakes
