@@ -206,9 +206,16 @@ class VerbsReceiverProcess(ReceiverProcessBase[_Ring, _Peer]):
             qp.close()
             raise
         peer = _Peer(sock, consumer, next(self.conns), qp, origin)
-        keys = {str(h): self._register(peer, h, seg) for h, seg in consumer.regions.items()}
-        welcome = {"conn": peer.conn, "qp": nic.material(qp, psn).to_dict(), "keys": keys, "credits": CREDITS}
-        sock.sendall(framing.frame(framing.WELCOME, json.dumps(welcome).encode()))
+        try:
+            keys = {str(h): self._register(peer, h, seg) for h, seg in consumer.regions.items()}
+            welcome = {"conn": peer.conn, "qp": nic.material(qp, psn).to_dict(), "keys": keys, "credits": CREDITS}
+            sock.sendall(framing.frame(framing.WELCOME, json.dumps(welcome).encode()))
+        except BaseException:  # a writer that never got its welcome: its registrations and QP go with it
+            for mr in peer.mrs.values():
+                mr.close()
+            peer.mrs.clear()
+            qp.close()
+            raise
         sock.setblocking(False)
         self.by_qpn[int(qp.qp_num)] = peer
         self.sel.register(sock, selectors.EVENT_READ, ("msg", peer))
