@@ -148,7 +148,23 @@ def _kind(handler: grpc.RpcMethodHandler) -> str:
     )
 
 
-class StreamGuard(grpc.ServerInterceptor):
+class _Counted:
+    """What both guards report of their admission."""
+
+    _admission: _Admission
+
+    @property
+    def refused(self) -> int:
+        """Streams refused at a cap so far."""
+        return self._admission.refused
+
+    @property
+    def cancelled(self) -> int:
+        """Streams ended for idleness so far."""
+        return self._admission.ended
+
+
+class StreamGuard(_Counted, grpc.ServerInterceptor):
     """Bounds a sync server's streaming calls (see the module docstring).
 
     Args:
@@ -164,16 +180,6 @@ class StreamGuard(grpc.ServerInterceptor):
         self._stop = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="kspeed-stream-watch", daemon=True)
         self._watchdog.start()
-
-    @property
-    def refused(self) -> int:
-        """Streams refused at a cap so far."""
-        return self._admission.refused
-
-    @property
-    def cancelled(self) -> int:
-        """Streams ended for idleness so far."""
-        return self._admission.ended
 
     def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails) -> Any:
         handler = continuation(handler_call_details)
@@ -275,7 +281,7 @@ class StreamGuard(grpc.ServerInterceptor):
         self._watchdog.join(timeout=5)
 
 
-class AioStreamGuard(grpc.aio.ServerInterceptor):
+class AioStreamGuard(_Counted, grpc.aio.ServerInterceptor):
     """Bounds an asyncio server's streaming calls (see the module docstring).
 
     Args:
@@ -290,16 +296,6 @@ class AioStreamGuard(grpc.aio.ServerInterceptor):
         self.idle_s = idle_s
         self._watchdog: asyncio.Task[None] | None = None
         self._delayed = 0  # refused watches waiting for their answer
-
-    @property
-    def refused(self) -> int:
-        """Streams refused at a cap so far."""
-        return self._admission.refused
-
-    @property
-    def cancelled(self) -> int:
-        """Streams ended for idleness so far."""
-        return self._admission.ended
 
     async def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails) -> Any:
         handler = await continuation(handler_call_details)
