@@ -10,12 +10,23 @@
 - ``minio``, ``reuse``, ``lru`` (for comparison, from CoorDL and Lobster): the window keeps written
   samples for their next use (a fixed subset; the farthest next use evicted first; the least
   recently used evicted first) and reads the misses in the same plan order.
+
+A server produces a share under one of these or under two members of its own (never asked for by
+name: held whole, or on demand by a survivor); :mod:`kspeed.server.production.policies` holds the
+classes that make each policy's decisions.
 """
 
 from __future__ import annotations
 
-__all__ = ["CACHING", "MEMORY_POLICIES", "POLICIES"]
+__all__ = ["AUTO", "CACHE", "CACHING", "LRU", "MEMORY_POLICIES", "MINIO", "POLICIES", "REUSE", "STREAM"]
 
-MEMORY_POLICIES = ("stream", "minio", "reuse", "lru")  # a dataset held in part (a window per share)
-CACHING = ("minio", "reuse", "lru")  # memory policies that keep written samples (stream keeps none)
-POLICIES = ("auto", "cache", *MEMORY_POLICIES)
+AUTO = "auto"
+CACHE = "cache"
+STREAM = "stream"
+MINIO = "minio"
+REUSE = "reuse"
+LRU = "lru"
+
+MEMORY_POLICIES = (STREAM, MINIO, REUSE, LRU)  # a dataset held in part (a window per share)
+CACHING = (MINIO, REUSE, LRU)  # memory policies that keep written samples (stream keeps none)
+POLICIES = (AUTO, CACHE, *MEMORY_POLICIES)

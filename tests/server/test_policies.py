@@ -15,6 +15,7 @@ from kspeed.server.hosting.preload import Preloader
 from kspeed.server.memory.residency import WINDOW
 from kspeed.server.memory.window import ProductionWindow
 from kspeed.server.production.core import Production
+from kspeed.server.production.policies import policy_for
 from tests.server.datasets import REGION, write_tree
 from tests.server.test_preload import CountingSource
 from tests.server.test_production import Feeders, plan_of, wait
@@ -29,7 +30,7 @@ class PolicyHost:
     def __init__(self, tmp_path, backend, pool, policy: str, regions: int = 1) -> None:
         self.files = write_tree(tmp_path / "d", [SIZE] * N)
         self.source = CountingSource(open_source(backend, "ds", str(tmp_path / "d")))
-        self.policy = policy
+        self.policy = policy_for(policy)
         self._regions = [info.index for info in pool.allocate("ds", range(regions))]
         self.preloader = Preloader(self.source, pool, on_demand=True)
 
@@ -130,12 +131,12 @@ def test_minio_keeps_one_fixed_subset_and_reads_the_rest_every_epoch(run, pool):
     serve(production, feeders, "f", 0, pool, host.files)
     after_first = host.source.reads.copy()
     share = production._shares["ds", 0]
-    kept = np.array(sorted(share.kept))
-    assert len(kept) and share.kept_bytes <= share.window.capacity * 3 // 4
+    kept = np.array(sorted(share.cache.kept))
+    assert len(kept) and share.cache.kept_bytes <= share.window.capacity * 3 // 4
     production.install("f", 0, ("ds", 0), 2, plan_of(ORDERS[2], lengths[ORDERS[2]], 10), user_epoch=2)
     serve(production, feeders, "f", 1, pool, host.files)
     serve(production, feeders, "f", 2, pool, host.files)
-    now = np.array(sorted(share.kept))
+    now = np.array(sorted(share.cache.kept))
     assert len(now) and set(now.tolist()) <= set(kept.tolist())  # the subset is fixed (a tight window may shrink it)
     assert np.array_equal(host.source.reads[now], after_first[now])  # and what it keeps is never read again
     figures = production.figures(("ds", 0))
@@ -149,7 +150,7 @@ def test_evicting_policies_keep_what_fits_and_serve_every_epoch(run, pool, polic
     share = production._shares["ds", 0]
     assert share.window.peak <= share.window.capacity and [f.written for f in figures] == [N, N, N]
     assert sum(f.misses for f in figures) == int(host.source.reads.sum())
-    assert share.cached  # written samples stay until room is needed
+    assert share.cache.recent  # written samples stay until room is needed
 
 
 def test_reuse_lets_go_of_the_farthest_next_use_and_lru_of_the_oldest(run, pool):

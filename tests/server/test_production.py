@@ -19,6 +19,7 @@ from kspeed.server.memory.checksum import crc32c
 from kspeed.server.memory.residency import HOME, WINDOW
 from kspeed.server.memory.window import ProductionWindow
 from kspeed.server.production.core import Production
+from kspeed.server.production.policies import ON_DEMAND, WHOLE, policy_for
 from kspeed.server.production.state import PlanState
 from tests.server.datasets import REGION, write_tree
 from tests.server.test_preload import CountingSource, make
@@ -48,11 +49,11 @@ class Feeders:
 
 
 class Host:
-    policy = ""  # held whole (or on demand, as the preloader says)
-
     def __init__(self, preloader) -> None:
         self.preloader = preloader
         self.store = SampleStore(preloader)
+        # held whole, or on demand when the preloader has no home for it
+        self.policy = policy_for(ON_DEMAND if preloader.on_demand else WHOLE)
 
     def get(self, name, first=None):
         return self

@@ -53,6 +53,7 @@ from kspeed.server.memory.pool import WINDOW_OWNER, MemoryPool, RegionState
 from kspeed.server.memory.slices import SharedRegions
 from kspeed.server.memory.statefile import write_atomic
 from kspeed.server.prep.pool import PrepPool
+from kspeed.server.production.policies import MemoryPolicy, share_policy
 from kspeed.server.production.state import EpochFigures
 
 log = logging.getLogger(__name__)
@@ -68,8 +69,26 @@ def _vindices(share: kspeed_pb2.Share) -> range:
     (the first ``memory_regions``), none while served on demand or as a slice of a shared region."""
     if share.on_demand or share.slice_bytes:
         return range(0)
-    held = share.memory_regions if share.policy else share.num_regions
+    held = share.memory_regions if _policy(share).own_window else share.num_regions
     return range(share.first_region, share.first_region + held)
+
+
+def _policy(share: kspeed_pb2.Share) -> MemoryPolicy:
+    """The policy the share is assigned (see :func:`~kspeed.server.production.policies.share_policy`).
+
+    Raises:
+        ConfigError: its memory policy is not one this server knows.
+    """
+    return share_policy(share.policy, on_demand=share.on_demand)
+
+
+def _known(share: kspeed_pb2.Share) -> bool:
+    """Whether the share's memory policy is one this server knows (else taking it fails, saying so)."""
+    try:
+        _policy(share)
+    except ConfigError:
+        return False
+    return True
 
 
 def _same_share(a: kspeed_pb2.AssignShareRequest, b: kspeed_pb2.AssignShareRequest) -> bool:
@@ -155,13 +174,14 @@ class Hosted:
         return self.request.share.on_demand
 
     @property
-    def policy(self) -> str:
-        """The memory policy the share is held under ("" when it is held whole or on demand)."""
-        return "" if self.on_demand else self.request.share.policy
+    def policy(self) -> MemoryPolicy:
+        """The policy the share is held under: whole, on demand, or a memory policy with a window
+        of its own (:mod:`kspeed.server.production.policies`)."""
+        return _policy(self.request.share)
 
     def window_regions(self) -> list[int]:
         """With a memory policy, the pool regions of the share's window (in virtual order)."""
-        if not self.policy:
+        if not self.policy.own_window:
             return []
         held = {r.vindex: r.index for r in self.preloader.pool.regions(self.name)}
         return [held[v] for v in _vindices(self.request.share)]
@@ -247,7 +267,7 @@ class DatasetHost:
         """Re-adopt the shares recorded before a restart (errors are logged, not fatal: a server
         whose state disk is full starts with what it can re-adopt, and says what it cannot write)."""
         requests = self._load_assignments()
-        keep = frozenset((r.spec.name, v) for r in requests for v in _vindices(r.share))
+        keep = frozenset((r.spec.name, v) for r in requests if _known(r.share) for v in _vindices(r.share))
         for request in requests:
             try:
                 self.assign(request, keep=keep, save=False)
@@ -418,7 +438,8 @@ class DatasetHost:
         Raises:
             DatasetError: the backend changed since the dataset was registered.
             CapacityError: the pool lacks free regions (nothing is allocated).
-            ConfigError: the manager's region size is not this pool's.
+            ConfigError: the manager's region size is not this pool's, or the share's memory policy
+                is not one this server knows.
             StateFileError: the assignment cannot be recorded (nothing is allocated or kept).
         """
         name, share = request.spec.name, request.share
@@ -433,6 +454,7 @@ class DatasetHost:
                     f"server's pool uses {self.pool.region_size}",
                     field="server.region_size",
                 )
+            _policy(share)  # (a manager that knows policies this server does not)
             self.check_pipeline(request.spec, resolve=False)
             source = self._open(request.spec)
             if fingerprint_pb(source) != request.fingerprint:
@@ -465,6 +487,7 @@ class DatasetHost:
         allocate its regions, record it; on an error nothing of it is left. Called under the lock."""
         name, share = request.spec.name, request.share
         key = (name, int(share.first_id))
+        policy = _policy(share)
         for other in self.shares(name, missing_ok=True):
             s = other.request.share
             if other.key == key or (s.first_id < share.end_id and share.first_id < s.end_id):
@@ -488,7 +511,7 @@ class DatasetHost:
                 hi=share.end_id,
                 first_region=share.first_region,
                 threads=self._threads,
-                on_demand=share.on_demand or bool(share.policy),
+                on_demand=not policy.home,
                 slot=slot,
                 changes=ChangeLog(
                     name, share.first_id, share.end_id, on_change=lambda changes: self.on_changed(name, changes)
@@ -506,7 +529,7 @@ class DatasetHost:
                 self.slices.give(key)
             raise
         preloader.on_finished = lambda: self.on_loaded(name)
-        if self._scrub_interval > 0 and not share.on_demand and not share.policy:
+        if self._scrub_interval > 0 and policy.home:
             store.start_scrub(self._scrub_interval)
         self.assignments += 1
         self._assigned[key] = self.assignments
@@ -520,13 +543,13 @@ class DatasetHost:
                 slot[2],
                 slot[0],
             )
-        elif share.policy and not share.on_demand:
+        elif policy.own_window:
             log.info(
                 "dataset %s: holding samples %d..%d under policy %s in %d of their %d region(s)",
                 name,
                 share.first_id,
                 share.end_id - 1,
-                share.policy,
+                policy.name,
                 share.memory_regions,
                 share.num_regions,
             )

@@ -39,6 +39,9 @@ window of its own (the regions the manager gave it; nothing is preloaded and not
   are read each epoch); ``reuse`` lets go, when room is needed, the samples whose next use in the
   known plans is farthest; ``lru`` the least recently written.
 
+Each of these decisions (and those of a share held whole or on demand) is made by the share's
+policy object (:mod:`kspeed.server.production.policies`), which production asks, never its name.
+
 Each keeps per sampler epoch its figures (:class:`~kspeed.server.production.state.EpochFigures`:
 samples planned and written, misses, backend bytes and requests, the grants' wait for production).
 ``docs/policies.md`` has the whole design and its measurements.
@@ -59,7 +62,6 @@ import numpy as np
 
 from kspeed.errors import DatasetError, KSpeedError, StateError
 from kspeed.histogram import Histogram
-from kspeed.policies import CACHING
 from kspeed.server.feeder.plan_part import PlanPart
 from kspeed.server.feeder.protocol import Command, Failed, FeedProgress, InstallPlan, Locate, Reply
 from kspeed.server.feeder.writer import MAX_PLANS
@@ -68,6 +70,7 @@ from kspeed.server.memory.checksum import crc32c
 from kspeed.server.memory.residency import ABSENT, FAILED, HOME, READING, WINDOW
 from kspeed.server.memory.window import ProductionWindow, Slot, chunk_size_for_samples
 from kspeed.server.prep.pool import PrepPool
+from kspeed.server.production.policies import farthest_first
 from kspeed.server.production.prepared import ProcessedProduction
 from kspeed.server.production.state import (
     BackendReader,
@@ -91,8 +94,6 @@ RETRY_FAILED_S = 5.0  # a failed sample still needed is read again after this lo
 # nothing to do look again this often, for those)
 RATE_SPAN_S = 5.0  # the producer rate is measured over about this long
 STOP_WAIT_S = 5.0  # a stop waits this long in all for producers in a backend read (not this long each)
-STAGING = 4  # a caching policy prefetches into at most 1/STAGING of its share's window (it keeps the rest)
-EVICT_BATCH = 16  # samples a caching policy lets go at once when its window is full
 PREEMPT_BATCH = 4  # samples let go at once for a first grant that does not fit
 
 
@@ -259,8 +260,7 @@ class Production(ProcessedProduction):
             for slot, _, _ in share.slots.values():
                 window.free(slot)
             share.slots.clear()
-            share.cached.clear()
-            share.kept.clear()
+            share.cache.clear()
             for ticket in [t for t, entry in self._draining.items() if entry.window is window and share.own_window]:
                 del self._draining[ticket]
 
@@ -395,14 +395,15 @@ class Production(ProcessedProduction):
             if share is None or share.preloader is not preloader:
                 if share is not None:
                     self.drop_share(key)
-                if hosted.policy:
+                policy = hosted.policy
+                if policy.own_window:
                     regions = hosted.window_regions()
                     size = preloader.pool.region_size
                     chunk = chunk_size_for_samples(preloader.index.length, size, len(regions) * size)
                     window = ProductionWindow.over(preloader.pool, regions, chunk)
-                    share = ShareState(key, preloader, window, hosted.policy)
+                    share = ShareState(key, preloader, window, policy)
                 else:
-                    share = ShareState(key, preloader, self.window, "on_demand" if preloader.on_demand else "")
+                    share = ShareState(key, preloader, self.window, policy)
                 self._shares[key] = share
                 preloader.on_home = functools.partial(self._came_home, share)
                 preloader.on_failed = functools.partial(self._failed, share)
@@ -455,7 +456,7 @@ class Production(ProcessedProduction):
         for feed in self._feeds.values():
             if feed.share != share.key:
                 continue
-            if share.policy:
+            if not share.policy.home:
                 parts += list(self._ahead(share, feed).values())
                 continue
             budget = self.depth
@@ -517,7 +518,7 @@ class Production(ProcessedProduction):
         # the ranks whose feeds are not open yet keep their part: the first rank to open does not
         # fill the window with samples the others' first grants would have to push out again
         feeds = max(feeds, ranks)
-        room = window.capacity // STAGING if share.policy in CACHING else window.capacity
+        room = share.policy.prefetch_room(window.capacity)
         if share.own_window:
             room = int(room * window.packing())
         return max(room // max(feeds, 1) - window.chunk * window.open_chunks, window.chunk)
@@ -525,13 +526,8 @@ class Production(ProcessedProduction):
     @staticmethod
     def _followed(share: ShareState, feed: FeedState) -> list[PlanState]:
         """The plans of ``feed`` production works for, in order: all of them, or for a share held
-        on demand the first one not written yet (see :meth:`_ahead`)."""
-        plans = [feed.plans[epoch] for epoch in sorted(feed.plans)]
-        if share.policy:
-            plans = [p for p in plans if p.next < len(p.ids)]
-        if share.policy == "on_demand":
-            plans = plans[:1]
-        return plans
+        on demand the first one not written yet (see :meth:`_ahead`); as the share's policy says."""
+        return share.policy.followed([feed.plans[epoch] for epoch in sorted(feed.plans)])
 
     def _sweep(self, share: ShareState) -> None:
         """Retire the window slots of samples nobody needs now: those no feed's horizon holds (under
@@ -543,13 +539,13 @@ class Production(ProcessedProduction):
             return
         held = np.fromiter(share.slots.keys(), dtype=np.int64, count=len(share.slots))
         needed = np.isin(held, self._horizon(share))
-        if share.policy == "stream":
+        if share.policy.holds_planned_uses:
             needed |= share.uses[held - share.lo] > 0
         for sample in held[needed].tolist():
-            share.cached.pop(sample, None)
+            share.policy.needed_again(share.cache, sample)
         loose = held[~needed]
-        if share.cached or share.kept:
-            loose = np.array([i for i in loose.tolist() if i not in share.cached and i not in share.kept], np.int64)
+        if share.cache.recent or share.cache.kept:
+            loose = np.array([i for i in loose.tolist() if not share.cache.holds(i)], np.int64)
         self._retire(share, loose)
 
     def _count_uses(self, share: ShareState, plan: PlanState, sign: int) -> None:
@@ -611,7 +607,7 @@ class Production(ProcessedProduction):
         ids = np.array([i for i in np.unique(ids).tolist() if i in share.slots], dtype=np.int64)
         if not len(ids):
             return
-        if share.policy in CACHING:
+        if share.policy.caching:
             self._keep(share, ids)
             return
         if share.preloader.on_demand:  # no home: the sample is read again if a plan needs it
@@ -657,23 +653,21 @@ class Production(ProcessedProduction):
         """Free the window slots of ``ids`` (no home): read again from the backend if a plan needs them."""
         entries = [share.slots.pop(i) for i in ids.tolist()]
         for i, (slot, _, _) in zip(ids.tolist(), entries, strict=True):
-            share.cached.pop(i, None)
-            if i in share.kept:
-                share.kept.discard(i)
-                share.kept_bytes -= slot.nbytes
+            share.cache.drop(i, slot.nbytes)
         share.residency.settle(ids, ABSENT)
         none = np.full(len(ids), -1, np.int64)
         self._relocate(share, ids, none, np.zeros(len(ids), np.int64), entries)
 
     def _keep(self, share: ShareState, ids: np.ndarray) -> None:
-        """Caching policies: written samples stay in the window for their next use. ``lru`` and
+        """Caching policies: written samples stay in the window for their next use, as the policy
+        keeps them (:meth:`~kspeed.server.production.policies.MemoryPolicy.keeps`). ``lru`` and
         ``reuse`` keep every one (until :meth:`_make_room` lets some go); ``minio`` keeps the first
         ones that fit the part of the window not used for prefetching, for good, and lets the
         rest go (a window too small for the feeds' next grants beside them makes it keep fewer,
         never others)."""
         window = self._window_of(share)
-        if share.kept_room is None:
-            share.kept_room = window.capacity - window.capacity // STAGING
+        if share.cache.kept_room is None:
+            share.cache.kept_room = share.policy.keep_room(window.capacity)
         going = []
         for i in ids.tolist():
             slot, crc, owner = share.slots[i]
@@ -681,15 +675,7 @@ class Production(ProcessedProduction):
             if feed is not None:
                 feed.held -= slot.nbytes  # no longer this feed's prefetch
             share.slots[i] = (slot, crc, "")
-            if share.policy != "minio":
-                share.cached[i] = None
-                share.cached.move_to_end(i)
-            elif i in share.kept:
-                pass
-            elif share.kept_bytes + slot.nbytes <= share.kept_room:
-                share.kept.add(i)
-                share.kept_bytes += slot.nbytes
-            else:
+            if not share.policy.keeps(share.cache, i, slot.nbytes):
                 going.append(i)
         if going:
             self._let_go(share, np.array(going, np.int64))
@@ -698,7 +684,8 @@ class Production(ProcessedProduction):
         """The window is full while ``pending`` samples of ``share`` wait to be placed: move some
         of the share's samples out. Returns whether any went.
 
-        An evicting policy (``lru``, ``reuse``) lets its victims among the cached samples go. Else,
+        An evicting policy (``lru``, ``reuse``) lets its victims among the cached samples go
+        (:meth:`~kspeed.server.production.policies.MemoryPolicy.victims`). Else,
         only for a pending sample of some feed's first grant not written, the share's samples
         needed last leave the window (for a share with its own window, those beyond every
         horizon first): home for a share held whole, else to be read again when their turn
@@ -711,12 +698,8 @@ class Production(ProcessedProduction):
         with self._lock:
             if self._shares.get(share.key) is not share:
                 return False
-            if share.policy in ("lru", "reuse") and share.cached:
-                cached = np.fromiter(share.cached.keys(), dtype=np.int64, count=len(share.cached))
-                if share.policy == "lru":
-                    victims = cached[:EVICT_BATCH]
-                else:
-                    victims = cached[np.argsort(-self._next_use(share, cached), kind="stable")[:EVICT_BATCH]]
+            victims = share.policy.victims(share.cache, functools.partial(self._next_use, share))
+            if len(victims):
                 self._let_go(share, victims)
                 return True
             firsts: dict[str, np.ndarray] = {}
@@ -728,7 +711,7 @@ class Production(ProcessedProduction):
             if not np.isin(pending, first).any():
                 return False
             held = np.fromiter(share.slots.keys(), dtype=np.int64, count=len(share.slots))
-            kept = np.fromiter(share.kept, np.int64, len(share.kept))
+            kept = np.fromiter(share.cache.kept, np.int64, len(share.cache.kept))
             movable = ~np.isin(held, first) & ~np.isin(held, kept)
             if share.own_window:
                 beyond = movable & ~np.isin(held, self._horizon(share))
@@ -744,10 +727,11 @@ class Production(ProcessedProduction):
                 self._warn_too_small(share, len(waiting))
                 if not movable.any():
                     return False
-            later = self._next_use(share, held[movable])
-            victims = held[movable][np.argsort(-later, kind="stable")[:PREEMPT_BATCH]]
-            if share.kept_room is not None:  # minio keeps less from now on (never another subset)
-                share.kept_room -= sum(share.slots[i][0].nbytes for i in victims.tolist() if i in share.kept)
+            victims = farthest_first(held[movable], self._next_use(share, held[movable]), PREEMPT_BATCH)
+            if share.cache.kept_room is not None:  # minio keeps less from now on (never another subset)
+                share.cache.kept_room -= sum(
+                    share.slots[i][0].nbytes for i in victims.tolist() if i in share.cache.kept
+                )
             self.preempted += len(victims)
             if share.preloader.on_demand:
                 self._let_go(share, victims)
@@ -816,7 +800,7 @@ class Production(ProcessedProduction):
                 if plan is not None and len(taken):
                     return Work(share, feed.feed_id, taken, plan.epoch, user_epoch=plan.user_epoch)
                 continue
-            ahead = self._ahead(share, feed) if share.policy else {}
+            ahead = {} if share.policy.home else self._ahead(share, feed)
             budget = self.depth
             for plan in self._followed(share, feed):
                 epoch = plan.epoch
@@ -830,7 +814,7 @@ class Production(ProcessedProduction):
                         plan.state[at] = READING
                         return Work(share, feed.feed_id, plan.ids[at], epoch, at, plan)
                     span = span[plan.raw(window)]
-                if share.policy:
+                if not share.policy.home:
                     span = ahead.get(epoch, span[:0])
                 state = share.residency.of(span)
                 wanted = span[(state == ABSENT) | (state == FAILED)]

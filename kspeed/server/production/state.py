@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from typing import Protocol
 
@@ -13,6 +12,7 @@ import numpy as np
 
 from kspeed.server.hosting.preload import Preloader
 from kspeed.server.memory.window import ProductionWindow, Slot
+from kspeed.server.production.policies import WHOLE, CacheState, MemoryPolicy, policy_for
 
 __all__ = [
     "BackendReader",
@@ -215,10 +215,11 @@ class ShareState:
         key: (dataset, first sample of the share).
         preloader: the share's preloader (its index, residency and backend reads).
         window: where its samples are produced (the server's window, or the share's own).
-        policy: ``""`` (held whole: samples go home once written), ``"on_demand"`` (no copy: the
-            server's window keeps a sample until it is written) or a memory policy: ``"stream"``
-            (likewise, in the share's own window, planned as far ahead as it holds) or one of
-            :data:`kspeed.policies.CACHING` (written samples stay, chosen by the policy).
+        policy: what production does with the share's samples
+            (:mod:`kspeed.server.production.policies`): held whole (the default: samples go home
+            once written), on demand (no copy: the server's window keeps a sample until it is
+            written) or a memory policy, in the share's own window: ``stream`` (likewise, planned
+            as far ahead as it holds) or a caching one (written samples stay, chosen by the policy).
     """
 
     def __init__(
@@ -226,7 +227,7 @@ class ShareState:
         key: tuple[str, int],
         preloader: Preloader,
         window: ProductionWindow | None = None,
-        policy: str = "",
+        policy: MemoryPolicy | None = None,
     ) -> None:
         self.key = key
         self.dataset = key[0]
@@ -236,14 +237,9 @@ class ShareState:
         self.size = len(preloader.index.length)
         self.mean_size = float(preloader.index.length.mean()) if self.size else 0.0
         self.window = window
-        self.policy = policy
+        self.policy = policy if policy is not None else policy_for(WHOLE)
         self.slots: dict[int, tuple[Slot, int, str]] = {}  # sample -> (slot, crc, feed produced for)
-        # Under a caching policy: written samples no horizon holds (least recently written first),
-        # and ("minio") the ones kept for good with their bytes.
-        self.cached: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self.kept: set[int] = set()
-        self.kept_bytes = 0
-        self.kept_room: int | None = None  # ("minio") the bytes it may keep, set at the first write
+        self.cache = CacheState()  # under a caching policy, the written samples it keeps
         self.figures: dict[int, EpochFigures] = {}
         self.too_small = False  # warned that the window cannot hold one batch of each feed
         # with its own window: per sample, the unwritten positions of its feeds' current plans
@@ -254,7 +250,7 @@ class ShareState:
     @property
     def own_window(self) -> bool:
         """Whether the share produces into a window of its own (a memory policy)."""
-        return self.policy not in ("", "on_demand")
+        return self.policy.own_window
 
     def figures_of(self, epoch: int) -> EpochFigures:
         """The figures of plan epoch ``epoch`` (the oldest are dropped beyond a few epochs)."""
