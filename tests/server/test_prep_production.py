@@ -8,7 +8,7 @@ import numpy as np
 from kspeed.server.backend.sources import open_source
 from kspeed.server.hosting.preload import Preloader
 from kspeed.server.memory.residency import HOME
-from kspeed.server.production.prepared import ProcessedProduction
+from kspeed.server.production.processed import ProcessedProduction
 from kspeed.server.production.state import ShareState
 from tests.server.datasets import write_tree
 from tests.server.test_preload import CountingSource

@@ -21,7 +21,7 @@ what crosses it):
   that share). Quiet when they just came to a place (produced into the window, loaded home, placed again
   after :class:`Corrupt`); answered when they leave a window slot (retired: copied home, or let go).
 - :class:`Place`: processed positions of one plan (the dataset's server stages ran for them,
-  :mod:`kspeed.server.production.prepared`) are in a window slot, released, or failed.
+  :mod:`kspeed.server.production.processed`) are in a window slot, released, or failed.
 - :class:`Failed`: raw samples of a dataset could not be produced; the grants that need them fail at once.
 - :class:`MarkChanged`: samples whose backend files changed since the listing; their grants are refused.
 - :class:`CloseFeed`: the feed ends (closed by its client, reclaimed, or its share dropped). The feeder

@@ -71,7 +71,7 @@ from kspeed.server.memory.residency import ABSENT, FAILED, HOME, READING, WINDOW
 from kspeed.server.memory.window import ProductionWindow, Slot, chunk_size_for_samples
 from kspeed.server.prep.pool import PrepPool
 from kspeed.server.production.policies import farthest_first
-from kspeed.server.production.prepared import ProcessedProduction
+from kspeed.server.production.processed import ProcessedProduction
 from kspeed.server.production.state import (
     BackendReader,
     Draining,
