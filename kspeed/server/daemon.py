@@ -43,7 +43,7 @@ from kspeed.server.local_state import StateLock, pool_dir, read_cluster_id, writ
 from kspeed.server.memory.pool import WINDOW_OWNER, MemoryPool, RegionState
 from kspeed.server.memory.window import ProductionWindow
 from kspeed.server.metrics import ServerMetrics
-from kspeed.server.prep.pool import PrepPool, sandbox_policy
+from kspeed.server.prep.workers import PrepWorkers, sandbox_policy
 from kspeed.server.readiness import ProbedHealth, ReadinessWatch
 from kspeed.server.service import ServerService
 
@@ -65,7 +65,7 @@ class Server:
         self._retiring = threading.Event()  # drained: exit discarding the pool
         self.host: DatasetHost | None = None
         self.feeders: FeederSupervisor | None = None
-        self.prep: PrepPool | None = None
+        self.prep: PrepWorkers | None = None
         self.streams: StreamGuard | None = None
         self.arrivals: ArrivalGuard | None = None
         self.metrics = ServerMetrics(lambda: self.host, lambda: self.feeders.production if self.feeders else None)
@@ -151,7 +151,7 @@ class Server:
         pool = MemoryPool.open(self.pool_dir(), cfg.memory, region_size=cfg.region_size)
         window = ProductionWindow(pool, cfg.window_bytes())
         sandbox = sandbox_policy(cfg, state_dir=self.state_dir, pool_dir=self.pool_dir(), region_file=str(pool.path(0)))
-        self.prep = PrepPool(
+        self.prep = PrepWorkers(
             cfg.preprocess_workers or inv.usable_cores(cfg.cores),
             cfg.preprocess_allow,
             LogSettings(cfg.log_level, cfg.log_format),

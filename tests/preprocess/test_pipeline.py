@@ -25,9 +25,9 @@ from kspeed.preprocess import Output, Pipeline, Stage
 from kspeed.preprocess.pipeline import HEADER, STATUS, read_status
 from kspeed.preprocess.runner import Runner
 from kspeed.preprocess.versions import libraries
-from kspeed.server.prep import pool as prep_pool
-from kspeed.server.prep.pool import PrepPool, PrepTask
+from kspeed.server.prep import workers as prep_workers
 from kspeed.server.prep.sandbox import SandboxPolicy
+from kspeed.server.prep.workers import PrepTask, PrepWorkers
 
 CROP = Output(shape=(3, 16, 16), dtype="uint8")
 
@@ -260,11 +260,11 @@ def shared_dir(tmp_path) -> str:
     return str(tmp_path)
 
 
-def workers_for(tmp_path, count: int = 1) -> PrepPool:
+def workers_for(tmp_path, count: int = 1) -> PrepWorkers:
     """Sandboxed workers that may write in ``tmp_path`` and get ``PREP_PROBE_DIR`` (for the test
     modules' gates and probes)."""
     policy = SandboxPolicy(write=(shared_dir(tmp_path),))
-    return PrepPool(count, ("tests",), LogSettings(), sandbox=policy, environment=("PREP_PROBE_DIR",))
+    return PrepWorkers(count, ("tests",), LogSettings(), sandbox=policy, environment=("PREP_PROBE_DIR",))
 
 
 @pytest.fixture
@@ -379,7 +379,7 @@ def test_closing_while_the_workers_warm_kills_them_at_once(tmp_path, monkeypatch
 
 def test_a_worker_that_hangs_while_warming_is_replaced_and_tasks_still_get_their_own_answers(tmp_path, monkeypatch):
     monkeypatch.setenv("PREP_PROBE_DIR", str(tmp_path))
-    monkeypatch.setattr(prep_pool, "TASK_TIMEOUT", 0.5)  # no answer within it: hung
+    monkeypatch.setattr(prep_workers, "TASK_TIMEOUT", 0.5)  # no answer within it: hung
     (tmp_path / "hold").touch()  # importing the probe takes a minute
     workers = workers_for(tmp_path, 2)
     try:
@@ -390,7 +390,7 @@ def test_a_worker_that_hangs_while_warming_is_replaced_and_tasks_still_get_their
         wait_for(lambda: len(workers.pids()) == 2 and not first & set(workers.pids()), 30, "both replaced")
         assert not [pid for pid in first if os.path.exists(f"/proc/{pid}") and not zombie(pid)]
         assert workers.restarts == 2
-        monkeypatch.setattr(prep_pool, "TASK_TIMEOUT", 300.0)
+        monkeypatch.setattr(prep_workers, "TASK_TIMEOUT", 300.0)
         (tmp_path / "hold").unlink()
         mapped = window(1)
         results = workers.run(dataclasses.replace(task(probed(), mapped, [jpeg(5)], stages=5), pipeline=pipeline))

@@ -35,8 +35,8 @@ from kspeed.control.logs import LogSettings
 from kspeed.errors import ConfigError
 from kspeed.preprocess import Output, Pipeline, Stage
 from kspeed.server.memory.pool import WINDOW_OWNER
-from kspeed.server.prep.pool import PrepPool, PrepTask
 from kspeed.server.prep.sandbox import SandboxPolicy, landlock
+from kspeed.server.prep.workers import PrepTask, PrepWorkers
 from tests.conftest import FAST_MANAGER, SERVER_MEMORY
 from tests.security.sandbox_functions import OUTPUT, outcomes
 
@@ -312,7 +312,7 @@ def test_a_worker_that_could_reach_a_protected_path_refuses_pipelines_when_the_s
     token.chmod(0o666)
     message = SAME.to_proto().SerializeToString()
     policy = SandboxPolicy(write=(str(shared),), protected=(str(token),))
-    workers = PrepPool(1, ("tests",), LogSettings(), sandbox=policy)
+    workers = PrepWorkers(1, ("tests",), LogSettings(), sandbox=policy)
     try:
         with pytest.raises(
             ConfigError, match=rf"the preprocessing sandbox is incomplete: a worker could write {token}"
@@ -320,7 +320,7 @@ def test_a_worker_that_could_reach_a_protected_path_refuses_pipelines_when_the_s
             workers.check("ds", message, 1)
     finally:
         workers.close()
-    lenient = PrepPool(1, ("tests",), LogSettings(), sandbox=SandboxPolicy(mode="best-effort", **_paths(policy)))
+    lenient = PrepWorkers(1, ("tests",), LogSettings(), sandbox=SandboxPolicy(mode="best-effort", **_paths(policy)))
     try:
         lenient.check("ds", message, 1)  # runs, and says what it could reach in the log
         out = np.zeros(16, np.uint8)
@@ -339,7 +339,7 @@ EVIL = Pipeline([Stage("tests.security.sandbox_functions:forge_reply", output=Ou
 
 def test_a_worker_that_sends_what_a_worker_never_sends_is_replaced_and_nothing_of_it_is_unpickled(tmp_path):
     marker = tmp_path / "unpickled"
-    workers = PrepPool(1, ("tests",), LogSettings())
+    workers = PrepWorkers(1, ("tests",), LogSettings())
     try:
         out = np.zeros(16, np.uint8)
         task = PrepTask("ds", EVIL.to_proto().SerializeToString(), 1, 0, 0, (0,), (str(marker).encode(),), (out,))
@@ -355,7 +355,7 @@ LIAR = Pipeline([Stage("tests.security.sandbox_functions:overreport", output=Out
 
 
 def test_a_worker_that_reports_more_than_its_place_holds_is_replaced_and_nothing_is_copied():
-    workers = PrepPool(1, ("tests",), LogSettings())
+    workers = PrepWorkers(1, ("tests",), LogSettings())
     try:
         message = LIAR.to_proto().SerializeToString()
         first, second = np.ones(16, np.uint8), np.ones(16, np.uint8)

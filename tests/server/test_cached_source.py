@@ -18,7 +18,7 @@ from kspeed.server.backend.sources import open_source
 from kspeed.server.hosting.cached_source import CachedSource
 from kspeed.server.hosting.preload import Preloader
 from kspeed.server.memory.checksum import crc32c
-from kspeed.server.prep.pool import PrepPool
+from kspeed.server.prep.workers import PrepWorkers
 
 SIDE = 12
 FIXED = Output(shape=(SIDE, SIDE, 3), dtype="uint8")
@@ -45,7 +45,7 @@ def pipeline(output: Output = FIXED) -> Pipeline:
 @pytest.fixture(scope="module")
 def prep():
     """Two workers, shared by the module's tests (each takes a second or two to start)."""
-    workers = PrepPool(2, (), LogSettings())
+    workers = PrepWorkers(2, (), LogSettings())
     yield workers
     workers.close()
 

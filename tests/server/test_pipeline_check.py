@@ -18,8 +18,8 @@ from kspeed.preprocess import Output, Pipeline, Stage
 from kspeed.proto import kspeed_pb2
 from kspeed.server.backend.sources import open_source
 from kspeed.server.hosting.datasets import DatasetHost, fingerprint_pb
-from kspeed.server.prep.pool import PrepPool
 from kspeed.server.prep.sandbox import SandboxPolicy
+from kspeed.server.prep.workers import PrepWorkers
 from tests.server.datasets import REGION, write_tree
 
 PROBE = "tests.preprocess.import_probe"
@@ -42,7 +42,7 @@ def workers(tmp_path):
     probe.mkdir(mode=0o777)
     os.chmod(probe, 0o777)  # (the sandboxed workers run as nobody when the tests run as root)
     policy = SandboxPolicy(write=(str(probe),))
-    prep = PrepPool(1, ("tests",), LogSettings(), sandbox=policy, environment=("PREP_PROBE_DIR",))
+    prep = PrepWorkers(1, ("tests",), LogSettings(), sandbox=policy, environment=("PREP_PROBE_DIR",))
     yield prep
     prep.close()
 

@@ -57,7 +57,7 @@ from kspeed.server.feeder.protocol import (
 )
 from kspeed.server.hosting.datasets import DatasetHost
 from kspeed.server.memory.window import ProductionWindow
-from kspeed.server.prep.pool import PrepPool
+from kspeed.server.prep.workers import PrepWorkers
 from kspeed.server.production.core import PrepSpec, Production
 
 log = logging.getLogger(__name__)
@@ -141,7 +141,7 @@ class FeederSupervisor:
         production_timeout: float = 60.0,
         production_depth: int = 1024,
         production_threads: int = 8,
-        prep: PrepPool | None = None,
+        prep: PrepWorkers | None = None,
         logs: LogSettings | None = None,
         verify: str = "first",
     ) -> None:

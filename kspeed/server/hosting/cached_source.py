@@ -23,7 +23,7 @@ from kspeed.preprocess.pipeline import Pipeline
 from kspeed.server.backend.changes import Change
 from kspeed.server.backend.sources import Source
 from kspeed.server.memory.checksum import crc32c
-from kspeed.server.prep.pool import PrepPool, PrepTask
+from kspeed.server.prep.workers import PrepTask, PrepWorkers
 
 __all__ = ["CachedSource"]
 
@@ -42,7 +42,7 @@ class CachedSource(Source):
             describe the dataset; a read then raises).
     """
 
-    def __init__(self, raw: Source, pipeline: Pipeline, cached: int, prep: PrepPool | None) -> None:
+    def __init__(self, raw: Source, pipeline: Pipeline, cached: int, prep: PrepWorkers | None) -> None:
         self.raw, self.pipeline, self.cached, self.prep = raw, pipeline, cached, prep
         self.output = pipeline.output(cached)
         self._message = pipeline.to_proto().SerializeToString(deterministic=True)

@@ -52,7 +52,7 @@ from kspeed.server.hosting.preload import Preloader
 from kspeed.server.memory.pool import WINDOW_OWNER, MemoryPool, RegionState
 from kspeed.server.memory.slices import SharedRegions
 from kspeed.server.memory.statefile import write_atomic
-from kspeed.server.prep.pool import PrepPool
+from kspeed.server.prep.workers import PrepWorkers
 from kspeed.server.production.policies import MemoryPolicy, share_policy
 from kspeed.server.production.state import EpochFigures
 
@@ -214,7 +214,7 @@ class DatasetHost:
         change_check_interval: float = 300.0,
         change_check_budget: int = 0,
         preprocess_allow: tuple[str, ...] = (),
-        prep: PrepPool | None = None,
+        prep: PrepWorkers | None = None,
     ) -> None:
         self.pool = pool
         self.slices = SharedRegions(pool)

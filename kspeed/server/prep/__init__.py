@@ -1,6 +1,6 @@
-"""Server-side preprocessing: a pool of worker processes, each confined by :mod:`.sandbox`
+"""Server-side preprocessing: worker processes, each confined by :mod:`.sandbox`
 (its own user, Landlock, seccomp), that run a dataset's pipeline stages on samples from the pool.
 
-:mod:`.pool` and :mod:`.link` run in the server's main process; :mod:`.worker` is the worker
+:mod:`.workers` and :mod:`.link` run in the server's main process; :mod:`.worker` is the worker
 processes' program.
 """

@@ -1,7 +1,7 @@
 """A preprocessing worker process: it confines itself, then runs pipeline stages on the samples the
 server hands it.
 
-Started by :class:`kspeed.server.prep.pool.PrepPool` with a clean environment and one Unix socket
+Started by :class:`kspeed.server.prep.workers.PrepWorkers` with a clean environment and one Unix socket
 to the server (``python -I -c ...``, see :data:`BOOT`). The first message (:class:`Setup`) carries
 the sandbox policy: the worker confines itself (:func:`kspeed.server.prep.sandbox.confine`) before it
 imports numpy or any pipeline module, and reports the outcome. Then, one request at a time:
@@ -14,7 +14,7 @@ imports numpy or any pipeline module, and reports the outcome. Then, one request
 
 The server's messages are pickled (the worker trusts the server); the worker answers in JSON, so
 that a worker taken over by user code can send the server nothing but plain data, which the server
-checks (:mod:`kspeed.server.prep.pool`). This module imports nothing heavy at its top: what a
+checks (:mod:`kspeed.server.prep.workers`). This module imports nothing heavy at its top: what a
 worker imports before it is confined runs with the server's privileges.
 """
 
@@ -77,7 +77,7 @@ class Resolve:
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-    """Samples to run through a pipeline's stages ``start..stages``; see :class:`kspeed.server.prep.pool.PrepTask`.
+    """Samples to run through a pipeline's stages ``start..stages``; see :class:`kspeed.server.prep.workers.PrepTask`.
 
     Attributes:
         inputs: per sample, ``(offset, length)`` of its bytes in the scratch.

@@ -69,7 +69,7 @@ from kspeed.server.hosting.datasets import DatasetHost, ShareKey
 from kspeed.server.memory.checksum import crc32c
 from kspeed.server.memory.residency import ABSENT, FAILED, HOME, READING, WINDOW
 from kspeed.server.memory.window import ProductionWindow, Slot, chunk_size_for_samples
-from kspeed.server.prep.pool import PrepPool
+from kspeed.server.prep.workers import PrepWorkers
 from kspeed.server.production.policies import farthest_first
 from kspeed.server.production.processed import ProcessedProduction
 from kspeed.server.production.state import (
@@ -123,7 +123,7 @@ class Production(ProcessedProduction):
         depth: int = 1024,
         threads: int = 8,
         producer: Producer | None = None,
-        prep: PrepPool | None = None,
+        prep: PrepWorkers | None = None,
         verify: bool = True,
     ) -> None:
         self.window = window

@@ -1,5 +1,5 @@
 """Production of preprocessed samples: a plan's processed positions, run through the dataset's
-server stages by the preprocessing workers (:mod:`kspeed.server.prep.pool`), each result copied by
+server stages by the preprocessing workers (:mod:`kspeed.server.prep.workers`), each result copied by
 the server into the sample's production-window slot (the sandboxed workers map no pool memory).
 
 Unlike raw samples, which are made resident once and served from home afterwards, processed
@@ -25,7 +25,7 @@ from kspeed.errors import KSpeedError
 from kspeed.server.feeder.protocol import Command, Place, Reply
 from kspeed.server.memory.residency import ABSENT, FAILED, HOME, READING, WINDOW
 from kspeed.server.memory.window import ProductionWindow, Slot
-from kspeed.server.prep.pool import PrepPool, PrepTask
+from kspeed.server.prep.workers import PrepTask, PrepWorkers
 from kspeed.server.production.state import Draining, FeedState, PlanState, ShareState, Work
 
 __all__ = ["ProcessedProduction"]
@@ -37,7 +37,7 @@ class ProcessedProduction:
     """Processed positions of plans: produced by the preprocessing workers, placed per plan."""
 
     window: ProductionWindow
-    prep: PrepPool | None
+    prep: PrepWorkers | None
     failed_samples: int
     window_full: int
     produced_samples: int

@@ -15,7 +15,7 @@ write anywhere             its own user, Landlock                 Landlock
 =========================  =====================================  ================================
 
 The environment is never inherited (the server starts a worker with a few named variables, see
-:mod:`kspeed.server.prep.pool`) and the worker maps no pool or window memory: its inputs and
+:mod:`kspeed.server.prep.workers`) and the worker maps no pool or window memory: its inputs and
 outputs pass through a scratch segment of its own, which the server copies.
 
 What is in force is then tested, not assumed (:func:`probe`): as the worker, try to read each

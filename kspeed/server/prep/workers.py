@@ -15,7 +15,7 @@ and results out of it (:mod:`kspeed.server.prep.link`). The first worker's repor
 confinement is logged. Workers run one task at a time single-threaded (torchvision's transforms
 seed torch's global generator per sample), and resolve each pipeline once against the operator's
 module allow-list. They are the only processes of a server that import a pipeline's modules
-(:meth:`PrepPool.check`): an import holds its interpreter for seconds (torchvision's), which in the
+(:meth:`PrepWorkers.check`): an import holds its interpreter for seconds (torchvision's), which in the
 server's own process would leave health probes and heartbeats unanswered. The first pipeline a
 server is asked to check starts them and has each resolve it in the background, so the seconds
 torchvision takes to import pass while the dataset registers and preloads, not before its first
@@ -40,7 +40,7 @@ from kspeed.server.prep.link import PrepTask, WorkerLink, WorkerLost, sweep_temp
 from kspeed.server.prep.sandbox import SandboxPolicy, check_policy
 from kspeed.server.prep.worker import Resolve, Setup
 
-__all__ = ["PrepPool", "PrepTask", "sandbox_policy"]
+__all__ = ["PrepTask", "PrepWorkers", "sandbox_policy"]
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def sandbox_policy(config: ServerConfig, *, state_dir: str, pool_dir: str, regio
     )
 
 
-class PrepPool:
+class PrepWorkers:
     """``workers`` preprocessing processes; :meth:`run` hands a task to a free one.
 
     Args:
@@ -208,7 +208,7 @@ class PrepPool:
             self._links.discard(worker)
             self.restarts += 1
             if self._closed:
-                raise StateError("the preprocessing pool is closed")
+                raise StateError("the preprocessing workers are closed")
             replacement = self._spawn()
         self._idle.put(replacement)
 
@@ -303,7 +303,7 @@ class PrepPool:
             return [self.run(task) for task in tasks]
         with self._lock:
             if self._closed:
-                raise StateError("the preprocessing pool is closed")
+                raise StateError("the preprocessing workers are closed")
             if self._helpers is None:
                 self._helpers = ThreadPoolExecutor(self.workers, thread_name_prefix="kspeed-prep-call")
             helpers = self._helpers
@@ -312,7 +312,7 @@ class PrepPool:
     def _take(self) -> WorkerLink:
         while True:
             if self._closed:
-                raise StateError("the preprocessing pool is closed")
+                raise StateError("the preprocessing workers are closed")
             try:
                 return self._idle.get(timeout=0.5)
             except queue.Empty:
