@@ -48,6 +48,16 @@ def readable(sock: socket.socket) -> bool:
     return bool(poller.poll(0))
 
 
+def check_message(message: bytes) -> None:
+    """Refuse a message larger than :data:`~kspeed.rdma.base.MAX_MESSAGE` (every rail's ``send``).
+
+    Raises:
+        TransportError: the message is too large (nothing was sent).
+    """
+    if len(message) > MAX_MESSAGE:
+        raise TransportError(f"message of {len(message)} bytes exceeds {MAX_MESSAGE}")
+
+
 def send_draining(sock: socket.socket, data: bytes, timeout: float, drain: Callable[[], object]) -> None:
     """Send all of ``data``, taking in what the peer sends (``drain``) while its buffer is full.
 

@@ -33,7 +33,6 @@ from kspeed.admission import Gate, Ticket, worth_telling
 from kspeed.errors import KSpeedError, TransportError
 from kspeed.rdma import auth, framing
 from kspeed.rdma.base import (
-    MAX_MESSAGE,
     Completions,
     Receiver,
     Region,
@@ -261,8 +260,7 @@ class ShmReceiver(Receiver):
         return out
 
     def send(self, conn: int, message: bytes) -> None:
-        if len(message) > MAX_MESSAGE:
-            raise TransportError(f"message of {len(message)} bytes exceeds {MAX_MESSAGE}")
+        framing.check_message(message)
         sock = self._conns.get(conn)
         if sock is None:
             raise framing.lost(f"no shm writer {conn} connected", None, conn)

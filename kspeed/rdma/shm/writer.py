@@ -29,7 +29,7 @@ from kspeed.errors import (
     TransportError,
 )
 from kspeed.rdma import auth, framing
-from kspeed.rdma.base import MAX_MESSAGE, RegionKey, Sources, WriteOp, Writer, as_bytes_view, check_imm, check_range
+from kspeed.rdma.base import RegionKey, Sources, WriteOp, Writer, as_bytes_view, check_imm, check_range
 from kspeed.rdma.memory import MemfdSegment
 from kspeed.rdma.options import RailOptions
 from kspeed.rdma.write_batch import WriteBatch
@@ -199,8 +199,7 @@ class ShmWriter(Writer):
             self._notify(imms[i : i + (1 << 20)].tobytes())
 
     def send(self, message: bytes) -> None:
-        if len(message) > MAX_MESSAGE:
-            raise TransportError(f"message of {len(message)} bytes exceeds {MAX_MESSAGE}")
+        framing.check_message(message)
         try:
             self._send(framing.frame(framing.MSG, message))
         except OSError as exc:

@@ -24,7 +24,6 @@ import numpy as np
 from kspeed.errors import KSpeedError, PeerLostError, RailUnavailableError, TransportError
 from kspeed.rdma import framing
 from kspeed.rdma.base import (
-    MAX_MESSAGE,
     Completions,
     Receiver,
     Region,
@@ -251,8 +250,7 @@ class TcpReceiver(Receiver):
         return out
 
     def send(self, conn: int, message: bytes) -> None:
-        if len(message) > MAX_MESSAGE:
-            raise TransportError(f"message of {len(message)} bytes exceeds {MAX_MESSAGE}")
+        framing.check_message(message)
         if conn not in self._conns:
             self._pump(0)
             if conn not in self._conns:

@@ -14,6 +14,8 @@ import struct
 
 import numpy as np
 
+from kspeed.errors import KSpeedError
+from kspeed.rdma import auth, framing
 from kspeed.rdma.base import RegionKey
 from kspeed.rdma.options import RailOptions
 from kspeed.rdma.write_batch import WriteBatch, runs
@@ -74,6 +76,32 @@ def tune(sock: socket.socket, options: RailOptions, nodelay: bool) -> None:
     if options.socket_buffer is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, options.socket_buffer)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, options.socket_buffer)
+
+
+def dial(
+    address: tuple[str, int], options: RailOptions, hello: bytes, key: bytes, *, what: str, nodelay: bool
+) -> socket.socket:
+    """Connect to a receiver process, send ``hello`` and prove the key (tcp's and verbs' writers).
+
+    Raises:
+        PeerLostError: the connection failed (``what`` names the receiver).
+        AuthError: the receiver refused the key.
+    """
+    try:
+        sock = socket.create_connection(address, timeout=options.connect_timeout)
+    except OSError as exc:
+        raise framing.lost(f"connecting to {what}", exc) from exc
+    try:
+        tune(sock, options, nodelay=nodelay)
+        sock.sendall(hello)
+        auth.dial(sock, key, hello)
+    except OSError as exc:
+        sock.close()
+        raise framing.lost(f"connecting to {what}", exc) from exc
+    except KSpeedError:
+        sock.close()
+        raise
+    return sock
 
 
 def blocking_with_timeout(sock: socket.socket, timeout: float) -> None:

@@ -22,7 +22,7 @@ import numpy as np
 
 from kspeed.errors import KSpeedError, TransportError
 from kspeed.rdma import auth, framing
-from kspeed.rdma.base import MAX_MESSAGE, RegionKey, Sources, WriteOp, Writer, as_bytes_view, check_imm, check_range
+from kspeed.rdma.base import RegionKey, Sources, WriteOp, Writer, as_bytes_view, check_imm, check_range
 from kspeed.rdma.options import RailOptions
 from kspeed.rdma.write_batch import WriteBatch
 
@@ -74,22 +74,9 @@ class TcpWriter(Writer):
         self._msg.settimeout(options.io_timeout)
 
     def _dial(self, host: str, port: int, key: bytes, role: int, consumer: int, conn: int) -> socket.socket:
-        try:
-            sock = socket.create_connection((host, port), timeout=self._options.connect_timeout)
-        except OSError as exc:
-            raise framing.lost(f"connecting to tcp receiver {host}:{port}", exc) from exc
-        try:
-            wire.tune(sock, self._options, nodelay=role == wire.MESSAGES)
-            hello = wire.HELLO.pack(wire.MAGIC, role, consumer, conn)
-            sock.sendall(hello)
-            auth.dial(sock, key, hello)
-        except OSError as exc:
-            sock.close()
-            raise framing.lost(f"connecting to tcp receiver {host}:{port}", exc) from exc
-        except KSpeedError:
-            sock.close()
-            raise
-        return sock
+        hello = wire.HELLO.pack(wire.MAGIC, role, consumer, conn)
+        what = f"tcp receiver {host}:{port}"
+        return wire.dial((host, port), self._options, hello, key, what=what, nodelay=role == wire.MESSAGES)
 
     def _sendmsg(self, bufs: list) -> None:
         """Send all of ``bufs`` (an iovec list), resuming after partial sends."""
@@ -146,8 +133,7 @@ class TcpWriter(Writer):
         return self._msg
 
     def send(self, message: bytes) -> None:
-        if len(message) > MAX_MESSAGE:
-            raise TransportError(f"message of {len(message)} bytes exceeds {MAX_MESSAGE}")
+        framing.check_message(message)
         try:
             self._message_socket().sendall(framing.frame(framing.MSG, message))
         except OSError as exc:

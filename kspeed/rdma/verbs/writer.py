@@ -27,7 +27,7 @@ import numpy as np
 
 from kspeed.errors import KSpeedError, PeerLostError, RangeError, TransportError
 from kspeed.rdma import auth, framing
-from kspeed.rdma.base import MAX_MESSAGE, RegionKey, Sources, WriteOp, Writer, as_bytes_view, check_imm, check_range
+from kspeed.rdma.base import RegionKey, Sources, WriteOp, Writer, as_bytes_view, check_imm, check_range
 from kspeed.rdma.options import RailOptions
 from kspeed.rdma.tcp import wire as tcp_wire
 from kspeed.rdma.write_batch import WriteBatch, check_batch
@@ -102,22 +102,8 @@ class VerbsWriter(Writer):
     # ----------------------------------------------------------------------------------- setup
 
     def _dial(self, host: str, port: int, consumer: int, key: bytes) -> socket.socket:
-        try:
-            sock = socket.create_connection((host, port), timeout=self._options.connect_timeout)
-        except OSError as exc:
-            raise framing.lost(f"connecting to verbs receiver {self._peer}", exc) from exc
-        try:
-            tcp_wire.tune(sock, self._options, nodelay=True)
-            hello = wire.HELLO.pack(wire.MAGIC, consumer)
-            sock.sendall(hello)
-            auth.dial(sock, key, hello)
-        except OSError as exc:
-            sock.close()
-            raise framing.lost(f"connecting to verbs receiver {self._peer}", exc) from exc
-        except KSpeedError:
-            sock.close()
-            raise
-        return sock
+        hello = wire.HELLO.pack(wire.MAGIC, consumer)
+        return tcp_wire.dial((host, port), self._options, hello, key, what=f"verbs receiver {self._peer}", nodelay=True)
 
     def _connect(self) -> None:
         nic = self._nic
@@ -407,8 +393,7 @@ class VerbsWriter(Writer):
     # ---------------------------------------------------------------------------------- messages
 
     def send(self, message: bytes) -> None:
-        if len(message) > MAX_MESSAGE:
-            raise TransportError(f"message of {len(message)} bytes exceeds {MAX_MESSAGE}")
+        framing.check_message(message)
         self._send_frame(framing.frame(framing.MSG, message))
 
     def recv(self, timeout: float | None = 0.0) -> bytes | None:
