@@ -23,6 +23,7 @@ import threading
 import time
 import traceback
 import weakref
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, fields
@@ -427,7 +428,42 @@ def _run(
     return run_batch(_STAGES, _SCRATCH, buffer, offsets, targets, names, draw)
 
 
-class InlineWorkers:
+#: One batch's work: its bytes, each sample's offset, target and name, and the random draws.
+BatchTask = tuple[bytes | bytearray, Sequence[int], Sequence[Any], Sequence[str], Draw | None]
+
+
+class _Workers(ABC):
+    """What :class:`InlineWorkers` and :class:`TransformWorkers` share: batches submitted until closed."""
+
+    workers: int
+
+    @property
+    @abstractmethod
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran."""
+
+    def submit(
+        self,
+        buffer: bytes | bytearray,
+        offsets: Sequence[int],
+        targets: Sequence[Any],
+        names: Sequence[str],
+        draw: Draw | None = None,
+    ) -> Future:
+        """Run or queue one batch; the future holds the :class:`Delivered` batch or raises :class:`SampleFailure`.
+
+        Raises:
+            StateError: the workers are closed.
+        """
+        if self.closed:
+            raise StateError("the transform workers are closed; iterate the wrapped dataset again to start a new one")
+        return self._submit((buffer, offsets, targets, names, draw))
+
+    @abstractmethod
+    def _submit(self, task: BatchTask) -> Future: ...
+
+
+class InlineWorkers(_Workers):
     """The stages run in the calling process, one batch at a time (``num_workers=0``, as ``DataLoader``).
 
     Args:
@@ -446,20 +482,10 @@ class InlineWorkers:
         """Whether :meth:`close` ran."""
         return self._closed
 
-    def submit(
-        self,
-        buffer: bytes | bytearray,
-        offsets: Sequence[int],
-        targets: Sequence[Any],
-        names: Sequence[str],
-        draw: Draw | None = None,
-    ) -> Future:
-        """Run one batch now; the future holds the :class:`Delivered` batch or the :class:`SampleFailure`."""
-        if self._closed:
-            raise StateError("the transform workers are closed; iterate the wrapped dataset again to start a new one")
-        future: Future = Future()
+    def _submit(self, task: BatchTask) -> Future:
+        future: Future = Future()  # run now: the future is done when it is returned
         try:
-            future.set_result(run_batch(self._stages, self._scratch, buffer, offsets, targets, names, draw))
+            future.set_result(run_batch(self._stages, self._scratch, *task))
         except SampleFailure as exc:
             future.set_exception(exc)
         return future
@@ -475,7 +501,7 @@ class InlineWorkers:
             self._scratch.close()
 
 
-class TransformWorkers:
+class TransformWorkers(_Workers):
     """``workers`` spawned processes running ``loader``, the transforms and ``collate_fn`` per batch.
 
     The processes start on the first task and are joined by :meth:`close`.
@@ -501,18 +527,9 @@ class TransformWorkers:
         """Whether :meth:`close` ran."""
         return self._executor is None
 
-    def submit(
-        self,
-        buffer: bytes | bytearray,
-        offsets: Sequence[int],
-        targets: Sequence[Any],
-        names: Sequence[str],
-        draw: Draw | None = None,
-    ) -> Future:
-        """Queue one batch; the future yields the :class:`Delivered` batch or raises :class:`SampleFailure`."""
-        if self._executor is None:
-            raise StateError("the transform workers are closed; iterate the wrapped dataset again to start a new one")
-        return self._executor.submit(_run, buffer, offsets, targets, names, draw)
+    def _submit(self, task: BatchTask) -> Future:
+        assert self._executor is not None  # (submit checked closed)
+        return self._executor.submit(_run, *task)
 
     def pids(self) -> list[int]:
         """Process IDs of the running workers."""
