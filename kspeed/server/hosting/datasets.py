@@ -50,7 +50,7 @@ from kspeed.server.hosting.cached_source import CachedSource
 from kspeed.server.hosting.integrity import SampleStore
 from kspeed.server.hosting.preload import Preloader
 from kspeed.server.memory.pool import WINDOW_OWNER, MemoryPool, RegionState
-from kspeed.server.memory.slices import SharedRegions
+from kspeed.server.memory.slices import SharedRegions, Slice
 from kspeed.server.memory.statefile import write_atomic
 from kspeed.server.prep.workers import PrepWorkers
 from kspeed.server.production.policies import MemoryPolicy, share_policy
@@ -488,19 +488,7 @@ class DatasetHost:
         name, share = request.spec.name, request.share
         key = (name, int(share.first_id))
         policy = _policy(share)
-        for other in self.shares(name, missing_ok=True):
-            s = other.request.share
-            if other.key == key or (s.first_id < share.end_id and share.first_id < s.end_id):
-                self.drop(name, "its share changed", final=False, first=other.key[1])
-        wanted = set(_vindices(share))
-        claimed = {v for h in self.shares(name, missing_ok=True) for v in _vindices(h.request.share)}
-        held = {r.vindex for r in self.pool.regions(name) if r.vindex is not None}
-        stale = held - wanted - claimed - {v for n, v in keep if n == name}
-        if stale:
-            self.pool.release(name, stale)
-        missing = sorted(wanted - held)
-        if missing:
-            self.pool.allocate(name, missing)
+        missing = self._claim_regions(name, key, share, keep)
         sliced = bool(share.slice_bytes) and not share.on_demand
         try:
             slot = self.slices.take(key, int(share.slice_bytes)) if sliced else None
@@ -534,43 +522,28 @@ class DatasetHost:
         self.assignments += 1
         self._assigned[key] = self.assignments
         self._dropped.pop(name, None)
-        if slot is not None:
-            log.info(
-                "dataset %s: holding samples %d..%d in a slice of %d bytes of shared region %d",
-                name,
-                share.first_id,
-                share.end_id - 1,
-                slot[2],
-                slot[0],
-            )
-        elif policy.own_window:
-            log.info(
-                "dataset %s: holding samples %d..%d under policy %s in %d of their %d region(s)",
-                name,
-                share.first_id,
-                share.end_id - 1,
-                policy.name,
-                share.memory_regions,
-                share.num_regions,
-            )
-        elif share.on_demand:
-            log.warning(
-                "dataset %s: serving samples %d..%d on demand (read from the backend as feeds need them; "
-                "no server had %d regions free)",
-                name,
-                share.first_id,
-                share.end_id - 1,
-                share.num_regions,
-            )
-        else:
-            log.info(
-                "dataset %s: holding samples %d..%d in %d region(s)",
-                name,
-                share.first_id,
-                share.end_id - 1,
-                share.num_regions,
-            )
+        _say_held(name, share, policy, slot)
         return self.status(name, key[1])
+
+    def _claim_regions(
+        self, name: str, key: ShareKey, share: kspeed_pb2.Share, keep: frozenset[tuple[str, int]]
+    ) -> list[int]:
+        """Drop the shares ``share`` overlaps, release the regions no share (nor ``keep``) claims, and
+        allocate the ones it lacks; returns those newly allocated (released again on a failure)."""
+        for other in self.shares(name, missing_ok=True):
+            s = other.request.share
+            if other.key == key or (s.first_id < share.end_id and share.first_id < s.end_id):
+                self.drop(name, "its share changed", final=False, first=other.key[1])
+        wanted = set(_vindices(share))
+        claimed = {v for h in self.shares(name, missing_ok=True) for v in _vindices(h.request.share)}
+        held = {r.vindex for r in self.pool.regions(name) if r.vindex is not None}
+        stale = held - wanted - claimed - {v for n, v in keep if n == name}
+        if stale:
+            self.pool.release(name, stale)
+        missing = sorted(wanted - held)
+        if missing:
+            self.pool.allocate(name, missing)
+        return missing
 
     def drop(self, name: str, reason: str = "", *, final: bool = True, first: int | None = None) -> None:
         """Stop serving ``name`` (every share of it here, or only the one starting at ``first``) and
@@ -867,3 +840,43 @@ class DatasetHost:
             log.error("ignoring unreadable %s: %s", self._path, exc)
             return []
         return [kspeed_pb2.AssignShareRequest.FromString(base64.b64decode(v)) for v in data.values()]
+
+
+def _say_held(name: str, share: kspeed_pb2.Share, policy: MemoryPolicy, slot: Slice | None) -> None:
+    """Log how a share is held: in a slice, under a memory policy, on demand, or whole."""
+    if slot is not None:
+        log.info(
+            "dataset %s: holding samples %d..%d in a slice of %d bytes of shared region %d",
+            name,
+            share.first_id,
+            share.end_id - 1,
+            slot[2],
+            slot[0],
+        )
+    elif policy.own_window:
+        log.info(
+            "dataset %s: holding samples %d..%d under policy %s in %d of their %d region(s)",
+            name,
+            share.first_id,
+            share.end_id - 1,
+            policy.name,
+            share.memory_regions,
+            share.num_regions,
+        )
+    elif share.on_demand:
+        log.warning(
+            "dataset %s: serving samples %d..%d on demand (read from the backend as feeds need them; "
+            "no server had %d regions free)",
+            name,
+            share.first_id,
+            share.end_id - 1,
+            share.num_regions,
+        )
+    else:
+        log.info(
+            "dataset %s: holding samples %d..%d in %d region(s)",
+            name,
+            share.first_id,
+            share.end_id - 1,
+            share.num_regions,
+        )

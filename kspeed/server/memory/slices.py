@@ -19,9 +19,9 @@ import threading
 from kspeed.errors import CapacityError
 from kspeed.server.memory.pool import SHARED_OWNER, MemoryPool
 
-__all__ = ["SharedRegions", "Slot"]
+__all__ = ["SharedRegions", "Slice"]
 
-Slot = tuple[int, int, int]  # (pool region index, byte offset, bytes)
+Slice = tuple[int, int, int]  # (pool region index, byte offset, bytes)
 
 
 class SharedRegions:
@@ -36,10 +36,10 @@ class SharedRegions:
         self._lock = threading.Lock()
         self._regions: dict[int, list[tuple[int, int, object]]] = {}  # pool index -> sorted (offset, size, key)
         self._vindex: dict[int, int] = {}  # pool index -> its virtual index under SHARED_OWNER
-        self._slots: dict[object, Slot] = {}
+        self._slots: dict[object, Slice] = {}
         pool.release(SHARED_OWNER)  # slices never outlive the process that placed them
 
-    def take(self, key: object, size: int) -> Slot:
+    def take(self, key: object, size: int) -> Slice:
         """A slice of ``size`` bytes for ``key`` (the same one again if ``key`` holds one of that size).
 
         Raises:
@@ -69,7 +69,7 @@ class SharedRegions:
         with self._lock:
             self._give(key)
 
-    def slot(self, key: object) -> Slot | None:
+    def slot(self, key: object) -> Slice | None:
         """Where ``key``'s slice is, if it holds one."""
         with self._lock:
             return self._slots.get(key)
@@ -87,7 +87,7 @@ class SharedRegions:
             at = offset + length
         return at if self.pool.region_size - at >= size else None
 
-    def _place(self, key: object, index: int, at: int, size: int) -> Slot:
+    def _place(self, key: object, index: int, at: int, size: int) -> Slice:
         used = self._regions[index]
         used.append((at, size, key))
         used.sort(key=lambda entry: entry[0])
