@@ -300,18 +300,24 @@ def build_feed(
         stats = RankStats([link.server_id for link in links])
         undo.pop_all()
     parts = FeedParts(list(links), orders, delivery, placement, io, feed, pump, stats, None, ring_bytes, planner)
-    if manager is not None:
-        sampler = options.sampler
-        parts.reporter = StatsReporter(
-            manager,
-            job=config.job or default_job(),
-            rank=int(getattr(sampler, "rank", rank)),
-            world_size=int(getattr(sampler, "num_replicas", options.world_size or 1)),
-            dataset=name,
-            collect=parts.figures,
-            interval=config.stats_interval,
-        )
+    if manager is not None:  # the rank's statistics, reported to the manager
+        parts.reporter = _reporter(manager, config, options, name, parts)
     return parts
+
+
+def _reporter(
+    manager: ManagerClient, config: ClientConfig, options: FeedOptions, name: str, parts: FeedParts
+) -> StatsReporter:
+    sampler = options.sampler
+    return StatsReporter(
+        manager,
+        job=config.job or default_job(),
+        rank=int(getattr(sampler, "rank", options.rank or 0)),
+        world_size=int(getattr(sampler, "num_replicas", options.world_size or 1)),
+        dataset=name,
+        collect=parts.figures,
+        interval=config.stats_interval,
+    )
 
 
 def _with_job_rank(name: str, options: FeedOptions) -> FeedOptions:

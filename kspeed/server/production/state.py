@@ -30,8 +30,9 @@ FIGURED_EPOCHS = 8  # epochs whose figures a share keeps
 
 
 class Producer(Protocol):
-    """What fills window slots: the backend reader today; preprocessing workers, the failover
-    re-reader and the streaming loader plug in here."""
+    """What fills window slots with a share's raw samples (:class:`BackendReader`; a re-read after a
+    failover or a stream is the same read). Preprocessed positions are made per plan instead, by
+    :class:`~kspeed.server.production.processed.ProcessedProduction`, which also places them."""
 
     def produce(
         self, preloader: Preloader, ids: np.ndarray, slots: list[Slot], window: ProductionWindow
