@@ -6,6 +6,7 @@ buffer and split all complete frames at once, so many completions cost one sysca
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import socket
@@ -14,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 
-from kspeed.errors import PeerLostError, TransportError
+from kspeed.errors import KSpeedError, PeerLostError, TransportError
 
 from .base import MAX_MESSAGE
 
@@ -46,6 +47,19 @@ def readable(sock: socket.socket) -> bool:
     poller = select.poll()
     poller.register(sock, select.POLLIN)
     return bool(poller.poll(0))
+
+
+class OneSocket:
+    """``fileno`` and ``interrupt`` of a writer whose one socket carries its messages (shm, verbs)."""
+
+    _sock: socket.socket
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def interrupt(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
 
 
 def check_message(message: bytes) -> None:
@@ -92,6 +106,20 @@ def send_draining(sock: socket.socket, data: bytes, timeout: float, drain: Calla
             deadline = time.monotonic() + timeout
         elif remaining == 0:
             raise TimeoutError("no progress sending")
+
+
+@contextlib.contextmanager
+def connecting(what: str, close: Callable[[], object]) -> Iterator[None]:
+    """Set up a connection to ``what``: on a failure, ``close`` what was opened, and an OS error
+    becomes :class:`PeerLostError` naming ``what`` (our own errors pass as they are)."""
+    try:
+        yield
+    except OSError as exc:
+        close()
+        raise lost(f"connecting to {what}", exc) from exc
+    except KSpeedError:
+        close()
+        raise
 
 
 def lost(what: str, exc: BaseException | None = None, conn: int | None = None) -> PeerLostError:

@@ -46,7 +46,7 @@ def socket_name() -> str:
     return f"kspeed-shm-{os.getpid()}-{os.urandom(8).hex()}"
 
 
-class ShmWriter(Writer):
+class ShmWriter(framing.OneSocket, Writer):
     """Maps a receiver's rings and copies into them; notifies immediates on the socket."""
 
     rail = "shm"
@@ -218,13 +218,6 @@ class ShmWriter(Writer):
             finally:
                 self._sock.settimeout(self._options.io_timeout)
         return self._messages.popleft() if self._messages else None
-
-    def fileno(self) -> int:
-        return self._sock.fileno()
-
-    def interrupt(self) -> None:
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
         if self._sock.fileno() >= 0:

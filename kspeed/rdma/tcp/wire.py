@@ -14,7 +14,6 @@ import struct
 
 import numpy as np
 
-from kspeed.errors import KSpeedError
 from kspeed.rdma import auth, framing
 from kspeed.rdma.base import RegionKey
 from kspeed.rdma.options import RailOptions
@@ -91,16 +90,10 @@ def dial(
         sock = socket.create_connection(address, timeout=options.connect_timeout)
     except OSError as exc:
         raise framing.lost(f"connecting to {what}", exc) from exc
-    try:
+    with framing.connecting(what, sock.close):
         tune(sock, options, nodelay=nodelay)
         sock.sendall(hello)
         auth.dial(sock, key, hello)
-    except OSError as exc:
-        sock.close()
-        raise framing.lost(f"connecting to {what}", exc) from exc
-    except KSpeedError:
-        sock.close()
-        raise
     return sock
 
 

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from kspeed.errors import KSpeedError, TransportError
+from kspeed.errors import TransportError
 from kspeed.rdma import auth, framing
 from kspeed.rdma.base import RegionKey, Sources, WriteOp, Writer, as_bytes_view, check_imm, check_range
 from kspeed.rdma.options import RailOptions
@@ -53,7 +53,7 @@ class TcpWriter(Writer):
         self.conn = 0
         self._bulk = self._dial(host, port, key, wire.BULK, consumer, 0)
         self._msg: socket.socket | None = None
-        try:
+        with framing.connecting(f"tcp receiver {host}:{port}", self.close):
             reader = framing.FrameReader(4096)
             welcome = None
             while welcome is None:
@@ -64,12 +64,6 @@ class TcpWriter(Writer):
                         welcome = json.loads(payload)
             self.conn = int(welcome["conn"])
             self._msg = self._dial(host, port, key, wire.MESSAGES, consumer, self.conn)
-        except OSError as exc:
-            self.close()
-            raise framing.lost(f"connecting to tcp receiver {host}:{port}", exc) from exc
-        except KSpeedError:
-            self.close()
-            raise
         wire.blocking_with_timeout(self._bulk, options.io_timeout)
         self._msg.settimeout(options.io_timeout)
 

@@ -54,7 +54,7 @@ def wc_status(e: Any, status: int) -> str:
     return "IBV_WC_SUCCESS" if status == 0 else f"status {status}"
 
 
-class VerbsWriter(Writer):
+class VerbsWriter(framing.OneSocket, Writer):
     """Writer side of the ``verbs`` rail."""
 
     rail = "verbs"
@@ -404,13 +404,6 @@ class VerbsWriter(Writer):
             if remaining == 0:
                 break
         return self._messages.popleft() if self._messages else None
-
-    def fileno(self) -> int:
-        return self._sock.fileno()
-
-    def interrupt(self) -> None:
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
 
     def _release(self) -> None:
         for obj in (self._qp, self._cq):
