@@ -415,21 +415,15 @@ def run_samples(
         raise SampleFailure(None, _describe(exc)) from None
 
 
-def _run(
-    buffer: bytes | bytearray,
-    offsets: Sequence[int],
-    targets: Sequence[Any],
-    names: Sequence[str],
-    draw: Draw | None = None,
-) -> Delivered:
+#: One batch's work: its bytes, each sample's offset, target and name, and the random draws.
+BatchTask = tuple[bytes | bytearray, Sequence[int], Sequence[Any], Sequence[str], Draw | None]
+
+
+def _run(task: BatchTask) -> Delivered:
     """One batch in a worker process, with the stages its initializer received."""
     if _STAGES is None:
         raise StateError("transform worker used before its initializer ran")
-    return run_batch(_STAGES, _SCRATCH, buffer, offsets, targets, names, draw)
-
-
-#: One batch's work: its bytes, each sample's offset, target and name, and the random draws.
-BatchTask = tuple[bytes | bytearray, Sequence[int], Sequence[Any], Sequence[str], Draw | None]
+    return run_batch(_STAGES, _SCRATCH, *task)
 
 
 class _Workers(ABC):
@@ -529,7 +523,7 @@ class TransformWorkers(_Workers):
 
     def _submit(self, task: BatchTask) -> Future:
         assert self._executor is not None  # (submit checked closed)
-        return self._executor.submit(_run, *task)
+        return self._executor.submit(_run, task)
 
     def pids(self) -> list[int]:
         """Process IDs of the running workers."""
