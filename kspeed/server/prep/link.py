@@ -39,7 +39,7 @@ from kspeed.errors import AccessDeniedError, ConfigError, DatasetError, KSpeedEr
 from kspeed.preprocess.pipeline import STATUS, Pipeline
 from kspeed.proto import kspeed_pb2
 from kspeed.server.prep.sandbox import Confinement, worker_user
-from kspeed.server.prep.worker import BOOT, Job, Resolve, Scratch, Setup
+from kspeed.server.prep.worker import BOOT, Job, Resolve, Scratch, Setup, TaskHead
 
 __all__ = ["PrepTask", "WorkerLink", "WorkerLost", "sweep_temporary"]
 
@@ -59,16 +59,10 @@ _DATASET_ERRORS: dict[str, type[DatasetError]] = {
 
 
 @dataclasses.dataclass(frozen=True)
-class PrepTask:
-    """Samples to run through a pipeline's first ``stages`` stages.
+class PrepTask(TaskHead):
+    """Samples to run through a pipeline's first ``stages`` stages (what they are: :class:`TaskHead`).
 
     Attributes:
-        dataset: the dataset's name (for messages).
-        pipeline: the pipeline (a serialized ``kspeed.v1.Pipeline``).
-        stages: run the stages before this one.
-        seed: the job's seed.
-        epoch: the epoch (random stages draw from ``(seed, epoch, sample, stage)``).
-        samples: the sample IDs.
         inputs: per sample, its stored bytes (a view of the pool, or bytes read from the backend).
         outputs: per sample, where its result goes (a window slot's view, at least as large as the
             declared output); ``None``: each result comes back as the bytes of the declared output.
@@ -78,12 +72,6 @@ class PrepTask:
             (0: the backend's bytes).
     """
 
-    dataset: str
-    pipeline: bytes
-    stages: int
-    seed: int
-    epoch: int
-    samples: tuple[int, ...]
     inputs: tuple[bytes | np.ndarray, ...]
     outputs: tuple[np.ndarray, ...] | None
     skip: bool = False

@@ -76,12 +76,17 @@ class Resolve:
 
 
 @dataclasses.dataclass(frozen=True)
-class Job:
-    """Samples to run through a pipeline's stages ``start..stages``; see :class:`kspeed.server.prep.workers.PrepTask`.
+class TaskHead:
+    """Which samples run through which stages of which pipeline, seeded how: what the server's
+    :class:`~kspeed.server.prep.link.PrepTask` and the worker's :class:`Job` made of it share.
 
     Attributes:
-        inputs: per sample, ``(offset, length)`` of its bytes in the scratch.
-        outputs: per sample, ``(offset, capacity)`` of its place in the scratch.
+        dataset: the dataset's name (for messages).
+        pipeline: the pipeline (a serialized ``kspeed.v1.Pipeline``).
+        stages: run the stages before this one.
+        seed: the job's seed.
+        epoch: the epoch (random stages draw from ``(seed, epoch, sample, stage)``).
+        samples: the sample IDs.
     """
 
     dataset: str
@@ -90,6 +95,17 @@ class Job:
     seed: int
     epoch: int
     samples: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Job(TaskHead):
+    """Samples to run through a pipeline's stages ``start..stages``; see :class:`kspeed.server.prep.link.PrepTask`.
+
+    Attributes:
+        inputs: per sample, ``(offset, length)`` of its bytes in the scratch.
+        outputs: per sample, ``(offset, capacity)`` of its place in the scratch.
+    """
+
     inputs: tuple[tuple[int, int], ...]
     outputs: tuple[tuple[int, int], ...]
     skip: bool
