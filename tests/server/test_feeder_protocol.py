@@ -42,7 +42,7 @@ from kspeed.server.feeder.protocol import (
     failure,
     wants_reply,
 )
-from kspeed.server.feeder.supervisor import EVENT_HANDLERS, FeederSupervisor
+from kspeed.server.feeder.supervisor import EVENT_HANDLERS, FeederSupervisor, PlanOffer, check_offer
 from kspeed.server.feeder.writer import FeederShared
 
 
@@ -289,3 +289,35 @@ def test_the_main_process_takes_events_from_the_pipe_and_logs_a_stray_one(caplog
     [stray] = [r for r in caplog.records if "cannot take in its report" in r.getMessage()]
     assert "'Stray'" in stray.getMessage()
     assert stray.exc_info is not None and stray.exc_info[0] is ProtocolError
+
+
+def _offer(**changes):
+    fields = {
+        "count": 10,
+        "positions": np.array([1, 4, 7]),
+        "ids": np.array([5, 6, 7]),
+        "lengths": np.array([8, 8, 8]),
+        "offsets": np.array([0, 0, 8]),
+        "processed": None,
+    }
+    fields.update(changes)
+    return PlanOffer(**fields)
+
+
+@pytest.mark.parametrize(
+    ("changes", "batch_size", "named"),
+    [
+        ({}, 0, "is malformed"),
+        ({"lengths": np.array([8, 8])}, 4, "2 lengths"),
+        ({"offsets": np.array([0, 8])}, 4, "2 offsets"),
+        ({"processed": np.array([True])}, 4, "is malformed"),
+        ({"count": -1}, 4, "is malformed"),
+        ({"positions": np.array([1, 1, 7])}, 4, "must increase"),
+        ({"positions": np.array([1, 4, 10])}, 4, "must increase"),
+        ({"offsets": np.array([0, -8, 8])}, 4, "offset is negative"),
+    ],
+)
+def test_a_malformed_plan_part_is_refused_before_anything_is_looked_up(changes, batch_size, named):
+    check_offer("f1", 4, _offer())  # the well-formed part passes
+    with pytest.raises(ProtocolError, match=rf"feed f1: .*{named}"):
+        check_offer("f1", batch_size, _offer(**changes))

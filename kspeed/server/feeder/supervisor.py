@@ -342,26 +342,9 @@ class FeederSupervisor:
             ChangedError: samples of the plan changed in the backend since the listing.
         """
         info = self._feed(feed_id)
+        check_offer(feed_id, batch_size, offer)
         ids, positions, offsets = offer.ids, offer.positions, offer.offsets
         n = len(ids)
-        if (
-            batch_size <= 0
-            or not 0 <= offer.count <= MAX_PLAN
-            or len(offer.lengths) != n
-            or len(positions) != n
-            or len(offsets) != n
-            or (offer.processed is not None and len(offer.processed) != n)
-        ):
-            raise ProtocolError(
-                f"feed {feed_id}: plan part of {n} IDs, {len(offer.lengths)} lengths, {len(positions)} positions "
-                f"and {len(offsets)} offsets, of a plan of {offer.count} with batch size {batch_size}, is malformed"
-            )
-        if n and (int(positions[0]) < 0 or int(positions[-1]) >= offer.count or bool((np.diff(positions) <= 0).any())):
-            raise ProtocolError(
-                f"feed {feed_id}: plan positions must increase within the plan's {offer.count} positions"
-            )
-        if n and int(offsets.min()) < 0:
-            raise ProtocolError(f"feed {feed_id}: a plan offset is negative")
         hosted = self._host.get(info.dataset, info.first)
         index = hosted.preloader.index
         foreign = np.flatnonzero(~index.owns(ids))
@@ -525,3 +508,30 @@ class FeederSupervisor:
             if worker.reader is not None:
                 worker.reader.join(timeout=5)
             worker.events.close()
+
+
+def check_offer(feed_id: str, batch_size: int, offer: PlanOffer) -> None:
+    """Refuse a plan part whose arrays disagree in length, whose positions do not increase within
+    the plan, or whose offsets are negative (before anything of it is looked up).
+
+    Raises:
+        ProtocolError: what is malformed, named with the feed.
+    """
+    ids, positions, offsets = offer.ids, offer.positions, offer.offsets
+    n = len(ids)
+    if (
+        batch_size <= 0
+        or not 0 <= offer.count <= MAX_PLAN
+        or len(offer.lengths) != n
+        or len(positions) != n
+        or len(offsets) != n
+        or (offer.processed is not None and len(offer.processed) != n)
+    ):
+        raise ProtocolError(
+            f"feed {feed_id}: plan part of {n} IDs, {len(offer.lengths)} lengths, {len(positions)} positions "
+            f"and {len(offsets)} offsets, of a plan of {offer.count} with batch size {batch_size}, is malformed"
+        )
+    if n and (int(positions[0]) < 0 or int(positions[-1]) >= offer.count or bool((np.diff(positions) <= 0).any())):
+        raise ProtocolError(f"feed {feed_id}: plan positions must increase within the plan's {offer.count} positions")
+    if n and int(offsets.min()) < 0:
+        raise ProtocolError(f"feed {feed_id}: a plan offset is negative")
