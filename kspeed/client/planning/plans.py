@@ -186,33 +186,10 @@ def make_plan(
         CapacityError: a batch does not fit in the ring.
     """
     n = len(ids)
-    owner = np.full(n, -1, dtype=np.int32)
-    lengths = np.zeros(n, dtype=np.int64)
-    labels = np.full(n, -1, dtype=np.int64)
     started = time.perf_counter()
     replies = _lookup_all(links, dataset, ids, pool)
     lookup_s = time.perf_counter() - started
-    for index, (positions, lens, labs) in enumerate(replies):
-        clash = positions[owner[positions] >= 0]
-        if len(clash):
-            p = int(clash[0])
-            raise ProtocolError(
-                f"dataset {dataset!r}: sample {int(ids[p])} is claimed by {links[owner[p]].name} and "
-                f"{links[index].name}"
-            )
-        owner[positions] = index
-        lengths[positions] = lens
-        if labelled and len(labs) == len(positions):
-            labels[positions] = labs
-    orphans = np.flatnonzero(owner < 0)
-    if len(orphans):
-        sample = int(ids[orphans[0]])
-        raise DatasetError(
-            f"dataset {dataset!r}: sample {sample} is owned by no server ({len(orphans)} sample(s) "
-            "unowned); the dataset's shares do not cover it",
-            dataset=dataset,
-            sample=sample,
-        )
+    owner, lengths, labels = _owners(links, dataset, ids, replies, labelled)
     remote = None
     if prep is not None and prep.fraction > 0:
         remote = remote_positions(n, batch_size, prep.fraction)
@@ -238,6 +215,39 @@ def make_plan(
         layout.num_batches,
     )
     return plan
+
+
+def _owners(
+    links: Sequence[Link], dataset: str, ids: np.ndarray, replies: Sequence[tuple], labelled: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each sample's owning server (its index in ``links``), length and label, from the lookups'
+    ``replies``; every sample must have exactly one owner."""
+    n = len(ids)
+    owner = np.full(n, -1, dtype=np.int32)
+    lengths = np.zeros(n, dtype=np.int64)
+    labels = np.full(n, -1, dtype=np.int64)
+    for index, (positions, lens, labs) in enumerate(replies):
+        clash = positions[owner[positions] >= 0]
+        if len(clash):
+            p = int(clash[0])
+            raise ProtocolError(
+                f"dataset {dataset!r}: sample {int(ids[p])} is claimed by {links[owner[p]].name} and "
+                f"{links[index].name}"
+            )
+        owner[positions] = index
+        lengths[positions] = lens
+        if labelled and len(labs) == len(positions):
+            labels[positions] = labs
+    orphans = np.flatnonzero(owner < 0)
+    if len(orphans):
+        sample = int(ids[orphans[0]])
+        raise DatasetError(
+            f"dataset {dataset!r}: sample {sample} is owned by no server ({len(orphans)} sample(s) "
+            "unowned); the dataset's shares do not cover it",
+            dataset=dataset,
+            sample=sample,
+        )
+    return owner, lengths, labels
 
 
 def check_fits(layout: BatchLayout, ring_bytes: int, dataset: str, epoch: int) -> None:
