@@ -44,8 +44,8 @@ DEFAULT_WORKERS = min(4, os.cpu_count() or 1)
 #: Batches in flight per worker (the ``DataLoader`` default ``prefetch_factor``).
 PREFETCH_PER_WORKER = 2
 NO_WORKERS = (
-    "a wrapped dataset runs its own worker processes and cannot itself run in DataLoader workers; "
-    "iterate it directly, or use DataLoader(wrapped, batch_size=None, num_workers=0)"
+    "a dataset prepared on the client runs its own worker processes and cannot itself run in DataLoader "
+    "workers; iterate it directly, or use DataLoader(dataset, batch_size=None, num_workers=0)"
 )
 
 
@@ -143,7 +143,7 @@ class PreparedDataset(IterableDataset):
         self._seconds: dict[str, float] = {}
         self.num_workers = workers
         self.prefetch = prefetch if prefetch is not None else max(PREFETCH_PER_WORKER * workers, 1)
-        self._pool: TransformWorkers | InlineWorkers | None = None
+        self._workers: TransformWorkers | InlineWorkers | None = None
         self._delivered = 0
         self._closed = False
 
@@ -175,17 +175,17 @@ class PreparedDataset(IterableDataset):
         self._check_open()
         batches = iter(self._inner)
         self._delivered = self._inner.state_dict()["batches"]
-        if self._pool is None:
-            self._pool = (
+        if self._workers is None:
+            self._workers = (
                 TransformWorkers(self.num_workers, self._stages) if self.num_workers else InlineWorkers(self._stages)
             )
-        return self._deliver(batches, self._pool)
+        return self._deliver(batches, self._workers)
 
-    def _deliver(self, batches: Iterator[Any], pool: TransformWorkers | InlineWorkers) -> Iterator[Any]:
+    def _deliver(self, batches: Iterator[Any], workers: TransformWorkers | InlineWorkers) -> Iterator[Any]:
         pending: deque[_Task] = deque()
         try:
             for batch in batches:
-                pending.append(self._submit(pool, batch))
+                pending.append(self._submit(workers, batch))
                 if len(pending) >= self.prefetch:
                     yield self._collect(pending.popleft())
             while pending:
@@ -197,10 +197,10 @@ class PreparedDataset(IterableDataset):
         except BaseException:
             for task in pending:
                 task.future.cancel()
-            self._stop_pool()
+            self._stop_workers()
             raise
 
-    def _submit(self, pool: TransformWorkers | InlineWorkers, batch: Any) -> _Task:
+    def _submit(self, workers: TransformWorkers | InlineWorkers, batch: Any) -> _Task:
         """Copy the batch's bytes into one buffer, give its ring range back and queue it.
 
         A batch the servers preprocessed whole, with no client stage left but the default
@@ -223,7 +223,7 @@ class PreparedDataset(IterableDataset):
         batch.release()
         paths = self._paths
         names = [os.path.basename(paths[i]) for i in ids] if paths and self._stages.loader_takes == "path" else []
-        future = pool.submit(buffer, offsets.tolist(), targets, names, draw)
+        future = workers.submit(buffer, offsets.tolist(), targets, names, draw)
         return _Task(future, epoch, index, ids)
 
     def _targets_of(self, batch: Any, ids: list[int]) -> list[Any]:
@@ -296,7 +296,7 @@ class PreparedDataset(IterableDataset):
 
     def worker_pids(self) -> list[int]:
         """Process IDs of the running transform workers (none before the first iteration or after close)."""
-        return self._pool.pids() if self._pool is not None else []
+        return self._workers.pids() if self._workers is not None else []
 
     # -- epochs, resume, operations --------------------------------------------------------------
 
@@ -335,23 +335,23 @@ class PreparedDataset(IterableDataset):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise StateError(f"wrapped dataset {self.name!r} is closed; wrap the folder dataset again")
+            raise StateError(f"dataset {self.name!r} is closed; open it again with client.dataset() or client.wrap()")
 
-    def _stop_pool(self) -> None:
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.close()
+    def _stop_workers(self) -> None:
+        workers, self._workers = self._workers, None
+        if workers is not None:
+            workers.close()
 
     def close(self) -> None:
         """Join the worker processes and close the KSpeed dataset."""
         if self._closed:
             return
         self._closed = True
-        self._stop_pool()
+        self._stop_workers()
         try:
             self._inner.close()
         except KSpeedError as exc:
-            log.warning("wrapped dataset %s: error while closing: %s", self.name, exc)
+            log.warning("dataset %s: error while closing its client workers: %s", self.name, exc)
 
     def __enter__(self) -> PreparedDataset:
         return self

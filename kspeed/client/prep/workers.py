@@ -450,7 +450,7 @@ class _Workers(ABC):
             StateError: the workers are closed.
         """
         if self.closed:
-            raise StateError("the transform workers are closed; iterate the wrapped dataset again to start a new one")
+            raise StateError("the transform workers are closed; iterate the dataset again to start new ones")
         return self._submit((buffer, offsets, targets, names, draw))
 
     @abstractmethod
