@@ -362,7 +362,7 @@ EVENTS: tuple[type[Event], ...] = get_args(Event)
 
 # -- dispatch ----------------------------------------------------------------------------------------------
 
-Owner = TypeVar("Owner")  # what handles the records: the feeder, or the main process's feeder pool
+Owner = TypeVar("Owner")  # what handles the records: the feeder, or the main process's feeder supervisor
 Record = TypeVar("Record")
 Result = TypeVar("Result")
 Extra = ParamSpec("Extra")  # what a handler takes after the record (the main process: which feeder)

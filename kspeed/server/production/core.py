@@ -156,7 +156,7 @@ class Production(ProcessedProduction):
         for thread in self._threads:
             thread.start()
 
-    # -- feeds and plans (called by the feeder pool) ---------------------------------------------
+    # -- feeds and plans (called by the feeder supervisor) ---------------------------------------
 
     def install(
         self,
