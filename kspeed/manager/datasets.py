@@ -354,7 +354,8 @@ class DatasetCatalog(ShareMoves):
             )
         info.revision = 1
         addresses = {r.id: r.address for r in ready}
-        await self._assign_all(info, addresses)
+        listing = kspeed_pb2.ListingSource(server_id=lister.id, address=lister.address, listing_id=described.listing_id)
+        await self._assign_all(info, addresses, listing)
         log.info(
             "dataset %s: %d samples, %d bytes in %d regions on %d server(s)%s",
             spec.name,
@@ -366,9 +367,11 @@ class DatasetCatalog(ShareMoves):
         )
         return info
 
-    async def _assign_all(self, info: kspeed_pb2.DatasetInfo, addresses: dict[str, str]) -> None:
-        """Assign every share of a new dataset, the servers at once (each lists the backend, which
-        may take long), one server's shares in turn. A failure anywhere, or the caller giving up,
+    async def _assign_all(
+        self, info: kspeed_pb2.DatasetInfo, addresses: dict[str, str], listing: kspeed_pb2.ListingSource
+    ) -> None:
+        """Assign every share of a new dataset, the servers at once (each fetches the listing from
+        its ``listing`` server, or lists the backend when it cannot), one server's shares in turn. A failure anywhere, or the caller giving up,
         drops the share on every server it was sent to (the one whose call failed too: it may have
         taken it as the call failed), then is raised.
 
@@ -384,7 +387,10 @@ class DatasetCatalog(ShareMoves):
         async def assign(server_id: str, shares: list[kspeed_pb2.Share]) -> None:
             for share in shares:
                 sent.append(share)
-                await self._calls.call(addresses[server_id], server_id, "AssignShare", self._assignment(info, share))
+                request = self._assignment(info, share)
+                if listing.listing_id:
+                    request.listing.CopyFrom(listing)
+                await self._calls.call(addresses[server_id], server_id, "AssignShare", request)
 
         tasks = [asyncio.ensure_future(assign(sid, shares)) for sid, shares in holders.items()]
         try:

@@ -592,21 +592,23 @@ class ReleaseLeaseReply(_message.Message):
     def __init__(self) -> None: ...
 
 class AssignShareRequest(_message.Message):
-    __slots__ = ("spec", "fingerprint", "region_size", "share", "dataset")
+    __slots__ = ("spec", "fingerprint", "region_size", "share", "dataset", "listing")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     REGION_SIZE_FIELD_NUMBER: _ClassVar[int]
     SHARE_FIELD_NUMBER: _ClassVar[int]
     DATASET_FIELD_NUMBER: _ClassVar[int]
+    LISTING_FIELD_NUMBER: _ClassVar[int]
     spec: DatasetSpec
     fingerprint: Fingerprint
     region_size: int
     share: Share
     dataset: DatasetInfo
-    def __init__(self, spec: _Optional[_Union[DatasetSpec, _Mapping]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., region_size: _Optional[int] = ..., share: _Optional[_Union[Share, _Mapping]] = ..., dataset: _Optional[_Union[DatasetInfo, _Mapping]] = ...) -> None: ...
+    listing: ListingSource
+    def __init__(self, spec: _Optional[_Union[DatasetSpec, _Mapping]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., region_size: _Optional[int] = ..., share: _Optional[_Union[Share, _Mapping]] = ..., dataset: _Optional[_Union[DatasetInfo, _Mapping]] = ..., listing: _Optional[_Union[ListingSource, _Mapping]] = ...) -> None: ...
 
 class DescribeDatasetReply(_message.Message):
-    __slots__ = ("fingerprint", "class_names", "region_size", "region_starts", "region_bytes", "sample_dtype", "sample_shape", "shard_starts")
+    __slots__ = ("fingerprint", "class_names", "region_size", "region_starts", "region_bytes", "sample_dtype", "sample_shape", "shard_starts", "listing_id")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     CLASS_NAMES_FIELD_NUMBER: _ClassVar[int]
     REGION_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -615,6 +617,7 @@ class DescribeDatasetReply(_message.Message):
     SAMPLE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_SHAPE_FIELD_NUMBER: _ClassVar[int]
     SHARD_STARTS_FIELD_NUMBER: _ClassVar[int]
+    LISTING_ID_FIELD_NUMBER: _ClassVar[int]
     fingerprint: Fingerprint
     class_names: _containers.RepeatedScalarFieldContainer[str]
     region_size: int
@@ -623,7 +626,66 @@ class DescribeDatasetReply(_message.Message):
     sample_dtype: str
     sample_shape: _containers.RepeatedScalarFieldContainer[int]
     shard_starts: bytes
-    def __init__(self, fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., class_names: _Optional[_Iterable[str]] = ..., region_size: _Optional[int] = ..., region_starts: _Optional[bytes] = ..., region_bytes: _Optional[bytes] = ..., sample_dtype: _Optional[str] = ..., sample_shape: _Optional[_Iterable[int]] = ..., shard_starts: _Optional[bytes] = ...) -> None: ...
+    listing_id: str
+    def __init__(self, fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., class_names: _Optional[_Iterable[str]] = ..., region_size: _Optional[int] = ..., region_starts: _Optional[bytes] = ..., region_bytes: _Optional[bytes] = ..., sample_dtype: _Optional[str] = ..., sample_shape: _Optional[_Iterable[int]] = ..., shard_starts: _Optional[bytes] = ..., listing_id: _Optional[str] = ...) -> None: ...
+
+class ListingSource(_message.Message):
+    __slots__ = ("server_id", "address", "listing_id")
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LISTING_ID_FIELD_NUMBER: _ClassVar[int]
+    server_id: str
+    address: str
+    listing_id: str
+    def __init__(self, server_id: _Optional[str] = ..., address: _Optional[str] = ..., listing_id: _Optional[str] = ...) -> None: ...
+
+class FetchListingRequest(_message.Message):
+    __slots__ = ("listing_id",)
+    LISTING_ID_FIELD_NUMBER: _ClassVar[int]
+    listing_id: str
+    def __init__(self, listing_id: _Optional[str] = ...) -> None: ...
+
+class ListingArray(_message.Message):
+    __slots__ = ("name", "dtype", "nbytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    nbytes: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class ListingHeader(_message.Message):
+    __slots__ = ("kind", "root", "fingerprint", "classes", "shards", "row_offset", "file_stamp", "dtype", "row_shape", "arrays")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    CLASSES_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    ROW_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    FILE_STAMP_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ROW_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    ARRAYS_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    root: str
+    fingerprint: Fingerprint
+    classes: _containers.RepeatedScalarFieldContainer[str]
+    shards: _containers.RepeatedScalarFieldContainer[str]
+    row_offset: int
+    file_stamp: float
+    dtype: str
+    row_shape: _containers.RepeatedScalarFieldContainer[int]
+    arrays: _containers.RepeatedCompositeFieldContainer[ListingArray]
+    def __init__(self, kind: _Optional[str] = ..., root: _Optional[str] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., classes: _Optional[_Iterable[str]] = ..., shards: _Optional[_Iterable[str]] = ..., row_offset: _Optional[int] = ..., file_stamp: _Optional[float] = ..., dtype: _Optional[str] = ..., row_shape: _Optional[_Iterable[int]] = ..., arrays: _Optional[_Iterable[_Union[ListingArray, _Mapping]]] = ...) -> None: ...
+
+class ListingChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: ListingHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[ListingHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class DropDatasetReply(_message.Message):
     __slots__ = ()

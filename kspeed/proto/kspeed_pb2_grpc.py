@@ -928,6 +928,11 @@ class ServerStub:
                 request_serializer=kspeed__pb2.CheckShareRequest.SerializeToString,
                 response_deserializer=kspeed__pb2.ShareStatus.FromString,
                 _registered_method=True)
+        self.FetchListing = channel.unary_stream(
+                '/kspeed.v1.Server/FetchListing',
+                request_serializer=kspeed__pb2.FetchListingRequest.SerializeToString,
+                response_deserializer=kspeed__pb2.ListingChunk.FromString,
+                _registered_method=True)
         self.Lookup = channel.unary_unary(
                 '/kspeed.v1.Server/Lookup',
                 request_serializer=kspeed__pb2.LookupRequest.SerializeToString,
@@ -996,6 +1001,13 @@ class ServerServicer:
 
     def CheckShare(self, request, context):
         """Compare the share's backend files with the listing (sizes, mtimes or etags); changes are reported.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchListing(self, request, context):
+        """The listing this server made when it described a dataset (DescribeDatasetReply.listing_id).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -1076,6 +1088,11 @@ def add_ServerServicer_to_server(servicer, server):
                     servicer.CheckShare,
                     request_deserializer=kspeed__pb2.CheckShareRequest.FromString,
                     response_serializer=kspeed__pb2.ShareStatus.SerializeToString,
+            ),
+            'FetchListing': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchListing,
+                    request_deserializer=kspeed__pb2.FetchListingRequest.FromString,
+                    response_serializer=kspeed__pb2.ListingChunk.SerializeToString,
             ),
             'Lookup': grpc.unary_unary_rpc_method_handler(
                     servicer.Lookup,
@@ -1270,6 +1287,33 @@ class Server:
             '/kspeed.v1.Server/CheckShare',
             kspeed__pb2.CheckShareRequest.SerializeToString,
             kspeed__pb2.ShareStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchListing(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kspeed.v1.Server/FetchListing',
+            kspeed__pb2.FetchListingRequest.SerializeToString,
+            kspeed__pb2.ListingChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -39,6 +39,7 @@ from kspeed.server.backend.access import Backend
 from kspeed.server.backend.allowlist import AllowList
 from kspeed.server.feeder.supervisor import FeederSupervisor
 from kspeed.server.hosting.datasets import DatasetHost
+from kspeed.server.hosting.listings import Listings
 from kspeed.server.local_state import StateLock, pool_dir, read_cluster_id, write_cluster_id
 from kspeed.server.memory.pool import WINDOW_OWNER, MemoryPool, RegionState
 from kspeed.server.memory.window import ProductionWindow
@@ -168,6 +169,7 @@ class Server:
             change_check_budget=cfg.change_check_budget,
             preprocess_allow=cfg.preprocess_allow,
             prep=self.prep,
+            listings=Listings(backend, cfg.security),
         )
         host.restore()
         return pool, window, host

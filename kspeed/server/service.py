@@ -11,7 +11,7 @@ from kspeed import wire
 from kspeed._version import PROTOCOL_VERSIONS, __version__
 from kspeed.config import format_bytes
 from kspeed.control import rpc
-from kspeed.errors import CapacityError, ProtocolError
+from kspeed.errors import CapacityError, NotFoundError, ProtocolError
 from kspeed.proto import kspeed_pb2
 from kspeed.server.feeder.supervisor import MAX_PLAN, FeederSupervisor, PlanOffer
 from kspeed.server.hosting.datasets import DatasetHost, decode_ids
@@ -84,6 +84,13 @@ class ServerService:
         self, request: kspeed_pb2.CheckShareRequest, context: grpc.ServicerContext
     ) -> kspeed_pb2.ShareStatus:
         return self._host.check(request.name, int(request.limit))
+
+    def FetchListing(
+        self, request: kspeed_pb2.FetchListingRequest, context: grpc.ServicerContext
+    ) -> Iterator[kspeed_pb2.ListingChunk]:
+        if self._host.listings is None:
+            raise NotFoundError("this server keeps no listings")
+        return self._host.listings.chunks(request.listing_id)
 
     def Lookup(self, request: kspeed_pb2.LookupRequest, context: grpc.ServicerContext) -> kspeed_pb2.LookupReply:
         if not request.dataset:

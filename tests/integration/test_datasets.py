@@ -183,6 +183,29 @@ def test_register_preload_lookup_read(data_cluster, tmp_path):
             client.dataset("imgs")
 
 
+def test_registration_lists_the_backend_once_and_the_holders_fetch_that_listing(data_cluster, tmp_path):
+    files = make_tree(tmp_path / "imgs", max_size=160 * 1024)
+    keys = list(files)
+    with client_for(data_cluster) as client:
+        wait_for(lambda: len([r for r in client.servers() if r.state == 2]) == 2, 10, "ready")
+        spec = kspeed_pb2.DatasetSpec(name="imgs", uri=str(tmp_path / "imgs"), labels="dirname")
+        info = client.create_dataset(spec, operator=True).dataset
+        holders = {s.server_id for s in info.shares}
+        assert len(holders) == 2  # the tree does not fit one server: both hold a share
+        logs = {s.ready["id"]: log_of(s) for s in data_cluster.servers}
+        listed = [sid for sid, text in logs.items() if f"dataset imgs: listed {tmp_path / 'imgs'}" in text]
+        fetched = [sid for sid, text in logs.items() if "dataset imgs: fetched the listing from" in text]
+        assert len(listed) == 1 and fetched == sorted(holders - set(listed))
+        # what the fetched listing serves is the files' bytes, in the lister's order
+        assert follow_preload(client, "imgs", out=None).state == DS.DATASET_STATE_READY
+        for sid, stub in server_stubs(data_cluster, info).items():
+            share = next(s for s in info.shares if s.server_id == sid)
+            ids = np.arange(share.first_id, min(share.end_id, share.first_id + 20), dtype=np.int64)
+            reply = stub.Read(kspeed_pb2.ReadRequest(dataset="imgs", ids=ids.tobytes()), timeout=5)
+            offsets = [0, *np.cumsum([len(files[keys[i]]) for i in ids]).tolist()]
+            assert [reply.data[offsets[k] : offsets[k + 1]] for k in range(len(ids))] == [files[keys[i]] for i in ids]
+
+
 def test_bad_input_is_named_and_changes_nothing(data_cluster, tmp_path):
     files = make_tree(tmp_path / "ok", per_class=5)
     with client_for(data_cluster) as client:

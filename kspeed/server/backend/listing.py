@@ -35,6 +35,7 @@ from numpy.lib import format as npy_format
 
 from kspeed.errors import DatasetError
 from kspeed.server.backend.access import URL_PROTOCOLS, Backend
+from kspeed.server.backend.localtree import walk_tree
 from kspeed.server.backend.shards import expand_braces, index_shards
 
 __all__ = ["SOURCE_KINDS", "Keys", "Listing", "list_dataset", "stamp"]
@@ -140,6 +141,15 @@ def stamp(info: Mapping[str, Any]) -> float:
 def _open_dir(
     backend: Backend, dataset: str, uri: str, fs: fsspec.AbstractFileSystem, root: str, protocol: str
 ) -> Listing:
+    if backend.is_local(protocol):
+        return _open_local_dir(backend, dataset, root, protocol)
+    return _open_fs_dir(backend, dataset, fs, root, protocol)
+
+
+def _open_fs_dir(
+    backend: Backend, dataset: str, fs: fsspec.AbstractFileSystem, root: str, protocol: str
+) -> Listing:
+    """A tree of any file system, through fsspec's ``find`` (a local one has a faster path)."""
     entries = fs.find(root, detail=True, withdirs=False)
     prefix = root.rstrip("/") + "/"
     rel: list[tuple[str, int, str, float]] = []
@@ -173,6 +183,25 @@ def _open_dir(
         labels = np.fromiter((lookup[t] for t in tops), dtype=np.int64, count=len(tops))
     return Listing(
         "dir", root, sizes, tags, keys=Keys.from_strings(keys), labels=labels, classes=classes, stamps=stamps
+    )
+
+
+def _open_local_dir(backend: Backend, dataset: str, root: str, protocol: str) -> Listing:
+    """A local tree, walked with ``os.scandir`` (:mod:`kspeed.server.backend.localtree`)."""
+
+    def check_link(path: str, key: str) -> None:
+        backend.allow.check(f"{protocol}://{path}", dataset=dataset, sample=key)
+
+    tree = walk_tree(root, check_link)
+    return Listing(
+        "dir",
+        root,
+        tree.sizes,
+        tree.tags,
+        keys=Keys(tree.blob, tree.starts, tree.ends),
+        labels=tree.labels,
+        classes=tree.classes,
+        stamps=tree.stamps,
     )
 
 

@@ -28,7 +28,7 @@ from kspeed.server.backend.listing import SOURCE_KINDS, Keys, Listing, list_data
 from kspeed.server.backend.localread import LocalReader, fd_path
 from kspeed.server.memory.checksum import crc32c
 
-__all__ = ["SOURCE_KINDS", "Fingerprint", "Source", "open_source"]
+__all__ = ["SOURCE_KINDS", "Fingerprint", "Source", "open_source", "source_of"]
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,7 @@ class Source:
         offsets: np.ndarray | None = None,
         dtype: str = "",
         row_shape: tuple[int, ...] = (),
+        fingerprint: Fingerprint | None = None,
     ) -> None:
         self.backend, self.dataset, self.uri, self.kind = backend, dataset, uri, kind
         self.shards = tuple(shards)
@@ -108,8 +109,10 @@ class Source:
         self.stamps = stamps
         self.file_stamp = file_stamp
         self._local = LocalReader(self) if protocol == "file" else None
-        h = hashlib.sha256(kind.encode() + b"\0" + self.sizes.tobytes() + b"\0" + tags)
-        self.fingerprint = Fingerprint(len(self.sizes), int(self.sizes.sum()), h.hexdigest())
+        if fingerprint is None:
+            h = hashlib.sha256(kind.encode() + b"\0" + self.sizes.tobytes() + b"\0" + tags)
+            fingerprint = Fingerprint(len(self.sizes), int(self.sizes.sum()), h.hexdigest())
+        self.fingerprint = fingerprint
 
     @property
     def keys(self) -> Keys | None:
@@ -438,7 +441,20 @@ def open_source(backend: Backend, dataset: str, uri: str, *, kind: str = "auto")
         if backend.is_local(protocol) and isinstance(exc.__cause__, FileNotFoundError) and not fs.exists(root):
             raise BackendError(f"{exc}; {_not_here(root)}", dataset=dataset) from exc.__cause__
         raise
-    source = Source(
+    source = source_of(backend, dataset, uri, protocol, found)
+    if source.count == 0:
+        hint = f"; {_not_here(root)}" if backend.is_local(protocol) else ""
+        raise DatasetError(f"dataset {dataset!r}: {uri} holds no samples{hint}", dataset=dataset)
+    log.info("dataset %s: listed %s (%s): %s", dataset, uri, found.kind, source.fingerprint)
+    return source
+
+
+def source_of(
+    backend: Backend, dataset: str, uri: str, protocol: str, found: Listing, fingerprint: Fingerprint | None = None
+) -> Source:
+    """The :class:`Source` of a listing of ``uri`` (``fingerprint``: as its lister computed it, for a
+    listing fetched from another server; by default computed from the listing's sizes and tags)."""
+    return Source(
         backend,
         dataset,
         uri,
@@ -458,12 +474,8 @@ def open_source(backend: Backend, dataset: str, uri: str, *, kind: str = "auto")
         offsets=found.offsets,
         dtype=found.dtype,
         row_shape=found.row_shape,
+        fingerprint=fingerprint,
     )
-    if source.count == 0:
-        hint = f"; {_not_here(root)}" if backend.is_local(protocol) else ""
-        raise DatasetError(f"dataset {dataset!r}: {uri} holds no samples{hint}", dataset=dataset)
-    log.info("dataset %s: listed %s (%s): %s", dataset, uri, found.kind, source.fingerprint)
-    return source
 
 
 def _not_here(root: str) -> str:

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import grpc
 import numpy as np
 
 from kspeed import names, wire
@@ -48,6 +49,7 @@ from kspeed.server.backend.changes import Change, ChangeLog, ChangeWatch
 from kspeed.server.backend.sources import Source, open_source
 from kspeed.server.hosting.cached_source import CachedSource
 from kspeed.server.hosting.integrity import SampleStore
+from kspeed.server.hosting.listings import Listings, fetch_failed
 from kspeed.server.hosting.preload import Preloader
 from kspeed.server.memory.pool import WINDOW_OWNER, MemoryPool, RegionState
 from kspeed.server.memory.slices import SharedRegions, Slice
@@ -215,8 +217,10 @@ class DatasetHost:
         change_check_budget: int = 0,
         preprocess_allow: tuple[str, ...] = (),
         prep: PrepWorkers | None = None,
+        listings: Listings | None = None,
     ) -> None:
         self.pool = pool
+        self.listings = listings
         self.slices = SharedRegions(pool)
         self.preprocess_allow = preprocess_allow
         self.prep = prep
@@ -340,7 +344,9 @@ class DatasetHost:
         workers (built-in ops with their parameters, modules on the operator's preprocess allow-list).
         """
         self.check_pipeline(spec)
-        source = self._open(spec, describing=True)
+        raw = open_source(self.backend, spec.name, spec.uri, kind=spec.kind or "auto")
+        listing_id = self.listings.keep(spec, raw) if self.listings is not None else ""
+        source = self._cached(spec, raw, describing=True)
         if spec.labels == "dirname" and (source.labels is None or source.kind == "tar"):
             raise DatasetError(
                 f"dataset {spec.name!r}: labels 'dirname' need every sample in a class directory under {spec.uri}",
@@ -364,6 +370,7 @@ class DatasetHost:
             shard_starts=wire.pack_i64(source.shard_starts()) if source.shard_of is not None else b"",
             region_starts=wire.pack_i64(starts),
             region_bytes=wire.pack_i64(cum[starts[1:]] - cum[starts[:-1]]),
+            listing_id=listing_id,
         )
 
     def check_pipeline(self, spec: kspeed_pb2.DatasetSpec, *, resolve: bool = True) -> None:
@@ -398,13 +405,31 @@ class DatasetHost:
         elif spec.cache:
             raise ConfigError(f"dataset {spec.name!r}: cache {spec.cache!r} needs a pipeline", field="cache")
 
-    def _open(self, spec: kspeed_pb2.DatasetSpec, *, describing: bool = False) -> Source:
-        """The dataset's listing, as this server stores its samples (cached preprocessed, or raw).
+    def _open(self, request: kspeed_pb2.AssignShareRequest) -> Source:
+        """The dataset's listing for an assigned share, as this server stores its samples: fetched
+        from the server that listed it at registration where the assignment names one (listed here
+        when it cannot be fetched, or names none).
 
         Raises:
             ConfigError: the dataset is cached preprocessed and this server runs no preprocessing workers.
         """
-        source = open_source(self.backend, spec.name, spec.uri, kind=spec.kind or "auto")
+        spec, where = request.spec, request.listing
+        raw = None
+        if self.listings is not None and where.listing_id:
+            try:
+                raw = self.listings.fetch(spec, where)
+            except (KSpeedError, grpc.RpcError) as exc:
+                fetch_failed(spec, where, exc)
+        if raw is None:
+            raw = open_source(self.backend, spec.name, spec.uri, kind=spec.kind or "auto")
+        return self._cached(spec, raw)
+
+    def _cached(self, spec: kspeed_pb2.DatasetSpec, source: Source, *, describing: bool = False) -> Source:
+        """``source`` as this server stores the dataset's samples: cached preprocessed, or raw.
+
+        Raises:
+            ConfigError: the dataset is cached preprocessed and this server runs no preprocessing workers.
+        """
         if not spec.cache:
             return source
         if self.prep is None and not describing:
@@ -456,7 +481,15 @@ class DatasetHost:
                 )
             _policy(share)  # (a manager that knows policies this server does not)
             self.check_pipeline(request.spec, resolve=False)
-            source = self._open(request.spec)
+            source = self._open(request)
+            if request.HasField("listing"):  # where the listing came from is of no use once it is here
+                request = kspeed_pb2.AssignShareRequest(
+                    spec=request.spec,
+                    fingerprint=request.fingerprint,
+                    region_size=request.region_size,
+                    share=request.share,
+                    dataset=request.dataset,
+                )
             if fingerprint_pb(source) != request.fingerprint:
                 raise DatasetError(
                     f"dataset {name!r}: the backend changed since registration (registered: "

@@ -1,0 +1,64 @@
+"""A listing sent between servers: the same listing arrives, and a stream that is not one is refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from kspeed.errors import ProtocolError
+from kspeed.proto import kspeed_pb2
+from kspeed.server.backend import transfer
+from kspeed.server.backend.sources import open_source, source_of
+
+
+def tree(root, count=300):
+    for i in range(count):
+        folder = root / f"class{i % 3}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{i:05d}.bin").write_bytes(bytes([i % 251]) * (i % 17))
+    return root
+
+
+def test_a_listing_arrives_whole_in_chunks(tmp_path, backend, monkeypatch):
+    monkeypatch.setattr(transfer, "CHUNK", 1000)  # many chunks, arrays split across them
+    source = open_source(backend, "d", str(tree(tmp_path / "t")))
+    chunks = list(transfer.listing_chunks(source))
+    assert len(chunks) > 5 and all(len(c.data) <= 1000 for c in chunks)
+    found, fingerprint = transfer.listing_from_chunks(chunks, dataset="d", max_bytes=1 << 20)
+    got = source_of(backend, "d", source.uri, "file", found, fingerprint)
+    assert got.fingerprint == source.fingerprint and got.classes == source.classes
+    assert (got.sizes == source.sizes).all() and (got.labels == source.labels).all()
+    assert (got.stamps == source.stamps).all()
+    assert [got.key(i) for i in range(got.count)] == [source.key(i) for i in range(source.count)]
+    assert [got.read(i) for i in (0, 7, 299)] == [source.read(i) for i in (0, 7, 299)]
+
+
+def test_a_stream_that_is_not_a_listing_is_refused(tmp_path, backend):
+    source = open_source(backend, "d", str(tree(tmp_path / "t", 50)))
+    chunks = list(transfer.listing_chunks(source))
+    header = chunks[0].header
+
+    def refused(stream, match, max_bytes=1 << 20):
+        with pytest.raises(ProtocolError, match=match):
+            transfer.listing_from_chunks(stream, dataset="d", max_bytes=max_bytes)
+
+    refused(chunks[1:], "must start with its header")
+    refused([*chunks, kspeed_pb2.ListingChunk(data=b"x")], "more bytes than its header announced")
+    refused(chunks[:-1], "ended before")
+    refused([*chunks[:1], chunks[0], *chunks[1:]], "one header")
+    refused(chunks, "exceeds the 100 accepted", max_bytes=100)
+    for change, match in (
+        (lambda h: h.arrays.add(name="mystery", dtype="<i8", nbytes=0), "unknown or twice"),
+        (lambda h: setattr(h.arrays[0], "dtype", "<f4"), "of dtype"),
+        (lambda h: setattr(h.arrays[0], "nbytes", 8), "holds 8 bytes for 50 samples"),
+    ):
+        bad = kspeed_pb2.ListingHeader()
+        bad.CopyFrom(header)
+        change(bad)
+        refused([kspeed_pb2.ListingChunk(header=bad), *chunks[1:]], match)
+
+
+def test_key_offsets_outside_the_keys_are_refused(tmp_path, backend):
+    source = open_source(backend, "d", str(tree(tmp_path / "t", 20)))
+    source._keys.ends = source._keys.ends + 10**6  # as a broken lister would send them
+    with pytest.raises(ProtocolError, match="key offsets lie outside"):
+        transfer.listing_from_chunks(transfer.listing_chunks(source), dataset="d", max_bytes=1 << 20)
