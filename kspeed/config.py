@@ -465,8 +465,9 @@ class ManagerConfig(DaemonConfig):
     )
     verify_on_attach: bool = option(
         True,
-        "list a dataset's backend again when a job attaches to it (at most once a minute) and refuse it when "
-        "its files changed since registration",
+        "compare a dataset's files with the backend when a job attaches to it (at most once a minute: a stat "
+        "per local file, one listing of an object store, a manifest's stamp) and refuse it when they changed "
+        "since registration",
         parse=_parse_bool,
         env="KSPEED_VERIFY_ON_ATTACH",
     )

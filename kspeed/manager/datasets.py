@@ -245,11 +245,14 @@ class DatasetCatalog(ShareMoves):
             return reply
 
     async def _verify(self, info: kspeed_pb2.DatasetInfo) -> None:
-        """Before a job attaches: list the backend again and refuse a dataset whose files changed.
+        """Before a job attaches: have every holder compare its share with the backend, and refuse a
+        dataset whose files changed.
 
-        One listing per :data:`VERIFY_TTL` per dataset, so the ranks of a job attaching together
-        share it. A changed fingerprint makes every holder compare its whole share with its listing
-        (``CheckShare``) to name the changed samples; the dataset is marked changed for good.
+        Each holder compares in its backend's cheapest way that notices a listed file's change
+        (``CheckShare`` with ``attach``: one ``stat`` per local file, one paged listing of an object
+        store, a manifest's stamp; :meth:`~kspeed.server.backend.sources.Source.verify`), the holders
+        at once. One check per :data:`VERIFY_TTL` per dataset, so the ranks of a job attaching
+        together share it. A change marks the dataset changed for good.
 
         Raises:
             ChangedError: the dataset's backend changed since registration (the first changes named).
@@ -261,29 +264,16 @@ class DatasetCatalog(ShareMoves):
         ):
             return
         if not info.changed_reason:
-            ready = [r for r in self._membership.snapshot() if r.state == READY]
-            holders = {s.server_id for s in info.shares}
-            lister = next((r for r in ready if r.id in holders), ready[0] if ready else None)
-            if lister is None:
-                return  # nobody can list now; the servers' own checks still run
-            try:
-                described = await self._calls.call(lister.address, lister.id, "DescribeDataset", info.spec)
-                fresh: kspeed_pb2.Fingerprint = described.fingerprint
-            except DatasetError as exc:  # e.g. the backend root itself is gone
-                fresh, why = kspeed_pb2.Fingerprint(), str(exc)
-            else:
-                why = ""
-            if fresh == info.fingerprint:
+            statuses, why = await self._check_shares(info, attach=True)
+            changed = sum(int(status.changed_samples) for status in statuses)
+            if not changed and not why:
                 self._verified[name] = now
                 return
-            old, new = info.fingerprint, fresh
             info.changed_reason = why or (
-                f"the backend's listing changed since registration ({old.count} samples, {old.total_bytes} bytes, "
-                f"{old.digest[:12]} -> {new.count} samples, {new.total_bytes} bytes, {new.digest[:12]})"
+                f"the backend's listing changed since registration ({changed} sample(s) differ from it)"
             )
             self._store.keep(functools.partial(self._store.save_dataset, info))
             log.error("dataset %s: %s", name, info.changed_reason)
-            await self._check_shares(info)
         live = self._live(info)
         named = "; ".join(live.changes) or "the changed samples are being determined"
         raise ChangedError(
@@ -293,21 +283,31 @@ class DatasetCatalog(ShareMoves):
             dataset=name,
         )
 
-    async def _check_shares(self, info: kspeed_pb2.DatasetInfo) -> None:
-        """Have every holder compare its whole share with its listing now; their reports name the changes."""
+    async def _check_shares(
+        self, info: kspeed_pb2.DatasetInfo, *, attach: bool = False
+    ) -> tuple[list[kspeed_pb2.ShareStatus], str]:
+        """Have every ready holder compare its whole share with its listing now, the holders at once;
+        their reports name the changes. Returns the reports, and why the dataset counts as changed
+        where a holder's backend refused the comparison itself (e.g. its root is gone), else ``""``."""
         name = info.spec.name
         states = {r.id: r for r in self._membership.snapshot()}
-        for share in info.shares:
-            record = states.get(share.server_id)
-            if record is None or record.state != READY:
-                continue
-            request = kspeed_pb2.CheckShareRequest(name=name)
+        holders = [states[sid] for sid in dict.fromkeys(s.server_id for s in info.shares) if sid in states]
+        request = kspeed_pb2.CheckShareRequest(name=name, attach=attach)
+
+        async def check(record: kspeed_pb2.ServerRecord) -> kspeed_pb2.ShareStatus | str | None:
             try:
                 status = await self._calls.call(record.address, record.id, "CheckShare", request)
+            except DatasetError as exc:
+                return str(exc)
             except KSpeedError as exc:
                 log.warning("dataset %s: %s could not check its share: %s", name, record.id, exc)
-                continue
-            self._share_status[(name, share.server_id, status.first_id)] = status
+                return None
+            self._share_status[(name, record.id, status.first_id)] = status
+            return status
+
+        found = await asyncio.gather(*(check(r) for r in holders if r.state == READY))
+        statuses = [f for f in found if isinstance(f, kspeed_pb2.ShareStatus)]
+        return statuses, next((f for f in found if isinstance(f, str)), "")
 
     async def _allocate(self, spec: kspeed_pb2.DatasetSpec, owner: kspeed_pb2.DatasetOwner) -> kspeed_pb2.DatasetInfo:
         ready = await self._ready_servers(spec.name)
@@ -371,9 +371,9 @@ class DatasetCatalog(ShareMoves):
         self, info: kspeed_pb2.DatasetInfo, addresses: dict[str, str], listing: kspeed_pb2.ListingSource
     ) -> None:
         """Assign every share of a new dataset, the servers at once (each fetches the listing from
-        its ``listing`` server, or lists the backend when it cannot), one server's shares in turn. A failure anywhere, or the caller giving up,
-        drops the share on every server it was sent to (the one whose call failed too: it may have
-        taken it as the call failed), then is raised.
+        its ``listing`` server, or lists the backend when it cannot), one server's shares in turn.
+        A failure anywhere, or the caller giving up, drops the share on every server it was sent to
+        (the one whose call failed too: it may have taken it as the call failed), then is raised.
 
         Raises:
             KSpeedError: the first server's refusal, named.

@@ -574,12 +574,14 @@ class RemoveDatasetReply(_message.Message):
     def __init__(self) -> None: ...
 
 class CheckShareRequest(_message.Message):
-    __slots__ = ("name", "limit")
+    __slots__ = ("name", "limit", "attach")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
+    ATTACH_FIELD_NUMBER: _ClassVar[int]
     name: str
     limit: int
-    def __init__(self, name: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+    attach: bool
+    def __init__(self, name: _Optional[str] = ..., limit: _Optional[int] = ..., attach: _Optional[bool] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
     __slots__ = ("lease_id",)

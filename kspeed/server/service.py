@@ -83,7 +83,7 @@ class ServerService:
     def CheckShare(
         self, request: kspeed_pb2.CheckShareRequest, context: grpc.ServicerContext
     ) -> kspeed_pb2.ShareStatus:
-        return self._host.check(request.name, int(request.limit))
+        return self._host.check(request.name, int(request.limit), attach=request.attach)
 
     def FetchListing(
         self, request: kspeed_pb2.FetchListingRequest, context: grpc.ServicerContext

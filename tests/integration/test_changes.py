@@ -126,3 +126,23 @@ def test_rm_of_a_dataset_in_use_is_refused_and_forced_removal_is_named_to_the_jo
             ds.set_epoch(ds.epoch + 1)
             for _ in ds:
                 pass
+
+
+def test_a_file_rewritten_in_place_refuses_the_next_job_at_attach(cluster_factory, tmp_path):
+    """No periodic check runs: the attach's stat of every file notices a same-size rewrite that the
+    folder's own mtime does not show, and the holders name the sample."""
+    files = make_tree(tmp_path / "imgs", per_class=20, max_size=16 * 1024)
+    keys = list(files)
+    cluster = cluster_factory(2, server_args=["--backend-allow", str(tmp_path), "--memory", "8MiB"])
+    config = load_config(ClientConfig, environ={}, overrides={"manager": cluster.address, "security.auth": "none"})
+    spec = DatasetSpec(name="imgs", uri=str(tmp_path / "imgs"), labels="dirname")
+    with KSpeedClient(config=config) as first, KSpeedClient(config=config) as second:
+        ds = first.dataset(spec, batch_size=8, quiet=True)
+        assert ds.preload(quiet=True).state == "ready"
+        victim = next(i for i, k in enumerate(keys) if files[k])
+        folder = (tmp_path / "imgs" / keys[victim]).parent
+        before = os.stat(folder).st_mtime_ns
+        rewrite_keeping_size(tmp_path / "imgs" / keys[victim], files[keys[victim]])
+        assert os.stat(folder).st_mtime_ns == before  # the folder does not show it
+        with pytest.raises(ChangedError, match=rf"listing changed since registration.*sample {victim}\b.*modified"):
+            second.dataset(spec, batch_size=8, quiet=True)

@@ -42,7 +42,7 @@ def test_a_stream_that_is_not_a_listing_is_refused(tmp_path, backend):
             transfer.listing_from_chunks(stream, dataset="d", max_bytes=max_bytes)
 
     refused(chunks[1:], "must start with its header")
-    refused([*chunks, kspeed_pb2.ListingChunk(data=b"x")], "more bytes than its header announced")
+    refused([*chunks, kspeed_pb2.ListingChunk(data=b"x")], "more than its header announced")
     refused(chunks[:-1], "ended before")
     refused([*chunks[:1], chunks[0], *chunks[1:]], "one header")
     refused(chunks, "exceeds the 100 accepted", max_bytes=100)

@@ -78,7 +78,7 @@ class Listing:
         classes: class names, label i being ``classes[i]``.
         stamps: per sample, the :func:`stamp` of its file (``dir`` and ``list``; ``None`` for
             ``manifest``, whose sizes are all it records, and ``npy``).
-        file_stamp: ``npy`` only: the :func:`stamp` of the one file.
+        file_stamp: ``npy``: the :func:`stamp` of the one file; ``manifest``: the manifest's.
         shards: ``tar`` only: the shard paths, in order.
         shard_of: ``tar`` only: each sample's shard (index into ``shards``).
         offsets: ``tar`` only: the byte offset of each sample's member data in its shard.
@@ -146,9 +146,7 @@ def _open_dir(
     return _open_fs_dir(backend, dataset, fs, root, protocol)
 
 
-def _open_fs_dir(
-    backend: Backend, dataset: str, fs: fsspec.AbstractFileSystem, root: str, protocol: str
-) -> Listing:
+def _open_fs_dir(backend: Backend, dataset: str, fs: fsspec.AbstractFileSystem, root: str, protocol: str) -> Listing:
     """A tree of any file system, through fsspec's ``find`` (a local one has a faster path)."""
     entries = fs.find(root, detail=True, withdirs=False)
     prefix = root.rstrip("/") + "/"
@@ -262,7 +260,7 @@ def _open_manifest(
                     _refuse_key(dataset, uri, key, "contains '..'")
     info = fs.info(root)
     base = posixpath.dirname(root)
-    return Listing("manifest", base, sizes, _tag(info).encode(), keys=Keys(data, starts, ends))
+    return Listing("manifest", base, sizes, _tag(info).encode(), keys=Keys(data, starts, ends), file_stamp=stamp(info))
 
 
 def _refuse_key(dataset: str, uri: str, key: bytes, why: str) -> None:

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
+import os
 import posixpath
 import socket
 from collections.abc import Iterator, Sequence
@@ -66,7 +67,7 @@ class Source:
         fingerprint: see :class:`Fingerprint`.
         row_offset: ``npy`` only: byte offset of row 0 in the file.
         stamps: per sample, the stamp of its file at listing (``None`` where the kind records none).
-        file_stamp: ``npy`` only: the stamp of the one file at listing.
+        file_stamp: ``npy``: the stamp of the one file at listing; ``manifest``: the manifest's.
     """
 
     def __init__(
@@ -346,6 +347,8 @@ class Source:
                     [Change(int(i), f"{self.shards[shard]}:{self.key(int(i))}", what) for i in mine] if what else []
                 )
             return found
+        if self._local is not None:
+            return self._stat_files(ids)
         changes = []
         for i, path in zip(ids, self.paths(ids), strict=True):
             listed = None if self.stamps is None else float(self.stamps[i])
@@ -353,6 +356,51 @@ class Source:
             if what:
                 changes.append(Change(i, path, what))
         return changes
+
+    def _stat_files(self, ids: list[int]) -> list[Change]:
+        """:meth:`check` of local files: one ``stat`` each (no file system object per file)."""
+        changes = []
+        sizes = self.sizes[ids].tolist()
+        stamps = self.stamps[ids].tolist() if self.stamps is not None else [None] * len(ids)
+        for i, path, size, listed in zip(ids, self.paths(ids), sizes, stamps, strict=True):
+            try:
+                found = os.stat(path)
+            except FileNotFoundError:
+                changes.append(Change(i, path, "deleted"))
+                continue
+            except OSError as exc:
+                raise self.backend.error(exc, f"stat {self.where(path)}", dataset=self.dataset, sample=i) from exc
+            if found.st_size != size:
+                changes.append(Change(i, path, f"size {size} -> {found.st_size} bytes"))
+            elif listed is not None and found.st_mtime != listed:
+                changes.append(Change(i, path, "modified (a new mtime or etag)"))
+        return changes
+
+    def verify(self, ids: np.ndarray) -> list[Change]:
+        """Compare the samples ``ids`` with the backend as a job's attach does: in the cheapest way
+        that still notices a listed file rewritten, resized or removed.
+
+        * a local tree or list file: one ``stat`` per file (:meth:`check`);
+        * a tree on another file system (an object store): one listing of it, paged by the store,
+          whose fingerprint (sizes and etags) is compared with this one; only when it differs are
+          the files of ``ids`` compared one by one, to name the changes;
+        * a manifest: the manifest file's stamp; only when it changed are the files of ``ids``
+          compared (by size: a manifest records no stamps, so a sample file rewritten in place at
+          the same size under an unchanged manifest is not noticed, here or when it is read);
+        * ``.npy`` and tar shards: one ``stat`` of each file that holds them (:meth:`check`).
+
+        Raises:
+            BackendError: the backend cannot tell (unreachable, refused): nothing is known changed.
+        """
+        if self.kind == "manifest":
+            path = self.backend.resolve(self.uri, dataset=self.dataset)[1]
+            if not self._differs(path, -1, self.file_stamp, exact=False):
+                return []
+        elif self.kind == "dir" and self._local is None:
+            with self.backend.errors(f"list {self.uri}", dataset=self.dataset):
+                if self.reopen().fingerprint == self.fingerprint:
+                    return []
+        return self.check(ids)
 
     def _differs(self, path: str, size: int, listed: float | None, *, exact: bool) -> str:
         """What differs between ``path`` now and its listing ("" when nothing)."""

@@ -50,7 +50,8 @@ def _arrays(source: Source) -> list[tuple[str, np.ndarray]]:
         ("shard_of", source.shard_of),
         ("offsets", source.offsets),
     ]
-    return [(name, np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<"), copy=False)) for name, a in found if a is not None]
+    little = [(name, a.astype(a.dtype.newbyteorder("<"), copy=False)) for name, a in found if a is not None]
+    return [(name, np.ascontiguousarray(a)) for name, a in little]
 
 
 def listing_chunks(source: Source) -> Iterator[kspeed_pb2.ListingChunk]:
@@ -72,7 +73,7 @@ def listing_chunks(source: Source) -> Iterator[kspeed_pb2.ListingChunk]:
     yield kspeed_pb2.ListingChunk(header=header)
     pending = b""
     for _, array in arrays:
-        data = memoryview(array).cast("B")
+        data = memoryview(array.data).cast("B")
         for at in range(0, len(data), CHUNK):
             part = data[at : at + CHUNK]
             if len(pending) + len(part) > CHUNK:
@@ -110,7 +111,7 @@ def listing_from_chunks(
             while which < len(plan) and filled == plan[which][2]:
                 which, filled = which + 1, 0
             if which == len(plan):
-                raise ProtocolError(f"dataset {dataset!r}: the listing stream sent more bytes than its header announced")
+                raise ProtocolError(f"dataset {dataset!r}: the listing stream sent more than its header announced")
             take = min(len(data), plan[which][2] - filled)
             buffers[which][filled : filled + take] = data[:take]
             filled += take

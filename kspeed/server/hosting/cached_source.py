@@ -138,6 +138,10 @@ class CachedSource(Source):
         """The backend files' changes since the listing (:meth:`Source.check` of the raw listing)."""
         return self.raw.check(ids)
 
+    def verify(self, ids: np.ndarray) -> list[Change]:
+        """The attach-time comparison of the raw files (:meth:`Source.verify` of the raw listing)."""
+        return self.raw.verify(ids)
+
     def reopen(self) -> Source:
         """List the backend again, seen through the same stages."""
         return CachedSource(self.raw.reopen(), self.pipeline, self.cached, self.prep)

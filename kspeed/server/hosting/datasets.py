@@ -249,9 +249,10 @@ class DatasetHost:
         with self._lock:
             return [(h.changes, h.source.check) for h in self._hosted.values()]
 
-    def check(self, name: str, limit: int = 0) -> kspeed_pb2.ShareStatus:
+    def check(self, name: str, limit: int = 0, *, attach: bool = False) -> kspeed_pb2.ShareStatus:
         """Compare ``name``'s backend files with the listing now: all of each share, or the next
-        ``limit`` of each; returns the status of its first share here.
+        ``limit`` of each, or (``attach``) all of each in the backend's cheapest way
+        (:meth:`~kspeed.server.backend.sources.Source.verify`); returns the status of its first share here.
 
         Raises:
             NotFoundError: the dataset is not hosted here.
@@ -260,8 +261,9 @@ class DatasetHost:
         shares = self.shares(name)
         for hosted in shares:
             changes = hosted.changes
-            ids = np.arange(changes.lo, changes.hi, dtype=np.int64) if limit <= 0 else changes.next_batch(limit)
-            changes.record(hosted.source.check(ids))
+            whole = attach or limit <= 0
+            ids = np.arange(changes.lo, changes.hi, dtype=np.int64) if whole else changes.next_batch(limit)
+            changes.record(hosted.source.verify(ids) if attach else hosted.source.check(ids))
             changes.counted(len(ids))
         return self.status(name, shares[0].key[1])
 

@@ -124,7 +124,9 @@ class Listings:
             del self._kept[name]
 
 
-def fetch_failed(spec: kspeed_pb2.DatasetSpec, where: kspeed_pb2.ListingSource, exc: KSpeedError | grpc.RpcError) -> None:
+def fetch_failed(
+    spec: kspeed_pb2.DatasetSpec, where: kspeed_pb2.ListingSource, exc: KSpeedError | grpc.RpcError
+) -> None:
     """Log why a holder lists the backend itself after all."""
     log.warning(
         "dataset %s: cannot fetch the listing from %s (%s); listing the backend here", spec.name, where.server_id, exc
