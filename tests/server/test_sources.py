@@ -242,3 +242,38 @@ def test_throttled_filesystem_adds_latency(tmp_path, backend):
     data = [src.read(i) for i in range(5)]
     assert time.perf_counter() - t >= 5 * 0.002
     assert data == [files[k] for k in sorted(files)]
+
+
+def bump_mtime(path, seconds: int = 3) -> None:
+    stat = os.stat(path)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + seconds * 1_000_000_000))
+
+
+def test_an_attach_compares_a_manifest_by_its_stamp_then_its_files_by_size(tmp_path, backend):
+    files = write_tree(tmp_path / "d", [7, 5, 9])
+    keys = sorted(files)
+    man = tmp_path / "d" / "data.manifest"
+    man.write_bytes(b"".join(f"{k} {len(files[k])}\n".encode() for k in keys))
+    src = open_source(backend, "ds", str(man))
+    ids = np.arange(3)
+    (tmp_path / "d" / keys[1]).write_bytes(
+        b"x" * 6
+    )  # resized (from 9 or 5 bytes), the manifest untouched: not looked at
+    assert src.verify(ids) == []
+    bump_mtime(man)  # a new manifest: its files are compared (by size: a manifest has no stamps)
+    changes = src.verify(ids)
+    assert [(c.sample, c.what) for c in changes] == [(1, f"size {len(files[keys[1]])} -> 6 bytes")]
+
+
+def test_an_attach_lists_an_object_store_once_and_compares_files_only_when_it_changed(tmp_path, backend):
+    files = write_tree(tmp_path / "d", [7, 5, 9, 4])
+    keys = sorted(files)
+    src = open_source(backend, "ds", f"slowfile://{tmp_path / 'd'}")  # not local: no stat per file
+    assert src.kind == "dir" and src._local is None
+    checked = []
+    check = src.check
+    src.check = lambda ids: checked.append(list(ids)) or check(ids)
+    assert src.verify(np.arange(4)) == [] and checked == []
+    bump_mtime(tmp_path / "d" / keys[2])
+    changes = src.verify(np.arange(4))
+    assert [(c.sample, c.what) for c in changes] == [(2, "modified (a new mtime or etag)")] and len(checked) == 1

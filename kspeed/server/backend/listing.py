@@ -84,6 +84,8 @@ class Listing:
         offsets: ``tar`` only: the byte offset of each sample's member data in its shard.
         dtype: ``npy`` only: the array's dtype (``numpy.dtype.str``).
         row_shape: ``npy`` only: the shape of one row (one sample).
+        unwatchable: a local ``dir`` only: the sorted IDs of samples that are symbolic links or
+            have several hard links (:mod:`kspeed.server.backend.tree_watch`).
     """
 
     kind: str
@@ -101,6 +103,7 @@ class Listing:
     offsets: np.ndarray | None = None
     dtype: str = ""
     row_shape: tuple[int, ...] = ()
+    unwatchable: np.ndarray | None = None
 
 
 def list_dataset(
@@ -200,6 +203,7 @@ def _open_local_dir(backend: Backend, dataset: str, root: str, protocol: str) ->
         labels=tree.labels,
         classes=tree.classes,
         stamps=tree.stamps,
+        unwatchable=tree.unwatchable,
     )
 
 

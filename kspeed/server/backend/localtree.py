@@ -40,6 +40,8 @@ class Tree:
         tags: the fingerprint's tags: ``mtime=<mtime>`` per file, ``\\n``-separated.
         labels: int32 class index per file (its first directory under the root), or ``None``.
         classes: the class names in sorted order.
+        unwatchable: int64 IDs, sorted, of the files that are symbolic links or have several hard
+            links (a change to them may come through another folder).
     """
 
     blob: bytes
@@ -50,6 +52,7 @@ class Tree:
     tags: bytes
     labels: np.ndarray | None
     classes: tuple[str, ...]
+    unwatchable: np.ndarray
 
 
 def walk_tree(root: str, check_link: Callable[[str, str], None]) -> Tree:
@@ -68,6 +71,7 @@ def walk_tree(root: str, check_link: Callable[[str, str], None]) -> Tree:
     stamps: list[float] = []
     tag_times: list[float] = []
     tops: list[int] = []  # each file's first directory (index into top_names); -1 at the root
+    linked: list[int] = []  # files (their index in keys) that are links or have several hard links
     top_names: list[str] = []
     pending: list[tuple[str, str, int]] = [(root, "", -1)]
     while pending:
@@ -80,6 +84,7 @@ def walk_tree(root: str, check_link: Callable[[str, str], None]) -> Tree:
                 key = prefix + name
                 if entry.is_symlink():
                     check_link(entry.path, key)
+                    linked.append(len(keys))
                     target = os.stat(entry.path)
                     if stat_module.S_ISDIR(target.st_mode):
                         continue
@@ -98,9 +103,11 @@ def walk_tree(root: str, check_link: Callable[[str, str], None]) -> Tree:
                     sizes.append(info.st_size)
                     stamps.append(info.st_mtime)
                     tag_times.append(info.st_mtime)
+                    if info.st_nlink > 1:
+                        linked.append(len(keys))
                 keys.append(key)
                 tops.append(top)
-    return _sorted(keys, sizes, stamps, tag_times, tops, top_names)
+    return _sorted(keys, sizes, stamps, tag_times, tops, top_names, linked)
 
 
 def _sorted(
@@ -110,6 +117,7 @@ def _sorted(
     tag_times: list[float],
     tops: list[int],
     top_names: list[str],
+    linked: list[int],
 ) -> Tree:
     """The walk's lists as a :class:`Tree` in key order."""
     count = len(keys)
@@ -144,4 +152,5 @@ def _sorted(
         tags=tags,
         labels=labels,
         classes=classes,
+        unwatchable=np.sort(np.argsort(order)[np.asarray(linked, dtype=np.int64)]) if linked else np.zeros(0, np.int64),
     )

@@ -68,6 +68,7 @@ class Source:
         row_offset: ``npy`` only: byte offset of row 0 in the file.
         stamps: per sample, the stamp of its file at listing (``None`` where the kind records none).
         file_stamp: ``npy``: the stamp of the one file at listing; ``manifest``: the manifest's.
+        unwatchable: a local tree: the samples whose changes may not show as events on their folders.
     """
 
     def __init__(
@@ -93,7 +94,9 @@ class Source:
         dtype: str = "",
         row_shape: tuple[int, ...] = (),
         fingerprint: Fingerprint | None = None,
+        unwatchable: np.ndarray | None = None,
     ) -> None:
+        self.unwatchable = unwatchable
         self.backend, self.dataset, self.uri, self.kind = backend, dataset, uri, kind
         self.shards = tuple(shards)
         self.shard_of = shard_of
@@ -523,6 +526,7 @@ def source_of(
         dtype=found.dtype,
         row_shape=found.row_shape,
         fingerprint=fingerprint,
+        unwatchable=found.unwatchable,
     )
 
 

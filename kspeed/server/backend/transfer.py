@@ -34,6 +34,7 @@ _ARRAYS = {
     "labels": ("<i4", "<i8"),
     "shard_of": ("<i4", "<i8"),
     "offsets": ("<i8",),
+    "unwatchable": ("<i8",),
 }
 _PER_SAMPLE = ("sizes", "starts", "ends", "stamps", "labels", "shard_of", "offsets")
 
@@ -49,6 +50,7 @@ def _arrays(source: Source) -> list[tuple[str, np.ndarray]]:
         ("labels", source.labels),
         ("shard_of", source.shard_of),
         ("offsets", source.offsets),
+        ("unwatchable", source.unwatchable),
     ]
     little = [(name, a.astype(a.dtype.newbyteorder("<"), copy=False)) for name, a in found if a is not None]
     return [(name, np.ascontiguousarray(a)) for name, a in little]
@@ -147,8 +149,16 @@ def listing_from_chunks(
         offsets=arrays.get("offsets"),
         dtype=header.dtype,
         row_shape=tuple(int(d) for d in header.row_shape),
+        unwatchable=_ids(arrays.get("unwatchable"), count, dataset),
     )
     return listing, fp
+
+
+def _ids(ids: np.ndarray | None, count: int, dataset: str) -> np.ndarray | None:
+    """Sample IDs a listing names, checked to lie in ``0..count-1``."""
+    if ids is not None and len(ids) and (ids.min() < 0 or ids.max() >= count):
+        raise ProtocolError(f"dataset {dataset!r}: a listing names samples outside 0..{count - 1}")
+    return ids
 
 
 def _check_header(

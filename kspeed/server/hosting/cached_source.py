@@ -62,6 +62,7 @@ class CachedSource(Source):
             classes=raw.classes,
             stamps=raw.stamps,
             file_stamp=raw.file_stamp,
+            unwatchable=raw.unwatchable,
         )
 
     def read_into(self, sample_id: int, buf: memoryview | bytearray | np.ndarray) -> int:

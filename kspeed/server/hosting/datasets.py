@@ -47,6 +47,7 @@ from kspeed.proto import kspeed_pb2
 from kspeed.server.backend.access import Backend
 from kspeed.server.backend.changes import Change, ChangeLog, ChangeWatch
 from kspeed.server.backend.sources import Source, open_source
+from kspeed.server.backend.tree_watch import ShareWatch
 from kspeed.server.hosting.cached_source import CachedSource
 from kspeed.server.hosting.integrity import SampleStore
 from kspeed.server.hosting.listings import Listings, fetch_failed
@@ -64,6 +65,7 @@ ASSIGNMENTS_FILE = "assignments.json"
 MAX_REPORTED_ERRORS = 5
 REMEMBERED_DROPS = 256  # dropped datasets whose reason is kept for later calls about them
 RETAKE_INTERVAL = 30.0  # seconds between attempts to take again a share this server failed to take
+EVENT_INTERVAL = 1.0  # seconds between looks at the files a share's watch saw change
 
 
 def _vindices(share: kspeed_pb2.Share) -> range:
@@ -161,6 +163,7 @@ class Hosted:
     source: Source
     preloader: Preloader
     store: SampleStore
+    watch: ShareWatch | None = None  # a local tree's folders watched (which files may have changed)
 
     @property
     def name(self) -> str:
@@ -242,6 +245,9 @@ class DatasetHost:
         self.assignments = 0  # shares assigned so far (a share's number is when it was assigned)
         self._assigned: dict[ShareKey, int] = {}
         self._retaking: list[threading.Thread] = []
+        self._events_lock = threading.Lock()  # one look at the watches' events at a time
+        self._closing = threading.Event()
+        self._events = threading.Thread(target=self._follow_events, name="kspeed-share-events", daemon=True)
 
     # -- backend changes -------------------------------------------------------------------------
 
@@ -263,9 +269,41 @@ class DatasetHost:
             changes = hosted.changes
             whole = attach or limit <= 0
             ids = np.arange(changes.lo, changes.hi, dtype=np.int64) if whole else changes.next_batch(limit)
-            changes.record(hosted.source.verify(ids) if attach else hosted.source.check(ids))
+            if not attach:
+                changes.record(hosted.source.check(ids))
+                changes.counted(len(ids))
+                continue
+            with self._events_lock:
+                touched = hosted.watch.touched(always=True) if hosted.watch is not None else None
+                if touched is None:
+                    changes.record(hosted.source.verify(ids))
+                else:  # every other file is as listed: the watch saw no event naming it
+                    changes.record(hosted.source.check(touched))
             changes.counted(len(ids))
         return self.status(name, shares[0].key[1])
+
+    def _follow_events(self) -> None:
+        """Compare the files the shares' watches saw change, every :data:`EVENT_INTERVAL`."""
+        while not self._closing.wait(EVENT_INTERVAL):
+            self.look_at_events()
+
+    def look_at_events(self) -> int:
+        """Compare the files each share's watch named since the last look with the listing; returns
+        the new changes found (a share whose watch no longer sees everything waits for an attach)."""
+        with self._lock:
+            watched = [h for h in self._hosted.values() if h.watch is not None]
+        found = 0
+        with self._events_lock:
+            for hosted in watched:
+                assert hosted.watch is not None
+                touched = hosted.watch.touched(always=False)
+                if touched is None or not len(touched):
+                    continue
+                try:
+                    found += len(hosted.changes.record(hosted.source.check(touched)))
+                except KSpeedError as exc:  # the backend may be away a while: the attach compares again
+                    log.warning("dataset %s: cannot compare the files that changed: %s", hosted.name, exc)
+        return found
 
     # -- assignments -----------------------------------------------------------------------------
 
@@ -484,6 +522,7 @@ class DatasetHost:
             _policy(share)  # (a manager that knows policies this server does not)
             self.check_pipeline(request.spec, resolve=False)
             source = self._open(request)
+            watch = self._watch(source, share)
             if request.HasField("listing"):  # where the listing came from is of no use once it is here
                 request = kspeed_pb2.AssignShareRequest(
                     spec=request.spec,
@@ -499,8 +538,26 @@ class DatasetHost:
                     f"{source.fingerprint}); remove the dataset and register it again",
                     dataset=name,
                 )
-            with self._lock:
-                return self._install(request, source, keep, save)
+            try:
+                with self._lock:
+                    return self._install(request, source, keep, save, watch)
+            except BaseException:
+                if watch is not None:
+                    watch.close()
+                raise
+
+    def _watch(self, source: Source, share: kspeed_pb2.Share) -> ShareWatch | None:
+        """A watch of the share's folders, where its samples are files of a local tree (started
+        before any of them is read: :mod:`kspeed.server.backend.tree_watch`)."""
+        raw = getattr(source, "raw", source)
+        if raw.kind != "dir" or raw.protocol != "file" or raw.keys is None:
+            return None
+        linked = raw.unwatchable if raw.unwatchable is not None else np.zeros(0, dtype=np.int64)
+        watch = ShareWatch.start(raw.dataset, raw.root, raw.keys, share.first_id, share.end_id, linked)
+        if watch is not None and not self._events.is_alive() and not self._closing.is_set():
+            with contextlib.suppress(RuntimeError):  # started already, by another assignment
+                self._events.start()
+        return watch
 
     def _again(self, key: ShareKey, request: kspeed_pb2.AssignShareRequest) -> bool:
         """Whether ``request`` is the share held at ``key`` already; if so, it counts as assigned now
@@ -516,7 +573,12 @@ class DatasetHost:
         return True
 
     def _install(
-        self, request: kspeed_pb2.AssignShareRequest, source: Source, keep: frozenset[tuple[str, int]], save: bool
+        self,
+        request: kspeed_pb2.AssignShareRequest,
+        source: Source,
+        keep: frozenset[tuple[str, int]],
+        save: bool,
+        watch: ShareWatch | None = None,
     ) -> kspeed_pb2.ShareStatus:
         """Hold the share of ``request`` over its listing ``source``: replace the shares it overlaps,
         allocate its regions, record it; on an error nothing of it is left. Called under the lock."""
@@ -541,7 +603,7 @@ class DatasetHost:
                 ),
             )
             store = SampleStore(preloader)
-            self._hosted[key] = Hosted(request, source, preloader, store)
+            self._hosted[key] = Hosted(request, source, preloader, store, watch)
             if save:
                 self._save_assignments()
         except KSpeedError:
@@ -610,6 +672,8 @@ class DatasetHost:
                 self._assigned.pop(hosted.key, None)
                 hosted.store.stop_scrub()
                 hosted.preloader.stop()
+                if hosted.watch is not None:
+                    hosted.watch.close()
             for hosted in dropping:
                 self.slices.give(hosted.key)
             if whole:
@@ -835,12 +899,17 @@ class DatasetHost:
         """Stop the change checks, scrubs and running preloads (the reads in flight end first), and
         wait for shares being taken again."""
         self.watch.stop()
+        self._closing.set()
+        if self._events.is_alive():
+            self._events.join()
         for thread in list(self._retaking):
             thread.join(timeout=30)
         with self._lock:
             for hosted in self._hosted.values():
                 hosted.store.stop_scrub()
                 hosted.preloader.stop()
+                if hosted.watch is not None:
+                    hosted.watch.close()
 
     # -- persistence -----------------------------------------------------------------------------
 
