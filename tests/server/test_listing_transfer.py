@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from kspeed.config import SecurityConfig
 from kspeed.errors import ProtocolError
 from kspeed.proto import kspeed_pb2
 from kspeed.server.backend import transfer
 from kspeed.server.backend.sources import open_source, source_of
+from kspeed.server.hosting.datasets import DatasetHost
+from kspeed.server.hosting.listings import Listings
 
 
 def tree(root, count=300):
@@ -62,3 +65,33 @@ def test_key_offsets_outside_the_keys_are_refused(tmp_path, backend):
     source._keys.ends = source._keys.ends + 10**6  # as a broken lister would send them
     with pytest.raises(ProtocolError, match="key offsets lie outside"):
         transfer.listing_from_chunks(transfer.listing_chunks(source), dataset="d", max_bytes=1 << 20)
+
+
+def test_a_holder_that_cannot_fetch_the_listing_lists_the_backend_itself(tmp_path, backend, pool, caplog):
+    root = tree(tmp_path / "t", 30)
+    listings = Listings(backend, SecurityConfig(auth="none"))
+    host = DatasetHost(pool, backend, str(tmp_path), listings=listings)
+    spec = kspeed_pb2.DatasetSpec(name="d", uri=str(root))
+    described = host.describe(spec)
+    kept = listings.get(described.listing_id)
+    assert kept is not None and described.fingerprint.count == 30
+    share = kspeed_pb2.Share(server_id="s", first_id=0, end_id=30, first_region=0, num_regions=1)
+    request = kspeed_pb2.AssignShareRequest(
+        spec=spec, fingerprint=described.fingerprint, region_size=pool.region_size, share=share
+    )
+    try:
+        # the lister itself: its own listing, no second one
+        request.listing.CopyFrom(kspeed_pb2.ListingSource(server_id="me", address="x", listing_id=described.listing_id))
+        host.assign(request)
+        assert host.get("d").source is kept
+        assert not host.get("d").request.HasField("listing")  # not kept: of no use after a restart
+        host.drop("d")
+        # another lister, unreachable: listed here, and the fingerprint still checked
+        gone = kspeed_pb2.ListingSource(server_id="gone", address="127.0.0.1:1", listing_id="elsewhere")
+        request.listing.CopyFrom(gone)
+        host.assign(request)
+        assert host.get("d").source is not kept and host.get("d").source.fingerprint == kept.fingerprint
+        assert "cannot fetch the listing from gone" in caplog.text and "listing the backend here" in caplog.text
+    finally:
+        host.close()
+        host.drop("d")
