@@ -6,8 +6,8 @@ line its result) and times only the calls it names, after its own imports:
 - ``listing``: ``DatasetFolder(root, loader, extensions)`` over a tree;
 - ``job``: the first training job: per run, ``client.dataset()`` (register), ``ds.preload()`` and
   the first batch, with this process's and the servers' memory around them in the first run; in
-  the last run it prints ``{"hold": NAME}`` and waits for a line on stdin while another job
-  attaches; then, cold (page cache dropped), register to the first batch, and register plus a full
+  the last run, after its first batch, it prints ``{"hold": NAME}`` and waits for a line on stdin
+  while other jobs attach; then, cold (page cache dropped), register to the first batch, and register plus a full
   preload;
 - ``attach``: a second job's ``client.dataset()`` of a dataset the first one holds;
 - ``manifest``: register a manifest (``policy="stream"``) and iterate to the first batch of a
@@ -20,6 +20,7 @@ process and, for a server, every process under it (its feeders).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -105,10 +106,13 @@ def spec_for(cfg: dict, name: str):
 
 
 def remove(client, name: str) -> None:
-    """Remove ``name`` and wait until the servers hold none of its memory (the window's stays reserved)."""
+    """Remove ``name`` (if closing its last lease has not already) and wait until the servers hold
+    none of its memory (the production window's regions stay reserved)."""
     from kspeed.cli.cluster import wait_for
+    from kspeed.errors import NotFoundError
 
-    client.manager.remove_dataset(name, force=True)
+    with contextlib.suppress(NotFoundError):
+        client.manager.remove_dataset(name, force=True)
     wait_for(
         lambda: all(
             r.inventory.regions_free + r.inventory.regions_window == r.inventory.regions_total
@@ -165,15 +169,15 @@ def role_job(cfg: dict) -> None:
             t2 = time.perf_counter()
             if first:
                 memory["preloaded"] = memory_snapshot(pids)
-            if run == cfg["runs"] - 1 and cfg.get("hold"):
-                emit({"hold": name})
-                sys.stdin.readline()
             t3 = time.perf_counter()
             got = next(iter(ds))
             t4 = time.perf_counter()
             if first:
                 memory["first_batch"] = memory_snapshot(pids)
             got.release()
+            if run == cfg["runs"] - 1 and cfg.get("hold"):  # after the memory is read: a second job costs some
+                emit({"hold": name})
+                sys.stdin.readline()
             samples = ds.num_samples
             ds.close()
             remove(client, name)

@@ -6,8 +6,9 @@ Targets (issue "Cold start at listing speed"), each against a figure of the same
 - a second job's attach, nothing changed, at most 0.2 s + 1x the listing, and under 0.5 s at
   1.28M files;
 - on a cold page cache, register to the first batch under 25% of register plus a full preload;
-- memory per sample (``RssAnon`` grown from before register to after the first batch): under 100 B
-  on each server (with its feeders), under 50 B in the client;
+- memory per sample (``RssAnon`` grown since before register, the largest growth read after
+  register, after the preload and after the first batch): under 100 B on each server (with its
+  feeders), under 50 B in the client;
 - a new user's first run (the README's ``wrap``): first batch within 1 s of a plain ``DataLoader``'s.
 """
 
@@ -30,6 +31,7 @@ TARGETS = {
     "first_run_extra_s": 1.0,
 }
 STAGES = ("registered", "preloaded", "first_batch")
+MEMORY_STAGE = "largest"  # the memory targets hold at every stage read
 TARGET_STYLE = {"color": "black", "linestyle": "--", "marker": "_", "markersize": 16}
 
 
@@ -43,7 +45,9 @@ def per_sample(memory: dict, samples: int) -> dict:
 
     Returns, per stage, ``client`` (``RssAnon`` and ``VmRSS`` growth of the client, per sample) and
     ``servers`` (the same for each server with its descendants), plus ``server_max``: the largest
-    server's ``RssAnon`` growth.
+    server's ``RssAnon`` growth; and ``largest``: the largest ``RssAnon`` growth of any stage, of the
+    client and of a server (registering may take more for a while than it keeps), which the
+    targets are checked against.
     """
     before = memory["before"]
     out = {}
@@ -60,6 +64,11 @@ def per_sample(memory: dict, samples: int) -> dict:
             "servers": servers,
             "server_max": max((s["anon"] for s in servers), default=None),
         }
+    if out:
+        out["largest"] = {
+            "client": {"anon": max(v["client"]["anon"] for v in out.values())},
+            "server_max": max(v["server_max"] for v in out.values() if v["server_max"] is not None),
+        }
     return out
 
 
@@ -68,7 +77,7 @@ def memory_slope(doc: dict) -> dict | None:
     the growth of ``RssAnon`` to the first batch, server (largest) and client."""
     points = []
     for entry in doc["sizes"]:
-        per = entry.get("memory", {}).get("per_sample", {}).get("first_batch")
+        per = entry.get("memory", {}).get("per_sample", {}).get(MEMORY_STAGE)
         if per and per.get("server_max") is not None:
             n = entry["files"]
             points.append((n, per["server_max"] * n, per["client"]["anon"] * n))
@@ -90,7 +99,7 @@ def verdicts(entry: dict, targets: dict = TARGETS) -> dict:
     register = entry.get("register", {}).get("median_s")
     attach = entry.get("attach", {}).get("median_s")
     cold = entry.get("cold", {})
-    memory = entry.get("memory", {}).get("per_sample", {}).get("first_batch", {})
+    memory = entry.get("memory", {}).get("per_sample", {}).get(MEMORY_STAGE, {})
     out = {}
     if listing is not None:
         out["register"] = _check(register, targets["register_per_listing"] * listing)
@@ -126,7 +135,7 @@ def summary(doc: dict) -> list[str]:
     """One line per tree size, then the manifest and the first run, for stderr."""
     lines = []
     for entry in doc["sizes"]:
-        mem = entry.get("memory", {}).get("per_sample", {}).get("first_batch", {})
+        mem = entry.get("memory", {}).get("per_sample", {}).get(MEMORY_STAGE, {})
         cold = entry.get("cold", {})
         met = entry.get("verdicts", {})
         missed = [k for k, v in met.items() if not v["met"]]
@@ -141,7 +150,7 @@ def summary(doc: dict) -> list[str]:
         )
     manifest = doc.get("manifest") or {}
     if "register_s" in manifest:
-        mem = manifest.get("per_sample", {}).get("first_batch", {})
+        mem = manifest.get("per_sample", {}).get(MEMORY_STAGE, {})
         lines.append(
             f"manifest {manifest['keys']:,} keys: register {_s(manifest['register_s'])}, first batch "
             f"{_s(manifest['first_batch_s'])}, B/sample server {_b(mem.get('server_max'))} client "
@@ -224,17 +233,17 @@ def chart(path: str, doc: dict) -> None:
             label="target: 25% of register + preload")  # fmt: skip
     _style(ax, "cold page cache, not preloaded", "seconds")
     ax = axes[1][1]
-    stage = ("memory", "per_sample", "first_batch")
+    stage = ("memory", "per_sample", MEMORY_STAGE)
     ax.plot(*_series(doc, lambda e: _dig(e, stage)["server_max"]), "o-", label="server (+feeders), RssAnon")
     ax.plot(*_series(doc, lambda e: _dig(e, stage)["client"]["anon"]), "s-", label="client, RssAnon")
     manifest = doc.get("manifest") or {}
-    mem = manifest.get("per_sample", {}).get("first_batch")
+    mem = manifest.get("per_sample", {}).get(MEMORY_STAGE)
     if mem:
         ax.plot([manifest["keys"]], [mem["server_max"]], "o", mfc="none", ms=9, label="server, manifest")
         ax.plot([manifest["keys"]], [mem["client"]["anon"]], "s", mfc="none", ms=9, label="client, manifest")
     ax.axhline(t["server_bytes_per_sample"], color="C0", ls="--", label="target: server < 100 B")
     ax.axhline(t["client_bytes_per_sample"], color="C1", ls="--", label="target: client < 50 B")
-    _style(ax, "memory grown per sample (before register to first batch)", "bytes per sample")
+    _style(ax, "memory grown per sample (before register; largest of register, preload, first batch)", "bytes")
     ax.set_xlabel("files in the tree (manifest: keys)")
     top = max([e["files"] for e in doc["sizes"]] + [t["imagenet_files"], manifest.get("keys", 0)])
     for ax in axes.flat:

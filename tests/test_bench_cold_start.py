@@ -76,17 +76,23 @@ def _snapshot(client_anon: int, server_anon: list[int]) -> dict:
 
 
 def test_memory_per_sample_is_the_growth_since_before_register():
-    memory = {"before": _snapshot(1000, [5000, 7000]), "first_batch": _snapshot(3000, [9000, 8000])}
-    got = report.per_sample(memory, 100)["first_batch"]
-    assert got["client"] == {"anon": 20.0, "rss": 40.0}
-    assert [s["anon"] for s in got["servers"]] == [40.0, 10.0] and got["server_max"] == 40.0
+    memory = {
+        "before": _snapshot(1000, [5000, 7000]),
+        "registered": _snapshot(2000, [6000, 17000]),
+        "first_batch": _snapshot(3000, [9000, 8000]),
+    }
+    got = report.per_sample(memory, 100)
+    assert got["first_batch"]["client"] == {"anon": 20.0, "rss": 40.0}
+    assert [s["anon"] for s in got["first_batch"]["servers"]] == [40.0, 10.0]
+    assert got["first_batch"]["server_max"] == 40.0 and got["registered"]["server_max"] == 100.0
+    assert got["largest"] == {"client": {"anon": 20.0}, "server_max": 100.0}
 
 
 def test_the_memory_slope_cancels_fixed_costs():
     def entry(files, server, client):
         return {
             "files": files,
-            "memory": {"per_sample": {"first_batch": {"server_max": server, "client": {"anon": client}}}},
+            "memory": {"per_sample": {"largest": {"server_max": server, "client": {"anon": client}}}},
         }
 
     def grown(files, fixed, per):
@@ -106,7 +112,7 @@ def test_verdicts_compare_each_figure_with_its_target():
         "register": {"median_s": 3.9},
         "attach": {"median_s": 0.6},
         "cold": {"first_batch_s": 1.0, "register_preload_s": 10.0},
-        "memory": {"per_sample": {"first_batch": {"server_max": 120.0, "client": {"anon": 10.0}}}},
+        "memory": {"per_sample": {"largest": {"server_max": 120.0, "client": {"anon": 10.0}}}},
     }
     got = report.verdicts(entry)
     assert got["register"] == {"value": 3.9, "limit": 4.0, "met": True}
