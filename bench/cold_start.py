@@ -35,6 +35,7 @@ still run. Writes JSON (after every section) and a PNG::
     python bench/cold_start.py --files 40000 --files 1280000 --json bench/results/cold_start.json \\
         --png bench/results/cold_start.png
     python bench/cold_start.py --quick     # 2,000 files, 100k keys: checks the script in about a minute
+    python bench/cold_start.py --skip trees --skip manifest   # the first run only
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ REPO = Path(__file__).resolve().parent.parent
 JOBS = Path(__file__).resolve().parent / "_cold_jobs.py"
 DEFAULT_FILES = (40_000, 1_280_000)
 QUICK = {"files": [2_000], "manifest_keys": 100_000, "runs": 1, "photos": 32, "first_runs": 1}
-SECTIONS = ("listing", "attach", "cold", "manifest", "first-run")
+SECTIONS = ("trees", "listing", "attach", "cold", "manifest", "first-run")  # --skip: "trees" is every --files size
 REGION = 128 * MIB  # the servers' default region size: pools are sized in whole regions
 POOL_FLOOR = GIB  # the servers' default --memory
 POOL_PER_BYTE = 1.5  # pool bytes per byte of the tree, beyond the window and the region rounding
@@ -477,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
         say("first run")
         guarded(doc, "first_run", first_run, args)
         save()
-    for files in args.files:
+    for files in args.files if "trees" not in args.skip else ():
         doc["sizes"].append(one_size(files, args, data_dir, allow))
         save()
     if args.manifest_keys and "manifest" not in args.skip:
