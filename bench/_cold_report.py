@@ -218,7 +218,11 @@ def chart(path: str, doc: dict) -> None:
     ax.plot(xs, listing, "o-", label="DatasetFolder listing (fresh process, warm cache)")
     ax.plot(*_series(doc, lambda e: e["register"]["median_s"]), "s-", label="KSpeed register: client.dataset()")
     ax.plot(xs, [t["register_per_listing"] * v for v in listing], **TARGET_STYLE, label="target: 2x listing")
-    _style(ax, "register vs listing", "seconds")
+    manifest = doc.get("manifest") or {}
+    if "register_s" in manifest:
+        ax.plot([manifest["keys"]], [manifest["register_s"]], "s", mfc="none", ms=9, label="KSpeed register, manifest")
+        ax.set_xlabel("files in the tree (manifest: keys)")
+    _style(ax, "register vs listing", "seconds", xlabel=ax.get_xlabel() or None)
     ax = axes[0][1]
     ax.plot(*_series(doc, lambda e: e["attach"]["median_s"]), "s-", label="second job's client.dataset()")
     ax.plot(xs, [t["attach_base_s"] + t["attach_per_listing"] * v for v in listing], **TARGET_STYLE,
@@ -236,14 +240,13 @@ def chart(path: str, doc: dict) -> None:
     stage = ("memory", "per_sample", MEMORY_STAGE)
     ax.plot(*_series(doc, lambda e: _dig(e, stage)["server_max"]), "o-", label="server (+feeders), RssAnon")
     ax.plot(*_series(doc, lambda e: _dig(e, stage)["client"]["anon"]), "s-", label="client, RssAnon")
-    manifest = doc.get("manifest") or {}
     mem = manifest.get("per_sample", {}).get(MEMORY_STAGE)
     if mem:
         ax.plot([manifest["keys"]], [mem["server_max"]], "o", mfc="none", ms=9, label="server, manifest")
         ax.plot([manifest["keys"]], [mem["client"]["anon"]], "s", mfc="none", ms=9, label="client, manifest")
     ax.axhline(t["server_bytes_per_sample"], color="C0", ls="--", label="target: server < 100 B")
     ax.axhline(t["client_bytes_per_sample"], color="C1", ls="--", label="target: client < 50 B")
-    _style(ax, "memory grown per sample (before register; largest of register, preload, first batch)", "bytes")
+    _style(ax, "memory grown per sample since before register (largest read)", "bytes per sample")
     ax.set_xlabel("files in the tree (manifest: keys)")
     top = max([e["files"] for e in doc["sizes"]] + [t["imagenet_files"], manifest.get("keys", 0)])
     for ax in axes.flat:
@@ -267,11 +270,10 @@ def _dig(entry: dict, keys: tuple[str, ...]):
     return entry
 
 
-def _style(ax, title: str, ylabel: str, logy: bool = True) -> None:
+def _style(ax, title: str, ylabel: str, xlabel: str | None = None) -> None:
     ax.set_xscale("log")
-    if logy:
-        ax.set_yscale("log")
-    ax.set_xlabel("files in the tree")
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel or "files in the tree")
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8)

@@ -220,18 +220,16 @@ def first_job(tree, args: argparse.Namespace, allow: str) -> dict:
             "connect_median_s": median([a["connect_s"] for a in attaches if "connect_s" in a]),
             "runs": attaches,
         }
+        if attaches and not times:
+            parts["attach"]["error"] = attaches[0].get("error", "no attach timed")
     if cfg["cold"]:
         parts["cold"] = merged.get("cold") or {}
-    for part, feeds in (("warm", WARM_SECTIONS), ("cold", ("cold",)), ("job", (*WARM_SECTIONS, "cold"))):
-        error = _error_of(parts, part)
-        for key in feeds if error else ():  # a part that failed marks each section it feeds
-            if key in parts or part != "job":
-                parts[key] = {**parts.get(key, {}), "error": error}
+    warm_sections = [k for k in WARM_SECTIONS if k != "attach" or cfg["hold"]]
+    feeds = {"warm": warm_sections, "cold": ["cold"] if cfg["cold"] else []}
+    for error in parts.get("errors", []):  # a part that failed marks each section it feeds (the job: all)
+        for key in feeds.get(error["part"], warm_sections + feeds["cold"]):
+            parts[key] = {**parts.get(key, {}), "error": error["error"]}
     return parts
-
-
-def _error_of(parts: dict, part: str) -> str | None:
-    return next((e["error"] for e in parts.get("errors", []) if e["part"] == part), None)
 
 
 def _hold_and_attach(cfg: dict, args: argparse.Namespace, timeout: float) -> tuple[list[dict], list[dict]]:
@@ -247,7 +245,7 @@ def _hold_and_attach(cfg: dict, args: argparse.Namespace, timeout: float) -> tup
         )
         watchdog = threading.Timer(timeout, proc.kill)
         watchdog.start()
-        docs, attaches = [], []
+        docs, attaches, status = [], [], None
         try:
             for line in proc.stdout:
                 if not line.startswith("{"):
