@@ -1,6 +1,6 @@
 """Batches of a KSpeed dataset finished in the training process: its client-side pipeline
-stages, or a folder dataset's own loader and transforms, run in spawned worker processes, then
-``collate_fn``.
+stages, or a folder dataset's own loader and transforms, run in worker processes
+(:class:`~kspeed.client.prep.workers.TransformWorkers`), then ``collate_fn``.
 
 :meth:`kspeed.KSpeedClient.dataset` returns a :class:`PreparedDataset` for a dataset with a
 pipeline; :meth:`kspeed.KSpeedClient.wrap` returns one for a torchvision-style folder dataset
@@ -28,6 +28,7 @@ from kspeed.client.prep.workers import (
     InlineWorkers,
     SampleFailure,
     Stages,
+    StartFailure,
     TransformWorkers,
     check_loader,
     run_samples,
@@ -175,17 +176,13 @@ class PreparedDataset(IterableDataset):
         self._check_open()
         batches = iter(self._inner)
         self._delivered = self._inner.state_dict()["batches"]
-        if self._workers is None:
-            self._workers = (
-                TransformWorkers(self.num_workers, self._stages) if self.num_workers else InlineWorkers(self._stages)
-            )
-        return self._deliver(batches, self._workers)
+        return self._deliver(batches)
 
-    def _deliver(self, batches: Iterator[Any], workers: TransformWorkers | InlineWorkers) -> Iterator[Any]:
+    def _deliver(self, batches: Iterator[Any]) -> Iterator[Any]:
         pending: deque[_Task] = deque()
         try:
             for batch in batches:
-                pending.append(self._submit(workers, batch))
+                pending.append(self._submit(batch))
                 if len(pending) >= self.prefetch:
                     yield self._collect(pending.popleft())
             while pending:
@@ -200,7 +197,25 @@ class PreparedDataset(IterableDataset):
             self._stop_workers()
             raise
 
-    def _submit(self, workers: TransformWorkers | InlineWorkers, batch: Any) -> _Task:
+    def _ready_workers(self) -> TransformWorkers | InlineWorkers:
+        """The workers, started by the first batch that needs them, once each has run its initializer.
+
+        Raises:
+            DatasetError: a worker could not start (why).
+            StateError: they would start from an unguarded top-level line of the main script.
+        """
+        if self._workers is None:
+            self._workers = (
+                TransformWorkers(self.num_workers, self._stages) if self.num_workers else InlineWorkers(self._stages)
+            )
+        if isinstance(self._workers, TransformWorkers):
+            try:
+                self._workers.wait_ready()
+            except StartFailure as exc:
+                raise DatasetError(f"dataset {self.name!r}: {exc.text}", dataset=self.name) from exc
+        return self._workers
+
+    def _submit(self, batch: Any) -> _Task:
         """Copy the batch's bytes into one buffer, give its ring range back and queue it.
 
         A batch the servers preprocessed whole, with no client stage left but the default
@@ -223,7 +238,7 @@ class PreparedDataset(IterableDataset):
         batch.release()
         paths = self._paths
         names = [os.path.basename(paths[i]) for i in ids] if paths and self._stages.loader_takes == "path" else []
-        future = workers.submit(buffer, offsets.tolist(), targets, names, draw)
+        future = self._ready_workers().submit(buffer, offsets.tolist(), targets, names, draw)
         return _Task(future, epoch, index, ids)
 
     def _targets_of(self, batch: Any, ids: list[int]) -> list[Any]:
@@ -274,6 +289,8 @@ class PreparedDataset(IterableDataset):
                 dataset=self.name,
                 sample=sample,
             ) from exc
+        except StartFailure as exc:
+            raise DatasetError(f"{where}: {exc.text}", dataset=self.name) from exc
         except BrokenProcessPool as exc:
             raise DatasetError(
                 f"a transform worker process died during {where} (killed, crashed or out of memory)", dataset=self.name
@@ -295,7 +312,7 @@ class PreparedDataset(IterableDataset):
         return result.value
 
     def worker_pids(self) -> list[int]:
-        """Process IDs of the running transform workers (none before the first iteration or after close)."""
+        """Process IDs of the running transform workers (none before they start or after close)."""
         return self._workers.pids() if self._workers is not None else []
 
     # -- epochs, resume, operations --------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The folder-dataset wrapper without daemons: real JPEGs fed by in-process fake servers, real spawned workers."""
+"""The folder-dataset wrapper without daemons: real JPEGs fed by in-process fake servers, real worker processes."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ PER_CLASS = 10
 SIDE = 12
 
 
-# -- a torchvision-style folder dataset (module level: the spawned workers import these) ----------
+# -- a torchvision-style folder dataset (module level: the worker processes import these) ---------
 
 
 def jpeg_loader(source):
@@ -66,6 +66,22 @@ class FailOn:
         if hashlib.sha256(data).hexdigest() == self.digest:
             raise ValueError("corrupt image")
         return simplejpeg.decode_jpeg(data)
+
+
+def _refuse_outside(pid):
+    if os.getpid() != pid:
+        raise ModuleNotFoundError("No module named 'only_here'")
+    return jpeg_loader
+
+
+class LoadsOnlyHere:
+    """A loader that unpickles in this process only (as one from a module the workers cannot import)."""
+
+    def __call__(self, file):
+        return jpeg_loader(file)
+
+    def __reduce__(self):
+        return _refuse_outside, (os.getpid(),)
 
 
 class PathRecorder:
@@ -256,6 +272,14 @@ def test_close_leaves_no_worker_process(folder, make_wrapped):
     assert not any(alive(pid) for pid in pids)
     assert multiprocessing.active_children() == []
     assert wrapped.worker_pids() == []
+
+
+def test_a_loader_the_workers_cannot_unpickle_is_named_and_stops_them(folder, make_wrapped):
+    folder.loader = LoadsOnlyHere()
+    wrapped = make_wrapped(sampler=SequentialSampler(folder))
+    with pytest.raises(DatasetError, match=r"cannot be unpickled in a worker process: ModuleNotFoundError"):
+        next(iter(wrapped))
+    assert wrapped.worker_pids() == [] and multiprocessing.active_children() == []
 
 
 # -- registration and checks ----------------------------------------------------------------------
