@@ -36,7 +36,7 @@ from kspeed.client.prep.workers import (
 from kspeed.control.progress import PreloadSummary
 from kspeed.errors import ConfigError, DatasetError, KSpeedError, StateError
 
-__all__ = ["PreparedDataset"]
+__all__ = ["PreparedDataset", "start_workers", "worker_count"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,33 @@ NO_WORKERS = (
     "a dataset prepared on the client runs its own worker processes and cannot itself run in DataLoader "
     "workers; iterate it directly, or use DataLoader(dataset, batch_size=None, num_workers=0)"
 )
+
+
+def worker_count(num_workers: int | None) -> int:
+    """The worker processes that ``num_workers`` asks for (``None``: :data:`DEFAULT_WORKERS`).
+
+    Raises:
+        ConfigError: not a non-negative integer.
+    """
+    workers = DEFAULT_WORKERS if num_workers is None else num_workers
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+        raise ConfigError(
+            f"num_workers must be a non-negative integer, got {workers!r}", field="num_workers", value=workers
+        )
+    return workers
+
+
+def start_workers(num_workers: int | None, preload: Sequence[str]) -> TransformWorkers | None:
+    """Transform workers started now, to get ready in the background while the caller goes on
+    (registers the dataset); ``None`` for ``num_workers=0``. Give them to a :class:`PreparedDataset`,
+    which closes them, or close them.
+
+    Raises:
+        ConfigError: a bad ``num_workers``.
+        StateError: called from an unguarded top-level line of the main script (named).
+    """
+    workers = worker_count(num_workers)
+    return TransformWorkers(workers, preload=preload) if workers else None
 
 
 # -- iteration -------------------------------------------------------------------------------------
@@ -83,6 +110,9 @@ class PreparedDataset(IterableDataset):
         collate_fn: list of ``(sample, target)`` pairs -> batch.
         num_workers: worker processes (default: up to 4, one per CPU; 0: in the training process).
         prefetch: batches in flight (default: 2 per worker).
+        transform_workers: workers already started (:func:`start_workers`, e.g. while the dataset
+            registered), used instead of ``num_workers`` new ones; they get this dataset's stages
+            and it closes them. Otherwise the workers start with the first batch that needs them.
 
     Raises:
         ConfigError: a bad worker or prefetch count, or ``paths``/``targets`` not one per sample.
@@ -100,14 +130,11 @@ class PreparedDataset(IterableDataset):
         collate_fn: Callable[..., Any] = default_collate,
         num_workers: int | None = None,
         prefetch: int | None = None,
+        transform_workers: TransformWorkers | None = None,
     ) -> None:
         super().__init__()
         self._closed = True
-        workers = DEFAULT_WORKERS if num_workers is None else num_workers
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
-            raise ConfigError(
-                f"num_workers must be a non-negative integer, got {workers!r}", field="num_workers", value=workers
-            )
+        workers = transform_workers.workers if transform_workers is not None else worker_count(num_workers)
         if prefetch is not None and (isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch <= 0):
             raise ConfigError(
                 f"prefetch must be a positive integer, got {prefetch!r}", field="prefetch", value=prefetch
@@ -144,7 +171,9 @@ class PreparedDataset(IterableDataset):
         self._seconds: dict[str, float] = {}
         self.num_workers = workers
         self.prefetch = prefetch if prefetch is not None else max(PREFETCH_PER_WORKER * workers, 1)
-        self._workers: TransformWorkers | InlineWorkers | None = None
+        if transform_workers is not None:
+            transform_workers.install(self._stages)
+        self._workers: TransformWorkers | InlineWorkers | None = transform_workers
         self._delivered = 0
         self._closed = False
 
@@ -198,7 +227,8 @@ class PreparedDataset(IterableDataset):
             raise
 
     def _ready_workers(self) -> TransformWorkers | InlineWorkers:
-        """The workers, started by the first batch that needs them, once each has run its initializer.
+        """The workers, started by the first batch that needs them unless they were given started,
+        once each has run its initializer.
 
         Raises:
             DatasetError: a worker could not start (why).

@@ -1,4 +1,5 @@
-"""How transform workers start, without starting any: the start method and the forkserver's preload list."""
+"""How transform workers start, without starting any: the start method, the forkserver's preload
+list, and whether a wrapped folder needs workers at all."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from torchvision import transforms
 from torchvision.datasets.folder import default_loader
 
 from kspeed.client import KSpeedClient
+from kspeed.client.folders import client_workers_needed
 from kspeed.client.prep.offload import folder_pipeline
 from kspeed.client.prep.start_method import installed, modules_of, script_modules, start_method, worker_context
 from kspeed.client.prep.workers import Stages, pil_file_loader, preload_of, resolve_loader
@@ -29,6 +31,10 @@ needs_forkserver = pytest.mark.skipif(
 
 def double(x):
     return 2 * x
+
+
+def targets_only(items):
+    return [target for _, target in items]
 
 
 @pytest.fixture
@@ -128,3 +134,23 @@ def test_the_preload_list_gains_installed_modules_and_never_the_script(preload_l
     # A second pool (a second wrap): the list only grows; a running server would keep its own.
     worker_context(["PIL.Image", "torch"])
     assert preload_list._preload_modules == [*first, "PIL.Image"]
+
+
+def test_a_folder_needs_workers_unless_the_servers_run_every_stage():
+    loader = resolve_loader(default_loader)
+    to_tensor = Stages(
+        loader=loader, transform=transforms.Compose([transforms.RandomResizedCrop(32), transforms.ToTensor()])
+    )
+    uint8 = Stages(
+        loader=loader, transform=transforms.Compose([transforms.RandomResizedCrop(32), transforms.PILToTensor()])
+    )
+    client_part, _ = folder_pipeline(loader, to_tensor.transform)
+    servers_only, _ = folder_pipeline(loader, uint8.transform)
+    assert client_part is not None and servers_only is not None
+    assert client_workers_needed(uint8, None, offload=None)  # not offloaded: the client runs it all
+    assert client_workers_needed(to_tensor, client_part, offload=None)  # ToTensor stays on the client
+    assert not client_workers_needed(uint8, servers_only, offload=None)  # only collation is left: in-process
+    assert not client_workers_needed(uint8, servers_only, offload=1.0)
+    assert client_workers_needed(uint8, servers_only, offload=0.5)  # half the samples prepared here
+    custom = Stages(loader=loader, transform=uint8.transform, collate_fn=targets_only)
+    assert client_workers_needed(custom, servers_only, offload=None)

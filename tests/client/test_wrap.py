@@ -6,6 +6,7 @@ import hashlib
 import multiprocessing
 import os
 import re
+import threading
 
 import numpy as np
 import pytest
@@ -14,11 +15,13 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
 from torchvision.datasets import ImageFolder
 
+from kspeed.client import client as client_module
+from kspeed.client.client import KSpeedClient
 from kspeed.client.folders import folder_spec
 from kspeed.client.options import FeedOptions
 from kspeed.client.prep.workers import check_loader, check_picklable, pil_file_loader, resolve_loader
 from kspeed.client.prepared import PreparedDataset
-from kspeed.errors import ConfigError, DatasetError
+from kspeed.errors import ConfigError, DatasetError, UnavailableError
 from tests.client.fakes import FakeServer, client_config, fake_info, open_dataset
 
 CLASSES = ("ant", "bee", "cat")
@@ -283,6 +286,43 @@ def test_a_loader_the_workers_cannot_unpickle_is_named_and_stops_them(folder, ma
 
 
 # -- registration and checks ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("failure", ["registering", "after registering"])
+def test_wrap_starts_the_workers_before_registering_and_closes_them_on_an_error(folder, monkeypatch, failure):
+    started, pids, closed = [], [], []
+    start_workers = client_module.start_workers
+
+    def start(num_workers, preload):
+        started.append(start_workers(num_workers, preload))
+        return started[-1]
+
+    class Registered:  # a dataset whose files changed since the folder was listed
+        num_samples = len(folder) - 1
+
+        def close(self):
+            closed.append(True)
+
+    def register(spec, options):
+        assert started, "the workers start before the dataset registers"
+        pids.extend(started[0].wait_ready())  # they get ready while it registers
+        if failure == "registering":
+            raise UnavailableError("the manager went away")
+        return Registered()
+
+    monkeypatch.setattr(client_module, "start_workers", start)
+    client = KSpeedClient.__new__(KSpeedClient)  # no manager: open() is replaced
+    client._closed, client._datasets = False, []
+    monkeypatch.setattr(client, "open", register)
+    error = UnavailableError if failure == "registering" else DatasetError
+    with pytest.raises(error):
+        client.wrap(folder, batch_size=8, num_workers=2, offload=0)
+    assert len(pids) == 2 and started[0].closed
+    assert not any(alive(pid) for pid in pids)
+    assert closed == ([True] if failure == "after registering" else [])
+    assert multiprocessing.active_children() == []
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("kspeed-pool")]
+    assert client._datasets == []
 
 
 def test_folder_spec_uses_the_tree_when_it_matches_else_a_list(folder, tmp_path):
