@@ -20,12 +20,18 @@ from kspeed.client.dataset import KSpeedDataset
 from kspeed.client.feeding.builder import build_feed
 from kspeed.client.feeding.links import ServerLink
 from kspeed.client.feeding.rail_choice import ServerPlace
-from kspeed.client.folders import folder_pipeline_choice, folder_samples, folder_spec, folder_stages
+from kspeed.client.folders import (
+    client_workers_needed,
+    folder_pipeline_choice,
+    folder_samples,
+    folder_spec,
+    folder_stages,
+)
 from kspeed.client.lease import LeaseKeeper
 from kspeed.client.options import FeedOptions
 from kspeed.client.prep.offload import attached_pipeline, plan_prep
-from kspeed.client.prep.workers import sample_bytes
-from kspeed.client.prepared import PreparedDataset
+from kspeed.client.prep.workers import preload_of, sample_bytes
+from kspeed.client.prepared import PreparedDataset, start_workers
 from kspeed.client.spec import DatasetSpec
 from kspeed.config import ClientConfig, load_config, parse_address
 from kspeed.control.manager_client import ManagerClient
@@ -256,8 +262,9 @@ class KSpeedClient:
         Registers the dataset's files (named by a hash of their paths, so wrapping them again
         attaches to the cached data), preloads them unless ``preload=False``, and returns an
         iterable of batches as ``DataLoader(dataset, batch_size, sampler, collate_fn)`` yields
-        them; the loader and transforms run in spawned worker processes on this host
-        (:mod:`kspeed.client.prepared`). :meth:`close` joins those workers.
+        them; the loader and transforms run in worker processes on this host
+        (:mod:`kspeed.client.prepared`), which start before the dataset registers and get ready
+        meanwhile (the first batch waits for them). :meth:`close` joins those workers.
 
         Args:
             dataset: an ``ImageFolder``/``DatasetFolder``-like object.
@@ -279,6 +286,8 @@ class KSpeedClient:
         Raises:
             ConfigError: the dataset lacks ``.samples``/``.loader``, a stage cannot be pickled, the
                 loader needs a path, an option is unknown, or the list file cannot be written (named).
+            StateError: called with workers from a top-level line of the main script outside
+                ``if __name__ == "__main__":``, which each worker would run again (named).
             DatasetError, AccessDeniedError: the servers cannot list or read the files.
             UnavailableError: the manager or a server cannot be reached (named).
         """
@@ -286,23 +295,28 @@ class KSpeedClient:
         stages = folder_stages(dataset, loader, collate_fn)
         feed_options = FeedOptions.from_kwargs(batch_size, sampler, **options)
         pipeline, why = folder_pipeline_choice(stages, offload=feed_options.offload, cache=cache, workers=num_workers)
+        workers = None
+        if client_workers_needed(stages, pipeline, offload=feed_options.offload):
+            # Started first, so that they get ready while the dataset registers and preloads; they
+            # import what either way of running the stages needs.
+            workers = start_workers(num_workers, preload_of(dataclasses.replace(stages, pipeline=pipeline)))
         inner, level = None, logging.DEBUG
-        if pipeline is not None:
-            spec = folder_spec(paths, list_dir=list_dir, name=name, pipeline=pipeline, cache=cache)
-            try:
-                inner = self.open(spec, feed_options)
-                stages = dataclasses.replace(stages, loader=None, transform=None)
-                log.debug("dataset %s: loader and transforms offloaded to the servers (%s)", spec.name, pipeline)
-            except (AccessDeniedError, ConfigError) as exc:
-                if cache:
-                    raise
-                why = f"the servers refused its pipeline: {exc}"
-                level = logging.WARNING  # the servers' preprocess_allow or workers, not the dataset: worth a word
-        if inner is None:
-            log.log(level, "wrapped dataset: its loader and transforms run in client workers (%s)", why)
-            spec = folder_spec(paths, list_dir=list_dir, name=name)
-            inner = self.open(spec, feed_options)
         try:
+            if pipeline is not None:
+                spec = folder_spec(paths, list_dir=list_dir, name=name, pipeline=pipeline, cache=cache)
+                try:
+                    inner = self.open(spec, feed_options)
+                    stages = dataclasses.replace(stages, loader=None, transform=None)
+                    log.debug("dataset %s: loader and transforms offloaded to the servers (%s)", spec.name, pipeline)
+                except (AccessDeniedError, ConfigError) as exc:
+                    if cache:
+                        raise
+                    why = f"the servers refused its pipeline: {exc}"
+                    level = logging.WARNING  # the servers' preprocess_allow or workers, not the dataset: worth a word
+            if inner is None:
+                log.log(level, "wrapped dataset: its loader and transforms run in client workers (%s)", why)
+                spec = folder_spec(paths, list_dir=list_dir, name=name)
+                inner = self.open(spec, feed_options)
             if inner.num_samples != len(paths):
                 raise DatasetError(
                     f"dataset {spec.name!r} ({spec.uri}) lists {inner.num_samples} files on the servers, "
@@ -312,10 +326,19 @@ class KSpeedClient:
             if preload:
                 inner.preload()
             wrapped = PreparedDataset(
-                inner, paths=paths, targets=targets, num_workers=num_workers, prefetch=prefetch, **stages.named()
+                inner,
+                paths=paths,
+                targets=targets,
+                num_workers=num_workers,
+                prefetch=prefetch,
+                transform_workers=workers,
+                **stages.named(),
             )
         except BaseException:
-            inner.close()
+            if workers is not None:
+                workers.close()
+            if inner is not None:
+                inner.close()
             raise
         self._datasets.append(wrapped)  # close() closes it: its workers, then its KSpeed dataset
         return wrapped

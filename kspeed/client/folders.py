@@ -24,11 +24,12 @@ decode and run the transforms up to the last uint8 one, re-created from their pa
 seeded per sample, and the client runs the float rest (``ToTensor``, ``Normalize``) and
 ``collate_fn``; the dataset's name then also hashes the pipeline. Otherwise (or with
 ``offload=0``, or when the servers refuse the pipeline) the loader, transforms and ``collate_fn``
-run in spawned worker processes (:mod:`kspeed.client.prep.workers`), and why is logged once; the
+run in worker processes (:mod:`kspeed.client.prep.workers`), and why is logged once; the
 loader gets each sample's bytes as an ``io.BytesIO`` (torchvision's path-based
 ``pil_loader``/``default_loader`` are swapped for the same PIL code on a file object). They must
 therefore be picklable (module-level functions or objects), and the batches keep the sampler's
-order.
+order. The workers start before the dataset registers, so that they get ready meanwhile
+(:func:`client_workers_needed` says whether it will need them).
 """
 
 from __future__ import annotations
@@ -47,7 +48,14 @@ from kspeed.client.spec import DatasetSpec
 from kspeed.errors import ConfigError
 from kspeed.preprocess.pipeline import CACHES, Pipeline
 
-__all__ = ["LIST_DIR", "folder_pipeline_choice", "folder_samples", "folder_spec", "folder_stages"]
+__all__ = [
+    "LIST_DIR",
+    "client_workers_needed",
+    "folder_pipeline_choice",
+    "folder_samples",
+    "folder_spec",
+    "folder_stages",
+]
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +195,7 @@ def folder_pipeline_choice(
         ConfigError: a stage cannot be pickled for the workers, ``cache`` is unknown, or
             ``cache="preprocessed"`` while the stages cannot run on the servers (named).
     """
-    if workers != 0:  # the stages travel to spawned workers
+    if workers != 0:  # the stages travel to worker processes
         check_picklable(stages)
     if cache not in CACHES:
         raise ConfigError(f"cache {cache!r} is not one of '', 'preprocessed'", field="cache", value=cache)
@@ -201,3 +209,13 @@ def folder_pipeline_choice(
             value=cache,
         )
     return pipeline, why
+
+
+def client_workers_needed(stages: Stages, pipeline: Pipeline | None, *, offload: float | None) -> bool:
+    """Whether the batches of a folder dataset with ``stages`` (and, if the servers take it,
+    ``pipeline``) go through the client's workers: not when the servers run every stage, on every
+    sample, and only the default collation is left (it runs in the training process)."""
+    if pipeline is None:
+        return True
+    servers_run_all = pipeline.gpu_from == pipeline.server_stages and (offload is None or offload >= 1)
+    return not (servers_run_all and stages.collate_fn is default_collate)

@@ -1,13 +1,17 @@
-"""Refuse to start spawned workers from a line of the main script that each of them would run again.
+"""Refuse to start worker processes from a line of the main script that each of them would run again.
 
 A process started with ``spawn`` imports the training script again, as ``__mp_main__``, before it
 does any work: every statement at the script's top level runs once more in it, except under
-``if __name__ == "__main__":``. A script that starts the transform workers from its top level
-(iterating a wrapped dataset there, or calling a function that does) makes each worker connect,
-wrap and start workers of its own; multiprocessing refuses the last step, the worker dies, and the
-training loop learned only after its timeouts that "a worker died". :func:`check_main_guarded`
-finds the statement of the main script the call comes from and refuses at once, naming the guard,
-as torch's DataLoader and multiprocessing advise.
+``if __name__ == "__main__":``. So does one forked from multiprocessing's forkserver: it runs the
+same preparation after the fork, since KSpeed does not have the forkserver preload ``__main__``
+(:mod:`kspeed.client.prep.start_method`; on CPython 3.11 asking for it has no effect: the server is
+never told the script's path).
+A script that starts the transform workers from its top level (wrapping or iterating a dataset
+there, or calling a function that does) makes each worker connect, wrap and start workers of its
+own; multiprocessing refuses the last step, the worker dies, and the training loop learned only
+after its timeouts that "a worker died". :func:`check_main_guarded` finds the statement of the main
+script the call comes from and refuses at once, naming the guard, as torch's DataLoader and
+multiprocessing advise.
 """
 
 from __future__ import annotations
@@ -60,8 +64,9 @@ def _main_statement(main: object) -> int | None:
 
 
 def check_main_guarded(what: str) -> None:
-    """Refuse to start ``what`` (spawned processes) from a top-level statement of the main script
-    that is not under ``if __name__ == "__main__":``, since each process would run it again.
+    """Refuse to start ``what`` (processes that import the main script again, whether spawned or
+    forked from the forkserver) from a top-level statement of the main script that is not under
+    ``if __name__ == "__main__":``, since each process would run it again.
 
     Nothing is refused when there is no script to import again (an interactive session,
     ``python -c``) or its source cannot be read.
@@ -84,7 +89,7 @@ def check_main_guarded(what: str) -> None:
     if _guarded(tree.body, line):
         return
     raise StateError(
-        f"{what} are spawned processes, and each imports the main script {path} again: its line {line}, which "
-        "starts them, would run again in each one (and fail there). Put the script's top-level code under "
+        f"{what} are processes that each import the main script {path} again: its line {line}, which starts "
+        "them, would run again in each one (and fail there). Put the script's top-level code under "
         '`if __name__ == "__main__":` (as for DataLoader workers), or pass num_workers=0'
     )

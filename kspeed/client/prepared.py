@@ -1,6 +1,6 @@
 """Batches of a KSpeed dataset finished in the training process: its client-side pipeline
-stages, or a folder dataset's own loader and transforms, run in spawned worker processes, then
-``collate_fn``.
+stages, or a folder dataset's own loader and transforms, run in worker processes
+(:class:`~kspeed.client.prep.workers.TransformWorkers`), then ``collate_fn``.
 
 :meth:`kspeed.KSpeedClient.dataset` returns a :class:`PreparedDataset` for a dataset with a
 pipeline; :meth:`kspeed.KSpeedClient.wrap` returns one for a torchvision-style folder dataset
@@ -28,6 +28,7 @@ from kspeed.client.prep.workers import (
     InlineWorkers,
     SampleFailure,
     Stages,
+    StartFailure,
     TransformWorkers,
     check_loader,
     run_samples,
@@ -35,7 +36,7 @@ from kspeed.client.prep.workers import (
 from kspeed.control.progress import PreloadSummary
 from kspeed.errors import ConfigError, DatasetError, KSpeedError, StateError
 
-__all__ = ["PreparedDataset"]
+__all__ = ["PreparedDataset", "start_workers", "worker_count"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,33 @@ NO_WORKERS = (
     "a dataset prepared on the client runs its own worker processes and cannot itself run in DataLoader "
     "workers; iterate it directly, or use DataLoader(dataset, batch_size=None, num_workers=0)"
 )
+
+
+def worker_count(num_workers: int | None) -> int:
+    """The worker processes that ``num_workers`` asks for (``None``: :data:`DEFAULT_WORKERS`).
+
+    Raises:
+        ConfigError: not a non-negative integer.
+    """
+    workers = DEFAULT_WORKERS if num_workers is None else num_workers
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+        raise ConfigError(
+            f"num_workers must be a non-negative integer, got {workers!r}", field="num_workers", value=workers
+        )
+    return workers
+
+
+def start_workers(num_workers: int | None, preload: Sequence[str]) -> TransformWorkers | None:
+    """Transform workers started now, to get ready in the background while the caller goes on
+    (registers the dataset); ``None`` for ``num_workers=0``. Give them to a :class:`PreparedDataset`,
+    which closes them, or close them.
+
+    Raises:
+        ConfigError: a bad ``num_workers``.
+        StateError: called from an unguarded top-level line of the main script (named).
+    """
+    workers = worker_count(num_workers)
+    return TransformWorkers(workers, preload=preload) if workers else None
 
 
 # -- iteration -------------------------------------------------------------------------------------
@@ -82,6 +110,9 @@ class PreparedDataset(IterableDataset):
         collate_fn: list of ``(sample, target)`` pairs -> batch.
         num_workers: worker processes (default: up to 4, one per CPU; 0: in the training process).
         prefetch: batches in flight (default: 2 per worker).
+        transform_workers: workers already started (:func:`start_workers`, e.g. while the dataset
+            registered), used instead of ``num_workers`` new ones; they get this dataset's stages
+            and it closes them. Otherwise the workers start with the first batch that needs them.
 
     Raises:
         ConfigError: a bad worker or prefetch count, or ``paths``/``targets`` not one per sample.
@@ -99,14 +130,11 @@ class PreparedDataset(IterableDataset):
         collate_fn: Callable[..., Any] = default_collate,
         num_workers: int | None = None,
         prefetch: int | None = None,
+        transform_workers: TransformWorkers | None = None,
     ) -> None:
         super().__init__()
         self._closed = True
-        workers = DEFAULT_WORKERS if num_workers is None else num_workers
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
-            raise ConfigError(
-                f"num_workers must be a non-negative integer, got {workers!r}", field="num_workers", value=workers
-            )
+        workers = transform_workers.workers if transform_workers is not None else worker_count(num_workers)
         if prefetch is not None and (isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch <= 0):
             raise ConfigError(
                 f"prefetch must be a positive integer, got {prefetch!r}", field="prefetch", value=prefetch
@@ -143,7 +171,9 @@ class PreparedDataset(IterableDataset):
         self._seconds: dict[str, float] = {}
         self.num_workers = workers
         self.prefetch = prefetch if prefetch is not None else max(PREFETCH_PER_WORKER * workers, 1)
-        self._workers: TransformWorkers | InlineWorkers | None = None
+        if transform_workers is not None:
+            transform_workers.install(self._stages)
+        self._workers: TransformWorkers | InlineWorkers | None = transform_workers
         self._delivered = 0
         self._closed = False
 
@@ -175,17 +205,13 @@ class PreparedDataset(IterableDataset):
         self._check_open()
         batches = iter(self._inner)
         self._delivered = self._inner.state_dict()["batches"]
-        if self._workers is None:
-            self._workers = (
-                TransformWorkers(self.num_workers, self._stages) if self.num_workers else InlineWorkers(self._stages)
-            )
-        return self._deliver(batches, self._workers)
+        return self._deliver(batches)
 
-    def _deliver(self, batches: Iterator[Any], workers: TransformWorkers | InlineWorkers) -> Iterator[Any]:
+    def _deliver(self, batches: Iterator[Any]) -> Iterator[Any]:
         pending: deque[_Task] = deque()
         try:
             for batch in batches:
-                pending.append(self._submit(workers, batch))
+                pending.append(self._submit(batch))
                 if len(pending) >= self.prefetch:
                     yield self._collect(pending.popleft())
             while pending:
@@ -200,7 +226,26 @@ class PreparedDataset(IterableDataset):
             self._stop_workers()
             raise
 
-    def _submit(self, workers: TransformWorkers | InlineWorkers, batch: Any) -> _Task:
+    def _ready_workers(self) -> TransformWorkers | InlineWorkers:
+        """The workers, started by the first batch that needs them unless they were given started,
+        once each has run its initializer.
+
+        Raises:
+            DatasetError: a worker could not start (why).
+            StateError: they would start from an unguarded top-level line of the main script.
+        """
+        if self._workers is None:
+            self._workers = (
+                TransformWorkers(self.num_workers, self._stages) if self.num_workers else InlineWorkers(self._stages)
+            )
+        if isinstance(self._workers, TransformWorkers):
+            try:
+                self._workers.wait_ready()
+            except StartFailure as exc:
+                raise DatasetError(f"dataset {self.name!r}: {exc.text}", dataset=self.name) from exc
+        return self._workers
+
+    def _submit(self, batch: Any) -> _Task:
         """Copy the batch's bytes into one buffer, give its ring range back and queue it.
 
         A batch the servers preprocessed whole, with no client stage left but the default
@@ -223,7 +268,7 @@ class PreparedDataset(IterableDataset):
         batch.release()
         paths = self._paths
         names = [os.path.basename(paths[i]) for i in ids] if paths and self._stages.loader_takes == "path" else []
-        future = workers.submit(buffer, offsets.tolist(), targets, names, draw)
+        future = self._ready_workers().submit(buffer, offsets.tolist(), targets, names, draw)
         return _Task(future, epoch, index, ids)
 
     def _targets_of(self, batch: Any, ids: list[int]) -> list[Any]:
@@ -274,6 +319,8 @@ class PreparedDataset(IterableDataset):
                 dataset=self.name,
                 sample=sample,
             ) from exc
+        except StartFailure as exc:
+            raise DatasetError(f"{where}: {exc.text}", dataset=self.name) from exc
         except BrokenProcessPool as exc:
             raise DatasetError(
                 f"a transform worker process died during {where} (killed, crashed or out of memory)", dataset=self.name
@@ -295,7 +342,7 @@ class PreparedDataset(IterableDataset):
         return result.value
 
     def worker_pids(self) -> list[int]:
-        """Process IDs of the running transform workers (none before the first iteration or after close)."""
+        """Process IDs of the running transform workers (none before they start or after close)."""
         return self._workers.pids() if self._workers is not None else []
 
     # -- epochs, resume, operations --------------------------------------------------------------

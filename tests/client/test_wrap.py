@@ -1,4 +1,4 @@
-"""The folder-dataset wrapper without daemons: real JPEGs fed by in-process fake servers, real spawned workers."""
+"""The folder-dataset wrapper without daemons: real JPEGs fed by in-process fake servers, real worker processes."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import hashlib
 import multiprocessing
 import os
 import re
+import threading
 
 import numpy as np
 import pytest
@@ -14,11 +15,13 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
 from torchvision.datasets import ImageFolder
 
+from kspeed.client import client as client_module
+from kspeed.client.client import KSpeedClient
 from kspeed.client.folders import folder_spec
 from kspeed.client.options import FeedOptions
 from kspeed.client.prep.workers import check_loader, check_picklable, pil_file_loader, resolve_loader
 from kspeed.client.prepared import PreparedDataset
-from kspeed.errors import ConfigError, DatasetError
+from kspeed.errors import ConfigError, DatasetError, UnavailableError
 from tests.client.fakes import FakeServer, client_config, fake_info, open_dataset
 
 CLASSES = ("ant", "bee", "cat")
@@ -26,7 +29,7 @@ PER_CLASS = 10
 SIDE = 12
 
 
-# -- a torchvision-style folder dataset (module level: the spawned workers import these) ----------
+# -- a torchvision-style folder dataset (module level: the worker processes import these) ---------
 
 
 def jpeg_loader(source):
@@ -66,6 +69,22 @@ class FailOn:
         if hashlib.sha256(data).hexdigest() == self.digest:
             raise ValueError("corrupt image")
         return simplejpeg.decode_jpeg(data)
+
+
+def _refuse_outside(pid):
+    if os.getpid() != pid:
+        raise ModuleNotFoundError("No module named 'only_here'")
+    return jpeg_loader
+
+
+class LoadsOnlyHere:
+    """A loader that unpickles in this process only (as one from a module the workers cannot import)."""
+
+    def __call__(self, file):
+        return jpeg_loader(file)
+
+    def __reduce__(self):
+        return _refuse_outside, (os.getpid(),)
 
 
 class PathRecorder:
@@ -258,7 +277,52 @@ def test_close_leaves_no_worker_process(folder, make_wrapped):
     assert wrapped.worker_pids() == []
 
 
+def test_a_loader_the_workers_cannot_unpickle_is_named_and_stops_them(folder, make_wrapped):
+    folder.loader = LoadsOnlyHere()
+    wrapped = make_wrapped(sampler=SequentialSampler(folder))
+    with pytest.raises(DatasetError, match=r"cannot be unpickled in a worker process: ModuleNotFoundError"):
+        next(iter(wrapped))
+    assert wrapped.worker_pids() == [] and multiprocessing.active_children() == []
+
+
 # -- registration and checks ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("failure", ["registering", "after registering"])
+def test_wrap_starts_the_workers_before_registering_and_closes_them_on_an_error(folder, monkeypatch, failure):
+    started, pids, closed = [], [], []
+    start_workers = client_module.start_workers
+
+    def start(num_workers, preload):
+        started.append(start_workers(num_workers, preload))
+        return started[-1]
+
+    class Registered:  # a dataset whose files changed since the folder was listed
+        num_samples = len(folder) - 1
+
+        def close(self):
+            closed.append(True)
+
+    def register(spec, options):
+        assert started, "the workers start before the dataset registers"
+        pids.extend(started[0].wait_ready())  # they get ready while it registers
+        if failure == "registering":
+            raise UnavailableError("the manager went away")
+        return Registered()
+
+    monkeypatch.setattr(client_module, "start_workers", start)
+    client = KSpeedClient.__new__(KSpeedClient)  # no manager: open() is replaced
+    client._closed, client._datasets = False, []
+    monkeypatch.setattr(client, "open", register)
+    error = UnavailableError if failure == "registering" else DatasetError
+    with pytest.raises(error):
+        client.wrap(folder, batch_size=8, num_workers=2, offload=0)
+    assert len(pids) == 2 and started[0].closed
+    assert not any(alive(pid) for pid in pids)
+    assert closed == ([True] if failure == "after registering" else [])
+    assert multiprocessing.active_children() == []
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("kspeed-pool")]
+    assert client._datasets == []
 
 
 def test_folder_spec_uses_the_tree_when_it_matches_else_a_list(folder, tmp_path):

@@ -1,18 +1,21 @@
 """Pools that turn delivered sample bytes into collated training batches, as ``DataLoader`` workers do.
 
-A wrapped folder dataset's own loader and transforms run on the client: in processes started with
-``spawn`` (:class:`TransformWorkers`; the client's gRPC channels and receive ring do not survive
-``fork``), or in the training process itself with ``num_workers=0`` (:class:`InlineWorkers`). A task
-is one batch: its bytes as one buffer with sample offsets, its targets and its file names; the pool
-returns the batch collated as a ``DataLoader`` worker would, so tensors come back through torch's
-shared-memory reductions rather than the pipe. A loader that opens a path is given a scratch file
-of the sample's bytes under the sample's own name (:class:`ScratchFiles`). The checks of the stages
+A wrapped folder dataset's own loader and transforms run on the client: in worker processes
+(:class:`TransformWorkers`), forked from a forkserver that has imported torch and the stages'
+libraries, or spawned where the platform has none (:mod:`kspeed.client.prep.start_method`; the
+client's gRPC channels and receive ring do not survive a ``fork`` of the training process), or in
+the training process itself with ``num_workers=0`` (:class:`InlineWorkers`). A task is one batch:
+its bytes as one buffer with sample offsets, its targets and its file names; the pool returns the
+batch collated as a ``DataLoader`` worker would, so tensors come back through torch's shared-memory
+reductions rather than the pipe. A loader that opens a path is given a scratch file of the
+sample's bytes under the sample's own name (:class:`ScratchFiles`). The checks of the stages
 (picklable, how the loader takes a sample) run in the caller, before any worker starts.
 """
 
 from __future__ import annotations
 
-import atexit
+import contextlib
+import importlib
 import io
 import logging
 import os
@@ -26,7 +29,9 @@ import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, fields
+from multiprocessing import util
 from typing import Any
 
 import numpy as np
@@ -34,6 +39,7 @@ import torch.multiprocessing
 from torch.utils.data import default_collate
 
 from kspeed.client.main_guard import check_main_guarded
+from kspeed.client.prep.start_method import FORKSERVER, modules_of, worker_context
 from kspeed.errors import ConfigError, PreprocessError, StateError
 from kspeed.preprocess.pipeline import STATUS, Pipeline, read_status
 from kspeed.preprocess.runner import Runner
@@ -45,10 +51,12 @@ __all__ = [
     "SampleFailure",
     "ScratchFiles",
     "Stages",
+    "StartFailure",
     "TransformWorkers",
     "check_loader",
     "check_picklable",
     "pil_file_loader",
+    "preload_of",
     "resolve_loader",
     "run_batch",
     "run_samples",
@@ -59,9 +67,12 @@ log = logging.getLogger(__name__)
 
 #: Seconds a worker gets to finish its batch at close before it is terminated.
 JOIN_TIMEOUT = 10.0
+#: Seconds a started worker waits for the pool's others before it counts as ready on its own.
+READY_TIMEOUT = 120.0
 _TORCHVISION_LOADERS = ("pil_loader", "default_loader")
 
-# Set once per worker process by _init: (loader, transform, target_transform, collate_fn).
+# Set once per worker process: the pool's barrier by _init, the stages by the first batch (_load).
+_READY: Any = None
 _STAGES: Stages | None = None
 _SCRATCH: ScratchFiles | None = None
 _RUNNER: Runner | None = None
@@ -78,6 +89,18 @@ class SampleFailure(Exception):
     def __init__(self, position: int | None, text: str) -> None:
         super().__init__(position, text)
         self.position = position
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+class StartFailure(Exception):
+    """A worker cannot run the stages at all, whatever the batch: it could not start, or the stages
+    cannot be unpickled in it. Carries the cause as text."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
         self.text = text
 
     def __str__(self) -> str:
@@ -213,7 +236,7 @@ class Delivered:
 
 
 def check_picklable(stages: Stages | Mapping[str, Any]) -> None:
-    """Refuse a stage that cannot reach a spawned worker, at wrap time rather than at the first batch.
+    """Refuse a stage that cannot reach a worker process, at wrap time rather than at the first batch.
 
     Raises:
         ConfigError: a stage (named) cannot be pickled.
@@ -223,8 +246,8 @@ def check_picklable(stages: Stages | Mapping[str, Any]) -> None:
             pickle.dumps(stage)
         except Exception as exc:
             raise ConfigError(
-                f"the wrapped dataset's {what} {stage!r} cannot be pickled ({exc}); it runs in spawned "
-                "worker processes: use a module-level function or a picklable object",
+                f"the wrapped dataset's {what} {stage!r} cannot be pickled ({exc}); it runs in worker "
+                "processes: use a module-level function or a picklable object",
                 field=what,
                 value=repr(stage),
             ) from exc
@@ -287,13 +310,53 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _init(stages: Stages) -> None:
-    global _STAGES, _SCRATCH
+def preload_of(stages: Stages) -> list[str]:
+    """The modules a worker imports to run ``stages``: torch and this module, those of the stages'
+    classes and functions (:func:`~kspeed.client.prep.start_method.modules_of`), those its
+    pipeline's stages name, and PIL for torchvision's loader."""
+    names = ["torch", __name__, *sorted(modules_of(stages.named().values()))]
+    if stages.pipeline is not None:
+        names += ["kspeed.preprocess.runner", *sorted({s.module for s in stages.pipeline.stages if s.module})]
+    if stages.loader is pil_file_loader:
+        names.append("PIL.Image")
+    return list(dict.fromkeys(names))
+
+
+def _init(modules: Sequence[str], ready: Any) -> None:
+    """A worker's start: one thread for torch, ``modules`` imported (a forkserver's worker has them
+    already), and the pool's barrier kept for :func:`_warm`."""
+    global _READY
     torch.set_num_threads(1)  # as DataLoader workers: one thread each, the pool gives the parallelism
-    _STAGES = stages
-    _SCRATCH = ScratchFiles() if stages.loader_takes == "path" else None
-    if _SCRATCH is not None:
-        atexit.register(_SCRATCH.close)
+    _READY = ready
+    for name in modules:
+        # Only a head start: loading the stages imports what they need, and says what fails.
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
+
+
+def _warm(timeout: float) -> int:
+    """Wait until every worker of the pool has run :func:`_init` (each takes one such task); the pid."""
+    with contextlib.suppress(threading.BrokenBarrierError):  # closing, or another is late: this one is ready
+        _READY.wait(timeout)
+    return os.getpid()
+
+
+def _load(stages_pickle: bytes) -> Stages:
+    """The stages, unpickled on this worker's first batch."""
+    global _STAGES, _SCRATCH
+    if _STAGES is None:
+        try:
+            stages = pickle.loads(stages_pickle)
+        except Exception as exc:
+            raise StartFailure(
+                f"the loader, transforms or collate_fn cannot be unpickled in a worker process: {_describe(exc)}"
+            ) from None
+        if stages.loader_takes == "path":
+            _SCRATCH = ScratchFiles()
+            # multiprocessing runs this at the worker's exit; atexit does not run in a forked worker.
+            util.Finalize(None, _SCRATCH.close, exitpriority=0)
+        _STAGES = stages
+    return _STAGES
 
 
 def _describe(exc: BaseException) -> str:
@@ -419,11 +482,9 @@ def run_samples(
 BatchTask = tuple[bytes | bytearray, Sequence[int], Sequence[Any], Sequence[str], Draw | None]
 
 
-def _run(task: BatchTask) -> Delivered:
-    """One batch in a worker process, with the stages its initializer received."""
-    if _STAGES is None:
-        raise StateError("transform worker used before its initializer ran")
-    return run_batch(_STAGES, _SCRATCH, *task)
+def _run(stages_pickle: bytes, task: BatchTask) -> Delivered:
+    """One batch in a worker process."""
+    return run_batch(_load(stages_pickle), _SCRATCH, *task)
 
 
 class _Workers(ABC):
@@ -496,34 +557,123 @@ class InlineWorkers(_Workers):
 
 
 class TransformWorkers(_Workers):
-    """``workers`` spawned processes running ``loader``, the transforms and ``collate_fn`` per batch.
+    """``workers`` processes running ``loader``, the transforms and ``collate_fn`` per batch.
 
-    The processes start on the first task and are joined by :meth:`close`.
+    The processes start at once, from a background thread: forked from the forkserver (which first
+    imports ``preload`` if it is not running yet) or spawned
+    (:func:`~kspeed.client.prep.start_method.worker_context`), so that they get ready while the
+    caller goes on, e.g. registers the dataset. :meth:`wait_ready` waits until each has run its
+    initializer. The stages travel with each batch as one pickle, made once by :meth:`install` and
+    unpickled once per worker, so the pool can start before they are known. :meth:`close` joins the
+    processes.
 
     Args:
         workers: number of processes.
-        stages: the loader, transforms and collation each worker runs.
+        stages: the loader, transforms and collation each worker runs (``None``: :meth:`install` later).
+        preload: the modules the workers import before their first batch (default: :func:`preload_of`
+            of ``stages``).
 
     Raises:
         StateError: the pool is made from a top-level statement of the main script outside
-            ``if __name__ == "__main__":``, which each spawned worker would run again.
+            ``if __name__ == "__main__":``, which each worker would run again.
+        ConfigError: ``stages`` cannot be pickled (named).
     """
 
-    def __init__(self, workers: int, stages: Stages) -> None:
+    def __init__(self, workers: int, stages: Stages | None = None, *, preload: Sequence[str] | None = None) -> None:
         check_main_guarded("the transform workers")
+        self._stages_pickle = _pickled(stages) if stages is not None else None
+        if preload is None:
+            preload = preload_of(stages) if stages is not None else ["torch", __name__]
+        modules = tuple(preload)
+        context = worker_context(modules)
         self.workers = workers
+        self.start_method = context.get_start_method()
+        self._ready = context.Barrier(workers)
         self._executor: ProcessPoolExecutor | None = ProcessPoolExecutor(
-            workers, mp_context=torch.multiprocessing.get_context("spawn"), initializer=_init, initargs=(stages,)
+            workers, mp_context=context, initializer=_init, initargs=(modules, self._ready)
         )
+        self._warm: list[Future] = []
+        self._start_error: BaseException | None = None
+        self._ready_pids: list[int] | None = None
+        self._began = time.perf_counter()
+        self._starter = threading.Thread(
+            target=self._start, args=(self._executor,), name="kspeed-pool-start", daemon=True
+        )
+        self._starter.start()
+
+    def _start(self, executor: ProcessPoolExecutor) -> None:
+        """Start each process: the pool starts one per task while none is idle, and a worker that
+        has run its initializer waits in :func:`_warm` for the others (a forkserver start returns
+        once the server has forked the process; a spawn, once it has run the interpreter)."""
+        try:
+            for _ in range(self.workers):
+                self._warm.append(executor.submit(_warm, READY_TIMEOUT))
+        except BaseException as exc:  # the forkserver could not start, or close() came first
+            self._start_error = exc
 
     @property
     def closed(self) -> bool:
         """Whether :meth:`close` ran."""
         return self._executor is None
 
+    def install(self, stages: Stages) -> None:
+        """Give the workers the stages they run (once, before the first batch).
+
+        Raises:
+            StateError: they have their stages already.
+            ConfigError: a stage cannot be pickled (named).
+        """
+        if self._stages_pickle is not None:
+            raise StateError("the transform workers have their stages already")
+        self._stages_pickle = _pickled(stages)
+
+    def wait_ready(self) -> list[int]:
+        """Wait until each worker process has started and run its initializer (at once after the first
+        time); the process IDs of those that did (all, unless one was over :data:`READY_TIMEOUT` late).
+
+        Raises:
+            StateError: the workers are closed.
+            StartFailure: a worker could not start (why, as far as this process can tell).
+        """
+        if self._ready_pids is not None:
+            return self._ready_pids
+        if self.closed:
+            raise StateError("the transform workers are closed; iterate the dataset again to start new ones")
+        self._starter.join()
+        if self._start_error is not None:
+            why = _describe(self._start_error)
+            if self.start_method == FORKSERVER and isinstance(self._start_error, (EOFError, OSError)):
+                why = (
+                    f"the forkserver ended before forking them ({why}): if it printed an error on stderr, "
+                    "importing a module of its preload list failed in it"
+                )
+            raise StartFailure(f"the transform workers could not start ({self.start_method}): {why}") from (
+                self._start_error
+            )
+        pids = set()
+        for future in self._warm:
+            try:
+                pids.add(future.result())
+            except BrokenProcessPool as exc:
+                raise StartFailure(
+                    "a transform worker process ended while starting: it was killed, or importing the main "
+                    'script again (as each worker does, up to `if __name__ == "__main__":`) failed in it; an error '
+                    "it printed is on stderr"
+                ) from exc
+        self._ready_pids = sorted(pids)
+        log.debug(
+            "%d transform workers (%s) ready %.2f s after they were started",
+            self.workers,
+            self.start_method,
+            time.perf_counter() - self._began,
+        )
+        return self._ready_pids
+
     def _submit(self, task: BatchTask) -> Future:
         assert self._executor is not None  # (submit checked closed)
-        return self._executor.submit(_run, task)
+        if self._stages_pickle is None:
+            raise StateError("the transform workers were given no stages to run")
+        return self._executor.submit(_run, self._stages_pickle, task)
 
     def pids(self) -> list[int]:
         """Process IDs of the running workers."""
@@ -532,10 +682,12 @@ class TransformWorkers(_Workers):
         return sorted(processes)
 
     def close(self) -> None:
-        """Cancel queued tasks and join every worker process."""
+        """Cancel queued tasks and join every worker process, waiting for those still starting."""
         executor, self._executor = self._executor, None
         if executor is None:
             return
+        self._starter.join()  # a process being started cannot be stopped halfway
+        self._ready.abort()  # workers waiting in _warm for the others stop waiting
         processes = list((getattr(executor, "_processes", None) or {}).values())
         # The executor's own thread joins the workers; a worker stuck in a user transform must not
         # hang close(), so it is terminated after JOIN_TIMEOUT.
@@ -556,3 +708,19 @@ class TransformWorkers(_Workers):
                     process.terminate()
             stopper.join()
         log.debug("%d transform workers closed", self.workers)
+
+
+def _pickled(stages: Stages) -> bytes:
+    """The stages as the workers receive them.
+
+    Raises:
+        ConfigError: a stage cannot be pickled (named).
+    """
+    try:
+        return pickle.dumps(stages, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        check_picklable(stages)  # names the stage
+        raise ConfigError(
+            f"the stages of dataset {stages.dataset!r} cannot be pickled for the worker processes: {exc}",
+            field="stages",
+        ) from exc

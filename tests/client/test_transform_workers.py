@@ -1,0 +1,123 @@
+"""Transform worker processes: where they come from, when they are ready, and what they leave."""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kspeed.client.prep.start_method import FORKSERVER, start_method
+from kspeed.client.prep.workers import Stages, StartFailure, TransformWorkers, sample_bytes
+from kspeed.errors import StateError
+
+needs_forkserver = pytest.mark.skipif(start_method() != FORKSERVER, reason="this platform has no forkserver")
+
+
+def _refuse_outside(pid: int) -> Stages:
+    if os.getpid() != pid:
+        raise ValueError("these stages only load where they were made")
+    return Stages(loader=sample_bytes)
+
+
+class LoadsOnlyHere:
+    """Stages whose unpickling fails in any other process (a module the workers cannot import, say)."""
+
+    def __reduce__(self):
+        return _refuse_outside, (os.getpid(),)
+
+
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def children_of(pid: int) -> set[int]:
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        found.update(int(p) for p in task.read_text().split())
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def pool_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("kspeed-pool")]
+
+
+def one_batch(workers: TransformWorkers) -> list[list[int]]:
+    return workers.submit(b"abc", [0, 3], [None], ["a"]).result(timeout=60).value.tolist()
+
+
+@pytest.fixture
+def stages():
+    return Stages(loader=sample_bytes)
+
+
+@needs_forkserver
+def test_workers_are_forked_from_the_forkserver_and_ready_together(stages):
+    workers = TransformWorkers(2, stages)
+    try:
+        assert workers.start_method == "forkserver"
+        ready = workers.wait_ready()
+        assert ready == workers.pids() and len(ready) == 2  # each worker ran its initializer
+        server = multiprocessing.forkserver._forkserver._forkserver_pid
+        assert server is not None and server != os.getpid()
+        assert {parent_of(pid) for pid in ready} == {server}  # forked by the server, not by this process
+        assert "torch" in multiprocessing.forkserver._forkserver._preload_modules
+        assert one_batch(workers) == [[97, 98, 99]]
+        assert workers.wait_ready() == ready  # at once, the second time
+    finally:
+        workers.close()
+    assert not any(alive(pid) for pid in ready)
+    assert multiprocessing.active_children() == [] and pool_threads() == []
+
+
+def test_the_stages_can_be_given_after_the_start(stages):
+    workers = TransformWorkers(2, preload=["torch"])
+    try:
+        with pytest.raises(StateError, match="no stages"):
+            workers.submit(b"abc", [0, 3], [None], ["a"])
+        workers.install(stages)
+        with pytest.raises(StateError, match="stages already"):
+            workers.install(stages)
+        assert one_batch(workers) == [[97, 98, 99]]
+    finally:
+        workers.close()
+    with pytest.raises(StateError, match="closed"):
+        workers.wait_ready()
+
+
+def test_stages_that_cannot_be_unpickled_in_a_worker_are_named():
+    workers = TransformWorkers(1, preload=["torch"])
+    try:
+        workers.install(LoadsOnlyHere())
+        with pytest.raises(StartFailure, match=r"cannot be unpickled in a worker process: ValueError: these stages"):
+            one_batch(workers)
+    finally:
+        workers.close()
+
+
+@pytest.mark.parametrize("wait", [False, True], ids=["while-starting", "once-ready"])
+def test_closing_leaves_no_process_or_thread(stages, wait):
+    workers = TransformWorkers(2, stages)
+    if wait:
+        workers.wait_ready()
+    workers.close()  # waits for a start in progress, then joins
+    assert workers.closed and workers.pids() == []
+    assert multiprocessing.active_children() == [] and pool_threads() == []
+    if start_method() == FORKSERVER:
+        server = multiprocessing.forkserver._forkserver._forkserver_pid
+        deadline = time.monotonic() + 10
+        while children_of(server) and time.monotonic() < deadline:  # the server reaps them
+            time.sleep(0.05)
+        assert children_of(server) == set()
