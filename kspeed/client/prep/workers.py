@@ -341,12 +341,13 @@ def _warm(timeout: float) -> int:
     return os.getpid()
 
 
-def _load(stages_pickle: bytes) -> Stages:
-    """The stages, unpickled on this worker's first batch."""
+def _load(stages_file: str) -> Stages:
+    """The stages, read from their file and unpickled on this worker's first batch."""
     global _STAGES, _SCRATCH
     if _STAGES is None:
         try:
-            stages = pickle.loads(stages_pickle)
+            with open(stages_file, "rb") as fh:
+                stages = pickle.load(fh)
         except Exception as exc:
             raise StartFailure(
                 f"the loader, transforms or collate_fn cannot be unpickled in a worker process: {_describe(exc)}"
@@ -482,9 +483,9 @@ def run_samples(
 BatchTask = tuple[bytes | bytearray, Sequence[int], Sequence[Any], Sequence[str], Draw | None]
 
 
-def _run(stages_pickle: bytes, task: BatchTask) -> Delivered:
+def _run(stages_file: str, task: BatchTask) -> Delivered:
     """One batch in a worker process."""
-    return run_batch(_load(stages_pickle), _SCRATCH, *task)
+    return run_batch(_load(stages_file), _SCRATCH, *task)
 
 
 class _Workers(ABC):
@@ -563,9 +564,10 @@ class TransformWorkers(_Workers):
     imports ``preload`` if it is not running yet) or spawned
     (:func:`~kspeed.client.prep.start_method.worker_context`), so that they get ready while the
     caller goes on, e.g. registers the dataset. :meth:`wait_ready` waits until each has run its
-    initializer. The stages travel with each batch as one pickle, made once by :meth:`install` and
-    unpickled once per worker, so the pool can start before they are known. :meth:`close` joins the
-    processes.
+    initializer. The stages are pickled once, by :meth:`install`, into a file only this user may
+    read (removed at :meth:`close`), whose name travels with each batch; each worker unpickles it once
+    (at its first batch), so the pool can start before they are known, and a large stage is not sent
+    with every batch. :meth:`close` joins the processes.
 
     Args:
         workers: number of processes.
@@ -581,7 +583,7 @@ class TransformWorkers(_Workers):
 
     def __init__(self, workers: int, stages: Stages | None = None, *, preload: Sequence[str] | None = None) -> None:
         check_main_guarded("the transform workers")
-        self._stages_pickle = _pickled(stages) if stages is not None else None
+        self._stages_file = _stages_file(stages) if stages is not None else None
         if preload is None:
             preload = preload_of(stages) if stages is not None else ["torch", __name__]
         modules = tuple(preload)
@@ -623,9 +625,9 @@ class TransformWorkers(_Workers):
             StateError: they have their stages already.
             ConfigError: a stage cannot be pickled (named).
         """
-        if self._stages_pickle is not None:
+        if self._stages_file is not None:
             raise StateError("the transform workers have their stages already")
-        self._stages_pickle = _pickled(stages)
+        self._stages_file = _stages_file(stages)
 
     def wait_ready(self) -> list[int]:
         """Wait until each worker process has started and run its initializer (at once after the first
@@ -671,9 +673,9 @@ class TransformWorkers(_Workers):
 
     def _submit(self, task: BatchTask) -> Future:
         assert self._executor is not None  # (submit checked closed)
-        if self._stages_pickle is None:
+        if self._stages_file is None:
             raise StateError("the transform workers were given no stages to run")
-        return self._executor.submit(_run, self._stages_pickle, task)
+        return self._executor.submit(_run, self._stages_file, task)
 
     def pids(self) -> list[int]:
         """Process IDs of the running workers."""
@@ -707,7 +709,23 @@ class TransformWorkers(_Workers):
                     )
                     process.terminate()
             stopper.join()
+        if self._stages_file is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._stages_file)
         log.debug("%d transform workers closed", self.workers)
+
+
+def _stages_file(stages: Stages) -> str:
+    """The stages pickled into a new file that only this user can read; its path.
+
+    Raises:
+        ConfigError: a stage cannot be pickled (named).
+    """
+    data = _pickled(stages)
+    fd, path = tempfile.mkstemp(prefix="kspeed-stages-", suffix=".pickle")
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+    return path
 
 
 def _pickled(stages: Stages) -> bytes:
