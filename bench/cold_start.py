@@ -209,7 +209,12 @@ def first_job(tree, args: argparse.Namespace, allow: str) -> dict:
             parts.setdefault("errors", []).append({k: doc[k] for k in ("part", "error", "trace")})
     warm = merged.get("warm") or []
     parts["job"] = {k: merged.get(k) for k in ("imports_s", "connect_s")}
-    for key, field in (("register", "register_s"), ("preload", "preload_s"), ("first_batch_warm", "first_batch_s")):
+    for key, field in (
+        ("register", "register_s"),
+        ("dataset", "dataset_s"),
+        ("preload", "preload_s"),
+        ("first_batch_warm", "first_batch_s"),
+    ):
         values = [run[field] for run in warm]
         parts[key] = {"median_s": median(values), "runs": values}
     if "memory" in merged:
@@ -218,6 +223,7 @@ def first_job(tree, args: argparse.Namespace, allow: str) -> dict:
         times = [a["attach_s"] for a in attaches if "attach_s" in a]
         parts["attach"] = {
             "median_s": median(times),
+            "call_median_s": median([a["attach_call_s"] for a in attaches if "attach_call_s" in a]),
             "connect_median_s": median([a["connect_s"] for a in attaches if "connect_s" in a]),
             "runs": attaches,
         }
