@@ -202,7 +202,7 @@ def make_tree(data_dir: Path, files: int, *, seed: int = 0, threads: int = THREA
     marker = base / "tree.json"
     known = _read_marker(marker)
     if known is not None and known.get("files") == files and known.get("seed") == seed:
-        return Tree(**known), True
+        return Tree(**{**known, "root": str(base / "tree")}), True  # (the data directory may have moved)
     counts = class_counts(files)
     progress = base / "progress"
     done = set(os.listdir(progress)) if progress.is_dir() else set()
@@ -231,7 +231,7 @@ def make_manifest(data_dir: Path, keys: int, files: int, *, seed: int = 0, say=N
     marker = base / "manifest.json"
     known = _read_marker(marker)
     if known is not None and known.get("keys") == keys and known.get("files") == files and known.get("seed") == seed:
-        return Manifest(**known), True
+        return Manifest(**{**known, "path": str(base / "manifest.txt")}), True  # (the data directory may have moved)
     check_space(data_dir, *manifest_need(keys, files, _block_size(data_dir)), f"a manifest of {keys:,} keys")
     per_class = -(-keys // MAX_CLASSES)
     files = min(files, keys)

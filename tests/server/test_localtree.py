@@ -5,10 +5,21 @@ from __future__ import annotations
 import os
 
 import fsspec
+import numpy as np
 import pytest
 
 from kspeed.errors import AccessDeniedError
-from kspeed.server.backend import listing
+from kspeed.server.backend import findwalk, listing, localtree
+
+
+@pytest.fixture(autouse=True, params=["find", "python"])
+def walker(request, monkeypatch):
+    """Each test with GNU find's walk and with the walk in Python (where find is missing)."""
+    if request.param == "python":
+        monkeypatch.setattr(localtree, "find_files", lambda root, folders, processes: None)
+    elif not findwalk.gnu_find():
+        pytest.skip("GNU find is not installed here")
+    return request.param
 
 
 def both(backend, root):
@@ -21,7 +32,7 @@ def both(backend, root):
 def same(fast, slow):
     assert fast.keys.blob == slow.keys.blob
     assert (fast.keys.starts == slow.keys.starts).all() and (fast.keys.ends == slow.keys.ends).all()
-    assert (fast.sizes == slow.sizes).all() and (fast.stamps == slow.stamps).all() and fast.tags == slow.tags
+    assert (fast.sizes == slow.sizes).all() and (fast.stamps == slow.stamps).all()
     assert fast.classes == slow.classes
     assert (fast.labels is None) == (slow.labels is None)
     if fast.labels is not None:
@@ -67,3 +78,31 @@ def test_a_link_to_a_folder_is_not_a_sample(tmp_path, backend):
     os.symlink(root / "real", root / "again")
     fast = listing._open_dir(backend, "d", str(root), fsspec.filesystem("file"), str(root), "file")
     assert [fast.keys[i] for i in range(len(fast.sizes))] == ["real/f"]
+
+
+def test_odd_names_and_both_walks_agree(tmp_path, backend, monkeypatch):
+    root = tmp_path / "t"
+    names = ["-dash/a", "sp ace/b c", "new\nline/d", "ünï/é", "x/y/z/deep", "x/.hid/no", "plain"]
+    for i, key in enumerate(names):
+        (root / key).parent.mkdir(parents=True, exist_ok=True)
+        (root / key).write_bytes(b"q" * i)
+    fs = fsspec.filesystem("file")
+    found = listing._open_dir(backend, "d", str(root), fs, str(root), "file")
+    slow = listing._open_fs_dir(backend, "d", fs, str(root), "file")
+    same(found, slow)
+    assert [found.keys[i] for i in range(len(found.sizes))] == sorted(k for k in names if ".hid" not in k)
+    assert found.labels is None  # "plain" lies at the root
+
+
+def test_find_processes_split_the_folders_and_give_the_same_tree(tmp_path, walker):
+    if walker != "find":
+        pytest.skip("find's processes only")
+    root = tmp_path / "t"
+    for i in range(60):
+        (root / f"c{i % 7}" / f"f{i:03d}").parent.mkdir(parents=True, exist_ok=True)
+        (root / f"c{i % 7}" / f"f{i:03d}").write_bytes(b"z" * (i % 5))
+    one = localtree.walk_tree(str(root), lambda path, key: None, processes=1)
+    three = localtree.walk_tree(str(root), lambda path, key: None, processes=3)
+    assert one.blob == three.blob and (one.sizes == three.sizes).all() and (one.stamps == three.stamps).all()
+    assert (one.labels == three.labels).all() and one.classes == three.classes == tuple(f"c{k}" for k in range(7))
+    assert np.array_equal(one.unwatchable, three.unwatchable)

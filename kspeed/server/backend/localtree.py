@@ -1,33 +1,41 @@
-"""Listing a local directory tree at the file system's speed: ``os.scandir`` and one ``stat`` per file.
+"""Listing a local directory tree at the file system's speed: one ``stat`` per file, in C where it can.
 
 A general file system listing (fsspec's ``find(detail=True)``) builds a dictionary of a dozen
-fields per file; a dataset needs three (key, size, mtime). :func:`walk_tree` keeps them in flat
-lists while it walks, then sorts once and returns numpy arrays and one bytes blob of keys: nothing
-per sample outlives the call. What it finds is exactly what the fsspec listing found, so a
-dataset's sample IDs and fingerprint do not depend on which path listed it:
+fields per file; a dataset needs three (key, size, mtime). :func:`walk_tree` lists the root's own
+files with ``os.scandir``, and the folders under it with GNU ``find``, several processes at once
+(:mod:`kspeed.server.backend.findwalk`), or, where GNU ``find`` is not installed or fails, with
+``os.scandir`` and one ``stat`` per file in this process. It sorts once and returns numpy arrays
+and one bytes blob of keys: nothing per sample outlives the call. What it finds is what fsspec's
+listing finds, so a dataset's sample IDs do not depend on which path listed it:
 
-* files in sorted order of their relative keys (``str`` order, which is UTF-8 byte order);
+* files in sorted order of their relative keys (byte order of their UTF-8 names, which is ``str``
+  order);
 * hidden entries (a name starting with ``.``) and what lies under them skipped;
 * a symbolic link is not followed into a directory; a link to a file is a sample whose size and
-  stamp are its target's and whose tag is the link's own mtime (as fsspec reports it), and whose
-  path must lie under the allow-list (``check_link``);
+  stamp are its target's, and whose path must lie under the allow-list (``check_link``);
 * labels by the first directory under the root when every file lies in one (ImageFolder's
   convention).
+
+The fingerprint's tags of a local tree are its stamps' bytes (``TAGS_PREFIX``); before, they were
+one ``mtime=<repr>`` line per file as fsspec reported it, which took as long to format as a ``stat``
+(:func:`legacy_tags` rebuilds them, to recognise a dataset registered with them).
 """
 
 from __future__ import annotations
 
+import bisect
 import os
 import stat as stat_module
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["STAT_THREADS", "Tree", "walk_tree"]
+from kspeed.server.backend.findwalk import find_files
 
-STAT_THREADS = 8  # folders listed at once
+__all__ = ["TAGS_PREFIX", "Tree", "legacy_tags", "walk_tree"]
+
+TAGS_PREFIX = b"stamps\0"
 
 
 @dataclass(frozen=True)
@@ -40,7 +48,7 @@ class Tree:
         ends: int64 end of each key in ``blob``.
         sizes: int64 size of each file.
         stamps: float64 mtime of each file (a link's target's).
-        tags: the fingerprint's tags: ``mtime=<mtime>`` per file, ``\\n``-separated.
+        tags: the fingerprint's tags (:data:`TAGS_PREFIX` and the stamps' bytes).
         labels: int32 class index per file (its first directory under the root), or ``None``.
         classes: the class names in sorted order.
         unwatchable: int64 IDs, sorted, of the files that are symbolic links or have several hard
@@ -58,54 +66,83 @@ class Tree:
     unwatchable: np.ndarray
 
 
-@dataclass
-class _Folder:
-    """What one folder of the walk holds: its files (by key) and the folders under it."""
+def legacy_tags(stamps: np.ndarray) -> bytes:
+    """The fingerprint's tags of a local tree as they were made before :data:`TAGS_PREFIX`."""
+    return "\n".join(map("mtime={}".format, stamps.tolist())).encode()
 
-    keys: list[str] = field(default_factory=list)
+
+@dataclass
+class _Files:
+    """Files found, in the order found: keys relative to the root, and their first folder."""
+
+    keys: list[bytes] = field(default_factory=list)
     sizes: list[int] = field(default_factory=list)
     stamps: list[float] = field(default_factory=list)
-    tag_times: list[float] = field(default_factory=list)
     linked: list[int] = field(default_factory=list)  # indexes (in keys) of links and multiply linked files
-    top: int = -1  # the first folder under the root it lies in (index into the root's folders); -1: the root
-    folders: list[tuple[str, str, int]] = field(default_factory=list)  # (path, key prefix, top) under it
 
 
-def walk_tree(root: str, check_link: Callable[[str, str], None], *, threads: int = STAT_THREADS) -> Tree:
-    """List every file under ``root`` (see the module docstring), ``threads`` folders at a time
-    (a ``stat`` waits for the disk when the inodes are not cached: in parallel those waits overlap).
+def walk_tree(root: str, check_link: Callable[[str, str], None], *, processes: int | None = None) -> Tree:
+    """List every file under ``root`` (see the module docstring).
 
     Args:
         root: an absolute local directory.
         check_link: called with ``(path, key)`` for every symbolic link met; raises to refuse it
             (a link out of the allow-list).
+        processes: ``find`` processes at once (default: the cores this process may use).
 
     Raises:
         OSError: a directory cannot be read or a file vanished while it was listed.
     """
-    found: list[_Folder] = []
-    if threads <= 1:
-        pending = [(root, "", -1)]
+    top = _Files()
+    folders: list[tuple[str, str]] = []  # (path, name) of the root's folders
+    _scan(root, "", check_link, top, folders)
+    names = [name for _, name in folders]
+    workers = processes or len(os.sched_getaffinity(0))
+    try:
+        found = find_files(root, names, workers) if names else None
+    except OSError:
+        found = None  # walked here instead: a real error is raised again, by the walk
+    if found is None:
+        below = _Files()
+        pending = [(path, name + "/") for path, name in folders]
         while pending:
-            folder = _scan(*pending.pop(), check_link)
-            found.append(folder)
-            pending.extend(folder.folders)
-    else:
-        with ThreadPoolExecutor(threads, thread_name_prefix="kspeed-list") as pool:
-            running = {pool.submit(_scan, root, "", -1, check_link)}
-            while running:
-                done, running = wait(running, return_when=FIRST_COMPLETED)
-                for future in done:
-                    folder = future.result()
-                    found.append(folder)
-                    running |= {pool.submit(_scan, *sub, check_link) for sub in folder.folders}
-    tops = [name for _, name, _ in found[0].folders] if found else []
-    return _sorted(found, [t.rstrip("/") for t in tops])
+            path, prefix = pending.pop()
+            more: list[tuple[str, str]] = []
+            _scan(path, prefix, check_link, below, more)
+            pending.extend((p, prefix + n + "/") for p, n in more)
+        return _tree(
+            top,
+            below.keys,
+            np.asarray(below.sizes, dtype=np.int64),
+            np.asarray(below.stamps, dtype=np.float64),
+            below.linked,
+            names,
+        )
+    sizes, stamps = found.sizes, found.stamps
+    keep = np.ones(len(found.keys), dtype=bool)
+    for i in found.links.tolist():  # few: resolved here, as the walk would
+        key = found.keys[i].decode("utf-8", "surrogateescape")
+        path = os.path.join(root, key)
+        check_link(path, key)
+        target = os.stat(path)
+        if stat_module.S_ISDIR(target.st_mode):
+            keep[i] = False
+            continue
+        sizes[i], stamps[i] = target.st_size, target.st_mtime
+        found.linked[i] = True
+    keys = [k for k, kept in zip(found.keys, keep.tolist(), strict=True) if kept] if not keep.all() else found.keys
+    linked = np.flatnonzero(found.linked[keep]).tolist()
+    return _tree(top, keys, sizes[keep], stamps[keep], linked, names)
 
 
-def _scan(path: str, prefix: str, top: int, check_link: Callable[[str, str], None]) -> _Folder:
-    """One folder of the walk: its files' keys, sizes and stamps, and the folders under it."""
-    out = _Folder(top=top)
+def _scan(
+    path: str,
+    prefix: str,
+    check_link: Callable[[str, str], None],
+    out: _Files,
+    folders: list[tuple[str, str]],
+) -> None:
+    """One folder: its files into ``out`` (keys ``prefix + name``), its folders into ``folders``."""
     with os.scandir(path) as entries:
         for entry in entries:
             name = entry.name
@@ -120,10 +157,8 @@ def _scan(path: str, prefix: str, top: int, check_link: Callable[[str, str], Non
                 out.linked.append(len(out.keys))
                 out.sizes.append(target.st_size)
                 out.stamps.append(target.st_mtime)
-                out.tag_times.append(entry.stat(follow_symlinks=False).st_mtime)
             elif entry.is_dir(follow_symlinks=False):
-                below = len(out.folders) if top < 0 else top
-                out.folders.append((entry.path, key + "/", below))
+                folders.append((entry.path, name))
                 continue
             else:
                 info = entry.stat(follow_symlinks=False)
@@ -133,47 +168,55 @@ def _scan(path: str, prefix: str, top: int, check_link: Callable[[str, str], Non
                     out.linked.append(len(out.keys))
                 out.sizes.append(info.st_size)
                 out.stamps.append(info.st_mtime)
-                out.tag_times.append(info.st_mtime)
-            out.keys.append(key)
-    return out
+            out.keys.append(key.encode("utf-8", "surrogateescape"))
 
 
-def _sorted(found: list[_Folder], top_names: list[str]) -> Tree:
-    """The walk's folders as one :class:`Tree` in key order."""
-    keys = [k for f in found for k in f.keys]
-    count = len(keys)
-    order = np.array(sorted(range(count), key=keys.__getitem__), dtype=np.int64)
-    encoded = [keys[i].encode("utf-8", "surrogateescape") for i in order.tolist()]
-    del keys
-    lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=count)
+def _tree(
+    top: _Files,
+    keys: list[bytes],
+    sizes: np.ndarray,
+    stamps: np.ndarray,
+    linked: list[int],
+    top_names: list[str],
+) -> Tree:
+    """The root's files and the files below it as one :class:`Tree` in key order."""
+    everything = top.keys + keys
+    count = len(everything)
+    order = np.array(sorted(range(count), key=everything.__getitem__), dtype=np.int64)
+    ordered = [everything[i] for i in order.tolist()]
+    del everything
+    lengths = np.fromiter(map(len, ordered), dtype=np.int64, count=count)
     starts = np.zeros(count, dtype=np.int64)
     if count:
         np.cumsum(lengths[:-1] + 1, out=starts[1:])
-    blob = b"\n".join(encoded)
-    del encoded
-    times = np.fromiter((t for f in found for t in f.tag_times), dtype=np.float64, count=count)[order]
-    tags = "\n".join(map("mtime={}".format, times.tolist())).encode()
-    labels: np.ndarray | None = None
-    classes: tuple[str, ...] = ()
-    top_of = np.fromiter((f.top for f in found for _ in f.keys), dtype=np.int64, count=count)[order]
-    if count and (top_of >= 0).all():
-        used = np.unique(top_of)
-        names = [top_names[i] for i in used.tolist()]
-        rank = sorted(range(len(names)), key=names.__getitem__)
-        classes = tuple(names[i] for i in rank)
-        label_of = np.zeros(len(top_names), dtype=np.int32)
-        label_of[used[rank]] = np.arange(len(rank), dtype=np.int32)
-        labels = label_of[top_of]
-    firsts = np.cumsum([0] + [len(f.keys) for f in found])
-    linked = np.array([firsts[n] + i for n, f in enumerate(found) for i in f.linked], dtype=np.int64)
+    blob = b"\n".join(ordered)
+    all_stamps = np.concatenate((np.asarray(top.stamps, dtype=np.float64), stamps))[order]
+    labels, classes = _labels(ordered, top_names) if count and not top.keys else (None, ())
+    del ordered
+    multiple = np.array(top.linked + [len(top.keys) + i for i in linked], dtype=np.int64)
     return Tree(
         blob=blob,
         starts=starts,
         ends=starts + lengths,
-        sizes=np.fromiter((x for f in found for x in f.sizes), dtype=np.int64, count=count)[order],
-        stamps=np.fromiter((x for f in found for x in f.stamps), dtype=np.float64, count=count)[order],
-        tags=tags,
+        sizes=np.concatenate((np.asarray(top.sizes, dtype=np.int64), sizes))[order],
+        stamps=all_stamps,
+        tags=TAGS_PREFIX + all_stamps.tobytes(),
         labels=labels,
         classes=classes,
-        unwatchable=np.sort(np.argsort(order)[linked]) if len(linked) else np.zeros(0, dtype=np.int64),
+        unwatchable=np.sort(np.argsort(order)[multiple]) if len(multiple) else np.zeros(0, dtype=np.int64),
     )
+
+
+def _labels(ordered: list[bytes], top_names: list[str]) -> tuple[np.ndarray | None, tuple[str, ...]]:
+    """Each file's class (its first folder, every file lying in one) from the sorted keys: a class's
+    files are one run of them, found by bisection (nothing per file in Python)."""
+    names = sorted({name.encode("utf-8", "surrogateescape") for name in top_names})
+    bounds = [bisect.bisect_left(ordered, name + b"/") for name in names]
+    ends = [bisect.bisect_left(ordered, name + b"0") for name in names]  # "0" follows "/"
+    used = [k for k in range(len(names)) if ends[k] > bounds[k]]
+    labels = np.full(len(ordered), -1, dtype=np.int32)
+    for label, k in enumerate(used):  # (a run's place in key order need not be its name's: "a-b/" < "a/")
+        labels[bounds[k] : ends[k]] = label
+    if (labels < 0).any():
+        return None, ()
+    return labels, tuple(names[k].decode("utf-8", "surrogateescape") for k in used)

@@ -27,6 +27,7 @@ from kspeed.server.backend.access import Backend, failures
 from kspeed.server.backend.changes import Change
 from kspeed.server.backend.listing import SOURCE_KINDS, Keys, Listing, list_dataset, stamp
 from kspeed.server.backend.localread import LocalReader, fd_path
+from kspeed.server.backend.localtree import legacy_tags
 from kspeed.server.memory.checksum import crc32c
 
 __all__ = ["SOURCE_KINDS", "Fingerprint", "Source", "open_source", "source_of"]
@@ -432,6 +433,15 @@ class Source:
     def reopen(self) -> Source:
         """List the backend again (same URI and kind); compare fingerprints to notice a change."""
         return open_source(self.backend, self.dataset, self.uri, kind=self.kind)
+
+    def legacy_digest(self) -> str:
+        """A local tree's fingerprint digest as listings made it before its tags were its stamps'
+        bytes (:func:`~kspeed.server.backend.localtree.legacy_tags`), to recognise a dataset
+        registered then; ``""`` for any other listing."""
+        if self.kind != "dir" or self._local is None or self.stamps is None:
+            return ""
+        tags = legacy_tags(self.stamps)
+        return hashlib.sha256(self.kind.encode() + b"\0" + self.sizes.tobytes() + b"\0" + tags).hexdigest()
 
     def check_fingerprint(self, expected: Fingerprint) -> None:
         """Raise DatasetError if this listing's fingerprint differs from ``expected``."""

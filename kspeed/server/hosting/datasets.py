@@ -110,6 +110,18 @@ def fingerprint_pb(source: Source) -> kspeed_pb2.Fingerprint:
     return kspeed_pb2.Fingerprint(count=fp.count, total_bytes=fp.total_bytes, digest=fp.digest)
 
 
+def _listed_as(source: Source, fingerprint: kspeed_pb2.Fingerprint) -> bool:
+    """Whether ``source`` is the listing ``fingerprint`` was made of (a local tree registered before
+    its tags were its stamps' bytes is recognised by its digest as it was then)."""
+    if fingerprint_pb(source) == fingerprint:
+        return True
+    same_size = (source.fingerprint.count, source.fingerprint.total_bytes) == (
+        fingerprint.count,
+        fingerprint.total_bytes,
+    )
+    return same_size and bool(fingerprint.digest) and source.legacy_digest() == fingerprint.digest
+
+
 def decode_ids(data: bytes, dataset: str, count: int) -> np.ndarray:
     """Packed sample IDs (:mod:`kspeed.wire`), checked against the dataset's size.
 
@@ -531,7 +543,7 @@ class DatasetHost:
                     share=request.share,
                     dataset=request.dataset,
                 )
-            if fingerprint_pb(source) != request.fingerprint:
+            if not _listed_as(source, request.fingerprint):
                 raise DatasetError(
                     f"dataset {name!r}: the backend changed since registration (registered: "
                     f"{request.fingerprint.count} samples, {request.fingerprint.total_bytes} bytes; now: "
