@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kspeed.config import SecurityConfig
-from kspeed.errors import ProtocolError
+from kspeed.errors import DatasetError, ProtocolError
 from kspeed.proto import kspeed_pb2
 from kspeed.server.backend import transfer
 from kspeed.server.backend.sources import open_source, source_of
@@ -95,3 +95,25 @@ def test_a_holder_that_cannot_fetch_the_listing_lists_the_backend_itself(tmp_pat
     finally:
         host.close()
         host.drop("d")
+
+
+def test_a_tree_registered_with_the_former_fingerprint_is_still_recognised(tmp_path, backend, pool):
+    root = tree(tmp_path / "t", 12)
+    source = open_source(backend, "d", str(root))
+    legacy = kspeed_pb2.Fingerprint(
+        count=source.fingerprint.count, total_bytes=source.fingerprint.total_bytes, digest=source.legacy_digest()
+    )
+    assert legacy.digest and legacy.digest != source.fingerprint.digest
+    share = kspeed_pb2.Share(server_id="s", first_id=0, end_id=12, first_region=0, num_regions=1)
+    spec = kspeed_pb2.DatasetSpec(name="d", uri=str(root))
+    host = DatasetHost(pool, backend, str(tmp_path))
+    request = kspeed_pb2.AssignShareRequest(spec=spec, fingerprint=legacy, region_size=pool.region_size, share=share)
+    try:
+        host.assign(request)  # as a server restarted after an upgrade re-adopts it
+        assert host.get("d").source.count == 12
+        host.drop("d")
+        legacy.digest = "0" * 64  # any other digest is a changed backend
+        with pytest.raises(DatasetError, match="the backend changed since registration"):
+            host.assign(request)
+    finally:
+        host.close()
