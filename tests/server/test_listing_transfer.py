@@ -112,7 +112,7 @@ def test_a_tree_registered_with_the_former_fingerprint_is_still_recognised(tmp_p
         host.assign(request)  # as a server restarted after an upgrade re-adopts it
         assert host.get("d").source.count == 12
         host.drop("d")
-        legacy.digest = "0" * 64  # any other digest is a changed backend
+        request.fingerprint.digest = "0" * 64  # any other digest is a changed backend
         with pytest.raises(DatasetError, match="the backend changed since registration"):
             host.assign(request)
     finally:
