@@ -132,7 +132,7 @@ def ring_size(
 ) -> int:
     """``requested``, or (for 0) room for :data:`RING_BATCHES` batches of ``batch_size`` average samples
     (at least ``sample_bytes`` each: what the servers' preprocessing makes of one), at least
-    :data:`MIN_RING`, and at most ``cap`` (0: no cap).
+    :data:`MIN_RING` unless twice the dataset's bytes are less, and at most ``cap`` (0: no cap).
 
     ``batch_size`` is the largest batch an epoch makes: the batch size asked for, or the rank's
     samples per epoch when there are fewer (:meth:`~kspeed.client.planning.sampling.EpochOrders.largest_batch`).
@@ -159,7 +159,10 @@ def ring_size(
                 f"({cap} bytes: ring_max_bytes, default a quarter of the available memory)"
             )
         return requested
-    wanted = max(MIN_RING, RING_BATCHES * batch)
+    # A small dataset needs no more than twice its own bytes (every batch fits, with room to wrap
+    # around): a ring is allocated and mapped whole at the start, a fixed cost of each job.
+    whole = 2 * count * (per_sample + SAMPLE_ALIGN)
+    wanted = max(RING_BATCHES * batch, min(MIN_RING, whole))
     return min(wanted, cap) if cap else wanted
 
 
