@@ -114,6 +114,20 @@ def test_random_sampler_state_is_consumed_only_at_epoch_start(make_ds, samples):
         assert torch.equal(ours.generator.get_state(), theirs.generator.get_state())
 
 
+def test_a_batch_reads_int64_and_holds_no_view_of_its_plan(make_ds, samples):
+    # The plan keeps narrow arrays; a batch gets int64 copies, so it reads as before and, kept
+    # past its epoch, does not keep that epoch's whole plan alive.
+    ds, _ = make_ds()
+    batch = next(iter(ds))
+    plan = ds._pump._current
+    assert plan.ids.dtype == np.int32 and plan.lengths.dtype == np.uint32
+    assert batch.ids.dtype == torch.int64 and batch.labels.dtype == torch.int64
+    assert batch.lengths.dtype == np.int64 and batch._meta.offsets.dtype == np.int64
+    for got, whole in ((batch.lengths, plan.lengths), (batch._meta.offsets, plan.layout.offsets)):
+        assert not np.shares_memory(got, whole)
+    check_batch(batch, samples)
+
+
 def test_resume_mid_epoch_continues_with_the_rest(make_ds, samples):
     ds, _ = make_ds(rank=1, world_size=2, seed=4)
     ds.set_epoch(2)

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
+import numpy as np
+
 from kspeed.client.batch import Batch, BatchMeta
 from kspeed.client.delivery.device import CpuDelivery, Delivery
 from kspeed.client.delivery.ring import RingAllocator
@@ -184,14 +186,16 @@ class Pump:
         plan.slots -= 1
         layout = plan.layout
         lo, hi = int(layout.starts[batch]), int(layout.starts[batch + 1])
+        # int64 copies, never views: the batch reads as before whatever the plan's narrow dtypes,
+        # and a batch kept past its epoch does not keep that epoch's whole plan alive
         meta = BatchMeta(
             plan.epoch,
             batch,
-            plan.ids[lo:hi],
-            plan.labels[lo:hi],
-            layout.offsets[lo:hi],
-            layout.lengths[lo:hi],
-            plan.remote[lo:hi] if plan.remote is not None else None,
+            plan.ids[lo:hi].astype(np.int64),
+            plan.labels[lo:hi].astype(np.int64),
+            layout.offsets[lo:hi].astype(np.int64),
+            layout.lengths[lo:hi].astype(np.int64),
+            plan.remote[lo:hi].copy() if plan.remote is not None else None,
             *self.sample,
         )
         footprint = RingAllocator.footprint(int(layout.batch_bytes[batch]))
