@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import time
 import warnings
+import weakref
 
 import numpy as np
 import pytest
@@ -112,6 +113,59 @@ def test_random_sampler_state_is_consumed_only_at_epoch_start(make_ds, samples):
         got = [b.ids.tolist() for b in ds]
         assert got == expected
         assert torch.equal(ours.generator.get_state(), theirs.generator.get_state())
+
+
+def test_a_batch_reads_int64_and_holds_no_view_of_its_plan(make_ds, samples):
+    # The plan keeps narrow arrays; a batch gets int64 copies, so it reads as before and, kept
+    # past its epoch, does not keep that epoch's whole plan alive.
+    ds, _ = make_ds()
+    batch = next(iter(ds))
+    plan = ds._pump._current
+    assert plan.ids.dtype == np.int32 and plan.lengths.dtype == np.uint32
+    assert batch.ids.dtype == torch.int64 and batch.labels.dtype == torch.int64
+    assert batch.lengths.dtype == np.int64 and batch._meta.offsets.dtype == np.int64
+    for got, whole in ((batch.lengths, plan.lengths), (batch._meta.offsets, plan.layout.offsets)):
+        assert not np.shares_memory(got, whole)
+    check_batch(batch, samples)
+
+
+def test_a_plan_given_up_part_way_goes_once_its_granted_batches_settle(make_ds):
+    ds, fakes = make_ds()
+    for fake in fakes:  # the servers are slow with pass 1 (epoch 0): its grants are still out at the boundary
+        answer = fake._answer
+
+        def slow(writer, grant, answer=answer):
+            if int(grant["epoch"]) == 1:
+                time.sleep(0.02)
+            answer(writer, grant)
+
+        fake._answer = slow
+    it = iter(ds)
+    next(it)  # epoch 0 given up after one batch: the rest of it is granted, then discarded
+    given_up = weakref.ref(ds._pump._current)
+    del it
+    ds.set_epoch(1)
+    assert len(list(ds)) == len(ds)  # during epoch 1, not at the next iter()
+    gc.collect()
+    assert given_up() is None
+    assert 0 not in ds._pump._plans
+
+
+def test_a_samplers_plan_is_let_go_before_the_next_one_is_made(make_ds):
+    ds, _ = make_ds(sampler=RandomSampler(range(N_SAMPLES), generator=torch.Generator().manual_seed(2)))
+    assert len(list(ds)) == len(ds)
+    previous = weakref.ref(ds._pump._current)
+    alive = []
+    plan_epoch = ds._pump._plan_epoch
+
+    def watched(epoch):
+        gc.collect()
+        alive.append(previous() is not None)
+        return plan_epoch(epoch)
+
+    ds._pump._plan_epoch = watched
+    assert len(list(ds)) == len(ds)
+    assert alive == [False]  # two plans of a sampler's orders are never held at once
 
 
 def test_resume_mid_epoch_continues_with_the_rest(make_ds, samples):

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
+from kspeed.client.planning import compact, sampling
 from kspeed.client.planning.sampling import EpochOrders, ShardOrder, distributed_order
 from kspeed.errors import ConfigError, DatasetError
 
@@ -140,3 +141,50 @@ def test_a_shuffle_buffer_needs_tar_shards_and_no_sampler_of_its_own():
     with pytest.raises(ConfigError, match="not both"):
         EpochOrders(range(10), num_samples=10, batch_size=2, drop_last=False, seed=0, shuffle=True, rank=None,
                     world_size=None, dataset="d", shard_starts=np.array([0, 10]), shuffle_buffer=4)  # fmt: skip
+
+
+def _buffered(starts, buffer, seed, rank, world, epoch):
+    """The shard order as WebDataset's buffer draws it, one Python list per epoch: the reference."""
+    rng = np.random.default_rng([seed, epoch])
+    shards = rng.permutation(len(starts) - 1)
+    seq = [i for s in shards.tolist() for i in range(int(starts[s]), int(starts[s + 1]))]
+    per_rank = -(-len(seq) // world)
+    seq += (seq * world)[: per_rank * world - len(seq)]
+    mine = seq[rank * per_rank : (rank + 1) * per_rank]
+    draws = np.random.default_rng([seed, epoch, rank]).integers(0, buffer, len(mine)).tolist()
+    buf, out = [], []
+    for sample, j in zip(mine, draws, strict=True):
+        if len(buf) < buffer:
+            buf.append(sample)
+        else:
+            out.append(buf[j])
+            buf[j] = sample
+    rest = np.asarray(buf, dtype=np.int64)
+    np.random.default_rng([seed, epoch, rank, 1]).shuffle(rest)
+    return out + rest.tolist()
+
+
+@pytest.mark.parametrize("buffer", [2, 9, 500])
+def test_the_shard_order_buffer_is_drawn_in_steps_without_a_python_int_per_sample(monkeypatch, buffer):
+    # The buffer's pass turns a few samples at a time into Python ints; the order must not depend
+    # on where the steps fall.
+    monkeypatch.setattr(sampling, "_BUFFER_STEP", 7)
+    starts = np.concatenate(([0], np.cumsum([30, 10, 25, 40, 5, 33, 17])))
+    for rank in range(3):
+        for epoch in (0, 1):
+            o = ShardOrder(starts, buffer, seed=4, rank=rank, world=3)
+            o.set_epoch(epoch)
+            got = o.order()
+            assert got.dtype == np.int32
+            assert got.tolist() == _buffered(starts, buffer, 4, rank, 3, epoch)
+
+
+def test_orders_are_int32_ids_below_2_31_samples():
+    # A rank holds its order of two epochs at once: 4 bytes per sample, not 8, for any sampler.
+    g = torch.Generator().manual_seed(0)
+    for sampler in (None, SequentialSampler(range(N)), RandomSampler(range(N), generator=g), [3, 1, 2]):
+        ids = orders(sampler).order(0)
+        assert ids.dtype == np.int32
+    assert orders(SequentialSampler(range(N))).order(0).tolist() == list(range(N))
+    assert compact.id_dtype(2**31) == np.int32
+    assert compact.id_dtype(2**31 + 1) == np.int64

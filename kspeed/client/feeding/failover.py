@@ -29,6 +29,7 @@ import numpy as np
 
 from kspeed.client.feeding.feed import Feed
 from kspeed.client.feeding.links import ServerLink
+from kspeed.client.planning.compact import owned_positions
 from kspeed.client.planning.plans import EpochPlan, EpochPlanner, reaching
 from kspeed.config import ClientConfig
 from kspeed.control.lifecycle import GONE, SERVING, state_name
@@ -230,7 +231,7 @@ class Failover:
         """
         for index in replaced:
             link = self.feed.paths[index].link
-            mine = np.flatnonzero(plan.owner == index)
+            mine = owned_positions(plan.owner, index)
             asked = plan.ids[mine]
             positions, lengths, _ = reaching(link, functools.partial(link.lookup, self.dataset, asked))
             if not np.array_equal(np.sort(positions), np.arange(len(mine))):

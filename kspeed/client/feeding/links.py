@@ -45,16 +45,20 @@ class RemoteSplit:
 class ServerPlan:
     """The part of an epoch plan one server writes (``PlanChunk`` in ``proto/kspeed.proto``).
 
+    It holds the positions of the server's samples and reads their IDs, lengths and offsets from
+    the whole plan's arrays when asked (:meth:`part`, a chunk at a time as it is sent): while a
+    plan is committed to every server at once, the parts cost their positions, not a copy of the plan.
+
     Attributes:
         feed_epoch: the pass number of the plan.
         batch_size: samples per batch.
         count: the whole plan's length (batch ``b`` is positions ``b*batch_size`` on).
         positions: the plan positions of this server's samples, increasing.
-        ids: their sample IDs.
-        lengths: their lengths in the ring.
-        offsets: their byte offsets within their batch.
-        remote: per sample, whether the server preprocesses it (``None``: none are).
-        split: the server stages for the remote samples.
+        plan_ids: the whole plan's sample IDs, by position.
+        plan_lengths: its lengths in the ring, by position.
+        plan_offsets: its byte offsets within their batch, by position.
+        plan_remote: by position, whether the servers preprocess it (``None``: none are).
+        split: the server stages for the remote samples (``None``: no sample is preprocessed there).
         first_batch: the batches before it were delivered already.
         epoch: the user's epoch (the sampler's; servers keep their figures by it).
     """
@@ -63,13 +67,43 @@ class ServerPlan:
     batch_size: int
     count: int
     positions: np.ndarray
-    ids: np.ndarray
-    lengths: np.ndarray
-    offsets: np.ndarray
-    remote: np.ndarray | None = None
+    plan_ids: np.ndarray
+    plan_lengths: np.ndarray
+    plan_offsets: np.ndarray
+    plan_remote: np.ndarray | None = None
     split: RemoteSplit | None = None
     first_batch: int = 0
     epoch: int = 0
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def part(self, lo: int = 0, hi: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+        """IDs, lengths, offsets and remote flags (``None`` without a split) of this server's
+        samples ``lo..hi-1``."""
+        at = self.positions[lo:hi]
+        remote = self.plan_remote[at] if self.plan_remote is not None and self.split is not None else None
+        return self.plan_ids[at], self.plan_lengths[at], self.plan_offsets[at], remote
+
+    @property
+    def ids(self) -> np.ndarray:
+        """This server's sample IDs."""
+        return self.part()[0]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Their lengths in the ring."""
+        return self.part()[1]
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """Their byte offsets within their batch."""
+        return self.part()[2]
+
+    @property
+    def remote(self) -> np.ndarray | None:
+        """Per sample, whether the server preprocesses it (``None``: none are)."""
+        return self.part()[3]
 
 
 class Link(Protocol):
@@ -168,16 +202,16 @@ class ServerLink:
         """Hand over this server's part of an epoch plan; returns at once."""
 
         def chunks() -> Iterator[kspeed_pb2.PlanChunk]:
-            for start in range(0, max(len(plan.ids), 1), PLAN_CHUNK):
-                part = slice(start, start + PLAN_CHUNK)
+            for start in range(0, max(len(plan), 1), PLAN_CHUNK):
+                ids, lengths, offsets, remote = plan.part(start, start + PLAN_CHUNK)
                 chunk = kspeed_pb2.PlanChunk(
-                    ids=wire.pack_i64(plan.ids[part]),
-                    lengths=wire.pack_u32(plan.lengths[part]),
-                    positions=wire.pack_u32(plan.positions[part]),
-                    offsets=wire.pack_i64(plan.offsets[part]),
+                    ids=wire.pack_i64(ids),
+                    lengths=wire.pack_u32(lengths),
+                    positions=wire.pack_u32(plan.positions[start : start + PLAN_CHUNK]),
+                    offsets=wire.pack_i64(offsets),
                 )
-                if plan.remote is not None:
-                    chunk.remote = np.packbits(plan.remote[part]).tobytes()
+                if remote is not None:
+                    chunk.remote = np.packbits(remote).tobytes()
                 if start == 0:
                     chunk.feed_id, chunk.epoch, chunk.batch_size = feed_id, plan.feed_epoch, plan.batch_size
                     chunk.count, chunk.first_batch, chunk.seed_epoch = plan.count, plan.first_batch, plan.epoch
@@ -189,7 +223,7 @@ class ServerLink:
 
         def call() -> kspeed_pb2.PlanReply:
             with rpc.map_rpc_errors(self.name):
-                if len(plan.ids) <= PLAN_CHUNK:  # one message: a unary call, no stream slot held
+                if len(plan) <= PLAN_CHUNK:  # one message: a unary call, no stream slot held
                     return self._stub.CommitPlan(next(chunks()), timeout=PLAN_DEADLINE, metadata=self._metadata)
                 return self._stub.StreamPlan(chunks(), timeout=PLAN_DEADLINE, metadata=self._metadata)
 

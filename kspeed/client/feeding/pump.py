@@ -9,6 +9,11 @@ One helper thread exists: the next epoch of a sampler deterministic in (seed, ep
 and committed (two RPC rounds to every server, which may wait for a preload) on a planner thread
 while the current epoch is consumed, so the training loop never stalls for those round trips at
 the boundary. Other samplers are planned in the caller's thread when their epoch starts.
+
+A plan is the rank's largest structure (about 15 bytes per sample of its share), so the pump
+keeps two: the current epoch's and the next one's. One given up part way goes once its batches
+still granted have settled (not at the next epoch's start), and a sampler's that is drawn anew
+each epoch goes before the next one is made.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
+
+import numpy as np
 
 from kspeed.client.batch import Batch, BatchMeta
 from kspeed.client.delivery.device import CpuDelivery, Delivery
@@ -118,6 +125,8 @@ class Pump:
         return None
 
     def _retire(self) -> None:
+        """Let go of the plans of epochs other than the current one and the next, once nothing
+        granted of them is outstanding (the servers are told to drop them too)."""
         keep = {self._current.epoch, self._current.epoch + 1} if self._current else set()
         for epoch, plan in list(self._plans.items()):
             if epoch not in keep and plan.slots == 0:
@@ -128,6 +137,8 @@ class Pump:
 
     def start(self, epoch: int, first_batch: int) -> EpochPlan:
         """Make ``epoch`` current from ``first_batch`` on; keep what was already granted if it lines up."""
+        if not self._deterministic:
+            self._let_go()  # its plan is never reused: freed before the next one is made
         plan = self._surviving(lambda: self._plan_for(epoch))
         head = self._queue[0] if self._queue else None
         if head is None or head.plan is not plan or head.batch != first_batch:
@@ -141,6 +152,12 @@ class Pump:
             self._prefetch(epoch + 1)
         self._surviving(lambda: self.top_up(force=True))  # the servers write before the first batch is asked for
         return plan
+
+    def _let_go(self) -> None:
+        """Give up what is granted and forget the current plan."""
+        while self._queue:
+            self.feed.discard(self._queue.popleft())
+        self._cursor = self._current = None
 
     def top_up(self, force: bool = False) -> None:
         """Grant batches while the ring has room.
@@ -184,14 +201,16 @@ class Pump:
         plan.slots -= 1
         layout = plan.layout
         lo, hi = int(layout.starts[batch]), int(layout.starts[batch + 1])
+        # int64 copies, never views: the batch reads as before whatever the plan's narrow dtypes,
+        # and a batch kept past its epoch does not keep that epoch's whole plan alive
         meta = BatchMeta(
             plan.epoch,
             batch,
-            plan.ids[lo:hi],
-            plan.labels[lo:hi],
-            layout.offsets[lo:hi],
-            layout.lengths[lo:hi],
-            plan.remote[lo:hi] if plan.remote is not None else None,
+            plan.ids[lo:hi].astype(np.int64),
+            plan.labels[lo:hi].astype(np.int64),
+            layout.offsets[lo:hi].astype(np.int64),
+            layout.lengths[lo:hi].astype(np.int64),
+            plan.remote[lo:hi].copy() if plan.remote is not None else None,
             *self.sample,
         )
         footprint = RingAllocator.footprint(int(layout.batch_bytes[batch]))
@@ -199,6 +218,7 @@ class Pump:
         self.last_wait_s = time.monotonic() - started
         self.wait_s += self.last_wait_s
         self.delivered += 1
+        self._retire()  # a plan given up part way goes once its batches still granted have settled
         self._surviving(self.top_up)
         return result
 

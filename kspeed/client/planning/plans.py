@@ -5,21 +5,40 @@ A plan is this rank's ordered IDs for one pass plus what the lookup replies said
 server is asked only about the IDs of its share and handed only its part of the plan (positions,
 IDs, lengths, offsets), so its cost of a boundary is its share of the order; a grant only names a
 batch and a range of positions.
+
+A rank holds two plans at once (the current epoch's and the next one's, planned ahead), so a plan
+keeps about 15 bytes per sample (:mod:`kspeed.client.planning.compact`: ``int32`` IDs, ``uint32``
+lengths and offsets, ``int16`` labels, an ``int8`` owner, each in its own mapping), and making one
+holds no temporary as long as the plan but each server's positions while it is committed:
+lookups are asked and answered a Lookup message at a time and merged as they come, the layout is
+made a block of batches at a time.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 import numpy as np
 
-from kspeed.client.feeding.links import Link, RemoteSplit, ServerPlan
+from kspeed.client.feeding.links import LOOKUP_CHUNK, Link, RemoteSplit, ServerPlan
+from kspeed.client.planning.compact import (
+    SCAN_BLOCK,
+    U32_MAX,
+    held,
+    index_dtype,
+    mapped,
+    narrow_dtype,
+    owned_positions,
+    store,
+)
 from kspeed.client.planning.sampling import EpochOrders
 from kspeed.errors import (
     CapacityError,
@@ -30,13 +49,14 @@ from kspeed.errors import (
     ProtocolError,
     UnavailableError,
 )
-from kspeed.layout import BatchLayout, batch_layout
+from kspeed.layout import BatchLayout, batch_layout, batch_starts
 
 __all__ = [
     "EpochPlan",
     "EpochPlanner",
     "PrepSplit",
     "check_fits",
+    "compact_layout",
     "make_plan",
     "reaching",
     "remote_positions",
@@ -71,24 +91,32 @@ class PrepSplit:
 def remote_positions(count: int, batch_size: int, fraction: float) -> np.ndarray:
     """Which of ``count`` plan positions the servers preprocess: within every batch, the counters
     ``floor((k + 1) * fraction) > floor(k * fraction)`` of its ``k``-th sample, so each batch holds
-    the ratio to within one sample."""
-    k = np.arange(count, dtype=np.int64) % max(batch_size, 1)
-    return np.floor((k + 1) * fraction + 1e-9) > np.floor(k * fraction + 1e-9)
+    the ratio to within one sample (one batch's pattern, repeated)."""
+    k = np.arange(max(batch_size, 1), dtype=np.int64)
+    pattern = np.floor((k + 1) * fraction + 1e-9) > np.floor(k * fraction + 1e-9)
+    out = mapped(count, bool)
+    whole = count - count % len(pattern)
+    out[:whole].reshape(-1, len(pattern))[:] = pattern
+    out[whole:] = pattern[: count - whole]
+    return out
 
 
 @dataclass(eq=False)
 class EpochPlan:
     """One committed pass over an epoch's order.
 
+    The per-position arrays are as narrow as their values allow (:mod:`kspeed.client.planning.compact`);
+    a batch's slices are widened to ``int64`` where they leave the plan (:class:`kspeed.client.batch.BatchMeta`).
+
     Attributes:
         epoch: the user's epoch number.
         feed_epoch: the number this pass carries in grants (unique per feed, so two passes over one
             epoch, or a discarded prediction, never collide on the servers).
-        ids: sample IDs in delivery order.
-        lengths: their lengths in bytes.
-        labels: their labels (-1 without labels).
+        ids: sample IDs in delivery order (``int32`` below ``2**31`` samples).
+        lengths: their lengths in bytes (``uint32``; ``int64`` past it).
+        labels: their labels (-1 without labels: then one read-only -1 for every position).
         owner: per position, the index of the server that writes it.
-        layout: where every sample lands relative to its batch.
+        layout: where every sample lands relative to its batch (its ``lengths`` are ``lengths``).
         owed: ``(servers, batches)`` booleans: which servers write something in which batch.
         deterministic: the order is a function of (seed, epoch), so the plan may be reused.
         remote: per position, whether the servers preprocess it (``None``: no pipeline on them).
@@ -125,28 +153,97 @@ def reaching(link: Link, call: Callable[[], T]) -> T:
         raise PeerLostError(str(exc), server_id=link.server_id, first_id=link.first_id) from exc
 
 
-def _lookup_all(
-    links: Sequence[Link], dataset: str, ids: np.ndarray, pool: ThreadPoolExecutor | None
-) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """Each link's ``(positions in ids, lengths, labels)`` of the IDs it owns.
+class _Answers:
+    """The lookups' answers about one order, merged into per-position arrays as they come.
+
+    Every sample must have exactly one owner: one claimed twice is a :class:`ProtocolError` at
+    once, one never claimed a :class:`DatasetError` from :meth:`check_owned`.
+    """
+
+    def __init__(self, links: Sequence[Link], dataset: str, ids: np.ndarray, labelled: bool) -> None:
+        n = len(ids)
+        self._links, self._dataset, self._ids, self._labelled = links, dataset, ids, labelled
+        self.owner = mapped(n, index_dtype(len(links)), fill=-1)
+        self.lengths = mapped(n, np.uint32)
+        #: no labels: one -1 read at every position, no memory per sample
+        self.labels = mapped(n, np.int16, fill=-1) if labelled else np.broadcast_to(np.int16(-1), (n,))
+        self._lock = threading.Lock()
+
+    def add(self, index: int, positions: np.ndarray, lengths: np.ndarray, labels: np.ndarray) -> None:
+        """What server ``index`` answered about the samples at ``positions``."""
+        with self._lock:
+            clash = positions[self.owner[positions] >= 0]
+            if len(clash):
+                p = int(clash[0])
+                raise ProtocolError(
+                    f"dataset {self._dataset!r}: sample {int(self._ids[p])} is claimed by "
+                    f"{self._links[self.owner[p]].name} and {self._links[index].name}"
+                )
+            self.owner[positions] = index
+            self.lengths = store(self.lengths, positions, lengths)
+            if self._labelled and len(labels) == len(positions):
+                self.labels = store(self.labels, positions, labels)
+
+    def check_owned(self) -> None:
+        """Raises DatasetError naming the first sample no server claimed."""
+        orphans = np.flatnonzero(self.owner < 0)
+        if len(orphans):
+            sample = int(self._ids[orphans[0]])
+            raise DatasetError(
+                f"dataset {self._dataset!r}: sample {sample} is owned by no server ({len(orphans)} sample(s) "
+                "unowned); the dataset's shares do not cover it",
+                dataset=self._dataset,
+                sample=sample,
+            )
+
+
+def _asked(ids: np.ndarray, link: Link) -> Iterator[np.ndarray]:
+    """The positions of ``ids`` to ask ``link`` about, a Lookup message's worth
+    (:data:`~kspeed.client.feeding.links.LOOKUP_CHUNK`) at a time; at least one piece, maybe empty,
+    so every server hears a lookup.
 
     A link that knows its share's ID range is asked only about the IDs in it (ownership is
     contiguous ranges, known from the allocation), so a server's lookup costs its share of the
     order, not the whole order; one that does not is asked about every ID.
     """
+    first, end = link.first_id, link.end_id
+    if first is None or end is None:
+        for lo in range(0, max(len(ids), 1), LOOKUP_CHUNK):
+            yield np.arange(lo, min(lo + LOOKUP_CHUNK, len(ids)))
+        return
+    pending = np.zeros(0, dtype=np.int64)
+    sent = False
+    for lo in range(0, len(ids), SCAN_BLOCK):
+        block = ids[lo : lo + SCAN_BLOCK]
+        pending = np.concatenate([pending, np.flatnonzero((block >= first) & (block < end)) + lo])
+        while len(pending) >= LOOKUP_CHUNK:
+            yield pending[:LOOKUP_CHUNK]
+            pending, sent = pending[LOOKUP_CHUNK:], True
+    if len(pending) or not sent:
+        yield pending
 
-    def one(link: Link) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        first, end = link.first_id, link.end_id
-        if first is None or end is None:
-            return reaching(link, lambda: link.lookup(dataset, ids))
-        asked = np.flatnonzero((ids >= first) & (ids < end))
-        positions, lengths, labels = reaching(link, lambda: link.lookup(dataset, ids[asked]))
-        return asked[positions], lengths, labels
+
+def _lookup_all(
+    links: Sequence[Link], dataset: str, ids: np.ndarray, labelled: bool, pool: ThreadPoolExecutor | None
+) -> _Answers:
+    """Ask each link about the IDs it owns (:func:`_asked`) and merge the answers."""
+    answers = _Answers(links, dataset, ids, labelled)
+
+    def one(index: int, link: Link) -> None:
+        for asked in _asked(ids, link):
+            positions, lengths, labels = reaching(link, functools.partial(link.lookup, dataset, ids[asked]))
+            answers.add(index, asked[positions], lengths, labels)
 
     if pool is None or len(links) == 1:
-        return [one(link) for link in links]
-    futures = [pool.submit(one, link) for link in links]
-    return [f.result() for f in futures]
+        for index, link in enumerate(links):
+            one(index, link)
+    else:
+        futures = [pool.submit(one, index, link) for index, link in enumerate(links)]
+        wait(futures)  # all answered before one's error is raised
+        for future in futures:
+            future.result()
+    answers.check_owned()
+    return answers
 
 
 def make_plan(
@@ -172,7 +269,7 @@ def make_plan(
         feed_ids: this client's feed on each link.
         epoch: the user's epoch.
         feed_epoch: the pass number sent to servers.
-        ids: the order.
+        ids: the order (the plan keeps a copy, ``int32`` when its IDs fit).
         batch_size: samples per batch.
         labelled: whether lookup replies carry labels.
         deterministic: whether the order may be reused for the same epoch.
@@ -185,23 +282,30 @@ def make_plan(
         ProtocolError: two servers claim one sample.
         CapacityError: a batch does not fit in the ring.
     """
+    ids = held(ids, narrow_dtype(ids))
     n = len(ids)
     started = time.perf_counter()
-    replies = _lookup_all(links, dataset, ids, pool)
+    answers = _lookup_all(links, dataset, ids, labelled, pool)
     lookup_s = time.perf_counter() - started
-    owner, lengths, labels = _owners(links, dataset, ids, replies, labelled)
-    remote = None
+    lengths, remote = answers.lengths, None
     if prep is not None and prep.fraction > 0:
         remote = remote_positions(n, batch_size, prep.fraction)
-        lengths[remote] = prep.nbytes
-    layout = batch_layout(lengths, batch_size)
+        lengths = store(lengths, remote, prep.nbytes)
+    layout = compact_layout(lengths, batch_size)
     check_fits(layout, ring_bytes, dataset, epoch)
-    owed = np.zeros((len(links), layout.num_batches), dtype=bool)
-    if n:
-        for index in range(len(links)):
-            owed[index] = np.add.reduceat((owner == index).astype(np.int64), layout.starts[:-1]) > 0
+    owed = _owed(answers.owner, len(links), batch_size, layout.num_batches)
     plan = EpochPlan(
-        epoch, feed_epoch, ids, lengths, labels, owner, layout, owed, deterministic, remote=remote, lookup_s=lookup_s
+        epoch,
+        feed_epoch,
+        ids,
+        lengths,
+        answers.labels,
+        answers.owner,
+        layout,
+        owed,
+        deterministic,
+        remote=remote,
+        lookup_s=lookup_s,
     )
     started = time.perf_counter()
     _commit_all(list(enumerate(zip(links, feed_ids, strict=True))), plan, batch_size, pool, prep)
@@ -217,37 +321,44 @@ def make_plan(
     return plan
 
 
-def _owners(
-    links: Sequence[Link], dataset: str, ids: np.ndarray, replies: Sequence[tuple], labelled: bool
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Each sample's owning server (its index in ``links``), length and label, from the lookups'
-    ``replies``; every sample must have exactly one owner."""
-    n = len(ids)
-    owner = np.full(n, -1, dtype=np.int32)
-    lengths = np.zeros(n, dtype=np.int64)
-    labels = np.full(n, -1, dtype=np.int64)
-    for index, (positions, lens, labs) in enumerate(replies):
-        clash = positions[owner[positions] >= 0]
-        if len(clash):
-            p = int(clash[0])
-            raise ProtocolError(
-                f"dataset {dataset!r}: sample {int(ids[p])} is claimed by {links[owner[p]].name} and "
-                f"{links[index].name}"
-            )
-        owner[positions] = index
-        lengths[positions] = lens
-        if labelled and len(labs) == len(positions):
-            labels[positions] = labs
-    orphans = np.flatnonzero(owner < 0)
-    if len(orphans):
-        sample = int(ids[orphans[0]])
-        raise DatasetError(
-            f"dataset {dataset!r}: sample {sample} is owned by no server ({len(orphans)} sample(s) "
-            "unowned); the dataset's shares do not cover it",
-            dataset=dataset,
-            sample=sample,
-        )
-    return owner, lengths, labels
+def _block(batch_size: int) -> int:
+    """Positions in a block of whole batches of about :data:`SCAN_BLOCK` positions."""
+    return batch_size * max(1, SCAN_BLOCK // batch_size)
+
+
+def compact_layout(lengths: np.ndarray, batch_size: int) -> BatchLayout:
+    """:func:`kspeed.layout.batch_layout` of ``lengths``, made a block of whole batches at a time
+    (a batch's offsets depend on its own lengths only) into ``uint32`` offsets while every batch is
+    under 4 GiB (``int64`` past it): no ``int64`` temporary as long as the plan.
+
+    Raises:
+        ValueError: batch_size is not positive or a length is negative.
+    """
+    if batch_size <= 0:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    n = len(lengths)
+    starts = held(batch_starts(n, batch_size))
+    offsets = mapped(n, np.uint32)
+    batch_bytes = mapped(len(starts) - 1, np.int64)
+    step = _block(batch_size)
+    for lo in range(0, n, step):
+        part = batch_layout(lengths[lo : lo + step], batch_size)
+        if offsets.dtype == np.uint32 and int(part.batch_bytes.max()) > U32_MAX:
+            offsets = held(offsets, np.int64)  # offset + length must fit too (pacing cuts batches by their ends)
+        offsets[lo : lo + len(part.offsets)] = part.offsets
+        first = lo // batch_size
+        batch_bytes[first : first + part.num_batches] = part.batch_bytes
+    return BatchLayout(batch_size, starts, offsets, lengths, batch_bytes)
+
+
+def _owed(owner: np.ndarray, servers: int, batch_size: int, num_batches: int) -> np.ndarray:
+    """``(servers, batches)`` booleans: which servers write something in which batch."""
+    owed = mapped((servers, num_batches), bool)
+    step = _block(batch_size)
+    for lo in range(0, len(owner), step):
+        block = owner[lo : lo + step]
+        owed[block, lo // batch_size + np.arange(len(block)) // batch_size] = True
+    return owed
 
 
 def check_fits(layout: BatchLayout, ring_bytes: int, dataset: str, epoch: int) -> None:
@@ -270,21 +381,20 @@ def check_fits(layout: BatchLayout, ring_bytes: int, dataset: str, epoch: int) -
 def server_plan(
     plan: EpochPlan, index: int, batch_size: int, prep: PrepSplit | None, first_batch: int = 0
 ) -> ServerPlan:
-    """The part of ``plan`` that server ``index`` writes: its positions, IDs, lengths and offsets."""
-    mine = np.flatnonzero(plan.owner == index)
-    remote = plan.remote[mine] if plan.remote is not None else None
+    """The part of ``plan`` that server ``index`` writes: its positions, and the plan's IDs,
+    lengths and offsets it reads its own from."""
     split = None
-    if remote is not None and prep is not None:
+    if plan.remote is not None and prep is not None:
         split = RemoteSplit(prep.server_stages, prep.seed, plan.epoch, prep.skip)
     return ServerPlan(
         feed_epoch=plan.feed_epoch,
         batch_size=batch_size,
         count=len(plan.ids),
-        positions=mine,
-        ids=plan.ids[mine],
-        lengths=plan.lengths[mine],
-        offsets=plan.layout.offsets[mine],
-        remote=remote if split is not None else None,
+        positions=owned_positions(plan.owner, index),
+        plan_ids=plan.ids,
+        plan_lengths=plan.lengths,
+        plan_offsets=plan.layout.offsets,
+        plan_remote=plan.remote,
         split=split,
         first_batch=first_batch,
         epoch=plan.epoch,

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, Dataset, DistributedSampler, SequentialSampler
 
+from kspeed.client.planning.compact import id_dtype
 from kspeed.config import launcher_environment
 from kspeed.errors import ConfigError, DatasetError
 
@@ -59,57 +60,72 @@ class ShardOrder:
 
     def order(self) -> np.ndarray:
         """This rank's sample IDs of the epoch, in order."""
+        dtype = id_dtype(int(self.starts[-1]))
         rng = np.random.default_rng([self.seed, self.epoch])
         shards = rng.permutation(len(self.starts) - 1)
         lo, hi = self.starts[shards], self.starts[shards + 1]
         lengths = hi - lo
         # every sample of the shuffled shards, end to end, without a Python loop per shard
-        seq = np.repeat(lo - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths) + np.arange(int(lengths.sum()))
+        first = (lo - np.concatenate(([0], np.cumsum(lengths)[:-1]))).astype(dtype)
+        seq = np.repeat(first, lengths) + np.arange(int(lengths.sum()), dtype=dtype)
         per_rank = len(self)
         total = per_rank * self.world
         if total > len(seq) and len(seq):
             seq = np.concatenate([seq, np.resize(seq, total - len(seq))])
-        mine = seq[self.rank * per_rank : (self.rank + 1) * per_rank].tolist()
+        mine = seq[self.rank * per_rank : (self.rank + 1) * per_rank]
         if self.buffer <= 1:
-            return np.asarray(mine, dtype=np.int64)
-        draws = np.random.default_rng([self.seed, self.epoch, self.rank]).integers(0, self.buffer, len(mine)).tolist()
+            return mine.copy()
+        draws = np.random.default_rng([self.seed, self.epoch, self.rank]).integers(0, self.buffer, len(mine))
+        out = np.empty(len(mine), dtype=dtype)
+        done = 0
         buf: list[int] = []
-        out: list[int] = []
-        for sample, j in zip(mine, draws, strict=True):
-            if len(buf) < self.buffer:
-                buf.append(sample)
-                continue
-            out.append(buf[j])
-            buf[j] = sample
+        # a sample waits in the buffer until a draw takes it: one Python step per sample, over
+        # slices of the arrays, so no Python int per sample of the epoch is held at once
+        for start in range(0, len(mine), _BUFFER_STEP):
+            taken: list[int] = []
+            part = slice(start, start + _BUFFER_STEP)
+            for sample, j in zip(mine[part].tolist(), draws[part].tolist(), strict=True):
+                if len(buf) < self.buffer:
+                    buf.append(sample)
+                    continue
+                taken.append(buf[j])
+                buf[j] = sample
+            out[done : done + len(taken)] = taken
+            done += len(taken)
         rest = np.asarray(buf, dtype=np.int64)
         np.random.default_rng([self.seed, self.epoch, self.rank, 1]).shuffle(rest)
-        return np.concatenate([np.asarray(out, dtype=np.int64), rest])
+        out[done:] = rest
+        return out
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.order().tolist())
 
 
 _DETERMINISTIC = (DistributedSampler, SequentialSampler, ShardOrder)
+_BUFFER_STEP = 1 << 16  # samples of a shuffle buffer's pass turned into Python ints at a time
 
 
 def distributed_order(sampler: DistributedSampler) -> np.ndarray:
-    """What ``iter(sampler)`` yields, as one int64 array: ``DistributedSampler.__iter__`` done with
+    """What ``iter(sampler)`` yields, as one array: ``DistributedSampler.__iter__`` done with
     array operations. Iterating the sampler turns a permutation of the *whole* dataset into Python
     ints on every rank every epoch (~50 bytes and ~0.1 us per sample: 5 GB per rank at 10^8
-    samples); this keeps 8 bytes per sample and the same order."""
+    samples); this keeps 4 bytes per sample (``int32`` IDs below ``2**31`` samples; torch draws
+    the same permutation in either dtype) and the same order."""
     n = len(sampler.dataset)  # type: ignore[arg-type]
+    dtype = id_dtype(n)
     if sampler.shuffle:
         generator = torch.Generator()
         generator.manual_seed(sampler.seed + sampler.epoch)
-        indices = torch.randperm(n, generator=generator).numpy()
+        torch_dtype = torch.int32 if dtype == np.int32 else torch.int64
+        indices = torch.randperm(n, generator=generator, dtype=torch_dtype).numpy()
     else:
-        indices = np.arange(n, dtype=np.int64)
+        indices = np.arange(n, dtype=dtype)
     total = sampler.total_size
     if sampler.drop_last:
         indices = indices[:total]
     elif total > n and n:
         indices = np.concatenate([indices, np.resize(indices, total - n)])  # repeated from the start
-    return np.ascontiguousarray(indices[sampler.rank : total : sampler.num_replicas], dtype=np.int64)
+    return np.ascontiguousarray(indices[sampler.rank : total : sampler.num_replicas])
 
 
 class _IdRange(Dataset[int]):
@@ -317,6 +333,8 @@ class EpochOrders:
         try:
             if isinstance(sampler, DistributedSampler) and type(sampler).__iter__ is DistributedSampler.__iter__:
                 ids = distributed_order(sampler)
+            elif isinstance(sampler, SequentialSampler) and type(sampler).__iter__ is SequentialSampler.__iter__:
+                ids = np.arange(len(sampler.data_source), dtype=id_dtype(len(sampler.data_source)))
             elif isinstance(sampler, ShardOrder):
                 ids = sampler.order()
             else:
@@ -330,13 +348,12 @@ class EpochOrders:
             ) from exc
         if self.drop_last:
             ids = ids[: len(ids) - len(ids) % self.batch_size]
-        bad = np.flatnonzero((ids < 0) | (ids >= self.num_samples))
-        if len(bad):
-            sample = int(ids[bad[0]])
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.num_samples):
+            sample = int(ids[np.flatnonzero((ids < 0) | (ids >= self.num_samples))[0]])
             raise DatasetError(
                 f"dataset {self.dataset!r} has {self.num_samples} samples (IDs 0.."
                 f"{self.num_samples - 1}); the sampler yielded sample {sample}",
                 dataset=self.dataset,
                 sample=sample,
             )
-        return ids
+        return ids.astype(id_dtype(self.num_samples), copy=False)
