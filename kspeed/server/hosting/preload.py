@@ -307,7 +307,7 @@ class Preloader:
             return PreloadResult(
                 self._read_samples,
                 self._read_bytes,
-                int(self.index.loaded.sum()),
+                self.index.loaded_count,
                 len(self.index.loaded),
                 tuple(self._errors),
             )
@@ -318,17 +318,15 @@ class Preloader:
             running = not self._done.is_set()
             end = time.monotonic() if running else self._job_end or self._job_start
             elapsed = max(end - self._job_start, 0.0) if self._job_start else 0.0
-            loaded = self.index.loaded
-            done_bytes = int(self.index.length[loaded].sum())
-            total_bytes = int(self.index.length.sum())
+            done_bytes, total_bytes = self.index.loaded_bytes, self.index.total_bytes
             rate = self._read_bytes / elapsed if elapsed > 0 else 0.0
             srate = self._read_samples / elapsed if elapsed > 0 else 0.0
             left = total_bytes - done_bytes
             eta = 0.0 if left == 0 else (left / rate if rate > 0 else None)
             return Progress(
                 running,
-                int(loaded.sum()),
-                len(loaded),
+                self.index.loaded_count,
+                len(self.index.loaded),
                 done_bytes,
                 total_bytes,
                 len(self._errors),
@@ -420,8 +418,7 @@ class Preloader:
         if errors:
             ok &= ~np.isin(ids, np.array([e.sample for e in errors], dtype=np.int64))
         with self._lock:
-            self.index.crc[pos[ok]] = np.asarray(crcs, dtype=np.uint32)[ok]
-            self.index.loaded[pos[ok]] = True
+            self.index.mark_loaded(ids[ok], np.asarray(crcs, dtype=np.uint32)[ok])
             self._errors.extend(errors)
             self._read_samples += int(ok.sum())
             self._read_bytes += int(sizes[ok].sum())
@@ -454,7 +451,7 @@ class Preloader:
         """
         self._homeless()
         pos = np.asarray(ids, dtype=np.int64) - self.index.lo
-        k = self.index.region[pos].astype(np.int64) - self.index.first_region
+        k = self.index.region.local(pos)
         return self._pool_index_array[k], self.index.offset[pos] + self._bases[k]
 
     def adopt(self, ids: np.ndarray, sources: list[np.ndarray], crcs: np.ndarray) -> None:
@@ -466,14 +463,13 @@ class Preloader:
         self._homeless()
         ids = np.asarray(ids, dtype=np.int64)
         pos = ids - self.index.lo
-        ks = self.index.region[pos].astype(np.int64) - self.index.first_region
+        ks = self.index.region.local(pos)
         for j, k in enumerate(ks.tolist()):
             self._ensure_filling(k)
             offset = int(self.index.offset[pos[j]])
             self._arrays[k][offset : offset + len(sources[j])] = sources[j]
         with self._lock:
-            self.index.crc[pos] = crcs
-            self.index.loaded[pos] = True
+            self.index.mark_loaded(ids, crcs)
         self.residency.settle(ids, HOME)
         for k in np.unique(ks).tolist():
             self._maybe_seal(k)
