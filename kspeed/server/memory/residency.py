@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from kspeed.server.memory.flags import Flags
+from kspeed.server.memory.flags import CHUNK, Flags
 
 __all__ = ["ABSENT", "FAILED", "HOME", "READING", "WINDOW", "Residency"]
 
@@ -33,7 +33,9 @@ class Residency:
 
     def __init__(self, lo: int, loaded: np.ndarray | Flags) -> None:
         self.lo = int(lo)
-        self.state = np.where(np.asarray(loaded, dtype=bool), HOME, ABSENT).astype(np.uint8)
+        self.state = np.full(len(loaded), ABSENT, dtype=np.uint8)
+        for a in range(0, len(loaded), CHUNK):  # (a chunk at a time: no temporary per sample)
+            self.state[a : a + CHUNK][np.asarray(loaded[a : a + CHUNK], dtype=bool)] = HOME
         self.reasons: dict[int, str] = {}
         self._failed_at: dict[int, float] = {}
         self._lock = threading.Lock()
