@@ -12,12 +12,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+from collections.abc import Iterator
 
 import google_crc32c
 import numpy as np
 
 from kspeed.errors import ChangedError, IntegrityError
 from kspeed.server.hosting.preload import Preloader
+from kspeed.server.memory.flags import CHUNK
 
 __all__ = ["SampleStore", "ScrubReport"]
 
@@ -125,10 +127,9 @@ class SampleStore:
         """Verify every loaded sample once (stops early when ``stop`` is set)."""
         checked = repaired = 0
         failed = []
-        for pos in np.flatnonzero(self.index.loaded).tolist():
+        for sid in self._loaded_ids():
             if stop is not None and stop.is_set():
                 break
-            sid = self.index.lo + pos
             try:
                 repaired += not self.verify(sid)
             except IntegrityError as exc:
@@ -144,6 +145,12 @@ class SampleStore:
                 len(failed),
             )
         return ScrubReport(checked, repaired, tuple(failed))
+
+    def _loaded_ids(self) -> Iterator[int]:
+        """The loaded samples' IDs, in order (listed a chunk at a time, never all at once)."""
+        loaded = self.index.loaded
+        for start in range(0, len(loaded), CHUNK):
+            yield from (loaded.positions(start, start + CHUNK) + self.index.lo).tolist()
 
     def start_scrub(self, interval_s: float) -> None:
         """Scrub in a background thread every ``interval_s`` seconds until :meth:`stop_scrub`."""
