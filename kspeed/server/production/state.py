@@ -236,7 +236,7 @@ class ShareState:
         self.residency = preloader.residency
         self.lo = preloader.index.lo
         self.size = len(preloader.index.length)
-        self.mean_size = float(preloader.index.length.mean()) if self.size else 0.0
+        self.mean_size = preloader.index.total_bytes / self.size if self.size else 0.0
         self.window = window
         self.policy = policy if policy is not None else policy_for(WHOLE)
         self.slots: dict[int, tuple[Slot, int, str]] = {}  # sample -> (slot, crc, feed produced for)
@@ -244,7 +244,8 @@ class ShareState:
         self.figures: dict[int, EpochFigures] = {}
         self.too_small = False  # warned that the window cannot hold one batch of each feed
         # with its own window: per sample, the unwritten positions of its feeds' current plans
-        self.uses = np.zeros(self.size, dtype=np.int32)
+        # (no array for a share in the server's window, which never counts them)
+        self.uses = np.zeros(self.size if self.own_window else 0, dtype=np.int32)
         pool = preloader.pool
         self._home = {index: str(pool.path(index)) for index in preloader.pool_indices}
 
