@@ -5,15 +5,56 @@ It reaches a feeder process inside :class:`~kspeed.server.feeder.protocol.Instal
 that feeder's own state (its ``granted`` marks change as grants arrive); the main process keeps the
 same positions in production's share state (:mod:`kspeed.server.feeder.protocol` says how the two
 are kept in step).
+
+A plan part is the largest state a server keeps per sample (one per plan, two or three plans per
+feed), so its columns take the narrowest form their values fit: IDs and positions int32; lengths
+and offsets within a batch uint16 or uint32 (int64 where a value does not fit); pool regions int16
+while the pool has fewer than 32768; offsets within a region uint32; window tickets, zero but for
+the samples in the window, in a :class:`~kspeed.server.feeder.columns.SparseColumn`; crc32c values
+in a :class:`~kspeed.server.feeder.columns.CrcColumn`; the granted marks a bit each. A feeder
+widens the few it writes from to int64 as it reads them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import numpy as np
 
-__all__ = ["PlanPart"]
+from kspeed.server.feeder.columns import CrcColumn, SparseColumn
+from kspeed.server.memory.flags import Flags
+
+__all__ = ["PlanPart", "id_dtype", "narrow", "search"]
+
+
+def id_dtype(end: int) -> type[np.signedinteger[Any]]:
+    """The dtype of sample IDs (or plan positions) below ``end``: int32 while they fit."""
+    return np.int32 if end <= np.iinfo(np.int32).max else np.int64
+
+
+def narrow(values: np.ndarray) -> np.ndarray:
+    """Non-negative ``values`` as uint16 or uint32 when they all fit, else as int64."""
+    values = np.asarray(values)
+    top = int(values.max()) if len(values) else 0
+    for dtype in (np.uint16, np.uint32):
+        if top <= np.iinfo(dtype).max:
+            return values.astype(dtype)
+    return values.astype(np.int64, copy=False)
+
+
+def search(haystack: np.ndarray, values: Any, side: Literal["left", "right"] = "left") -> np.ndarray:
+    """:func:`numpy.searchsorted` of non-negative ``values`` in a sorted integer ``haystack``
+    without widening it: numpy casts both to a common dtype, so a compact haystack searched for
+    int64 values (or Python ints) is copied whole at every call. The values are brought into the
+    haystack's dtype instead (clipped to its range: every element of a haystack of IDs or positions
+    is below its dtype's maximum, see :func:`id_dtype`)."""
+    info = np.iinfo(haystack.dtype)
+    return np.searchsorted(haystack, np.clip(values, info.min, info.max).astype(haystack.dtype), side=side)
+
+
+def _unplaced() -> np.ndarray:
+    return np.zeros(0, dtype=np.int64)
 
 
 @dataclass
@@ -26,7 +67,8 @@ class PlanPart:
         ids: per owned position, the sample's ID.
         length: per owned position, the sample's length.
         dst: per owned position, the sample's offset within its batch (the client's layout).
-        region: per owned position, the pool region holding the sample now (-1: not produced yet).
+        region: per owned position, the pool region holding the sample now (-1: not produced yet);
+            production fills ``region``, ``src``, ``ticket`` and ``crc`` as it installs the plan.
         src: per owned position, the sample's offset in that region.
         ticket: per owned position, the window slot's ticket (0: at home).
         crc: per owned position, the crc32c its bytes must have where they are now (-1: none to
@@ -42,46 +84,47 @@ class PlanPart:
     ids: np.ndarray
     length: np.ndarray
     dst: np.ndarray
-    region: np.ndarray
-    src: np.ndarray
-    ticket: np.ndarray
-    crc: np.ndarray | None = None
+    region: np.ndarray = field(default_factory=_unplaced)
+    src: np.ndarray = field(default_factory=_unplaced)
+    ticket: np.ndarray | SparseColumn = field(default_factory=_unplaced)
+    crc: np.ndarray | CrcColumn | None = None
     processed: np.ndarray | None = None
     failures: dict[int, str] = field(default_factory=dict)  # processed owned index -> why it failed
-    granted: np.ndarray | None = None
-    _order: np.ndarray | None = field(default=None, repr=False)
+    granted: Flags | None = None
+    _order: np.ndarray | None = field(default=None, repr=False)  # owned positions by sample ID
+    _sorted: np.ndarray | None = field(default=None, repr=False)  # the IDs in that order
 
     def span(self, batch: int, first: int, end: int) -> tuple[int, int]:
         """The owned positions ``i:j`` that a grant of positions ``first:end`` of ``batch`` covers."""
         lo = int(self.starts[batch]) + first
         hi = min(int(self.starts[batch]) + end, int(self.starts[batch + 1]))
-        i, j = np.searchsorted(self.positions, (lo, hi))
+        i, j = search(self.positions, (lo, hi))
         return int(i), int(j)
 
     def grant(self, i: int, j: int) -> np.ndarray:
         """Record a grant of owned positions ``i:j``; returns those a grant asked for before."""
         if self.granted is None:
-            self.granted = np.zeros(len(self.ids), dtype=bool)
+            self.granted = Flags(len(self.ids))
         again = np.flatnonzero(self.granted[i:j]) + i
-        self.granted[i:j] = True
+        self.granted.set(slice(i, j))
         return again
 
     def where(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(owned positions, index into ids)`` of every occurrence of ``ids`` in the plan."""
-        if self._order is None:
-            self._order = np.argsort(self.ids, kind="stable")
-        order = self._order
-        ordered = self.ids[order]
+        if self._order is None or self._sorted is None:
+            self._order = np.argsort(self.ids, kind="stable").astype(id_dtype(len(self.ids)))
+            self._sorted = self.ids[self._order]
+        order, ordered = self._order, self._sorted
         ids = np.asarray(ids, dtype=np.int64)
-        lo = np.searchsorted(ordered, ids, side="left")
-        hi = np.searchsorted(ordered, ids, side="right")
+        lo = search(ordered, ids, side="left")
+        hi = search(ordered, ids, side="right")
         counts = hi - lo
         total = int(counts.sum())
         if not total:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
         starts = np.cumsum(counts) - counts
         at = np.repeat(lo, counts) + (np.arange(total) - np.repeat(starts, counts))
-        return order[at], np.repeat(np.arange(len(ids)), counts)
+        return order[at].astype(np.int64), np.repeat(np.arange(len(ids)), counts)
 
     def locate(
         self, ids: np.ndarray, region: np.ndarray, src: np.ndarray, ticket: np.ndarray, crc: np.ndarray | None = None
