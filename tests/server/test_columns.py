@@ -83,3 +83,27 @@ def test_where_finds_every_occurrence_in_compact_ids():
     )
     at, which = part.where(np.array([7, 4, 5, 1 << 35]))
     assert sorted(zip(at.tolist(), which.tolist(), strict=True)) == [(0, 0), (2, 0), (3, 2)]
+
+
+def reference_where(ids: np.ndarray, wanted: np.ndarray) -> list[tuple[int, int]]:
+    return [(int(k), int(w)) for w, x in enumerate(wanted.tolist()) for k in np.flatnonzero(ids == x).tolist()]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_where_matches_a_scan_for_sparse_dense_and_repeated_plans(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(0, 3000))
+    spread = int(rng.choice([1, 3, 50, 5000]))
+    ids = rng.integers(10**6, 10**6 + max(n, 1) * spread, n).astype(np.int32)
+    part = PlanPart(
+        starts=np.array([0, n]),
+        positions=np.arange(n, dtype=np.int32),
+        ids=ids,
+        length=narrow(np.ones(n)),
+        dst=narrow(np.zeros(n)),
+    )
+    wanted = np.concatenate(
+        [rng.choice(ids, min(n, 40)) if n else np.zeros(0, np.int64), rng.integers(0, 2 * 10**6, 20)]
+    )
+    at, which = part.where(wanted)
+    assert list(zip(at.tolist(), which.tolist(), strict=True)) == reference_where(ids, wanted)

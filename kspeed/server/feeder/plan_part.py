@@ -91,8 +91,7 @@ class PlanPart:
     processed: np.ndarray | None = None
     failures: dict[int, str] = field(default_factory=dict)  # processed owned index -> why it failed
     granted: Flags | None = None
-    _order: np.ndarray | None = field(default=None, repr=False)  # owned positions by sample ID
-    _sorted: np.ndarray | None = field(default=None, repr=False)  # the IDs in that order
+    _by_id: _ByID | None = field(default=None, repr=False)  # where each sample ID is (made at the first look)
 
     def span(self, batch: int, first: int, end: int) -> tuple[int, int]:
         """The owned positions ``i:j`` that a grant of positions ``first:end`` of ``batch`` covers."""
@@ -110,21 +109,11 @@ class PlanPart:
         return again
 
     def where(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(owned positions, index into ids)`` of every occurrence of ``ids`` in the plan."""
-        if self._order is None or self._sorted is None:
-            self._order = np.argsort(self.ids, kind="stable").astype(id_dtype(len(self.ids)))
-            self._sorted = self.ids[self._order]
-        order, ordered = self._order, self._sorted
-        ids = np.asarray(ids, dtype=np.int64)
-        lo = search(ordered, ids, side="left")
-        hi = search(ordered, ids, side="right")
-        counts = hi - lo
-        total = int(counts.sum())
-        if not total:
-            return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        starts = np.cumsum(counts) - counts
-        at = np.repeat(lo, counts) + (np.arange(total) - np.repeat(starts, counts))
-        return order[at].astype(np.int64), np.repeat(np.arange(len(ids)), counts)
+        """``(owned positions, index into ids)`` of every occurrence of ``ids`` in the plan (per
+        ID in the order of ``ids``, its positions in increasing order)."""
+        if self._by_id is None:
+            self._by_id = _ByID.of(self.ids)
+        return self._by_id.find(self.ids, np.asarray(ids, dtype=np.int64))
 
     def locate(
         self, ids: np.ndarray, region: np.ndarray, src: np.ndarray, ticket: np.ndarray, crc: np.ndarray | None = None
@@ -152,3 +141,48 @@ class PlanPart:
         if self.crc is not None:
             self.crc[at] = -1
         return old
+
+
+@dataclass
+class _ByID:
+    """The owned positions of a plan grouped by sample ID: IDs ``base + k * 2**shift`` and the next
+    ``2**shift - 1`` form bucket ``k``, whose positions are ``order[starts[k]:starts[k + 1]]``, in
+    increasing order. Buckets are sized to hold about :data:`_BUCKET_HOLDS` positions, so this
+    costs 4 bytes a position (and a little per bucket) where a sorted copy of the IDs beside the
+    order would cost 8, and a look-up compares each ID with a bucket's few."""
+
+    base: int
+    shift: int
+    order: np.ndarray
+    starts: np.ndarray
+
+    @classmethod
+    def of(cls, ids: np.ndarray) -> _ByID:
+        if not len(ids):
+            return cls(0, 0, np.zeros(0, dtype=np.int32), np.zeros(1, dtype=np.int64))
+        base, top = int(ids.min()), int(ids.max())
+        span = (top - base + 1) * _BUCKET_HOLDS / len(ids)  # the IDs of a bucket of _BUCKET_HOLDS positions
+        shift = max(int(span).bit_length() - 1, 0)
+        bucket = (ids - base) >> shift
+        order = np.argsort(bucket, kind="stable").astype(id_dtype(len(ids)))
+        counts = np.bincount(bucket, minlength=((top - base) >> shift) + 1)
+        return cls(base, shift, order, np.concatenate(([0], np.cumsum(counts))))
+
+    def find(self, ids: np.ndarray, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(positions, index into wanted)`` of the occurrences of ``wanted`` among ``ids``."""
+        bucket = (wanted - self.base) >> self.shift
+        inside = np.flatnonzero((wanted >= self.base) & (bucket < len(self.starts) - 1))
+        first, end = self.starts[bucket[inside]], self.starts[bucket[inside] + 1]
+        counts = end - first
+        total = int(counts.sum())
+        if not total:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        offsets = np.cumsum(counts) - counts
+        candidates = self.order[np.repeat(first, counts) + (np.arange(total) - np.repeat(offsets, counts))]
+        which = np.repeat(inside, counts)
+        match = ids[candidates] == wanted[which]
+        return candidates[match].astype(np.int64), which[match]
+
+
+#: Positions a bucket of :class:`_ByID` holds, about.
+_BUCKET_HOLDS = 16
