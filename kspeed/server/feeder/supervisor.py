@@ -56,6 +56,7 @@ from kspeed.server.feeder.protocol import (
     wants_reply,
 )
 from kspeed.server.hosting.datasets import DatasetHost
+from kspeed.server.memory import heap
 from kspeed.server.memory.window import ProductionWindow
 from kspeed.server.prep.workers import PrepWorkers
 from kspeed.server.production.core import PrepSpec, Production
@@ -387,6 +388,7 @@ class FeederSupervisor:
         except errors.PeerLostError:
             self._feed(feed_id)  # ended meanwhile (its dataset removed)? say so rather than "not connected"
             raise
+        heap.trim_later()  # (the plan's chunks, decoded and copied, are freed as the call returns)
         return kspeed_pb2.PlanReply(owned=n, owned_bytes=owned_bytes)
 
     def _prep_spec(

@@ -42,6 +42,7 @@ from kspeed.server.backend.changes import Change, ChangeLog
 from kspeed.server.backend.sources import Source
 from kspeed.server.hosting.crew import Crew, ThreadTuner
 from kspeed.server.hosting.index import SampleIndex
+from kspeed.server.memory import heap
 from kspeed.server.memory.flags import CHUNK, Flags
 from kspeed.server.memory.pool import MemoryPool, RegionState
 from kspeed.server.memory.residency import HOME, Residency
@@ -228,6 +229,7 @@ class Preloader:
         self._save_s = 0.0  # how long the last save of the index took
         #: why the index could not be saved last time (``None``: the saved index is up to date)
         self.save_error: StateFileError | None = None
+        heap.trim_later()  # (the listing and the layout just freed their temporaries)
 
     @property
     def pool_indices(self) -> tuple[int, ...]:
