@@ -51,7 +51,7 @@ def layout(sizes: np.ndarray, region_size: int, *, dataset: str, first_id: int =
     if not len(sizes):
         return offset, bounds
     # bytes before each region's first sample (bounds increase strictly: a sample fits a region)
-    before = np.concatenate(([0], np.cumsum(np.add.reduceat(sizes.astype(np.int64), bounds[:-1]))))
+    before = np.concatenate(([0], np.cumsum(np.add.reduceat(sizes.astype(np.int64, copy=False), bounds[:-1]))))
     done = 0  # bytes before the chunk
     for a in range(0, len(sizes), CHUNK):
         chunk = sizes[a : a + CHUNK].astype(np.int64)
