@@ -159,14 +159,14 @@ class _ByID:
     @classmethod
     def of(cls, ids: np.ndarray) -> _ByID:
         if not len(ids):
-            return cls(0, 0, np.zeros(0, dtype=np.int32), np.zeros(1, dtype=np.int64))
+            return cls(0, 0, np.zeros(0, dtype=np.int32), np.zeros(1, dtype=np.int32))
         base, top = int(ids.min()), int(ids.max())
         span = (top - base + 1) * _BUCKET_HOLDS / len(ids)  # the IDs of a bucket of _BUCKET_HOLDS positions
         shift = max(int(span).bit_length() - 1, 0)
         bucket = (ids - base) >> shift
         order = np.argsort(bucket, kind="stable").astype(id_dtype(len(ids)))
         counts = np.bincount(bucket, minlength=((top - base) >> shift) + 1)
-        return cls(base, shift, order, np.concatenate(([0], np.cumsum(counts))))
+        return cls(base, shift, order, np.concatenate(([0], np.cumsum(counts))).astype(id_dtype(len(ids))))
 
     def find(self, ids: np.ndarray, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(positions, index into wanted)`` of the occurrences of ``wanted`` among ``ids``."""
