@@ -19,11 +19,13 @@ import numpy as np
 
 from kspeed.errors import ChangedError, IntegrityError
 from kspeed.server.hosting.preload import Preloader
-from kspeed.server.memory.flags import CHUNK
 
 __all__ = ["SampleStore", "ScrubReport"]
 
 log = logging.getLogger(__name__)
+
+#: A scrub lists this many samples' loaded flags at a time (a Python int each: about 2 MB).
+SCRUB_CHUNK = 1 << 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,10 +149,10 @@ class SampleStore:
         return ScrubReport(checked, repaired, tuple(failed))
 
     def _loaded_ids(self) -> Iterator[int]:
-        """The loaded samples' IDs, in order (listed a chunk at a time, never all at once)."""
+        """The loaded samples' IDs, in order (listed :data:`SCRUB_CHUNK` at a time, never all at once)."""
         loaded = self.index.loaded
-        for start in range(0, len(loaded), CHUNK):
-            yield from (loaded.positions(start, start + CHUNK) + self.index.lo).tolist()
+        for start in range(0, len(loaded), SCRUB_CHUNK):
+            yield from (loaded.positions(start, start + SCRUB_CHUNK) + self.index.lo).tolist()
 
     def start_scrub(self, interval_s: float) -> None:
         """Scrub in a background thread every ``interval_s`` seconds until :meth:`stop_scrub`."""
