@@ -76,10 +76,13 @@ SITES = {
     "listing_per_share": ("kspeed/server/hosting/datasets.py", "source = self._open(request.spec)"),
     "index_offset": (
         "kspeed/server/hosting/index.py",
-        "return (local + first_region).astype(np.int32), offset.astype(np.int64)",
+        "offset = np.zeros(len(sizes), dtype=offset_dtype(region_size))",
     ),
-    "index_loaded": ("kspeed/server/hosting/index.py", "self.loaded = np.zeros(len(self.length), dtype=bool)"),
-    "residency_state": ("kspeed/server/memory/residency.py", "self.state = np.where("),
+    "index_loaded": ("kspeed/server/hosting/index.py", "self.loaded = Flags(len(self.length))"),
+    "residency_state": (
+        "kspeed/server/memory/residency.py",
+        "self.state = np.full(len(loaded), ABSENT, dtype=np.uint8)",
+    ),
     "keys_offsets": (
         "kspeed/server/backend/listing.py",
         "self.blob, self.starts, self.ends = blob, starts.astype(np.int64)",
@@ -90,12 +93,9 @@ SITES = {
         'h = hashlib.sha256(kind.encode() + b"\\0" + self.sizes.tobytes()',
     ),
     "save_on_seal": ("kspeed/server/hosting/preload.py", "self._save_index()\n                    self.pool.seal"),
-    "progress_mask": ("kspeed/server/hosting/preload.py", "done_bytes = int(self.index.length[loaded].sum())"),
-    "pending_region_list": (
-        "kspeed/server/hosting/preload.py",
-        'self._region = (np.searchsorted(bounds, ids, side="right") - 1).tolist()',
-    ),
-    "scrub_list": ("kspeed/server/hosting/integrity.py", "for pos in np.flatnonzero(self.index.loaded).tolist():"),
+    "progress_mask": ("kspeed/server/hosting/preload.py", "done_bytes, total_bytes = self.index.loaded_bytes"),
+    "pending_region_list": ("kspeed/server/hosting/preload.py", "self._handed = Flags(len(index.length))"),
+    "scrub_list": ("kspeed/server/hosting/integrity.py", "yield from (loaded.positions(start, start + CHUNK)"),
     "plan_arrays": ("kspeed/client/planning/plans.py", "labels = np.full(n, -1, dtype=np.int64)"),
     "layout_offsets": ("kspeed/layout.py", "offsets = cum - cum[starts[:-1]][batch_of] if n else cum"),
     "sampler_order": (
@@ -301,9 +301,6 @@ def _per_server(result: dict, servers: int) -> list[dict]:
 def _packing(per_sample: dict) -> dict:
     """Where the per-sample bytes could be packed tighter, with what each change would save."""
     ideas = {
-        "index.offset": ("int64 -> uint32: an offset inside a region < 4 GiB", 4),
-        "index.region": ("int32 -> derived (searchsorted over the share's bounds) or uint16 per share", 4),
-        "index.loaded": ("bool duplicates residency.state == HOME", 1),
         "listing.sizes": ("int64 -> uint32: a sample <= region size < 4 GiB (lengths already travel as uint32)", 4),
         "listing.ends": ("int64 -> derived from starts (key end = separator before the size digits)", 8),
         "listing.whole_dataset": ("keep only the share's keys and sizes after fingerprinting", None),
@@ -561,6 +558,7 @@ def _unique_nbytes(arrays: dict[str, np.ndarray | None]) -> dict[str, int]:
 def _work_index(p: dict) -> dict:
     from kspeed.server.hosting import preload
     from kspeed.server.hosting.index import SampleIndex
+    from kspeed.server.memory.flags import CHUNK
     from kspeed.server.memory.residency import Residency
 
     meter = _Meter()
@@ -570,24 +568,23 @@ def _work_index(p: dict) -> dict:
 
     def fill() -> None:  # what a whole preload records
         index.crc[:] = 1
-        index.loaded[:] = True
+        index.loaded.set(slice(None))
+        index.loaded_bytes = index.total_bytes
 
     _, _, fill_rss, _ = meter.phase(fill)
     residency, _, residency_rss, _ = meter.phase(lambda: Residency(0, index.loaded))
     arrays = _unique_nbytes(
         {
-            "region": index.region,
-            "offset": index.offset,
+            "offset": index.offset,  # (a sample's region is found from the bounds)
             "crc": index.crc,
-            "loaded": index.loaded,
+            "loaded": index.loaded.bits,
             "bounds": index.bounds,
             "residency": residency.state,
         }
     )
 
     def status() -> int:  # Preloader.progress() and result(), as every heartbeat asks per share
-        loaded = index.loaded
-        return int(index.length[loaded].sum()) + int(index.length.sum()) + int(loaded.sum()) * 2
+        return index.loaded_bytes + index.total_bytes + index.loaded_count * 2
 
     _, status_s, _, status_peak = meter.phase(status)
     row = {
@@ -608,11 +605,17 @@ def _work_index(p: dict) -> dict:
         return meter.report(row)
 
     def pending() -> object:  # a preload job's bookkeeping for a share with nothing loaded yet
-        return preload._Pending(np.arange(n, dtype=np.int64), index.bounds, index.length, 0, 1 << 20, 16)
+        index.loaded.clear()
+        return preload._Pending(list(range(index.num_regions)), index, 1 << 20, 16)
 
     job, pending_s, pending_rss, pending_peak = meter.phase(pending)
     del job
-    _, scrub_s, _, scrub_peak = meter.phase(lambda: len(np.flatnonzero(index.loaded).tolist()))
+    index.loaded.set(slice(None))
+
+    def scrub_list() -> int:  # SampleStore.scrub's walk over the loaded samples, a chunk at a time
+        return sum(len(index.loaded.positions(a, a + CHUNK).tolist()) for a in range(0, n, CHUNK))
+
+    _, scrub_s, _, scrub_peak = meter.phase(scrub_list)
     row.update(
         preload_job_seconds=round(pending_s, 4),
         preload_job_rss_bytes=pending_rss,

@@ -244,3 +244,16 @@ def test_missing_regions_are_refused(tmp_path, backend, pool):
     src = open_source(backend, "ds", str(tmp_path / "d"))
     with pytest.raises(StateError, match="allocate them first"):
         Preloader(src, pool)
+
+
+def test_a_scrub_walks_the_loaded_samples_a_chunk_at_a_time(tmp_path, backend, pool, monkeypatch):
+    monkeypatch.setattr("kspeed.server.hosting.integrity.SCRUB_CHUNK", 3)
+    files, _src, pre = make(tmp_path, backend, pool, [256] * 20, lo=2, hi=19)
+    pre.preload(timeout=30)
+    pre.index.clear(7, 9)  # (not loaded: not scrubbed)
+    store = SampleStore(pre)
+    for sample in (2, 10, 18):
+        pre.region_array(int(pre.index.region[sample - 2]))[int(pre.index.offset[sample - 2])] ^= 1
+    report = store.scrub()
+    assert (report.checked, report.repaired, report.failed) == (15, 3, ())
+    assert store.read(18) == files[sorted(files)[18]]

@@ -37,7 +37,7 @@ from kspeed.proto import kspeed_pb2
 from kspeed.rdma.options import RailOptions
 from kspeed.rdma.rails import available_rails
 from kspeed.server.feeder import process as feeder_process
-from kspeed.server.feeder.plan_part import PlanPart
+from kspeed.server.feeder.plan_part import PlanPart, id_dtype, narrow
 from kspeed.server.feeder.protocol import (
     EVENTS,
     CloseFeed,
@@ -56,6 +56,7 @@ from kspeed.server.feeder.protocol import (
     wants_reply,
 )
 from kspeed.server.hosting.datasets import DatasetHost
+from kspeed.server.memory import heap
 from kspeed.server.memory.window import ProductionWindow
 from kspeed.server.prep.workers import PrepWorkers
 from kspeed.server.production.core import PrepSpec, Production
@@ -353,8 +354,7 @@ class FeederSupervisor:
                 f"feed {feed_id}: sample {int(ids[foreign[0]])} of the plan is not in this share "
                 f"[{index.lo}, {index.hi}) of dataset {info.dataset!r}; look it up again"
             )
-        owned_ids = ids.astype(np.int64)
-        length = index.length[owned_ids - index.lo].astype(np.int64)
+        length = index.length[ids - index.lo].astype(np.int64, copy=False)
         mine = offer.processed
         prep = None
         if mine is not None and mine.any():
@@ -364,23 +364,23 @@ class FeederSupervisor:
         if len(wrong):
             k = int(wrong[0])
             raise ProtocolError(
-                f"feed {feed_id}: sample {int(owned_ids[k])} has length {int(length[k])} here"
+                f"feed {feed_id}: sample {int(ids[k])} has length {int(length[k])} here"
                 f"{' after the server stages' if mine is not None and mine[k] else ''}, the plan says "
                 f"{int(offer.lengths[k])}; look it up again"
             )
-        hosted.changes.refuse(owned_ids, f"an epoch plan of feed {feed_id} needs")
-        none = np.zeros(n, dtype=np.int64)
+        hosted.changes.refuse(ids, f"an epoch plan of feed {feed_id} needs")
+        owned_bytes = int(length.sum())
+        # (compact: the plan part is the largest state kept per sample; production adds where each
+        # sample is now as it installs it)
         plan = PlanPart(
             starts=batch_starts(offer.count, batch_size),
-            positions=positions.astype(np.int64),
-            ids=owned_ids,
-            length=length,
-            dst=offsets.astype(np.int64),
-            region=none - 1,
-            src=none.copy(),
-            ticket=none.copy(),
+            positions=positions.astype(id_dtype(offer.count)),
+            ids=ids.astype(id_dtype(index.hi)),
+            length=narrow(length),
+            dst=narrow(offsets),
             processed=mine if prep is not None else None,
         )
+        del length  # (not kept while the plan is installed)
         try:
             self.production.install(
                 feed_id, info.feeder, hosted.key, epoch, plan, prep, first_batch, seed_epoch, ranks=info.ranks
@@ -388,7 +388,8 @@ class FeederSupervisor:
         except errors.PeerLostError:
             self._feed(feed_id)  # ended meanwhile (its dataset removed)? say so rather than "not connected"
             raise
-        return kspeed_pb2.PlanReply(owned=n, owned_bytes=int(length.sum()))
+        heap.trim_later()  # (the plan's chunks, decoded and copied, are freed as the call returns)
+        return kspeed_pb2.PlanReply(owned=n, owned_bytes=owned_bytes)
 
     def _prep_spec(
         self, dataset: str, spec: kspeed_pb2.DatasetSpec, stages: int, seed: int, epoch: int, skip: bool

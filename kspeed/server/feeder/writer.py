@@ -44,6 +44,7 @@ from kspeed.server.feeder.doorbell import Doorbell
 from kspeed.server.feeder.plan_part import PlanPart
 from kspeed.server.feeder.protocol import Corrupt, Event, FeedGone, FeedProgress, Freed
 from kspeed.server.memory.checksum import crc32c
+from kspeed.server.memory.flags import Flags
 from kspeed.server.memory.pool import map_region
 
 __all__ = ["FeedWriter", "FeederShared", "PlanPart"]
@@ -89,7 +90,7 @@ class FeederShared:
     def __init__(self, send_event: Callable[[Event], object], *, recheck: bool = False) -> None:
         self.lock = threading.Lock()
         self.recheck = recheck  # check a sample at home at every write, not only the first
-        self._checked: dict[str, np.ndarray] = {}  # per dataset, by sample ID: checked at home since placed there
+        self._checked: dict[str, Flags] = {}  # per dataset, by sample ID: checked at home since placed there
         self.placements = 0  # bumped when a sample gets a new place: a check begun before proves nothing of it
         self.in_use: dict[int, int] = {}
         self.draining: set[int] = set()  # tickets to report freed once no read uses them
@@ -117,11 +118,11 @@ class FeederShared:
         seen = self._checked.get(dataset)
         top = int(ids.max()) + 1
         if seen is None or len(seen) < top:
-            grown = np.zeros(max(top, 2 * len(seen) if seen is not None else top), dtype=bool)
+            grown = Flags(max(top, 2 * len(seen) if seen is not None else top))
             if seen is not None:
-                grown[: len(seen)] = seen
+                grown.bits[: len(seen.bits)] = seen.bits
             seen = self._checked[dataset] = grown
-        seen[ids] = True
+        seen.set(ids)
 
     def unchecked(self, dataset: str, ids: np.ndarray) -> None:
         """Samples ``ids`` have a new place, or new bytes at their place: their next write checks them."""
@@ -129,7 +130,7 @@ class FeederShared:
         seen = self._checked.get(dataset)
         if seen is not None:
             ids = np.asarray(ids, dtype=np.int64)
-            seen[ids[ids < len(seen)]] = False
+            seen.set(ids[ids < len(seen)], False)
 
     def send(self, event: Event) -> None:
         """Report ``event`` to the main process (nothing, once the pipe is closed)."""
@@ -434,16 +435,16 @@ class FeedWriter:
                     self._pending.appendleft((grant, time.monotonic()))
                     continue
                 served.append(grant)
-                parts.append(
+                parts.append(  # (int64 copies of the plan's compact columns)
                     (
-                        plan.region[i:j].copy(),
-                        plan.src[i:j].copy(),
-                        plan.length[i:j],
-                        plan.dst[i:j] + int(grant["ring_offset"]),
-                        plan.ticket[i:j].copy(),
+                        plan.region[i:j].astype(np.int64),
+                        plan.src[i:j].astype(np.int64),
+                        plan.length[i:j].astype(np.int64),
+                        plan.dst[i:j].astype(np.int64) + int(grant["ring_offset"]),
+                        plan.ticket[i:j].astype(np.int64),
                     )
                 )
-                checks.append((plan.ids[i:j], None if plan.crc is None else plan.crc[i:j].copy()))
+                checks.append((plan.ids[i:j].astype(np.int64), None if plan.crc is None else plan.crc[i:j].copy()))
                 tags.append(int(grant["tag"]))
             if not parts:
                 return

@@ -1,48 +1,109 @@
 """The decentralized sample index: where each sample a server owns lives in its regions.
 
 A server owns a contiguous range of sample IDs ``[lo, hi)`` of a dataset. For those it keeps numpy
-arrays (never a Python object per sample): the virtual region index, the offset inside the region,
-the length, the crc32c and a loaded flag. Region and offset are a pure function of the sizes and
-the region size (:func:`layout`, by :func:`kspeed.layout.region_bounds`, the rule the manager
-cuts ownership with), so the index answers lookups for samples that are not loaded yet.
-It is saved beside the data, in the pool directory, and reloaded after a restart.
+arrays, never a Python object per sample, and only what cannot be computed: the offset of each
+sample inside its region (4 bytes while a region is under 4 GiB), its crc32c (4 bytes) and a loaded
+flag (one bit); the lengths are the listing's own array (a view), and a sample's region is found
+from the region bounds. Region and offset are a pure function of the sizes and the region size
+(:func:`layout`, by :func:`kspeed.layout.region_bounds`, the rule the manager cuts ownership
+with), so the index answers lookups for samples that are not loaded yet. It is saved beside the
+data, in the pool directory, and reloaded after a restart.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
+from typing import IO, Any
 
 import numpy as np
 
 from kspeed.errors import NotFoundError, StateError
 from kspeed.layout import region_bounds
+from kspeed.server.memory.flags import CHUNK, Flags
 from kspeed.server.memory.statefile import write_atomic
 
-__all__ = ["SampleIndex", "layout"]
+__all__ = ["RegionColumn", "SampleIndex", "layout", "offset_dtype"]
 
 log = logging.getLogger(__name__)
 
-_FORMAT = 1
+#: 1: loaded flags as a bool per sample; 2: packed eight to a byte (both are read).
+_FORMAT = 2
+_FORMATS = (1, 2)
 
 
-def layout(
-    sizes: np.ndarray, region_size: int, *, dataset: str, first_region: int = 0, first_id: int = 0
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Region index (int32) and offset (int64) of every sample, plus the region bounds.
+def offset_dtype(region_size: int) -> type[np.unsignedinteger[Any]] | type[np.signedinteger[Any]]:
+    """The narrowest dtype for offsets inside a region of ``region_size`` bytes (and an offset
+    plus the length of a sample that ends there)."""
+    return np.uint32 if region_size < 1 << 32 else np.int64
 
-    Region indices start at ``first_region`` (the server's first region in the dataset's virtual
-    address space, where byte ``region x region_size + offset`` is the sample's first byte).
+
+def layout(sizes: np.ndarray, region_size: int, *, dataset: str, first_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Offset of every sample inside its region (:func:`offset_dtype`) and the region bounds
+    (positions in ``sizes`` where each region starts, then ``len(sizes)``).
+
+    Computed a chunk of samples at a time, so its temporaries stay small whatever the share's size.
     """
-    sizes = np.asarray(sizes, dtype=np.int64)
+    sizes = np.asarray(sizes)
     bounds = region_bounds(sizes, region_size, dataset=dataset, first_id=first_id)
-    counts = np.diff(bounds)
-    local = np.repeat(np.arange(len(counts), dtype=np.int32), counts)
-    cum = np.concatenate(([0], np.cumsum(sizes)[:-1])) if len(sizes) else np.zeros(0, np.int64)
-    offset = cum - np.repeat(cum[bounds[:-1]] if len(sizes) else np.zeros(0, np.int64), counts)
-    return (local + first_region).astype(np.int32), offset.astype(np.int64), bounds
+    offset = np.zeros(len(sizes), dtype=offset_dtype(region_size))
+    if not len(sizes):
+        return offset, bounds
+    # bytes before each region's first sample (bounds increase strictly: a sample fits a region)
+    before = np.concatenate(([0], np.cumsum(np.add.reduceat(sizes.astype(np.int64, copy=False), bounds[:-1]))))
+    done = 0  # bytes before the chunk
+    for a in range(0, len(sizes), CHUNK):
+        chunk = sizes[a : a + CHUNK].astype(np.int64)
+        ends = np.cumsum(chunk) + done
+        region = np.searchsorted(bounds, np.arange(a, a + len(chunk)), side="right") - 1
+        offset[a : a + len(chunk)] = ends - chunk - before[region]
+        done = int(ends[-1])
+    return offset, bounds
+
+
+class RegionColumn:
+    """Each owned sample's virtual region, found from the region bounds (no array per sample).
+
+    Indexed by position (``id - lo``) like the int32 array it stands for: an int gives an int, a
+    slice or an array of positions an int32 array.
+    """
+
+    def __init__(self, bounds: np.ndarray, first_region: int) -> None:
+        self._bounds = np.asarray(bounds, dtype=np.int64)  # positions where each region starts, then the size
+        self._first = int(first_region)
+
+    def __len__(self) -> int:
+        return int(self._bounds[-1])
+
+    def local(self, pos: Any) -> np.ndarray:
+        """The share's region index ``k`` (0 for its first region) of positions ``pos`` (int64)."""
+        return np.searchsorted(self._bounds, pos, side="right") - 1
+
+    def __getitem__(self, key: Any) -> Any:
+        size = len(self)
+        if isinstance(key, (int, np.integer)):
+            i = int(key) + (size if int(key) < 0 else 0)
+            if not 0 <= i < size:
+                raise IndexError(f"position {int(key)} out of range for {size} samples")
+            return int(self.local(i)) + self._first
+        if isinstance(key, slice):
+            pos = np.arange(*key.indices(size), dtype=np.int64)
+        else:
+            pos = np.asarray(key)
+            pos = np.flatnonzero(pos) if pos.dtype == bool else pos.astype(np.int64, copy=False)
+            if len(pos) and (int(pos.min()) < -size or int(pos.max()) >= size):
+                raise IndexError(f"a position is out of range for {size} samples")
+            pos = np.where(pos < 0, pos + size, pos)
+        return (self.local(pos) + self._first).astype(np.int32)
+
+    def tolist(self) -> list[int]:
+        """Every sample's region."""
+        return self[:].tolist()
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = self[:]
+        return out if dtype is None else out.astype(dtype)
 
 
 class SampleIndex:
@@ -51,14 +112,23 @@ class SampleIndex:
     Args:
         dataset: the dataset's name.
         lo: first owned sample ID.
-        sizes: int64 sizes of samples ``lo..hi-1`` (from the listing).
+        sizes: sizes of samples ``lo..hi-1`` (the listing's, kept as they are: a view, no copy).
         region_size: bytes per region.
         first_region: virtual index of the server's first region of this dataset.
         fingerprint: the source's fingerprint digest; a saved index is reused only if it matches.
 
     Attributes:
-        region, offset, length, crc, loaded: arrays indexed by ``id - lo``.
+        length: per sample, its size (``sizes`` itself).
+        offset: per sample, its offset inside its region (:func:`offset_dtype`).
+        region: per sample, its virtual region (a :class:`RegionColumn`).
+        crc: per sample, the crc32c recorded when it was loaded (uint32).
+        loaded: per sample, whether it is loaded (:class:`~kspeed.server.memory.flags.Flags`;
+            changed only through :meth:`mark_loaded` and :meth:`clear`, which keep
+            :attr:`loaded_bytes`).
+        loaded_bytes: bytes of the loaded samples.
+        total_bytes: bytes of all owned samples.
         bounds: absolute sample IDs at which each of the server's regions starts (and ``hi``).
+        All per-sample attributes are indexed by ``id - lo``.
     """
 
     def __init__(
@@ -73,23 +143,30 @@ class SampleIndex:
     ) -> None:
         self.dataset, self.lo, self.region_size = dataset, int(lo), int(region_size)
         self.first_region, self.fingerprint = int(first_region), fingerprint
-        self.length = np.ascontiguousarray(sizes, dtype=np.int64)
+        sizes = np.asarray(sizes)
+        self.length = sizes if sizes.dtype.kind in "iu" else sizes.astype(np.int64)
         self.hi = self.lo + len(self.length)
-        self.region, self.offset, local_bounds = layout(
-            self.length, region_size, dataset=dataset, first_region=first_region, first_id=lo
-        )
+        self.offset, local_bounds = layout(self.length, region_size, dataset=dataset, first_id=lo)
+        self.region = RegionColumn(local_bounds, first_region)
         self.bounds = local_bounds + self.lo
         self.crc = np.zeros(len(self.length), dtype=np.uint32)
-        self.loaded = np.zeros(len(self.length), dtype=bool)
+        self.loaded = Flags(len(self.length))
+        self.loaded_bytes = 0
+        self.total_bytes = int(self.length.sum(dtype=np.int64))
 
     @property
     def num_regions(self) -> int:
         """Number of regions the owned samples occupy."""
         return len(self.bounds) - 1
 
+    @property
+    def loaded_count(self) -> int:
+        """Owned samples loaded."""
+        return self.loaded.count()
+
     def owns(self, ids: np.ndarray) -> np.ndarray:
         """Boolean mask: which of ``ids`` this server owns."""
-        ids = np.asarray(ids, dtype=np.int64)
+        ids = np.asarray(ids)
         return (ids >= self.lo) & (ids < self.hi)
 
     def lookup(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -113,12 +190,24 @@ class SampleIndex:
     def mark_loaded(self, ids: np.ndarray, crcs: np.ndarray) -> None:
         """Record the crc32c of loaded samples and set their loaded flag."""
         pos = self._positions(ids)
+        fresh = np.unique(pos[~self.loaded[pos]])
+        self.loaded_bytes += int(self.length[fresh].sum(dtype=np.int64))
         self.crc[pos] = crcs
-        self.loaded[pos] = True
+        self.loaded.set(pos)
 
     def clear(self, lo: int, hi: int) -> None:
         """Mark samples ``[lo, hi)`` not loaded (e.g. a region whose content is not trusted)."""
-        self.loaded[max(lo, self.lo) - self.lo : max(min(hi, self.hi) - self.lo, 0)] = False
+        a, b = max(lo, self.lo) - self.lo, max(min(hi, self.hi) - self.lo, 0)
+        self.loaded_bytes -= self._bytes_loaded(a, b)
+        self.loaded.clear(a, b)
+
+    def _bytes_loaded(self, a: int, b: int) -> int:
+        """Bytes of the loaded samples among positions ``a..b-1`` (a chunk at a time)."""
+        total = 0
+        for c in range(a, b, CHUNK):
+            e = min(c + CHUNK, b)
+            total += int(self.length[c:e][self.loaded[c:e]].sum(dtype=np.int64))
+        return total
 
     def _positions(self, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64)
@@ -133,7 +222,8 @@ class SampleIndex:
     # ------------------------------------------------------------------ persistence
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the index atomically (temporary file + rename) to ``path``.
+        """Write the index atomically (temporary file + rename) to ``path``, straight to the file
+        (no copy of it in memory).
 
         Raises:
             StateFileError: it cannot be written (the previous version stays).
@@ -147,15 +237,17 @@ class SampleIndex:
             "first_region": self.first_region,
             "fingerprint": self.fingerprint,
         }
-        buf = io.BytesIO()
-        np.savez(
-            buf,
-            meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
-            length=self.length,
-            crc=self.crc,
-            loaded=self.loaded,
-        )
-        write_atomic(path, buf.getbuffer())
+
+        def write(fh: IO[bytes]) -> None:
+            np.savez(
+                fh,
+                meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
+                length=self.length,
+                crc=self.crc,
+                loaded_bits=self.loaded.bits,
+            )
+
+        write_atomic(path, write)
 
     @classmethod
     def load(
@@ -178,14 +270,15 @@ class SampleIndex:
         try:
             with np.load(path, allow_pickle=False) as z:
                 meta = json.loads(z["meta"].tobytes())
-                length, crc, loaded = z["length"], z["crc"], z["loaded"]
+                same = meta.get("format") in _FORMATS and np.array_equal(z["length"], fresh.length)
+                crc = z["crc"] if same else None
+                loaded = (z["loaded_bits"] if meta.get("format") == 2 else z["loaded"]) if same else None
         except FileNotFoundError:
             return fresh
         except (OSError, ValueError, KeyError) as exc:
             log.warning("dataset %s: discarding unreadable index %s: %s", dataset, path, exc)
             return fresh
         expected = {
-            "format": _FORMAT,
             "dataset": dataset,
             "lo": fresh.lo,
             "hi": fresh.hi,
@@ -193,11 +286,15 @@ class SampleIndex:
             "first_region": first_region,
             "fingerprint": fingerprint,
         }
-        if meta != expected or not np.array_equal(length, fresh.length):
+        if crc is None or loaded is None or {k: v for k, v in meta.items() if k != "format"} != expected:
             log.warning("dataset %s: index %s describes another layout or backend; discarding it", dataset, path)
             return fresh
         fresh.crc[:] = crc
-        fresh.loaded[:] = loaded
+        if meta["format"] == 2:
+            fresh.loaded.bits[:] = loaded
+        else:
+            fresh.loaded = Flags.of(loaded)
+        fresh.loaded_bytes = fresh._bytes_loaded(0, len(fresh.length))
         return fresh
 
     def check_loaded(self, sample_id: int) -> int:

@@ -37,10 +37,13 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from kspeed.errors import ChangedError, DatasetError, StateError, StateFileError
+from kspeed.layout import region_bounds
 from kspeed.server.backend.changes import Change, ChangeLog
 from kspeed.server.backend.sources import Source
 from kspeed.server.hosting.crew import Crew, ThreadTuner
 from kspeed.server.hosting.index import SampleIndex
+from kspeed.server.memory import heap
+from kspeed.server.memory.flags import CHUNK, Flags
 from kspeed.server.memory.pool import MemoryPool, RegionState
 from kspeed.server.memory.residency import HOME, Residency
 
@@ -57,6 +60,10 @@ TASK_S = 0.01
 
 #: Tasks of one sample each at the start of a job.
 _FIRST_SINGLE_TASKS = 2
+
+#: An urgent task holds at most this many samples; the urgent IDs are looked at this many at a time.
+_URGENT_TASK = 64
+_URGENT_LOOK = 4 * _URGENT_TASK
 
 #: The tuner weighs a task's work as samples + bytes / this: about the bytes a warm copy and
 #: checksum move in the time a sample's open, read and close calls take.
@@ -222,6 +229,7 @@ class Preloader:
         self._save_s = 0.0  # how long the last save of the index took
         #: why the index could not be saved last time (``None``: the saved index is up to date)
         self.save_error: StateFileError | None = None
+        heap.trim_later()  # (the listing and the layout just freed their temporaries)
 
     @property
     def pool_indices(self) -> tuple[int, ...]:
@@ -232,7 +240,7 @@ class Preloader:
     def regions_needed(source: Source, region_size: int, lo: int = 0, hi: int | None = None) -> int:
         """Regions the share ``[lo, hi)`` occupies (to allocate from the pool before construction)."""
         hi = source.count if hi is None else hi
-        return SampleIndex(source.dataset, lo, source.sizes[lo:hi], region_size).num_regions
+        return len(region_bounds(source.sizes[lo:hi], region_size, dataset=source.dataset, first_id=lo)) - 1
 
     def _reconcile(self) -> None:
         """Trust only regions that are SEALED in the pool and fully recorded in the index (a slice
@@ -242,7 +250,7 @@ class Preloader:
         for k, pool_index in enumerate(self._pool_index):
             a, b = int(self.index.bounds[k]), int(self.index.bounds[k + 1])
             state = self.pool.region(pool_index).state
-            ok = bool(self.index.loaded[a - self.index.lo : b - self.index.lo].all())
+            ok = self.index.loaded.all(a - self.index.lo, b - self.index.lo)
             if state is RegionState.SEALED and ok:
                 continue
             if state is RegionState.SEALED:
@@ -307,7 +315,7 @@ class Preloader:
             return PreloadResult(
                 self._read_samples,
                 self._read_bytes,
-                int(self.index.loaded.sum()),
+                self.index.loaded_count,
                 len(self.index.loaded),
                 tuple(self._errors),
             )
@@ -318,17 +326,15 @@ class Preloader:
             running = not self._done.is_set()
             end = time.monotonic() if running else self._job_end or self._job_start
             elapsed = max(end - self._job_start, 0.0) if self._job_start else 0.0
-            loaded = self.index.loaded
-            done_bytes = int(self.index.length[loaded].sum())
-            total_bytes = int(self.index.length.sum())
+            done_bytes, total_bytes = self.index.loaded_bytes, self.index.total_bytes
             rate = self._read_bytes / elapsed if elapsed > 0 else 0.0
             srate = self._read_samples / elapsed if elapsed > 0 else 0.0
             left = total_bytes - done_bytes
             eta = 0.0 if left == 0 else (left / rate if rate > 0 else None)
             return Progress(
                 running,
-                int(loaded.sum()),
-                len(loaded),
+                self.index.loaded_count,
+                len(self.index.loaded),
                 done_bytes,
                 total_bytes,
                 len(self._errors),
@@ -340,15 +346,7 @@ class Preloader:
 
     def _run(self) -> None:
         try:
-            pending = _Pending(
-                self._prepare(),
-                self.index.bounds,
-                self.index.length,
-                self.index.lo,
-                self.batch_bytes,
-                self.threads,
-                self._urgent,
-            )
+            pending = _Pending(self._prepare(), self.index, self.batch_bytes, self.threads, self._urgent)
             tuner = ThreadTuner(self.threads)
             crew = Crew(pending.claim, functools.partial(self._load, pending), tuner, name=f"preload-{self.dataset}")
             with self._lock:
@@ -385,20 +383,19 @@ class Preloader:
             )
             self.on_finished()
 
-    def _prepare(self) -> np.ndarray:
-        """Open the unsealed regions for filling; returns the IDs still to load, in ID order."""
+    def _prepare(self) -> list[int]:
+        """Open the unsealed regions for filling; returns those with samples still to load, in order."""
         todo = []
         for k, pool_index in enumerate(self._pool_index):
             if self._slot is None and self.pool.region(pool_index).state is RegionState.SEALED:
                 continue
             self._ensure_filling(k)
             a, b = int(self.index.bounds[k]), int(self.index.bounds[k + 1])
-            ids = np.flatnonzero(~self.index.loaded[a - self.index.lo : b - self.index.lo]) + a
-            if len(ids):
-                todo.append(ids)
+            if not self.index.loaded.all(a - self.index.lo, b - self.index.lo):
+                todo.append(k)
             else:
                 self._maybe_seal(k)
-        return np.concatenate(todo) if todo else np.zeros(0, dtype=np.int64)
+        return todo
 
     def _tick(self) -> None:
         if time.monotonic() - self._last_save > self.save_interval_s:
@@ -420,8 +417,7 @@ class Preloader:
         if errors:
             ok &= ~np.isin(ids, np.array([e.sample for e in errors], dtype=np.int64))
         with self._lock:
-            self.index.crc[pos[ok]] = np.asarray(crcs, dtype=np.uint32)[ok]
-            self.index.loaded[pos[ok]] = True
+            self.index.mark_loaded(ids[ok], np.asarray(crcs, dtype=np.uint32)[ok])
             self._errors.extend(errors)
             self._read_samples += int(ok.sum())
             self._read_bytes += int(sizes[ok].sum())
@@ -436,13 +432,15 @@ class Preloader:
         return len(ids) + int(sizes.sum()) / _BYTES_PER_UNIT
 
     def prioritize(self, ids: np.ndarray) -> None:
-        """Read these IDs (owned here, in this order) before the rest; starts the job if none runs."""
+        """Read these IDs (owned here, in this order) before the rest; starts the job if none runs.
+
+        ``ids`` is kept as it is, not copied (a plan's IDs, which the plan keeps anyway): the job
+        skips those loaded meanwhile as it reaches them.
+        """
         if self.on_demand:
             return
-        ids = np.asarray(ids, dtype=np.int64)
-        pos = ids - self.index.lo
-        ids = ids[~self.index.loaded[pos]]
-        if len(ids):
+        ids = np.asarray(ids)
+        if any(not self.index.loaded[ids[a : a + CHUNK] - self.index.lo].all() for a in range(0, len(ids), CHUNK)):
             self._urgent.append(ids)
             self.start()
 
@@ -454,7 +452,7 @@ class Preloader:
         """
         self._homeless()
         pos = np.asarray(ids, dtype=np.int64) - self.index.lo
-        k = self.index.region[pos].astype(np.int64) - self.index.first_region
+        k = self.index.region.local(pos)
         return self._pool_index_array[k], self.index.offset[pos] + self._bases[k]
 
     def adopt(self, ids: np.ndarray, sources: list[np.ndarray], crcs: np.ndarray) -> None:
@@ -466,14 +464,13 @@ class Preloader:
         self._homeless()
         ids = np.asarray(ids, dtype=np.int64)
         pos = ids - self.index.lo
-        ks = self.index.region[pos].astype(np.int64) - self.index.first_region
+        ks = self.index.region.local(pos)
         for j, k in enumerate(ks.tolist()):
             self._ensure_filling(k)
             offset = int(self.index.offset[pos[j]])
             self._arrays[k][offset : offset + len(sources[j])] = sources[j]
         with self._lock:
-            self.index.crc[pos] = crcs
-            self.index.loaded[pos] = True
+            self.index.mark_loaded(ids, crcs)
         self.residency.settle(ids, HOME)
         for k in np.unique(ks).tolist():
             self._maybe_seal(k)
@@ -507,7 +504,7 @@ class Preloader:
             return
         a, b = int(self.index.bounds[k]), int(self.index.bounds[k + 1])
         pool_index = self._pool_index[k]
-        complete = bool(self.index.loaded[a - self.index.lo : b - self.index.lo].all())
+        complete = self.index.loaded.all(a - self.index.lo, b - self.index.lo)
         if complete and self.pool.region(pool_index).state is RegionState.FILLING:
             # A restart re-adopts a sealed region only if the saved index records every sample in
             # it, so a seal saves the index - unless the last save was so recent that saving again
@@ -556,33 +553,35 @@ class _Pending:
     """The samples a job still has to load, handed out as tasks ``(region k, IDs)``.
 
     IDs pushed to ``urgent`` (the plans' order) go first, a few of one region per task; then the
-    rest in ID order: consecutive pending samples of one region, about :data:`TASK_S` worth at the
-    measured time per sample or a quarter of a thread's share of what is left, whichever is more,
-    at most ``batch_bytes`` (but at least one sample). The first tasks hold one sample each, so the
-    thread tuner gets its first measurements quickly. A sample is handed out once per job.
+    rest in ID order, region by region: consecutive samples of one region not loaded yet, about
+    :data:`TASK_S` worth at the measured time per sample or a quarter of a thread's share of what
+    is left, whichever is more, at most ``batch_bytes`` (but at least one sample). The first tasks
+    hold one sample each, so the thread tuner gets its first measurements quickly. A sample is
+    handed out once per job.
+
+    Nothing here is kept per sample but a bit (handed out or not): the rest is a cursor over the
+    index, whose loaded flags say what is left, and the urgent arrays are looked at a bounded
+    prefix at a time (never copied whole).
     """
 
     def __init__(
         self,
-        ids: np.ndarray,
-        bounds: np.ndarray,
-        lengths: np.ndarray,
-        lo: int,
+        regions: list[int],
+        index: SampleIndex,
         batch_bytes: int,
         threads: int,
         urgent: deque[np.ndarray] | None = None,
     ) -> None:
-        self.ids = ids
-        self._bounds = bounds
-        self._lo = lo
-        self._region = (np.searchsorted(bounds, ids, side="right") - 1).tolist()
-        self._region_end = np.searchsorted(ids, bounds[1:], side="left").tolist()
-        self._cum = np.concatenate(([0], np.cumsum(lengths[ids - lo])))
-        self._handed = np.zeros(len(lengths), dtype=bool)
+        self._index = index
+        self._bounds = index.bounds
+        self._lo = index.lo
+        self._regions = deque(regions)  # the regions the cursor still has to go through, in order
+        self._cursor = int(self._bounds[regions[0]]) if regions else 0  # the next sample ID to look at
+        self._left = sum(int(self._bounds[k + 1] - self._bounds[k]) for k in regions)  # samples ahead of the cursor
+        self._handed = Flags(len(index.length))
         self._urgent: deque[np.ndarray] = urgent if urgent is not None else deque()
         self._batch_bytes = max(int(batch_bytes), 1)
         self._threads = max(int(threads), 1)
-        self._next = 0
         self._observed = 0
         self._per_sample_s = 0.0
         self._lock = threading.Lock()
@@ -594,43 +593,64 @@ class _Pending:
         # (on a slow backend many small tasks only make the threads fight for the GIL).
         return max(int(TASK_S / self._per_sample_s) if self._per_sample_s > 0 else 1, left // (4 * self._threads), 1)
 
+    def _open(self, pos: np.ndarray | slice) -> np.ndarray:
+        """Which of positions ``pos`` (``id - lo``) are still to hand out: not loaded, not handed."""
+        return ~self._index.loaded[pos] & ~self._handed[pos]
+
     def claim(self) -> tuple[int, np.ndarray] | None:
         """The next task, or ``None`` when every sample has been handed out."""
         with self._lock:
             task = self._claim_urgent()
             if task is not None:
                 return task
-            while self._next < len(self.ids):
-                a = self._next
-                k = self._region[a]
-                limit = int(np.searchsorted(self._cum, self._cum[a] + self._batch_bytes, side="right")) - 1
-                b = max(min(a + self._count(len(self.ids) - a), self._region_end[k], limit), a + 1)
-                self._next = b
-                ids = self.ids[a:b]
-                ids = ids[~self._handed[ids - self._lo]]
-                if len(ids):
-                    self._handed[ids - self._lo] = True
-                    return k, ids
+            while self._regions:
+                k = self._regions[0]
+                end = int(self._bounds[k + 1])
+                a = self._cursor
+                if a >= end:
+                    self._regions.popleft()
+                    if self._regions:
+                        self._cursor = int(self._bounds[self._regions[0]])
+                    continue
+                b = min(a + self._count(self._left), end)
+                pos = np.flatnonzero(self._open(slice(a - self._lo, b - self._lo))) + (a - self._lo)
+                if len(pos):  # at most batch_bytes (at least one sample)
+                    fit = int(np.searchsorted(np.cumsum(self._index.length[pos]), self._batch_bytes, side="right"))
+                    pos = pos[: max(fit, 1)]
+                    b = int(pos[-1]) + self._lo + 1
+                self._left -= b - a
+                self._cursor = b
+                if len(pos):
+                    self._handed.set(pos)
+                    return k, pos + self._lo
             return None
 
     def _claim_urgent(self) -> tuple[int, np.ndarray] | None:
         """Up to a task's worth of the urgent IDs, those of the first one's region, in order."""
         while self._urgent:
             head = self._urgent[0]
-            head = head[~self._handed[head - self._lo]]
+            # the first IDs still to hand out, looking at a bounded prefix at a time
+            while len(head):
+                view = np.asarray(head[:_URGENT_LOOK], dtype=np.int64)
+                keep = self._open(view - self._lo)
+                if keep.any():
+                    break
+                head = head[len(view) :]
             if not len(head):
                 self._urgent.popleft()
                 continue
-            regions = np.searchsorted(self._bounds, head[:64], side="right") - 1
+            at = np.flatnonzero(keep)[:_URGENT_TASK]  # their places in the view
+            ids = view[at]
+            regions = np.searchsorted(self._bounds, ids, side="right") - 1
             same = int(np.argmin(regions == regions[0])) if not (regions == regions[0]).all() else len(regions)
-            take = head[: min(same, self._count(len(head)), 64)]
-            rest = head[len(take) :]
+            n = min(same, self._count(len(head)), _URGENT_TASK)
+            rest = head[int(at[n - 1]) + 1 :]
             if len(rest):
                 self._urgent[0] = rest
             else:
                 self._urgent.popleft()
-            self._handed[take - self._lo] = True
-            return int(regions[0]), take
+            self._handed.set(ids[:n] - self._lo)
+            return int(regions[0]), ids[:n]
         return None
 
     def observe(self, samples: int, seconds: float) -> None:

@@ -15,6 +15,8 @@ import time
 
 import numpy as np
 
+from kspeed.server.memory.flags import CHUNK, Flags
+
 __all__ = ["ABSENT", "FAILED", "HOME", "READING", "WINDOW", "Residency"]
 
 ABSENT, READING, WINDOW, HOME, FAILED = range(5)
@@ -26,12 +28,14 @@ class Residency:
 
     Args:
         lo: the share's first sample ID.
-        loaded: which samples are at home already (the index's loaded flags).
+        loaded: which samples are at home already (the index's loaded flags, or a ``bool`` array).
     """
 
-    def __init__(self, lo: int, loaded: np.ndarray) -> None:
+    def __init__(self, lo: int, loaded: np.ndarray | Flags) -> None:
         self.lo = int(lo)
-        self.state = np.where(np.asarray(loaded, dtype=bool), HOME, ABSENT).astype(np.uint8)
+        self.state = np.full(len(loaded), ABSENT, dtype=np.uint8)
+        for a in range(0, len(loaded), CHUNK):  # (a chunk at a time: no temporary per sample)
+            self.state[a : a + CHUNK][np.asarray(loaded[a : a + CHUNK], dtype=bool)] = HOME
         self.reasons: dict[int, str] = {}
         self._failed_at: dict[int, float] = {}
         self._lock = threading.Lock()

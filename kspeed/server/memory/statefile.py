@@ -12,7 +12,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import IO
 
 from kspeed.control.daemon import free_bytes
 from kspeed.control.status import human_bytes
@@ -38,8 +39,11 @@ def state_file_errors(path: str | os.PathLike[str]) -> Iterator[None]:
         raise StateFileError(f"cannot write {name}: {reason} ({left}); {hint}", path=name, free_bytes=free) from exc
 
 
-def write_atomic(path: str | os.PathLike[str], data: bytes | memoryview) -> None:
+def write_atomic(path: str | os.PathLike[str], data: bytes | memoryview | Callable[[IO[bytes]], object]) -> None:
     """Replace ``path`` with ``data`` whole, durably (the old file stays if anything fails).
+
+    ``data`` may be a function that writes the content into the file it is given (a large state
+    file then never needs a copy in memory).
 
     Raises:
         StateFileError: the file cannot be written (the disk is full, the directory read-only...).
@@ -49,7 +53,10 @@ def write_atomic(path: str | os.PathLike[str], data: bytes | memoryview) -> None
     with state_file_errors(name):
         try:
             with open(tmp, "wb") as fh:
-                fh.write(data)
+                if callable(data):
+                    data(fh)
+                else:
+                    fh.write(data)
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(tmp, name)

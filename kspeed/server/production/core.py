@@ -62,11 +62,14 @@ import numpy as np
 
 from kspeed.errors import DatasetError, KSpeedError, StateError
 from kspeed.histogram import Histogram
+from kspeed.server.feeder.columns import CrcColumn, SparseColumn
 from kspeed.server.feeder.plan_part import PlanPart
 from kspeed.server.feeder.protocol import Command, Failed, FeedProgress, InstallPlan, Locate, Reply
 from kspeed.server.feeder.writer import MAX_PLANS
 from kspeed.server.hosting.datasets import DatasetHost, ShareKey
+from kspeed.server.hosting.index import offset_dtype
 from kspeed.server.memory.checksum import crc32c
+from kspeed.server.memory.flags import CHUNK, Flags
 from kspeed.server.memory.residency import ABSENT, FAILED, HOME, READING, WINDOW
 from kspeed.server.memory.window import ProductionWindow, Slot, chunk_size_for_samples
 from kspeed.server.prep.workers import PrepWorkers
@@ -196,7 +199,7 @@ class Production(ProcessedProduction):
                 plan.ids,
                 plan.positions,
                 plan.starts,
-                np.zeros(len(plan.ids), dtype=bool),
+                Flags(len(plan.ids)),
                 processed=processed,
                 prep=prep if processed is not None else None,
                 state=np.zeros(len(plan.ids), dtype=np.int8) if processed is not None else None,
@@ -204,7 +207,7 @@ class Production(ProcessedProduction):
             )
             if first_batch > 0:
                 follow.delivered_before(int(plan.starts[min(first_batch, len(plan.starts) - 1)]))
-            plan.region, plan.src, plan.ticket, crc = self._places(share, plan.ids)
+            plan.region, plan.src, plan.ticket, crc = self._plan_places(share, plan.ids)
             plan.crc = crc if self.verify else None
             if processed is not None:
                 plan.region[processed], plan.src[processed], plan.ticket[processed] = -1, 0, 0
@@ -411,20 +414,50 @@ class Production(ProcessedProduction):
 
     def _places(self, share: ShareState, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Where ``ids`` are now: (pool region or -1, offset, window ticket or 0, the crc32c of their
-        bytes there or -1)."""
-        region = np.full(len(ids), -1, dtype=np.int64)
-        src = np.zeros(len(ids), dtype=np.int64)
-        ticket = np.zeros(len(ids), dtype=np.int64)
-        crc = np.full(len(ids), -1, dtype=np.int64)
-        state = share.residency.of(ids)
-        home = state == HOME
-        if home.any():
-            region[home], src[home] = share.preloader.home(ids[home])
-            crc[home] = self._home_crcs(share, ids[home])
-        for k in np.flatnonzero(state == WINDOW).tolist():
-            slot, crc[k], _ = share.slots[int(ids[k])]
-            region[k], src[k], ticket[k] = slot.region, slot.offset, slot.ticket
+        bytes there or -1), int64 each."""
+        n = len(ids)
+        region, src = np.full(n, -1, dtype=np.int64), np.zeros(n, dtype=np.int64)
+        ticket, crc = np.zeros(n, dtype=np.int64), np.full(n, -1, dtype=np.int64)
+        self._fill_places(share, ids, region, src, ticket, crc)
         return region, src, ticket, crc
+
+    def _plan_places(
+        self, share: ShareState, ids: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, SparseColumn, CrcColumn]:
+        """:meth:`_places` in a plan part's compact columns (see :mod:`kspeed.server.feeder.plan_part`)."""
+        n = len(ids)
+        region_dtype = np.int16 if share.preloader.pool.region_count <= np.iinfo(np.int16).max else np.int32
+        region = np.full(n, -1, dtype=region_dtype)
+        src = np.zeros(n, dtype=offset_dtype(self.window.region_size))
+        ticket, crc = SparseColumn(n), CrcColumn(n)
+        self._fill_places(share, ids, region, src, ticket, crc)
+        return region, src, ticket, crc
+
+    def _fill_places(
+        self,
+        share: ShareState,
+        ids: np.ndarray,
+        region: np.ndarray,
+        src: np.ndarray,
+        ticket: np.ndarray | SparseColumn,
+        crc: np.ndarray | CrcColumn,
+    ) -> None:
+        """Write where ``ids`` are now into the columns given (preset to "nowhere"), a chunk of
+        samples at a time, so a plan of millions of samples costs no temporary per sample."""
+        for a in range(0, len(ids), CHUNK):
+            part = np.asarray(ids[a : a + CHUNK], dtype=np.int64)
+            state = share.residency.of(part)
+            home = np.flatnonzero(state == HOME)
+            if len(home):
+                region[a + home], src[a + home] = share.preloader.home(part[home])
+                crc[a + home] = self._home_crcs(share, part[home])
+            window = np.flatnonzero(state == WINDOW)
+            if len(window):
+                entries = [share.slots[i] for i in part[window].tolist()]
+                region[a + window] = [slot.region for slot, _, _ in entries]
+                src[a + window] = [slot.offset for slot, _, _ in entries]
+                ticket[a + window] = np.array([slot.ticket for slot, _, _ in entries], dtype=np.int64)
+                crc[a + window] = np.array([c for _, c, _ in entries], dtype=np.int64)
 
     @staticmethod
     def _home_crcs(share: ShareState, ids: np.ndarray) -> np.ndarray:
@@ -552,7 +585,7 @@ class Production(ProcessedProduction):
         """Add (``sign`` 1) or take away (-1) a plan's unwritten raw positions from the uses of a
         share with its own window."""
         everything = slice(None)
-        todo = ~plan.written & plan.raw(everything)
+        todo = ~plan.written[everything] & plan.raw(everything)
         np.add.at(share.uses, plan.ids[todo] - share.lo, sign)
 
     def _recount(self, share: ShareState, feed: FeedState) -> None:
@@ -812,7 +845,7 @@ class Production(ProcessedProduction):
                     at = np.flatnonzero(todo)[:PREP_TASK_SAMPLES] + plan.next
                     if len(at):
                         plan.state[at] = READING
-                        return Work(share, feed.feed_id, plan.ids[at], epoch, at, plan)
+                        return Work(share, feed.feed_id, plan.ids[at].astype(np.int64), epoch, at, plan)
                     span = span[plan.raw(window)]
                 if not share.policy.home:
                     span = ahead.get(epoch, span[:0])

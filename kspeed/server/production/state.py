@@ -10,7 +10,9 @@ from typing import Protocol
 
 import numpy as np
 
+from kspeed.server.feeder.plan_part import search
 from kspeed.server.hosting.preload import Preloader
+from kspeed.server.memory.flags import Flags
 from kspeed.server.memory.window import ProductionWindow, Slot
 from kspeed.server.production.policies import WHOLE, CacheState, MemoryPolicy, policy_for
 
@@ -65,13 +67,18 @@ class BackendReader:
 
 @dataclasses.dataclass
 class PlanState:
-    """One installed plan of one feed, as production follows it."""
+    """One installed plan of one feed, as production follows it.
+
+    Its arrays are those of the :class:`~kspeed.server.feeder.plan_part.PlanPart` it was installed
+    from (shared, not copied), in their compact dtypes (int32 IDs and positions); the written marks
+    are a bit each.
+    """
 
     epoch: int
     ids: np.ndarray  # owned samples in plan order
     positions: np.ndarray  # their plan positions
     starts: np.ndarray  # plan index of each batch's first position
-    written: np.ndarray  # per owned position, written to the client
+    written: Flags  # per owned position, written to the client (a bool array given is packed)
     next: int = 0  # first owned position not written
     processed: np.ndarray | None = None  # per owned position, run through the server stages here
     prep: PrepSpec | None = None  # how (with processed positions)
@@ -82,6 +89,10 @@ class PlanState:
     # it was still unwritten); allocated at the first such re-grant
     extra: np.ndarray | None = None
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.written, Flags):  # (given as a bool per position)
+            self.written = Flags.of(self.written)
+
     def mark(self, batch: int, first: int, end: int) -> tuple[int, int, np.ndarray]:
         """Record a written grant; returns the range of owned indices it covered and those of
         them written now (not before, and not due again: a position granted twice stays
@@ -90,16 +101,15 @@ class PlanState:
             return 0, 0, np.zeros(0, np.int64)
         lo = int(self.starts[batch]) + first
         hi = min(int(self.starts[batch]) + end, int(self.starts[batch + 1]))
-        i, j = (int(x) for x in np.searchsorted(self.positions, (lo, hi)))
+        i, j = (int(x) for x in search(self.positions, (lo, hi)))
         span = np.arange(i, j)
         if self.extra is not None:
             due = self.extra[i:j] > 0
             self.extra[span[due]] -= 1
             span = span[~due]
         fresh = span[~self.written[span]]
-        self.written[fresh] = True
-        while self.next < len(self.written) and self.written[self.next]:
-            self.next += 1
+        self.written.set(fresh)
+        self.next = self.written.first(self.next, False)
         return i, j, fresh
 
     def granted_again(self, at: np.ndarray) -> np.ndarray:
@@ -113,15 +123,14 @@ class PlanState:
                 self.extra = np.zeros(len(self.ids), dtype=np.int32)
             np.add.at(self.extra, pending, 1)
         if len(done):
-            self.written[done] = False
+            self.written.set(done, False)
             self.next = min(self.next, int(done.min()))
         return done
 
     def delivered_before(self, position: int) -> None:
         """Record the plan positions before ``position`` as written (delivered before a failover)."""
-        self.written[: int(np.searchsorted(self.positions, position))] = True
-        while self.next < len(self.written) and self.written[self.next]:
-            self.next += 1
+        self.written.set(slice(0, int(search(self.positions, position))))
+        self.next = self.written.first(self.next, False)
 
     def raw(self, span: slice) -> np.ndarray:
         """Mask of the positions of ``span`` served as raw samples (not processed here)."""
@@ -133,16 +142,16 @@ class PlanState:
         """The unwritten raw samples of the batch holding the first unwritten position (a grant
         never spans two batches, so the feeder's next grant needs at most these)."""
         if self.next >= len(self.ids):
-            return self.ids[:0]
-        batch = int(np.searchsorted(self.starts, self.positions[self.next], side="right")) - 1
-        end = int(np.searchsorted(self.positions, self.starts[min(batch + 1, len(self.starts) - 1)]))
+            return np.zeros(0, np.int64)
+        batch = int(np.searchsorted(self.starts, int(self.positions[self.next]), side="right")) - 1
+        end = int(search(self.positions, int(self.starts[min(batch + 1, len(self.starts) - 1)])))
         span = slice(self.next, max(end, self.next + 1))
-        return self.ids[span][~self.written[span] & self.raw(span)]
+        return self.ids[span][~self.written[span] & self.raw(span)].astype(np.int64)
 
     def ahead(self, budget: int) -> np.ndarray:
         """The unwritten raw samples among the next ``budget`` positions from :attr:`next`."""
         span = slice(self.next, self.next + budget)
-        return self.ids[span][~self.written[span] & self.raw(span)]
+        return self.ids[span][~self.written[span] & self.raw(span)].astype(np.int64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,7 +245,7 @@ class ShareState:
         self.residency = preloader.residency
         self.lo = preloader.index.lo
         self.size = len(preloader.index.length)
-        self.mean_size = float(preloader.index.length.mean()) if self.size else 0.0
+        self.mean_size = preloader.index.total_bytes / self.size if self.size else 0.0
         self.window = window
         self.policy = policy if policy is not None else policy_for(WHOLE)
         self.slots: dict[int, tuple[Slot, int, str]] = {}  # sample -> (slot, crc, feed produced for)
@@ -244,7 +253,8 @@ class ShareState:
         self.figures: dict[int, EpochFigures] = {}
         self.too_small = False  # warned that the window cannot hold one batch of each feed
         # with its own window: per sample, the unwritten positions of its feeds' current plans
-        self.uses = np.zeros(self.size, dtype=np.int32)
+        # (no array for a share in the server's window, which never counts them)
+        self.uses = np.zeros(self.size if self.own_window else 0, dtype=np.int32)
         pool = preloader.pool
         self._home = {index: str(pool.path(index)) for index in preloader.pool_indices}
 
