@@ -536,13 +536,9 @@ class DatasetHost:
             source = self._open(request)
             watch = self._watch(source, share)
             if request.HasField("listing"):  # where the listing came from is of no use once it is here
-                request = kspeed_pb2.AssignShareRequest(
-                    spec=request.spec,
-                    fingerprint=request.fingerprint,
-                    region_size=request.region_size,
-                    share=request.share,
-                    dataset=request.dataset,
-                )
+                fetched, request = request, kspeed_pb2.AssignShareRequest()
+                request.CopyFrom(fetched)
+                request.ClearField("listing")
             if not _listed_as(source, request.fingerprint):
                 raise DatasetError(
                     f"dataset {name!r}: the backend changed since registration (registered: "
