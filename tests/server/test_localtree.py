@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 
 import fsspec
-import numpy as np
 import pytest
 
 from kspeed.errors import AccessDeniedError
@@ -92,17 +91,3 @@ def test_odd_names_and_both_walks_agree(tmp_path, backend, monkeypatch):
     same(found, slow)
     assert [found.keys[i] for i in range(len(found.sizes))] == sorted(k for k in names if ".hid" not in k)
     assert found.labels is None  # "plain" lies at the root
-
-
-def test_find_processes_split_the_folders_and_give_the_same_tree(tmp_path, walker):
-    if walker != "find":
-        pytest.skip("find's processes only")
-    root = tmp_path / "t"
-    for i in range(60):
-        (root / f"c{i % 7}" / f"f{i:03d}").parent.mkdir(parents=True, exist_ok=True)
-        (root / f"c{i % 7}" / f"f{i:03d}").write_bytes(b"z" * (i % 5))
-    one = localtree.walk_tree(str(root), lambda path, key: None, processes=1)
-    three = localtree.walk_tree(str(root), lambda path, key: None, processes=3)
-    assert one.blob == three.blob and (one.sizes == three.sizes).all() and (one.stamps == three.stamps).all()
-    assert (one.labels == three.labels).all() and one.classes == three.classes == tuple(f"c{k}" for k in range(7))
-    assert np.array_equal(one.unwatchable, three.unwatchable)
