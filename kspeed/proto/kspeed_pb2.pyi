@@ -927,7 +927,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("id", "inventory", "software_version", "protocol_versions", "manager_address", "registered", "incarnation")
+    __slots__ = ("id", "inventory", "software_version", "protocol_versions", "manager_address", "registered", "incarnation", "prep")
     ID_FIELD_NUMBER: _ClassVar[int]
     INVENTORY_FIELD_NUMBER: _ClassVar[int]
     SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -935,6 +935,7 @@ class ServerInfo(_message.Message):
     MANAGER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    PREP_FIELD_NUMBER: _ClassVar[int]
     id: str
     inventory: ServerInventory
     software_version: str
@@ -942,4 +943,15 @@ class ServerInfo(_message.Message):
     manager_address: str
     registered: bool
     incarnation: int
-    def __init__(self, id: _Optional[str] = ..., inventory: _Optional[_Union[ServerInventory, _Mapping]] = ..., software_version: _Optional[str] = ..., protocol_versions: _Optional[_Iterable[int]] = ..., manager_address: _Optional[str] = ..., registered: _Optional[bool] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    prep: PrepFigures
+    def __init__(self, id: _Optional[str] = ..., inventory: _Optional[_Union[ServerInventory, _Mapping]] = ..., software_version: _Optional[str] = ..., protocol_versions: _Optional[_Iterable[int]] = ..., manager_address: _Optional[str] = ..., registered: _Optional[bool] = ..., incarnation: _Optional[int] = ..., prep: _Optional[_Union[PrepFigures, _Mapping]] = ...) -> None: ...
+
+class PrepFigures(_message.Message):
+    __slots__ = ("workers", "busy_seconds", "samples")
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    workers: int
+    busy_seconds: float
+    samples: int
+    def __init__(self, workers: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., samples: _Optional[int] = ...) -> None: ...

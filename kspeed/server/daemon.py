@@ -225,12 +225,20 @@ class Server:
             self.inventory,
             self._registration,
             max_plan_bytes=cfg.max_plan_bytes,
+            prep_figures=self._prep_figures,
         )
         server.add_generic_rpc_handlers(
             (rpc.service_handler("Server", service, max_request_bytes=cfg.max_request_bytes),)
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         return rpc.bind(server, cfg.listen, cfg.security), server
+
+    def _prep_figures(self) -> kspeed_pb2.PrepFigures | None:
+        """The preprocessing workers' counters (``None`` before they exist)."""
+        prep = self.prep
+        if prep is None:
+            return None
+        return kspeed_pb2.PrepFigures(workers=prep.workers, busy_seconds=prep.busy_seconds, samples=prep.samples)
 
     def _start_agent(self, host: DatasetHost, http_announced: str) -> None:
         """Start registering with the manager (and heartbeats, assignments, drops from it)."""

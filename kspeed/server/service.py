@@ -34,6 +34,7 @@ class ServerService:
         registration: Callable[[], tuple[bool, int]],
         *,
         max_plan_bytes: int,
+        prep_figures: Callable[[], kspeed_pb2.PrepFigures | None] = lambda: None,
     ) -> None:
         self._id = server_id
         self._max_plan_bytes = max_plan_bytes
@@ -42,6 +43,7 @@ class ServerService:
         self._host = host
         self._inventory = inventory
         self._registration = registration
+        self._prep_figures = prep_figures
 
     def GetInfo(self, request: kspeed_pb2.GetInfoRequest, context: grpc.ServicerContext) -> kspeed_pb2.ServerInfo:
         registered, incarnation = self._registration()
@@ -53,6 +55,7 @@ class ServerService:
             manager_address=self._manager,
             registered=registered,
             incarnation=incarnation,
+            prep=self._prep_figures(),
         )
 
     def DescribeDataset(

@@ -125,6 +125,8 @@ class Link(Protocol):
 
     def close_feed(self, feed_id: str) -> None: ...
 
+    def prep_figures(self) -> kspeed_pb2.PrepFigures | None: ...
+
     def close(self) -> None: ...
 
 
@@ -235,6 +237,16 @@ class ServerLink:
             self._stub.CloseFeed(
                 kspeed_pb2.CloseFeedRequest(feed_id=feed_id), timeout=self._timeout, metadata=self._metadata
             )
+
+    def prep_figures(self) -> kspeed_pb2.PrepFigures | None:
+        """The server's preprocessing workers' counters (``None``: it does not report them).
+
+        Raises:
+            UnavailableError: the server is unreachable.
+        """
+        with rpc.map_rpc_errors(self.name):
+            info = self._stub.GetInfo(kspeed_pb2.GetInfoRequest(), timeout=self._timeout, metadata=self._metadata)
+        return info.prep if info.HasField("prep") else None
 
     def close(self) -> None:
         """Close the channel."""
