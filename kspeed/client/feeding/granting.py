@@ -143,7 +143,7 @@ class Unpaced(Granting):
             tag = feed.next_tag(feed.paths[index])
             feed.outstanding[tag] = Outstanding(slot, index)
             self._queued.setdefault(index, []).append(
-                grants.Grant(slot.plan.feed_epoch, slot.batch, slot.offset, 0, size, tag)
+                grants.Grant(slot.plan.pass_of(slot.batch), slot.batch, slot.offset, 0, size, tag)
             )
             slot.owed[index] = 1
 
@@ -181,6 +181,7 @@ class Paced(Granting):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._deferred: collections.deque[tuple[Callable[..., Any], tuple[Any, ...]]] = collections.deque()
+        self.probed_rate = 0.0  # bytes/s of the fastest probe (one server's path), 0 before the probes
 
     # -- start: probes, then the thread ----------------------------------------------------------
 
@@ -216,6 +217,7 @@ class Paced(Granting):
                     break
                 self.pacer.tables[path.index].set(index, fastest)
                 best_rate = max(best_rate, size / fastest)
+        self.probed_rate = best_rate
         self.pacer.seed(best_rate)
         log.debug(
             "dataset %s: paced; probed latency %s, rate %.0f MB/s",
@@ -264,7 +266,7 @@ class Paced(Granting):
                     continue  # a server writes nothing in this slice
                 tag = feed.next_tag(feed.paths[index])
                 self._order += 1
-                grant = grants.Grant(plan.feed_epoch, batch, slot.offset, first, end, tag)
+                grant = grants.Grant(plan.pass_of(batch), batch, slot.offset, first, end, tag)
                 sub = SubGrant(index, self._order, grant, nbytes)
                 feed.outstanding[tag] = Outstanding(slot, index, sub)
                 slot.owed[index] = slot.owed.get(index, 0) + 1

@@ -34,8 +34,8 @@ from kspeed.client.delivery.ring import RingAllocator
 from kspeed.client.feeding.failover import Failover
 from kspeed.client.feeding.feed import Feed
 from kspeed.client.feeding.feed_state import GrantedBatch
-from kspeed.client.planning.plans import EpochPlan
-from kspeed.errors import CapacityError, StateError, TransportError
+from kspeed.client.planning.plans import EpochPlan, EpochPlanner
+from kspeed.errors import CapacityError, KSpeedError, StateError, TransportError
 from kspeed.rdma.topology import pin
 
 __all__ = ["Pump"]
@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 MAX_CARRIES = 8  # servers lost one after another while the first is being replaced, at most
+RESPLIT_LEAD = 2  # batches past the first ungranted one where a re-split starts (more after a miss)
+MAX_RESPLIT_LEAD = 64
+RESPLIT_RETRY_S = 1.0  # pause after a re-split that failed
 
 
 class Pump:
@@ -56,6 +59,8 @@ class Pump:
         thread_cores: cores the planner thread is pinned to (empty: no pinning).
         delivery: how batches reach the training device (default: host views, ``device="cpu"``).
         sample: an ``.npy`` dataset's row dtype and shape, for :meth:`Batch.array`.
+        splitter: the planner, when the split of preprocessing may change while the job runs
+            (:meth:`resplit`).
     """
 
     def __init__(
@@ -66,6 +71,7 @@ class Pump:
         thread_cores: tuple[int, ...] = (),
         delivery: Delivery | None = None,
         sample: tuple[str, tuple[int, ...]] = ("", ()),
+        splitter: EpochPlanner | None = None,
     ) -> None:
         self.feed = feed
         self.delivery: Delivery = delivery if delivery is not None else CpuDelivery()
@@ -75,11 +81,18 @@ class Pump:
         self._plans: dict[int, EpochPlan] = {}
         self._future: Future | None = None
         self._future_epoch: int | None = None
+        # one thread for plans made ahead and re-splits: passes are numbered in the order they are made
         self._planner = (
             ThreadPoolExecutor(1, thread_name_prefix="kspeed-plan", initializer=pin, initargs=(thread_cores,))
-            if deterministic
+            if deterministic or splitter is not None
             else None
         )
+        self._splitter = splitter
+        self._wanted: float | None = None  # the split asked for (None: the plans' own)
+        self._split: tuple[Future, EpochPlan] | None = None  # a re-split being made, and of which plan
+        self._lead = RESPLIT_LEAD
+        self._split_retry = 0.0
+        self.resplits = 0
         self._queue: deque[GrantedBatch] = deque()
         self._depth = 0  # the most batches ever granted ahead at once (the ring's depth in batches)
         self._cursor: tuple[EpochPlan, int] | None = None
@@ -105,7 +118,12 @@ class Pump:
         return plan
 
     def _prefetch(self, epoch: int) -> None:
-        if self._planner is None or epoch in self._plans or (self._future is not None and self._future_epoch == epoch):
+        if (
+            self._planner is None
+            or not self._deterministic
+            or epoch in self._plans
+            or (self._future is not None and self._future_epoch == epoch)
+        ):
             return
         self._future, self._future_epoch = self._planner.submit(self._plan_epoch, epoch), epoch
 
@@ -130,7 +148,8 @@ class Pump:
         keep = {self._current.epoch, self._current.epoch + 1} if self._current else set()
         for epoch, plan in list(self._plans.items()):
             if epoch not in keep and plan.slots == 0:
-                self.feed.drop_plan(plan.feed_epoch)
+                for number in plan.pass_numbers():
+                    self.feed.drop_plan(number)
                 del self._plans[epoch]
 
     # -- epochs ----------------------------------------------------------------------------------
@@ -167,6 +186,8 @@ class Pump:
         message and serves them with few vectorized writes; one grant per delivered batch would pay
         a message, a wake-up and a write call per batch on both sides.
         """
+        if self._wanted is not None:
+            self._tend_split()
         if self._cursor is None or (not force and len(self._queue) > self._depth // 2):
             return
         plan, batch = self._cursor
@@ -218,6 +239,9 @@ class Pump:
         self.last_wait_s = time.monotonic() - started
         self.wait_s += self.last_wait_s
         self.delivered += 1
+        if len(plan.passes) > 1:  # passes re-split away whose batches are all delivered
+            for number in plan.passes_before(batch + 1):
+                self.feed.drop_plan(number)
         self._retire()  # a plan given up part way goes once its batches still granted have settled
         self._surviving(self.top_up)
         return result
@@ -274,10 +298,14 @@ class Pump:
         if self._future is not None:  # a plan being made may lack the new servers: it is made again
             self._future.add_done_callback(self._drop_made)
         self._future, self._future_epoch = None, None
+        if self._split is not None:  # so may a re-split: it is made again from the new cursor
+            self._split[0].add_done_callback(self._drop_made)
+            self._split = None
         kept = [p for p in (restart[0] if restart else None, self._current) if p is not None]
         for epoch, plan in list(self._plans.items()):
             if all(plan is not k for k in kept):
-                self.feed.drop_plan(plan.feed_epoch)
+                for number in plan.pass_numbers():
+                    self.feed.drop_plan(number)
                 del self._plans[epoch]
         done: list[EpochPlan] = []
         for plan in kept:
@@ -290,10 +318,102 @@ class Pump:
         self.top_up(force=True)
 
     def _drop_made(self, future: Future) -> None:
-        """Tell the servers to let go of the plan a discarded ``future`` made (they would otherwise
-        follow it, never granted, ahead of the plans that are)."""
+        """Tell the servers to let go of the plan (or re-split pass) a discarded ``future`` made
+        (they would otherwise follow it, never granted, ahead of the plans that are)."""
         if not future.cancelled() and future.exception() is None:
             self.feed.drop_plan(future.result().feed_epoch)
+
+    # -- re-splits (offload="auto") ----------------------------------------------------------------
+
+    def resplit(self, fraction: float) -> None:
+        """Preprocess ``fraction`` of each batch on the servers from the first batch not granted
+        yet on, and in the epochs after.
+
+        The plan being granted is re-split on the planner thread as a new pass from a batch a
+        little past the first ungranted one (:meth:`EpochPlanner.resplit`); the training thread
+        adopts it at its next top-up if no batch from there was granted meanwhile (otherwise it
+        is dropped and made again further on), and tells the servers to truncate the pass it
+        replaces. A next epoch's plan made ahead with the old split is dropped and made again.
+        Which samples the servers preprocess never changes what they are: every random stage
+        draws from ``(seed, epoch, sample, stage)`` wherever it runs.
+
+        Raises:
+            StateError: this pump's plans cannot be re-split (no planner given).
+        """
+        if self._splitter is None:
+            raise StateError(f"dataset {self.feed.dataset!r}: its preprocessing split cannot change while it runs")
+        self._wanted = fraction
+        self._splitter.set_fraction(fraction)
+
+    def _tend_split(self) -> None:
+        """Adopt a re-split that is ready, or start the one the cursor's plan needs."""
+        if self._split is not None:
+            future, plan = self._split
+            if not future.done():
+                return
+            self._split = None
+            try:
+                tail = future.result()
+            except KSpeedError as exc:
+                log.warning(
+                    "dataset %s: re-splitting epoch %d failed (%s); tried again", self.feed.dataset, plan.epoch, exc
+                )
+                self._split_retry = time.monotonic() + RESPLIT_RETRY_S
+                return
+            self._adopt(plan, tail)
+            return
+        if self._cursor is None or self._planner is None or time.monotonic() < self._split_retry:
+            return
+        plan, batch = self._cursor
+        assert self._wanted is not None
+        if abs(plan.fraction - self._wanted) < 1e-9 or plan.remote is None:
+            return
+        first = batch + self._lead if plan is self._current or batch > 0 else 0
+        if first >= plan.num_batches:
+            return  # the rest of this epoch is granted already: the next plan takes the new split
+        splitter, wanted = self._splitter, self._wanted
+        assert splitter is not None
+        self._split = (self._planner.submit(splitter.resplit, plan, first, wanted), plan)
+
+    def _adopt(self, plan: EpochPlan, tail: EpochPlan) -> None:
+        """Make ``tail`` (a re-split of ``plan``) the plan's split, if nothing from its first batch
+        was granted; otherwise let it go and try again further on."""
+        first = tail.passes[-1][0]
+        cursor_plan, cursor_batch = self._cursor if self._cursor is not None else (None, 0)
+        granted = (
+            cursor_batch > first
+            if cursor_plan is plan
+            else cursor_plan is None or cursor_plan.epoch >= plan.epoch  # the cursor went past it
+        )
+        if granted:
+            self.feed.drop_plan(tail.feed_epoch)
+            self._lead = min(self._lead * 2, MAX_RESPLIT_LEAD)
+            return
+        replaced, whole = plan.adopt(tail)
+        if whole:
+            self.feed.drop_plan(replaced)
+        else:
+            self.feed.truncate_plan(replaced, first)
+        self.resplits += 1
+        log.info(
+            "dataset %s: epoch %d from batch %d on: %.2f of each batch preprocessed on the servers",
+            self.feed.dataset,
+            plan.epoch,
+            first,
+            plan.fraction,
+        )
+        # a later epoch's plan made ahead with the old split would be followed before this pass
+        # (passes are produced in the order they were made): it goes, and is made again
+        for epoch, other in list(self._plans.items()):
+            if epoch > plan.epoch and other.slots == 0 and all(other is not s.plan for s in self._queue):
+                for number in other.pass_numbers():
+                    self.feed.drop_plan(number)
+                del self._plans[epoch]
+        if self._future is not None and self._future_epoch is not None and self._future_epoch > plan.epoch:
+            self._future.add_done_callback(self._drop_made)
+            self._future, self._future_epoch = None, None
+        if self._deterministic and self._current is not None:
+            self._prefetch(self._current.epoch + 1)
 
     def _tick(self) -> None:
         self.delivery.poll()

@@ -16,6 +16,7 @@ made a block of batches at a time.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -47,6 +48,7 @@ from kspeed.errors import (
     NotHeldError,
     PeerLostError,
     ProtocolError,
+    StateError,
     UnavailableError,
 )
 from kspeed.layout import BatchLayout, batch_layout, batch_starts
@@ -79,6 +81,8 @@ class PrepSplit:
         nbytes: ring bytes of a sample after the server stages (their declared output, and the
             status word when skipping).
         skip: a sample whose server stages fail arrives as a failure record (``on_error="skip"``).
+        adjustable: the fraction may change while the job runs (``offload="auto"``): every plan
+            keeps a per-position ``remote`` array, even with no sample offloaded.
     """
 
     server_stages: int
@@ -86,6 +90,7 @@ class PrepSplit:
     seed: int
     nbytes: int
     skip: bool = False
+    adjustable: bool = False
 
 
 def remote_positions(count: int, batch_size: int, fraction: float) -> np.ndarray:
@@ -137,10 +142,50 @@ class EpochPlan:
     remote: np.ndarray | None = None
     lookup_s: float = 0.0
     commit_s: float = 0.0
+    #: ``(first batch, pass number)`` of each pass the plan is committed as, in batch order: one
+    #: at first (``feed_epoch``); a re-split (:meth:`EpochPlanner.resplit`) adds one for its tail
+    passes: list[tuple[int, int]] = field(default_factory=list)
+    #: share of the batches of the last pass preprocessed on the servers
+    fraction: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.passes:
+            self.passes = [(0, self.feed_epoch)]
 
     @property
     def num_batches(self) -> int:
         return self.layout.num_batches
+
+    def pass_of(self, batch: int) -> int:
+        """The pass number grants of ``batch`` carry."""
+        for first, number in reversed(self.passes):
+            if batch >= first:
+                return number
+        return self.passes[0][1]
+
+    def pass_numbers(self) -> list[int]:
+        """Every pass the servers hold of this plan."""
+        return [number for _, number in self.passes]
+
+    def adopt(self, tail: EpochPlan) -> tuple[int, bool]:
+        """Take the split of ``tail`` (:meth:`EpochPlanner.resplit` of this plan): its lengths,
+        layout and ``remote`` (equal to this plan's before its first batch) and its new pass.
+        Returns the pass that one replaces from its first batch on, and whether it replaces all
+        of it (the servers drop it then; otherwise they truncate it at that batch)."""
+        first, number = tail.passes[-1]
+        replaced = self.pass_of(first)
+        whole = any(p == (first, replaced) for p in self.passes)
+        self.lengths, self.layout, self.remote = tail.lengths, tail.layout, tail.remote
+        self.passes = [p for p in self.passes if p[0] < first] + [(first, number)]
+        self.feed_epoch, self.fraction = number, tail.fraction
+        return replaced, whole
+
+    def passes_before(self, batch: int) -> list[int]:
+        """The passes whose batches all lie before ``batch`` (delivered: the servers may let them go),
+        taken out of :attr:`passes`."""
+        done = [number for (_, number), (following, _) in zip(self.passes, self.passes[1:]) if following <= batch]
+        self.passes = [p for p in self.passes if p[1] not in done]
+        return done
 
 
 def reaching(link: Link, call: Callable[[], T]) -> T:
@@ -294,6 +339,8 @@ def make_plan(
     layout = compact_layout(lengths, batch_size)
     check_fits(layout, ring_bytes, dataset, epoch)
     owed = _owed(answers.owner, len(links), batch_size, layout.num_batches)
+    if remote is None and prep is not None and prep.adjustable:
+        remote = mapped(n, bool)  # none yet, but a re-split may offload some
     plan = EpochPlan(
         epoch,
         feed_epoch,
@@ -306,6 +353,7 @@ def make_plan(
         deterministic,
         remote=remote,
         lookup_s=lookup_s,
+        fraction=prep.fraction if prep is not None else 0.0,
     )
     started = time.perf_counter()
     _commit_all(list(enumerate(zip(links, feed_ids, strict=True))), plan, batch_size, pool, prep)
@@ -379,15 +427,20 @@ def check_fits(layout: BatchLayout, ring_bytes: int, dataset: str, epoch: int) -
 
 
 def server_plan(
-    plan: EpochPlan, index: int, batch_size: int, prep: PrepSplit | None, first_batch: int = 0
+    plan: EpochPlan,
+    index: int,
+    batch_size: int,
+    prep: PrepSplit | None,
+    first_batch: int = 0,
+    number: int | None = None,
 ) -> ServerPlan:
     """The part of ``plan`` that server ``index`` writes: its positions, and the plan's IDs,
-    lengths and offsets it reads its own from."""
+    lengths and offsets it reads its own from; as pass ``number`` (default: the plan's last)."""
     split = None
     if plan.remote is not None and prep is not None:
         split = RemoteSplit(prep.server_stages, prep.seed, plan.epoch, prep.skip)
     return ServerPlan(
-        feed_epoch=plan.feed_epoch,
+        feed_epoch=plan.feed_epoch if number is None else number,
         batch_size=batch_size,
         count=len(plan.ids),
         positions=owned_positions(plan.owner, index),
@@ -408,11 +461,13 @@ def _commit_all(
     pool: ThreadPoolExecutor | None,
     prep: PrepSplit | None,
     first_batch: int = 0,
+    number: int | None = None,
 ) -> None:
-    """Commit to each ``(owner index, (link, feed id))`` of ``targets`` its part of ``plan``."""
+    """Commit to each ``(owner index, (link, feed id))`` of ``targets`` its part of ``plan`` (as
+    pass ``number``; default: the plan's last)."""
 
     def one(index: int, link: Link, feed_id: str) -> None:
-        part = server_plan(plan, index, batch_size, prep, first_batch)
+        part = server_plan(plan, index, batch_size, prep, first_batch, number)
         reaching(link, lambda: link.commit_plan(feed_id, part))
 
     if pool is None or len(targets) == 1:
@@ -444,6 +499,8 @@ class EpochPlanner:
         drop: tells the servers to let go of a pass (the feed's ``drop_plan``): one whose plan
             failed part way, committed to some servers and not others (a server lost meanwhile),
             would otherwise be followed there, never granted, ahead of the passes that are.
+        truncate: tells the servers a pass is not wanted from a batch on (the feed's
+            ``truncate_plan``), when a plan of several passes is committed again after a failover.
     """
 
     def __init__(
@@ -459,8 +516,10 @@ class EpochPlanner:
         pool: ThreadPoolExecutor | None = None,
         prep: PrepSplit | None = None,
         drop: Callable[[int], None] | None = None,
+        truncate: Callable[[int, int], None] | None = None,
     ) -> None:
         self._drop = drop
+        self._truncate = truncate
         self._links = list(links)
         self._feed_ids = list(feed_ids)
         self._prep = prep
@@ -478,11 +537,93 @@ class EpochPlanner:
         self._links[index] = link
         self._feed_ids[index] = feed_id
 
+    @property
+    def prep(self) -> PrepSplit | None:
+        """How the next plans split preprocessing."""
+        return self._prep
+
+    def set_fraction(self, fraction: float) -> None:
+        """Plan the next epochs with ``fraction`` of each batch preprocessed on the servers."""
+        if self._prep is not None:
+            self._prep = dataclasses.replace(self._prep, fraction=fraction)
+
     def commit(self, plan: EpochPlan, index: int, first_batch: int = 0) -> None:
         """Commit an existing plan to the server of path ``index`` (one that took a share over),
-        from batch ``first_batch`` on (the ones before were delivered)."""
+        from batch ``first_batch`` on (the ones before were delivered): each of its passes that
+        still has batches to deliver, the earlier ones told where the next takes over."""
         target = (index, (self._links[index], self._feed_ids[index]))
-        _commit_all([target], plan, self._batch_size, None, self._prep, first_batch)
+        passes = plan.passes
+        for k, (first, number) in enumerate(passes):
+            end = passes[k + 1][0] if k + 1 < len(passes) else plan.num_batches
+            if end <= first_batch and k + 1 < len(passes):
+                continue
+            _commit_all([target], plan, self._batch_size, None, self._prep, max(first, first_batch), number)
+            if k + 1 < len(passes) and self._truncate is not None:
+                self._truncate(number, end)
+
+    def resplit(self, plan: EpochPlan, first_batch: int, fraction: float) -> EpochPlan:
+        """``plan`` with ``fraction`` of each batch from ``first_batch`` on preprocessed on the
+        servers, committed to every server as a new pass from that batch on: a new plan object
+        sharing the order, owners and labels, with its own lengths, layout and ``remote`` (the
+        batches before ``first_batch`` are laid out as in ``plan``). The caller adopts it
+        (:meth:`EpochPlan.adopt`) once no batch from ``first_batch`` on was granted meanwhile, and
+        tells the servers to truncate the pass it replaces; or drops the new pass.
+
+        Samples that leave the servers' share need their stored lengths again: they are looked up.
+
+        Raises:
+            StateError: the plans split nothing (no pipeline on the servers).
+            DatasetError, ProtocolError, CapacityError, TransportError: as :func:`make_plan`.
+        """
+        if self._prep is None or plan.remote is None:
+            raise StateError(f"dataset {self._dataset!r}: its plans have no preprocessing to split")
+        prep = dataclasses.replace(self._prep, fraction=fraction)
+        bs = self._batch_size
+        n = len(plan.ids)
+        lo = int(plan.layout.starts[min(first_batch, plan.num_batches)])
+        remote = remote_positions(n, bs, fraction) if fraction > 0 else mapped(n, bool)
+        remote[:lo] = plan.remote[:lo]
+        lengths = held(plan.lengths.copy())
+        back = lo + np.flatnonzero(~remote[lo:] & plan.remote[lo:])
+        if len(back):
+            answers = _lookup_all(self._links, self._dataset, held(plan.ids[back]), False, self._pool)
+            lengths = store(lengths, back, answers.lengths)
+        lengths = store(lengths, lo + np.flatnonzero(remote[lo:]), prep.nbytes)
+        layout = compact_layout(lengths, bs)
+        check_fits(layout, self._ring_bytes, self._dataset, plan.epoch)
+        number = next(self._passes)
+        tail = EpochPlan(
+            plan.epoch,
+            number,
+            plan.ids,
+            lengths,
+            plan.labels,
+            plan.owner,
+            layout,
+            plan.owed,
+            plan.deterministic,
+            remote=remote,
+            passes=[*[p for p in plan.passes if p[0] < first_batch], (first_batch, number)],
+            fraction=fraction,
+        )
+        started = time.perf_counter()
+        try:
+            targets = list(enumerate(zip(self._links, self._feed_ids, strict=True)))
+            _commit_all(targets, tail, bs, self._pool, prep, first_batch)
+        except KSpeedError:
+            if self._drop is not None:
+                self._drop(number)
+            raise
+        tail.commit_s = time.perf_counter() - started
+        log.debug(
+            "dataset %s: epoch %d re-split from batch %d as pass %d (%.2f on the servers)",
+            self._dataset,
+            plan.epoch,
+            first_batch,
+            number,
+            fraction,
+        )
+        return tail
 
     def __call__(self, epoch: int) -> EpochPlan:
         """Plan ``epoch`` as a new pass (see :func:`make_plan` for what it raises)."""
