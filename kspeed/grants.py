@@ -7,7 +7,10 @@ grant's tag. A server that cannot serve a grant says ERROR instead of staying si
 that ends a feed for good (its dataset was removed) says CLOSING with the reason first. Grants that
 waited at the server for their samples to be produced (read from the backend) are named in a HELD
 message, with how long, before they are written: the client's pacing then counts only the rest of
-a grant's latency as the path's (a backend wait is not network latency). Nothing per
+a grant's latency as the path's (a backend wait is not network latency). A client that no longer
+wants a plan says DROP_PLAN; one that re-split the rest of a plan into a new pass (committed from
+a later batch) says TRUNCATE_PLAN with the first batch it no longer wants: the batches before it
+that it granted are still served. Nothing per
 sample travels here: the positions of a grant map to samples and offsets through the epoch plan
 (the client lays it out with :func:`kspeed.layout.batch_layout`; each server holds its part).
 
@@ -44,6 +47,7 @@ __all__ = [
     "Held",
     "Hello",
     "Message",
+    "TruncatePlan",
     "decode",
     "encode_closing",
     "encode_drop_plan",
@@ -51,11 +55,12 @@ __all__ = [
     "encode_grants",
     "encode_held",
     "encode_hello",
+    "encode_truncate_plan",
     "make_tag",
     "tag_generation",
 ]
 
-_HELLO, _GRANTS, _ERROR, _DROP_PLAN, _CLOSING, _HELD = 1, 2, 3, 4, 5, 6
+_HELLO, _GRANTS, _ERROR, _DROP_PLAN, _CLOSING, _HELD, _TRUNCATE_PLAN = 1, 2, 3, 4, 5, 6, 7
 
 #: One grant on the wire. ``first``/``end`` are positions within the batch; ``ring_offset`` is where
 #: the batch starts, relative to the ring key the feed was opened with.
@@ -64,6 +69,7 @@ GRANT_DTYPE = np.dtype(
 )
 _ERROR_HEAD = struct.Struct("<IIIq")
 _DROP = struct.Struct("<I")
+_TRUNCATE = struct.Struct("<II")
 MAX_GENERATION = 255
 #: The largest ring offset a grant may name: no ring is anywhere near it, and a batch's offsets
 #: added to it stay within int64 (the server's arithmetic). A larger one is a malformed message.
@@ -130,6 +136,16 @@ class DropPlan:
 
 
 @dataclass(frozen=True)
+class TruncatePlan:
+    """Receiver -> writer: the plan of pass ``epoch`` will not be granted from ``batch`` on (the
+    client committed the rest as a new pass); the batches before it that were granted are still
+    served."""
+
+    epoch: int
+    batch: int
+
+
+@dataclass(frozen=True)
 class Closing:
     """Writer -> receiver: the server ends this feed for good (e.g. the dataset was removed), and why."""
 
@@ -137,7 +153,7 @@ class Closing:
 
 
 #: A decoded feed message; grants arrive as a :data:`GRANT_DTYPE` array.
-Message = Hello | GrantError | DropPlan | Closing | Held | np.ndarray
+Message = Hello | GrantError | DropPlan | TruncatePlan | Closing | Held | np.ndarray
 
 
 def make_tag(generation: int, seq: int) -> int:
@@ -186,6 +202,11 @@ def encode_drop_plan(epoch: int) -> bytes:
     return bytes([_DROP_PLAN]) + _DROP.pack(epoch)
 
 
+def encode_truncate_plan(epoch: int, batch: int) -> bytes:
+    """Receiver -> writer: the plan of ``epoch`` will not be granted from ``batch`` on."""
+    return bytes([_TRUNCATE_PLAN]) + _TRUNCATE.pack(epoch, batch)
+
+
 def decode(message: bytes) -> Message:
     """The message as its record; grants as a read-only :data:`GRANT_DTYPE` array.
 
@@ -218,6 +239,8 @@ def decode(message: bytes) -> Message:
             return GrantError(epoch, batch, tag, text, sample)
         if kind == _DROP_PLAN:
             return DropPlan(_DROP.unpack_from(body)[0])
+        if kind == _TRUNCATE_PLAN:
+            return TruncatePlan(*_TRUNCATE.unpack_from(body))
         if kind == _CLOSING:
             return Closing(bytes(body).decode(errors="replace"))
         if kind == _HELD:

@@ -245,3 +245,82 @@ def test_feed_errors_are_named(loaded):
         )
     finally:
         receiver.close()
+
+
+def test_a_truncated_pass_serves_its_grants_before_the_cut_and_produces_nothing_from_it(cluster_factory, tmp_path):
+    # A client re-split a plan from batch 16 on (into a new pass): the servers serve the batches
+    # it granted before the cut, refuse a grant beyond it, and never read the samples of the
+    # positions cut off. The dataset is streamed through a window of one region (about 100 of its
+    # samples), so every sample a plan needs is read for it and the server's figures count each.
+    files = make_tree(tmp_path / "cut", per_class=200, max_size=64 * 1024, seed=2)
+    keys = list(files)
+    cluster = cluster_factory(1, server_args=["--backend-allow", str(tmp_path)])
+    with client_for(cluster) as client:
+        wait_for(lambda: [r.state for r in client.servers()] == [2], 10, "ready")
+        spec = kspeed_pb2.DatasetSpec(name="cut", uri=str(tmp_path / "cut"), quota_bytes=1 << 20, policy="stream")
+        info = client.create_dataset(spec, operator=True).dataset
+    assert [s.policy for s in info.shares] == ["stream"]
+    (stub,) = server_stubs(cluster, info).values()
+    receiver = get_rail("shm").listen(RailOptions(io_timeout=5.0))
+    try:
+        ring = receiver.register(16 << 20)
+        stub.OpenFeed(
+            kspeed_pb2.OpenFeedRequest(
+                dataset="cut",
+                feed_id="rank0",
+                rail="shm",
+                material=receiver.material,
+                ring_key=ring.key.to_bytes(),
+                generation=1,
+            ),
+            timeout=30,
+        )
+        conn = None
+        deadline = time.monotonic() + 10
+        while conn is None and time.monotonic() < deadline:
+            receiver.poll(0.1)
+            conn = next((c for c, m in receiver.messages() if isinstance(grants.decode(m), grants.Hello)), None)
+        assert conn is not None
+        ids = np.random.default_rng(8).permutation(len(files))[:512]
+        (_, lengths, _) = broadcast_lookup({"s": stub}, "cut", ids)["s"]
+        lengths = lengths.astype(np.int64)
+        assert commit(stub, "rank0", 0, 16, ids, lengths).owned == 512
+        cut = 16  # 256 of the plan's 512 positions come before it
+        receiver.send(conn, grants.encode_truncate_plan(0, cut))
+        layout = batch_layout(lengths, 16)
+        starts = np.concatenate(([0], np.cumsum(layout.batch_bytes)))
+        table = np.zeros(cut, grants.GRANT_DTYPE)
+        for b in range(cut):
+            table[b] = (0, b, int(starts[b]), 0, 16, grants.make_tag(1, b + 1))
+        receiver.send(conn, grants.encode_grants(table))
+        seen: list[int] = []
+        deadline = time.monotonic() + 30
+        while len(seen) < cut and time.monotonic() < deadline:
+            seen += receiver.poll(0.2).imm.tolist()
+        assert sorted(seen) == [grants.make_tag(1, b + 1) for b in range(cut)]  # every grant before the cut
+        memory = ring.array()
+        for p in range(16 * cut):
+            at = int(starts[p // 16] + layout.offsets[p])
+            assert memory[at : at + int(lengths[p])].tobytes() == files[keys[int(ids[p])]]
+        beyond = np.zeros(1, grants.GRANT_DTYPE)
+        beyond[0] = (0, cut, int(starts[cut]), 0, 16, grants.make_tag(1, 99))
+        receiver.send(conn, grants.encode_grants(beyond))
+        got: list = []
+        deadline = time.monotonic() + 5
+        while not got and time.monotonic() < deadline:
+            receiver.poll(0.1)
+            got = [m for m in (grants.decode(m) for _, m in receiver.messages()) if isinstance(m, grants.GrantError)]
+        assert got and got[0].tag == grants.make_tag(1, 99) and f"truncated at batch {cut}" in got[0].text
+        # The server's figures of the epoch: only the positions before the cut are planned, all of
+        # them written, and no sample of the cut-off part was read (each read counts as a miss).
+        deadline = time.monotonic() + 20
+        while True:
+            (figures,) = stub.CheckShare(kspeed_pb2.CheckShareRequest(name="cut", limit=1), timeout=10).epochs
+            if figures.written == 16 * cut:
+                break
+            assert time.monotonic() < deadline, f"the server never reported the batches written: {figures}"
+            time.sleep(0.05)
+        assert figures.planned == 16 * cut and figures.misses == figures.backend_requests <= 16 * cut, figures
+        stub.CloseFeed(kspeed_pb2.CloseFeedRequest(feed_id="rank0"), timeout=10)
+    finally:
+        receiver.close()

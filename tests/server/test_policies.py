@@ -213,3 +213,26 @@ def test_positions_granted_again_after_a_fence_are_made_resident_again(run, pool
         assert (host.source.reads[order[60:100]] >= 2).all()  # let go once written: read again
         wait(lambda: share.window.live_bytes == 0)
         assert not share.slots and (share.uses == 0).all()
+
+
+def test_a_truncated_plan_lets_go_what_was_read_for_its_cut_off_part_and_counts_only_the_rest(run, pool):
+    # The client re-split the plan from batch 5 on into a new pass, while the window held samples
+    # read for batches 5 and beyond: they are let go at once, none is read again for this plan,
+    # and the epoch's figures count only the positions before the cut.
+    host, feeders, production = run("stream")
+    lengths = host.preloader.index.length
+    order = ORDERS[0]
+    production.install("f", 0, ("ds", 0), 0, plan_of(order, lengths[order], 10), user_epoch=0)
+    serve(production, feeders, "f", 0, pool, host.files, range(3))
+    share = production._shares["ds", 0]
+    wait(lambda: int(order[50]) in share.slots)  # the horizon reaches past the cut to come
+    production.progress(0, FeedProgress("f", np.zeros((0, 4), np.int64), 2, truncated=((0, 5),)))
+    with production._lock:  # (a read in flight for the cut-off part is let go as it lands)
+        assert not np.isin(order[50:], list(share.slots)).any()
+        assert (share.uses[order[50:]] == 0).all() and share.uses.sum() == 20  # positions 30..49 to write
+    serve(production, feeders, "f", 0, pool, host.files, range(3, 5))
+    wait(lambda: share.window.live_bytes == 0)
+    assert not share.slots and (share.uses == 0).all()
+    (figures,) = production.figures(("ds", 0))
+    assert figures.planned == figures.written == 50
+    assert figures.misses == int(host.source.reads.sum()) and host.source.reads.max() == 1

@@ -11,16 +11,16 @@ import pytest
 from kspeed.layout import batch_layout
 from kspeed.server.backend.sources import open_source
 from kspeed.server.feeder.plan_part import PlanPart
-from kspeed.server.feeder.protocol import Failed, FeedProgress, InstallPlan, Locate, Reply
+from kspeed.server.feeder.protocol import Failed, FeedProgress, InstallPlan, Locate, Place, Reply
 from kspeed.server.feeder.writer import FeederShared
 from kspeed.server.hosting.integrity import SampleStore
 from kspeed.server.hosting.preload import Preloader
 from kspeed.server.memory.checksum import crc32c
-from kspeed.server.memory.residency import HOME, WINDOW
+from kspeed.server.memory.residency import ABSENT, HOME, READING, WINDOW
 from kspeed.server.memory.window import ProductionWindow
 from kspeed.server.production.core import Production
 from kspeed.server.production.policies import ON_DEMAND, WHOLE, policy_for
-from kspeed.server.production.state import PlanState
+from kspeed.server.production.state import PlanState, PrepSpec
 from tests.server.datasets import REGION, write_tree
 from tests.server.test_preload import CountingSource, make
 
@@ -227,6 +227,97 @@ def test_a_position_granted_again_is_due_one_more_write_whenever_its_grant_comes
     assert state.mark(0, 0, 1 << 30)[2].tolist() == [0, 1, 2, 3] and state.next == 4
     assert state.mark(1, 0, 1 << 30)[2].tolist() == [4, 5, 6, 7] and state.next == 8
     assert not state.extra.any()
+
+
+def test_a_truncated_plan_state_ends_at_its_cut():
+    # The client re-split the plan from batch 2 on into a new pass; it granted batches 0 and 1.
+    part = plan_of(np.arange(40), np.full(40, 8), 10)
+    state = PlanState(0, part.ids, part.positions, part.starts, np.zeros(40, dtype=bool))
+    assert state.mark(0, 0, 1 << 30)[2].tolist() == list(range(10)) and state.next == 10
+    assert state.truncate(2).tolist() == list(range(20, 40))  # cut off, none of them written
+    assert state.cut == 20 and state.next == 10 and state.truncated == 20
+    assert state.ahead(100).tolist() == list(range(10, 20))  # the horizon ends at the cut
+    assert state.truncate(3).tolist() == [] and state.cut == 20  # a later cut changes nothing
+    assert state.granted_again(np.array([25, 30])).tolist() == [] and state.ahead(100).tolist() == list(range(10, 20))
+    assert state.planned == 20 and state.delivered() == 10  # cut off is neither planned nor written
+    assert state.mark(1, 0, 1 << 30)[2].tolist() == list(range(10, 20))
+    assert state.next == 40 and state.first_grant().tolist() == [] and state.delivered() == 20
+
+
+def produce_all(production: Production) -> list[int]:
+    """Do the producers' work in the test's thread (their threads stopped) until none is left;
+    returns the samples produced."""
+    made: list[int] = []
+    while True:
+        with production._lock:
+            work = production._next_work()
+        if work is None:
+            return made
+        production._produce(work.share, work.feed_id, work.ids, work.user_epoch, work.epoch)
+        made += work.ids.tolist()
+
+
+def test_a_truncated_plan_is_produced_up_to_its_cut_and_what_was_made_beyond_it_leaves(tmp_path, backend, pool):
+    window = ProductionWindow(pool, REGION)
+    files, src, pre = make(tmp_path, backend, pool, np.full(100, 2000), threads=1)
+    pre.start = lambda: None  # no preload: only production reads
+    feeders = Feeders()
+    production = Production(window, Host(pre), feeders.tell, depth=40, threads=1)
+    production.stop()  # its producers' work is done by the test, step by step
+    ids = np.random.default_rng(6).permutation(100)
+    production.install("f", 0, ("ds", 0), 0, plan_of(ids, pre.index.length[ids], 10))
+    mine = feeders.plans["f", 0]
+    assert sorted(produce_all(production)) == sorted(ids[:40].tolist())  # the depth
+    # The client re-split the plan from batch 3 on (a new pass); it granted batches 0..2 only.
+    production.progress(0, FeedProgress("f", np.zeros((0, 4), np.int64), 3, truncated=((0, 3),)))
+    share = production._shares["ds", 0]
+    assert sorted(share.slots) == sorted(ids[:30].tolist())  # made for the cut-off part: gone home
+    assert (pre.residency.of(ids[30:40]) == HOME).all()
+    production.progress(0, FeedProgress("f", written(mine, range(1)), 2))
+    assert produce_all(production) == []  # the horizon ends at the cut, however deep
+    check_bytes(files, mine, pool, 30)  # the granted batches are served
+    production.progress(0, FeedProgress("f", written(mine, range(1, 3)), 0))
+    assert produce_all(production) == [] and window.used == 0 and not share.slots
+    assert src.reads.sum() == 40 and src.reads[ids[40:]].sum() == 0
+    state = production._feeds["f"].plans[0]
+    assert state.next == 100 and state.delivered() == 30 and state.truncated == 70
+
+
+def test_a_truncation_releases_the_processed_slots_of_its_cut_off_positions(tmp_path, backend, pool):
+    window = ProductionWindow(pool, REGION)
+    _files, _src, pre = make(tmp_path, backend, pool, np.full(40, 1000), threads=1)
+    pre.start = lambda: None
+    feeders = Feeders()
+    production = Production(window, Host(pre), feeders.tell, depth=40, threads=1)
+    production.stop()
+    part = plan_of(np.arange(40), np.full(40, 512), 10)
+    part.processed = np.ones(40, dtype=bool)  # every position run through the server stages here
+    production.install("f", 0, ("ds", 0), 0, part, PrepSpec(b"", 1, 0, 0, 512))
+    feed, share = production._feeds["f"], production._shares["ds", 0]
+    state = feed.plans[0]
+
+    def made(at: list[int]) -> None:
+        """As a producer whose preprocessing workers made positions ``at``."""
+        got = np.array(at, dtype=np.int64)
+        slots = [window.place(512, "f") for _ in at]
+        with production._lock:
+            state.state[got] = READING
+            production._settle_processed(share, feed, state, got, state.ids[got], slots, [512] * len(at))
+
+    made(list(range(30)))
+    held = feed.held
+    # The client re-split the plan from batch 2 on; it granted batches 0 and 1.
+    production.progress(0, FeedProgress("f", np.zeros((0, 4), np.int64), 2, truncated=((0, 2),)))
+    assert sorted(state.slots) == list(range(20)) and feed.held == held * 2 // 3
+    released = [c for c in feeders.log if isinstance(c, Place) and (c.region < 0).all()]
+    assert [c.at.tolist() for c in released] == [list(range(20, 30))]  # the feeder is told they are gone
+    assert (state.state[20:30] == ABSENT).all()
+    # One cut off while it was being made is let go as it lands, never placed.
+    placed = len([c for c in feeders.log if isinstance(c, Place)])
+    made([35])
+    assert 35 not in state.slots and len([c for c in feeders.log if isinstance(c, Place)]) == placed
+    production.progress(0, FeedProgress("f", done(0, range(2)), 0))
+    assert not state.slots and feed.held == 0 and window.used == 0 and state.next == 40
 
 
 def done(epoch: int, batches: range) -> np.ndarray:

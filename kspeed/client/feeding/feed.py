@@ -253,6 +253,16 @@ class Feed:
                 if path.conn is not None and not path.lost:
                     self.granting.call(self.receiver.send, path.conn, message)
 
+    def truncate_plan(self, feed_epoch: int, batch: int) -> None:
+        """Tell every server the plan of pass ``feed_epoch`` will not be granted from ``batch`` on
+        (its rest was committed as a new pass); the batches before it that were granted are still
+        served."""
+        message = grants.encode_truncate_plan(feed_epoch, batch)
+        with self.lock:
+            for path in self.paths:
+                if path.conn is not None and not path.lost:
+                    self.granting.call(self.receiver.send, path.conn, message)
+
     # -- completions -----------------------------------------------------------------------------
 
     def poll(self, timeout: float = 0.0) -> None:

@@ -6,7 +6,7 @@ that feeder's own state (its ``granted`` marks change as grants arrive); the mai
 same positions in production's share state (:mod:`kspeed.server.feeder.protocol` says how the two
 are kept in step).
 
-A plan part is the largest state a server keeps per sample (one per plan, two or three plans per
+A plan part is the largest state a server keeps per sample (one per plan, up to four plans per
 feed), so its columns take the narrowest form their values fit: IDs and positions int32; lengths
 and offsets within a batch uint16 or uint32 (int64 where a value does not fit); pool regions int16
 while the pool has fewer than 32768; offsets within a region uint32; window tickets, zero but for
@@ -77,6 +77,8 @@ class PlanPart:
             (placed per plan, see :meth:`place`) rather than served as the raw sample (located by ID).
         granted: per owned position, whether a grant asked for it (kept by the feeder; ``None``
             until the first grant).
+        cut: the first batch the client no longer grants (it truncated the plan, see
+            :class:`~kspeed.grants.TruncatePlan`; kept by the feeder); ``None``: every batch.
     """
 
     starts: np.ndarray
@@ -91,7 +93,18 @@ class PlanPart:
     processed: np.ndarray | None = None
     failures: dict[int, str] = field(default_factory=dict)  # processed owned index -> why it failed
     granted: Flags | None = None
+    cut: int | None = None
     _by_id: _ByID | None = field(default=None, repr=False)  # where each sample ID is (made at the first look)
+
+    @property
+    def batches(self) -> int:
+        """The batches a grant may name: the plan's, or those before its :attr:`cut`."""
+        count = len(self.starts) - 1
+        return count if self.cut is None else min(count, self.cut)
+
+    def truncate(self, batch: int) -> None:
+        """The client grants no batch from ``batch`` on (a later, larger cut changes nothing)."""
+        self.cut = max(int(batch), 0) if self.cut is None else min(self.cut, max(int(batch), 0))
 
     def span(self, batch: int, first: int, end: int) -> tuple[int, int]:
         """The owned positions ``i:j`` that a grant of positions ``first:end`` of ``batch`` covers."""

@@ -33,7 +33,8 @@ what crosses it):
 **Events** (feeder -> main):
 
 - :class:`FeedProgress`: every few milliseconds while a feed works: grants written, grants waiting and
-  how long the served ones waited, positions granted a second time, plans the client dropped.
+  how long the served ones waited, positions granted a second time, plans the client dropped, plans
+  the client truncated (from which batch on it grants no more).
 - :class:`Freed`: window tickets that a :class:`Locate` or :class:`Place` retired while a read still used
   them are no longer read.
 - :class:`FeedGone`: a feed ended on its client's side; the main process closes it (:class:`CloseFeed`)
@@ -298,6 +299,8 @@ class FeedProgress:
         waited: per grant that had to wait, the seconds it waited.
         again: ``(epoch, owned positions)`` a grant asked for a second time.
         dropped: plans the client will not grant again (nothing more is produced for them).
+        truncated: ``(epoch, batch)``: the plan of ``epoch`` will not be granted from ``batch`` on
+            (nothing more is produced for those batches; the ones before are served as granted).
     """
 
     feed_id: str
@@ -306,6 +309,7 @@ class FeedProgress:
     waited: tuple[float, ...] = ()
     again: tuple[tuple[int, Int64s], ...] = ()
     dropped: tuple[int, ...] = ()
+    truncated: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,9 @@ client gets an ERROR naming the sample; a sample whose production failed fails i
 with the reason. What was written is reported to the main process (window slots are reclaimed
 from those reports), with how long grants waited, and so are positions granted a second time (the
 client fenced a server and grants again what it had not delivered): production then holds them,
-or makes them resident again, for the new grant.
+or makes them resident again, for the new grant. A plan the client truncated (it re-split the rest
+into a new pass) is served up to the batch it named; a grant of a batch from there on is refused,
+like one of an epoch with no plan, and production is told to produce nothing more for them.
 
 Before a write, every sample whose crc32c the main process gave with its place (a stored sample,
 at home or in the window as the backend's bytes) is checked against it, per write of up to
@@ -53,7 +55,9 @@ log = logging.getLogger(__name__)
 
 CLOSE_GRACE = 2.0  # seconds a closed feed's thread has to finish before its I/O is interrupted
 WAIT_POLL = 0.002  # how often a feed with waiting grants looks for newly produced samples
-MAX_PLANS = 3  # epoch plans a feed keeps (the current one, the next one, one spare)
+# epoch plans a feed keeps: the current pass, its re-split tail (a new pass from a later batch), the
+# next epoch's plan and a spare
+MAX_PLANS = 4
 GRANTS_PER_WRITE = 8  # grants served by one write: fewer calls, yet the first tags are not held back long
 REPORT_EVERY = 0.02  # seconds between progress reports to the main process (at most)
 RESCAN_EVERY = 0.25  # waiting grants are looked at again this often even when no sample moved
@@ -194,6 +198,7 @@ class FeedWriter:
         self._waited: list[float] = []
         self._again: list[tuple[int, np.ndarray]] = []
         self._dropped: list[int] = []
+        self._truncated: list[tuple[int, int]] = []
         self._last_report = time.monotonic()
         self._last_waiting = 0
         self._reason = ""
@@ -234,6 +239,7 @@ class FeedWriter:
                     or self._waited
                     or self._again
                     or self._dropped
+                    or self._truncated
                     or len(self._pending) != self._last_waiting
                 )
                 if self._pending or unreported:
@@ -253,6 +259,8 @@ class FeedWriter:
                         with self.shared.lock:  # the feeder's commands walk the plans under it
                             self.plans.pop(decoded.epoch, None)
                         self._dropped.append(decoded.epoch)
+                    elif isinstance(decoded, grants.TruncatePlan):
+                        self._truncate(decoded.epoch, decoded.batch)
                 if self._pending:
                     look = self._worth_a_scan(message is not None)
                     if look:
@@ -275,6 +283,15 @@ class FeedWriter:
                 self.writer.close()
         if gone and not self._stop.is_set():  # ended by the client's side, not closed here: reclaim it
             self.shared.send(FeedGone(self.feed_id, self.generation, gone))
+
+    def _truncate(self, epoch: int, batch: int) -> None:
+        """The client grants the plan of ``epoch`` no more from ``batch`` on: its grants of those
+        batches are refused from now on, and production stops producing them."""
+        with self.shared.lock:  # the feeder's commands walk the plans under it
+            plan = self.plans.get(epoch)
+            if plan is not None:
+                plan.truncate(batch)
+        self._truncated.append((epoch, batch))
 
     def _idle(self) -> None:
         """Sleep until the connection is readable or the feed is closed (nothing to serve, nothing
@@ -302,15 +319,28 @@ class FeedWriter:
     def _report(self, force: bool = False) -> None:
         now = time.monotonic()
         waiting = len(self._pending)
-        changed = self._written or self._waited or self._again or self._dropped or waiting != self._last_waiting
+        changed = (
+            self._written
+            or self._waited
+            or self._again
+            or self._dropped
+            or self._truncated
+            or waiting != self._last_waiting
+        )
         if not changed or (not force and now - self._last_report < REPORT_EVERY and len(self._written) < 256):
             return
         written = np.array(self._written, dtype=np.int64).reshape(-1, 4)
         progress = FeedProgress(
-            self.feed_id, written, waiting, tuple(self._waited), tuple(self._again), tuple(self._dropped)
+            self.feed_id,
+            written,
+            waiting,
+            tuple(self._waited),
+            tuple(self._again),
+            tuple(self._dropped),
+            tuple(self._truncated),
         )
         self.shared.send(progress)
-        self._written, self._waited, self._again, self._dropped = [], [], [], []
+        self._written, self._waited, self._again, self._dropped, self._truncated = [], [], [], [], []
         self._last_report, self._last_waiting = now, waiting
 
     def _note(self, rows: np.ndarray) -> None:
@@ -320,7 +350,7 @@ class FeedWriter:
         for grant in rows:
             plan = self.plans.get(int(grant["epoch"]))
             index = int(grant["batch"])
-            if plan is None or not 0 <= index < len(plan.starts) - 1:  # (a probe, or refused when served)
+            if plan is None or not 0 <= index < plan.batches:  # (a probe, or refused when served)
                 continue
             again = plan.grant(*plan.span(index, int(grant["first"]), int(grant["end"])))
             if len(again):
@@ -349,8 +379,13 @@ class FeedWriter:
                 self._probe(grant)
                 continue
             plan = self.plans.get(epoch)
-            if plan is None or index >= len(plan.starts) - 1:
-                why = f"no plan for epoch {epoch}" if plan is None else f"epoch {epoch} has no batch {index}"
+            if plan is None or index >= plan.batches:
+                if plan is None:
+                    why = f"no plan for epoch {epoch}"
+                elif index < len(plan.starts) - 1:
+                    why = f"epoch {epoch} was truncated at batch {plan.cut}: batch {index} is no longer granted"
+                else:
+                    why = f"epoch {epoch} has no batch {index}"
                 self._refuse(epoch, index, tag, why)
                 continue
             i, j = plan.span(index, int(grant["first"]), int(grant["end"]))

@@ -16,7 +16,10 @@ epoch finds it there), then every feeder is told its new place; the slot is reus
 is still reading it. Positions granted again (the client fenced a server and grants again what
 it had not delivered, survivors included) are unwritten again: they re-enter the horizon, so a
 retired sample is found at home or, with no home, produced anew, and each is held until its last
-grant is written (:meth:`Production.progress`).
+grant is written (:meth:`Production.progress`). A plan the client truncated (it re-split the rest
+into a new pass, committed from a later batch) ends there: the positions cut off leave the horizon
+at once and what was produced only for them is released, as if they had been written, while the
+batches granted before the cut are still produced and served.
 
 The background preload (:mod:`kspeed.server.hosting.preload`) runs beside it and reads what the plans need
 after the producers' depth first, then the rest; claims on the share's
@@ -223,8 +226,8 @@ class Production(ProcessedProduction):
             feed.plans[epoch] = follow
             if share.own_window:  # (a plan committed again after a failover replaces its figures)
                 figures = share.figures_of(user_epoch)
-                figures.planned += len(plan.ids) - (len(replaced.ids) if replaced else 0)
-                figures.written += int(follow.written.sum()) - (int(replaced.written.sum()) if replaced else 0)
+                figures.planned += len(plan.ids) - (replaced.planned if replaced else 0)
+                figures.written += follow.delivered() - (replaced.delivered() if replaced else 0)
             for old in sorted(feed.plans)[:-MAX_PLANS]:  # as the feeder keeps them
                 self._unfollow(share, feed, feed.plans.pop(old))
             self._recount(share, feed)
@@ -268,8 +271,8 @@ class Production(ProcessedProduction):
                 del self._draining[ticket]
 
     def progress(self, feeder: int, event: FeedProgress) -> None:
-        """A feeder's report: positions granted again, grants written (slots may retire), grants
-        waiting, waits."""
+        """A feeder's report: positions granted again, grants written (slots may retire), plans
+        truncated or dropped (their positions leave the horizon), grants waiting, waits."""
         for seconds in event.waited:
             self.waits.observe(seconds)
         with self._lock:
@@ -299,10 +302,14 @@ class Production(ProcessedProduction):
                         np.subtract.at(share.uses, plan.ids[raw] - share.lo, 1)
                     if plan.slots:
                         self._release(feed, plan, i, j)
-            # (after the writes: a report may carry a plan's last grants and its drop)
+            # (after the writes: a report may carry a plan's last grants and its truncation or drop)
+            for epoch, batch in event.truncated:
+                plan = feed.plans.get(epoch)
+                if plan is not None:
+                    self._truncate(share, feed, plan, batch)
             for epoch in event.dropped:  # its samples leave the horizon: their window slots retire
                 self._unfollow(share, feed, feed.plans.pop(epoch, None))
-            if len(event.written) or event.dropped or event.again:
+            if len(event.written) or event.dropped or event.again or event.truncated:
                 self._recount(share, feed)
                 self._sweep(share)
                 self._stir()  # the feed's horizon moved (and window slots were released)
@@ -321,6 +328,24 @@ class Production(ProcessedProduction):
             raw = again if plan.processed is None else again[~plan.processed[again]]
             np.add.at(share.uses, plan.ids[raw] - share.lo, 1)
         log.debug("feed %s: %d position(s) of plan %d granted again", feed.feed_id, len(again), plan.epoch)
+
+    def _truncate(self, share: ShareState, feed: FeedState, plan: PlanState, batch: int) -> None:
+        """The client no longer wants ``plan`` from ``batch`` on (:meth:`PlanState.truncate`): the
+        positions cut off are needed no more by it, as if written, but not counted as written; the
+        processed slots made for them are released. (The caller then sweeps: the raw samples
+        produced only for them retire.) Under the lock."""
+        off = plan.truncate(batch)
+        if share.own_window:
+            share.figures_of(plan.user_epoch).planned -= len(off)
+        if feed.counted == plan.epoch:
+            raw = off if plan.processed is None else off[~plan.processed[off]]
+            np.subtract.at(share.uses, plan.ids[raw] - share.lo, 1)
+        beyond = [k for k in plan.slots if k >= plan.cut]
+        if beyond:
+            self._release(feed, plan, min(beyond), max(beyond) + 1)
+        log.debug(
+            "feed %s: plan %d truncated at batch %d, %d position(s) cut off", feed.feed_id, plan.epoch, batch, len(off)
+        )
 
     def freed(self, feeder: int, tickets: Iterable[int]) -> None:
         """A feeder no longer reads these retired window tickets."""
@@ -495,7 +520,7 @@ class Production(ProcessedProduction):
             budget = self.depth
             for plan in self._followed(share, feed):
                 parts.append(plan.ahead(budget))
-                budget -= max(len(plan.ids) - plan.next, 0)
+                budget -= max(plan.cut - plan.next, 0)
                 if budget <= 0:
                     break
         return np.concatenate(parts)
@@ -516,7 +541,7 @@ class Production(ProcessedProduction):
         out: dict[int, np.ndarray] = {}
         for plan in self._followed(share, feed):
             ahead = plan.ahead(budget)
-            budget -= max(len(plan.ids) - plan.next, 0)
+            budget -= max(plan.cut - plan.next, 0)
             nbytes = np.cumsum(lengths[ahead - share.lo])
             cut = int(np.searchsorted(nbytes, limit, side="right"))
             if not out:  # the first grant not written is always within reach, however large
@@ -837,7 +862,7 @@ class Production(ProcessedProduction):
             budget = self.depth
             for plan in self._followed(share, feed):
                 epoch = plan.epoch
-                window = slice(plan.next, plan.next + budget)
+                window = slice(plan.next, min(plan.next + budget, plan.cut))  # (nothing from a truncation's cut)
                 span = plan.ids[window]
                 budget -= len(span)
                 if plan.processed is not None and plan.state is not None:
@@ -992,8 +1017,8 @@ class Production(ProcessedProduction):
             ),
         )
         log.debug("dataset %s: produced %d sample(s) into the window", share.dataset, len(good))
-        if feed is None or plan not in feed.plans:
-            # produced for a plan dropped meanwhile: what no horizon holds goes.
+        if feed is None or plan not in feed.plans or feed.plans[plan].cut < len(feed.plans[plan].ids):
+            # produced for a plan dropped (or truncated) meanwhile: what no horizon holds goes.
             # (A sample of a plan still followed was in its horizon when claimed; the sweep after
             # the feed's next progress report covers a horizon that shrank since.)
             self._sweep(share)

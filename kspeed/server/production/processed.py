@@ -59,8 +59,9 @@ class ProcessedProduction:
         plan.slots.clear()
 
     def _release(self, feed: FeedState, plan: PlanState, i: int, j: int) -> None:
-        """A grant of processed positions ``i:j`` was written: the slots of those written for good
-        (not granted again meanwhile) are reused once the feeder no longer reads them; under the lock."""
+        """A grant of processed positions ``i:j`` was written (or they were cut off by a
+        truncation): the slots of those written for good (not granted again meanwhile) are reused
+        once the feeder no longer reads them; under the lock."""
         at = [k for k in range(i, j) if k in plan.slots and plan.written[k]]
         if not at:
             return
@@ -187,6 +188,16 @@ class ProcessedProduction:
     ) -> None:
         """Record processed positions and tell the feeder where they are (or why they failed); under the lock."""
         assert plan.state is not None and plan.prep is not None
+        cut = at >= plan.cut  # cut off by a truncation while they were produced: needed no more
+        if cut.any():
+            for k in np.flatnonzero(cut).tolist():
+                self.window.free(slots[k])
+            plan.state[at[cut]] = ABSENT
+            keep = np.flatnonzero(~cut)
+            at = at[keep]
+            slots, results = [slots[k] for k in keep.tolist()], [results[k] for k in keep.tolist()]
+            if not len(at):
+                return
         failures = [str(r) for r in results if isinstance(r, str)]
         if failures and plan.prep.skip:  # the failure records were written in the slots: serve them
             self.failed_samples += len(failures)

@@ -72,13 +72,17 @@ class PlanState:
     Its arrays are those of the :class:`~kspeed.server.feeder.plan_part.PlanPart` it was installed
     from (shared, not copied), in their compact dtypes (int32 IDs and positions); the written marks
     are a bit each.
+
+    A plan the client truncated (:meth:`truncate`) ends at :attr:`cut`: the positions from there on
+    are marked written, so nothing treats them as due (horizon, first grant, uses), and counted in
+    :attr:`truncated` rather than as written samples (:meth:`delivered`).
     """
 
     epoch: int
     ids: np.ndarray  # owned samples in plan order
     positions: np.ndarray  # their plan positions
     starts: np.ndarray  # plan index of each batch's first position
-    written: Flags  # per owned position, written to the client (a bool array given is packed)
+    written: Flags  # per owned position, written to the client or cut off (a bool array given is packed)
     next: int = 0  # first owned position not written
     processed: np.ndarray | None = None  # per owned position, run through the server stages here
     prep: PrepSpec | None = None  # how (with processed positions)
@@ -88,10 +92,23 @@ class PlanState:
     # per owned position, the writes due beyond the next one (a re-grant while an earlier grant of
     # it was still unwritten); allocated at the first such re-grant
     extra: np.ndarray | None = None
+    cut: int = -1  # first owned position the client no longer wants (-1 given: none, the plan's length)
+    truncated: int = 0  # positions from cut on that were not written when cut off
 
     def __post_init__(self) -> None:
         if not isinstance(self.written, Flags):  # (given as a bool per position)
             self.written = Flags.of(self.written)
+        if self.cut < 0:
+            self.cut = len(self.ids)
+
+    @property
+    def planned(self) -> int:
+        """Positions the plan still has to write or wrote: all but those cut off unwritten."""
+        return len(self.ids) - self.truncated
+
+    def delivered(self) -> int:
+        """Positions written to the client (those cut off unwritten are not)."""
+        return self.written.sum() - self.truncated
 
     def mark(self, batch: int, first: int, end: int) -> tuple[int, int, np.ndarray]:
         """Record a written grant; returns the range of owned indices it covered and those of
@@ -114,8 +131,10 @@ class PlanState:
 
     def granted_again(self, at: np.ndarray) -> np.ndarray:
         """Owned positions ``at`` were granted again (a re-grant after a fence): each is due one
-        more write. Returns those that were written (unwritten again now: produced anew)."""
+        more write. Returns those that were written (unwritten again now: produced anew). Those
+        cut off (:meth:`truncate`) are not due again: their grants are refused."""
         at = np.asarray(at, dtype=np.int64)
+        at = at[at < self.cut]
         done = at[self.written[at]]
         pending = at[~self.written[at]]
         if len(pending):
@@ -131,6 +150,31 @@ class PlanState:
         """Record the plan positions before ``position`` as written (delivered before a failover)."""
         self.written.set(slice(0, int(search(self.positions, position))))
         self.next = self.written.first(self.next, False)
+
+    def truncate(self, batch: int) -> np.ndarray:
+        """The client no longer wants the plan from ``batch`` on: it committed the rest as a new
+        pass, and every batch of this one it granted is before ``batch`` (those are still written
+        as granted). The positions from ``starts[batch]`` on are cut off: marked written, so they
+        leave the horizon and the uses at once and nothing is produced for them, no write of them
+        is due any more, and those not written are counted in :attr:`truncated` (not as written
+        samples). A later truncation at a later batch changes nothing.
+
+        Returns:
+            The owned positions cut off now that were not written (their samples are needed no
+            more by this plan).
+        """
+        batch = min(max(int(batch), 0), len(self.starts) - 1)
+        cut = int(search(self.positions, int(self.starts[batch])))
+        if cut >= self.cut:
+            return np.zeros(0, np.int64)
+        off = self.written.positions(cut, self.cut, value=False)
+        self.written.set(slice(cut, self.cut))
+        if self.extra is not None:
+            self.extra[cut:] = 0
+        self.cut = cut
+        self.truncated += len(off)
+        self.next = self.written.first(self.next, False)
+        return off
 
     def raw(self, span: slice) -> np.ndarray:
         """Mask of the positions of ``span`` served as raw samples (not processed here)."""
