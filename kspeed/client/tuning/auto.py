@@ -1,0 +1,215 @@
+"""``offload="auto"``: one rank's split of preprocessing, measured and decided while the job runs.
+
+:class:`AutoOffload` is fed by the prepared dataset (:class:`kspeed.client.prepared.PreparedDataset`):
+the calls of ``next()`` (:class:`~kspeed.client.tuning.meters.LoopMeter`) and each batch its workers
+finish (:class:`~kspeed.client.tuning.meters.PrepMeter`); a thread reads the servers' preprocessing
+counters every :data:`INTERVAL_S` (:class:`~kspeed.client.tuning.meters.ServerMeter`). Every interval
+the training thread decides (:func:`~kspeed.client.tuning.decision.decide`, FastFlow's Algorithm 1)
+and, through :class:`~kspeed.client.tuning.decision.Hysteresis`, applies a real change at the next
+batch boundary (:meth:`kspeed.client.feeding.pump.Pump.resplit`). Each adopted decision is logged
+once with its inputs; :meth:`AutoOffload.stats` is what ``ds.stats()["offload"]`` shows.
+
+Until this client ran a sample's offloadable stages itself, its cost here (Pcycle) is taken as the
+servers' measured cost per sample (their workers' busy seconds over their samples): a prior that
+the first samples run here replace.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kspeed.client.feeding.links import Link
+from kspeed.client.tuning.decision import Cut, Decision, Hysteresis, Rates, decide, predicted
+from kspeed.client.tuning.meters import LoopMeter, PrepMeter, ServerMeter
+from kspeed.errors import KSpeedError
+
+__all__ = ["AutoOffload", "usable_cores"]
+
+log = logging.getLogger(__name__)
+
+INTERVAL_S = 1.0  # how often the servers are read and the split reconsidered
+MIN_SAMPLES = 64  # samples the loop must have consumed before the first decision
+
+
+def usable_cores() -> int:
+    """CPUs this process may run on (its affinity: ``taskset``, cgroup cpusets), at least 1."""
+    try:
+        return max(len(os.sched_getaffinity(0)), 1)
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+class AutoOffload:
+    """The self-tuned split of one rank's dataset.
+
+    Args:
+        dataset: its name (for logs).
+        links: its servers now (their preprocessing counters are read; a share that moved is read
+            at its new server).
+        server_stages: the stages the servers run for an offloaded sample (the one cut applied).
+        nbytes: bytes a sample offloaded at that cut sends.
+        label: how logs name the cut.
+        apply: makes a ratio the split from the next batch on (the pump's ``resplit``).
+        ratio: the split in force at the start.
+        rail_bytes_per_s: the rail's bandwidth, where known.
+        cores: CPUs this process may use (default: :func:`usable_cores`).
+        clock: the time source (tests).
+    """
+
+    def __init__(
+        self,
+        *,
+        dataset: str,
+        links: Callable[[], Sequence[Link]],
+        server_stages: int,
+        nbytes: int,
+        label: str,
+        apply: Callable[[float], None],
+        ratio: float,
+        rail_bytes_per_s: float = math.inf,
+        cores: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        hysteresis: Hysteresis | None = None,
+    ) -> None:
+        self.dataset = dataset
+        self.loop = LoopMeter()
+        self.prep = PrepMeter(server_stages)
+        self.servers = ServerMeter()
+        self._links = links
+        self._stages, self._nbytes, self._label = server_stages, nbytes, label
+        self._apply = apply
+        self._rail = rail_bytes_per_s
+        self._cores = cores if cores is not None else usable_cores()
+        self._clock = clock
+        self.hysteresis = hysteresis or Hysteresis()
+        self.ratio = ratio
+        self.hysteresis.keep(Decision(ratio, None, f"start at {ratio:.2f}", 0.0))
+        self.last: Decision | None = None  # the latest decision made (adopted or not)
+        self.decided_at = -math.inf  # when (this tuner's clock)
+        self._next_at = clock() + INTERVAL_S
+        self._remote_samples = 0.0  # offloaded samples received, for this job's share of the servers
+        self._remote_at = clock()
+        self._remote_rate = 0.0
+        self._server_cost: float | None = None  # servers' busy seconds per sample (the Pcycle prior)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read_servers, name=f"kspeed-tune-{dataset}", daemon=True)
+        self._thread.start()
+
+    # -- what the prepared dataset reports -----------------------------------------------------------
+
+    def batch_done(self, seconds: dict[str, float], cpu_s: float, wall_s: float, local: int, remote: int) -> None:
+        """A batch the client's workers finished: its stage seconds, CPU and wall, and its mix."""
+        self.prep.record(seconds, cpu_s, wall_s, local, remote)
+        with self._lock:
+            self._remote_samples += remote
+
+    def tick(self) -> Decision | None:
+        """Called by the training thread after each batch: every interval, decide and apply.
+        Returns the decision adopted now, if any."""
+        now = self._clock()
+        if now < self._next_at:
+            return None
+        self._next_at = now + INTERVAL_S
+        rates = self.rates(now)
+        if rates is None:
+            return None
+        cut = self._cut()
+        decision = decide(rates, [cut])
+        self.last, self.decided_at = decision, now
+        adopted = self.hysteresis.offer(decision, rates, now, in_force=cut)
+        if adopted is None or abs(adopted.ratio - self.ratio) < 1e-9:
+            return None
+        log.info(
+            "dataset %s: offload %.2f -> %.2f: %s; inputs %s",
+            self.dataset,
+            self.ratio,
+            adopted.ratio,
+            adopted.reason,
+            {k: round(v, 6) for k, v in adopted.inputs.items()},
+        )
+        self.ratio = adopted.ratio
+        self._apply(adopted.ratio)
+        return adopted
+
+    # -- rates ---------------------------------------------------------------------------------------
+
+    def _cut(self) -> Cut:
+        with self._lock:
+            mine = self._remote_rate
+        receive = self.prep.receive_cpu if self.prep.receive_cpu is not None else 0.0
+        remote = self.servers.left_for(mine, len({link.server_id for link in self._links()}))
+        return Cut(self._stages, self._nbytes, remote, receive, self._label)
+
+    def rates(self, now: float | None = None) -> Rates | None:
+        """The rates measured so far (``None``: too few to decide on)."""
+        now = self._clock() if now is None else now
+        with self._lock:
+            span = now - self._remote_at
+            if span >= INTERVAL_S:
+                self._remote_rate = self._remote_samples / span
+                self._remote_samples, self._remote_at = 0.0, now
+        loop = self.loop.figures()
+        local = self.prep.local_cpu if self.prep.local_cpu is not None else self._server_cost
+        if loop is None or loop["samples"] < MIN_SAMPLES or local is None:
+            return None
+        return Rates(
+            step_s=loop["step_s"],
+            step_cpu=loop["step_cpu"],
+            local_cpu=local,
+            common_cpu=self.prep.common_cpu + loop["next_cpu"],
+            cores=float(self._cores),
+            rail_bytes_per_s=self._rail,
+        )
+
+    def _read_servers(self) -> None:
+        while not self._stop.wait(INTERVAL_S):
+            busy = ran = 0.0
+            # one link per share: a server holding two (a failover moved one to it) is read once
+            links = list({link.server_id: link for link in self._links()}.values())
+            for gone in self.servers.known() - {link.server_id for link in links}:
+                self.servers.forget(gone)  # its share moved: the new holder is read instead
+            for link in links:
+                try:
+                    figures = link.prep_figures()
+                except KSpeedError as exc:  # a lost server: failover deals with it
+                    log.debug("dataset %s: no preprocessing figures from %s: %s", self.dataset, link.name, exc)
+                    self.servers.forget(link.server_id)
+                    continue
+                if figures is None:
+                    continue
+                self.servers.read(link.server_id, figures.workers, figures.busy_seconds, figures.samples, self._clock())
+                busy += figures.busy_seconds
+                ran += figures.samples
+            if ran > 0:
+                self._server_cost = busy / ran
+
+    # -- reporting -----------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """The split in force, why, and the rates the last decision used."""
+        current = self.hysteresis.current
+        rates = self.rates()
+        expected = predicted(rates, self._cut(), self.ratio) if rates is not None else None
+        return {
+            "mode": "auto",
+            "ratio": self.ratio,
+            "reason": current.reason if current is not None else "",
+            "changes": self.hysteresis.changes - 1,
+            "expected_samples_per_s": expected,
+            "inputs": dict(self.last.inputs) if self.last is not None else {},
+            "last_decision": self.last.reason if self.last is not None else "",
+            "last_ratio": self.last.ratio if self.last is not None else None,
+            "decided_at": self.decided_at,
+        }
+
+    def close(self) -> None:
+        """Stop reading the servers."""
+        self._stop.set()
+        self._thread.join(timeout=5.0)

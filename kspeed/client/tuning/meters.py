@@ -1,0 +1,220 @@
+"""Rates a rank measures while it trains, for the offload decision (:mod:`kspeed.client.tuning.decision`).
+
+- :class:`LoopMeter`: the training loop's step from the calls of ``next()``: wall seconds from a
+  batch handed over to the next one asked for, less the time the thread waited for a CPU (its
+  run-queue wait, ``/proc/thread-self/schedstat``: a step slowed by this client's own workers on
+  the same core is not a slow model), and the thread's CPU seconds meanwhile; also the CPU the
+  thread spends inside ``next()`` (copying a batch out of the ring, collating).
+- :class:`PrepMeter`: the client workers' CPU per sample, from each batch's per-stage seconds
+  (scaled by the batch's CPU over wall time, so a worker waiting for a core does not look slow):
+  Pcycle from the samples preprocessed here, Ocycle from those received preprocessed.
+- :class:`ServerMeter`: the servers' preprocessing capacity for this job, from their workers'
+  counters (:class:`~kspeed.proto.kspeed_pb2.PrepFigures`) read twice: samples per busy
+  worker-second times the workers, less what the other jobs on them run.
+
+Each keeps the last :data:`WINDOW_S` seconds (at least :data:`MIN_BATCHES` batches), so a change
+of conditions shows within seconds and one odd batch does not.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = ["LoopMeter", "PrepMeter", "ServerMeter", "run_queue_wait"]
+
+WINDOW_S = 4.0  # seconds of recent batches a rate is taken over
+MIN_BATCHES = 4  # ... and at least this many batches
+_SCHEDSTAT = "/proc/thread-self/schedstat"
+
+
+def run_queue_wait() -> float:
+    """Seconds the calling thread has waited for a CPU since it started (0 where the kernel does not say)."""
+    try:
+        with open(_SCHEDSTAT, "rb") as f:
+            fields = f.read().split()
+        return int(fields[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+class _Window:
+    """Sums of a few figures over the recent batches."""
+
+    def __init__(self, width: int) -> None:
+        self._rows: collections.deque[tuple[float, tuple[float, ...]]] = collections.deque()
+        self._width = width
+
+    def add(self, now: float, row: tuple[float, ...]) -> None:
+        self._rows.append((now, row))
+        while len(self._rows) > MIN_BATCHES and now - self._rows[0][0] > WINDOW_S:
+            self._rows.popleft()
+
+    def sums(self) -> tuple[float, ...]:
+        total = [0.0] * self._width
+        for _, row in self._rows:
+            for k, value in enumerate(row):
+                total[k] += value
+        return tuple(total)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def clear(self) -> None:
+        self._rows.clear()
+
+
+class LoopMeter:
+    """The training loop's step, per sample, from the calls of ``next()`` (see the module docstring).
+
+    Call :meth:`asked` when ``next()`` is entered and :meth:`handed` when it returns a batch of
+    ``samples``; both from the training loop's thread.
+    """
+
+    def __init__(self) -> None:
+        self._window = _Window(6)  # step wall, step run-queue wait, step cpu, next() wall, next() cpu, samples
+        self._lock = threading.Lock()
+        self._handed: tuple[float, float, float] | None = None  # wall, cpu, run-queue wait at the last hand-over
+        self._asked: tuple[float, float, float] | None = None
+        self._step: tuple[float, float, float] = (0.0, 0.0, 0.0)
+
+    @staticmethod
+    def _now() -> tuple[float, float, float]:
+        return time.monotonic(), time.thread_time(), run_queue_wait()
+
+    def asked(self) -> None:
+        """``next()`` was entered: the step since the last batch ended."""
+        now = self._now()
+        if self._handed is not None:
+            wall, cpu, queued = (a - b for a, b in zip(now, self._handed, strict=True))
+            self._step = (wall, max(queued, 0.0), cpu)
+        else:
+            self._step = (0.0, 0.0, 0.0)
+        self._asked = now
+
+    def handed(self, samples: int) -> None:
+        """``next()`` returns a batch of ``samples``."""
+        now = self._now()
+        if self._asked is not None and samples > 0 and self._handed is not None:
+            wall, cpu = now[0] - self._asked[0], now[1] - self._asked[1]
+            with self._lock:
+                self._window.add(now[0], (*self._step, wall, cpu, float(samples)))
+        self._handed = now
+
+    def forget_step(self) -> None:
+        """The time until the next ``next()`` is not a training step (e.g. an epoch ended)."""
+        self._handed = None
+
+    def figures(self) -> dict[str, float] | None:
+        """Per sample over the recent batches: ``step_s`` (wall, net of the run-queue wait),
+        ``step_cpu``, ``wait_s`` (wall inside ``next()``), ``next_cpu``; ``None`` before any."""
+        with self._lock:
+            if not len(self._window):
+                return None
+            wall, queued, cpu, next_wall, next_cpu, samples = self._window.sums()
+        if samples <= 0:
+            return None
+        return {
+            "step_s": max(wall - queued, cpu, 1e-9) / samples,
+            "step_cpu": cpu / samples,
+            "wait_s": next_wall / samples,
+            "next_cpu": next_cpu / samples,
+            "samples": samples,
+        }
+
+
+class PrepMeter:
+    """The client's preprocessing CPU per sample, from the batches its workers finish.
+
+    Args:
+        server_stages: the pipeline's stages the servers run for an offloaded sample (stage
+            ``"<k>:<op>"`` with ``k`` below it is offloadable).
+    """
+
+    def __init__(self, server_stages: int) -> None:
+        self._server_stages = server_stages
+        self._lock = threading.Lock()
+        self._window = _Window(5)  # offloadable s, local samples, receive s, remote samples, common s
+        self._samples = 0.0
+        self.local_cpu: float | None = None  # last known Pcycle (kept while no sample runs here)
+        self.receive_cpu: float | None = None
+        self.common_cpu: float = 0.0
+
+    def record(self, seconds: Mapping[str, float], cpu_s: float, wall_s: float, local: int, remote: int) -> None:
+        """One batch: its per-stage wall seconds, its worker's CPU and wall seconds for the whole
+        batch, and how many of its samples ran the offloadable stages here or arrived preprocessed."""
+        scale = min(cpu_s / wall_s, 1.0) if wall_s > 0 and cpu_s > 0 else 1.0
+        offloadable = receive = common = 0.0
+        for name, value in seconds.items():
+            head = name.split(":", 1)[0]
+            if name == "receive":
+                receive += value
+            elif head.isdigit() and int(head) < self._server_stages:
+                offloadable += value
+            else:
+                common += value
+        with self._lock:
+            self._window.add(time.monotonic(), (offloadable * scale, local, receive * scale, remote, common * scale))
+            off, n_local, rec, n_remote, com = self._window.sums()
+            if n_local > 0:
+                self.local_cpu = off / n_local
+            if n_remote > 0:
+                self.receive_cpu = rec / n_remote
+            if n_local + n_remote > 0:
+                self.common_cpu = com / (n_local + n_remote)
+
+    def known(self) -> bool:
+        """Whether both Pcycle and Ocycle were measured."""
+        return self.local_cpu is not None and self.receive_cpu is not None
+
+
+@dataclass
+class _Counters:
+    at: float
+    workers: int
+    busy: float
+    samples: int
+
+
+class ServerMeter:
+    """The servers' preprocessing capacity left for this job, samples/s (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, _Counters] = {}
+        self._capacity: dict[str, float] = {}  # samples/s each server's workers can run, last measured
+        self._used: dict[str, float] = {}  # samples/s each server ran, over the last reading
+        self.capacity = math.inf
+        self.used = 0.0
+
+    def read(self, server_id: str, workers: int, busy_seconds: float, samples: int, now: float) -> None:
+        """One reading of a server's counters."""
+        last = self._last.get(server_id)
+        self._last[server_id] = _Counters(now, workers, busy_seconds, samples)
+        if last is None or now <= last.at or samples < last.samples or busy_seconds < last.busy:
+            return  # the first reading, or a restarted server: counted from here
+        ran, busy = samples - last.samples, busy_seconds - last.busy
+        self._used[server_id] = ran / (now - last.at)
+        if ran > 0 and busy > 0:
+            self._capacity[server_id] = max(workers, 1) * ran / busy
+
+    def known(self) -> set[str]:
+        """The servers read so far."""
+        return set(self._last)
+
+    def forget(self, server_id: str) -> None:
+        """A server left the job (lost or replaced): its figures go."""
+        for table in (self._last, self._capacity, self._used):
+            table.pop(server_id, None)
+
+    def left_for(self, mine: float, servers: int) -> float:
+        """Samples/s the servers can preprocess for a job that gets ``mine`` samples/s from them now
+        (their capacity less what the others run); ``inf`` until each of ``servers`` was measured."""
+        if len(self._capacity) < servers or not self._capacity:
+            return math.inf
+        self.capacity = sum(self._capacity.values())
+        self.used = sum(self._used.values())
+        return max(self.capacity - max(self.used - mine, 0.0), mine, 0.0)

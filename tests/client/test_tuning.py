@@ -1,0 +1,281 @@
+"""The offload decision (FastFlow's Algorithm 1), its hysteresis and the meters, on synthetic rates."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kspeed.client.tuning.auto import AutoOffload
+from kspeed.client.tuning.decision import Cut, Decision, Hysteresis, Rates, decide, predicted
+from kspeed.client.tuning.meters import LoopMeter, PrepMeter, ServerMeter
+from kspeed.errors import ConfigError
+from kspeed.proto import kspeed_pb2
+
+P = 0.004  # CPU seconds to preprocess a sample on the client
+
+
+def rates(step: float, *, cores: float = 1.0, step_cpu: float | None = None, local: float = P, common: float = 0.0):
+    return Rates(
+        step_s=step, step_cpu=step if step_cpu is None else step_cpu, local_cpu=local, common_cpu=common, cores=cores
+    )
+
+
+def cut(remote: float, receive: float = 0.1 * P, nbytes: int = 150_528, stages: int = 4) -> Cut:
+    return Cut(stages, nbytes, remote, receive, "after 3:PILToTensor")
+
+
+def test_no_offload_when_the_loop_does_not_wait():
+    # a GPU-bound step (little CPU) on 4 cores: preprocessing here keeps up with the loop
+    r = rates(0.004, cores=4, step_cpu=0.0005)
+    d = decide(r, [cut(1000.0)])
+    assert d.ratio == 0.0 and d.cut is None
+    assert "does not wait" in d.reason
+
+
+def test_no_offload_when_the_gain_is_under_the_threshold():
+    # local-only reaches 95% of the loop's rate: under FastFlow's 10% SpeedUpThreshold
+    r = rates(0.01, cores=1, step_cpu=0.01 - 0.95 * 0.0, local=0.0005)
+    assert r.gthp / r.lthp() < 1.1 and r.gthp > r.lthp()
+    d = decide(r, [cut(1000.0)])
+    assert d.ratio == 0.0 and "under 10%" in d.reason
+
+
+def test_cpu_starved_step_offloads_everything_when_the_servers_keep_up():
+    # one core; the step costs as much CPU as preprocessing; the servers run 1/P samples/s
+    r = rates(P, cores=1)
+    d = decide(r, [cut(1.0 / P)])
+    assert d.inputs["lower"] < d.inputs["upper"]
+    assert d.ratio == pytest.approx(1.0)
+    # and the model agrees it is the best fixed split
+    best = max((k / 20 for k in range(21)), key=lambda f: predicted(r, d.cut, f))
+    assert predicted(r, d.cut, d.ratio) >= 0.95 * predicted(r, d.cut, best)
+
+
+def test_spare_core_offloads_about_half():
+    # two cores, a cheap step (half a sample's preprocessing), servers as fast as one client core
+    r = rates(P / 2, cores=2)
+    d = decide(r, [cut(1.0 / P)])
+    assert d.inputs["lower"] < d.inputs["upper"]
+    assert d.ratio == pytest.approx(0.5, abs=0.01)  # Upper / Gthp
+    best = max((k / 20 for k in range(21)), key=lambda f: predicted(r, d.cut, f))
+    assert 0.4 <= best <= 0.6
+    assert predicted(r, d.cut, d.ratio) >= 0.95 * predicted(r, d.cut, best)
+
+
+def test_upper_below_lower_balances_local_and_remote():
+    # slow servers (a quarter of what the loop needs): neither side alone removes the stall
+    r = rates(P, cores=1, step_cpu=0.0)  # a GPU-bound step: the core is free for preprocessing
+    r = Rates(step_s=P / 4, step_cpu=0.0, local_cpu=P, common_cpu=0.0, cores=1.0)
+    d = decide(r, [cut(0.25 / P * 1.0, receive=0.5 * P)])
+    assert d.inputs["upper"] <= d.inputs["lower"]
+    lthp, rthp = d.inputs["lthp"], d.inputs["rthp"]
+    assert d.ratio == pytest.approx(rthp / (lthp + rthp))
+    assert 0.0 < d.ratio < 1.0
+    assert "balance" in d.reason
+
+
+def test_a_float_cut_is_not_sent_when_a_uint8_cut_gives_the_same():
+    r = rates(P, cores=1)
+    uint8 = Cut(4, 150_528, 1.0 / P, 0.1 * P, "uint8")
+    as_float = Cut(6, 4 * 150_528, 1.0 / P, 0.1 * P, "float")
+    assert decide(r, [as_float, uint8]).cut == uint8
+
+
+def test_a_narrow_rail_prefers_the_cut_that_sends_fewer_bytes():
+    # 40 MB/s: the float cut's 600 KB samples would cap the servers' delivery at 66/s
+    r = Rates(step_s=P, step_cpu=P, local_cpu=P, common_cpu=0.0, cores=1.0, rail_bytes_per_s=40e6)
+    uint8 = Cut(4, 150_528, 1.0 / P, 0.15 * P, "uint8")
+    as_float = Cut(6, 4 * 150_528, 1.0 / P, 0.05 * P, "float")
+    d = decide(r, [as_float, uint8])
+    assert d.cut == uint8
+    assert r.remote_capacity(as_float) == pytest.approx(40e6 / (4 * 150_528))
+
+
+def test_the_rail_limits_the_ratio():
+    # the rail carries 100 samples/s at this cut while the loop wants 250/s
+    r = Rates(step_s=P, step_cpu=P, local_cpu=P, common_cpu=0.0, cores=1.0, rail_bytes_per_s=100 * 150_528)
+    d = decide(r, [cut(1e6)])
+    assert d.inputs["upper"] == pytest.approx(100.0)
+    assert d.ratio < 0.6
+
+
+def test_decide_needs_a_cut():
+    with pytest.raises(ConfigError, match="cut"):
+        decide(rates(P), [])
+
+
+def test_predicted_is_the_tightest_bound():
+    r = rates(P, cores=1)
+    c = cut(100.0)  # servers: 100/s
+    assert predicted(r, c, 1.0) == pytest.approx(100.0)
+    assert predicted(r, c, 0.5) == pytest.approx(min(1 / P, 200.0, 1 / (P + 0.5 * P + 0.05 * P)))
+    assert predicted(r, None, 0.0) == pytest.approx(r.lthp())
+
+
+# -- hysteresis ------------------------------------------------------------------------------------
+
+
+def _decision(ratio: float, expected: float, c: Cut | None = None) -> Decision:
+    return Decision(ratio, c if c is not None else cut(1.0 / P), f"{ratio}", expected)
+
+
+def test_hysteresis_ignores_small_steps_and_needs_a_settled_answer():
+    r = rates(P, cores=1)
+    h = Hysteresis(min_step=0.1, min_gain=0.03, settle=2, dwell=3.0)
+    assert h.offer(_decision(1.0, 250.0), r, 0.0) is not None  # the first decision is adopted
+    assert h.offer(_decision(0.95, 400.0), r, 10.0) is None  # a step under min_step: noise
+    assert h.offer(_decision(0.5, 400.0), r, 11.0) is None  # new: seen once
+    adopted = h.offer(_decision(0.52, 400.0), r, 12.0)  # the same answer again: adopted
+    assert adopted is not None and adopted.ratio == 0.52
+    assert h.changes == 2
+
+
+def test_hysteresis_waits_out_the_dwell_after_a_change():
+    r = rates(P, cores=1)
+    h = Hysteresis(settle=1, dwell=3.0)
+    h.offer(_decision(1.0, 250.0), r, 0.0)
+    assert h.offer(_decision(0.3, 1000.0), r, 1.0) is None  # within the dwell
+    assert h.offer(_decision(0.3, 1000.0), r, 3.5) is not None
+
+
+def test_hysteresis_needs_a_predicted_gain():
+    r = rates(P, cores=1)
+    h = Hysteresis(settle=1, dwell=0.0, min_gain=0.03)
+    h.offer(_decision(1.0, 0.0), r, 0.0)
+    now = predicted(r, cut(1.0 / P), 1.0)
+    assert h.offer(_decision(0.5, now * 1.01), r, 1.0) is None  # 1% better: not worth a change
+    assert h.offer(_decision(0.5, now * 1.2), r, 2.0) is not None
+
+
+def test_noisy_rates_do_not_make_the_ratio_oscillate():
+    # the same conditions measured with +-10% noise, decided every second for a minute
+    import random
+
+    rng = random.Random(7)
+    h = Hysteresis()
+    h.keep(Decision(1.0, cut(1.0 / P), "start", 0.0))
+    for second in range(60):
+        noise = 1.0 + rng.uniform(-0.1, 0.1)
+        r = Rates(step_s=P / 2 * noise, step_cpu=P / 2 * noise, local_cpu=P, common_cpu=0.0, cores=2.0)
+        h.offer(decide(r, [cut(1.0 / P * (2 - noise))]), r, float(second))
+    assert h.changes <= 2  # one move to about half, at most one correction
+
+
+# -- meters ----------------------------------------------------------------------------------------
+
+
+def test_loop_meter_takes_the_step_net_of_the_run_queue_wait(monkeypatch):
+    meter = LoopMeter()
+    clock = iter(
+        [
+            (0.0, 0.0, 0.0),  # asked (first: no step)
+            (0.01, 0.0, 0.0),  # handed 10 samples
+            (0.05, 0.03, 0.01),  # asked: a 40 ms step, 30 ms CPU, 10 ms waiting for a core
+            (0.06, 0.035, 0.01),  # handed 10 samples: 10 ms in next(), 5 ms of it CPU
+        ]
+    )
+    monkeypatch.setattr(LoopMeter, "_now", staticmethod(lambda: next(clock)))
+    meter.asked()
+    meter.handed(10)
+    meter.asked()
+    meter.handed(10)
+    figures = meter.figures()
+    assert figures is not None
+    assert figures["step_s"] == pytest.approx(0.003)  # (40 - 10) ms over 10 samples
+    assert figures["step_cpu"] == pytest.approx(0.003)
+    assert figures["wait_s"] == pytest.approx(0.001)
+    assert figures["next_cpu"] == pytest.approx(0.0005)
+
+
+def test_prep_meter_splits_offloadable_receive_and_common_costs():
+    meter = PrepMeter(server_stages=3)
+    # a batch of 4 local and 4 remote samples that ran at half speed (CPU = wall / 2)
+    seconds = {
+        "0:decode_image": 0.016,
+        "1:RandomResizedCrop": 0.008,
+        "2:PILToTensor": 0.008,
+        "receive": 0.004,
+        "collate": 0.008,
+    }
+    meter.record(seconds, cpu_s=0.022, wall_s=0.044, local=4, remote=4)
+    assert meter.local_cpu == pytest.approx(0.032 / 2 / 4)
+    assert meter.receive_cpu == pytest.approx(0.004 / 2 / 4)
+    assert meter.common_cpu == pytest.approx(0.008 / 2 / 8)
+    # batches with no local sample keep the last Pcycle
+    meter.record({"receive": 0.004, "collate": 0.004}, cpu_s=0.008, wall_s=0.008, local=0, remote=8)
+    assert meter.local_cpu == pytest.approx(0.004)
+
+
+def test_server_meter_measures_capacity_and_what_others_use():
+    meter = ServerMeter()
+    meter.read("a", 2, 10.0, 1000, now=0.0)
+    meter.read("b", 1, 5.0, 500, now=0.0)
+    assert meter.left_for(0.0, 2) == math.inf  # one reading each: nothing measured yet
+    meter.read("a", 2, 12.0, 1400, now=1.0)  # 400 samples in 2 busy seconds: 200/s per worker
+    meter.read("b", 1, 5.5, 600, now=1.0)  # 100 samples in 0.5 s: 200/s
+    # capacity 2 * 200 + 1 * 200 = 600/s; they ran 500/s, 300 of them for this job
+    assert meter.left_for(300.0, 2) == pytest.approx(600 - (500 - 300))
+    meter.forget("b")
+    assert meter.left_for(300.0, 2) == math.inf  # a server not measured (yet) again
+    assert meter.left_for(300.0, 1) == pytest.approx(400 - (400 - 300))
+
+
+# -- the whole tuner, with servers that report counters ---------------------------------------------
+
+
+class _Link:
+    def __init__(self, server_id: str) -> None:
+        self.server_id = server_id
+        self.name = f"server {server_id}"
+        self.busy = 0.0
+        self.samples = 0
+
+    def prep_figures(self) -> kspeed_pb2.PrepFigures:
+        return kspeed_pb2.PrepFigures(workers=1, busy_seconds=self.busy, samples=self.samples)
+
+
+def test_the_tuner_decides_from_what_it_measures_and_applies_a_change(monkeypatch):
+    links = [_Link("a"), _Link("b")]
+    now = [0.0]
+    applied: list[float] = []
+    tuner = AutoOffload(
+        dataset="d",
+        links=lambda: links,
+        server_stages=3,
+        nbytes=150_528,
+        label="after 2:PILToTensor",
+        apply=applied.append,
+        ratio=1.0,
+        cores=2,
+        clock=lambda: now[0],
+        hysteresis=Hysteresis(settle=1, dwell=0.0),
+    )
+    try:
+        tuner._stop.set()  # the servers are read by the test, not the thread
+        # the loop: 2 ms of CPU per sample; the client measured 4 ms per local sample, 0.2 ms per received one
+        steps = iter([(0.0, 0.0, 0.0), (0.0, 0.0, 0.0)] + [(k * 0.1, k * 0.064, 0.0) for k in range(1, 400)])
+        monkeypatch.setattr(LoopMeter, "_now", staticmethod(lambda: next(steps)))
+        tuner.batch_done({"0:decode_image": 0.016, "receive": 0.0008}, 0.0168, 0.0168, local=4, remote=4)
+        tuner.batch_done({"receive": 0.0396}, 0.0396, 0.0396, local=0, remote=396)  # 200/s over 2 s
+        for link in links:  # each server: 100 samples per busy second on its one worker
+            tuner.servers.read(link.server_id, 1, 0.0, 0, 0.0)
+            tuner.servers.read(link.server_id, 1, 1.0, 100, 1.0)
+        tuner.loop.asked()
+        for _ in range(3):
+            tuner.loop.handed(32)
+            tuner.loop.asked()
+        now[0] = 2.0
+        decision = tuner.tick()
+        assert decision is not None and 0.0 < decision.ratio < 1.0
+        assert applied == [decision.ratio]
+        assert tuner.stats()["ratio"] == decision.ratio and tuner.stats()["mode"] == "auto"
+        # one server is lost: half the capacity, the decision moves
+        tuner.servers.forget("b")
+        links.pop()
+        now[0] = 4.0
+        tuner.servers.read("a", 1, 2.0, 200, 2.0)
+        again = tuner.tick()
+        assert again is not None and again.ratio < decision.ratio
+    finally:
+        tuner.close()
