@@ -294,9 +294,11 @@ class KSpeedClient:
         paths, targets = folder_samples(dataset)
         stages = folder_stages(dataset, loader, collate_fn)
         feed_options = FeedOptions.from_kwargs(batch_size, sampler, **options)
-        pipeline, why = folder_pipeline_choice(stages, offload=feed_options.offload, cache=cache, workers=num_workers)
+        offload = feed_options.fixed_offload
+        pipeline, why = folder_pipeline_choice(stages, offload=offload, cache=cache, workers=num_workers)
         workers = None
-        if client_workers_needed(stages, pipeline, offload=feed_options.offload):
+        # with offload="auto" the split may leave samples to this client: its workers are made ready
+        if client_workers_needed(stages, pipeline, offload=0.0 if feed_options.auto_offload else offload):
             # Started first, so that they get ready while the dataset registers and preloads; they
             # import what either way of running the stages needs.
             workers = start_workers(num_workers, preload_of(dataclasses.replace(stages, pipeline=pipeline)))

@@ -24,6 +24,7 @@ sampler's own random state was restored too (e.g. a seeded ``torch.Generator`` s
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import time
 from collections.abc import Iterator, Mapping
@@ -36,6 +37,7 @@ from kspeed.client.feeding.builder import FeedParts
 from kspeed.client.lease import LeaseKeeper
 from kspeed.client.options import FeedOptions
 from kspeed.client.planning.plans import EpochPlan, PrepSplit
+from kspeed.client.tuning.auto import AutoOffload
 from kspeed.control.manager_client import ManagerClient
 from kspeed.control.progress import PreloadSummary, follow_preload
 from kspeed.errors import ConfigError, KSpeedError, StateError
@@ -278,6 +280,26 @@ class KSpeedDataset(IterableDataset):
     def rail(self) -> str:
         """The rail of the receive ring."""
         return self._feed.rail
+
+    def offload_tuner(self) -> AutoOffload | None:
+        """The self-tuned split of this rank's preprocessing (``offload="auto"``), or ``None`` when
+        its split is fixed (a ratio given, no server stages, or library versions that differ)."""
+        prep, pipeline = self.prep, self.pipeline
+        if prep is None or not prep.adjustable or pipeline is None:
+            return None
+        feed = self._feed
+        stage = pipeline.stages[prep.server_stages - 1]
+        probed = getattr(feed.granting, "probed_rate", 0.0)
+        return AutoOffload(
+            dataset=self.name,
+            links=lambda: [path.link for path in feed.paths],
+            server_stages=prep.server_stages,
+            nbytes=prep.nbytes,
+            label=f"after {prep.server_stages - 1}:{stage.op}",
+            apply=self._pump.resplit,
+            ratio=prep.fraction,
+            rail_bytes_per_s=probed * len(feed.paths) if probed > 0 else math.inf,
+        )
 
     def _check_open(self) -> None:
         if self._closed:

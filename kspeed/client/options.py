@@ -15,7 +15,10 @@ import torch
 
 from kspeed.errors import ConfigError
 
-__all__ = ["FeedOptions"]
+__all__ = ["AUTO_OFFLOAD", "FeedOptions"]
+
+#: The ``offload`` setting that lets the client decide the split while the job runs.
+AUTO_OFFLOAD = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +45,9 @@ class FeedOptions:
         quiet: no progress bar in ``preload()``.
         device: where batches are delivered: ``"cpu"`` (zero-copy ring views), ``"cuda"`` or
             ``"cuda:N"``.
-        offload: with a pipeline, the share of each batch's samples whose ``server`` stages run
-            on the servers (the rest run them on this client); ``None``: all of them.
+        offload: with a pipeline, the share (0..1) of each batch's samples whose ``server`` stages
+            run on the servers (the rest run them on this client); ``"auto"`` (or ``None``, the
+            default): decided and re-decided while the job runs (:mod:`kspeed.client.tuning`).
         on_error: with a pipeline or transforms, what a sample whose preparation fails (a corrupt
             image, a stage that raises, an output unlike its declaration) does: ``"raise"`` ends
             the iteration with an error naming it; ``"skip"`` leaves it out of its batch, logged
@@ -66,7 +70,7 @@ class FeedOptions:
     ring_bytes: int | None = None
     quiet: bool = False
     device: str | torch.device = "cpu"
-    offload: float | None = None
+    offload: float | str | None = None
     on_error: str = "raise"
 
     def __post_init__(self) -> None:
@@ -76,13 +80,19 @@ class FeedOptions:
             )
         _positive_int("batch_size", self.batch_size)
         _non_negative_int("shuffle_buffer", self.shuffle_buffer)
-        if self.offload is not None and (
-            isinstance(self.offload, bool)
-            or not isinstance(self.offload, int | float)
-            or not 0.0 <= float(self.offload) <= 1.0
+        if (
+            self.offload is not None
+            and self.offload != AUTO_OFFLOAD
+            and (
+                isinstance(self.offload, bool)
+                or not isinstance(self.offload, int | float)
+                or not 0.0 <= float(self.offload) <= 1.0
+            )
         ):
             raise ConfigError(
-                f"offload must be a fraction between 0 and 1, got {self.offload!r}", field="offload", value=self.offload
+                f"offload must be a fraction between 0 and 1 or 'auto', got {self.offload!r}",
+                field="offload",
+                value=self.offload,
             )
         if self.ring_bytes is not None:
             _non_negative_int("ring_bytes", self.ring_bytes)
@@ -90,6 +100,16 @@ class FeedOptions:
             raise ConfigError(f"seed must be an integer, got {self.seed!r}", field="seed", value=self.seed)
         if self.rail is not None and not isinstance(self.rail, str):
             raise ConfigError(f"rail must be a rail name or 'auto', got {self.rail!r}", field="rail", value=self.rail)
+
+    @property
+    def auto_offload(self) -> bool:
+        """Whether the split is decided while the job runs (``offload="auto"`` or left out)."""
+        return self.offload is None or self.offload == AUTO_OFFLOAD
+
+    @property
+    def fixed_offload(self) -> float | None:
+        """The fixed split asked for (``None``: ``"auto"``)."""
+        return None if self.auto_offload else float(self.offload)  # type: ignore[arg-type]
 
     @classmethod
     def from_kwargs(cls, batch_size: int, sampler: Iterable[int] | None = None, **kwargs: Any) -> FeedOptions:

@@ -86,6 +86,7 @@ class _Task:
     epoch: int
     index: int
     ids: list[int]
+    remote: int = 0  # samples of it the servers preprocessed
 
 
 class PreparedDataset(IterableDataset):
@@ -175,6 +176,8 @@ class PreparedDataset(IterableDataset):
             transform_workers.install(self._stages)
         self._workers: TransformWorkers | InlineWorkers | None = transform_workers
         self._delivered = 0
+        #: the self-tuned split (offload="auto"), fed by the batches and the calls of next()
+        self._auto = inner.offload_tuner()
         self._closed = False
 
     @property
@@ -209,13 +212,16 @@ class PreparedDataset(IterableDataset):
 
     def _deliver(self, batches: Iterator[Any]) -> Iterator[Any]:
         pending: deque[_Task] = deque()
+        auto = self._auto
+        if auto is not None:
+            auto.loop.forget_step()  # the time since the last epoch's batch was no training step
         try:
             for batch in batches:
                 pending.append(self._submit(batch))
                 if len(pending) >= self.prefetch:
-                    yield self._collect(pending.popleft())
+                    yield from self._hand(pending.popleft())
             while pending:
-                yield self._collect(pending.popleft())
+                yield from self._hand(pending.popleft())
         except GeneratorExit:  # the loop stopped early: drop the batches in flight, keep the workers
             for task in pending:
                 task.future.cancel()
@@ -225,6 +231,18 @@ class PreparedDataset(IterableDataset):
                 task.future.cancel()
             self._stop_workers()
             raise
+
+    def _hand(self, task: _Task) -> Iterator[Any]:
+        """Yield ``task``'s batch; the tuner sees when it was handed over and when the next was asked for."""
+        value = self._collect(task)
+        auto = self._auto
+        if auto is None:
+            yield value
+            return
+        auto.loop.handed(len(task.ids))
+        yield value
+        auto.loop.asked()
+        auto.tick()
 
     def _ready_workers(self) -> TransformWorkers | InlineWorkers:
         """The workers, started by the first batch that needs them unless they were given started,
@@ -269,7 +287,7 @@ class PreparedDataset(IterableDataset):
         paths = self._paths
         names = [os.path.basename(paths[i]) for i in ids] if paths and self._stages.loader_takes == "path" else []
         future = self._ready_workers().submit(buffer, offsets.tolist(), targets, names, draw)
-        return _Task(future, epoch, index, ids)
+        return _Task(future, epoch, index, ids, sum(draw.remote))
 
     def _targets_of(self, batch: Any, ids: list[int]) -> list[Any]:
         if self._targets is not None:
@@ -301,7 +319,7 @@ class PreparedDataset(IterableDataset):
             future.set_exception(exc)
         finally:
             batch.release()  # default_collate copied the samples out of the ring
-        return _Task(future, batch.epoch, batch.index, ids)
+        return _Task(future, batch.epoch, batch.index, ids, sum(draw.remote))
 
     def _collect(self, task: _Task) -> Any:
         where = f"batch {task.index} of epoch {task.epoch} of dataset {self.name!r}"
@@ -337,6 +355,8 @@ class PreparedDataset(IterableDataset):
         self._skipped += len(result.skipped)
         for name, seconds in result.seconds.items():
             self._seconds[name] = self._seconds.get(name, 0.0) + seconds
+        if self._auto is not None:
+            self._auto.batch_done(result.seconds, result.cpu_s, result.wall_s, len(task.ids) - task.remote, task.remote)
         if self._gpu is not None:
             return self._gpu.apply(result.value, task.epoch, task.ids)
         return result.value
@@ -372,8 +392,15 @@ class PreparedDataset(IterableDataset):
         seconds = dict(self._seconds)
         if self._gpu is not None:
             seconds.update(self._gpu.seconds)
+        prep = self._inner.prep
+        offload = (
+            self._auto.stats()
+            if self._auto is not None
+            else {"mode": "fixed", "ratio": prep.fraction if prep is not None else 0.0}
+        )
         return {
             **self._inner.stats(),
+            "offload": offload,
             "workers": len(self.worker_pids()),
             "client_stage_seconds": seconds,
             "server_stage_seconds": self._inner.server_stage_seconds() if self._inner.pipeline is not None else {},
@@ -395,6 +422,8 @@ class PreparedDataset(IterableDataset):
             return
         self._closed = True
         self._stop_workers()
+        if self._auto is not None:
+            self._auto.close()
         try:
             self._inner.close()
         except KSpeedError as exc:

@@ -217,6 +217,38 @@ class PrometheusCollector:
         pacing = s.get("pacing")
         if pacing:
             yield from _pacing_metrics(self._dataset.name, pacing)
+        offload = s.get("offload")
+        if offload:
+            yield from _offload_metrics(self._dataset.name, offload)
+
+
+#: The rates an offload decision is made from, as exported (docs/preprocessing.md, offload="auto").
+OFFLOAD_RATES = {
+    "gthp": ("kspeed_client_loop_samples_per_second", "Samples/s the training loop consumes when it never waits"),
+    "lthp": ("kspeed_client_local_samples_per_second", "Samples/s with every sample preprocessed on this client"),
+    "rthp": ("kspeed_client_remote_samples_per_second", "Samples/s with every sample preprocessed on the servers"),
+    "remote_rate": ("kspeed_client_server_capacity_samples_per_second", "Servers' preprocessing left for this job"),
+    "pcycle": ("kspeed_client_local_prep_cpu_seconds", "Client CPU seconds to preprocess one sample here"),
+    "ocycle": ("kspeed_client_receive_cpu_seconds", "Client CPU seconds to take one sample preprocessed remotely"),
+}
+
+
+def _offload_metrics(dataset: str, offload: dict) -> Iterator:
+    """The split in force and the rates its decision used."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    ratio = GaugeMetricFamily(
+        "kspeed_client_offload_ratio", "Share of each batch preprocessed on the servers", labels=["dataset", "mode"]
+    )
+    ratio.add_metric([dataset, str(offload.get("mode", ""))], float(offload.get("ratio", 0.0)))
+    yield ratio
+    inputs = offload.get("inputs") or {}
+    for key, (metric, doc) in OFFLOAD_RATES.items():
+        value = inputs.get(key)
+        if value is not None and value == value and value not in (float("inf"), float("-inf")):
+            family = GaugeMetricFamily(metric, doc, labels=["dataset"])
+            family.add_metric([dataset], float(value))
+            yield family
 
 
 def _pacing_metrics(dataset: str, pacing: dict) -> Iterator:

@@ -293,9 +293,18 @@ def build_feed(
             pool=io,
             prep=prep,
             drop=feed.drop_plan,
+            truncate=feed.truncate_plan,
         )
         sample = (info.sample_dtype, tuple(int(d) for d in info.sample_shape))
-        pump = Pump(feed, planner, orders.deterministic, thread_cores=cores, delivery=delivery, sample=sample)
+        pump = Pump(
+            feed,
+            planner,
+            orders.deterministic,
+            thread_cores=cores,
+            delivery=delivery,
+            sample=sample,
+            splitter=planner if prep is not None and prep.adjustable else None,
+        )
         if manager is not None:  # a lost server's share is followed to its new holder
             pump.failover = Failover(
                 dataset=name, info=info, feed=feed, planner=planner, manager=manager, config=config

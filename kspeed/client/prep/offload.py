@@ -24,6 +24,10 @@ __all__ = ["attached_pipeline", "folder_pipeline", "plan_prep"]
 
 log = logging.getLogger(__name__)
 
+#: The split ``offload="auto"`` starts from: the servers run every sample's server stages (as
+#: when no ratio is given) until the rates measured say otherwise.
+AUTO_START = 1.0
+
 
 def attached_pipeline(message: kspeed_pb2.Pipeline) -> Pipeline | None:
     """The pipeline of a dataset attached by name: every stage up to the last that declares its
@@ -44,16 +48,19 @@ def plan_prep(
         dataset: the dataset's name (for messages).
         pipeline: its pipeline with this rank's places.
         cached: leading stages the servers keep applied (every sample arrives past them).
-        options: the feed's options (``offload``, ``seed``).
+        options: the feed's options (``offload``, ``seed``); with ``offload="auto"`` the split
+            starts at :data:`AUTO_START` and may change while the job runs (``adjustable``).
         servers: per server of the dataset, the libraries it reported.
 
     Raises:
-        ConfigError: the split would mix library versions (named).
+        ConfigError: the split would mix library versions (named); with ``"auto"`` only when the
+            servers differ among themselves (a client that differs from them keeps the split at 1).
     """
     if pipeline is None or pipeline.server_stages <= cached:
         return None
-    fraction = 1.0 if options.offload is None else float(options.offload)
-    if fraction <= 0.0:
+    auto = options.auto_offload
+    fraction = AUTO_START if auto else float(options.fixed_offload or 0.0)
+    if fraction <= 0.0 and not auto:
         return None
     problems = []
     reports = sorted(servers.items())
@@ -61,22 +68,32 @@ def plan_prep(
         first_id, first = reports[0]
         for server_id, theirs in reports[1:]:
             problems += [f"servers {first_id} and {server_id}: {m}" for m in mismatch(dict(first), dict(theirs))]
-    if fraction < 1.0:
-        ours = libraries()
-        for server_id, theirs in reports:
-            problems += [f"this client and server {server_id}: {m}" for m in mismatch(ours, dict(theirs))]
+    split_problems = []
+    ours = libraries()
+    for server_id, theirs in reports:
+        split_problems += [f"this client and server {server_id}: {m}" for m in mismatch(ours, dict(theirs))]
+    if auto and split_problems and not problems:
+        log.warning(
+            "dataset %s: offload='auto' keeps every sample's server stages on the servers: a split would give "
+            "samples different bytes depending on where they run (%s)",
+            dataset,
+            "; ".join(split_problems[:4]),
+        )
+        auto = False
+    elif fraction < 1.0 or auto:
+        problems += split_problems
     if problems:
         raise ConfigError(
-            f"dataset {dataset!r}: preprocessing split {fraction:g} would give samples different bytes depending "
-            f"on where they run ({'; '.join(problems[:4])}); install the same versions everywhere, or use "
-            "offload=1.0 (servers only) or offload=0 (this client only)",
+            f"dataset {dataset!r}: preprocessing split {options.offload if options.offload is not None else 'auto'} "
+            f"would give samples different bytes depending on where they run ({'; '.join(problems[:4])}); install "
+            "the same versions everywhere, or use offload=1.0 (servers only) or offload=0 (this client only)",
             field="offload",
-            value=fraction,
+            value=options.offload,
         )
     stages = pipeline.server_stages
     skip = options.on_error == "skip"
     nbytes = pipeline.output(stages).nbytes + (STATUS if skip else 0)
-    return PrepSplit(stages, fraction, options.seed, nbytes, skip)
+    return PrepSplit(stages, fraction, options.seed, nbytes, skip, adjustable=auto)
 
 
 def folder_pipeline(loader: Any, transform: Any, *, cache: bool = False) -> tuple[Pipeline | None, str]:

@@ -228,11 +228,14 @@ class Draw:
 
 @dataclass(frozen=True)
 class Delivered:
-    """A collated batch and the seconds each client-side stage took on it (by stage name)."""
+    """A collated batch and the seconds each client-side stage took on it (by stage name), and the
+    CPU and wall seconds the whole batch took (the offload decision's measure of the client's cost)."""
 
     value: Any
     seconds: dict[str, float]
     skipped: tuple[tuple[int, str], ...] = ()  # (position in the batch, why) of samples left out
+    cpu_s: float = 0.0
+    wall_s: float = 0.0
 
 
 def check_picklable(stages: Stages | Mapping[str, Any]) -> None:
@@ -448,6 +451,7 @@ def run_samples(
     items = []
     seconds: dict[str, float] = {}
     skipped: list[tuple[int, str]] = []
+    began_cpu, began_wall = time.thread_time(), time.perf_counter()
     for i, target in enumerate(targets):
         data = samples[i]
         try:
@@ -474,7 +478,8 @@ def run_samples(
         begun = time.perf_counter()
         value = stages.collate_fn(items)
         seconds["collate"] = time.perf_counter() - begun
-        return Delivered(value, seconds, tuple(skipped))
+        cpu_s, wall_s = time.thread_time() - began_cpu, time.perf_counter() - began_wall
+        return Delivered(value, seconds, tuple(skipped), cpu_s, wall_s)
     except Exception as exc:
         raise SampleFailure(None, _describe(exc)) from None
 
