@@ -10,6 +10,12 @@ and committed (two RPC rounds to every server, which may wait for a preload) on 
 while the current epoch is consumed, so the training loop never stalls for those round trips at
 the boundary. Other samplers are planned in the caller's thread when their epoch starts.
 
+The same thread makes re-splits (``offload="auto"``, :meth:`Pump.resplit`): the plan being granted
+re-split from a batch a little past the first one not granted, as a new pass. The batches from
+there wait for it at most :data:`RESPLIT_HOLD_S` (after that they are granted from the old pass
+and the re-split, stale, is made again further on); the lead past the cursor is twice what was
+granted while the previous one was made.
+
 A plan is the rank's largest structure (about 15 bytes per sample of its share), so the pump
 keeps two: the current epoch's and the next one's. One given up part way goes once its batches
 still granted have settled (not at the next epoch's start), and a sampler's that is drawn anew
@@ -18,12 +24,14 @@ each epoch goes before the next one is made.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
@@ -47,6 +55,18 @@ MAX_CARRIES = 8  # servers lost one after another while the first is being repla
 RESPLIT_LEAD = 2  # batches past the first ungranted one where a re-split starts (more after a miss)
 MAX_RESPLIT_LEAD = 64
 RESPLIT_RETRY_S = 1.0  # pause after a re-split that failed
+RESPLIT_HOLD_S = 0.25  # longest time the batches from a re-split's first one wait for it to be adopted
+
+
+@dataclass
+class _Resplit:
+    """A re-split being made on the planner thread."""
+
+    future: Future
+    plan: EpochPlan
+    first: int  # its first batch: not granted from the old pass while it is made (for a while)
+    cursor: int  # the cursor's batch when it was asked for
+    hold_until: float
 
 
 class Pump:
@@ -89,7 +109,7 @@ class Pump:
         )
         self._splitter = splitter
         self._wanted: float | None = None  # the split asked for (None: the plans' own)
-        self._split: tuple[Future, EpochPlan] | None = None  # a re-split being made, and of which plan
+        self._split: _Resplit | None = None  # a re-split being made
         self._lead = RESPLIT_LEAD
         self._split_retry = 0.0
         self.resplits = 0
@@ -192,7 +212,12 @@ class Pump:
             return
         plan, batch = self._cursor
         granted = False
+        split = self._split
         while True:
+            if split is not None and plan is split.plan and batch >= split.first:
+                if time.monotonic() < split.hold_until:
+                    break  # granted from the new pass once it is adopted, in a moment
+                split = None
             if batch >= plan.num_batches:
                 following = self._next_plan() if plan is self._current else None
                 if following is None:
@@ -251,6 +276,11 @@ class Pump:
         self.delivery.poll()
         self.feed.allocator.drain()
         self.top_up()
+        split = self._split
+        if not self._queue and split is not None:  # held for a re-split: wait for it, briefly
+            with contextlib.suppress(Exception):  # (its error is dealt with where it is adopted)
+                split.future.result(timeout=max(split.hold_until - time.monotonic(), 0.0))
+            self.top_up(force=True)
         if not self._queue:
             self._make_room(plan, batch)
         slot = self._queue[0]
@@ -299,7 +329,7 @@ class Pump:
             self._future.add_done_callback(self._drop_made)
         self._future, self._future_epoch = None, None
         if self._split is not None:  # so may a re-split: it is made again from the new cursor
-            self._split[0].add_done_callback(self._drop_made)
+            self._split.future.add_done_callback(self._drop_made)
             self._split = None
         kept = [p for p in (restart[0] if restart else None, self._current) if p is not None]
         for epoch, plan in list(self._plans.items()):
@@ -347,20 +377,28 @@ class Pump:
 
     def _tend_split(self) -> None:
         """Adopt a re-split that is ready, or start the one the cursor's plan needs."""
-        if self._split is not None:
-            future, plan = self._split
-            if not future.done():
+        split = self._split
+        if split is not None:
+            if not split.future.done():
                 return
             self._split = None
+            if (
+                self._cursor is not None and self._cursor[0] is split.plan
+            ):  # the lead: what was granted meanwhile, twice
+                advance = self._cursor[1] - split.cursor
+                self._lead = min(max(RESPLIT_LEAD, 2 * advance), MAX_RESPLIT_LEAD)
             try:
-                tail = future.result()
+                tail = split.future.result()
             except KSpeedError as exc:
                 log.warning(
-                    "dataset %s: re-splitting epoch %d failed (%s); tried again", self.feed.dataset, plan.epoch, exc
+                    "dataset %s: re-splitting epoch %d failed (%s); tried again",
+                    self.feed.dataset,
+                    split.plan.epoch,
+                    exc,
                 )
                 self._split_retry = time.monotonic() + RESPLIT_RETRY_S
                 return
-            self._adopt(plan, tail)
+            self._adopt(split.plan, tail)
             return
         if self._cursor is None or self._planner is None or time.monotonic() < self._split_retry:
             return
@@ -373,7 +411,8 @@ class Pump:
             return  # the rest of this epoch is granted already: the next plan takes the new split
         splitter, wanted = self._splitter, self._wanted
         assert splitter is not None
-        self._split = (self._planner.submit(splitter.resplit, plan, first, wanted), plan)
+        future = self._planner.submit(splitter.resplit, plan, first, wanted)
+        self._split = _Resplit(future, plan, first, batch, time.monotonic() + RESPLIT_HOLD_S)
 
     def _adopt(self, plan: EpochPlan, tail: EpochPlan) -> None:
         """Make ``tail`` (a re-split of ``plan``) the plan's split, if nothing from its first batch
@@ -387,7 +426,6 @@ class Pump:
         )
         if granted:
             self.feed.drop_plan(tail.feed_epoch)
-            self._lead = min(self._lead * 2, MAX_RESPLIT_LEAD)
             return
         replaced, whole = plan.adopt(tail)
         if whole:
