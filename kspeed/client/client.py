@@ -95,7 +95,8 @@ class KSpeedClient:
         ring_bytes: int | None = None,
         quiet: bool = False,
         device: str | torch.device = "cpu",
-        offload: float | None = None,
+        offload: float | str | None = None,
+        model: Any = None,
         transform: Any = None,
         collate_fn: Any = None,
         num_workers: int | None = None,
@@ -133,7 +134,11 @@ class KSpeedClient:
                 (each batch copied asynchronously to that GPU); a CUDA device while none is
                 available is a ``ConfigError``.
             offload: with a pipeline, the share (0..1) of each batch's samples whose ``server``
-                stages run on the servers (default: all; 0: none).
+                stages run on the servers; ``"auto"`` (the default): decided and re-decided while
+                the job runs from measured rates (docs/preprocessing.md).
+            model: with ``offload="auto"``, what the split is remembered under on the manager for
+                the next run: a name or the ``torch.nn.Module`` trained (default: the job, the
+                script and the batch size).
             transform: applied to each prepared sample in the client's workers.
             collate_fn: list of samples (or ``(sample, label)`` pairs) -> batch (default
                 ``default_collate``).
@@ -162,6 +167,7 @@ class KSpeedClient:
             quiet=quiet,
             device=device,
             offload=offload,
+            model=model,
             on_error=on_error,
         )
         ds = self.open(spec, options)

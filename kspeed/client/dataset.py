@@ -37,7 +37,9 @@ from kspeed.client.feeding.builder import FeedParts
 from kspeed.client.lease import LeaseKeeper
 from kspeed.client.options import FeedOptions
 from kspeed.client.planning.plans import EpochPlan, PrepSplit
+from kspeed.client.stats import default_job
 from kspeed.client.tuning.auto import AutoOffload
+from kspeed.client.tuning.store import model_signature, record_of
 from kspeed.control.manager_client import ManagerClient
 from kspeed.control.progress import PreloadSummary, follow_preload
 from kspeed.errors import ConfigError, KSpeedError, StateError
@@ -97,6 +99,7 @@ class KSpeedDataset(IterableDataset):
         self.labelled = bool(info.spec.labels)
         self.on_error = options.on_error
         self.batch_size = options.batch_size
+        self._model = options.model
         self.num_samples = int(info.fingerprint.count)
         self.class_names = list(info.class_names)
         self.device = parts.delivery.device
@@ -290,6 +293,25 @@ class KSpeedDataset(IterableDataset):
         feed = self._feed
         stage = pipeline.stages[prep.server_stages - 1]
         probed = getattr(feed.granting, "probed_rate", 0.0)
+        manager = self._manager
+        job = (manager.config.job if manager is not None else "") or default_job()
+        model = model_signature(self._model, job, self.batch_size)
+        kept = None
+        if manager is not None:
+            try:
+                kept = manager.tuning(self.name, model)
+            except KSpeedError as exc:  # the manager away: decided from scratch
+                log.debug("dataset %s: no kept offload decision: %s", self.name, exc)
+        ratio = prep.fraction
+        if kept is not None and kept.server_stages == prep.server_stages:
+            ratio = kept.ratio
+            log.info(
+                "dataset %s: offload starts at %.2f, as the last run with this model settled (%s)",
+                self.name,
+                ratio,
+                kept.reason,
+            )
+            self._pump.resplit(ratio)  # before the first plan: it is made with this split
         return AutoOffload(
             dataset=self.name,
             links=lambda: [path.link for path in feed.paths],
@@ -297,8 +319,11 @@ class KSpeedDataset(IterableDataset):
             nbytes=prep.nbytes,
             label=f"after {prep.server_stages - 1}:{stage.op}",
             apply=self._pump.resplit,
-            ratio=prep.fraction,
-            rail_bytes_per_s=probed * len(feed.paths) if probed > 0 else math.inf,
+            ratio=ratio,
+            rail_bytes_per_s=probed if probed > 0 else math.inf,
+            keep=manager.save_tuning if manager is not None else None,
+            record=lambda r, d: record_of(self.name, model, r, prep.server_stages, d),
+            kept=dict(kept.rates) if kept is not None else None,
         )
 
     def _check_open(self) -> None:

@@ -48,6 +48,9 @@ class FeedOptions:
         offload: with a pipeline, the share (0..1) of each batch's samples whose ``server`` stages
             run on the servers (the rest run them on this client); ``"auto"`` (or ``None``, the
             default): decided and re-decided while the job runs (:mod:`kspeed.client.tuning`).
+        model: with ``offload="auto"``, what the split is remembered under on the manager for the
+            next run (FastFlow's metric store): a name, or the ``torch.nn.Module`` being trained
+            (its structure, not its weights); ``None``: the job, the script and the batch size.
         on_error: with a pipeline or transforms, what a sample whose preparation fails (a corrupt
             image, a stage that raises, an output unlike its declaration) does: ``"raise"`` ends
             the iteration with an error naming it; ``"skip"`` leaves it out of its batch, logged
@@ -71,6 +74,7 @@ class FeedOptions:
     quiet: bool = False
     device: str | torch.device = "cpu"
     offload: float | str | None = None
+    model: Any = None
     on_error: str = "raise"
 
     def __post_init__(self) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 from kspeed.config import ClientConfig
 from kspeed.control import rpc
 from kspeed.control.membership_watch import MembershipWatch
+from kspeed.errors import NotFoundError
 from kspeed.proto import kspeed_pb2, kspeed_pb2_grpc
 
 
@@ -90,6 +91,17 @@ class ManagerClient:
     def dataset(self, name: str) -> kspeed_pb2.DatasetInfo:
         """One dataset with its progress."""
         return self.call("GetDataset", kspeed_pb2.DatasetRequest(name=name))
+
+    def tuning(self, dataset: str, model: str) -> kspeed_pb2.TuningRecord | None:
+        """The offload decision kept for ``dataset`` and ``model`` (``None``: none kept)."""
+        try:
+            return self.call("GetTuning", kspeed_pb2.TuningRequest(dataset=dataset, model=model))
+        except NotFoundError:
+            return None
+
+    def save_tuning(self, record: kspeed_pb2.TuningRecord) -> None:
+        """Keep an offload decision for the next run of the same pipeline, model and servers."""
+        self.call("SaveTuning", record)
 
     def datasets(self) -> list[kspeed_pb2.DatasetInfo]:
         """Every dataset."""

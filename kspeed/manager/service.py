@@ -18,6 +18,7 @@ from kspeed.manager.datasets import DatasetCatalog
 from kspeed.manager.jobs import JobBoard
 from kspeed.manager.membership import DRAINING, Membership
 from kspeed.manager.store import Store
+from kspeed.manager.tunings import TuningBoard
 from kspeed.proto import kspeed_pb2
 from kspeed.rdma.rails import rail_names
 
@@ -67,6 +68,7 @@ class ManagerService:
         self._probe = probe
         self._catalog = catalog
         self.jobs = JobBoard()
+        self.tunings = TuningBoard(catalog, membership, store)
         self._store = store
         self._heartbeat_interval = heartbeat_interval
         self._started = time.monotonic()
@@ -275,6 +277,17 @@ class ManagerService:
         self, request: kspeed_pb2.JobRequest, context: grpc.aio.ServicerContext
     ) -> kspeed_pb2.JobStats:
         return self.jobs.job(request.job)
+
+    async def GetTuning(
+        self, request: kspeed_pb2.TuningRequest, context: grpc.aio.ServicerContext
+    ) -> kspeed_pb2.TuningRecord:
+        return self.tunings.get(request)
+
+    async def SaveTuning(
+        self, request: kspeed_pb2.TuningRecord, context: grpc.aio.ServicerContext
+    ) -> kspeed_pb2.SaveTuningReply:
+        self.tunings.save(request)
+        return kspeed_pb2.SaveTuningReply()
 
     async def ListJobs(
         self, request: kspeed_pb2.ListJobsRequest, context: grpc.aio.ServicerContext

@@ -1,7 +1,8 @@
 """The manager's hard state in one SQLite file under its state directory.
 
 Only durable facts live here: the cluster id, the server registry (identity, addresses, inventory,
-last known state), the datasets with their shares, the leases, and the names of removed datasets.
+last known state), the datasets with their shares, the leases, the names of removed datasets, and
+the offload decisions jobs settled on (:mod:`kspeed.manager.tunings`).
 Liveness timers are soft state and restart with the manager.
 
 The file is the registry's owner, not its only copy: every server keeps the assignments of the
@@ -43,6 +44,11 @@ CREATE TABLE IF NOT EXISTS leases (
 CREATE TABLE IF NOT EXISTS removed (
     name TEXT PRIMARY KEY,
     removed_unix REAL NOT NULL    -- when the dataset was removed: a server's older copy is not taken back
+);
+CREATE TABLE IF NOT EXISTS tunings (
+    key TEXT PRIMARY KEY,         -- pipeline, model and servers (kspeed.manager.tunings)
+    record BLOB NOT NULL,         -- a serialized kspeed.v1.TuningRecord
+    updated_unix REAL NOT NULL
 );
 """
 SCHEMA_VERSION = "1"
@@ -255,6 +261,24 @@ class Store:
         """Forget one lease."""
         with self._writing():
             self._db.execute("DELETE FROM leases WHERE id = ?", (lease_id,))
+
+    def tunings(self) -> Iterator[tuple[str, kspeed_pb2.TuningRecord]]:
+        """Every kept offload decision with its key, the most recent last."""
+        for key, blob in self._db.execute("SELECT key, record FROM tunings ORDER BY updated_unix"):
+            yield key, kspeed_pb2.TuningRecord.FromString(blob)
+
+    def save_tuning(self, key: str, record: kspeed_pb2.TuningRecord, keep: int) -> None:
+        """Insert or replace one offload decision, keeping the ``keep`` most recent."""
+        with self._writing(), self._db:
+            self._db.execute("BEGIN")
+            self._db.execute(
+                "INSERT OR REPLACE INTO tunings (key, record, updated_unix) VALUES (?, ?, ?)",
+                (key, record.SerializeToString(), record.updated_unix),
+            )
+            self._db.execute(
+                "DELETE FROM tunings WHERE key NOT IN (SELECT key FROM tunings ORDER BY updated_unix DESC LIMIT ?)",
+                (keep,),
+            )
 
     def close(self) -> None:
         """Checkpoint and close the database."""

@@ -902,6 +902,45 @@ class ListJobsReply(_message.Message):
     jobs: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, jobs: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class TuningRequest(_message.Message):
+    __slots__ = ("dataset", "model")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    model: str
+    def __init__(self, dataset: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+
+class TuningRecord(_message.Message):
+    __slots__ = ("dataset", "model", "ratio", "server_stages", "rates", "reason", "updated_unix", "key")
+    class RatesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    RATIO_FIELD_NUMBER: _ClassVar[int]
+    SERVER_STAGES_FIELD_NUMBER: _ClassVar[int]
+    RATES_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    model: str
+    ratio: float
+    server_stages: int
+    rates: _containers.ScalarMap[str, float]
+    reason: str
+    updated_unix: float
+    key: str
+    def __init__(self, dataset: _Optional[str] = ..., model: _Optional[str] = ..., ratio: _Optional[float] = ..., server_stages: _Optional[int] = ..., rates: _Optional[_Mapping[str, float]] = ..., reason: _Optional[str] = ..., updated_unix: _Optional[float] = ..., key: _Optional[str] = ...) -> None: ...
+
+class SaveTuningReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class GetStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

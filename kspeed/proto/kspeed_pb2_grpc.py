@@ -132,6 +132,16 @@ class ManagerStub:
                 request_serializer=kspeed__pb2.ListJobsRequest.SerializeToString,
                 response_deserializer=kspeed__pb2.ListJobsReply.FromString,
                 _registered_method=True)
+        self.GetTuning = channel.unary_unary(
+                '/kspeed.v1.Manager/GetTuning',
+                request_serializer=kspeed__pb2.TuningRequest.SerializeToString,
+                response_deserializer=kspeed__pb2.TuningRecord.FromString,
+                _registered_method=True)
+        self.SaveTuning = channel.unary_unary(
+                '/kspeed.v1.Manager/SaveTuning',
+                request_serializer=kspeed__pb2.TuningRecord.SerializeToString,
+                response_deserializer=kspeed__pb2.SaveTuningReply.FromString,
+                _registered_method=True)
 
 
 class ManagerServicer:
@@ -263,6 +273,19 @@ class ManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTuning(self, request, context):
+        """The offload decision kept for a dataset and model (NOT_FOUND: none), and keeping one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SaveTuning(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -360,6 +383,16 @@ def add_ManagerServicer_to_server(servicer, server):
                     servicer.ListJobs,
                     request_deserializer=kspeed__pb2.ListJobsRequest.FromString,
                     response_serializer=kspeed__pb2.ListJobsReply.SerializeToString,
+            ),
+            'GetTuning': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTuning,
+                    request_deserializer=kspeed__pb2.TuningRequest.FromString,
+                    response_serializer=kspeed__pb2.TuningRecord.SerializeToString,
+            ),
+            'SaveTuning': grpc.unary_unary_rpc_method_handler(
+                    servicer.SaveTuning,
+                    request_deserializer=kspeed__pb2.TuningRecord.FromString,
+                    response_serializer=kspeed__pb2.SaveTuningReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -878,6 +911,60 @@ class Manager:
             '/kspeed.v1.Manager/ListJobs',
             kspeed__pb2.ListJobsRequest.SerializeToString,
             kspeed__pb2.ListJobsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTuning(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kspeed.v1.Manager/GetTuning',
+            kspeed__pb2.TuningRequest.SerializeToString,
+            kspeed__pb2.TuningRecord.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SaveTuning(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kspeed.v1.Manager/SaveTuning',
+            kspeed__pb2.TuningRecord.SerializeToString,
+            kspeed__pb2.SaveTuningReply.FromString,
             options,
             channel_credentials,
             insecure,

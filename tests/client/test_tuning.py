@@ -279,3 +279,48 @@ def test_the_tuner_decides_from_what_it_measures_and_applies_a_change(monkeypatc
         assert again is not None and again.ratio < decision.ratio
     finally:
         tuner.close()
+
+
+# -- the model signature a decision is kept under ---------------------------------------------------
+
+
+def test_a_models_signature_is_its_structure_not_its_weights():
+    from kspeed.client.tuning.store import model_signature
+
+    torch_nn = pytest.importorskip("torch.nn")
+    a = torch_nn.Sequential(torch_nn.Linear(4, 8), torch_nn.ReLU(), torch_nn.Linear(8, 2))
+    b = torch_nn.Sequential(torch_nn.Linear(4, 8), torch_nn.ReLU(), torch_nn.Linear(8, 2))  # other weights
+    c = torch_nn.Sequential(torch_nn.Linear(4, 16), torch_nn.ReLU(), torch_nn.Linear(16, 2))
+    assert model_signature(a, "job", 32) == model_signature(b, "job", 32)
+    assert model_signature(a, "job", 32) != model_signature(c, "job", 32)
+    assert model_signature(a, "job", 32) != model_signature(a, "job", 64)  # the batch changes the step
+    assert model_signature("resnet50", "job", 32) == "name:resnet50/batch32"
+    assert model_signature(None, "alice@node1", 32).startswith("job:alice@node1/")
+    with pytest.raises(ConfigError, match="model"):
+        model_signature(3.5, "job", 32)
+    with pytest.raises(ConfigError, match="model"):
+        model_signature("", "job", 32)
+
+
+def test_the_tuner_keeps_its_decision_and_starts_from_a_kept_one():
+    kept: list = []
+    tuner = AutoOffload(
+        dataset="d",
+        links=lambda: [],
+        server_stages=3,
+        nbytes=1000,
+        label="x",
+        apply=lambda r: None,
+        ratio=0.3,
+        cores=1,
+        keep=kept.append,
+        record=lambda ratio, decision: ("kept", ratio, decision),
+        kept={"pcycle": 0.002},
+    )
+    try:
+        tuner._stop.set()
+        assert tuner._kept_cost == 0.002  # the prior Pcycle, before a sample ran here
+        tuner._unsaved = True
+    finally:
+        tuner.close()
+    assert kept == [("kept", 0.3, None)]

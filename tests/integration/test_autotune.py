@@ -128,3 +128,24 @@ def test_the_decision_follows_the_servers_when_one_is_killed(cluster_factory, tm
         # one server's capacity left: less is offloaded
         assert after["ratio"] < before["ratio"], (before, after)
         assert ds.stats()["replaced_servers"] == 1
+
+
+def test_a_repeated_job_starts_from_the_decision_its_last_run_kept(cluster_factory, tmp_path):
+    from kspeed.client.tuning.store import record_of
+
+    cluster, _, spec = photo_cluster(cluster_factory, tmp_path)
+    with KSpeedClient(config=config_for(cluster)) as client:
+        with client.dataset(spec, BATCH, shuffle=True, seed=SEED, num_workers=1, model="tiny", quiet=True) as ds:
+            assert ds.stats()["offload"]["ratio"] == 1.0  # nothing kept yet: everything on the servers
+            stages = ds.dataset.prep.server_stages
+            next(iter(ds))
+        # what a run that settled on 0.4 keeps (the tuner keeps its split this way after a change)
+        client.manager.save_tuning(record_of("photos", "name:tiny/batch8", 0.4, stages, None))
+        with client.dataset(spec, BATCH, shuffle=True, seed=SEED, num_workers=1, model="tiny", quiet=True) as ds:
+            assert ds.stats()["offload"]["ratio"] == 0.4
+            first = next(iter(ds))
+            assert first[0].shape[0] == BATCH
+            assert ds.dataset._pump._current.fraction == 0.4  # the first plan was made with it
+        # another model starts from scratch
+        with client.dataset(spec, BATCH, shuffle=True, seed=SEED, num_workers=1, model="other", quiet=True) as ds:
+            assert ds.stats()["offload"]["ratio"] == 1.0

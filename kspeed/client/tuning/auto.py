@@ -21,7 +21,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kspeed.client.feeding.links import Link
@@ -60,6 +60,11 @@ class AutoOffload:
         rail_bytes_per_s: the rail's bandwidth, where known.
         cores: CPUs this process may use (default: :func:`usable_cores`).
         clock: the time source (tests).
+        hysteresis: how a change is adopted (default: :class:`Hysteresis`'s).
+        keep: keeps a decision for the next run (the manager's metric store); called from this
+            tuner's thread after a change, and at :meth:`close`.
+        record: makes that record of a ratio and the decision behind it.
+        kept: the rates of the decision kept from a previous run, if any (its Pcycle is the prior).
     """
 
     def __init__(
@@ -76,6 +81,9 @@ class AutoOffload:
         cores: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         hysteresis: Hysteresis | None = None,
+        keep: Callable[[Any], None] | None = None,
+        record: Callable[[float, Decision | None], Any] | None = None,
+        kept: Mapping[str, float] | None = None,
     ) -> None:
         self.dataset = dataset
         self.loop = LoopMeter()
@@ -97,6 +105,9 @@ class AutoOffload:
         self._remote_at = clock()
         self._remote_rate = 0.0
         self._server_cost: float | None = None  # servers' busy seconds per sample (the Pcycle prior)
+        self._kept_cost = (kept or {}).get("pcycle")  # the last run's Pcycle (a better prior)
+        self._keep, self._record = keep, record
+        self._unsaved = False
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._read_servers, name=f"kspeed-tune-{dataset}", daemon=True)
@@ -136,6 +147,7 @@ class AutoOffload:
         )
         self.ratio = adopted.ratio
         self._apply(adopted.ratio)
+        self._unsaved = True
         return adopted
 
     # -- rates ---------------------------------------------------------------------------------------
@@ -156,7 +168,9 @@ class AutoOffload:
                 self._remote_rate = self._remote_samples / span
                 self._remote_samples, self._remote_at = 0.0, now
         loop = self.loop.figures()
-        local = self.prep.local_cpu if self.prep.local_cpu is not None else self._server_cost
+        local = self.prep.local_cpu
+        if local is None:
+            local = self._kept_cost if self._kept_cost is not None else self._server_cost
         if loop is None or loop["samples"] < MIN_SAMPLES or local is None:
             return None
         return Rates(
@@ -189,6 +203,18 @@ class AutoOffload:
                 ran += figures.samples
             if ran > 0:
                 self._server_cost = busy / ran
+            if self._unsaved:
+                self._save()
+
+    def _save(self) -> None:
+        """Keep the split in force for the next run (best effort: a manager away loses nothing here)."""
+        if self._keep is None or self._record is None:
+            return
+        self._unsaved = False
+        try:
+            self._keep(self._record(self.ratio, self.last))
+        except KSpeedError as exc:
+            log.debug("dataset %s: offload decision not kept on the manager: %s", self.dataset, exc)
 
     # -- reporting -----------------------------------------------------------------------------------
 
@@ -210,6 +236,8 @@ class AutoOffload:
         }
 
     def close(self) -> None:
-        """Stop reading the servers."""
+        """Stop reading the servers; keep the split in force if a decision was made."""
         self._stop.set()
         self._thread.join(timeout=5.0)
+        if self._unsaved or (self.last is not None and self.hysteresis.changes > 1):
+            self._save()
