@@ -20,7 +20,7 @@ from kspeed.client.client import KSpeedClient
 from kspeed.client.folders import folder_spec
 from kspeed.client.options import FeedOptions
 from kspeed.client.prep.workers import check_loader, check_picklable, pil_file_loader, resolve_loader
-from kspeed.client.prepared import PreparedDataset
+from kspeed.client.prepared import PreparedDataset, worker_count
 from kspeed.errors import ConfigError, DatasetError, UnavailableError
 from tests.client.fakes import FakeServer, client_config, fake_info, open_dataset
 
@@ -363,3 +363,12 @@ def test_bad_arguments_are_named(folder, make_wrapped):
         make_wrapped(num_workers=-1)
     with pytest.raises(ConfigError, match="prefetch must be a positive integer"):
         make_wrapped(prefetch=-1)
+
+
+def test_default_workers_follow_the_cpus_the_process_may_use(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)  # taskset -c 0,1
+    assert worker_count(None) == 2
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)))
+    assert worker_count(None) == 4
+    assert worker_count(7) == 7  # asked for: as asked
