@@ -124,7 +124,7 @@ def test_the_predicted_epoch_is_granted_before_the_current_one_ends(make_ds):
 
 def test_a_loop_that_draws_from_torchs_global_rng_gets_the_samplers_order_anyway(make_ds, samples, caplog):
     def draw():
-        return torch.rand(3)  # e.g. dropout or noise on the CPU, between two epochs
+        return torch.rand(1000)  # e.g. noise on the CPU, between two epochs
 
     make = SAMPLERS["random"]
     ds, fakes = make_ds(sampler=make())
@@ -154,7 +154,9 @@ def test_a_dataloader_over_the_dataset_is_predicted_past_the_seed_it_draws(make_
     want, _, _ = sampler_orders(make, EPOCHS, before=lambda: torch.empty((), dtype=torch.int64).random_())
     assert got == want
     assert figures(ds) == (EPOCHS, EPOCHS - 2, 1)  # the first boundary missed, then learnt
-    assert any("draws 1 seed(s) from torch's global RNG between epochs" in r.getMessage() for r in caplog.records)
+    assert any(
+        "draws as much as 1 seed(s) from torch's global RNG between epochs" in r.getMessage() for r in caplog.records
+    )
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # nothing to fix
 
 

@@ -154,9 +154,11 @@ def test_a_loop_drawing_seeds_between_epochs_is_learnt_and_other_draws_are_told(
     assert boundary(2, seeds(1))  # ... and predicted past from then on
     assert not boundary(3, seeds(0))  # the DataLoader gone: learnt again
     assert boundary(4, seeds(0))
+    assert not boundary(5, lambda: torch.rand(4))  # as much as two seeds, every time: learnt too
+    assert boundary(6, lambda: torch.rand(4))
     assert not caplog.records or all(r.levelno < logging.WARNING for r in caplog.records)
-    assert not boundary(5, seeds(MAX_SEEDS + 1))  # more than a few seeds: the loop draws from it
-    assert not boundary(6, lambda: torch.rand(2))
+    assert not boundary(7, seeds(MAX_SEEDS + 1))  # more than a few seeds: the loop draws from it
+    assert not boundary(8, lambda: torch.rand(1000))
     told = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(told) == 1  # once per reason
     assert "the training loop drew from torch's global RNG between epochs, so RandomSampler's next order" in told[0]

@@ -17,10 +17,10 @@ generators it draws from, so it is computed now from copies of both:
 
 A prediction comes true only if nothing draws from what it was copied from before the next epoch
 starts: a training loop that draws from torch's global generator between epochs makes a sampler
-that draws from it give another order. One pattern is learnt: a loop that draws the same few
-64-bit seeds from torch's global generator between epochs (a ``DataLoader`` over the dataset draws
-one per epoch, its workers' base seed) is predicted past them from the next epoch on. Why a
-prediction failed is logged once per dataset and reason.
+that draws from it give another order. One pattern is learnt: a loop that draws as much from
+torch's global generator between every two epochs, up to :data:`MAX_SEEDS` 64-bit numbers (a
+``DataLoader`` over the dataset draws one per epoch, its workers' base seed), is predicted past it
+from the next epoch on. Why a prediction failed is logged once per dataset and reason.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ __all__ = ["MAX_SEEDS", "Prediction", "Predictor"]
 
 log = logging.getLogger(__name__)
 
-#: 64-bit seeds that a loop may draw from torch's global generator between epochs and still be
-#: predicted past (a DataLoader over the dataset draws one per epoch)
+#: 64-bit numbers (seeds) that a loop may draw from torch's global generator between epochs and
+#: still be predicted past (a DataLoader over the dataset draws one per epoch)
 MAX_SEEDS = 4
 _TORCH_SAMPLERS = (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
 _DATA_ATTRIBUTES = ("data_source", "dataset")  # what a sampler draws from: shared by its copies, never copied
@@ -251,8 +251,8 @@ class Predictor:
             seeds = _seeds_between(prediction.global_state, global_now)
         if seeds is not None and seeds != self._seeds:
             log.debug(
-                "dataset %s: the training loop draws %d seed(s) from torch's global RNG between epochs (a "
-                "DataLoader over the dataset draws one per epoch): %s's next order is predicted past them",
+                "dataset %s: the training loop draws as much as %d seed(s) from torch's global RNG between "
+                "epochs (a DataLoader over the dataset draws one per epoch): %s's next order is predicted past it",
                 self.orders.dataset,
                 seeds,
                 self._name,
