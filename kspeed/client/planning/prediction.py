@@ -29,8 +29,7 @@ import copy
 import enum
 import logging
 import random
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -39,6 +38,7 @@ from torch.utils.data import Dataset, RandomSampler, SubsetRandomSampler, Weight
 
 from kspeed.client.planning.sampling import EpochOrders
 from kspeed.errors import KSpeedError, StateError
+from kspeed.preprocess.rng import global_generators_kept
 
 __all__ = ["MAX_SEEDS", "Prediction", "Predictor"]
 
@@ -204,7 +204,7 @@ class Predictor:
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
         state, others = torch.get_rng_state(), _other_states()
-        with _global_generators_kept():
+        with global_generators_kept():
             _skip_seeds(None, self._seeds)
             ids = self.orders.order_of(sampler)
         return Prediction(epoch, self.draws, lambda: ids, global_state=state, others=others)
@@ -325,15 +325,3 @@ def _same_states(a: tuple[Any, Any], b: tuple[Any, Any]) -> bool:
     return python_a == python_b and all(
         np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y for x, y in zip(numpy_a, numpy_b, strict=True)
     )
-
-
-@contextmanager
-def _global_generators_kept() -> Iterator[None]:
-    """torch's, Python's and numpy's global generators as they were, once the block is done."""
-    state, (python, legacy) = torch.get_rng_state(), _other_states()
-    try:
-        yield
-    finally:
-        torch.set_rng_state(state)
-        random.setstate(python)
-        np.random.set_state(legacy)
