@@ -308,7 +308,13 @@ class KSpeedClient:
                 try:
                     inner = self.open(spec, feed_options)
                     stages = dataclasses.replace(stages, loader=None, transform=None)
-                    log.debug("dataset %s: loader and transforms offloaded to the servers (%s)", spec.name, pipeline)
+                    log.debug(
+                        "dataset %s: loader and transforms run as a pipeline (%s), its server stages on the servers "
+                        "for a share of %s of each batch",
+                        spec.name,
+                        pipeline,
+                        1.0 if feed_options.offload is None else feed_options.offload,
+                    )
                 except (AccessDeniedError, ConfigError) as exc:
                     if cache:
                         raise
