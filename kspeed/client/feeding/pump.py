@@ -15,8 +15,8 @@ planned in the caller's thread when it starts.
 
 A plan is the rank's largest structure (about 15 bytes per sample of its share), so the pump
 keeps two: the current epoch's and the next one's. One given up part way goes once its batches
-still granted have settled (not at the next epoch's start), and a sampler's that is drawn anew
-each epoch goes before the next one is made there.
+still granted have settled (not at the next epoch's start), and one of a sampler drawn anew each
+epoch goes before the next one is made when that is not the one made ahead.
 """
 
 from __future__ import annotations
