@@ -178,9 +178,20 @@ def test_why_a_prediction_failed_is_told_per_sampler(caplog):
     prediction = python.predict()
     random.random()  # the loop draws from Python's random
     assert not python.check(prediction, 1, python.draw(1), prediction.order())
+
+    class FreshEntropy(PythonShuffle):
+        def __iter__(self):
+            return iter(np.random.default_rng().permutation(self.n).tolist())  # from the OS, every time
+
+    fresh = Predictor(orders(FreshEntropy(N)))
+    fresh.draw(0)
+    prediction = fresh.predict()
+    assert not fresh.check(prediction, 1, fresh.draw(1), prediction.order())
     told = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(told) == 3
     assert "RandomSampler's generator was drawn from or seeded between epochs" in told[0]
-    assert "the training loop drew from Python's random or numpy's global RNG between epochs" in told[1]
+    assert "the training loop drew from Python's or numpy's global RNG between epochs, so PythonShuffle's" in told[1]
+    assert "FreshEntropy's order depends on more than its own state and the global generators" in told[2]
 
 
 def test_another_epoch_than_predicted_is_a_miss_and_a_repeated_epoch_is_predicted_again():

@@ -249,7 +249,10 @@ class Predictor:
         seeds = None
         if prediction.global_state is not None and global_now is not None:
             seeds = _seeds_between(prediction.global_state, global_now)
-        if seeds is not None and seeds != self._seeds:
+        others_drawn = (
+            prediction.others is not None and others_now is not None and not _same_states(prediction.others, others_now)
+        )
+        if seeds is not None and seeds != self._seeds and not others_drawn:
             log.debug(
                 "dataset %s: the training loop draws as much as %d seed(s) from torch's global RNG between "
                 "epochs (a DataLoader over the dataset draws one per epoch): %s's next order is predicted past it",
@@ -258,12 +261,15 @@ class Predictor:
                 self._name,
             )
             self._seeds = seeds
-        elif seeds is None:
-            self._tell("the training loop drew from torch's global RNG between epochs", _OWN_GENERATOR_HINT)
-        elif (
-            prediction.others is not None and others_now is not None and not _same_states(prediction.others, others_now)
-        ):
-            self._tell("the training loop drew from Python's random or numpy's global RNG between epochs", "")
+            return
+        drawn = [
+            name
+            for name, moved in (("torch's global RNG", seeds is None), ("Python's or numpy's global RNG", others_drawn))
+            if moved
+        ]
+        if drawn:
+            hint = _OWN_GENERATOR_HINT if seeds is None else ""
+            self._tell(f"the training loop drew from {' and '.join(drawn)} between epochs", hint)
         else:
             self._tell(f"{self._name}'s order depends on more than its own state and the global generators", "")
 
