@@ -41,6 +41,7 @@ __all__ = [
     "parse_duration",
     "preprocess_environment",
     "setting",
+    "usable_cores",
 ]
 
 C = TypeVar("C")
@@ -995,6 +996,18 @@ def gpu_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The variables that say which GPU this process uses (CUDA's and the launcher's, read here)."""
     environ = os.environ if environ is None else environ
     return {k: environ[k] for k in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "LOCAL_RANK") if k in environ}
+
+
+def usable_cores() -> int:
+    """CPUs this process may run on: its affinity (``taskset``, a cgroup's cpuset), else every CPU.
+
+    Read at each call, never at import: what sizes a pool follows the process's affinity when the
+    pool is made, and a test can patch it.
+    """
+    try:
+        return max(len(os.sched_getaffinity(0)), 1)
+    except (AttributeError, OSError):  # a platform without affinity (macOS)
+        return os.cpu_count() or 1
 
 
 #: What every preprocessing worker is started with from the server's environment (when set).

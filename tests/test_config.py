@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 
@@ -15,6 +16,7 @@ from kspeed.config import (
     parse_address,
     parse_bytes,
     parse_duration,
+    usable_cores,
 )
 from kspeed.errors import ConfigError
 
@@ -194,3 +196,13 @@ def test_a_bad_backend_options_value_is_refused_without_showing_the_credentials_
     with pytest.raises(ConfigError, match="not shown: it holds credentials") as bad:
         load_config(ServerConfig, environ={**NO_AUTH, "KSPEED_CONFIG": str(path)})
     assert "S3CRETPW" not in str(bad.value)
+
+
+def test_usable_cores_follow_the_affinity_not_the_machine(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 5}, raising=False)  # taskset -c 3,5
+    assert usable_cores() == 2
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 5, 6})  # read at each call
+    assert usable_cores() == 3
+    monkeypatch.delattr(os, "sched_getaffinity")  # a platform without affinity
+    assert usable_cores() == 64

@@ -142,7 +142,8 @@ class KSpeedClient:
             transform: applied to each prepared sample in the client's workers.
             collate_fn: list of samples (or ``(sample, label)`` pairs) -> batch (default
                 ``default_collate``).
-            num_workers: client worker processes (default: up to 4, one per CPU; 0: inline).
+            num_workers: client worker processes (default: up to 4, one per CPU this process may use; 0:
+                inline).
             prefetch: batches in flight in the workers (default: 2 per worker).
             on_error: ``"raise"`` (default) or ``"skip"``: a sample whose preparation fails is
                 left out of its batch, logged with its ID and counted in ``stats()["skipped"]``.
@@ -278,7 +279,7 @@ class KSpeedClient:
             sampler: as in :meth:`dataset` (``None``: shuffled per epoch with ``seed``).
             collate_fn: list of ``(sample, target)`` pairs -> batch (default ``default_collate``).
             loader: replaces ``dataset.loader``; called on a binary file object.
-            num_workers: transform worker processes (default: up to 4, one per CPU).
+            num_workers: transform worker processes (default: up to 4, one per CPU this process may use).
             prefetch: batches in flight in the workers (default: 2 per worker).
             list_dir: where to write the list file when one is needed (default ``<root>/.kspeed``).
             name: the dataset's name in the cluster (default: from a hash of the paths).
@@ -315,7 +316,13 @@ class KSpeedClient:
                 try:
                     inner = self.open(spec, feed_options)
                     stages = dataclasses.replace(stages, loader=None, transform=None)
-                    log.debug("dataset %s: loader and transforms offloaded to the servers (%s)", spec.name, pipeline)
+                    log.debug(
+                        "dataset %s: loader and transforms run as a pipeline (%s), its server stages on the servers "
+                        "for a share of %s of each batch",
+                        spec.name,
+                        pipeline,
+                        1.0 if feed_options.offload is None else feed_options.offload,
+                    )
                 except (AccessDeniedError, ConfigError) as exc:
                     if cache:
                         raise

@@ -19,6 +19,8 @@ exactly the batches that were not yet delivered. For any other sampler the epoch
 again from the sampler when the resumed epoch starts and its first ``batches`` batches are
 skipped: the same *number* of batches remains, but they are the same samples only if the
 sampler's own random state was restored too (e.g. a seeded ``torch.Generator`` saved by the user).
+Predicting such a sampler's next order to plan it ahead (:mod:`kspeed.client.feeding.foresight`)
+draws only from copies, so the state saved is the one the training loop left.
 """
 
 from __future__ import annotations

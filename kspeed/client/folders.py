@@ -22,14 +22,18 @@ When the loader is torchvision's PIL loader and every transform is one of torchv
 ones (:func:`kspeed.client.prep.offload.folder_pipeline`), the dataset gets a pipeline: the servers
 decode and run the transforms up to the last uint8 one, re-created from their parameters and
 seeded per sample, and the client runs the float rest (``ToTensor``, ``Normalize``) and
-``collate_fn``; the dataset's name then also hashes the pipeline. Otherwise (or with
-``offload=0``, or when the servers refuse the pipeline) the loader, transforms and ``collate_fn``
-run in worker processes (:mod:`kspeed.client.prep.workers`), and why is logged once; the
-loader gets each sample's bytes as an ``io.BytesIO`` (torchvision's path-based
-``pil_loader``/``default_loader`` are swapped for the same PIL code on a file object). They must
-therefore be picklable (module-level functions or objects), and the batches keep the sampler's
-order. The workers start before the dataset registers, so that they get ready meanwhile
-(:func:`client_workers_needed` says whether it will need them).
+``collate_fn``; the dataset's name then also hashes the pipeline. ``offload=`` keeps that pipeline
+and only moves its server stages, for some or (``offload=0``) all of each batch's samples, to the
+client's workers, where the same seeded stages give the same bytes. Otherwise (or when the servers
+refuse the pipeline) the loader, transforms and ``collate_fn`` run in worker processes
+(:mod:`kspeed.client.prep.workers`), with torch's, Python's and numpy's global generators seeded
+per sample from ``(seed, epoch, sample)``, so a random transform gives a sample the same bytes
+whatever the number of workers; why is logged once. The loader gets each sample's bytes as an
+``io.BytesIO`` (torchvision's path-based ``pil_loader``/``default_loader`` are swapped for the
+same PIL code on a file object). They must therefore be picklable (module-level functions or
+objects), and the batches keep the sampler's order. The workers start before the dataset
+registers, so that they get ready meanwhile (:func:`client_workers_needed` says whether it will
+need them).
 """
 
 from __future__ import annotations
@@ -189,7 +193,8 @@ def folder_stages(dataset: Any, loader: Callable[..., Any] | None, collate_fn: C
 def folder_pipeline_choice(
     stages: Stages, *, offload: float | None, cache: str, workers: int | None
 ) -> tuple[Pipeline | None, str]:
-    """The pipeline the servers may run for ``stages``, or ``None`` and why not.
+    """The pipeline the servers may run for ``stages``, or ``None`` and why not; kept with
+    ``offload=0`` too (the client then runs all its stages, seeded per sample as on the servers).
 
     Raises:
         ConfigError: a stage cannot be pickled for the workers, ``cache`` is unknown, or
@@ -199,8 +204,6 @@ def folder_pipeline_choice(
         check_picklable(stages)
     if cache not in CACHES:
         raise ConfigError(f"cache {cache!r} is not one of '', 'preprocessed'", field="cache", value=cache)
-    if offload == 0 and not cache:
-        return None, "offload=0"
     pipeline, why = folder_pipeline(stages.loader, stages.transform, cache=bool(cache))
     if cache and pipeline is None:
         raise ConfigError(

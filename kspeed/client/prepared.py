@@ -33,6 +33,7 @@ from kspeed.client.prep.workers import (
     check_loader,
     run_samples,
 )
+from kspeed.config import usable_cores
 from kspeed.control.progress import PreloadSummary
 from kspeed.errors import ConfigError, DatasetError, KSpeedError, StateError
 
@@ -40,8 +41,8 @@ __all__ = ["PreparedDataset", "start_workers", "worker_count"]
 
 log = logging.getLogger(__name__)
 
-#: Worker processes when ``num_workers`` is not given.
-DEFAULT_WORKERS = min(4, os.cpu_count() or 1)
+#: Worker processes when ``num_workers`` is not given: at most this many, one per usable CPU.
+DEFAULT_WORKERS = 4
 #: Batches in flight per worker (the ``DataLoader`` default ``prefetch_factor``).
 PREFETCH_PER_WORKER = 2
 NO_WORKERS = (
@@ -51,12 +52,13 @@ NO_WORKERS = (
 
 
 def worker_count(num_workers: int | None) -> int:
-    """The worker processes that ``num_workers`` asks for (``None``: :data:`DEFAULT_WORKERS`).
+    """The worker processes that ``num_workers`` asks for (``None``: :data:`DEFAULT_WORKERS`, at most
+    one per CPU this process may use: :func:`kspeed.config.usable_cores`).
 
     Raises:
         ConfigError: not a non-negative integer.
     """
-    workers = DEFAULT_WORKERS if num_workers is None else num_workers
+    workers = min(DEFAULT_WORKERS, usable_cores()) if num_workers is None else num_workers
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
         raise ConfigError(
             f"num_workers must be a non-negative integer, got {workers!r}", field="num_workers", value=workers
@@ -109,7 +111,8 @@ class PreparedDataset(IterableDataset):
         transform: applied to each loaded (or pipeline-prepared) sample, or ``None``.
         target_transform: applied to each target, or ``None``.
         collate_fn: list of ``(sample, target)`` pairs -> batch.
-        num_workers: worker processes (default: up to 4, one per CPU; 0: in the training process).
+        num_workers: worker processes (default: up to 4, one per CPU this process may use; 0: in the
+            training process).
         prefetch: batches in flight (default: 2 per worker).
         transform_workers: workers already started (:func:`start_workers`, e.g. while the dataset
             registered), used instead of ``num_workers`` new ones; they get this dataset's stages

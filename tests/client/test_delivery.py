@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import threading
 import time
 import warnings
 import weakref
@@ -151,21 +152,41 @@ def test_a_plan_given_up_part_way_goes_once_its_granted_batches_settle(make_ds):
     assert 0 not in ds._pump._plans
 
 
-def test_a_samplers_plan_is_let_go_before_the_next_one_is_made(make_ds):
-    ds, _ = make_ds(sampler=RandomSampler(range(N_SAMPLES), generator=torch.Generator().manual_seed(2)))
+class Uncopyable:
+    """A sampler of the user's that cannot be copied (it holds a lock), so its orders cannot be predicted."""
+
+    def __init__(self, n, seed):
+        self.n, self.lock = n, threading.Lock()
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __iter__(self):
+        with self.lock:
+            return iter(torch.randperm(self.n, generator=self.generator).tolist())
+
+    def __len__(self):
+        return self.n
+
+
+def test_an_unpredictable_samplers_plan_is_let_go_before_the_next_one_is_made(make_ds, caplog):
+    ds, _ = make_ds(sampler=Uncopyable(N_SAMPLES, 2))
     assert len(list(ds)) == len(ds)
     previous = weakref.ref(ds._pump._current)
     alive = []
-    plan_epoch = ds._pump._plan_epoch
+    foresight = ds._pump.foresight
+    plan_epoch = foresight._plan_epoch
 
     def watched(epoch):
         gc.collect()
         alive.append(previous() is not None)
         return plan_epoch(epoch)
 
-    ds._pump._plan_epoch = watched
+    foresight._plan_epoch = watched
+    ds.set_epoch(1)
     assert len(list(ds)) == len(ds)
-    assert alive == [False]  # two plans of a sampler's orders are never held at once
+    assert alive == [False]  # two plans of a sampler's orders are never held at once (nothing planned ahead)
+    assert ds.stats()["orders_predicted"] == 0
+    told = [r.getMessage() for r in caplog.records if "could not be predicted" in r.getMessage()]
+    assert len(told) == 1 and "Uncopyable cannot be copied (TypeError" in told[0]  # once, with why
 
 
 def test_resume_mid_epoch_continues_with_the_rest(make_ds, samples):

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    RandomSampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
 
 from kspeed.client.planning import compact, sampling
-from kspeed.client.planning.sampling import EpochOrders, ShardOrder, distributed_order
+from kspeed.client.planning.sampling import EpochOrders, ShardOrder, distributed_order, sampler_order
 from kspeed.errors import ConfigError, DatasetError
 
 N = 103
@@ -188,3 +197,61 @@ def test_orders_are_int32_ids_below_2_31_samples():
     assert orders(SequentialSampler(range(N))).order(0).tolist() == list(range(N))
     assert compact.id_dtype(2**31) == np.int32
     assert compact.id_dtype(2**31 + 1) == np.int64
+
+
+TORCH_SAMPLERS = {
+    "random": lambda: RandomSampler(range(N)),
+    "random-own-generator": lambda: RandomSampler(range(N), generator=torch.Generator().manual_seed(2)),
+    "random-several-passes": lambda: RandomSampler(range(N), num_samples=2 * N + 7),
+    "random-whole-passes": lambda: RandomSampler(range(N), num_samples=2 * N),  # the last, empty pass drawn too
+    "random-with-replacement": lambda: RandomSampler(range(N), replacement=True, num_samples=70),
+    "subset-list": lambda: SubsetRandomSampler([5, 9, 2, 40, 77, 3]),
+    "subset-tensor": lambda: SubsetRandomSampler(torch.arange(0, N, 3)),
+    "subset-range": lambda: SubsetRandomSampler(range(10, 60)),
+    "weighted": lambda: WeightedRandomSampler(torch.arange(1.0, N + 1), 50),
+    "weighted-without-replacement": lambda: WeightedRandomSampler(torch.rand(N, dtype=torch.double), 30, False),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(TORCH_SAMPLERS))
+def test_torchs_samplers_are_drawn_as_arrays_exactly_as_iterated(kind, monkeypatch):
+    # The same IDs as iterating the sampler, the same draws from its generator and torch's global
+    # one (a KSpeed user sees no difference), and no Python int per sample.
+    make = TORCH_SAMPLERS[kind]
+    torch.manual_seed(1)
+    theirs = make()
+    want = [[int(i) for i in theirs] for _ in range(2)]
+    their_state = torch.get_rng_state()
+    torch.manual_seed(1)
+    ours = make()
+    with monkeypatch.context() as m:
+        m.setattr(np, "fromiter", None)  # (not iterated)
+        got = [sampler_order(ours).tolist() for _ in range(2)]
+    assert got == want
+    assert torch.equal(torch.get_rng_state(), their_state)
+    if ours.generator is not None:
+        assert torch.equal(ours.generator.get_state(), theirs.generator.get_state())
+
+
+def test_a_subclass_that_iterates_otherwise_is_iterated():
+    class Reversed(RandomSampler):
+        def __iter__(self):
+            return reversed(list(super().__iter__()))
+
+    sampler = Reversed(range(N), generator=torch.Generator().manual_seed(4))
+    twin = RandomSampler(range(N), generator=torch.Generator().manual_seed(4))
+    assert sampler_order(sampler).tolist() == list(twin)[::-1]
+
+
+def test_an_order_given_is_planned_in_its_thread_only():
+    o = orders(RandomSampler(range(N), generator=torch.Generator().manual_seed(6)))
+    drawn = o.order(3)
+    elsewhere = []
+    with o.given(3, drawn):
+        assert o.order(3) is drawn  # not drawn again
+        thread = threading.Thread(target=lambda: elsewhere.append(o.order(3)))
+        thread.start()
+        thread.join()
+        assert o.order(4) is not drawn
+    assert not np.array_equal(elsewhere[0], drawn)  # another thread draws from the sampler
+    assert o.order(3) is not drawn

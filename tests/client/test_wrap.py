@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import multiprocessing
 import os
+import random
 import re
 import threading
 
@@ -20,7 +21,7 @@ from kspeed.client.client import KSpeedClient
 from kspeed.client.folders import folder_spec
 from kspeed.client.options import FeedOptions
 from kspeed.client.prep.workers import check_loader, check_picklable, pil_file_loader, resolve_loader
-from kspeed.client.prepared import PreparedDataset
+from kspeed.client.prepared import PreparedDataset, worker_count
 from kspeed.errors import ConfigError, DatasetError, UnavailableError
 from tests.client.fakes import FakeServer, client_config, fake_info, open_dataset
 
@@ -43,6 +44,12 @@ def jpeg_loader(source):
 def to_normalized_tensor(image):
     """HWC uint8 -> CHW float, normalized."""
     return (torch.from_numpy(image).permute(2, 0, 1).float() / 255.0 - 0.5) / 0.25
+
+
+def jitter(image):
+    """A random transform of the user's, drawing from torch's, Python's and numpy's global generators."""
+    tensor = to_normalized_tensor(image) + torch.rand(3, SIDE, SIDE) + float(np.random.rand())
+    return tensor.flip(-1) if random.random() < 0.5 else tensor
 
 
 def path_only_loader(path):
@@ -236,6 +243,29 @@ def test_loader_error_names_the_file_and_stops_the_workers(folder, make_wrapped)
     assert not any(alive(pid) for pid in pids)
 
 
+def test_a_random_transform_gives_a_sample_the_same_bytes_whatever_the_workers(folder, make_wrapped):
+    # Seeded per sample from (seed, epoch, sample ID): not by worker, nor by the order of arrival.
+    folder.transform = jitter
+    got = {}
+    for workers in (0, 1, 2):
+        wrapped = make_wrapped(sampler=SequentialSampler(folder), seed=3, num_workers=workers)
+        before = torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
+        got[workers] = []
+        for epoch in range(2):
+            wrapped.set_epoch(epoch)
+            got[workers].append(list(wrapped))
+        # in the training process (0 workers) too, the loop's own random streams are left alone
+        assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
+        assert np.array_equal(np.random.get_state()[1], before[2])
+        wrapped.close()
+    for workers in (1, 2):
+        for epoch in range(2):
+            assert_same_batches(got[workers][epoch], got[0][epoch])
+    first = [torch.cat([images for images, _ in epoch]) for epoch in got[0]]
+    assert not torch.equal(first[0], first[1])  # the same samples in another epoch: other draws
+    assert len({float(image.mean()) for image in first[0]}) == len(folder)  # each sample its own draws
+
+
 def test_no_workers_runs_in_the_training_process(folder, make_wrapped):
     wrapped = make_wrapped(sampler=SequentialSampler(folder), num_workers=0)
     assert_same_batches(list(wrapped), list(DataLoader(folder, batch_size=8, sampler=SequentialSampler(folder))))
@@ -363,3 +393,12 @@ def test_bad_arguments_are_named(folder, make_wrapped):
         make_wrapped(num_workers=-1)
     with pytest.raises(ConfigError, match="prefetch must be a positive integer"):
         make_wrapped(prefetch=-1)
+
+
+def test_default_workers_follow_the_cpus_the_process_may_use(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)  # taskset -c 0,1
+    assert worker_count(None) == 2
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)))
+    assert worker_count(None) == 4
+    assert worker_count(7) == 7  # asked for: as asked

@@ -32,6 +32,7 @@ from torchvision.transforms import (
     Grayscale,
     Normalize,
     PILToTensor,
+    RandomHorizontalFlip,
     RandomResizedCrop,
     Resize,
     ToTensor,
@@ -275,6 +276,26 @@ def test_batches_are_the_same_wherever_the_server_stages_run(start):
     assert done[0.0] == 0
     assert planned / 2 <= done[0.5] <= planned * 3 / 4
     assert planned <= done[1.0] and done[0.5] + done[1.0] <= (planned / 2 + planned) * 3 / 2
+
+    # A wrapped folder whose transforms are sent as a pipeline keeps it at offload=0: the client
+    # runs every stage of it, seeded alike, and the bytes are those the servers make.
+    augment = Compose([RandomResizedCrop(SIDE), RandomHorizontalFlip(), PILToTensor()])
+    folder = ImageFolder(str(photos.root), transform=augment)
+    wrapped = {}
+    for offload in (1.0, 0.0):
+        with client.wrap(folder, BATCH, num_workers=0, ring_bytes=RING, quiet=True, offload=offload, seed=SEED) as ds:
+            assert ds.dataset.pipeline is not None
+            wrapped[offload] = []
+            for epoch in range(2):
+                ds.set_epoch(epoch)
+                wrapped[offload].append(list(ds))
+            ran_here = set(ds.stats()["client_stage_seconds"])
+        if offload == 0.0:
+            assert ds.dataset.prep is None  # no sample marked for the servers
+            assert {"0:decode_image", "1:torchvision.transforms:RandomResizedCrop"} <= ran_here
+    for epoch in range(2):
+        assert_same_batches(wrapped[0.0][epoch], wrapped[1.0][epoch])
+    assert not torch.equal(wrapped[0.0][0][0][0], wrapped[0.0][1][0][0])  # (another epoch, other crops)
 
 
 # -- wrap ------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from kspeed.client.delivery.device import Delivery, make_delivery
 from kspeed.client.delivery.device_ring import CupyRingViews, DeviceRingDelivery, device_ring
 from kspeed.client.feeding.failover import Failover
 from kspeed.client.feeding.feed import Feed
+from kspeed.client.feeding.foresight import Foresight
 from kspeed.client.feeding.granting import Granting, Paced, Unpaced
 from kspeed.client.feeding.links import Link
 from kspeed.client.feeding.pacing import Pacer
@@ -33,6 +34,7 @@ from kspeed.client.feeding.pump import Pump
 from kspeed.client.feeding.rail_choice import ServerPlace, choose_rail, local_address_towards, needs_pacing
 from kspeed.client.options import FeedOptions
 from kspeed.client.planning.plans import EpochPlanner, PrepSplit
+from kspeed.client.planning.prediction import Predictor
 from kspeed.client.planning.sampling import EpochOrders, job_rank
 from kspeed.client.stats import RankStats, StatsReporter, default_job
 from kspeed.config import ClientConfig, gpu_environment
@@ -99,10 +101,13 @@ class FeedParts:
             link.close()
 
     def figures(self) -> dict[str, Any]:
-        """This rank's delivery figures: the feed's counters, the rank's statistics and its data wait."""
+        """This rank's delivery figures: the feed's counters, the rank's statistics, its data wait and
+        (a sampler not deterministic in (seed, epoch)) its orders predicted and planned ahead."""
+        foresight = self.pump.foresight
         return {
             **self.feed.stats(),
             **self.stats.summary(),
+            **(foresight.stats() if foresight is not None else Foresight.NONE),
             "wait_s": self.pump.wait_s,
             "last_wait_s": self.pump.last_wait_s,
             "rail": self.feed.rail,
@@ -296,6 +301,7 @@ def build_feed(
             truncate=feed.truncate_plan,
         )
         sample = (info.sample_dtype, tuple(int(d) for d in info.sample_shape))
+        foresight = None if orders.deterministic else Foresight(Predictor(orders), planner, feed.drop_plan, cores)
         pump = Pump(
             feed,
             planner,
@@ -304,6 +310,7 @@ def build_feed(
             delivery=delivery,
             sample=sample,
             splitter=planner if prep is not None and prep.adjustable else None,
+            foresight=foresight,
         )
         if manager is not None:  # a lost server's share is followed to its new holder
             pump.failover = Failover(

@@ -5,10 +5,13 @@ current epoch, then the next epoch's batches once its plan is committed), then p
 until the wanted batch is complete. The servers keep writing while the model trains, so on ``shm``
 nothing else needs to run in the training process.
 
-One helper thread exists: the next epoch of a sampler deterministic in (seed, epoch) is looked up
-and committed (two RPC rounds to every server, which may wait for a preload) on a planner thread
-while the current epoch is consumed, so the training loop never stalls for those round trips at
-the boundary. Other samplers are planned in the caller's thread when their epoch starts.
+One helper thread exists: the next epoch is looked up and committed (two RPC rounds to every
+server, which may wait for a preload) on a planner thread while the current epoch is consumed, so
+the training loop never stalls for those round trips at the boundary. A sampler deterministic in
+(seed, epoch) has its next order computed there; any other has it predicted when the current epoch
+starts, and the plan made ahead is used only if the sampler then gives that order
+(:mod:`kspeed.client.feeding.foresight`). A sampler whose orders cannot be predicted has each epoch
+planned in the caller's thread when it starts.
 
 The same thread makes re-splits (``offload="auto"``, :meth:`Pump.resplit`): the plan being granted
 re-split from a batch a little past the first one not granted, as a new pass. The batches from
@@ -18,8 +21,8 @@ granted while the previous one was made.
 
 A plan is the rank's largest structure (about 15 bytes per sample of its share), so the pump
 keeps two: the current epoch's and the next one's. One given up part way goes once its batches
-still granted have settled (not at the next epoch's start), and a sampler's that is drawn anew
-each epoch goes before the next one is made.
+still granted have settled (not at the next epoch's start), and one of a sampler drawn anew each
+epoch goes before the next one is made when that is not the one made ahead.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from kspeed.client.delivery.ring import RingAllocator
 from kspeed.client.feeding.failover import Failover
 from kspeed.client.feeding.feed import Feed
 from kspeed.client.feeding.feed_state import GrantedBatch
+from kspeed.client.feeding.foresight import Foresight
 from kspeed.client.planning.plans import EpochPlan, EpochPlanner
 from kspeed.errors import CapacityError, KSpeedError, StateError, TransportError
 from kspeed.rdma.topology import pin
@@ -81,6 +85,8 @@ class Pump:
         sample: an ``.npy`` dataset's row dtype and shape, for :meth:`Batch.array`.
         splitter: the planner, when the split of preprocessing may change while the job runs
             (:meth:`resplit`).
+        foresight: plans ahead from predictions, for a sampler not ``deterministic`` (``None``:
+            each epoch planned when it starts).
     """
 
     def __init__(
@@ -92,12 +98,14 @@ class Pump:
         delivery: Delivery | None = None,
         sample: tuple[str, tuple[int, ...]] = ("", ()),
         splitter: EpochPlanner | None = None,
+        foresight: Foresight | None = None,
     ) -> None:
         self.feed = feed
         self.delivery: Delivery = delivery if delivery is not None else CpuDelivery()
         self._plan_epoch = plan_epoch
         self.sample = sample
         self._deterministic = deterministic
+        self.foresight = foresight
         self._plans: dict[int, EpochPlan] = {}
         self._future: Future | None = None
         self._future_epoch: int | None = None
@@ -149,6 +157,8 @@ class Pump:
 
     def _next_plan(self) -> EpochPlan | None:
         """The predicted next epoch's plan, once committed (never waits)."""
+        if self._current is not None and self.foresight is not None:
+            return self.foresight.ready()
         if self._current is None or not self._deterministic:
             return None
         epoch = self._current.epoch + 1
@@ -171,14 +181,20 @@ class Pump:
                 for number in plan.pass_numbers():
                     self.feed.drop_plan(number)
                 del self._plans[epoch]
+        if self.foresight is not None:
+            self.foresight.retire()
 
     # -- epochs ----------------------------------------------------------------------------------
 
     def start(self, epoch: int, first_batch: int) -> EpochPlan:
         """Make ``epoch`` current from ``first_batch`` on; keep what was already granted if it lines up."""
-        if not self._deterministic:
-            self._let_go()  # its plan is never reused: freed before the next one is made
-        plan = self._surviving(lambda: self._plan_for(epoch))
+        if self.foresight is not None:
+            ids = self.foresight.draw(epoch)  # the sampler's order, drawn once, as without KSpeed
+            plan = self._surviving(lambda: self._drawn_plan(epoch, ids))
+        else:
+            if not self._deterministic:
+                self._let_go()  # its plan is never reused: freed before the next one is made
+            plan = self._surviving(lambda: self._plan_for(epoch))
         head = self._queue[0] if self._queue else None
         if head is None or head.plan is not plan or head.batch != first_batch:
             while self._queue:
@@ -189,7 +205,19 @@ class Pump:
         self._retire()
         if self._deterministic:
             self._prefetch(epoch + 1)
+        elif self.foresight is not None:
+            self.foresight.plan_next()
         self._surviving(lambda: self.top_up(force=True))  # the servers write before the first batch is asked for
+        return plan
+
+    def _drawn_plan(self, epoch: int, ids: np.ndarray) -> EpochPlan:
+        """The plan of ``ids``, the order the sampler gave for ``epoch``: the one made ahead if it
+        predicted that order, else one made now (the current one let go first)."""
+        assert self.foresight is not None
+        plan = self.foresight.take(epoch, ids)
+        if plan is None:
+            self._let_go()
+            plan = self.foresight.plan(epoch, ids)
         return plan
 
     def _let_go(self) -> None:
@@ -345,6 +373,8 @@ class Pump:
         self._cursor = restart
         if self._deterministic and self._current is not None:
             self._prefetch(self._current.epoch + 1)
+        if self.foresight is not None:
+            self.foresight.forget(kept)
         self.top_up(force=True)
 
     def _drop_made(self, future: Future) -> None:
@@ -452,6 +482,8 @@ class Pump:
             self._future, self._future_epoch = None, None
         if self._deterministic and self._current is not None:
             self._prefetch(self._current.epoch + 1)
+        elif self.foresight is not None:
+            self.foresight.again()
 
     def _tick(self) -> None:
         self.delivery.poll()
@@ -497,4 +529,6 @@ class Pump:
         """Stop the planner thread (a plan in progress finishes on its own)."""
         if self._planner is not None:
             self._planner.shutdown(wait=False, cancel_futures=True)
+        if self.foresight is not None:
+            self.foresight.close()
         self._queue.clear()

@@ -1,6 +1,7 @@
 """This rank's ordered sample IDs per epoch, from any torch sampler.
 
-Two kinds of samplers are told apart because the next epoch may be planned early only for one:
+Two kinds of samplers are told apart because only one may have its next epoch computed exactly
+before it starts:
 
 * **deterministic in (seed, epoch)**: ``DistributedSampler`` (also what KSpeed builds when no
   sampler is given) and ``SequentialSampler``. The order of any epoch is computed from a *copy* of
@@ -9,24 +10,40 @@ Two kinds of samplers are told apart because the next epoch may be planned early
   :class:`ShardOrder` (tar shards in WebDataset's order, ``shuffle_buffer``) is one too.
 * **everything else** (``RandomSampler``, weighted samplers, user classes): the order is drawn
   by iterating the user's sampler once when the epoch starts, exactly as a ``DataLoader`` would,
-  so its random state is consumed at the same moments and never early.
+  so its random state is consumed at the same moments and never early. Its next order can only be
+  predicted (:mod:`kspeed.client.planning.prediction`); an order drawn or predicted already is
+  planned through :meth:`EpochOrders.given`.
+
+torch's own samplers are drawn with array operations (:func:`sampler_order`): the same IDs and the
+same draws from their generators (or torch's global one) as iterating them, without a Python int
+per sample.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import threading
 from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.data import BatchSampler, Dataset, DistributedSampler, SequentialSampler
+from torch.utils.data import (
+    BatchSampler,
+    Dataset,
+    DistributedSampler,
+    RandomSampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
 
 from kspeed.client.planning.compact import id_dtype
 from kspeed.config import launcher_environment
 from kspeed.errors import ConfigError, DatasetError
 
-__all__ = ["EpochOrders", "ShardOrder", "distributed_order", "job_rank"]
+__all__ = ["EpochOrders", "ShardOrder", "distributed_order", "job_rank", "sampler_order"]
 
 
 class ShardOrder:
@@ -126,6 +143,75 @@ def distributed_order(sampler: DistributedSampler) -> np.ndarray:
     elif total > n and n:
         indices = np.concatenate([indices, np.resize(indices, total - n)])  # repeated from the start
     return np.ascontiguousarray(indices[sampler.rank : total : sampler.num_replicas])
+
+
+def _random_order(sampler: RandomSampler) -> np.ndarray:
+    """``RandomSampler.__iter__`` with array operations: the same draws, in the same calls (a seed
+    from torch's global generator when it has none of its own; one permutation per pass over the
+    data, the last one cut, drawn even when nothing of it is kept)."""
+    n = len(sampler.data_source)
+    generator = sampler.generator
+    if generator is None:
+        seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        generator = torch.Generator()
+        generator.manual_seed(seed)
+    count = sampler.num_samples
+    if sampler.replacement:
+        parts = [torch.randint(high=n, size=(32,), dtype=torch.int64, generator=generator) for _ in range(count // 32)]
+        parts.append(torch.randint(high=n, size=(count % 32,), dtype=torch.int64, generator=generator))
+    else:
+        parts = [torch.randperm(n, generator=generator) for _ in range(count // n)]
+        parts.append(torch.randperm(n, generator=generator)[: count % n])
+    return torch.cat(parts).numpy()
+
+
+def _subset_indices(sampler: SubsetRandomSampler) -> np.ndarray | None:
+    """A ``SubsetRandomSampler``'s indices as an integer array (``None``: they are not integers)."""
+    indices = sampler.indices
+    array = indices.numpy() if isinstance(indices, torch.Tensor) else np.asarray(indices)
+    return array if array.ndim == 1 and array.dtype.kind in "iu" else None
+
+
+#: torch's samplers whose ``__iter__`` :func:`sampler_order` draws with array operations
+ARRAY_DRAWN = (DistributedSampler, SequentialSampler, RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
+
+
+def _own_iter(sampler: object, cls: type) -> bool:
+    """Whether ``sampler`` is a ``cls`` whose ``__iter__`` is ``cls``'s own."""
+    return isinstance(sampler, cls) and type(sampler).__iter__ is cls.__iter__  # type: ignore[attr-defined]
+
+
+def sampler_order(sampler: Iterable[int]) -> np.ndarray:
+    """What ``iter(sampler)`` yields, as one integer array, drawing from its generators (or torch's
+    global one) exactly as iterating it would: with array operations for torch's own samplers
+    (:data:`ARRAY_DRAWN`, unless a subclass iterates otherwise) and :class:`ShardOrder`, else by
+    iterating it.
+
+    Raises:
+        TypeError, ValueError: it yields something that is not one integer.
+    """
+    if _own_iter(sampler, DistributedSampler):
+        return distributed_order(sampler)  # type: ignore[arg-type]
+    if _own_iter(sampler, SequentialSampler):
+        n = len(sampler.data_source)  # type: ignore[attr-defined]
+        return np.arange(n, dtype=id_dtype(n))
+    if isinstance(sampler, ShardOrder):
+        return sampler.order()
+    if _own_iter(sampler, RandomSampler):
+        return _random_order(sampler)  # type: ignore[arg-type]
+    if _own_iter(sampler, WeightedRandomSampler):
+        drawn = torch.multinomial(
+            sampler.weights,  # type: ignore[attr-defined]
+            sampler.num_samples,  # type: ignore[attr-defined]
+            sampler.replacement,  # type: ignore[attr-defined]
+            generator=sampler.generator,  # type: ignore[attr-defined]
+        )
+        return drawn.numpy()
+    if _own_iter(sampler, SubsetRandomSampler):
+        indices = _subset_indices(sampler)  # type: ignore[arg-type]
+        if indices is not None:
+            return indices[torch.randperm(len(indices), generator=sampler.generator).numpy()]  # type: ignore[attr-defined]
+    return np.fromiter((int(i) for i in sampler), dtype=np.int64)
 
 
 class _IdRange(Dataset[int]):
@@ -269,6 +355,7 @@ class EpochOrders:
         self.sampler = sampler
         self.deterministic = type(sampler) in _DETERMINISTIC
         self.identity = _describe(sampler)
+        self._given = threading.local()  # per thread: the order given to :meth:`order` (see :meth:`given`)
 
     def samples_per_epoch(self) -> int:
         """IDs the sampler yields per epoch.
@@ -319,26 +406,34 @@ class EpochOrders:
     def order(self, epoch: int) -> np.ndarray:
         """The IDs of ``epoch`` in delivery order (the last partial batch cut with ``drop_last``).
 
-        Deterministic samplers are copied and set to ``epoch``; others are iterated in place.
+        Deterministic samplers are copied and set to ``epoch``; others are iterated in place, unless
+        this thread is within :meth:`given` for ``epoch``.
 
         Raises:
+            ConfigError: the sampler yields something other than one sample ID at a time.
             DatasetError: the sampler yielded an ID outside the dataset (named).
         """
+        given = getattr(self._given, "order", None)
+        if given is not None and given[0] == epoch:
+            return given[1]
         if self.deterministic:
             sampler = copy.copy(self.sampler)
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(epoch)
         else:
             sampler = self.sampler
+        return self.order_of(sampler)
+
+    def order_of(self, sampler: Iterable[int]) -> np.ndarray:
+        """The IDs ``sampler`` (this one's sampler, or a copy of it) yields as an epoch's order: cut with
+        ``drop_last``, checked against the dataset, as narrow as they fit.
+
+        Raises:
+            ConfigError: the sampler yields something other than one sample ID at a time.
+            DatasetError: the sampler yielded an ID outside the dataset (named).
+        """
         try:
-            if isinstance(sampler, DistributedSampler) and type(sampler).__iter__ is DistributedSampler.__iter__:
-                ids = distributed_order(sampler)
-            elif isinstance(sampler, SequentialSampler) and type(sampler).__iter__ is SequentialSampler.__iter__:
-                ids = np.arange(len(sampler.data_source), dtype=id_dtype(len(sampler.data_source)))
-            elif isinstance(sampler, ShardOrder):
-                ids = sampler.order()
-            else:
-                ids = np.fromiter((int(i) for i in sampler), dtype=np.int64)
+            ids = sampler_order(sampler)
         except (TypeError, ValueError) as exc:
             raise ConfigError(
                 f"sampler {self.identity} must yield one sample ID at a time ({exc}); for a sampler of batches, "
@@ -357,3 +452,13 @@ class EpochOrders:
                 sample=sample,
             )
         return ids.astype(id_dtype(self.num_samples), copy=False)
+
+    @contextlib.contextmanager
+    def given(self, epoch: int, ids: np.ndarray) -> Iterator[None]:
+        """Within the block, :meth:`order` of ``epoch`` in this thread is ``ids`` (an order of
+        :meth:`order_of` drawn or predicted already, planned without drawing it again)."""
+        self._given.order = (epoch, ids)
+        try:
+            yield
+        finally:
+            self._given.order = None

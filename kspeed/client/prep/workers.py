@@ -10,6 +10,12 @@ batch collated as a ``DataLoader`` worker would, so tensors come back through to
 reductions rather than the pipe. A loader that opens a path is given a scratch file of the
 sample's bytes under the sample's own name (:class:`ScratchFiles`). The checks of the stages
 (picklable, how the loader takes a sample) run in the caller, before any worker starts.
+
+A sample comes out the same whatever the number of workers and whichever runs it: a pipeline's
+stages are seeded per sample and stage (:mod:`kspeed.preprocess.rng`), and a user's own loader and
+transforms run with torch's, Python's and numpy's global generators seeded from ``(seed, epoch,
+sample)`` (:func:`~kspeed.preprocess.rng.user_seed`), put back after each batch (so in the training
+process, ``num_workers=0``, the loop's own random streams are not touched).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from torch.utils.data import default_collate
 from kspeed.client.main_guard import check_main_guarded
 from kspeed.client.prep.start_method import FORKSERVER, modules_of, worker_context
 from kspeed.errors import ConfigError, PreprocessError, StateError
+from kspeed.preprocess import rng
 from kspeed.preprocess.pipeline import STATUS, Pipeline, read_status
 from kspeed.preprocess.runner import Runner
 
@@ -452,28 +459,24 @@ def run_samples(
     seconds: dict[str, float] = {}
     skipped: list[tuple[int, str]] = []
     began_cpu, began_wall = time.thread_time(), time.perf_counter()
-    for i, target in enumerate(targets):
-        data = samples[i]
-        try:
-            if stages.pipeline is not None and draw is not None:
-                item = _prepare(stages, data, draw, i, seconds)
-            else:
-                if stages.loader is None:
-                    raise StateError("a batch without a loader or a pipeline")
-                begun = time.perf_counter()
-                source = io.BytesIO(data) if scratch is None else scratch.path(i, names[i], data)
-                item = stages.loader(source)
-                if stages.transform is not None:
-                    item = stages.transform(item)
-                seconds["transform"] = seconds.get("transform", 0.0) + time.perf_counter() - begun
-            if stages.target_transform is not None:
-                target = stages.target_transform(target)
-        except Exception as exc:
-            if not stages.skip:
-                raise SampleFailure(i, _describe(exc)) from None
-            skipped.append((i, _describe(exc)))
-            continue
-        items.append((item, target) if target is not None else item)
+    with rng.global_generators_kept():
+        for i, target in enumerate(targets):
+            data = samples[i]
+            try:
+                if stages.pipeline is not None and draw is not None:
+                    item = _prepare(stages, data, draw, i, seconds)
+                else:
+                    if draw is not None:  # the user's stages draw from the global generators
+                        rng.seed_global_generators(rng.user_seed(stages.seed, draw.epoch, draw.ids[i]))
+                    item = _user_stages(stages, scratch, data, names, i, seconds)
+                if stages.target_transform is not None:
+                    target = stages.target_transform(target)
+            except Exception as exc:
+                if not stages.skip:
+                    raise SampleFailure(i, _describe(exc)) from None
+                skipped.append((i, _describe(exc)))
+                continue
+            items.append((item, target) if target is not None else item)
     try:
         begun = time.perf_counter()
         value = stages.collate_fn(items)
@@ -482,6 +485,26 @@ def run_samples(
         return Delivered(value, seconds, tuple(skipped), cpu_s, wall_s)
     except Exception as exc:
         raise SampleFailure(None, _describe(exc)) from None
+
+
+def _user_stages(
+    stages: Stages,
+    scratch: ScratchFiles | None,
+    data: memoryview,
+    names: Sequence[str],
+    i: int,
+    seconds: dict[str, float],
+) -> Any:
+    """Sample ``i`` of a batch through the user's loader and transform (timed)."""
+    if stages.loader is None:
+        raise StateError("a batch without a loader or a pipeline")
+    begun = time.perf_counter()
+    source = io.BytesIO(data) if scratch is None else scratch.path(i, names[i], data)
+    item = stages.loader(source)
+    if stages.transform is not None:
+        item = stages.transform(item)
+    seconds["transform"] = seconds.get("transform", 0.0) + time.perf_counter() - begun
+    return item
 
 
 #: One batch's work: its bytes, each sample's offset, target and name, and the random draws.
