@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -27,22 +26,15 @@ from typing import Any
 from kspeed.client.feeding.links import Link
 from kspeed.client.tuning.decision import Cut, Decision, Hysteresis, Rates, decide, predicted
 from kspeed.client.tuning.meters import LoopMeter, PrepMeter, ServerMeter
+from kspeed.config import usable_cores
 from kspeed.errors import KSpeedError
 
-__all__ = ["AutoOffload", "usable_cores"]
+__all__ = ["AutoOffload"]
 
 log = logging.getLogger(__name__)
 
 INTERVAL_S = 1.0  # how often the servers are read and the split reconsidered
 MIN_SAMPLES = 64  # samples the loop must have consumed before the first decision
-
-
-def usable_cores() -> int:
-    """CPUs this process may run on (its affinity: ``taskset``, cgroup cpusets), at least 1."""
-    try:
-        return max(len(os.sched_getaffinity(0)), 1)
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 class AutoOffload:
