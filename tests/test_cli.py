@@ -115,3 +115,20 @@ def test_status_table_names_a_share_being_handed_off():
     text = status_table(status, now=0.0)
     assert "srv-a is draining: an operator asked to drain it" in text
     assert "imgs: samples 0..99 are being handed off from srv-a (draining; it serves them meanwhile) to srv-c" in text
+
+
+def test_the_job_table_shows_each_ranks_split_of_preprocessing():
+    from kspeed.cli.tables import job_table
+    from kspeed.control.status import job_dict
+    from kspeed.proto import kspeed_pb2
+
+    job = kspeed_pb2.JobStats(job="j")
+    job.ranks.add(rank=0, world_size=2, host="h0", dataset="d", offload_ratio=0.4, offload_reason="balance")
+    job.ranks.add(rank=1, world_size=2, host="h1", dataset="d")  # a rank without a split of its preprocessing
+    table = job_table(job)
+    assert "OFFLOAD" in table
+    lines = {line.split()[0]: line for line in table.splitlines() if line.startswith(("0/2", "1/2"))}
+    assert lines["0/2"].split()[9] == "0.40" and lines["1/2"].split()[9] == "-"
+    ranks = job_dict(job)["ranks"]
+    assert ranks[0]["offload_ratio"] == 0.4 and ranks[0]["offload_reason"] == "balance"
+    assert ranks[1]["offload_ratio"] is None

@@ -90,7 +90,19 @@ def status_table(status: kspeed_pb2.ClusterStatus, now: float | None = None) -> 
 
 def job_table(job: kspeed_pb2.JobStats) -> str:
     """A job's ranks as a table, then the spread across ranks (the stragglers)."""
-    header = ("RANK", "HOST", "DATASET", "BATCHES", "SAMPLES/S", "WAIT MEAN", "P50", "P99", "MAX", "FROM SERVERS")
+    header = (
+        "RANK",
+        "HOST",
+        "DATASET",
+        "BATCHES",
+        "SAMPLES/S",
+        "WAIT MEAN",
+        "P50",
+        "P99",
+        "MAX",
+        "OFFLOAD",
+        "FROM SERVERS",
+    )
     rows = []
     for r in job_dict(job)["ranks"]:
         total = sum(r["server_bytes"].values()) or 1
@@ -106,6 +118,7 @@ def job_table(job: kspeed_pb2.JobStats) -> str:
                 f"{r['wait_p50_ms']:.2f}ms",
                 f"{r['wait_p99_ms']:.2f}ms",
                 f"{r['wait_max_ms']:.2f}ms",
+                "-" if r["offload_ratio"] is None else f"{r['offload_ratio']:.2f}",
                 servers,
             )
         )

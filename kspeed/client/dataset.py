@@ -29,7 +29,7 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
@@ -285,6 +285,10 @@ class KSpeedDataset(IterableDataset):
     def rail(self) -> str:
         """The rail of the receive ring."""
         return self._feed.rail
+
+    def report_also(self, figures: Callable[[], dict[str, Any]]) -> None:
+        """Add ``figures()`` to :meth:`stats` and to what the rank reports to the manager."""
+        self._parts.more.append(figures)
 
     def offload_tuner(self) -> AutoOffload | None:
         """The self-tuned split of this rank's preprocessing (``offload="auto"``), or ``None`` when

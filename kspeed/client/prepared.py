@@ -181,6 +181,7 @@ class PreparedDataset(IterableDataset):
         self._delivered = 0
         #: the self-tuned split (offload="auto"), fed by the batches and the calls of next()
         self._auto = inner.offload_tuner()
+        inner.report_also(self._offload)
         self._closed = False
 
     @property
@@ -395,20 +396,20 @@ class PreparedDataset(IterableDataset):
         seconds = dict(self._seconds)
         if self._gpu is not None:
             seconds.update(self._gpu.seconds)
-        prep = self._inner.prep
-        offload = (
-            self._auto.stats()
-            if self._auto is not None
-            else {"mode": "fixed", "ratio": prep.fraction if prep is not None else 0.0}
-        )
         return {
             **self._inner.stats(),
-            "offload": offload,
             "workers": len(self.worker_pids()),
             "client_stage_seconds": seconds,
             "server_stage_seconds": self._inner.server_stage_seconds() if self._inner.pipeline is not None else {},
             "skipped": self._skipped,
         }
+
+    def _offload(self) -> dict[str, Any]:
+        """The split of preprocessing in force (reported with the rank's figures)."""
+        prep = self._inner.prep
+        if self._auto is not None:
+            return {"offload": self._auto.stats()}
+        return {"offload": {"mode": "fixed", "ratio": prep.fraction if prep is not None else 0.0, "reason": ""}}
 
     def _check_open(self) -> None:
         if self._closed:

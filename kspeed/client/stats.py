@@ -157,6 +157,10 @@ class StatsReporter:
                 stale_completions=s.get("stale_completions", 0),
             )
         )
+        offload = s.get("offload")
+        if offload:
+            report.offload_ratio = float(offload.get("ratio", 0.0))
+            report.offload_reason = str(offload.get("reason", ""))[:500]
         return report
 
     def send(self) -> None:

@@ -140,6 +140,8 @@ def job_dict(job: kspeed_pb2.JobStats) -> dict:
                 "server_bytes": dict(r.server_bytes),
                 "stale_completions": r.stale_completions,
                 "report_unix": r.report_unix,
+                "offload_ratio": r.offload_ratio if r.HasField("offload_ratio") else None,
+                "offload_reason": r.offload_reason,
             }
             for r in job.ranks
         ],

@@ -810,7 +810,7 @@ class CloseFeedReply(_message.Message):
     def __init__(self) -> None: ...
 
 class RankStats(_message.Message):
-    __slots__ = ("job", "rank", "world_size", "host", "pid", "dataset", "batches", "samples", "bytes", "elapsed_s", "wait_total_s", "wait_mean_ms", "wait_p50_ms", "wait_p99_ms", "wait_max_ms", "server_bytes", "stale_completions", "report_unix")
+    __slots__ = ("job", "rank", "world_size", "host", "pid", "dataset", "batches", "samples", "bytes", "elapsed_s", "wait_total_s", "wait_mean_ms", "wait_p50_ms", "wait_p99_ms", "wait_max_ms", "server_bytes", "stale_completions", "report_unix", "offload_ratio", "offload_reason")
     class ServerBytesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -836,6 +836,8 @@ class RankStats(_message.Message):
     SERVER_BYTES_FIELD_NUMBER: _ClassVar[int]
     STALE_COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
     REPORT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_RATIO_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_REASON_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     world_size: int
@@ -854,7 +856,9 @@ class RankStats(_message.Message):
     server_bytes: _containers.ScalarMap[str, int]
     stale_completions: int
     report_unix: float
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., dataset: _Optional[str] = ..., batches: _Optional[int] = ..., samples: _Optional[int] = ..., bytes: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., wait_total_s: _Optional[float] = ..., wait_mean_ms: _Optional[float] = ..., wait_p50_ms: _Optional[float] = ..., wait_p99_ms: _Optional[float] = ..., wait_max_ms: _Optional[float] = ..., server_bytes: _Optional[_Mapping[str, int]] = ..., stale_completions: _Optional[int] = ..., report_unix: _Optional[float] = ...) -> None: ...
+    offload_ratio: float
+    offload_reason: str
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., dataset: _Optional[str] = ..., batches: _Optional[int] = ..., samples: _Optional[int] = ..., bytes: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., wait_total_s: _Optional[float] = ..., wait_mean_ms: _Optional[float] = ..., wait_p50_ms: _Optional[float] = ..., wait_p99_ms: _Optional[float] = ..., wait_max_ms: _Optional[float] = ..., server_bytes: _Optional[_Mapping[str, int]] = ..., stale_completions: _Optional[int] = ..., report_unix: _Optional[float] = ..., offload_ratio: _Optional[float] = ..., offload_reason: _Optional[str] = ...) -> None: ...
 
 class ReportStatsReply(_message.Message):
     __slots__ = ()

@@ -16,9 +16,9 @@ import os
 import pwd
 import re
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kspeed import wire
@@ -86,6 +86,8 @@ class FeedParts:
     reporter: StatsReporter | None
     ring_bytes: int
     planner: EpochPlanner
+    #: more figures for :meth:`figures` (the prepared dataset's split of preprocessing)
+    more: list[Callable[[], dict[str, Any]]] = field(default_factory=list)
 
     def close(self) -> None:
         """Stop the reporter and the pump, undo the delivery, close the feed and the links (best effort)."""
@@ -111,6 +113,7 @@ class FeedParts:
             "wait_s": self.pump.wait_s,
             "last_wait_s": self.pump.last_wait_s,
             "rail": self.feed.rail,
+            **{k: v for more in self.more for k, v in more().items()},
         }
 
 
