@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import re
 from collections.abc import Callable, Collection, Mapping
@@ -739,6 +740,15 @@ class ServerConfig(DaemonConfig):
         env="KSPEED_PREPROCESS_ENV",
         metavar="NAME,...",
     )
+    preprocess_weights: tuple[str, ...] = option(
+        (),
+        "the preprocessing workers' share of each job that uses them at once, as JOB=WEIGHT (the job "
+        "name its clients give, KSPEED_JOB; a job not named weighs 1): workers go to the job with the "
+        "fewest busy worker-seconds over its weight",
+        parse=_parse_list,
+        env="KSPEED_PREPROCESS_WEIGHTS",
+        metavar="JOB=WEIGHT,...",
+    )
     verify_served: str = option(
         "first",
         "which stored samples a feeder checks against their crc32c before it writes them to a client (a mismatch "
@@ -828,7 +838,30 @@ class ServerConfig(DaemonConfig):
                     field="server.preprocess_env",
                     value=name,
                 )
+        self.weight_map()
         self.security.validate()
+
+    def weight_map(self) -> dict[str, float]:
+        """``preprocess_weights`` as job name -> weight.
+
+        Raises:
+            ConfigError: an entry that is not ``JOB=WEIGHT`` with a positive number.
+        """
+        weights = {}
+        for entry in self.preprocess_weights:
+            job, _, raw = entry.rpartition("=")
+            try:
+                weight = float(raw)
+            except ValueError:
+                weight = -1.0
+            if not job or not math.isfinite(weight) or weight <= 0:
+                raise ConfigError(
+                    f"server.preprocess_weights: {entry!r} is not JOB=WEIGHT with a positive weight",
+                    field="server.preprocess_weights",
+                    value=entry,
+                )
+            weights[job] = weight
+        return weights
 
 
 @dataclasses.dataclass

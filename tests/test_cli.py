@@ -132,3 +132,27 @@ def test_the_job_table_shows_each_ranks_split_of_preprocessing():
     ranks = job_dict(job)["ranks"]
     assert ranks[0]["offload_ratio"] == 0.4 and ranks[0]["offload_reason"] == "balance"
     assert ranks[1]["offload_ratio"] is None
+
+
+def test_the_status_table_shows_each_servers_preprocessing_workers_and_jobs():
+    from kspeed.cli.tables import status_table
+    from kspeed.control.status import server_dict
+    from kspeed.proto import kspeed_pb2
+
+    status = kspeed_pb2.ClusterStatus(cluster_id="c", manager_version="v")
+    record = status.servers.add(id="s1", address="127.0.0.1:1", state=kspeed_pb2.ServerState.SERVER_STATE_READY)
+    record.inventory.preprocess_workers = 4
+    record.inventory.preprocess_active = 3
+    record.inventory.preprocess_share.update({"train-a": 0.75, "train-b": 0.25})
+    record.inventory.preprocess_weights.update({"train-a": 3.0, "train-b": 1.0})
+    text = status_table(status, now=0.0)
+    assert "3/4 active" in text
+    assert "s1 preprocesses for train-a 75% (weight 3), train-b 25% (weight 1)" in text
+    shown = server_dict(record)["preprocess"]
+    assert shown == {
+        "workers": 4,
+        "active": 3,
+        "share": {"train-a": 0.75, "train-b": 0.25},
+        "weights": shown["weights"],
+    }
+    assert shown["weights"] == {"train-a": 3.0, "train-b": 1.0}

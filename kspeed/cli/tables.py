@@ -64,14 +64,30 @@ def status_table(status: kspeed_pb2.ClusterStatus, now: float | None = None) -> 
     """The cluster as a fixed-width table, one server per row, then why each server that is not
     ready is in its state."""
     now = time.time() if now is None else now
-    header = ("SERVER", "ADDRESS", "STATE", "MEMORY (USED/POOL)", "REGIONS FREE/ALLOC/FILL/SEAL", "LAST HEARTBEAT")
+    header = (
+        "SERVER",
+        "ADDRESS",
+        "STATE",
+        "MEMORY (USED/POOL)",
+        "REGIONS FREE/ALLOC/FILL/SEAL",
+        "PREP WORKERS",
+        "LAST HEARTBEAT",
+    )
     rows = []
+    shares = []
     for record in status.servers:
         inv = record.inventory
         age = f"{max(0.0, now - record.last_heartbeat_unix):.1f}s ago" if record.last_heartbeat_unix else "never"
         memory = f"{human_bytes(inv.memory_used_bytes)} / {human_bytes(inv.memory_bytes)}"
         regions = f"{inv.regions_free}/{inv.regions_allocated}/{inv.regions_filling}/{inv.regions_sealed}"
-        rows.append((record.id, record.address, state_name(record.state), memory, regions, age))
+        workers = f"{inv.preprocess_active or inv.preprocess_workers}/{inv.preprocess_workers} active"
+        rows.append((record.id, record.address, state_name(record.state), memory, regions, workers, age))
+        if inv.preprocess_share:
+            split = ", ".join(
+                f"{job} {100 * share:.0f}% (weight {inv.preprocess_weights.get(job, 1.0):g})"
+                for job, share in sorted(inv.preprocess_share.items(), key=lambda kv: -kv[1])
+            )
+            shares.append(f"{record.id} preprocesses for {split}")
     left = sum(record.state == LEFT for record in status.servers)
     counted = f"{len(rows)} server(s)" + (f", {left} of them left" if left else "")
     text = f"cluster {status.cluster_id}  manager {status.manager_version}  {counted}\n"
@@ -83,6 +99,8 @@ def status_table(status: kspeed_pb2.ClusterStatus, now: float | None = None) -> 
     ]
     if reasons:
         text += "\n" + "\n".join(reasons)
+    if shares:
+        text += "\n" + "\n".join(shares)
     if status.datasets:
         text += "\n\n" + dataset_table(list(status.datasets))
     return text

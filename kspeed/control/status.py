@@ -38,6 +38,12 @@ def server_dict(record: kspeed_pb2.ServerRecord) -> dict:
         "cores": inv.cores,
         "transports": list(inv.transports),
         "nics": [{"name": n.name, "pci_bus_id": n.pci_bus_id, "numa_node": n.numa_node} for n in inv.nics],
+        "preprocess": {
+            "workers": inv.preprocess_workers,
+            "active": inv.preprocess_active or inv.preprocess_workers,
+            "share": dict(inv.preprocess_share),
+            "weights": dict(inv.preprocess_weights),
+        },
         "registered_unix": record.registered_unix,
         "last_heartbeat_unix": record.last_heartbeat_unix,
         "protocol_version": record.protocol_version,

@@ -91,7 +91,7 @@ class Nic(_message.Message):
     def __init__(self, name: _Optional[str] = ..., pci_bus_id: _Optional[str] = ..., numa_node: _Optional[int] = ...) -> None: ...
 
 class ServerInventory(_message.Message):
-    __slots__ = ("hostname", "memory_bytes", "region_size", "cores", "transports", "nics", "memory_used_bytes", "regions_total", "regions_free", "regions_allocated", "regions_filling", "regions_sealed", "regions_window", "libraries", "preprocess_workers")
+    __slots__ = ("hostname", "memory_bytes", "region_size", "cores", "transports", "nics", "memory_used_bytes", "regions_total", "regions_free", "regions_allocated", "regions_filling", "regions_sealed", "regions_window", "libraries", "preprocess_workers", "preprocess_active", "preprocess_share", "preprocess_weights")
     class LibrariesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,20 @@ class ServerInventory(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class PreprocessShareEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class PreprocessWeightsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     REGION_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +128,9 @@ class ServerInventory(_message.Message):
     REGIONS_WINDOW_FIELD_NUMBER: _ClassVar[int]
     LIBRARIES_FIELD_NUMBER: _ClassVar[int]
     PREPROCESS_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    PREPROCESS_ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    PREPROCESS_SHARE_FIELD_NUMBER: _ClassVar[int]
+    PREPROCESS_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     hostname: str
     memory_bytes: int
     region_size: int
@@ -129,7 +146,10 @@ class ServerInventory(_message.Message):
     regions_window: int
     libraries: _containers.ScalarMap[str, str]
     preprocess_workers: int
-    def __init__(self, hostname: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., region_size: _Optional[int] = ..., cores: _Optional[int] = ..., transports: _Optional[_Iterable[str]] = ..., nics: _Optional[_Iterable[_Union[Nic, _Mapping]]] = ..., memory_used_bytes: _Optional[int] = ..., regions_total: _Optional[int] = ..., regions_free: _Optional[int] = ..., regions_allocated: _Optional[int] = ..., regions_filling: _Optional[int] = ..., regions_sealed: _Optional[int] = ..., regions_window: _Optional[int] = ..., libraries: _Optional[_Mapping[str, str]] = ..., preprocess_workers: _Optional[int] = ...) -> None: ...
+    preprocess_active: int
+    preprocess_share: _containers.ScalarMap[str, float]
+    preprocess_weights: _containers.ScalarMap[str, float]
+    def __init__(self, hostname: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., region_size: _Optional[int] = ..., cores: _Optional[int] = ..., transports: _Optional[_Iterable[str]] = ..., nics: _Optional[_Iterable[_Union[Nic, _Mapping]]] = ..., memory_used_bytes: _Optional[int] = ..., regions_total: _Optional[int] = ..., regions_free: _Optional[int] = ..., regions_allocated: _Optional[int] = ..., regions_filling: _Optional[int] = ..., regions_sealed: _Optional[int] = ..., regions_window: _Optional[int] = ..., libraries: _Optional[_Mapping[str, str]] = ..., preprocess_workers: _Optional[int] = ..., preprocess_active: _Optional[int] = ..., preprocess_share: _Optional[_Mapping[str, float]] = ..., preprocess_weights: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class ServerRecord(_message.Message):
     __slots__ = ("id", "address", "http_address", "state", "inventory", "registered_unix", "last_heartbeat_unix", "incarnation", "protocol_version", "software_version", "state_reason")
@@ -730,7 +750,7 @@ class ReadReply(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., lengths: _Optional[bytes] = ...) -> None: ...
 
 class OpenFeedRequest(_message.Message):
-    __slots__ = ("dataset", "feed_id", "rail", "material", "ring_key", "generation", "holder", "first_id", "ranks")
+    __slots__ = ("dataset", "feed_id", "rail", "material", "ring_key", "generation", "holder", "first_id", "ranks", "job")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     FEED_ID_FIELD_NUMBER: _ClassVar[int]
     RAIL_FIELD_NUMBER: _ClassVar[int]
@@ -740,6 +760,7 @@ class OpenFeedRequest(_message.Message):
     HOLDER_FIELD_NUMBER: _ClassVar[int]
     FIRST_ID_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     feed_id: str
     rail: str
@@ -749,7 +770,8 @@ class OpenFeedRequest(_message.Message):
     holder: str
     first_id: int
     ranks: int
-    def __init__(self, dataset: _Optional[str] = ..., feed_id: _Optional[str] = ..., rail: _Optional[str] = ..., material: _Optional[bytes] = ..., ring_key: _Optional[bytes] = ..., generation: _Optional[int] = ..., holder: _Optional[str] = ..., first_id: _Optional[int] = ..., ranks: _Optional[int] = ...) -> None: ...
+    job: str
+    def __init__(self, dataset: _Optional[str] = ..., feed_id: _Optional[str] = ..., rail: _Optional[str] = ..., material: _Optional[bytes] = ..., ring_key: _Optional[bytes] = ..., generation: _Optional[int] = ..., holder: _Optional[str] = ..., first_id: _Optional[int] = ..., ranks: _Optional[int] = ..., job: _Optional[str] = ...) -> None: ...
 
 class OpenFeedReply(_message.Message):
     __slots__ = ("server_id", "feeder")

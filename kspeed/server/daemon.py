@@ -92,6 +92,10 @@ class Server:
         report.regions_allocated = counts[RegionState.ALLOCATED] - window
         report.regions_filling = counts[RegionState.FILLING]
         report.regions_sealed = counts[RegionState.SEALED]
+        if self.prep is not None:
+            report.preprocess_active, shares, weights = self.prep.scheduler.figures()
+            report.preprocess_share.update(shares)
+            report.preprocess_weights.update(weights)
         return report
 
     def pool_dir(self) -> str:
@@ -158,6 +162,7 @@ class Server:
             LogSettings(cfg.log_level, cfg.log_format),
             sandbox=sandbox,
             environment=cfg.preprocess_env,
+            weights=cfg.weight_map(),
         )
         host = self.host = DatasetHost(
             pool,
@@ -238,7 +243,7 @@ class Server:
         prep = self.prep
         if prep is None:
             return None
-        return kspeed_pb2.PrepFigures(workers=prep.workers, busy_seconds=prep.busy_seconds, samples=prep.samples)
+        return kspeed_pb2.PrepFigures(workers=prep.active, busy_seconds=prep.busy_seconds, samples=prep.samples)
 
     def _start_agent(self, host: DatasetHost, http_announced: str) -> None:
         """Start registering with the manager (and heartbeats, assignments, drops from it)."""

@@ -35,10 +35,11 @@ def augmenting() -> Pipeline:
     )
 
 
-def photo_cluster(cluster_factory, tmp_path, servers: int = 2):
+def photo_cluster(cluster_factory, tmp_path, servers: int = 2, extra: tuple[str, ...] | list[str] = ()):
     photos = make_photos(tmp_path / "photos")
     cluster = cluster_factory(
-        servers, server_args=["--backend-allow", str(tmp_path), "--preprocess-workers", "1", "--memory", "32MiB"]
+        servers,
+        server_args=["--backend-allow", str(tmp_path), "--preprocess-workers", "1", "--memory", "32MiB", *extra],
     )
     spec = DatasetSpec(name="photos", uri=str(photos.root), labels="dirname", pipeline=augmenting())
     return cluster, photos, spec

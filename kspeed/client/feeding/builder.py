@@ -285,6 +285,7 @@ def build_feed(
             granting=_granting(config, choice.rail, places, len(links)),
             ranks=int(getattr(options.sampler, "num_replicas", options.world_size or 1)),
             device_memory=device_memory,
+            job=(config.job or default_job())[:200],
         )
         undo.callback(feed.close)
         delivery.attach(feed.ring)

@@ -77,6 +77,7 @@ class Feed:
             rank's part of its window before that rank's feed opens.
         device_memory: GPU memory to receive into (a device ring, GPUDirect RDMA) instead of a host
             ring of ``ring_bytes``; the receiver frees it when it closes. :attr:`ring` is then ``None``.
+        job: the job's name, told to the servers (their preprocessing workers are shared by job).
 
     Raises:
         RailUnavailableError, CapacityError: the ring cannot be set up.
@@ -98,6 +99,7 @@ class Feed:
         granting: Granting,
         ranks: int = 0,
         device_memory: DeviceMemory | None = None,
+        job: str = "",
     ) -> None:
         self.dataset = dataset
         self.feed_id = feed_id
@@ -105,6 +107,7 @@ class Feed:
         self.completion_timeout = completion_timeout
         self._holder = holder
         self._ranks = ranks
+        self._job = job
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
         self.progress = 0  # bumped by every completion, error and fence (waiters wake on a change)
@@ -179,6 +182,7 @@ class Feed:
             generation=path.generation,
             holder=self._holder,
             ranks=self._ranks,
+            job=self._job,
         )
         path.link.open_feed(request)
         path.last_heard = time.monotonic()

@@ -112,6 +112,7 @@ class _FeedInfo:
     feeder: int
     generation: int = 0
     ranks: int = 0  # the job's ranks, as its client told (0: not told)
+    job: str = ""  # the job's name, as its client told
 
 
 class FeederSupervisor:
@@ -287,7 +288,7 @@ class FeederSupervisor:
             if current is None:
                 self._feeders[index].feeds += 1
             self._feeds[request.feed_id] = _FeedInfo(
-                request.dataset, first, index, request.generation, min(request.ranks, MAX_RANKS)
+                request.dataset, first, index, request.generation, min(request.ranks, MAX_RANKS), request.job[:200]
             )
         log.info(
             "feed %s (%s) open on feeder %d over %s", request.feed_id, request.holder or "unnamed", index, request.rail
@@ -383,7 +384,16 @@ class FeederSupervisor:
         del length  # (not kept while the plan is installed)
         try:
             self.production.install(
-                feed_id, info.feeder, hosted.key, epoch, plan, prep, first_batch, seed_epoch, ranks=info.ranks
+                feed_id,
+                info.feeder,
+                hosted.key,
+                epoch,
+                plan,
+                prep,
+                first_batch,
+                seed_epoch,
+                ranks=info.ranks,
+                job=info.job,
             )
         except errors.PeerLostError:
             self._feed(feed_id)  # ended meanwhile (its dataset removed)? say so rather than "not connected"

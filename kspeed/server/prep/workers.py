@@ -31,6 +31,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 from kspeed.config import ServerConfig, preprocess_environment
@@ -38,6 +39,7 @@ from kspeed.control.logs import LogSettings
 from kspeed.errors import ConfigError, StateError
 from kspeed.server.prep.link import PrepTask, WorkerLink, WorkerLost, sweep_temporary
 from kspeed.server.prep.sandbox import SandboxPolicy, check_policy
+from kspeed.server.prep.share import PRELOAD, PrepScheduler
 from kspeed.server.prep.worker import Resolve, Setup
 
 __all__ = ["PrepTask", "PrepWorkers", "sandbox_policy"]
@@ -75,6 +77,7 @@ class PrepWorkers:
         sandbox: how the workers are confined (default: required, as ``nobody`` when root, no network).
         environment: names of the server's environment variables the workers get (``server.preprocess_env``),
             read as each worker starts.
+        weights: per job name, its weight in the workers' fair share (``server.preprocess_weights``).
 
     Raises:
         ConfigError: the sandbox policy cannot be used (an unknown mode, a preprocessing user that
@@ -89,6 +92,7 @@ class PrepWorkers:
         *,
         sandbox: SandboxPolicy | None = None,
         environment: tuple[str, ...] = (),
+        weights: Mapping[str, float] | None = None,
     ) -> None:
         self.allow = tuple(allow)
         self.sandbox = sandbox or SandboxPolicy()
@@ -101,6 +105,7 @@ class PrepWorkers:
         self._links: set[WorkerLink] = set()  # every live worker (idle or busy), to stop at close
         self._idle: queue.Queue[WorkerLink] = queue.Queue()
         self.workers = max(int(workers), 1)
+        self.scheduler = PrepScheduler(self.workers, weights)
         self.restarts = 0
         self.busy_seconds = 0.0
         self.samples = 0
@@ -250,9 +255,10 @@ class PrepWorkers:
             field="pipeline",
         )
 
-    def run(self, task: PrepTask) -> list[int | str | bytes]:
-        """Run ``task`` on a free worker; per sample, the bytes written (or, without outputs, the
-        bytes themselves) or why it failed.
+    def run(self, task: PrepTask, job: str = PRELOAD) -> list[int | str | bytes]:
+        """Run ``task`` on a free worker once ``job`` may have one (:mod:`kspeed.server.prep.share`:
+        at most the active-worker limit busy, handed out by job and weight); per sample, the bytes
+        written (or, without outputs, the bytes themselves) or why it failed.
 
         A worker that dies during the task (or answers what a worker never answers) is replaced
         and the task run once more on the new one.
@@ -261,6 +267,21 @@ class PrepWorkers:
             StateError: the pool is closed.
         """
         self._start()
+        while not self.scheduler.acquire(job, timeout=0.5):
+            if self._closed:
+                raise StateError("the preprocessing workers are closed")
+        began = time.monotonic()
+        try:
+            return self._run(task)
+        finally:
+            self.scheduler.release(job, time.monotonic() - began, len(task.samples))
+
+    @property
+    def active(self) -> int:
+        """Workers that may run at once (the fewest that reached the peak throughput)."""
+        return self.scheduler.sizer.limit
+
+    def _run(self, task: PrepTask) -> list[int | str | bytes]:
         results: list[int | str | bytes] = []
         for _ in range(2):  # a worker that dies is replaced and the task run once more
             worker = self._take()

@@ -175,11 +175,12 @@ class Production(ProcessedProduction):
         first_batch: int = 0,
         user_epoch: int = 0,
         ranks: int = 0,
+        job: str = "",
     ) -> None:
         """Follow a newly committed plan and hand it to its feeder with the samples' current places
         (the positions before batch ``first_batch`` count as written: they were delivered).
         ``user_epoch`` is the sampler's epoch (a memory policy keeps its figures by it); ``ranks``
-        the feed's job's ranks, as its client told (0: not told).
+        the feed's job's ranks, as its client told (0: not told), and ``job`` its name.
 
         ``plan.processed`` marks the positions that go through ``prep`` (the server stages of the
         dataset's pipeline) here: they are produced into the window per epoch, never at home.
@@ -195,6 +196,7 @@ class Production(ProcessedProduction):
                 feed = self._feeds[feed_id] = FeedState(feed_id, key, feeder)
             feed.feeder = feeder
             feed.ranks = ranks
+            feed.job = job
             replaced = feed.plans.pop(epoch, None)
             self._unfollow(share, feed, replaced)
             follow = PlanState(

@@ -122,7 +122,10 @@ class ProcessedProduction:
                     prep.skip,
                     prep.start,
                 )
-                for k, result in zip(keep, self.prep.run(task), strict=True):
+                with self._lock:
+                    owner = self._feeds.get(work.feed_id)
+                job = (owner.job if owner is not None else "") or work.feed_id
+                for k, result in zip(keep, self.prep.run(task, job=job), strict=True):
                     results[int(ids[k])] = result if not isinstance(result, bytes) else len(result)
             with self._lock:
                 feed = self._feeds.get(work.feed_id)

@@ -235,6 +235,7 @@ class FeedState:
     served: int = 0  # grants its feeder reported written
     counted: int | None = None  # with its share's own window: the plan whose unwritten uses are counted
     ranks: int = 0  # its job's ranks, as its client told (0: not told)
+    job: str = ""  # its job's name, as its client told (the preprocessing workers are shared by job)
 
 
 @dataclasses.dataclass
