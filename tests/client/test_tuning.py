@@ -324,3 +324,15 @@ def test_the_tuner_keeps_its_decision_and_starts_from_a_kept_one():
     finally:
         tuner.close()
     assert kept == [("kept", 0.3, None)]
+
+
+def test_where_the_client_cannot_keep_up_with_its_rest_the_model_takes_a_better_ratio():
+    # CPU-starved: the step takes the one core; the servers run slightly fewer samples than the
+    # loop could take, so FastFlow's Upper/Gthp leaves ~10% to a client with no CPU to spare
+    r = Rates(step_s=P, step_cpu=P, local_cpu=P, common_cpu=0.05 * P, cores=1.0)
+    c = cut(0.91 / P)
+    d = decide(r, [c])
+    assert d.inputs["fastflow_ratio"] == pytest.approx(0.91)
+    assert d.ratio == pytest.approx(1.0)
+    assert "the model predicts" in d.reason
+    assert predicted(r, c, d.ratio) > 1.05 * predicted(r, c, d.inputs["fastflow_ratio"])

@@ -28,7 +28,12 @@ what KSpeed uses for it, so a client busy receiving does not lower how much the 
 
 :func:`predicted` is the throughput model those rates imply at any ratio (the tightest of the
 loop, the servers and this client's CPUs); every decision carries it, so a log line or
-``ds.stats()`` says what the split is expected to deliver and why.
+``ds.stats()`` says what the split is expected to deliver and why. FastFlow's ``Upper/Gthp``
+assumes the client keeps up with the samples it is left; on a CPU-starved client whose step takes
+the same cores it may not (offloading a little less than the servers could take then costs more
+client CPU than it saves server time), so where the model predicts more than
+:data:`MODEL_MARGIN` more at another ratio, that ratio is taken and the reason says so
+(``inputs["fastflow_ratio"]`` keeps FastFlow's).
 
 :class:`Hysteresis` keeps a decision from following noise: a new ratio is adopted only when it
 differs from the current one by at least ``min_step``, the model predicts a gain of at least
@@ -48,6 +53,10 @@ __all__ = ["Cut", "Decision", "Hysteresis", "Rates", "decide", "predicted"]
 
 #: FastFlow's SpeedUpThreshold: no offload for an ideal gain under 10%.
 SPEEDUP_THRESHOLD = 0.10
+#: Ratios the model is evaluated at (0, 1/RATIO_STEPS, ..., 1).
+RATIO_STEPS = 100
+#: FastFlow's ratio stands unless the model predicts more than this much more elsewhere.
+MODEL_MARGIN = 0.02
 
 
 @dataclass(frozen=True)
@@ -191,7 +200,16 @@ def decide(rates: Rates, cuts: Sequence[Cut], threshold: float = SPEEDUP_THRESHO
         ratio = rthp / (lthp + rthp) if lthp + rthp > 0 else 1.0
         rule = f"Upper {upper:.0f}/s <= Lower {lower:.0f}/s: balance Rthp/(Lthp+Rthp)"
     ratio = min(max(ratio, 0.0), 1.0)
+    inputs["fastflow_ratio"] = ratio
     expected = predicted(rates, cut, ratio)
+    # FastFlow's ratio assumes the client keeps up with whatever it is left; where the model says
+    # its CPUs (the step's share included) cannot, the best ratio on the grid is taken instead
+    best = max(
+        (k / RATIO_STEPS for k in range(RATIO_STEPS + 1)), key=lambda r: (predicted(rates, cut, r), -abs(r - ratio))
+    )
+    if predicted(rates, cut, best) > expected * (1.0 + MODEL_MARGIN):
+        rule += f"; the model predicts {predicted(rates, cut, best) / max(expected, 1e-12) - 1:.0%} more at {best:.2f}"
+        ratio, expected = best, predicted(rates, cut, best)
     label = cut.label or f"{cut.stages} stage(s)"
     reason = f"offload {ratio:.2f} at {label}: {rule} (Gthp {gthp:.0f}/s, Lthp {lthp:.0f}/s, Rthp {rthp:.0f}/s)"
     return Decision(ratio, cut, reason, expected, inputs)
