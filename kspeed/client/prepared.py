@@ -89,6 +89,7 @@ class _Task:
     index: int
     ids: list[int]
     remote: int = 0  # samples of it the servers preprocessed
+    inline: bool = False  # prepared in the training process (inside next()), not in a worker
 
 
 class PreparedDataset(IterableDataset):
@@ -290,8 +291,9 @@ class PreparedDataset(IterableDataset):
         batch.release()
         paths = self._paths
         names = [os.path.basename(paths[i]) for i in ids] if paths and self._stages.loader_takes == "path" else []
-        future = self._ready_workers().submit(buffer, offsets.tolist(), targets, names, draw)
-        return _Task(future, epoch, index, ids, sum(draw.remote))
+        workers = self._ready_workers()
+        future = workers.submit(buffer, offsets.tolist(), targets, names, draw)
+        return _Task(future, epoch, index, ids, sum(draw.remote), isinstance(workers, InlineWorkers))
 
     def _targets_of(self, batch: Any, ids: list[int]) -> list[Any]:
         if self._targets is not None:
@@ -323,7 +325,7 @@ class PreparedDataset(IterableDataset):
             future.set_exception(exc)
         finally:
             batch.release()  # default_collate copied the samples out of the ring
-        return _Task(future, batch.epoch, batch.index, ids, sum(draw.remote))
+        return _Task(future, batch.epoch, batch.index, ids, sum(draw.remote), inline=True)
 
     def _collect(self, task: _Task) -> Any:
         where = f"batch {task.index} of epoch {task.epoch} of dataset {self.name!r}"
@@ -360,7 +362,8 @@ class PreparedDataset(IterableDataset):
         for name, seconds in result.seconds.items():
             self._seconds[name] = self._seconds.get(name, 0.0) + seconds
         if self._auto is not None:
-            self._auto.batch_done(result.seconds, result.cpu_s, result.wall_s, len(task.ids) - task.remote, task.remote)
+            local = len(task.ids) - task.remote
+            self._auto.batch_done(result.seconds, result.cpu_s, result.wall_s, local, task.remote, task.inline)
         if self._gpu is not None:
             return self._gpu.apply(result.value, task.epoch, task.ids)
         return result.value

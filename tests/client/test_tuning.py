@@ -336,3 +336,24 @@ def test_where_the_client_cannot_keep_up_with_its_rest_the_model_takes_a_better_
     assert d.ratio == pytest.approx(1.0)
     assert "the model predicts" in d.reason
     assert predicted(r, c, d.ratio) > 1.05 * predicted(r, c, d.inputs["fastflow_ratio"])
+
+
+def test_a_batch_prepared_inside_next_is_not_counted_twice(monkeypatch):
+    tuner = AutoOffload(
+        dataset="d", links=lambda: [], server_stages=1, nbytes=10, label="x", apply=lambda r: None, ratio=1.0, cores=1
+    )
+    try:
+        tuner._stop.set()
+        figures = {"step_s": 0.004, "step_cpu": 0.004, "wait_s": 0.003, "next_cpu": 0.003, "samples": 640.0}
+        monkeypatch.setattr(tuner.loop, "figures", lambda: figures)
+        # every batch collated in the training thread: 2 ms of its 3 ms of CPU inside next() per sample
+        tuner.batch_done({"0:decode_image": 0.0, "receive": 0.032, "collate": 0.032}, 0.064, 0.064, 0, 32, inline=True)
+        tuner.batch_done({"0:decode_image": 0.128}, 0.128, 0.128, 32, 0)  # and a worker's batch, for Pcycle
+        rates = tuner.rates()
+        assert rates is not None
+        # common: collation (1 ms, half of the samples' worth over both batches) + next()'s CPU not
+        # spent preparing (3 ms - 1 ms: the inline batch's CPU over all samples seen)
+        assert rates.common_cpu == pytest.approx(0.032 / 64 + (0.003 - 0.064 / 64))
+        assert rates.local_cpu == pytest.approx(0.004)
+    finally:
+        tuner.close()

@@ -25,7 +25,7 @@ from typing import Any
 
 from kspeed.client.feeding.links import Link
 from kspeed.client.tuning.decision import Cut, Decision, Hysteresis, Rates, decide, predicted
-from kspeed.client.tuning.meters import LoopMeter, PrepMeter, ServerMeter
+from kspeed.client.tuning.meters import LoopMeter, PrepMeter, ServerMeter, Window
 from kspeed.config import usable_cores
 from kspeed.errors import KSpeedError
 
@@ -100,6 +100,7 @@ class AutoOffload:
         self._kept_cost = (kept or {}).get("pcycle")  # the last run's Pcycle (a better prior)
         self._keep, self._record = keep, record
         self._unsaved = False
+        self._inline = Window(2)  # CPU seconds of batches prepared inside next(), samples
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._read_servers, name=f"kspeed-tune-{dataset}", daemon=True)
@@ -107,11 +108,16 @@ class AutoOffload:
 
     # -- what the prepared dataset reports -----------------------------------------------------------
 
-    def batch_done(self, seconds: dict[str, float], cpu_s: float, wall_s: float, local: int, remote: int) -> None:
-        """A batch the client's workers finished: its stage seconds, CPU and wall, and its mix."""
+    def batch_done(
+        self, seconds: dict[str, float], cpu_s: float, wall_s: float, local: int, remote: int, inline: bool = False
+    ) -> None:
+        """A batch the client's workers finished: its stage seconds, CPU and wall, and its mix;
+        ``inline``: it was prepared in the training thread, inside ``next()`` (its CPU is then in the
+        loop's ``next()`` time too, and is not counted twice)."""
         self.prep.record(seconds, cpu_s, wall_s, local, remote)
         with self._lock:
             self._remote_samples += remote
+            self._inline.add(self._clock(), (cpu_s if inline else 0.0, float(local + remote)))
 
     def tick(self) -> Decision | None:
         """Called by the training thread after each batch: every interval, decide and apply.
@@ -165,11 +171,14 @@ class AutoOffload:
             local = self._kept_cost if self._kept_cost is not None else self._server_cost
         if loop is None or loop["samples"] < MIN_SAMPLES or local is None:
             return None
+        with self._lock:
+            inline_cpu, prepared = self._inline.sums()
+        inside = max(loop["next_cpu"] - (inline_cpu / prepared if prepared else 0.0), 0.0)
         return Rates(
             step_s=loop["step_s"],
             step_cpu=loop["step_cpu"],
             local_cpu=local,
-            common_cpu=self.prep.common_cpu + loop["next_cpu"],
+            common_cpu=self.prep.common_cpu + inside,
             cores=float(self._cores),
             rail_bytes_per_s=self._rail,
         )

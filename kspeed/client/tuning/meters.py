@@ -25,7 +25,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["LoopMeter", "PrepMeter", "ServerMeter", "run_queue_wait"]
+__all__ = ["LoopMeter", "PrepMeter", "ServerMeter", "Window", "run_queue_wait"]
 
 WINDOW_S = 4.0  # seconds of recent batches a rate is taken over
 MIN_BATCHES = 4  # ... and at least this many batches
@@ -42,7 +42,7 @@ def run_queue_wait() -> float:
         return 0.0
 
 
-class _Window:
+class Window:
     """Sums of a few figures over the recent batches."""
 
     def __init__(self, width: int) -> None:
@@ -76,7 +76,7 @@ class LoopMeter:
     """
 
     def __init__(self) -> None:
-        self._window = _Window(6)  # step wall, step run-queue wait, step cpu, next() wall, next() cpu, samples
+        self._window = Window(6)  # step wall, step run-queue wait, step cpu, next() wall, next() cpu, samples
         self._lock = threading.Lock()
         self._handed: tuple[float, float, float] | None = None  # wall, cpu, run-queue wait at the last hand-over
         self._asked: tuple[float, float, float] | None = None
@@ -138,7 +138,7 @@ class PrepMeter:
     def __init__(self, server_stages: int) -> None:
         self._server_stages = server_stages
         self._lock = threading.Lock()
-        self._window = _Window(5)  # offloadable s, local samples, receive s, remote samples, common s
+        self._window = Window(5)  # offloadable s, local samples, receive s, remote samples, common s
         self._samples = 0.0
         self.local_cpu: float | None = None  # last known Pcycle (kept while no sample runs here)
         self.receive_cpu: float | None = None
