@@ -270,6 +270,7 @@ def test_the_tuner_decides_from_what_it_measures_and_applies_a_change(monkeypatc
         assert decision is not None and 0.0 < decision.ratio < 1.0
         assert applied == [decision.ratio]
         assert tuner.stats()["ratio"] == decision.ratio and tuner.stats()["mode"] == "auto"
+        assert tuner.stats()["changes"] == 1
         # one server is lost: half the capacity, the decision moves
         tuner.servers.forget("b")
         links.pop()

@@ -228,7 +228,7 @@ class AutoOffload:
             "mode": "auto",
             "ratio": self.ratio,
             "reason": current.reason if current is not None else "",
-            "changes": self.hysteresis.changes - 1,
+            "changes": self.hysteresis.changes,
             "expected_samples_per_s": expected,
             "inputs": dict(self.last.inputs) if self.last is not None else {},
             "last_decision": self.last.reason if self.last is not None else "",
@@ -240,5 +240,5 @@ class AutoOffload:
         """Stop reading the servers; keep the split in force if a decision was made."""
         self._stop.set()
         self._thread.join(timeout=5.0)
-        if self._unsaved or (self.last is not None and self.hysteresis.changes > 1):
+        if self._unsaved or (self.last is not None and self.hysteresis.changes > 0):
             self._save()
