@@ -86,6 +86,9 @@ def decode_pil(data: bytes | bytearray | memoryview | np.ndarray, *, mode: str =
         data = np.ascontiguousarray(data).reshape(-1).data
     try:
         with Image.open(io.BytesIO(data)) as img:
+            if img.format == "JPEG" and img.mode == mode:
+                img.load()  # convert() would return a copy of these very pixels
+                return img
             return img.convert(mode)
     except _DECODE_ERRORS as exc:
         raise ValueError(f"cannot decode image: {exc}") from exc
