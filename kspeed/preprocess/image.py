@@ -19,13 +19,16 @@ __all__ = [
     "INTERPOLATIONS",
     "LAYOUTS",
     "MODES",
+    "PLANES",
     "center_crop",
     "decode_image",
     "flip",
+    "planes_shape",
     "random_resized_crop",
     "resize",
     "resized_crop_params",
     "to_chw",
+    "write_planes",
 ]
 
 INTERPOLATIONS: dict[str, Image.Resampling] = {
@@ -43,6 +46,9 @@ MODES = ("RGB", "RGBA", "L")
 
 LAYOUTS = ("hwc", "hw", "chw")
 """Array layouts :func:`flip` understands."""
+
+PLANES: dict[str, tuple[str, ...]] = {"RGB": ("R", "G", "B"), "RGBA": ("R", "G", "B", "A"), "L": ("L",)}
+"""The bands, in order, of the Pillow modes :func:`write_planes` lays out as uint8 planes."""
 
 # torchvision's RandomResizedCrop tries this many random boxes before falling back to a central crop.
 _CROP_ATTEMPTS = 10
@@ -86,6 +92,9 @@ def decode_pil(data: bytes | bytearray | memoryview | np.ndarray, *, mode: str =
         data = np.ascontiguousarray(data).reshape(-1).data
     try:
         with Image.open(io.BytesIO(data)) as img:
+            if img.format == "JPEG" and img.mode == mode:
+                img.load()  # convert() would return a copy of these very pixels
+                return img
             return img.convert(mode)
     except _DECODE_ERRORS as exc:
         raise ValueError(f"cannot decode image: {exc}") from exc
@@ -262,6 +271,23 @@ def to_chw(x: np.ndarray) -> np.ndarray:
     if x.ndim != 3:
         raise ValueError(f"expected an HW or HWC image, got shape {x.shape}")
     return np.ascontiguousarray(x.transpose(2, 0, 1))
+
+
+def planes_shape(img: object) -> tuple[int, int, int] | None:
+    """The ``(channels, height, width)`` :func:`write_planes` gives ``img``, or None when it is not a
+    PIL image of one of the :data:`PLANES` modes."""
+    if not isinstance(img, Image.Image) or img.mode not in PLANES:
+        return None
+    return len(PLANES[img.mode]), img.height, img.width
+
+
+def write_planes(img: Image.Image, out: np.ndarray) -> None:
+    """Write ``img`` into ``out`` (uint8, :func:`planes_shape`'s bytes) as CHW planes: the bytes of
+    ``np.array(img)`` transposed to CHW, as torchvision's ``PILToTensor`` holds them, each band
+    packed straight from Pillow's pixels (no interleaved array, no transposing copy)."""
+    plane = img.height * img.width
+    for channel, band in enumerate(PLANES[img.mode]):
+        out[channel * plane : (channel + 1) * plane] = np.frombuffer(img.tobytes("raw", band), dtype=np.uint8)
 
 
 def _output_size(height: int, width: int, size: int | Sequence[int], max_size: int | None) -> tuple[int, int]:

@@ -125,12 +125,16 @@ class Output:
 
     def check(self, array: np.ndarray) -> str:
         """Why ``array`` does not match this declaration, or ``""``."""
-        if array.dtype != np.dtype(self.dtype):
-            return f"dtype {array.dtype} where {self.dtype} is declared"
-        if self.shape and tuple(array.shape) != self.shape:
-            return f"shape {tuple(array.shape)} where {self.shape} is declared"
-        if not self.shape and (array.nbytes > self.max_bytes or array.ndim > MAX_DIMS):
-            return f"{array.nbytes} bytes in {array.ndim} dimensions where at most {self.max_bytes} bytes are declared"
+        return self._mismatch(tuple(array.shape), array.dtype)
+
+    def _mismatch(self, shape: tuple[int, ...], dtype: np.dtype) -> str:
+        if dtype != np.dtype(self.dtype):
+            return f"dtype {dtype} where {self.dtype} is declared"
+        if self.shape and shape != self.shape:
+            return f"shape {shape} where {self.shape} is declared"
+        nbytes = math.prod(shape) * dtype.itemsize
+        if not self.shape and (nbytes > self.max_bytes or len(shape) > MAX_DIMS):
+            return f"{nbytes} bytes in {len(shape)} dimensions where at most {self.max_bytes} bytes are declared"
         return ""
 
     def encode(self, array: np.ndarray, out: np.ndarray) -> int:
@@ -139,19 +143,32 @@ class Output:
         Raises:
             ValueError: ``array`` does not match the declaration (the message says how).
         """
-        why = self.check(array)
+        place = self.place(tuple(array.shape), array.dtype, out)
+        place[:] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        return self.written(place)
+
+    def place(self, shape: tuple[int, ...], dtype: np.dtype, out: np.ndarray) -> np.ndarray:
+        """Where in ``out`` the bytes of an array of ``shape`` and ``dtype`` go (checked first), for a
+        stage that writes its result there itself: a uint8 view of ``out``, after the header (written
+        here) of a variable shape; :meth:`written` tells the bytes written once it is filled.
+
+        Raises:
+            ValueError: such an array does not match the declaration (the message says how).
+        """
+        dtype = np.dtype(dtype)
+        why = self._mismatch(shape, dtype)
         if why:
             raise ValueError(why)
-        payload = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        nbytes = math.prod(shape) * dtype.itemsize
         if self.shape:
-            out[: payload.nbytes] = payload
-            return payload.nbytes
-        dims = [*array.shape, *([0] * (MAX_DIMS - array.ndim))]
-        out[:HEADER] = np.frombuffer(
-            _HEADER.pack(payload.nbytes, DTYPES.index(self.dtype), array.ndim, *dims), dtype=np.uint8
-        )
-        out[HEADER : HEADER + payload.nbytes] = payload
-        return HEADER + payload.nbytes
+            return out[:nbytes]
+        dims = [*shape, *([0] * (MAX_DIMS - len(shape)))]
+        out[:HEADER] = np.frombuffer(_HEADER.pack(nbytes, DTYPES.index(self.dtype), len(shape), *dims), dtype=np.uint8)
+        return out[HEADER : HEADER + nbytes]
+
+    def written(self, place: np.ndarray) -> int:
+        """The bytes a sample takes in ``out`` once its :meth:`place` is filled (with its header, if any)."""
+        return place.nbytes + (0 if self.shape else HEADER)
 
     def decode(self, data: np.ndarray) -> np.ndarray:
         """The array a sample's ring bytes hold (a view of ``data``, uint8).

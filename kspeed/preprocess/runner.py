@@ -11,19 +11,22 @@ be used where nothing else draws from it concurrently (a single-threaded worker 
 Values flow as the ops want them: decoders take the sample's bytes, built-in ops numpy arrays,
 torchvision transforms PIL images or tensors (an HWC uint8 array becomes a PIL image before one);
 at a cut between places a value is written as the stage's declared :class:`~kspeed.preprocess.pipeline.Output`.
+A ``PILToTensor`` stage at such a cut writes the planes of the PIL image it receives there itself
+(:meth:`Runner.produce`): the same bytes, without the tensor, its transposing copy and the copy out.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from kspeed.errors import AccessDeniedError, ConfigError, PreprocessError
-from kspeed.preprocess import ops, rng
+from kspeed.preprocess import image, ops, rng
 from kspeed.preprocess.pipeline import TORCHVISION, Output, Pipeline, Stage
 
 __all__ = ["Runner", "allowed", "check_allowed", "to_array"]
@@ -77,11 +80,28 @@ def _as_image_input(value: Any) -> Any:
     return value
 
 
+def _write_planes(value: Any, output: Output, out: np.ndarray) -> int | None:
+    """``PILToTensor`` of ``value`` written into ``out`` as ``output`` declares it, straight from the
+    PIL image; the bytes written, or None when it is no such image or does not match (the stage
+    then runs as it is, and the mismatch is reported as for any stage)."""
+    shape = image.planes_shape(value)
+    if shape is None:
+        return None
+    try:
+        place = output.place(shape, np.dtype(np.uint8), out)
+    except ValueError:
+        return None
+    image.write_planes(value, place)
+    return output.written(place)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Step:
     index: int
     stage: Stage
     call: Callable[[Any, int, int, int], Any]  # (value, seed, epoch, sample) -> value
+    # At a cut: write the stage's result of a value into ``out`` as declared; None when it cannot.
+    write: Callable[[Any, Output, np.ndarray], int | None] | None = None
 
 
 class Runner:
@@ -104,6 +124,7 @@ class Runner:
     ) -> None:
         self.pipeline = pipeline
         self.dataset = dataset
+        self._names = [f"{k}:{stage.op}" for k, stage in enumerate(pipeline.stages)]
         self._steps = [self._resolve(k, stage, allow) for k, stage in enumerate(pipeline.stages[:stages])]
 
     def _resolve(self, index: int, stage: Stage, allow: Sequence[str] | None) -> _Step:
@@ -122,7 +143,8 @@ class Runner:
                     transform, _as_image_input(value), rng.torch_seed(seed, epoch, sample, index) if random else None
                 )
 
-            return _Step(index, stage, call_transform)
+            planes = stage.op.partition(":")[2] == "PILToTensor"
+            return _Step(index, stage, call_transform, _write_planes if planes else None)
         if module:
             try:
                 function = getattr(importlib.import_module(module), stage.op.split(":", 1)[1])
@@ -159,7 +181,7 @@ class Runner:
 
     def stage_name(self, index: int) -> str:
         """``"<index>:<op>"``, how per-stage figures name a stage."""
-        return f"{index}:{self.pipeline.stages[index].op}"
+        return self._names[index]
 
     def run(self, value: Any, *, seed: int, epoch: int, sample: int, start: int = 0, stop: int | None = None) -> Any:
         """Stages ``start`` to ``stop`` (exclusive; default: to the end) on one sample.
@@ -171,24 +193,64 @@ class Runner:
             try:
                 value = step.call(value, seed, epoch, sample)
             except Exception as exc:
-                raise PreprocessError(
-                    f"dataset {self.dataset!r} sample {sample}: stage {step.index} ({step.stage.op}) failed: "
-                    f"{type(exc).__name__}: {exc}",
-                    dataset=self.dataset or None,
-                    sample=sample,
-                    stage=step.index,
-                    op=step.stage.op,
-                ) from exc
+                raise self._failed(step, sample, exc) from exc
         return value
 
-    def produce(self, data: Any, out: np.ndarray, *, seed: int, epoch: int, sample: int, stop: int) -> int:
-        """Run stages ``0..stop`` on a sample's raw bytes and write the result into ``out`` as
-        stage ``stop - 1`` declares it; returns the bytes written.
+    def _failed(self, step: _Step, sample: int, exc: Exception) -> PreprocessError:
+        return PreprocessError(
+            f"dataset {self.dataset!r} sample {sample}: stage {step.index} ({step.stage.op}) failed: "
+            f"{type(exc).__name__}: {exc}",
+            dataset=self.dataset or None,
+            sample=sample,
+            stage=step.index,
+            op=step.stage.op,
+        )
+
+    def produce(
+        self,
+        data: Any,
+        out: np.ndarray,
+        *,
+        seed: int,
+        epoch: int,
+        sample: int,
+        stop: int,
+        start: int = 0,
+        seconds: dict[str, float] | None = None,
+    ) -> int:
+        """Run stages ``start..stop`` on a sample (its raw bytes when ``start`` is 0) and write the
+        result into ``out`` as stage ``stop - 1`` declares it; returns the bytes written.
+
+        A last stage that can write its result itself (``PILToTensor`` given a PIL image) does: the
+        same bytes as running it and :meth:`write`.
+
+        Args:
+            seconds: when given, each stage's seconds are added to it under its :meth:`stage_name`
+                (a stage that writes its result itself counts the write).
 
         Raises:
             PreprocessError: a stage failed, or its result does not match its declaration.
         """
-        return self.write(self.run(data, seed=seed, epoch=epoch, sample=sample, stop=stop), out, stop, sample=sample)
+        value = data
+        steps = self._steps[start:stop]
+        last = steps[-1] if steps and steps[-1].write is not None and steps[-1].index == stop - 1 else None
+        output = self.pipeline.output(stop) if last is not None else None
+        for step in steps:
+            begun = time.perf_counter() if seconds is not None else 0.0
+            written = None
+            try:
+                if step is last and last.write is not None and output is not None:
+                    written = last.write(value, output, out)
+                if written is None:
+                    value = step.call(value, seed, epoch, sample)
+            except Exception as exc:
+                raise self._failed(step, sample, exc) from exc
+            if seconds is not None:
+                name = self._names[step.index]
+                seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - begun
+            if written is not None:
+                return written
+        return self.write(value, out, stop, sample=sample)
 
     def write(self, value: Any, out: np.ndarray, stop: int, *, sample: int) -> int:
         """Write the value after the first ``stop`` stages into ``out`` as stage ``stop - 1`` declares it.

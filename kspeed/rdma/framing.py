@@ -42,11 +42,12 @@ def frame(kind: int, payload: bytes = b"") -> bytes:
     return HEADER.pack(kind, len(payload)) + payload
 
 
-def readable(sock: socket.socket) -> bool:
-    """Whether ``sock`` has bytes (or an end) to read now (poll: any descriptor number)."""
+def readable(sock: socket.socket, timeout: float | None = 0.0) -> bool:
+    """Whether ``sock`` has bytes (or an end) to read, waiting up to ``timeout`` seconds for them
+    (``None``: until it has; poll: any descriptor number)."""
     poller = select.poll()
     poller.register(sock, select.POLLIN)
-    return bool(poller.poll(0))
+    return bool(poller.poll(None if timeout is None else timeout * 1e3))
 
 
 class OneSocket:

@@ -244,6 +244,26 @@ def test_flip_probability_edges_and_layouts(pictures):
         image.flip(x, rng, layout="nhwc")
 
 
+def test_decoding_a_jpeg_in_its_own_mode_gives_torchvisions_pixels_without_a_copy(photos):
+    data, path = photos["china.jpeg"]
+    decoded = image.decode_pil(data)
+    assert decoded.mode == "RGB" and decoded.format == "JPEG"  # the decoded image itself, no convert() copy
+    assert np.array_equal(np.asarray(decoded), np.asarray(pil_loader(path)))
+    assert np.array_equal(np.asarray(image.decode_pil(data, mode="L")), np.asarray(Image.open(path).convert("L")))
+    assert image.decode_pil(photos["china.png"][0]).format is None  # another format: converted, as before
+
+
+def test_planes_are_the_bytes_of_pil_to_tensor(pictures):
+    china = pictures["china.jpeg"]
+    for pil in (china, china.convert("L"), china.convert("RGBA"), china.crop((3, 5, 120, 97))):
+        expected = F.pil_to_tensor(pil).numpy()
+        assert image.planes_shape(pil) == expected.shape
+        out = np.zeros(expected.size + 7, np.uint8)
+        image.write_planes(pil, out[: expected.size])
+        assert np.array_equal(out[: expected.size], expected.reshape(-1)) and not out[expected.size :].any()
+    assert image.planes_shape(china.convert("P")) is None and image.planes_shape(np.asarray(china)) is None
+
+
 def test_to_chw_equals_pil_to_tensor(pictures):
     for pil in (pictures["china.jpeg"], pictures["flower.jpeg"].convert("L")):
         expected = F.pil_to_tensor(pil).numpy()

@@ -224,6 +224,41 @@ def test_torchvision_stages_get_pil_images_and_match_torchvision():
     assert got.equal(want)
 
 
+def test_a_last_pil_to_tensor_writes_what_the_tensor_would_have_written():
+    """It writes the PIL image's planes itself (no tensor): the same bytes, the same stage times,
+    and a mismatch is reported as the tensor's would be."""
+    data = jpeg(4)
+    tail = [Stage("torchvision.transforms:RandomResizedCrop", {"size": [16, 16]})]
+    variable = Output(max_bytes=3 * 40 * 48)
+    for output, crop in ((CROP, tail), (variable, tail), (variable, [])):
+        pipeline = Pipeline(
+            [
+                Stage("decode_image", {"mode": "RGB"}),
+                *crop,
+                Stage("torchvision.transforms:PILToTensor", {}, output=output),
+            ]
+        )
+        runner = Runner(pipeline, allow=("torchvision.transforms",))
+        stop = len(pipeline.stages)
+        out, want = np.full(output.nbytes, 9, np.uint8), np.full(output.nbytes, 9, np.uint8)
+        seconds: dict[str, float] = {}
+        written = runner.produce(data, out, seed=1, epoch=2, sample=3, stop=stop, seconds=seconds)
+        tensor = runner.run(data, seed=1, epoch=2, sample=3, stop=stop)
+        assert written == runner.write(tensor, want, stop, sample=3) and np.array_equal(out, want)
+        assert sorted(seconds) == [runner.stage_name(k) for k in range(stop)]
+        assert np.array_equal(runner.receive(out, stop, sample=3), tensor.numpy())
+    gray = Pipeline(
+        [
+            Stage("decode_image", {"mode": "L"}),
+            Stage("torchvision.transforms:PILToTensor", {}, output=CROP),
+        ]
+    )
+    with pytest.raises(
+        PreprocessError, match=r"stage 1 \(torchvision.transforms:PILToTensor\) produced shape \(1, 40, 48\)"
+    ):
+        Runner(gray).produce(data, np.zeros(CROP.nbytes, np.uint8), seed=0, epoch=0, sample=0, stop=2)
+
+
 # -- the split --------------------------------------------------------------------------------------
 
 

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import socket
+import time
 from collections import deque
 from collections.abc import Iterable
 
@@ -23,7 +24,6 @@ import numpy as np
 from kspeed.errors import (
     AccessDeniedError,
     KSpeedError,
-    PeerLostError,
     RailUnavailableError,
     RangeError,
     TransportError,
@@ -206,17 +206,14 @@ class ShmWriter(framing.OneSocket, Writer):
             raise framing.lost("sending to shm receiver", exc, self.conn) from exc
 
     def recv(self, timeout: float | None = 0.0) -> bytes | None:
-        if not self._messages:
-            self._pump(blocking=False)
-        if not self._messages and timeout != 0:
-            self._sock.settimeout(timeout)
-            try:
-                self._pump(blocking=True)
-            except PeerLostError as exc:
-                if not isinstance(exc.__cause__, TimeoutError):
-                    raise
-            finally:
-                self._sock.settimeout(self._options.io_timeout)
+        # The wait is a poll(), not a socket timeout: a feed with grants waiting for their samples
+        # asks every few milliseconds, and a wait that ends with nothing then costs no exception.
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._messages:  # a part of a frame is not a message: wait on for the rest
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not framing.readable(self._sock, remaining):
+                break
+            self._pump(blocking=True)  # (bytes or the end are there: it does not wait)
         return self._messages.popleft() if self._messages else None
 
     def close(self) -> None:

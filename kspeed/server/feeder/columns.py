@@ -48,9 +48,12 @@ def _positions(key: Any, size: int) -> np.ndarray:
     if pos.dtype == bool:
         return np.flatnonzero(pos)
     pos = np.atleast_1d(pos).astype(np.int64, copy=False)
-    if len(pos) and (int(pos.min()) < -size or int(pos.max()) >= size):
+    if not len(pos):
+        return pos
+    low, high = int(pos.min()), int(pos.max())
+    if low < -size or high >= size:
         raise IndexError(f"a position is out of range for {size} positions")
-    return np.where(pos < 0, pos + size, pos)
+    return pos if low >= 0 else np.where(pos < 0, pos + size, pos)
 
 
 class SparseColumn(_WholeColumn):
@@ -64,7 +67,6 @@ class SparseColumn(_WholeColumn):
     def __init__(self, size: int) -> None:
         self.size = int(size)
         self._blocks: dict[int, np.ndarray] = {}  # block number -> its values
-        self._nonzero: dict[int, int] = {}  # block number -> how many of its values are not zero
 
     @classmethod
     def of(cls, values: np.ndarray) -> SparseColumn:
@@ -111,20 +113,20 @@ class SparseColumn(_WholeColumn):
             stored = self._blocks.get(block)
             if stored is None:
                 stored = self._blocks[block] = np.zeros(BLOCK, dtype=np.int64)
-                self._nonzero[block] = 0
-            inner = pos[at] & (BLOCK - 1)
             # (a position named twice takes its last value, as numpy's assignment does)
-            before = int(np.count_nonzero(stored[np.unique(inner)]))
-            stored[inner] = values[at]
-            self._nonzero[block] += int(np.count_nonzero(stored[np.unique(inner)])) - before
-            if not self._nonzero[block]:
-                del self._blocks[block], self._nonzero[block]
+            stored[pos[at] & (BLOCK - 1)] = values[at]
+            if not stored.any():  # (a scan of the block costs less than counting what changed)
+                del self._blocks[block]
 
-    def _groups(self, pos: np.ndarray, needed: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    def _groups(self, pos: np.ndarray, needed: np.ndarray) -> list[tuple[int, np.ndarray | slice]]:
         """The blocks that positions ``pos`` touch and that exist or are ``needed``, with the
         indices into ``pos`` of each one's positions (only those few are looked at: the usual
-        case is a column with a handful of blocks and positions outside them)."""
+        case is a column with a handful of blocks and positions outside them, or a grant's or a
+        task's positions, all in one block)."""
         blocks = pos >> _SHIFT
+        if len(blocks) and (blocks == blocks[0]).all():
+            first = int(blocks[0])
+            return [(first, slice(None))] if first in self._blocks or needed.any() else []
         wanted = np.unique(blocks[needed])
         if self._blocks:
             wanted = np.union1d(wanted, np.fromiter(self._blocks, dtype=np.int64, count=len(self._blocks)))
@@ -176,7 +178,8 @@ class CrcColumn(_WholeColumn):
     def __setitem__(self, key: Any, value: Any) -> None:
         pos = _positions(key, self.size)
         values = np.broadcast_to(np.asarray(value, dtype=np.int64), pos.shape)
-        if not isinstance(key, slice) and len(np.unique(pos)) < len(pos):  # the last value of a position wins
+        repeated = not isinstance(key, slice) and len(pos) > 1 and not (pos[1:] > pos[:-1]).all()
+        if repeated and len(np.unique(pos)) < len(pos):  # the last value of a position wins
             last = len(pos) - 1 - np.unique(pos[::-1], return_index=True)[1]
             pos, values = pos[last], values[last]
         none = values < 0

@@ -28,7 +28,6 @@ import mmap
 import os
 import signal
 import sys
-import time
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
 from typing import Any
@@ -228,11 +227,17 @@ def _run_one(runner: Any, job: Job, sample: int, data: Any, out: Any, seconds: d
     try:
         if job.start:
             data = runner.receive(data, job.start, sample=sample)
-        for k in range(job.start, job.stages):
-            begun = time.perf_counter()
-            data = runner.run(data, seed=job.seed, epoch=job.epoch, sample=sample, start=k, stop=k + 1)
-            name = runner.stage_name(k)
-            seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - begun
-        return int(runner.write(data, out, job.stages, sample=sample))
+        return int(
+            runner.produce(
+                data,
+                out,
+                seed=job.seed,
+                epoch=job.epoch,
+                sample=sample,
+                start=job.start,
+                stop=job.stages,
+                seconds=seconds,
+            )
+        )
     except KSpeedError as exc:
         return str(exc)
