@@ -281,7 +281,8 @@ class KSpeedClient:
             loader: replaces ``dataset.loader``; called on a binary file object.
             num_workers: transform worker processes (default: up to 4, one per CPU this process may use).
             prefetch: batches in flight in the workers (default: 2 per worker).
-            list_dir: where to write the list file when one is needed (default ``<root>/.kspeed``).
+            list_dir: where to write the list file when one is needed (default: the hidden file
+                ``<root>/.kspeed-<name>.list``, which ``ImageFolder`` ignores).
             name: the dataset's name in the cluster (default: from a hash of the paths).
             preload: wait for the servers to cache the files before returning.
             cache: ``"preprocessed"``: the servers keep each image after the leading transforms

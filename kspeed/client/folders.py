@@ -53,7 +53,7 @@ from kspeed.errors import ConfigError
 from kspeed.preprocess.pipeline import CACHES, Pipeline
 
 __all__ = [
-    "LIST_DIR",
+    "LIST_PREFIX",
     "client_workers_needed",
     "folder_pipeline_choice",
     "folder_samples",
@@ -63,7 +63,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-LIST_DIR = ".kspeed"
+#: A list file written beside the class folders is named ``<LIST_PREFIX><dataset>.list``: a hidden
+#: *file* at the root, since torchvision's ``ImageFolder`` takes every directory there (hidden ones
+#: too) for a class, and a directory of list files would break the next ``ImageFolder(root)``.
+LIST_PREFIX = ".kspeed-"
 
 
 def _tree_keys(root: str) -> list[str] | None:
@@ -112,7 +115,8 @@ def folder_spec(
     and ``cache``.
 
     A ``dir`` spec over the common root when the paths are exactly its non-hidden files in sorted
-    order, else a ``list`` file written to ``list_dir`` (default ``<root>/.kspeed``).
+    order, else a ``list`` file written to ``list_dir``, or by default the hidden file
+    ``<root>/.kspeed-<name>.list`` (never a directory beside the class folders).
 
     Raises:
         ConfigError: a path cannot be named in a list file, or the list file cannot be written.
@@ -136,8 +140,9 @@ def folder_spec(
                 field="samples",
                 value=p,
             )
-    directory = list_dir if list_dir is not None else os.path.join(root, LIST_DIR)
-    uri = os.path.join(os.path.abspath(directory), f"{list_name}.list")
+    directory = list_dir if list_dir is not None else root
+    prefix = "" if list_dir is not None else LIST_PREFIX
+    uri = os.path.join(os.path.abspath(directory), f"{prefix}{list_name}.list")
     try:
         os.makedirs(directory, exist_ok=True)
         _write_list(uri, paths)

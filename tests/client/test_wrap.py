@@ -362,9 +362,12 @@ def test_folder_spec_uses_the_tree_when_it_matches_else_a_list(folder, tmp_path)
     assert folder_spec(paths).name == spec.name  # wrapping the same files again attaches to the same data
     reordered = folder_spec(paths[::-1])
     assert reordered.kind == "list" and reordered.name != spec.name
-    assert reordered.uri == str(tmp_path / "imgs" / ".kspeed" / f"{reordered.name}.list")
+    assert reordered.uri == str(tmp_path / "imgs" / f".kspeed-{reordered.name}.list")
     with open(reordered.uri) as f:
         assert f.read().splitlines() == paths[::-1]
+    # the list beside the class folders is a hidden file: the folder is still the same ImageFolder
+    again = ImageFolder(str(tmp_path / "imgs"))
+    assert again.classes == folder.classes and again.samples == folder.samples
     subset = folder_spec(paths[:-1])  # a file of the tree is not a sample: the tree would list it
     assert subset.kind == "list"
     listed = folder_spec(paths[:-1], list_dir=str(tmp_path / "lists"), name="mine")
