@@ -73,7 +73,10 @@ class Feeder:
             ProtocolError: ``command`` is no command this process takes.
         """
         self.shared.moves += 1  # whatever changed, waiting grants are worth another look
-        return COMMAND_HANDLERS(self, command)
+        try:
+            return COMMAND_HANDLERS(self, command)
+        finally:
+            self.shared.moved()  # feeds whose grants wait look again now, not at their next poll
 
     @COMMAND_HANDLERS.handles(OpenFeed)
     def _open_feed(self, command: OpenFeed) -> Reply:
