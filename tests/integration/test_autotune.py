@@ -150,3 +150,34 @@ def test_a_repeated_job_starts_from_the_decision_its_last_run_kept(cluster_facto
         # another model starts from scratch
         with client.dataset(spec, BATCH, shuffle=True, seed=SEED, num_workers=1, model="other", quiet=True) as ds:
             assert ds.stats()["offload"]["ratio"] == 1.0
+
+
+@pytest.mark.parametrize("sampler", ["built-in", "RandomSampler"])
+def test_a_split_changed_while_the_ring_holds_the_whole_epoch_takes_the_next_epoch(cluster_factory, tmp_path, sampler):
+    from torch.utils.data import RandomSampler
+
+    cluster, photos, spec = photo_cluster(cluster_factory, tmp_path)
+    n = len(photos.keys)
+    options = {"shuffle": False} if sampler == "built-in" else {"sampler": RandomSampler(range(n))}
+    client = KSpeedClient(config=config_for(cluster))
+    # the default ring, which holds the whole epoch
+    with client, client.dataset(spec, BATCH, seed=SEED, num_workers=1, quiet=True, **options) as ds:
+        pump = ds.dataset._pump
+        order = []
+        for epoch in range(3):
+            ds.set_epoch(epoch)
+            batches = []
+            for k, batch in enumerate(ds):
+                batches.append(batch)
+                if (epoch, k) == (0, 0):
+                    pump.resplit(0.5)  # everything of epoch 0 is granted already
+            got = pump._current
+            order.append((got.epoch, got.fraction, batches, got.ids.tolist()))
+    assert [fraction for _, fraction, _, _ in order][1:] == [0.5, 0.5]  # the next epoch took it, whole
+    runner = Runner(augmenting())
+    for epoch, _, batches, ids in order:
+        for k, (images, labels) in enumerate(batches):
+            chunk = ids[k * BATCH : (k + 1) * BATCH]
+            want = np.stack([runner.run(photos.data(i), seed=SEED, epoch=epoch, sample=i) for i in chunk])
+            assert torch.equal(labels, torch.tensor([photos.label(i) for i in chunk])), (epoch, k)
+            np.testing.assert_array_max_ulp(images.numpy(), want, maxulp=1)

@@ -438,7 +438,12 @@ class Pump:
             return
         first = batch + self._lead if plan is self._current or batch > 0 else 0
         if first >= plan.num_batches:
-            return  # the rest of this epoch is granted already: the next plan takes the new split
+            # the rest of this epoch is granted already (a ring that holds it whole): the next
+            # epoch's plan, made ahead with the old split and not granted yet, is re-split whole
+            following = self._next_plan() if plan is self._current else None
+            if following is None or following.slots or abs(following.fraction - self._wanted) < 1e-9:
+                return
+            plan, first, batch = following, 0, 0
         splitter, wanted = self._splitter, self._wanted
         assert splitter is not None
         future = self._planner.submit(splitter.resplit, plan, first, wanted)
@@ -482,7 +487,7 @@ class Pump:
             self._future, self._future_epoch = None, None
         if self._deterministic and self._current is not None:
             self._prefetch(self._current.epoch + 1)
-        elif self.foresight is not None:
+        elif self.foresight is not None and self.foresight.ready() is not plan:
             self.foresight.again()
 
     def _tick(self) -> None:
