@@ -45,6 +45,35 @@ def descendants(pids: list[int]) -> list[int]:
     return found
 
 
+def core_times(cores: list[int]) -> dict[int, tuple[int, int, int]]:
+    """Per core, its busy, stolen and total clock ticks so far (``/proc/stat``)."""
+    out = {}
+    for line in Path("/proc/stat").read_text().splitlines():
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores:
+            user, nice, system, idle, iowait, irq, softirq, steal = (int(v) for v in fields[:8])
+            out[int(name[3:])] = (
+                user + nice + system + irq + softirq,
+                steal,
+                user + nice + system + idle + iowait + irq + softirq + steal,
+            )
+    return out
+
+
+def core_use(before: dict, after: dict, core: int, ours_s: float, elapsed: float) -> dict:
+    """A core's busy and stolen shares of the span, what our processes used of it and what the
+    machine's other work did (busy less ours)."""
+    busy, steal, total = (a - b for a, b in zip(after[core], before[core], strict=True))
+    share = (busy / total) if total else float("nan")
+    ours = ours_s / elapsed
+    return {
+        "busy": share,
+        "steal": steal / total if total else float("nan"),
+        "ours": ours,
+        "others": max(share - ours, 0.0),
+    }
+
+
 def sampler_of(folder, workload: Workload):
     """The workload's sampler over ``folder`` (the same kind for every configuration)."""
     import torch
@@ -55,10 +84,11 @@ def sampler_of(folder, workload: Workload):
     return RandomSampler(folder)
 
 
-def run_timed(batches, workload: Workload, step: TrainStep, pids, set_epoch=None, probe=None) -> dict:
+def run_timed(batches, workload: Workload, step: TrainStep, pids, cores: dict, set_epoch=None, probe=None) -> dict:
     """``warmup_epochs`` untimed epochs, ``timed_epochs`` timed ones, one untimed trailing epoch (as
     ``bench/preprocess.py``'s ``run_epochs``), a training step per batch; ``probe()`` is read at both
-    ends of the timed span. The loop's wait is the time spent in ``next()``."""
+    ends of the timed span. The loop's wait is the time spent in ``next()``; the cores' use over the
+    timed span shows how much of them the machine's other work took."""
     epoch = 0
     waited = 0.0
 
@@ -85,10 +115,11 @@ def run_timed(batches, workload: Workload, step: TrainStep, pids, set_epoch=None
         one_epoch()
     before = probe() if probe is not None else {}
     waited = 0.0
-    cpu0, began = cpu_seconds(pids()), time.perf_counter()
+    watched = [*cores["training"], *cores["server"]]
+    cpu0, ticks0, began = cpu_seconds(pids()), core_times(watched), time.perf_counter()
     samples = sum(one_epoch() for _ in range(workload.timed_epochs))
     elapsed = time.perf_counter() - began
-    used = cpu_seconds(pids()) - cpu0
+    used, ticks = cpu_seconds(pids()) - cpu0, core_times(watched)
     loop_wait = waited
     after = probe() if probe is not None else {}
     one_epoch()
@@ -99,6 +130,8 @@ def run_timed(batches, workload: Workload, step: TrainStep, pids, set_epoch=None
         "client_cpu_s_per_sample": max(used - step.per_sample * samples, 0.0) / samples,
         "loop_wait_s": loop_wait,
         "loop_wait_share": loop_wait / elapsed,
+        "training_core": core_use(ticks0, ticks, *cores["training"], used, elapsed),
+        "server_core": core_use(ticks0, ticks, *cores["server"], 0.0, elapsed),
         "probe_before": before,
         "probe_after": after,
     }
@@ -109,7 +142,7 @@ def calibrate(root: Path) -> dict:
     return {"local_cost_s_per_sample": local_cost(root)}
 
 
-def dataloader(root: Path, workload: Workload, workers: int, step: TrainStep) -> dict:
+def dataloader(root: Path, workload: Workload, workers: int, step: TrainStep, cores: dict) -> dict:
     import torch
     from torch.utils.data import DataLoader
     from torchvision.datasets import ImageFolder
@@ -129,7 +162,7 @@ def dataloader(root: Path, workload: Workload, workers: int, step: TrainStep) ->
             pids.extend(p.pid for p in torch.multiprocessing.active_children() if p.pid is not None)
         return [os.getpid(), *pids]
 
-    return run_timed(lambda: loader, workload, step, loader_pids)
+    return run_timed(lambda: loader, workload, step, loader_pids, cores)
 
 
 def kspeed(root: Path, workload: Workload, step: TrainStep, cores: dict, log_dir: Path) -> dict:
@@ -170,7 +203,7 @@ def kspeed(root: Path, workload: Workload, step: TrainStep, cores: dict, log_dir
 
             try:
                 figures = run_timed(
-                    lambda: ds, workload, step, lambda: [os.getpid(), *ds.worker_pids()], set_epoch, probe
+                    lambda: ds, workload, step, lambda: [os.getpid(), *ds.worker_pids()], cores, set_epoch, probe
                 )
                 stats = ds.stats()
             finally:
@@ -178,6 +211,10 @@ def kspeed(root: Path, workload: Workload, step: TrainStep, cores: dict, log_dir
         before, after = figures.pop("probe_before"), figures.pop("probe_after")
         timed_batches = -(-figures["samples"] // workload.batch_size)
         data_wait = after["wait_total_s"] - before["wait_total_s"]
+        server_cpu = after["server_cpu_s"] - before["server_cpu_s"]
+        server_core = figures["server_core"]
+        server_core["ours"] = server_cpu / figures["seconds"]
+        server_core["others"] = max(server_core["busy"] - server_core["ours"], 0.0)
         figures.update(
             wrap_s=wrap_s,
             offload=stats["offload"],
@@ -186,7 +223,7 @@ def kspeed(root: Path, workload: Workload, step: TrainStep, cores: dict, log_dir
             data_wait_ms_per_batch=data_wait * 1e3 / timed_batches,
             data_wait_p50_ms=stats.get("wait_p50_ms"),
             data_wait_p99_ms=stats.get("wait_p99_ms"),
-            server_cpu_s_per_sample=(after["server_cpu_s"] - before["server_cpu_s"]) / figures["samples"],
+            server_cpu_s_per_sample=server_cpu / figures["samples"],
             client_workers=stats.get("workers"),
             rail=stats.get("rail"),
             client_stage_seconds=stats.get("client_stage_seconds"),
@@ -217,7 +254,7 @@ def main() -> int:
     else:
         step = TrainStep(spec["step_s_per_sample"])
         if spec["mode"] == "dataloader":
-            figures = dataloader(root, workload, spec["workers"], step)
+            figures = dataloader(root, workload, spec["workers"], step, cores)
         else:
             figures = kspeed(root, workload, step, cores, Path(spec["log_dir"]))
         figures["train_step_op_ms"] = step.op_seconds * 1e3

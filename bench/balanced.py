@@ -15,10 +15,12 @@ run as ``DataLoader(folder, batch_size, sampler, num_workers=k)`` for k = 0, 1, 
 workers) and as a user's ``client.wrap(folder, batch_size=..., sampler=...)`` with every other
 argument at its default (``offload="auto"``), each configuration in a fresh process (and KSpeed on a
 fresh cluster). Per configuration: steady-state samples/s, the training process's CPU per sample
-beyond the step (with its workers), and for KSpeed the split it chose and why, the data wait and
-the server core's CPU per sample. Ceiling per workload: ``1 / (1 / (2 x best DataLoader) + r)``,
-where ``r`` is KSpeed's measured client CPU per sample beyond the step. Target: KSpeed >= 1.7x the
-best DataLoader configuration on each workload (printed MISSED when missed, never asserted).
+beyond the step (with its workers), each core's use over the timed span (``others``: what the
+machine's other work took of it, from ``/proc/stat`` less our processes), and for KSpeed the split
+it chose and why, the data wait and the server core's CPU per sample. Ceiling per workload:
+``1 / (1 / (2 x best DataLoader) + r)``, where ``r`` is KSpeed's measured client CPU per sample
+beyond the step. Target: KSpeed >= 1.7x the best DataLoader configuration on each workload (printed
+MISSED when missed, never asserted).
 
 ::
 
@@ -101,6 +103,8 @@ def run_workload(workload: Workload, cores: dict, log_dir: Path, timeout: float)
             continue
         client_ms = figures["client_cpu_s_per_sample"] * 1e3
         line = f"  {label}: {figures['samples_per_s']:.1f} samples/s, client {client_ms:.2f} ms/sample beyond the step"
+        others = figures["training_core"]["others"], figures["server_core"]["others"]
+        line += f"; other work took {others[0]:.0%} of core 0, {others[1]:.0%} of core 1"
         if label == "kspeed":
             offload = figures["offload"]
             line += f", offload {offload.get('ratio')} ({offload.get('reason') or offload.get('last_decision')})"
