@@ -358,3 +358,18 @@ def test_a_batch_prepared_inside_next_is_not_counted_twice(monkeypatch):
         assert rates.local_cpu == pytest.approx(0.004)
     finally:
         tuner.close()
+
+
+def test_a_split_seen_doing_no_better_is_not_taken_again_whatever_the_model_says():
+    from kspeed.client.tuning.decision import OBSERVED_S, Observed
+
+    r = rates(P, cores=1)
+    observed = Observed()
+    observed.record(1.0, 200.0, 0.0)  # in force now
+    observed.record(0.5, 190.0, 0.0)  # tried a moment ago: no better
+    h = Hysteresis(settle=1, dwell=0.0)
+    h.keep(Decision(1.0, cut(1.0 / P), "start", 0.0))
+    tempting = _decision(0.5, 10_000.0)  # the model predicts far more
+    assert h.offer(tempting, r, 1.0, observed=observed) is None
+    assert h.offer(tempting, r, 1.0 + OBSERVED_S + 1, observed=observed) is not None  # forgotten: tried again
+    assert observed.get(0.52, 0.0) == 190.0 and observed.get(0.7, 0.0) is None

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kspeed.client.feeding.links import Link
-from kspeed.client.tuning.decision import Cut, Decision, Hysteresis, Rates, decide, predicted
+from kspeed.client.tuning.decision import Cut, Decision, Hysteresis, Observed, Rates, decide, predicted
 from kspeed.client.tuning.meters import LoopMeter, PrepMeter, ServerMeter, Window
 from kspeed.config import usable_cores
 from kspeed.errors import KSpeedError
@@ -101,6 +101,8 @@ class AutoOffload:
         self._keep, self._record = keep, record
         self._unsaved = False
         self._inline = Window(2)  # CPU seconds of batches prepared inside next(), samples
+        self.observed = Observed()  # what the loop achieved at each split lately
+        self._consumed_at: tuple[float, int] | None = None  # (when, samples consumed) at the last tick
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._read_servers, name=f"kspeed-tune-{dataset}", daemon=True)
@@ -129,10 +131,17 @@ class AutoOffload:
         rates = self.rates(now)
         if rates is None:
             return None
+        consumed = self.loop.consumed
+        if self._consumed_at is not None and now - self.hysteresis.changed_at >= self.hysteresis.dwell:
+            # the split in force has had its dwell: what the loop achieved counts for it
+            began, before = self._consumed_at
+            if now > began:
+                self.observed.record(self.ratio, (consumed - before) / (now - began), now)
+        self._consumed_at = (now, consumed)
         cut = self._cut()
         decision = decide(rates, [cut])
         self.last, self.decided_at = decision, now
-        adopted = self.hysteresis.offer(decision, rates, now, in_force=cut)
+        adopted = self.hysteresis.offer(decision, rates, now, in_force=cut, observed=self.observed)
         if adopted is None or abs(adopted.ratio - self.ratio) < 1e-9:
             return None
         log.info(

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field, replace
 
 from kspeed.errors import ConfigError
 
-__all__ = ["Cut", "Decision", "Hysteresis", "Rates", "decide", "predicted"]
+__all__ = ["Cut", "Decision", "Hysteresis", "Observed", "Rates", "decide", "predicted"]
 
 #: FastFlow's SpeedUpThreshold: no offload for an ideal gain under 10%.
 SPEEDUP_THRESHOLD = 0.10
@@ -57,6 +57,9 @@ SPEEDUP_THRESHOLD = 0.10
 RATIO_STEPS = 100
 #: FastFlow's ratio stands unless the model predicts more than this much more elsewhere.
 MODEL_MARGIN = 0.02
+#: Splits whose achieved throughput is remembered are this far apart; and for this long.
+OBSERVED_STEP = 0.05
+OBSERVED_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -215,6 +218,36 @@ def decide(rates: Rates, cuts: Sequence[Cut], threshold: float = SPEEDUP_THRESHO
     return Decision(ratio, cut, reason, expected, inputs)
 
 
+class Observed:
+    """The throughput the loop achieved lately at each split (to the nearest :data:`OBSERVED_STEP`),
+    kept :data:`OBSERVED_S`: what a model predicts is checked against what was seen, so noisy rates
+    cannot move the split back and forth between two splits it has tried."""
+
+    def __init__(self) -> None:
+        self._seen: dict[int, tuple[float, float]] = {}  # split key -> (samples/s, when)
+
+    @staticmethod
+    def _key(ratio: float) -> int:
+        return round(ratio / OBSERVED_STEP)
+
+    def record(self, ratio: float, samples_per_s: float, now: float) -> None:
+        """The loop achieved ``samples_per_s`` with ``ratio`` in force (averaged with what was seen)."""
+        key = self._key(ratio)
+        old = self._seen.get(key)
+        fresh = old is not None and now - old[1] <= OBSERVED_S
+        self._seen[key] = ((old[0] + samples_per_s) / 2 if fresh and old else samples_per_s, now)
+
+    def get(self, ratio: float, now: float) -> float | None:
+        """What was achieved at ``ratio`` within :data:`OBSERVED_S` (``None``: not seen lately)."""
+        seen = self._seen.get(self._key(ratio))
+        return seen[0] if seen is not None and now - seen[1] <= OBSERVED_S else None
+
+    def contradicts(self, current: float, wanted: float, now: float, margin: float) -> bool:
+        """Whether ``wanted`` did no better than ``current`` by ``margin`` when both were seen lately."""
+        here, there = self.get(current, now), self.get(wanted, now)
+        return here is not None and there is not None and there < here * (1.0 + margin)
+
+
 @dataclass
 class Hysteresis:
     """Adopts a new decision only when it is a real, repeated change (see the module docstring).
@@ -236,9 +269,18 @@ class Hysteresis:
     _candidate: float | None = None
     _seen: int = 0
 
-    def offer(self, decision: Decision, rates: Rates, now: float, in_force: Cut | None = None) -> Decision | None:
+    def offer(
+        self,
+        decision: Decision,
+        rates: Rates,
+        now: float,
+        in_force: Cut | None = None,
+        observed: Observed | None = None,
+    ) -> Decision | None:
         """The decision to apply now, or ``None`` to keep the current one. ``in_force`` is the cut of
-        the split in force as measured now (default: as it was when that split was decided)."""
+        the split in force as measured now (default: as it was when that split was decided);
+        ``observed``, the throughput achieved lately at each split: a change to a split that did
+        no better than the one in force is not made, whatever the model predicts."""
         if self.current is None:
             return self._adopt(decision, now)
         if now - self.changed_at < self.dwell:
@@ -251,7 +293,9 @@ class Hysteresis:
             self._candidate, self._seen = None, 0
             return None
         now_expected = predicted(rates, in_force if in_force is not None else current.cut, current.ratio)
-        if decision.expected < now_expected * (1.0 + self.min_gain):
+        if decision.expected < now_expected * (1.0 + self.min_gain) or (
+            observed is not None and observed.contradicts(current.ratio, decision.ratio, now, self.min_gain)
+        ):
             self._candidate, self._seen = None, 0
             return None
         if self._candidate is not None and abs(self._candidate - decision.ratio) < self.min_step:

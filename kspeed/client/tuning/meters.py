@@ -81,6 +81,7 @@ class LoopMeter:
         self._handed: tuple[float, float, float] | None = None  # wall, cpu, run-queue wait at the last hand-over
         self._asked: tuple[float, float, float] | None = None
         self._step: tuple[float, float, float] = (0.0, 0.0, 0.0)
+        self.consumed = 0  # samples handed over so far
 
     @staticmethod
     def _now() -> tuple[float, float, float]:
@@ -99,6 +100,7 @@ class LoopMeter:
     def handed(self, samples: int) -> None:
         """``next()`` returns a batch of ``samples``."""
         now = self._now()
+        self.consumed += samples
         if self._asked is not None and samples > 0 and self._handed is not None:
             wall, cpu = now[0] - self._asked[0], now[1] - self._asked[1]
             with self._lock:
