@@ -921,6 +921,9 @@ class Production(ProcessedProduction):
                 else:
                     self._produce_processed(work)
             except Exception:  # a bug: log it (the samples were given back), keep producing
+                if self._stop.is_set():  # stopping: the preprocessing workers closed under this producer
+                    log.debug("dataset %s: producing samples stopped with the server", work.share.dataset)
+                    return
                 log.exception("dataset %s: producing samples %s failed", work.share.dataset, work.ids[:4].tolist())
 
     def _produce(self, share: ShareState, feed_id: str, ids: np.ndarray, epoch: int = -1, plan: int = -1) -> None:
