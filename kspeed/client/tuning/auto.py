@@ -33,8 +33,8 @@ __all__ = ["AutoOffload"]
 
 log = logging.getLogger(__name__)
 
-INTERVAL_S = 1.0  # how often the servers are read and the split reconsidered
-MIN_SAMPLES = 64  # samples the loop must have consumed before the first decision
+INTERVAL_S = 0.5  # how often the servers are read and the split reconsidered
+MIN_SAMPLES = 16  # samples the loop must have consumed (in its recent window) before a decision
 
 
 class AutoOffload:

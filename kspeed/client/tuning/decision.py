@@ -262,7 +262,7 @@ class Hysteresis:
     min_step: float = 0.1
     min_gain: float = 0.03
     settle: int = 2
-    dwell: float = 3.0
+    dwell: float = 2.0
     current: Decision | None = None
     changed_at: float = -math.inf
     changes: int = 0
