@@ -5,7 +5,8 @@
     python bench/_autotune_job.py --job '{"manager": "127.0.0.1:7070", "root": "...", ...}' --out result.json
 
 It pins itself (and so the worker processes it starts) to its core, wraps the photographs as a user
-would (``client.wrap(folder, batch_size, sampler=RandomSampler(...), offload=X)``; with
+would (``client.wrap(folder, batch_size, sampler=RandomSampler(...), offload=X)``, or with the
+built-in seeded shuffle instead of the sampler when asked; with
 ``offload="auto"`` the argument is left out), and runs a training loop whose step is a fixed number
 of ``torch.mm`` per sample (the op count calibrated once by the parent, so every configuration runs
 the same step). Two modes:
@@ -115,10 +116,13 @@ def run(job: dict) -> dict:
     figures: dict = {"pid": os.getpid()}
     try:
         folder = ImageFolder(job["root"], transform=transform())
-        sampler = RandomSampler(folder, generator=torch.Generator().manual_seed(0))
         options = {} if job["offload"] == "auto" else {"offload": job["offload"]}
+        if job.get("sampler", "random") == "random":
+            options["sampler"] = RandomSampler(folder, generator=torch.Generator().manual_seed(0))
+        else:  # the built-in seeded shuffle, whose next epoch is planned ahead
+            options["seed"] = 0
         began = time.perf_counter()
-        ds = client.wrap(folder, batch_size=job["batch"], sampler=sampler, **options)
+        ds = client.wrap(folder, batch_size=job["batch"], **options)
         figures["wrap_s"] = time.perf_counter() - began
         try:
             figures.update(_loop(ds, step, job))

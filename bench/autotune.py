@@ -84,6 +84,7 @@ class Bench:
             "step_s": step_s,
             "op_seconds": self.op_seconds,
             "cores": sorted(self.train_core),
+            "sampler": self.args.sampler,
             "config": config,
             **more,
         }
@@ -307,6 +308,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--after-s", type=float, default=25.0, help="and after it")
     parser.add_argument("--scenarios", default="starved,spare,rail", help="which sweeps (starved, spare, rail)")
     parser.add_argument("--changes", default="step,kill", help="which mid-run changes (step, kill)")
+    parser.add_argument(
+        "--sampler",
+        choices=("random", "builtin"),
+        default="random",
+        help="random: RandomSampler(generator=...), drawn when each epoch starts; builtin: wrap's seeded "
+        "shuffle (seed=0), whose next epoch is planned while one is consumed",
+    )
     parser.add_argument("--quick", action="store_true", help="160 images, 1 timed epoch, ratios by 0.25, short changes")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (jobs' logs, daemons' logs)")
     parser.add_argument("--json", default=None)
@@ -326,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from preprocess import TrainStep, local_cost, write_photos
 
-    began, load = time.monotonic(), os.getloadavg()
+    began, load, machine = time.monotonic(), os.getloadavg(), machine_info()  # before any pinning
     print(f"load average at start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
     work = Path(tempfile.mkdtemp(prefix="kspeed-bench-autotune-"))
     scenarios: dict = {}
@@ -366,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
 
     doc = {
         "benchmark": "autotune",
-        "machine": machine_info(),
+        "machine": machine,
         "load_average_at_start": load,
         "wall_s": time.monotonic() - began,
         "setup": {
@@ -384,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
             "step_s_per_sample": {"starved": cost, "spare": cost / 2, "narrow_rail": cost / 4},
             "mid_run": {"before_s": args.before_s, "after_s": args.after_s},
             "quick": args.quick,
+            "sampler": args.sampler,
         },
         "cluster": settings,
         "scenarios": scenarios,
