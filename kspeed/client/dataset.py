@@ -102,6 +102,7 @@ class KSpeedDataset(IterableDataset):
         self.on_error = options.on_error
         self.batch_size = options.batch_size
         self._model = options.model
+        self._raw_bytes = int(info.fingerprint.total_bytes) / max(int(info.fingerprint.count), 1)
         self.num_samples = int(info.fingerprint.count)
         self.class_names = list(info.class_names)
         self.device = parts.delivery.device
@@ -327,6 +328,7 @@ class KSpeedDataset(IterableDataset):
             apply=self._pump.resplit,
             ratio=ratio,
             rail_bytes_per_s=probed if probed > 0 else math.inf,
+            raw_bytes=self._raw_bytes,
             keep=manager.save_tuning if manager is not None else None,
             record=lambda r, d: record_of(self.name, model, r, prep.server_stages, d),
             kept=dict(kept.rates) if kept is not None else None,

@@ -217,8 +217,12 @@ def test_server_meter_measures_capacity_and_what_others_use():
     # capacity 2 * 200 + 1 * 200 = 600/s; they ran 500/s, 300 of them for this job
     assert meter.left_for(300.0, 2) == pytest.approx(600 - (500 - 300))
     meter.forget("b")
-    assert meter.left_for(300.0, 2) == math.inf  # a server not measured (yet) again
+    # b's share moved to a server not measured yet: it counts as the average of a and the lost b
+    assert meter.left_for(300.0, 2) == pytest.approx(400 + 300 - (400 - 300))
     assert meter.left_for(300.0, 1) == pytest.approx(400 - (400 - 300))
+    meter.forget("a")
+    assert meter.left_for(0.0, 1) == pytest.approx(300)  # none measured now: like those that left
+    assert ServerMeter().left_for(0.0, 2) == math.inf  # none ever measured
 
 
 # -- the whole tuner, with servers that report counters ---------------------------------------------
@@ -373,3 +377,16 @@ def test_a_split_seen_doing_no_better_is_not_taken_again_whatever_the_model_says
     assert h.offer(tempting, r, 1.0, observed=observed) is None
     assert h.offer(tempting, r, 1.0 + OBSERVED_S + 1, observed=observed) is not None  # forgotten: tried again
     assert observed.get(0.52, 0.0) == 190.0 and observed.get(0.7, 0.0) is None
+
+
+def test_the_raw_bytes_of_samples_preprocessed_here_cross_the_rail_too():
+    # 6.25 MB/s: 41 decoded samples/s (150 KB) or 130 raw JPEGs/s (48 KB); a cheap step
+    r = Rates(
+        step_s=P / 4, step_cpu=P / 4, local_cpu=P, common_cpu=0.0, cores=1.0, rail_bytes_per_s=6.25e6, raw_bytes=48_000
+    )
+    c = cut(1e6, nbytes=150_528)
+    assert r.lthp() == pytest.approx(6.25e6 / 48_000)
+    assert predicted(r, c, 0.5) == pytest.approx(6.25e6 / (0.5 * 48_000 + 0.5 * 150_528))
+    d = decide(r, [c])
+    assert d.ratio <= 0.1  # sending decoded samples is the narrowest thing here
+    assert predicted(r, c, d.ratio) >= 0.95 * max(predicted(r, c, k / 10) for k in range(11))

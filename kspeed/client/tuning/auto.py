@@ -50,6 +50,7 @@ class AutoOffload:
         apply: makes a ratio the split from the next batch on (the pump's ``resplit``).
         ratio: the split in force at the start.
         rail_bytes_per_s: the rail's bandwidth, where known.
+        raw_bytes: a sample's stored bytes (the rail carries them for each sample preprocessed here).
         cores: CPUs this process may use (default: :func:`usable_cores`).
         clock: the time source (tests).
         hysteresis: how a change is adopted (default: :class:`Hysteresis`'s).
@@ -70,6 +71,7 @@ class AutoOffload:
         apply: Callable[[float], None],
         ratio: float,
         rail_bytes_per_s: float = math.inf,
+        raw_bytes: float = 0.0,
         cores: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         hysteresis: Hysteresis | None = None,
@@ -85,6 +87,7 @@ class AutoOffload:
         self._stages, self._nbytes, self._label = server_stages, nbytes, label
         self._apply = apply
         self._rail = rail_bytes_per_s
+        self._raw_bytes = raw_bytes
         self._cores = cores if cores is not None else usable_cores()
         self._clock = clock
         self.hysteresis = hysteresis or Hysteresis()
@@ -190,6 +193,7 @@ class AutoOffload:
             common_cpu=self.prep.common_cpu + inside,
             cores=float(self._cores),
             rail_bytes_per_s=self._rail,
+            raw_bytes=self._raw_bytes,
         )
 
     def _read_servers(self) -> None:

@@ -94,6 +94,8 @@ class Rates:
         common_cpu: CPU seconds every sample costs here wherever it is preprocessed (collation).
         cores: CPUs this process may use.
         rail_bytes_per_s: the rail's bandwidth from the servers to this client (``inf``: unknown).
+        raw_bytes: a sample's stored bytes, which the rail carries for each sample preprocessed
+            here (the servers send it raw).
     """
 
     step_s: float
@@ -102,6 +104,7 @@ class Rates:
     common_cpu: float
     cores: float
     rail_bytes_per_s: float = math.inf
+    raw_bytes: float = 0.0
 
     @property
     def gthp(self) -> float:
@@ -109,8 +112,9 @@ class Rates:
         return 1.0 / self.step_s if self.step_s > 0 else math.inf
 
     def lthp(self) -> float:
-        """Samples/s with everything preprocessed here."""
-        return min(self.gthp, self.cores / max(self.step_cpu + self.local_cpu + self.common_cpu, 1e-12))
+        """Samples/s with everything preprocessed here (their raw bytes still cross the rail)."""
+        rail = self.rail_bytes_per_s / self.raw_bytes if self.raw_bytes > 0 else math.inf
+        return min(self.gthp, rail, self.cores / max(self.step_cpu + self.local_cpu + self.common_cpu, 1e-12))
 
     def remote_capacity(self, cut: Cut) -> float:
         """Samples/s the servers (and the rail) can deliver preprocessed at ``cut``."""
@@ -150,7 +154,9 @@ def predicted(rates: Rates, cut: Cut | None, ratio: float) -> float:
         return rates.lthp()
     remote = rates.remote_capacity(cut) / ratio
     cpu = rates.step_cpu + (1.0 - ratio) * rates.local_cpu + ratio * cut.receive_cpu + rates.common_cpu
-    return min(rates.gthp, remote, rates.cores / max(cpu, 1e-12))
+    sent = (1.0 - ratio) * rates.raw_bytes + ratio * cut.nbytes  # what the rail carries per sample
+    rail = rates.rail_bytes_per_s / sent if sent > 0 else math.inf
+    return min(rates.gthp, remote, rail, rates.cores / max(cpu, 1e-12))
 
 
 def decide(rates: Rates, cuts: Sequence[Cut], threshold: float = SPEEDUP_THRESHOLD) -> Decision:

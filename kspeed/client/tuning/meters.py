@@ -188,6 +188,7 @@ class ServerMeter:
     def __init__(self) -> None:
         self._last: dict[str, _Counters] = {}
         self._capacity: dict[str, float] = {}  # samples/s each server's workers can run, last measured
+        self._gone: list[float] = []  # the capacities of servers that left (their shares' new holders start cold)
         self._used: dict[str, float] = {}  # samples/s each server ran, over the last reading
         self.capacity = math.inf
         self.used = 0.0
@@ -208,15 +209,23 @@ class ServerMeter:
         return set(self._last)
 
     def forget(self, server_id: str) -> None:
-        """A server left the job (lost or replaced): its figures go."""
+        """A server left the job (lost or replaced): its figures go (its capacity is kept as the
+        estimate of a server not measured yet, such as the one its share moved to)."""
+        if server_id in self._capacity:
+            self._gone = [*self._gone[-7:], self._capacity[server_id]]
         for table in (self._last, self._capacity, self._used):
             table.pop(server_id, None)
 
     def left_for(self, mine: float, servers: int) -> float:
         """Samples/s the servers can preprocess for a job that gets ``mine`` samples/s from them now
-        (their capacity less what the others run); ``inf`` until each of ``servers`` was measured."""
-        if len(self._capacity) < servers or not self._capacity:
+        (their capacity less what the others run). A server not measured yet counts as the average
+        of those measured (and of those that left: a failover's new holder is taken to be like the
+        lost one, not unlimited); ``inf`` while none was ever measured."""
+        known = list(self._capacity.values())
+        estimates = known + self._gone
+        if not estimates:
             return math.inf
-        self.capacity = sum(self._capacity.values())
+        missing = max(servers - len(known), 0)
+        self.capacity = sum(known) + missing * (sum(estimates) / len(estimates))
         self.used = sum(self._used.values())
         return max(self.capacity - max(self.used - mine, 0.0), mine, 0.0)
