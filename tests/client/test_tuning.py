@@ -390,3 +390,20 @@ def test_the_raw_bytes_of_samples_preprocessed_here_cross_the_rail_too():
     d = decide(r, [c])
     assert d.ratio <= 0.1  # sending decoded samples is the narrowest thing here
     assert predicted(r, c, d.ratio) >= 0.95 * max(predicted(r, c, k / 10) for k in range(11))
+
+
+def test_server_capacity_is_taken_over_seconds_of_readings_not_the_last_half_second():
+    from kspeed.client.tuning.meters import WINDOW_S
+
+    meter = ServerMeter()
+    busy = samples = 0.0
+    for k in range(9):  # every half second: 100 samples in 0.25 busy seconds, but one slow reading
+        slow = k == 8
+        busy += 0.45 if slow else 0.25
+        samples += 100
+        meter.read("a", 1, busy, int(samples), now=0.5 * k)
+    # over the window: (8 readings of the last WINDOW_S s) rather than the slow one alone (222/s)
+    readings = int(WINDOW_S / 0.5)
+    want = 100 * readings / (0.25 * (readings - 1) + 0.45)
+    assert meter.left_for(200.0, 1) == pytest.approx(want)  # this job is all it runs: 200/s
+    assert meter.left_for(200.0, 1) > 350

@@ -187,6 +187,7 @@ class ServerMeter:
 
     def __init__(self) -> None:
         self._last: dict[str, _Counters] = {}
+        self._readings: dict[str, collections.deque[_Counters]] = {}  # the last WINDOW_S of each server's
         self._capacity: dict[str, float] = {}  # samples/s each server's workers can run, last measured
         self._gone: list[float] = []  # the capacities of servers that left (their shares' new holders start cold)
         self._used: dict[str, float] = {}  # samples/s each server ran, over the last reading
@@ -194,13 +195,22 @@ class ServerMeter:
         self.used = 0.0
 
     def read(self, server_id: str, workers: int, busy_seconds: float, samples: int, now: float) -> None:
-        """One reading of a server's counters."""
+        """One reading of a server's counters; the rates are taken over the readings of the last
+        :data:`WINDOW_S` (a reading every half second covers a few tasks: too few to go by)."""
+        reading = _Counters(now, workers, busy_seconds, samples)
         last = self._last.get(server_id)
-        self._last[server_id] = _Counters(now, workers, busy_seconds, samples)
-        if last is None or now <= last.at or samples < last.samples or busy_seconds < last.busy:
-            return  # the first reading, or a restarted server: counted from here
-        ran, busy = samples - last.samples, busy_seconds - last.busy
-        self._used[server_id] = ran / (now - last.at)
+        self._last[server_id] = reading
+        readings = self._readings.setdefault(server_id, collections.deque())
+        if last is not None and (now <= last.at or samples < last.samples or busy_seconds < last.busy):
+            readings.clear()  # a restarted server: counted from here
+        readings.append(reading)
+        while len(readings) > 2 and now - readings[1].at >= WINDOW_S:
+            readings.popleft()
+        first = readings[0]
+        if len(readings) < 2 or now <= first.at:
+            return
+        ran, busy = samples - first.samples, busy_seconds - first.busy
+        self._used[server_id] = ran / (now - first.at)
         if ran > 0 and busy > 0:
             self._capacity[server_id] = max(workers, 1) * ran / busy
 
@@ -213,7 +223,7 @@ class ServerMeter:
         estimate of a server not measured yet, such as the one its share moved to)."""
         if server_id in self._capacity:
             self._gone = [*self._gone[-7:], self._capacity[server_id]]
-        for table in (self._last, self._capacity, self._used):
+        for table in (self._last, self._capacity, self._used, self._readings):
             table.pop(server_id, None)
 
     def left_for(self, mine: float, servers: int) -> float:
