@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
@@ -23,7 +24,9 @@ from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
 from kspeed.client.dataset import KSpeedDataset
 from kspeed.client.prep.gpu_stages import GpuStages
+from kspeed.client.prep.interleave import interleave
 from kspeed.client.prep.workers import (
+    Delivered,
     Draw,
     InlineWorkers,
     SampleFailure,
@@ -90,6 +93,20 @@ class _Task:
     ids: list[int]
     remote: int = 0  # samples of it the servers preprocessed
     inline: bool = False  # prepared in the training process (inside next()), not in a worker
+    #: a batch prepared in two parts (:meth:`PreparedDataset._split`): the positions the future's
+    #: samples hold in the batch, and the servers' part, collated in the training process
+    positions: list[int] | None = None
+    here: _Part | None = None
+    there: Delivered | None = None  # the workers' part of a split batch, once done
+
+
+@dataclass
+class _Part:
+    """The servers' samples of a split batch, collated in the training process, or why that failed."""
+
+    positions: list[int]
+    delivered: Delivered | None
+    failure: SampleFailure | None
 
 
 class PreparedDataset(IterableDataset):
@@ -276,24 +293,36 @@ class PreparedDataset(IterableDataset):
         """
         if self._collates_here(batch):
             return self._collate_here(batch)
-        lengths = np.asarray(batch.lengths, dtype=np.int64)
+        if self._splits(batch):
+            return self._split(batch)
+        ids = batch.ids.tolist()
+        epoch, index = batch.epoch, batch.index
+        draw = Draw(epoch, tuple(ids), tuple(bool(r) for r in batch.remote.tolist()))
+        targets = self._targets_of(batch, ids)
+        packed = self._pack(batch, range(len(ids)))
+        batch.release()
+        future = self._queue(packed, targets, draw)
+        return _Task(future, epoch, index, ids, sum(draw.remote), isinstance(self._workers, InlineWorkers))
+
+    @staticmethod
+    def _pack(batch: Any, positions: Sequence[int]) -> tuple[bytearray, list[int]]:
+        """The bytes of the samples at ``positions`` of ``batch``, copied out of the ring into one
+        buffer, and each one's offset in it (one more than samples)."""
+        lengths = np.asarray([batch.lengths[i] for i in positions], dtype=np.int64)
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         buffer = bytearray(int(offsets[-1]))
         dst = np.frombuffer(buffer, dtype=np.uint8)
-        for i, sample in enumerate(batch.samples):
-            dst[offsets[i] : offsets[i + 1]] = sample.numpy()
+        for k, i in enumerate(positions):
+            dst[offsets[k] : offsets[k + 1]] = batch.samples[i].numpy()
         del dst
-        ids = batch.ids.tolist()
-        epoch, index = batch.epoch, batch.index
-        targets = self._targets_of(batch, ids)
-        draw = Draw(epoch, tuple(ids), tuple(bool(r) for r in batch.remote.tolist()))
-        batch.release()
+        return buffer, offsets.tolist()
+
+    def _queue(self, packed: tuple[bytearray, list[int]], targets: list[Any], draw: Draw) -> Future:
+        """Queue packed samples to the workers (started now if they were not)."""
         paths = self._paths
-        names = [os.path.basename(paths[i]) for i in ids] if paths and self._stages.loader_takes == "path" else []
-        workers = self._ready_workers()
-        future = workers.submit(buffer, offsets.tolist(), targets, names, draw)
-        return _Task(future, epoch, index, ids, sum(draw.remote), isinstance(workers, InlineWorkers))
+        names = [os.path.basename(paths[i]) for i in draw.ids] if paths and self._stages.loader_takes == "path" else []
+        return self._ready_workers().submit(packed[0], packed[1], targets, names, draw)
 
     def _targets_of(self, batch: Any, ids: list[int]) -> list[Any]:
         if self._targets is not None:
@@ -314,6 +343,45 @@ class PreparedDataset(IterableDataset):
             or (local and stages.cached > 0 and stages.client_stop == stages.cached)
         )
 
+    def _splits(self, batch: Any) -> bool:
+        """Whether ``batch`` mixes samples that arrived ready (only decoding and collating left) with
+        samples to run here: it is then prepared in two parts (:meth:`_split`)."""
+        stages = self._stages
+        return (
+            stages.pipeline is not None
+            and stages.transform is None
+            and stages.collate_fn is default_collate
+            and stages.client_stop == stages.server_stages
+            and bool(batch.remote.any())
+            and not bool(batch.remote.all())
+        )
+
+    def _split(self, batch: Any) -> _Task:
+        """Collate the samples the servers preprocessed here, straight from the ring, and send the
+        workers only the others' bytes (raw files, a fraction of the decoded size); :meth:`_collect`
+        interleaves the two parts."""
+        ids = batch.ids.tolist()
+        epoch, index = batch.epoch, batch.index
+        flags = [bool(r) for r in batch.remote.tolist()]
+        targets = self._targets_of(batch, ids)
+        ready = [i for i, remote in enumerate(flags) if remote]
+        rest = [i for i, remote in enumerate(flags) if not remote]
+        draw = Draw(epoch, tuple(ids[i] for i in ready), (True,) * len(ready))
+        try:
+            here = _Part(ready, self._collate_part(batch, ready, [targets[i] for i in ready], draw), None)
+        except SampleFailure as exc:
+            here = _Part(ready, None, exc)
+        packed = self._pack(batch, rest)
+        batch.release()  # default_collate copied the servers' samples out of the ring
+        future = self._queue(
+            packed, [targets[i] for i in rest], Draw(epoch, tuple(ids[i] for i in rest), (False,) * len(rest))
+        )
+        return _Task(future, epoch, index, ids, len(ready), isinstance(self._workers, InlineWorkers), rest, here)
+
+    def _collate_part(self, batch: Any, positions: list[int], targets: list[Any], draw: Draw) -> Delivered:
+        views = [memoryview(batch.samples[i].numpy()) for i in positions]
+        return run_samples(self._stages, None, views, targets, [], draw)
+
     def _collate_here(self, batch: Any) -> _Task:
         ids = batch.ids.tolist()
         draw = Draw(batch.epoch, tuple(ids), tuple(bool(r) for r in batch.remote.tolist()))
@@ -330,7 +398,7 @@ class PreparedDataset(IterableDataset):
     def _collect(self, task: _Task) -> Any:
         where = f"batch {task.index} of epoch {task.epoch} of dataset {self.name!r}"
         try:
-            result = task.future.result()
+            result = self._result(task)
         except SampleFailure as exc:
             if exc.position is None:
                 raise DatasetError(
@@ -353,6 +421,11 @@ class PreparedDataset(IterableDataset):
             raise DatasetError(
                 f"{where} failed in a transform worker: {type(exc).__name__}: {exc}", dataset=self.name
             ) from exc
+        if len(result.skipped) == len(task.ids):
+            raise DatasetError(
+                f"every sample of {where} failed and was left out (on_error='skip'): {result.skipped[0][1]}",
+                dataset=self.name,
+            )
         self._delivered += 1
         for position, why in result.skipped:
             sample = task.ids[position]
@@ -363,10 +436,64 @@ class PreparedDataset(IterableDataset):
             self._seconds[name] = self._seconds.get(name, 0.0) + seconds
         if self._auto is not None:
             local = len(task.ids) - task.remote
-            self._auto.batch_done(result.seconds, result.cpu_s, result.wall_s, local, task.remote, task.inline)
+            mine = task.here.delivered if task.here is not None else None
+            if mine is not None and task.there is not None:  # each part where it ran
+                self._auto.batch_done(mine.seconds, mine.cpu_s, mine.wall_s, 0, task.remote, True)
+                there = task.there
+                self._auto.batch_done(there.seconds, there.cpu_s, there.wall_s, local, 0, task.inline)
+            else:
+                self._auto.batch_done(result.seconds, result.cpu_s, result.wall_s, local, task.remote, task.inline)
         if self._gpu is not None:
             return self._gpu.apply(result.value, task.epoch, task.ids)
         return result.value
+
+    @staticmethod
+    def _result(task: _Task) -> Delivered:
+        """The task's batch, its two parts interleaved for a split batch (positions in failures and
+        in ``skipped`` are the batch's).
+
+        Raises:
+            SampleFailure: a sample (by its position in the batch) or the collation failed.
+        """
+        try:
+            there = task.future.result()
+        except SampleFailure as exc:
+            if task.positions is None or exc.position is None:
+                raise
+            raise SampleFailure(task.positions[exc.position], exc.text) from None
+        here = task.here
+        if here is None or task.positions is None:
+            return there
+        task.there = there
+        if here.failure is not None or here.delivered is None:
+            failure = here.failure or SampleFailure(None, "no batch")
+            if failure.position is None:
+                raise failure
+            raise SampleFailure(here.positions[failure.position], failure.text) from None
+        mine = here.delivered
+        skipped = sorted(
+            [(here.positions[k], why) for k, why in mine.skipped]
+            + [(task.positions[k], why) for k, why in there.skipped]
+        )
+        gone = {position for position, _ in skipped}
+        kept_here = [p for p in here.positions if p not in gone]
+        kept_there = [p for p in task.positions if p not in gone]
+        rank = {position: r for r, position in enumerate(sorted(kept_here + kept_there))}
+        begun = time.perf_counter()
+        if not kept_there:
+            value = mine.value
+        elif not kept_here:
+            value = there.value
+        else:
+            try:
+                value = interleave(mine.value, there.value, [rank[p] for p in kept_here], [rank[p] for p in kept_there])
+            except TypeError as exc:
+                raise SampleFailure(None, f"joining the batch's two parts: {exc}") from None
+        seconds = dict(there.seconds)
+        for name, value_s in mine.seconds.items():
+            seconds[name] = seconds.get(name, 0.0) + value_s
+        seconds["collate"] = seconds.get("collate", 0.0) + time.perf_counter() - begun
+        return Delivered(value, seconds, tuple(skipped), there.cpu_s, there.wall_s)
 
     def worker_pids(self) -> list[int]:
         """Process IDs of the running transform workers (none before they start or after close)."""

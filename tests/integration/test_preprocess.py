@@ -298,6 +298,31 @@ def test_batches_are_the_same_wherever_the_server_stages_run(start):
     assert not torch.equal(wrapped[0.0][0][0][0], wrapped[0.0][1][0][0])  # (another epoch, other crops)
 
 
+def test_a_batch_split_between_the_servers_and_the_client_is_the_whole_pipelines_batch(start):
+    # every stage on the servers: the servers' samples of a batch are collated in this process
+    # from the ring, the others run in a worker, and the two parts are interleaved in order
+    _, client, photos = start(servers=2)
+    pipeline = Pipeline(
+        [
+            Stage("decode_image", {"mode": "RGB"}),
+            Stage("random_resized_crop", {"size": [SIDE, SIDE]}),
+            Stage("flip", {"p": 0.5}),
+            Stage("to_chw", output=Output(shape=(3, SIDE, SIDE), dtype="uint8")),
+        ]
+    )
+    spec = DatasetSpec(name="split", uri=str(photos.root), labels="dirname", pipeline=pipeline)
+    epoch = 1
+    want = expected(pipeline, photos, shuffled(len(photos.keys), epoch), epoch)
+    for offload, workers in ((0.5, 1), (0.25, 0)):
+        with opened(client, spec, offload, num_workers=workers, shuffle=True, seed=SEED) as ds:
+            ds.set_epoch(epoch)
+            got = list(ds)
+            stats = ds.stats()
+        assert_same_batches(got, want)
+        # both parts ran: samples decoded here, and samples received preprocessed
+        assert {"0:decode_image", "receive"} <= set(stats["client_stage_seconds"]), stats
+
+
 # -- wrap ------------------------------------------------------------------------------------------
 
 
@@ -410,7 +435,7 @@ def test_a_corrupt_jpeg_is_named_wherever_it_is_decoded(start, tmp_path):
     corrupt = root / photos.keys[VICTIM]
     corrupt.write_bytes(corrupt.read_bytes()[:200])  # the header and nothing of the scan
     spec = DatasetSpec(name="corrupt", uri=str(root), pipeline=crop_pipeline())
-    for offload in (1.0, 0.0):
+    for offload in (1.0, 0.5, 0.0):
         with opened(client, spec, offload) as ds, pytest.raises(DatasetError) as caught:
             list(ds)
         message = str(caught.value)

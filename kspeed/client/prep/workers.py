@@ -450,7 +450,8 @@ def run_samples(
     names: Sequence[str],
     draw: Draw | None = None,
 ) -> Delivered:
-    """:func:`run_batch` over one buffer per sample.
+    """:func:`run_batch` over one buffer per sample. With every sample left out (``stages.skip``),
+    the batch's value is ``None``.
 
     Raises:
         SampleFailure: a sample (by position) or the collation failed.
@@ -477,6 +478,9 @@ def run_samples(
                 skipped.append((i, _describe(exc)))
                 continue
             items.append((item, target) if target is not None else item)
+    if not items and skipped:  # nothing left to collate: the caller says so
+        cpu_s, wall_s = time.thread_time() - began_cpu, time.perf_counter() - began_wall
+        return Delivered(None, seconds, tuple(skipped), cpu_s, wall_s)
     try:
         begun = time.perf_counter()
         value = stages.collate_fn(items)
