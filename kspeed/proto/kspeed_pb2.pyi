@@ -1012,11 +1012,13 @@ class ServerInfo(_message.Message):
     def __init__(self, id: _Optional[str] = ..., inventory: _Optional[_Union[ServerInventory, _Mapping]] = ..., software_version: _Optional[str] = ..., protocol_versions: _Optional[_Iterable[int]] = ..., manager_address: _Optional[str] = ..., registered: _Optional[bool] = ..., incarnation: _Optional[int] = ..., prep: _Optional[_Union[PrepFigures, _Mapping]] = ...) -> None: ...
 
 class PrepFigures(_message.Message):
-    __slots__ = ("workers", "busy_seconds", "samples")
+    __slots__ = ("workers", "busy_seconds", "samples", "cpu_seconds")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
     workers: int
     busy_seconds: float
     samples: int
-    def __init__(self, workers: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., samples: _Optional[int] = ...) -> None: ...
+    cpu_seconds: float
+    def __init__(self, workers: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., samples: _Optional[int] = ..., cpu_seconds: _Optional[float] = ...) -> None: ...

@@ -243,7 +243,9 @@ class Server:
         prep = self.prep
         if prep is None:
             return None
-        return kspeed_pb2.PrepFigures(workers=prep.active, busy_seconds=prep.busy_seconds, samples=prep.samples)
+        return kspeed_pb2.PrepFigures(
+            workers=prep.active, busy_seconds=prep.busy_seconds, samples=prep.samples, cpu_seconds=prep.cpu_seconds
+        )
 
     def _start_agent(self, host: DatasetHost, http_announced: str) -> None:
         """Start registering with the manager (and heartbeats, assignments, drops from it)."""

@@ -124,6 +124,11 @@ class _ProductionCollector(Collector):
         counters: tuple[tuple[str, float, str], ...] = (
             ("kspeed_server_preprocessed_samples", prep.samples, "Samples run through server stages of pipelines"),
             ("kspeed_server_preprocess_busy_seconds", prep.busy_seconds, "Seconds preprocessing workers were busy"),
+            (
+                "kspeed_server_preprocess_cpu_seconds",
+                prep.cpu_seconds,
+                "CPU seconds preprocessing workers spent on tasks",
+            ),
             ("kspeed_server_preprocess_worker_restarts", prep.restarts, "Preprocessing workers replaced after dying"),
         )
         for name, count, doc in counters:

@@ -233,10 +233,11 @@ class _Link:
         self.server_id = server_id
         self.name = f"server {server_id}"
         self.busy = 0.0
+        self.cpu = 0.0
         self.samples = 0
 
     def prep_figures(self) -> kspeed_pb2.PrepFigures:
-        return kspeed_pb2.PrepFigures(workers=1, busy_seconds=self.busy, samples=self.samples)
+        return kspeed_pb2.PrepFigures(workers=1, busy_seconds=self.busy, samples=self.samples, cpu_seconds=self.cpu)
 
 
 def test_the_tuner_decides_from_what_it_measures_and_applies_a_change(monkeypatch):
@@ -282,6 +283,73 @@ def test_the_tuner_decides_from_what_it_measures_and_applies_a_change(monkeypatc
         tuner.servers.read("a", 1, 2.0, 200, 2.0)
         again = tuner.tick()
         assert again is not None and again.ratio < decision.ratio
+    finally:
+        tuner.close()
+
+
+def test_before_a_sample_ran_here_its_cost_is_the_servers_cpu_per_sample(monkeypatch):
+    links = [_Link("a"), _Link("b")]
+    now = [0.0]
+    tuner = AutoOffload(
+        dataset="d",
+        links=lambda: links,
+        server_stages=3,
+        nbytes=150_528,
+        label="x",
+        apply=lambda r: None,
+        ratio=1.0,
+        cores=1,
+        clock=lambda: now[0],
+    )
+    try:
+        tuner._stop.set()
+        steps = iter([(0.0, 0.0, 0.0), (0.0, 0.0, 0.0)] + [(k * 0.1, k * 0.05, 0.0) for k in range(1, 50)])
+        monkeypatch.setattr(LoopMeter, "_now", staticmethod(lambda: next(steps)))
+        tuner.loop.asked()
+        for _ in range(3):
+            tuner.loop.handed(32)
+            tuner.loop.asked()
+        assert tuner.rates(now[0]) is None  # no cost known for a sample run here yet
+        # busy 3 s for 200 samples (the workers shared their core), of which 1 s of CPU
+        for link in links:
+            link.busy, link.cpu, link.samples = 1.5, 0.5, 100
+        tuner.read_servers()
+        rates = tuner.rates(now[0])
+        assert rates is not None and rates.local_cpu == pytest.approx(0.005)
+        for link in links:  # servers that do not report CPU: their busy seconds
+            link.cpu = 0.0
+        tuner.read_servers()
+        assert tuner.rates(now[0]).local_cpu == pytest.approx(0.015)
+        # a sample run here replaces the prior
+        tuner.batch_done({"0:decode_image": 0.008}, 0.008, 0.008, local=4, remote=0)
+        assert tuner.rates(now[0]).local_cpu == pytest.approx(0.002)
+    finally:
+        tuner.close()
+
+
+def test_reading_the_tuners_figures_moves_none_of_them():
+    now = [0.0]
+    tuner = AutoOffload(
+        dataset="d",
+        links=lambda: [],
+        server_stages=3,
+        nbytes=1,
+        label="x",
+        apply=lambda r: None,
+        ratio=1.0,
+        cores=1,
+        clock=lambda: now[0],
+    )
+    try:
+        tuner._stop.set()
+        tuner.batch_done({"receive": 0.01}, 0.01, 0.01, local=0, remote=100)
+        now[0] = 5.0
+        for _ in range(3):
+            tuner.stats()
+        tuner.batch_done({"receive": 0.01}, 0.01, 0.01, local=0, remote=100)
+        now[0] = 6.0
+        tuner.rates(now[0])  # a decision's read: this job's rate at the servers over the whole span
+        assert tuner._remote_rate == pytest.approx(200 / 6.0)
     finally:
         tuner.close()
 

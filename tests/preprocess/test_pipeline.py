@@ -339,6 +339,7 @@ def test_workers_run_what_the_client_would_compute_and_the_server_copies_it_into
         got = mapped[k * CROP.nbytes : (k + 1) * CROP.nbytes].reshape(3, 16, 16)
         assert np.array_equal(got, runner.run(data[k], seed=7, epoch=1, sample=k, stop=4))
     assert pool.samples == 3 and set(pool.seconds_of("imgs")) >= {"0:decode_image", "3:to_chw"}
+    assert pool.cpu_seconds > 0.0  # what the worker itself measured, beside the busy seconds the pool timed
 
 
 def test_a_worker_that_dies_is_replaced_and_its_task_done_again(pool, tmp_path):

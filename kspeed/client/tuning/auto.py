@@ -10,8 +10,9 @@ batch boundary (:meth:`kspeed.client.feeding.pump.Pump.resplit`). Each adopted d
 once with its inputs; :meth:`AutoOffload.stats` is what ``ds.stats()["offload"]`` shows.
 
 Until this client ran a sample's offloadable stages itself, its cost here (Pcycle) is taken as the
-servers' measured cost per sample (their workers' busy seconds over their samples): a prior that
-the first samples run here replace.
+servers' measured cost per sample (their workers' CPU seconds over their samples; busy seconds
+from a server that does not report CPU, which overstate the cost where workers share cores): a
+prior that the first samples run here replace.
 """
 
 from __future__ import annotations
@@ -169,12 +170,13 @@ class AutoOffload:
         remote = self.servers.left_for(mine, len({link.server_id for link in self._links()}))
         return Cut(self._stages, self._nbytes, remote, receive, self._label)
 
-    def rates(self, now: float | None = None) -> Rates | None:
-        """The rates measured so far (``None``: too few to decide on)."""
+    def rates(self, now: float | None = None, *, advance: bool = True) -> Rates | None:
+        """The rates measured so far (``None``: too few to decide on); ``advance=False`` reads them
+        without starting a new span of this job's own rate at the servers (a report, not a decision)."""
         now = self._clock() if now is None else now
         with self._lock:
             span = now - self._remote_at
-            if span >= INTERVAL_S:
+            if advance and span >= INTERVAL_S:
                 self._remote_rate = self._remote_samples / span
                 self._remote_samples, self._remote_at = 0.0, now
         loop = self.loop.figures()
@@ -198,27 +200,32 @@ class AutoOffload:
 
     def _read_servers(self) -> None:
         while not self._stop.wait(INTERVAL_S):
-            busy = ran = 0.0
-            # one link per share: a server holding two (a failover moved one to it) is read once
-            links = list({link.server_id: link for link in self._links()}.values())
-            for gone in self.servers.known() - {link.server_id for link in links}:
-                self.servers.forget(gone)  # its share moved: the new holder is read instead
-            for link in links:
-                try:
-                    figures = link.prep_figures()
-                except KSpeedError as exc:  # a lost server: failover deals with it
-                    log.debug("dataset %s: no preprocessing figures from %s: %s", self.dataset, link.name, exc)
-                    self.servers.forget(link.server_id)
-                    continue
-                if figures is None:
-                    continue
-                self.servers.read(link.server_id, figures.workers, figures.busy_seconds, figures.samples, self._clock())
-                busy += figures.busy_seconds
-                ran += figures.samples
-            if ran > 0:
-                self._server_cost = busy / ran
+            self.read_servers()
             if self._unsaved:
                 self._save()
+
+    def read_servers(self) -> None:
+        """Read the servers' preprocessing counters once (the tuner's thread does, every interval)."""
+        busy = cpu = ran = 0.0
+        # one link per share: a server holding two (a failover moved one to it) is read once
+        links = list({link.server_id: link for link in self._links()}.values())
+        for gone in self.servers.known() - {link.server_id for link in links}:
+            self.servers.forget(gone)  # its share moved: the new holder is read instead
+        for link in links:
+            try:
+                figures = link.prep_figures()
+            except KSpeedError as exc:  # a lost server: failover deals with it
+                log.debug("dataset %s: no preprocessing figures from %s: %s", self.dataset, link.name, exc)
+                self.servers.forget(link.server_id)
+                continue
+            if figures is None:
+                continue
+            self.servers.read(link.server_id, figures.workers, figures.busy_seconds, figures.samples, self._clock())
+            busy += figures.busy_seconds
+            cpu += figures.cpu_seconds
+            ran += figures.samples
+        if ran > 0:
+            self._server_cost = (cpu if cpu > 0 else busy) / ran
 
     def _save(self) -> None:
         """Keep the split in force for the next run (best effort: a manager away loses nothing here)."""
@@ -235,7 +242,7 @@ class AutoOffload:
     def stats(self) -> dict[str, Any]:
         """The split in force, why, and the rates the last decision used."""
         current = self.hysteresis.current
-        rates = self.rates()
+        rates = self.rates(advance=False)
         expected = predicted(rates, self._cut(), self.ratio) if rates is not None else None
         return {
             "mode": "auto",

@@ -164,9 +164,9 @@ class WorkerLink:
         error = _DATASET_ERRORS.get(str(failure.get("type")))
         return ConfigError(message, field="pipeline") if error is None else error(message, dataset=request.dataset)
 
-    def run(self, task: PrepTask, timeout: float) -> tuple[list[int | str | bytes], dict[str, float]]:
+    def run(self, task: PrepTask, timeout: float) -> tuple[list[int | str | bytes], dict[str, float], float]:
         """Run ``task``: per sample, the bytes written to its output (or, without outputs, the bytes
-        themselves) or why it failed; and the seconds each stage took.
+        themselves) or why it failed; the seconds each stage took; and the worker's CPU seconds.
 
         Raises:
             WorkerLost: see :meth:`_reply`; or a result that does not fit its place.
@@ -190,7 +190,9 @@ class WorkerLink:
                 out.append(reason if reason is not None else n)
             else:
                 out.append(reason if reason is not None else written.tobytes())
-        return out, _stage_seconds(seconds)
+        cpu = reply.get("cpu")
+        valid = isinstance(cpu, (int, float)) and math.isfinite(cpu) and cpu >= 0
+        return out, _stage_seconds(seconds), float(cpu) if valid else 0.0
 
     def _stage(self, task: PrepTask) -> Job:
         """Lay the task out in the scratch (grown if needed) and copy its inputs in."""

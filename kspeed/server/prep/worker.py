@@ -28,6 +28,7 @@ import mmap
 import os
 import signal
 import sys
+import time
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
 from typing import Any
@@ -160,8 +161,10 @@ def _serve(conn: Connection, allow: tuple[str, ...], refusal: str) -> None:
             failure = _error(runner) if isinstance(runner, KSpeedError) else None
             conn.send_bytes(json.dumps({"error": failure}).encode())
             continue
+        began = time.process_time()
         results, seconds = _run(runner, request, scratch)
-        conn.send_bytes(json.dumps({"results": results, "seconds": seconds}).encode())
+        cpu = time.process_time() - began
+        conn.send_bytes(json.dumps({"results": results, "seconds": seconds, "cpu": cpu}).encode())
 
 
 def _error(exc: KSpeedError) -> dict[str, str]:

@@ -108,6 +108,7 @@ class PrepWorkers:
         self.scheduler = PrepScheduler(self.workers, weights)
         self.restarts = 0
         self.busy_seconds = 0.0
+        self.cpu_seconds = 0.0
         self.samples = 0
         #: per dataset, seconds per "<index>:<op>" stage, summed over workers (until :meth:`forget`)
         self.stage_seconds: dict[str, dict[str, float]] = {}
@@ -288,7 +289,7 @@ class PrepWorkers:
             started = time.monotonic()
             try:
                 self._confinement(worker)
-                results, seconds = worker.run(task, TASK_TIMEOUT)
+                results, seconds, cpu = worker.run(task, TASK_TIMEOUT)
             except WorkerLost as exc:
                 code = worker.exitcode
                 log.warning(
@@ -305,6 +306,7 @@ class PrepWorkers:
                 continue
             with self._lock:
                 self.busy_seconds += time.monotonic() - started
+                self.cpu_seconds += cpu
                 self.samples += len(task.samples)
                 spent = self.stage_seconds.setdefault(task.dataset, {})
                 for name, value in seconds.items():
