@@ -191,8 +191,9 @@ class WorkerLink:
             else:
                 out.append(reason if reason is not None else written.tobytes())
         cpu = reply.get("cpu")
-        valid = isinstance(cpu, (int, float)) and math.isfinite(cpu) and cpu >= 0
-        return out, _stage_seconds(seconds), float(cpu) if valid else 0.0
+        if not isinstance(cpu, (int, float)) or not math.isfinite(cpu) or cpu < 0:
+            cpu = 0.0  # a worker that does not say
+        return out, _stage_seconds(seconds), float(cpu)
 
     def _stage(self, task: PrepTask) -> Job:
         """Lay the task out in the scratch (grown if needed) and copy its inputs in."""
