@@ -1012,13 +1012,19 @@ class ServerInfo(_message.Message):
     def __init__(self, id: _Optional[str] = ..., inventory: _Optional[_Union[ServerInventory, _Mapping]] = ..., software_version: _Optional[str] = ..., protocol_versions: _Optional[_Iterable[int]] = ..., manager_address: _Optional[str] = ..., registered: _Optional[bool] = ..., incarnation: _Optional[int] = ..., prep: _Optional[_Union[PrepFigures, _Mapping]] = ...) -> None: ...
 
 class PrepFigures(_message.Message):
-    __slots__ = ("workers", "busy_seconds", "samples", "cpu_seconds")
+    __slots__ = ("workers", "busy_seconds", "samples", "cpu_seconds", "daemon_cpu_seconds", "cores", "cpu_group")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CORES_FIELD_NUMBER: _ClassVar[int]
+    CPU_GROUP_FIELD_NUMBER: _ClassVar[int]
     workers: int
     busy_seconds: float
     samples: int
     cpu_seconds: float
-    def __init__(self, workers: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., samples: _Optional[int] = ..., cpu_seconds: _Optional[float] = ...) -> None: ...
+    daemon_cpu_seconds: float
+    cores: int
+    cpu_group: str
+    def __init__(self, workers: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., samples: _Optional[int] = ..., cpu_seconds: _Optional[float] = ..., daemon_cpu_seconds: _Optional[float] = ..., cores: _Optional[int] = ..., cpu_group: _Optional[str] = ...) -> None: ...

@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -244,8 +245,19 @@ class Server:
         if prep is None:
             return None
         return kspeed_pb2.PrepFigures(
-            workers=prep.active, busy_seconds=prep.busy_seconds, samples=prep.samples, cpu_seconds=prep.cpu_seconds
+            workers=prep.active,
+            busy_seconds=prep.busy_seconds,
+            samples=prep.samples,
+            cpu_seconds=prep.cpu_seconds,
+            daemon_cpu_seconds=self._daemon_cpu(),
+            cores=inv.usable_cores(self.config.cores),
+            cpu_group=inv.cpu_group(),
         )
+
+    def _daemon_cpu(self) -> float:
+        """CPU seconds of this process and its feeder processes (the preprocessing workers count theirs)."""
+        feeders = self.feeders.pids() if self.feeders is not None else []
+        return time.process_time() + sum(inv.process_cpu_seconds(pid) for pid in feeders)
 
     def _start_agent(self, host: DatasetHost, http_announced: str) -> None:
         """Start registering with the manager (and heartbeats, assignments, drops from it)."""

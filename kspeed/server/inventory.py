@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+from pathlib import Path
 
 from kspeed.config import ServerConfig
 from kspeed.errors import ConfigError
@@ -13,6 +14,7 @@ from kspeed.proto import kspeed_pb2
 from kspeed.rdma.rails import available_rails
 
 ID_FILE = "server_id"
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def server_id(config: ServerConfig, state_dir: str) -> str:
@@ -46,6 +48,29 @@ def usable_cores(configured: int) -> int:
     """Cores this process may run on, capped by the operator's setting."""
     allowed = len(os.sched_getaffinity(0))
     return min(configured, allowed) if configured else allowed
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """CPU seconds (user and system) another process has used; 0 for one that is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+def cpu_group() -> str:
+    """Which CPUs this process may use, machine-wide: ``"<boot id>/<cpu ids>"`` (equal for servers
+    that share their CPUs)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = socket.gethostname()
+    try:
+        cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        cpus = str(os.cpu_count() or 1)
+    return f"{boot}/{cpus}"
 
 
 def rdma_nics(sysfs: str = "/sys") -> list[kspeed_pb2.Nic]:

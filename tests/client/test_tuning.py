@@ -8,7 +8,7 @@ import pytest
 
 from kspeed.client.tuning.auto import AutoOffload
 from kspeed.client.tuning.decision import Cut, Decision, Hysteresis, Rates, decide, predicted
-from kspeed.client.tuning.meters import LoopMeter, PrepMeter, ServerMeter
+from kspeed.client.tuning.meters import LoopMeter, PrepMeter, Reading, ServerMeter
 from kspeed.errors import ConfigError
 from kspeed.proto import kspeed_pb2
 
@@ -209,11 +209,11 @@ def test_prep_meter_splits_offloadable_receive_and_common_costs():
 
 def test_server_meter_measures_capacity_and_what_others_use():
     meter = ServerMeter()
-    meter.read("a", 2, 10.0, 1000, now=0.0)
-    meter.read("b", 1, 5.0, 500, now=0.0)
+    meter.read("a", Reading(2, 10.0, 1000), now=0.0)
+    meter.read("b", Reading(1, 5.0, 500), now=0.0)
     assert meter.left_for(0.0, 2) == math.inf  # one reading each: nothing measured yet
-    meter.read("a", 2, 12.0, 1400, now=1.0)  # 400 samples in 2 busy seconds: 200/s per worker
-    meter.read("b", 1, 5.5, 600, now=1.0)  # 100 samples in 0.5 s: 200/s
+    meter.read("a", Reading(2, 12.0, 1400), now=1.0)  # 400 samples in 2 busy seconds: 200/s per worker
+    meter.read("b", Reading(1, 5.5, 600), now=1.0)  # 100 samples in 0.5 s: 200/s
     # capacity 2 * 200 + 1 * 200 = 600/s; they ran 500/s, 300 of them for this job
     assert meter.left_for(300.0, 2) == pytest.approx(600 - (500 - 300))
     meter.forget("b")
@@ -223,6 +223,29 @@ def test_server_meter_measures_capacity_and_what_others_use():
     meter.forget("a")
     assert meter.left_for(0.0, 1) == pytest.approx(300)  # none measured now: like those that left
     assert ServerMeter().left_for(0.0, 2) == math.inf  # none ever measured
+
+
+def test_servers_sharing_their_cpus_count_them_once_at_a_samples_whole_cost():
+    meter = ServerMeter()
+    # two servers on the same one CPU; each worker busy half the time at 4 ms a sample by its busy
+    # time (250/s per worker, 500/s together), but every sample costs their CPU 5 ms in all
+    # (workers, production, feeding): that CPU runs at most 200/s for both
+    for server_id in ("a", "b"):
+        meter.read(server_id, Reading(1, 0.0, 0, 1.0, 1, "boot/0"), now=0.0)
+        meter.read(server_id, Reading(1, 0.4, 100, 1.5, 1, "boot/0"), now=1.0)
+    assert meter.capacities() == pytest.approx({"a": 100.0, "b": 100.0})
+    assert meter.left_for(200.0, 2) == pytest.approx(200.0)
+    # the same servers on CPUs of their own: each one's CPU caps only it
+    meter = ServerMeter()
+    for server_id, group in (("a", "boot/0"), ("b", "boot/1")):
+        meter.read(server_id, Reading(1, 0.0, 0, 1.0, 1, group), now=0.0)
+        meter.read(server_id, Reading(1, 0.4, 100, 1.5, 1, group), now=1.0)
+    assert meter.capacities() == pytest.approx({"a": 200.0, "b": 200.0})
+    # servers that report no CPU: their workers' busy time alone
+    meter = ServerMeter()
+    meter.read("a", Reading(1, 0.0, 0), now=0.0)
+    meter.read("a", Reading(1, 0.4, 100), now=1.0)
+    assert meter.capacities() == pytest.approx({"a": 250.0})
 
 
 # -- the whole tuner, with servers that report counters ---------------------------------------------
@@ -264,8 +287,8 @@ def test_the_tuner_decides_from_what_it_measures_and_applies_a_change(monkeypatc
         tuner.batch_done({"0:decode_image": 0.016, "receive": 0.0008}, 0.0168, 0.0168, local=4, remote=4)
         tuner.batch_done({"receive": 0.0396}, 0.0396, 0.0396, local=0, remote=396)  # 200/s over 2 s
         for link in links:  # each server: 100 samples per busy second on its one worker
-            tuner.servers.read(link.server_id, 1, 0.0, 0, 0.0)
-            tuner.servers.read(link.server_id, 1, 1.0, 100, 1.0)
+            tuner.servers.read(link.server_id, Reading(1, 0.0, 0), 0.0)
+            tuner.servers.read(link.server_id, Reading(1, 1.0, 100), 1.0)
         tuner.loop.asked()
         for _ in range(3):
             tuner.loop.handed(32)
@@ -280,7 +303,7 @@ def test_the_tuner_decides_from_what_it_measures_and_applies_a_change(monkeypatc
         tuner.servers.forget("b")
         links.pop()
         now[0] = 4.0
-        tuner.servers.read("a", 1, 2.0, 200, 2.0)
+        tuner.servers.read("a", Reading(1, 2.0, 200), 2.0)
         again = tuner.tick()
         assert again is not None and again.ratio < decision.ratio
     finally:
@@ -469,7 +492,7 @@ def test_server_capacity_is_taken_over_seconds_of_readings_not_the_last_half_sec
         slow = k == 8
         busy += 0.45 if slow else 0.25
         samples += 100
-        meter.read("a", 1, busy, int(samples), now=0.5 * k)
+        meter.read("a", Reading(1, busy, int(samples)), now=0.5 * k)
     # over the window: (8 readings of the last WINDOW_S s) rather than the slow one alone (222/s)
     readings = int(WINDOW_S / 0.5)
     want = 100 * readings / (0.25 * (readings - 1) + 0.45)

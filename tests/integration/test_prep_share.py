@@ -3,6 +3,7 @@ status`` says so."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -10,6 +11,7 @@ import pytest
 
 from kspeed import KSpeedClient
 from kspeed.cli.cluster import wait_for
+from kspeed.client.feeding.links import ServerLink
 from tests.integration.test_autotune import photo_cluster
 from tests.integration.test_client import config_for
 
@@ -56,6 +58,19 @@ def test_two_jobs_share_the_workers_by_their_weights(cluster_factory, tmp_path):
     # weights 3:1 while both want every worker: about three quarters for "heavy"
     assert got["heavy"] > got["light"], got
     assert got["heavy"] >= 0.6, got
+    # what a job's tuner reads of the server: its workers' busy and CPU seconds, and its own CPU
+    # and CPUs (the group that tells servers sharing CPUs apart), from the server's own process
+    server = cluster.servers[0]
+    link = ServerLink(server.ready["id"], server.ready["grpc"], config_for(cluster))
+    try:
+        figures = link.prep_figures()
+    finally:
+        link.close()
+    assert figures is not None and figures.samples > 0 and figures.busy_seconds > 0, figures
+    assert figures.cpu_seconds > 0 and figures.daemon_cpu_seconds > 0, figures
+    cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(server.process.pid)))
+    assert figures.cores == len(os.sched_getaffinity(server.process.pid)), figures
+    assert figures.cpu_group.endswith(f"/{cpus}") and len(figures.cpu_group) > len(cpus) + 1, figures
 
 
 def _status_request():

@@ -26,7 +26,7 @@ from typing import Any
 
 from kspeed.client.feeding.links import Link
 from kspeed.client.tuning.decision import Cut, Decision, Hysteresis, Observed, Rates, decide, predicted
-from kspeed.client.tuning.meters import LoopMeter, PrepMeter, ServerMeter, Window
+from kspeed.client.tuning.meters import LoopMeter, PrepMeter, Reading, ServerMeter, Window
 from kspeed.config import usable_cores
 from kspeed.errors import KSpeedError
 
@@ -220,7 +220,11 @@ class AutoOffload:
                 continue
             if figures is None:
                 continue
-            self.servers.read(link.server_id, figures.workers, figures.busy_seconds, figures.samples, self._clock())
+            total_cpu = figures.cpu_seconds + figures.daemon_cpu_seconds if figures.daemon_cpu_seconds > 0 else 0.0
+            reading = Reading(
+                figures.workers, figures.busy_seconds, figures.samples, total_cpu, figures.cores, figures.cpu_group
+            )
+            self.servers.read(link.server_id, reading, self._clock())
             busy += figures.busy_seconds
             cpu += figures.cpu_seconds
             ran += figures.samples

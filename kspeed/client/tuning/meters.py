@@ -8,9 +8,11 @@
 - :class:`PrepMeter`: the client workers' CPU per sample, from each batch's per-stage seconds
   (scaled by the batch's CPU over wall time, so a worker waiting for a core does not look slow):
   Pcycle from the samples preprocessed here, Ocycle from those received preprocessed.
-- :class:`ServerMeter`: the servers' preprocessing capacity for this job, from their workers'
-  counters (:class:`~kspeed.proto.kspeed_pb2.PrepFigures`) read twice: samples per busy
-  worker-second times the workers, less what the other jobs on them run.
+- :class:`ServerMeter`: the servers' preprocessing capacity for this job, from their counters
+  (:class:`~kspeed.proto.kspeed_pb2.PrepFigures`) read twice: samples per busy worker-second
+  times the workers, at most what their CPUs run at a sample's whole CPU cost on the server
+  (workers, production, feeding: a core the workers share with the server's own work runs fewer
+  samples than the workers' busy time says), less what the other jobs on them run.
 
 Each keeps the last :data:`WINDOW_S` seconds (at least :data:`MIN_BATCHES` batches), so a change
 of conditions shows within seconds and one odd batch does not.
@@ -25,7 +27,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["LoopMeter", "PrepMeter", "ServerMeter", "Window", "run_queue_wait"]
+__all__ = ["LoopMeter", "PrepMeter", "Reading", "ServerMeter", "Window", "run_queue_wait"]
 
 WINDOW_S = 4.0  # seconds of recent batches a rate is taken over
 MIN_BATCHES = 4  # ... and at least this many batches
@@ -180,39 +182,92 @@ class _Counters:
     workers: int
     busy: float
     samples: int
+    cpu: float  # the server's CPU seconds, workers and its own processes (0: not reported)
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One reading of a server's preprocessing counters (:class:`~kspeed.proto.kspeed_pb2.PrepFigures`).
+
+    Attributes:
+        workers: worker processes that may run at once.
+        busy_seconds: worker-seconds spent on tasks.
+        samples: samples run through a pipeline.
+        cpu_seconds: CPU seconds of its workers and its own processes (0: not reported).
+        cores: CPUs the server may use (0: not reported).
+        group: which CPUs (servers with the same group share them; empty: not reported).
+    """
+
+    workers: int
+    busy_seconds: float
+    samples: int
+    cpu_seconds: float = 0.0
+    cores: int = 0
+    group: str = ""
 
 
 class ServerMeter:
-    """The servers' preprocessing capacity left for this job, samples/s (see the module docstring)."""
+    """The servers' preprocessing capacity left for this job, samples/s (see the module docstring).
+
+    A server's capacity is its workers' samples per busy second times the workers; where the
+    servers report their CPU, no more than their CPUs can run at the CPU a sample costs them in
+    all (workers, production, feeding), counted once for servers that share their CPUs.
+    """
 
     def __init__(self) -> None:
         self._last: dict[str, _Counters] = {}
         self._readings: dict[str, collections.deque[_Counters]] = {}  # the last WINDOW_S of each server's
         self._capacity: dict[str, float] = {}  # samples/s each server's workers can run, last measured
+        self._spent: dict[str, tuple[float, float]] = {}  # samples and CPU seconds each ran, over the window
+        self._cpus: dict[str, tuple[str, int]] = {}  # each server's CPU group and cores, where reported
         self._gone: list[float] = []  # the capacities of servers that left (their shares' new holders start cold)
         self._used: dict[str, float] = {}  # samples/s each server ran, over the last reading
         self.capacity = math.inf
         self.used = 0.0
 
-    def read(self, server_id: str, workers: int, busy_seconds: float, samples: int, now: float) -> None:
+    def read(self, server_id: str, reading: Reading, now: float) -> None:
         """One reading of a server's counters; the rates are taken over the readings of the last
         :data:`WINDOW_S` (a reading every half second covers a few tasks: too few to go by)."""
-        reading = _Counters(now, workers, busy_seconds, samples)
+        counters = _Counters(now, reading.workers, reading.busy_seconds, reading.samples, reading.cpu_seconds)
         last = self._last.get(server_id)
-        self._last[server_id] = reading
+        self._last[server_id] = counters
+        if reading.cores > 0 and reading.group:
+            self._cpus[server_id] = (reading.group, reading.cores)
         readings = self._readings.setdefault(server_id, collections.deque())
-        if last is not None and (now <= last.at or samples < last.samples or busy_seconds < last.busy):
-            readings.clear()  # a restarted server: counted from here
-        readings.append(reading)
+        if last is not None and (
+            now <= last.at or counters.samples < last.samples or counters.busy < last.busy or counters.cpu < last.cpu
+        ):
+            readings.clear()  # a restarted server (or one of its processes): counted from here
+        readings.append(counters)
         while len(readings) > 2 and now - readings[1].at >= WINDOW_S:
             readings.popleft()
         first = readings[0]
         if len(readings) < 2 or now <= first.at:
             return
-        ran, busy = samples - first.samples, busy_seconds - first.busy
+        ran, busy = counters.samples - first.samples, counters.busy - first.busy
         self._used[server_id] = ran / (now - first.at)
         if ran > 0 and busy > 0:
-            self._capacity[server_id] = max(workers, 1) * ran / busy
+            self._capacity[server_id] = max(counters.workers, 1) * ran / busy
+            self._spent[server_id] = (ran, counters.cpu - first.cpu if first.cpu > 0 else 0.0)
+
+    def capacities(self) -> dict[str, float]:
+        """Each measured server's capacity, samples/s: its workers' rate, capped by what its CPUs
+        (shared with the servers of its CPU group) can run at the CPU a sample costs."""
+        groups: dict[str, list[str]] = {}
+        for server_id in self._capacity:
+            group = self._cpus.get(server_id, (f"server:{server_id}", 0))[0]
+            groups.setdefault(group, []).append(server_id)
+        out: dict[str, float] = {}
+        for members in groups.values():
+            workers = sum(self._capacity[m] for m in members)
+            ran = sum(self._spent.get(m, (0.0, 0.0))[0] for m in members)
+            cpu = sum(self._spent.get(m, (0.0, 0.0))[1] for m in members)
+            cores = max(self._cpus.get(m, ("", 0))[1] for m in members)
+            reported = all(self._spent.get(m, (0.0, 0.0))[1] > 0 for m in members)
+            cap = min(workers, cores * ran / cpu) if reported and cores > 0 and cpu > 0 else workers
+            for m in members:
+                out[m] = self._capacity[m] * cap / workers
+        return out
 
     def known(self) -> set[str]:
         """The servers read so far."""
@@ -222,8 +277,8 @@ class ServerMeter:
         """A server left the job (lost or replaced): its figures go (its capacity is kept as the
         estimate of a server not measured yet, such as the one its share moved to)."""
         if server_id in self._capacity:
-            self._gone = [*self._gone[-7:], self._capacity[server_id]]
-        for table in (self._last, self._capacity, self._used, self._readings):
+            self._gone = [*self._gone[-7:], self.capacities()[server_id]]
+        for table in (self._last, self._capacity, self._used, self._readings, self._spent, self._cpus):
             table.pop(server_id, None)
 
     def left_for(self, mine: float, servers: int) -> float:
@@ -231,7 +286,7 @@ class ServerMeter:
         (their capacity less what the others run). A server not measured yet counts as the average
         of those measured (and of those that left: a failover's new holder is taken to be like the
         lost one, not unlimited); ``inf`` while none was ever measured."""
-        known = list(self._capacity.values())
+        known = list(self.capacities().values())
         estimates = known + self._gone
         if not estimates:
             return math.inf

@@ -497,6 +497,14 @@ class FeederSupervisor:
             except errors.KSpeedError as exc:
                 log.warning("feeder %d: cannot tell it about changed samples of %s: %s", index, dataset, exc)
 
+    def pids(self) -> list[int]:
+        """The feeder processes alive now."""
+        return [
+            worker.process.pid
+            for worker in self._feeders
+            if worker.process.pid is not None and worker.process.is_alive()
+        ]
+
     def count(self) -> int:
         """Open feeds."""
         return len(self._feeds)
