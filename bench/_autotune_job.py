@@ -116,7 +116,9 @@ def run(job: dict) -> dict:
     figures: dict = {"pid": os.getpid()}
     try:
         folder = ImageFolder(job["root"], transform=transform())
-        options = {} if job["offload"] == "auto" else {"offload": job["offload"]}
+        # auto: what a user passes (the model, here its step's name), under which the manager keeps
+        # the decision for the next run of the same job; a scenario with another step is another model
+        options = {"model": job["model"]} if job["offload"] == "auto" else {"offload": job["offload"]}
         if job.get("sampler", "random") == "random":
             options["sampler"] = RandomSampler(folder, generator=torch.Generator().manual_seed(0))
         else:  # the built-in seeded shuffle, whose next epoch is planned ahead

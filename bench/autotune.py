@@ -85,6 +85,7 @@ class Bench:
             "op_seconds": self.op_seconds,
             "cores": sorted(self.train_core),
             "sampler": self.args.sampler,
+            "model": f"step-{round(step_s * 1e6)}us",
             "config": config,
             **more,
         }
