@@ -105,8 +105,7 @@ class _Part:
     """The servers' samples of a split batch, collated in the training process, or why that failed."""
 
     positions: list[int]
-    delivered: Delivered | None
-    failure: SampleFailure | None
+    outcome: Delivered | SampleFailure
 
 
 class PreparedDataset(IterableDataset):
@@ -368,9 +367,9 @@ class PreparedDataset(IterableDataset):
         rest = [i for i, remote in enumerate(flags) if not remote]
         draw = Draw(epoch, tuple(ids[i] for i in ready), (True,) * len(ready))
         try:
-            here = _Part(ready, self._collate_part(batch, ready, [targets[i] for i in ready], draw), None)
+            here = _Part(ready, self._collate_part(batch, ready, [targets[i] for i in ready], draw))
         except SampleFailure as exc:
-            here = _Part(ready, None, exc)
+            here = _Part(ready, exc)
         packed = self._pack(batch, rest)
         batch.release()  # default_collate copied the servers' samples out of the ring
         future = self._queue(
@@ -436,8 +435,8 @@ class PreparedDataset(IterableDataset):
             self._seconds[name] = self._seconds.get(name, 0.0) + seconds
         if self._auto is not None:
             local = len(task.ids) - task.remote
-            mine = task.here.delivered if task.here is not None else None
-            if mine is not None and task.there is not None:  # each part where it ran
+            mine = task.here.outcome if task.here is not None else None
+            if isinstance(mine, Delivered) and task.there is not None:  # each part where it ran
                 self._auto.batch_done(mine.seconds, mine.cpu_s, mine.wall_s, 0, task.remote, True)
                 there = task.there
                 self._auto.batch_done(there.seconds, there.cpu_s, there.wall_s, local, 0, task.inline)
@@ -465,12 +464,11 @@ class PreparedDataset(IterableDataset):
         if here is None or task.positions is None:
             return there
         task.there = there
-        if here.failure is not None or here.delivered is None:
-            failure = here.failure or SampleFailure(None, "no batch")
-            if failure.position is None:
-                raise failure
-            raise SampleFailure(here.positions[failure.position], failure.text) from None
-        mine = here.delivered
+        mine = here.outcome
+        if isinstance(mine, SampleFailure):
+            if mine.position is None:
+                raise mine
+            raise SampleFailure(here.positions[mine.position], mine.text) from None
         skipped = sorted(
             [(here.positions[k], why) for k, why in mine.skipped]
             + [(task.positions[k], why) for k, why in there.skipped]

@@ -377,6 +377,31 @@ def test_reading_the_tuners_figures_moves_none_of_them():
         tuner.close()
 
 
+def test_this_jobs_rate_at_the_servers_is_taken_over_seconds_not_over_a_burst():
+    now = [0.0]
+    tuner = AutoOffload(
+        dataset="d",
+        links=lambda: [],
+        server_stages=3,
+        nbytes=1,
+        label="x",
+        apply=lambda r: None,
+        ratio=1.0,
+        cores=1,
+        clock=lambda: now[0],
+    )
+    try:
+        tuner._stop.set()
+        for k in range(1, 9):  # a decision's read every half second; 400 samples arrive at once at 3.6 s
+            now[0] = 0.5 * k
+            if k == 8:
+                tuner.batch_done({"receive": 0.01}, 0.01, 0.01, local=0, remote=400)
+            tuner.rates(now[0])
+        assert tuner._remote_rate == pytest.approx(400 / 4.0)  # not 400 / 0.5
+    finally:
+        tuner.close()
+
+
 # -- the model signature a decision is kept under ---------------------------------------------------
 
 

@@ -17,6 +17,7 @@ prior that the first samples run here replace.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import threading
@@ -26,7 +27,7 @@ from typing import Any
 
 from kspeed.client.feeding.links import Link
 from kspeed.client.tuning.decision import Cut, Decision, Hysteresis, Observed, Rates, decide, predicted
-from kspeed.client.tuning.meters import LoopMeter, PrepMeter, Reading, ServerMeter, Window
+from kspeed.client.tuning.meters import WINDOW_S, LoopMeter, PrepMeter, Reading, ServerMeter, Window
 from kspeed.config import usable_cores
 from kspeed.errors import KSpeedError
 
@@ -97,8 +98,11 @@ class AutoOffload:
         self.last: Decision | None = None  # the latest decision made (adopted or not)
         self.decided_at = -math.inf  # when (this tuner's clock)
         self._next_at = clock() + INTERVAL_S
-        self._remote_samples = 0.0  # offloaded samples received, for this job's share of the servers
-        self._remote_at = clock()
+        # offloaded samples received so far, read at each decision: this job's rate at the servers is
+        # taken over the last WINDOW_S (as their capacity is), not since the last decision: samples
+        # arrive in bursts, and a burst taken for a rate made the servers look faster than they are
+        self._remote_samples = 0.0
+        self._remote_marks: collections.deque[tuple[float, float]] = collections.deque([(clock(), 0.0)])
         self._remote_rate = 0.0
         self._server_cost: float | None = None  # servers' busy seconds per sample (the Pcycle prior)
         self._kept_cost = (kept or {}).get("pcycle")  # the last run's Pcycle (a better prior)
@@ -144,6 +148,10 @@ class AutoOffload:
         self._consumed_at = (now, consumed)
         cut = self._cut()
         decision = decide(rates, [cut])
+        # what Rthp was made of: the servers' capacity in all, what they ran, and this job's part
+        with self._lock:
+            mine = self._remote_rate
+        decision.inputs.update(server_capacity=self.servers.capacity, server_used=self.servers.used, job_rate=mine)
         self.last, self.decided_at = decision, now
         adopted = self.hysteresis.offer(decision, rates, now, in_force=cut, observed=self.observed)
         if adopted is None or abs(adopted.ratio - self.ratio) < 1e-9:
@@ -175,10 +183,13 @@ class AutoOffload:
         without starting a new span of this job's own rate at the servers (a report, not a decision)."""
         now = self._clock() if now is None else now
         with self._lock:
-            span = now - self._remote_at
-            if advance and span >= INTERVAL_S:
-                self._remote_rate = self._remote_samples / span
-                self._remote_samples, self._remote_at = 0.0, now
+            marks = self._remote_marks
+            if advance and now - marks[-1][0] >= INTERVAL_S:
+                marks.append((now, self._remote_samples))
+                while len(marks) > 2 and now - marks[1][0] >= WINDOW_S:
+                    marks.popleft()
+                began, before = marks[0]
+                self._remote_rate = (self._remote_samples - before) / (now - began)
         loop = self.loop.figures()
         local = self.prep.local_cpu
         if local is None:
