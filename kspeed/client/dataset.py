@@ -332,6 +332,7 @@ class KSpeedDataset(IterableDataset):
             keep=manager.save_tuning if manager is not None else None,
             record=lambda r, d: record_of(self.name, model, r, prep.server_stages, d),
             kept=dict(kept.rates) if kept is not None else None,
+            job=job[:200],
         )
 
     def _check_open(self) -> None:

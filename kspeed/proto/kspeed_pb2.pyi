@@ -988,8 +988,10 @@ class ClusterStatus(_message.Message):
     def __init__(self, cluster_id: _Optional[str] = ..., manager_version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., servers: _Optional[_Iterable[_Union[ServerRecord, _Mapping]]] = ..., revision: _Optional[int] = ..., datasets: _Optional[_Iterable[_Union[DatasetInfo, _Mapping]]] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
     __slots__ = ("id", "inventory", "software_version", "protocol_versions", "manager_address", "registered", "incarnation", "prep")
@@ -1012,7 +1014,7 @@ class ServerInfo(_message.Message):
     def __init__(self, id: _Optional[str] = ..., inventory: _Optional[_Union[ServerInventory, _Mapping]] = ..., software_version: _Optional[str] = ..., protocol_versions: _Optional[_Iterable[int]] = ..., manager_address: _Optional[str] = ..., registered: _Optional[bool] = ..., incarnation: _Optional[int] = ..., prep: _Optional[_Union[PrepFigures, _Mapping]] = ...) -> None: ...
 
 class PrepFigures(_message.Message):
-    __slots__ = ("workers", "busy_seconds", "samples", "cpu_seconds", "daemon_cpu_seconds", "cores", "cpu_group")
+    __slots__ = ("workers", "busy_seconds", "samples", "cpu_seconds", "daemon_cpu_seconds", "cores", "cpu_group", "job_samples")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -1020,6 +1022,7 @@ class PrepFigures(_message.Message):
     DAEMON_CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CORES_FIELD_NUMBER: _ClassVar[int]
     CPU_GROUP_FIELD_NUMBER: _ClassVar[int]
+    JOB_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     workers: int
     busy_seconds: float
     samples: int
@@ -1027,4 +1030,5 @@ class PrepFigures(_message.Message):
     daemon_cpu_seconds: float
     cores: int
     cpu_group: str
-    def __init__(self, workers: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., samples: _Optional[int] = ..., cpu_seconds: _Optional[float] = ..., daemon_cpu_seconds: _Optional[float] = ..., cores: _Optional[int] = ..., cpu_group: _Optional[str] = ...) -> None: ...
+    job_samples: int
+    def __init__(self, workers: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., samples: _Optional[int] = ..., cpu_seconds: _Optional[float] = ..., daemon_cpu_seconds: _Optional[float] = ..., cores: _Optional[int] = ..., cpu_group: _Optional[str] = ..., job_samples: _Optional[int] = ...) -> None: ...

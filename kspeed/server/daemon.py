@@ -239,8 +239,8 @@ class Server:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         return rpc.bind(server, cfg.listen, cfg.security), server
 
-    def _prep_figures(self) -> kspeed_pb2.PrepFigures | None:
-        """The preprocessing workers' counters (``None`` before they exist)."""
+    def _prep_figures(self, job: str = "") -> kspeed_pb2.PrepFigures | None:
+        """The preprocessing workers' counters (``None`` before they exist); ``job``'s samples among them."""
         prep = self.prep
         if prep is None:
             return None
@@ -252,6 +252,7 @@ class Server:
             daemon_cpu_seconds=self._daemon_cpu(),
             cores=inv.usable_cores(self.config.cores),
             cpu_group=inv.cpu_group(),
+            job_samples=prep.scheduler.samples_of(job) if job else 0,
         )
 
     def _daemon_cpu(self) -> float:

@@ -34,7 +34,7 @@ class ServerService:
         registration: Callable[[], tuple[bool, int]],
         *,
         max_plan_bytes: int,
-        prep_figures: Callable[[], kspeed_pb2.PrepFigures | None] = lambda: None,
+        prep_figures: Callable[[str], kspeed_pb2.PrepFigures | None] = lambda job: None,
     ) -> None:
         self._id = server_id
         self._max_plan_bytes = max_plan_bytes
@@ -55,7 +55,7 @@ class ServerService:
             manager_address=self._manager,
             registered=registered,
             incarnation=incarnation,
-            prep=self._prep_figures(),
+            prep=self._prep_figures(request.job),
         )
 
     def DescribeDataset(

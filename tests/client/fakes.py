@@ -113,7 +113,7 @@ class FakeServer:
         self.plans[plan.feed_epoch] = _Plan(starts, plan.positions.copy(), plan.offsets.copy(), plan.ids.copy())
         return kspeed_pb2.PlanReply(owned=len(plan.ids))
 
-    def prep_figures(self) -> kspeed_pb2.PrepFigures | None:
+    def prep_figures(self, job: str = "") -> kspeed_pb2.PrepFigures | None:
         return None  # runs no pipeline stages
 
     def close_feed(self, feed_id: str) -> None:

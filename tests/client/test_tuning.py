@@ -248,6 +248,20 @@ def test_servers_sharing_their_cpus_count_them_once_at_a_samples_whole_cost():
     assert meter.capacities() == pytest.approx({"a": 250.0})
 
 
+def test_what_the_other_jobs_run_is_what_each_server_counts_for_them():
+    meter = ServerMeter()
+    # a server ran 300 samples/s, 250 of them for this job (it produces ahead of what the job
+    # received meanwhile, 150/s): the others ran 50/s, not 300 - 150
+    meter.read("a", Reading(1, 0.0, 0, job_samples=0), now=0.0)
+    meter.read("a", Reading(1, 0.75, 300, job_samples=250), now=1.0)
+    assert meter.left_for(150.0, 1) == pytest.approx(400 - 50)
+    # a server that does not count per job: what it ran less what this job received
+    meter = ServerMeter()
+    meter.read("a", Reading(1, 0.0, 0), now=0.0)
+    meter.read("a", Reading(1, 0.75, 300), now=1.0)
+    assert meter.left_for(150.0, 1) == pytest.approx(400 - 150)
+
+
 # -- the whole tuner, with servers that report counters ---------------------------------------------
 
 
@@ -259,7 +273,7 @@ class _Link:
         self.cpu = 0.0
         self.samples = 0
 
-    def prep_figures(self) -> kspeed_pb2.PrepFigures:
+    def prep_figures(self, job: str = "") -> kspeed_pb2.PrepFigures:
         return kspeed_pb2.PrepFigures(workers=1, busy_seconds=self.busy, samples=self.samples, cpu_seconds=self.cpu)
 
 

@@ -58,15 +58,16 @@ def test_two_jobs_share_the_workers_by_their_weights(cluster_factory, tmp_path):
     # weights 3:1 while both want every worker: about three quarters for "heavy"
     assert got["heavy"] > got["light"], got
     assert got["heavy"] >= 0.6, got
-    # what a job's tuner reads of the server: its workers' busy and CPU seconds, and its own CPU
+    # what a job's tuner reads of the server: its workers' busy and CPU seconds, that job's samples, its own CPU
     # and CPUs (the group that tells servers sharing CPUs apart), from the server's own process
     server = cluster.servers[0]
     link = ServerLink(server.ready["id"], server.ready["grpc"], config_for(cluster))
     try:
-        figures = link.prep_figures()
+        figures = link.prep_figures("heavy")
     finally:
         link.close()
     assert figures is not None and figures.samples > 0 and figures.busy_seconds > 0, figures
+    assert 0 < figures.job_samples < figures.samples, figures  # "heavy"'s, the rest "light"'s
     assert figures.cpu_seconds > 0 and figures.daemon_cpu_seconds > 0, figures
     cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(server.process.pid)))
     assert figures.cores == len(os.sched_getaffinity(server.process.pid)), figures

@@ -105,3 +105,14 @@ def test_the_scheduler_admits_at_most_the_limit_and_reports_each_jobs_share():
     limit, shares, weights = scheduler.figures()
     assert limit == 2
     assert shares == {"a": 0.5, "b": 0.5} and weights == {"a": 1.0, "b": 1.0}
+    # each job's samples, for a client telling its own use of the workers from the others'
+    assert (scheduler.samples_of("a"), scheduler.samples_of("b"), scheduler.samples_of("c")) == (10, 8, 0)
+
+
+def test_the_samples_of_only_the_last_jobs_served_are_kept(monkeypatch):
+    monkeypatch.setattr("kspeed.server.prep.share.MAX_JOBS", 3)
+    scheduler = PrepScheduler(1, None, Clock())
+    for job in ("a", "b", "c", "a", "d"):  # "b" was served longest ago when "d" came
+        assert scheduler.acquire(job)
+        scheduler.release(job, 0.1, 5)
+    assert [scheduler.samples_of(job) for job in "abcd"] == [10, 0, 5, 5]

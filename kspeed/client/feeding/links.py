@@ -125,7 +125,7 @@ class Link(Protocol):
 
     def close_feed(self, feed_id: str) -> None: ...
 
-    def prep_figures(self) -> kspeed_pb2.PrepFigures | None: ...
+    def prep_figures(self, job: str = "") -> kspeed_pb2.PrepFigures | None: ...
 
     def close(self) -> None: ...
 
@@ -238,14 +238,17 @@ class ServerLink:
                 kspeed_pb2.CloseFeedRequest(feed_id=feed_id), timeout=self._timeout, metadata=self._metadata
             )
 
-    def prep_figures(self) -> kspeed_pb2.PrepFigures | None:
-        """The server's preprocessing workers' counters (``None``: it does not report them).
+    def prep_figures(self, job: str = "") -> kspeed_pb2.PrepFigures | None:
+        """The server's preprocessing workers' counters (``None``: it does not report them), with
+        ``job``'s samples among them.
 
         Raises:
             UnavailableError: the server is unreachable.
         """
         with rpc.map_rpc_errors(self.name):
-            info = self._stub.GetInfo(kspeed_pb2.GetInfoRequest(), timeout=self._timeout, metadata=self._metadata)
+            info = self._stub.GetInfo(
+                kspeed_pb2.GetInfoRequest(job=job), timeout=self._timeout, metadata=self._metadata
+            )
         return info.prep if info.HasField("prep") else None
 
     def close(self) -> None:

@@ -60,6 +60,8 @@ class AutoOffload:
             tuner's thread after a change, and at :meth:`close`.
         record: makes that record of a ratio and the decision behind it.
         kept: the rates of the decision kept from a previous run, if any (its Pcycle is the prior).
+        job: the job's name as its feeds gave it to the servers (each server then says how many
+            of its samples were this job's: the others' use is the rest).
     """
 
     def __init__(
@@ -80,8 +82,10 @@ class AutoOffload:
         keep: Callable[[Any], None] | None = None,
         record: Callable[[float, Decision | None], Any] | None = None,
         kept: Mapping[str, float] | None = None,
+        job: str = "",
     ) -> None:
         self.dataset = dataset
+        self._job = job
         self.loop = LoopMeter()
         self.prep = PrepMeter(server_stages)
         self.servers = ServerMeter()
@@ -224,7 +228,7 @@ class AutoOffload:
             self.servers.forget(gone)  # its share moved: the new holder is read instead
         for link in links:
             try:
-                figures = link.prep_figures()
+                figures = link.prep_figures(self._job)
             except KSpeedError as exc:  # a lost server: failover deals with it
                 log.debug("dataset %s: no preprocessing figures from %s: %s", self.dataset, link.name, exc)
                 self.servers.forget(link.server_id)
@@ -233,7 +237,13 @@ class AutoOffload:
                 continue
             total_cpu = figures.cpu_seconds + figures.daemon_cpu_seconds if figures.daemon_cpu_seconds > 0 else 0.0
             reading = Reading(
-                figures.workers, figures.busy_seconds, figures.samples, total_cpu, figures.cores, figures.cpu_group
+                figures.workers,
+                figures.busy_seconds,
+                figures.samples,
+                total_cpu,
+                figures.cores,
+                figures.cpu_group,
+                figures.job_samples if self._job else None,
             )
             self.servers.read(link.server_id, reading, self._clock())
             busy += figures.busy_seconds

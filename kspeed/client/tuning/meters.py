@@ -183,6 +183,7 @@ class _Counters:
     busy: float
     samples: int
     cpu: float  # the server's CPU seconds, workers and its own processes (0: not reported)
+    job: int | None  # of samples, this job's (None: not reported)
 
 
 @dataclass(frozen=True)
@@ -196,6 +197,7 @@ class Reading:
         cpu_seconds: CPU seconds of its workers and its own processes (0: not reported).
         cores: CPUs the server may use (0: not reported).
         group: which CPUs (servers with the same group share them; empty: not reported).
+        job_samples: of ``samples``, those run for this job (``None``: not reported).
     """
 
     workers: int
@@ -204,6 +206,7 @@ class Reading:
     cpu_seconds: float = 0.0
     cores: int = 0
     group: str = ""
+    job_samples: int | None = None
 
 
 class ServerMeter:
@@ -221,14 +224,17 @@ class ServerMeter:
         self._spent: dict[str, tuple[float, float]] = {}  # samples and CPU seconds each ran, over the window
         self._cpus: dict[str, tuple[str, int]] = {}  # each server's CPU group and cores, where reported
         self._gone: list[float] = []  # the capacities of servers that left (their shares' new holders start cold)
-        self._used: dict[str, float] = {}  # samples/s each server ran, over the last reading
+        self._used: dict[str, float] = {}  # samples/s each server ran, over the window
+        self._others: dict[str, float] = {}  # of those, samples/s for other jobs, where the server says
         self.capacity = math.inf
         self.used = 0.0
 
     def read(self, server_id: str, reading: Reading, now: float) -> None:
         """One reading of a server's counters; the rates are taken over the readings of the last
         :data:`WINDOW_S` (a reading every half second covers a few tasks: too few to go by)."""
-        counters = _Counters(now, reading.workers, reading.busy_seconds, reading.samples, reading.cpu_seconds)
+        counters = _Counters(
+            now, reading.workers, reading.busy_seconds, reading.samples, reading.cpu_seconds, reading.job_samples
+        )
         last = self._last.get(server_id)
         self._last[server_id] = counters
         if reading.cores > 0 and reading.group:
@@ -246,6 +252,8 @@ class ServerMeter:
             return
         ran, busy = counters.samples - first.samples, counters.busy - first.busy
         self._used[server_id] = ran / (now - first.at)
+        if counters.job is not None and first.job is not None:
+            self._others[server_id] = max(ran - (counters.job - first.job), 0) / (now - first.at)
         if ran > 0 and busy > 0:
             self._capacity[server_id] = max(counters.workers, 1) * ran / busy
             self._spent[server_id] = (ran, counters.cpu - first.cpu if first.cpu > 0 else 0.0)
@@ -278,14 +286,16 @@ class ServerMeter:
         estimate of a server not measured yet, such as the one its share moved to)."""
         if server_id in self._capacity:
             self._gone = [*self._gone[-7:], self.capacities()[server_id]]
-        for table in (self._last, self._capacity, self._used, self._readings, self._spent, self._cpus):
+        for table in (self._last, self._capacity, self._used, self._others, self._readings, self._spent, self._cpus):
             table.pop(server_id, None)
 
     def left_for(self, mine: float, servers: int) -> float:
         """Samples/s the servers can preprocess for a job that gets ``mine`` samples/s from them now
-        (their capacity less what the others run). A server not measured yet counts as the average
-        of those measured (and of those that left: a failover's new holder is taken to be like the
-        lost one, not unlimited); ``inf`` while none was ever measured."""
+        (their capacity less what the others run: as each server counts it, where they all do,
+        else what they ran less ``mine``; production runs ahead of delivery, so the servers' own
+        count is the better). A server not measured yet counts as the average of those measured
+        (and of those that left: a failover's new holder is taken to be like the lost one, not
+        unlimited); ``inf`` while none was ever measured."""
         known = list(self.capacities().values())
         estimates = known + self._gone
         if not estimates:
@@ -293,4 +303,8 @@ class ServerMeter:
         missing = max(servers - len(known), 0)
         self.capacity = sum(known) + missing * (sum(estimates) / len(estimates))
         self.used = sum(self._used.values())
-        return max(self.capacity - max(self.used - mine, 0.0), mine, 0.0)
+        if self._others and set(self._others) == set(self._used):
+            others = sum(self._others.values())
+        else:
+            others = max(self.used - mine, 0.0)
+        return max(self.capacity - others, mine, 0.0)

@@ -32,6 +32,7 @@ TOLERANCE = 0.05  # a smaller limit within this of the best measured throughput 
 REMEASURE_S = 120.0  # the table of throughputs is forgotten this often
 SATURATED = 0.9  # share of a window tasks must have waited for a worker for it to count
 SHARE_WINDOW_S = 30.0  # the busy seconds a job's share is shown over
+MAX_JOBS = 1024  # jobs whose samples are counted (GetInfo's PrepFigures.job_samples)
 PRELOAD = "(preload)"  # the job name of work no feed asked for (caching a dataset preprocessed)
 
 
@@ -157,6 +158,7 @@ class PrepScheduler:
         self.busy = 0
         self._saturated_since: float | None = None
         self._recent: collections.deque[tuple[float, str, float]] = collections.deque()  # (when, job, busy s)
+        self._samples: collections.OrderedDict[str, int] = collections.OrderedDict()  # per job, the last MAX_JOBS
 
     def acquire(self, job: str, timeout: float | None = None) -> bool:
         """Wait until a task of ``job`` may take a worker; ``False`` after ``timeout`` seconds."""
@@ -182,6 +184,9 @@ class PrepScheduler:
             self.busy -= 1
             self.share.served(job, seconds)
             self.sizer.note(samples)
+            self._samples[job] = self._samples.pop(job, 0) + samples
+            while len(self._samples) > MAX_JOBS:
+                self._samples.popitem(last=False)  # the job served longest ago
             now = self._clock()
             self._recent.append((now, job, seconds))
             while self._recent and now - self._recent[0][0] > SHARE_WINDOW_S:
@@ -197,6 +202,12 @@ class PrepScheduler:
         if self._saturated_since is not None:
             self.sizer.saturated_for(now - self._saturated_since)
         self._saturated_since = now if saturated else None
+
+    def samples_of(self, job: str) -> int:
+        """Samples run for ``job`` since it was first served (0 for a job not among the last
+        :data:`MAX_JOBS` served)."""
+        with self._cond:
+            return self._samples.get(job, 0)
 
     def figures(self) -> tuple[int, dict[str, float], dict[str, float]]:
         """The active-worker limit, each job's share of the busy worker-seconds over the last
