@@ -11,7 +11,8 @@ built-in seeded shuffle instead of the sampler when asked; with
 of ``torch.mm`` per sample (the op count calibrated once by the parent, so every configuration runs
 the same step). Two modes:
 
-- **epochs**: ``warmup`` epochs, then ``epochs`` timed epochs; samples/s and the client's CPU
+- **epochs**: ``warmup`` epochs (and at least ``warmup_s`` seconds of them), then ``epochs``
+  timed epochs; samples/s and the client's CPU
   seconds per sample beyond the step (this process and its children: transform workers, the tcp
   receiver), the split at the end of each epoch and ``ds.stats()["offload"]``.
 - **timed** (a mid-run change): ``warmup`` epochs, then epochs until ``before_s + after_s``
@@ -163,7 +164,8 @@ def _timed(batches, waits: list[float]):
 
 def _loop(ds, step, job: dict) -> dict:
     epoch, ratios = 0, []
-    for _ in range(job["warmup"]):
+    warm_until = time.monotonic() + job.get("warmup_s", 0.0)
+    while epoch < job["warmup"] or time.monotonic() < warm_until:
         ds.set_epoch(epoch)
         for images, _labels in ds:
             step(len(images))

@@ -79,6 +79,7 @@ class Bench:
             "batch": self.args.batch,
             "offload": offload,
             "warmup": self.args.warmup,
+            "warmup_s": self.args.warmup_s,
             "epochs": self.args.epochs,
             "mode": "epochs",
             "step_s": step_s,
@@ -302,6 +303,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--images", type=int, default=480, help="JPEG photographs")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--warmup", type=int, default=2, help="warm-up epochs of every job")
+    parser.add_argument(
+        "--warmup-s",
+        type=float,
+        default=15.0,
+        help="and at least this many seconds of them (auto's first decisions take a few seconds; "
+        "a job of many epochs amortises them, a benchmark of 480 images would time them)",
+    )
     parser.add_argument("--epochs", type=int, default=4, help="timed epochs per configuration")
     parser.add_argument("--step", type=float, default=0.1, help="the sweep's step of fixed ratios")
     parser.add_argument("--rate", default=DEFAULT_RATE, help="the narrow rail's rate towards the job (tc units)")
@@ -323,6 +331,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.images, args.epochs, args.step, args.before_s, args.after_s = 160, 1, 0.25, 10.0, 12.0
+        args.warmup_s = min(args.warmup_s, 5.0)
     args.scenarios = [s for s in args.scenarios.split(",") if s]
     args.changes = [s for s in args.changes.split(",") if s]
     return args
@@ -392,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
             "train_step": f"torch.mm of 192x192 floats, {op_seconds * 1e3:.3f} ms each (op count fixed per job)",
             "step_s_per_sample": {"starved": cost, "spare": cost / 2, "narrow_rail": cost / 4},
             "mid_run": {"before_s": args.before_s, "after_s": args.after_s},
+            "warmup": {"epochs": args.warmup, "at_least_s": args.warmup_s},
             "quick": args.quick,
             "sampler": args.sampler,
         },
