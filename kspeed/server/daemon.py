@@ -252,7 +252,7 @@ class Server:
             daemon_cpu_seconds=self._daemon_cpu(),
             cores=inv.usable_cores(self.config.cores),
             cpu_group=inv.cpu_group(),
-            job_samples=prep.scheduler.samples_of(job) if job else 0,
+            job_samples=prep.scheduler.samples_of(job) if job else None,
         )
 
     def _daemon_cpu(self) -> float:

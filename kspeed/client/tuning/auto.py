@@ -243,7 +243,7 @@ class AutoOffload:
                 total_cpu,
                 figures.cores,
                 figures.cpu_group,
-                figures.job_samples if self._job else None,
+                figures.job_samples if self._job and figures.HasField("job_samples") else None,
             )
             self.servers.read(link.server_id, reading, self._clock())
             busy += figures.busy_seconds
