@@ -22,17 +22,18 @@ def samples(n: int) -> list:
     ]
 
 
+def in_two_parts(batch: list, first_at: list[int], second_at: list[int]):
+    """``batch`` collated in two parts, then interleaved."""
+    first = default_collate([batch[i] for i in first_at])
+    return interleave(first, default_collate([batch[i] for i in second_at]), first_at, second_at)
+
+
 @pytest.mark.parametrize("first_at", [[0, 2, 5], [1], [0, 1, 2, 3, 4], [5, 3]])
 def test_two_parts_give_what_collating_the_whole_batch_gives(first_at):
     batch = samples(6)
     second_at = [i for i in range(6) if i not in first_at]
     whole = default_collate(batch)
-    got = interleave(
-        default_collate([batch[i] for i in first_at]),
-        default_collate([batch[i] for i in second_at]),
-        first_at,
-        second_at,
-    )
+    got = in_two_parts(batch, first_at, second_at)
     assert isinstance(got, list) and len(got) == 3
     assert torch.equal(got[0], whole[0]) and got[0].dtype == torch.uint8
     assert torch.equal(got[1], whole[1]) and got[1].dtype == whole[1].dtype
@@ -45,12 +46,7 @@ def test_mappings_and_named_tuples_keep_their_types():
     ]
     first_at, second_at = [3, 0], [1, 2]
     whole = default_collate(batch)
-    got = interleave(
-        default_collate([batch[i] for i in first_at]),
-        default_collate([batch[i] for i in second_at]),
-        first_at,
-        second_at,
-    )
+    got = in_two_parts(batch, first_at, second_at)
     assert type(got) is OrderedDict and list(got) == ["x", "pair", "label"]
     assert torch.equal(got["x"], whole["x"]) and torch.equal(got["label"], whole["label"])
     assert isinstance(got["pair"], Pair) and got["pair"].name == whole["pair"].name == ("n0", "n1", "n2", "n3")

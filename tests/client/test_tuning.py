@@ -324,22 +324,21 @@ def test_the_tuner_decides_from_what_it_measures_and_applies_a_change(monkeypatc
         tuner.close()
 
 
+def _quiet_tuner(now: list[float], **given) -> AutoOffload:
+    """A tuner on the clock ``now[0]`` whose servers are read by the test, not by its thread."""
+    options = dict(
+        dataset="d", links=lambda: [], server_stages=3, nbytes=1, label="x", apply=lambda r: None, ratio=1.0, cores=1
+    )
+    tuner = AutoOffload(**{**options, **given}, clock=lambda: now[0])
+    tuner._stop.set()
+    return tuner
+
+
 def test_before_a_sample_ran_here_its_cost_is_the_servers_cpu_per_sample(monkeypatch):
     links = [_Link("a"), _Link("b")]
     now = [0.0]
-    tuner = AutoOffload(
-        dataset="d",
-        links=lambda: links,
-        server_stages=3,
-        nbytes=150_528,
-        label="x",
-        apply=lambda r: None,
-        ratio=1.0,
-        cores=1,
-        clock=lambda: now[0],
-    )
+    tuner = _quiet_tuner(now, links=lambda: links, nbytes=150_528)
     try:
-        tuner._stop.set()
         steps = iter([(0.0, 0.0, 0.0), (0.0, 0.0, 0.0)] + [(k * 0.1, k * 0.05, 0.0) for k in range(1, 50)])
         monkeypatch.setattr(LoopMeter, "_now", staticmethod(lambda: next(steps)))
         tuner.loop.asked()
@@ -366,19 +365,8 @@ def test_before_a_sample_ran_here_its_cost_is_the_servers_cpu_per_sample(monkeyp
 
 def test_reading_the_tuners_figures_moves_none_of_them():
     now = [0.0]
-    tuner = AutoOffload(
-        dataset="d",
-        links=lambda: [],
-        server_stages=3,
-        nbytes=1,
-        label="x",
-        apply=lambda r: None,
-        ratio=1.0,
-        cores=1,
-        clock=lambda: now[0],
-    )
+    tuner = _quiet_tuner(now)
     try:
-        tuner._stop.set()
         tuner.batch_done({"receive": 0.01}, 0.01, 0.01, local=0, remote=100)
         now[0] = 5.0
         for _ in range(3):
@@ -393,20 +381,9 @@ def test_reading_the_tuners_figures_moves_none_of_them():
 
 def test_this_jobs_rate_at_the_servers_is_taken_over_seconds_not_over_a_burst():
     now = [0.0]
-    tuner = AutoOffload(
-        dataset="d",
-        links=lambda: [],
-        server_stages=3,
-        nbytes=1,
-        label="x",
-        apply=lambda r: None,
-        ratio=1.0,
-        cores=1,
-        clock=lambda: now[0],
-    )
+    tuner = _quiet_tuner(now)
     try:
-        tuner._stop.set()
-        for k in range(1, 9):  # a decision's read every half second; 400 samples arrive at once at 3.6 s
+        for k in range(1, 9):  # a decision's read every half second; 400 samples arrive at once at 4 s
             now[0] = 0.5 * k
             if k == 8:
                 tuner.batch_done({"receive": 0.01}, 0.01, 0.01, local=0, remote=400)
