@@ -108,7 +108,7 @@ class AutoOffload:
         self._remote_samples = 0.0
         self._remote_marks: collections.deque[tuple[float, float]] = collections.deque([(clock(), 0.0)])
         self._remote_rate = 0.0
-        self._server_cost: float | None = None  # servers' busy seconds per sample (the Pcycle prior)
+        self._server_cost: float | None = None  # the servers' CPU seconds per sample (the Pcycle prior)
         self._kept_cost = (kept or {}).get("pcycle")  # the last run's Pcycle (a better prior)
         self._keep, self._record = keep, record
         self._unsaved = False
