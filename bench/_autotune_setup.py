@@ -20,27 +20,16 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from kspeed.cli.cluster import LocalCluster
+from kspeed.cli.cluster import QUICK_FAILURE_DETECTION, LocalCluster
 
 __all__ = ["MANAGER_ARGS", "SERVER_ARGS", "lab_cluster", "loopback_cluster", "on_core", "run_job"]
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 JOB = BENCH / "_autotune_job.py"
-#: The failure detector of the test suite (tests/conftest.py FAST_MANAGER): a killed server is
-#: declared failed after 2 s of silence, not the default 10 s.
-MANAGER_ARGS = [
-    "--heartbeat-interval",
-    "200ms",
-    "--suspect-after",
-    "1s",
-    "--fail-after",
-    "2s",
-    "--probe-interval",
-    "300ms",
-    "--probe-timeout",
-    "500ms",
-]
+#: The test suite's failure detector: a killed server is declared failed after 2 s of silence,
+#: not the default 10 s.
+MANAGER_ARGS = QUICK_FAILURE_DETECTION
 #: As bench/preprocess.py: pools far larger than the photographs (two datasets of them: raw for
 #: offload=0, with the pipeline otherwise), the production window at its cap there.
 SERVER_ARGS = ["--memory", "512MiB", "--region-size", "4MiB", "--production-window", "128MiB"]

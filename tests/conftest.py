@@ -12,24 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from kspeed.cli.cluster import LocalCluster
+from kspeed.cli.cluster import QUICK_FAILURE_DETECTION, LocalCluster
 from kspeed.rdma.rails import get_rail, use_verbs_api
 
 # Timers short enough that lifecycle transitions happen within a test's patience.
-FAST_MANAGER = [
-    "--heartbeat-interval",
-    "200ms",
-    "--suspect-after",
-    "1s",
-    "--fail-after",
-    "2s",
-    "--probe-interval",
-    "300ms",
-    "--probe-timeout",
-    "500ms",
-    "--max-request-bytes",
-    "64KiB",
-]
+FAST_MANAGER = [*QUICK_FAILURE_DETECTION, "--max-request-bytes", "64KiB"]
 SERVER_MEMORY = ["--memory", "8MiB", "--region-size", "1MiB"]
 
 
