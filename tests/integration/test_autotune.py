@@ -123,7 +123,11 @@ def test_the_decision_follows_the_servers_when_one_is_killed(cluster_factory, tm
         killed = time.monotonic()
 
         def measured_without(d: dict | None) -> dict | None:
-            return d if d is not None and d["remote_rate"] < 0.75 * before["remote_rate"] else None
+            # the survivor shares the host's CPUs with what the lost one left free, so its capacity
+            # is less than both servers' but by how much depends on the machine's load: a decision
+            # that measured less and offloads less is the one that followed the kill
+            lower = d is not None and d["remote_rate"] < before["remote_rate"] and d["ratio"] < before["ratio"]
+            return d if lower else None
 
         after = run_until(lambda: measured_without(_decided(ds, killed + 3.0)), time.monotonic() + 90)
         # one server's capacity left: less is offloaded
