@@ -122,10 +122,14 @@ class KSpeedSource:
     """The KSpeed client library on one rail: servers write each batch into the client's receive ring.
 
     The dataset is attached with the same definition the benchmark registered (so nothing is
-    loaded twice); the client plans each epoch with its own seeded shuffle.
+    loaded twice); the client plans each epoch with its own seeded shuffle. With ``device="cuda"``
+    the client delivers every batch to the GPU itself (one asynchronous copy of its ring range,
+    :mod:`kspeed.client.delivery.device`), so the samples arrive as CUDA tensors.
     """
 
-    def __init__(self, address: str, samples: SampleSet, batch_size: int, rail: str, seed: int = 0) -> None:
+    def __init__(
+        self, address: str, samples: SampleSet, batch_size: int, rail: str, seed: int = 0, device: str = "cpu"
+    ) -> None:
         from kspeed import DatasetSpec, KSpeedClient
 
         config = load_config(ClientConfig, environ={}, overrides={"manager": address, "security.auth": "none"})
@@ -139,6 +143,7 @@ class KSpeedSource:
                 drop_last=False,
                 rail=rail,
                 quiet=True,
+                device=device,
             )
             self.dataset.preload()
         except BaseException:

@@ -1,8 +1,9 @@
 """Shared helpers of the benchmarks: machine description and the machine's own limits.
 
 Every benchmark reports its figures next to limits measured in the same run (one-core memcpy from
-a pool far larger than the caches, and a raw loopback socket stream between two processes), so a
-result reads as a ratio that survives a change of machine.
+a pool far larger than the caches, a raw loopback socket stream between two processes and, for
+delivery into GPU memory, the host-to-device copy bandwidth from page-locked memory), so a result
+reads as a ratio that survives a change of machine.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ __all__ = [
     "GIB",
     "KIB",
     "MIB",
+    "h2d_gbps",
     "machine_info",
     "memcpy_gbps",
     "random_starts",
@@ -81,6 +83,48 @@ def memcpy_gbps(pool: np.ndarray, size: int = MIB, seconds: float = 1.0) -> floa
             dst[:] = pool[s : s + size]
         done += 64 * size
         starts = starts[64:] + starts[:64]
+        elapsed = time.perf_counter() - t0
+        if elapsed >= seconds:
+            return done / elapsed / 1e9
+
+
+def h2d_gbps(size: int = 64 * MIB, seconds: float = 1.0, pool_bytes: int = GIB) -> float:
+    """Host-to-device copy bandwidth (GB/s) of the current CUDA device from page-locked memory.
+
+    ``size``-byte slices of a ``pool_bytes`` pinned tensor are copied in turn (``non_blocking``, on
+    the current stream) into one device buffer; the clock stops after the ``torch.cuda.synchronize()``
+    that ends each pass over the pool, so every byte counted has arrived. The pinned pool is freed
+    and the host allocator's cache emptied before returning.
+    """
+    import torch
+
+    try:
+        pool = torch.empty(pool_bytes, dtype=torch.uint8, pin_memory=True)
+        pool.fill_(0x5A)  # resident before the clock starts
+        return _h2d_passes(pool, size, seconds)
+    finally:
+        pool = None  # (dropped before the cache is emptied, so its block goes back to the system)
+        empty_host_cache = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+        if empty_host_cache is not None:  # torch >= 2.9; older versions keep the pinned pool cached
+            empty_host_cache()
+
+
+def _h2d_passes(pool, size: int, seconds: float) -> float:
+    """Whole passes of ``size``-byte copies over ``pool`` to the device until ``seconds`` have passed."""
+    import torch
+
+    dst = torch.empty(size, dtype=torch.uint8, device="cuda")
+    slices = [pool[s : s + size] for s in range(0, len(pool) - size + 1, size)]
+    for src in slices[:4]:  # warm-up: the copy engine's and the driver's first-use costs
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    done = 0
+    t0 = time.perf_counter()
+    while True:
+        for src in slices:
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        done += len(slices) * size
         elapsed = time.perf_counter() - t0
         if elapsed >= seconds:
             return done / elapsed / 1e9
