@@ -19,7 +19,7 @@ and, delivering into GPU memory (the samples arrive as CUDA tensors, whose first
 gathers on the device and sums with one ``.item()``, which waits for the copy):
 
 - ``kspeed-shm-cuda``: the KSpeed client on ``shm`` with ``device="cuda"``.
-- ``dataloader-pin-w0/2/4/8``: the DataLoader with 0, 2, 4, 8 workers, ``pin_memory=True`` and each
+- ``dataloader-pin-w0/2/4/8/16``: the DataLoader with 0, 2, 4, 8, 16 workers, ``pin_memory=True`` and each
   batch moved with ``.to("cuda", non_blocking=True)`` (``_peers.DataLoaderSource``).
 
 The CUDA systems are left out of the default set where no CUDA device is available; asked for
@@ -53,7 +53,7 @@ from _loop import measure
 from _peers import DataLoaderSource, GrpcPullSource, RedisServer, RedisSource
 from _report import print_table, target_ratios
 
-CUDA_SYSTEMS = ["kspeed-shm-cuda", "dataloader-pin-w0", "dataloader-pin-w2", "dataloader-pin-w4", "dataloader-pin-w8"]
+CUDA_SYSTEMS = ["kspeed-shm-cuda", *(f"dataloader-pin-w{n}" for n in (0, 2, 4, 8, 16))]
 SYSTEMS = [
     "kspeed-shm",
     "kspeed-tcp",

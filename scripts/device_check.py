@@ -78,7 +78,7 @@ PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x
 
 #: The delivery benchmark's systems: the shm rail into host memory (its rate is a limit), into the
 #: GPU, and the DataLoader as a user would feed a GPU, at every sensible worker count.
-DELIVERY_SYSTEMS = "kspeed-shm,kspeed-shm-cuda,dataloader-pin-w0,dataloader-pin-w2,dataloader-pin-w4,dataloader-pin-w8"
+DELIVERY_SYSTEMS = "kspeed-shm,kspeed-shm-cuda," + ",".join(f"dataloader-pin-w{n}" for n in (0, 2, 4, 8, 16))
 DELIVERY_SIZES = "32K,256K,1M"
 
 PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
@@ -428,7 +428,8 @@ def chart(doc: dict, path: Path) -> None:
     limits = delivery.get("limits") or {}
     if "h2d_gbps" in limits:
         left.axhline(limits["h2d_gbps"], color="black", linestyle="--", label="host-to-device copy")
-    left.set_xticks([i + 0.4 - width / 2 for i in range(len(sizes))], sizes)
+    labels = [f"{s // 2**20} MiB" if s >= 2**20 else f"{s // 2**10} KiB" for s in sizes]
+    left.set_xticks([i + 0.4 - width / 2 for i in range(len(sizes))], labels)
     left.set_ylabel("GB/s into the training loop")
     left.set_title("delivery")
     if systems:
@@ -439,7 +440,8 @@ def chart(doc: dict, path: Path) -> None:
     for i, arm in enumerate(arms):
         cpu = prep[arm].get("cpu_s_per_sample")
         if cpu is not None:
-            right.annotate(f"{cpu * 1e3:.2f} ms CPU/sample", (i, prep[arm]["samples_per_s"]), ha="center", fontsize=8)
+            label = f"{cpu * 1e3:.2f} ms CPU/sample"
+            right.annotate(label, (i, prep[arm]["samples_per_s"]), ha="center", va="bottom", fontsize=8)
     right.set_ylabel("samples/s")
     right.set_title("decode + RandomResizedCrop + flip + normalize")
     device = doc.get("device") or "?"
