@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import bisect
 import math
-import sys
+
+from _common import pyplot
 
 __all__ = ["WINDOW_S", "WITHIN", "best_fixed", "chart", "recovery", "targets"]
 
@@ -129,13 +130,8 @@ def targets(scenarios: dict, changes: dict) -> list[dict]:
 def chart(doc: dict, path: str) -> None:
     """One panel per scenario (samples/s against the fixed ratio, auto marked) and per change
     (throughput and the ratio in force over time)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no chart", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     scenarios, changes = doc["scenarios"], doc["changes"]
     panels = len(scenarios) + len(changes)

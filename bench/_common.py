@@ -25,6 +25,7 @@ __all__ = [
     "h2d_gbps",
     "machine_info",
     "memcpy_gbps",
+    "pyplot",
     "random_starts",
     "socket_gbps",
     "write_files",
@@ -200,6 +201,19 @@ def write_files(root, count: int, lo: int, hi: int, seed: int = 0) -> int:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"{i:06d}.bin").write_bytes(blob[:n])
     return int(sizes.sum())
+
+
+def pyplot():
+    """matplotlib's ``pyplot`` on the file-only Agg backend, or ``None`` (said on stderr) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no chart", file=sys.stderr)
+        return None
+    return plt
 
 
 def write_json(path: str | None, doc: dict) -> None:

@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _common import pyplot
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -327,13 +328,8 @@ def _packing(per_sample: dict) -> dict:
 
 def charts(result: dict, outdir: str, before: dict | None = None) -> list[str]:
     """``index_memory.png`` (bytes against samples, log-log) and ``index_time.png`` (seconds)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no charts", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return []
     rows = result["rows"]
     memory = [

@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _balanced_data import CACHE, WORKLOADS, Workload, ensure_data, quick
 from _balanced_run import SERVER_ARGS
-from _common import machine_info, write_json
+from _common import machine_info, pyplot, write_json
 
 TARGET = 1.7
 WORKERS = (0, 1, 2)
@@ -220,13 +220,8 @@ def main() -> int:
 
 def chart(doc: dict, path: str) -> None:
     """Grouped bars per workload: DataLoader with 0/1/2 workers and KSpeed, with each ceiling."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no chart", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     labels = [*(f"dataloader_w{k}" for k in WORKERS), "kspeed"]
     names = {"kspeed": "KSpeed (auto)", **{f"dataloader_w{k}": f"DataLoader w{k}" for k in WORKERS}}

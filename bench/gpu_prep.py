@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
 from _balanced_data import write_imagenet_like
-from _common import machine_info, write_json
+from _common import machine_info, pyplot, write_json
 
 from kspeed.preprocess.image import resized_crop_params
 
@@ -397,13 +397,8 @@ def load_photographs(root: Path, count: int) -> tuple[list[bytes], list[str]]:
 
 def chart(doc: dict, path: str) -> None:
     """Bar chart of samples/s per arm, each bar annotated with its CPU milliseconds per sample."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no chart", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     rows = {name: row for name, row in doc["results"].items() if "samples_per_s" in row}
     fig, ax = plt.subplots(figsize=(7, 4))

@@ -42,7 +42,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import machine_info, write_json
+from _common import machine_info, pyplot, write_json
 
 TARGET = 1.6
 SPLITS = (0.25, 0.5, 0.75)
@@ -334,13 +334,8 @@ def main() -> int:
 
 
 def chart(doc: dict, path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no chart", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     results = doc["results"]
     labels = list(results)
