@@ -229,11 +229,9 @@ def start(tmp_path_factory, gates):
 # -- placement -------------------------------------------------------------------------------------
 
 
-def test_batches_are_the_same_wherever_the_server_stages_run(start):
-    cluster, client, photos = start(servers=2)
-    assert all(environ(s.process.pid)["ATEN_CPU_CAPABILITY"] == SERVER_CPU for s in cluster.servers)
-    assert os.environ.get("ATEN_CPU_CAPABILITY") != SERVER_CPU  # this process and its workers differ
-    pipeline = Pipeline(
+def placed_pipeline() -> Pipeline:
+    """Decode and augment on the servers, cast on the client, normalize on the training device."""
+    return Pipeline(
         [
             Stage("decode_image", {"mode": "RGB"}),
             Stage("random_resized_crop", {"size": [SIDE, SIDE]}),
@@ -243,6 +241,13 @@ def test_batches_are_the_same_wherever_the_server_stages_run(start):
             Stage("normalize", {"mean": MEAN, "std": STD}, place="gpu"),
         ]
     )
+
+
+def test_batches_are_the_same_wherever_the_server_stages_run(start):
+    cluster, client, photos = start(servers=2)
+    assert all(environ(s.process.pid)["ATEN_CPU_CAPABILITY"] == SERVER_CPU for s in cluster.servers)
+    assert os.environ.get("ATEN_CPU_CAPABILITY") != SERVER_CPU  # this process and its workers differ
+    pipeline = placed_pipeline()
     spec = DatasetSpec(name="photos", uri=str(photos.root), labels="dirname", pipeline=pipeline)
     n = len(photos.keys)
     got, done = {}, {}
@@ -296,6 +301,28 @@ def test_batches_are_the_same_wherever_the_server_stages_run(start):
     for epoch in range(2):
         assert_same_batches(wrapped[0.0][epoch], wrapped[1.0][epoch])
     assert not torch.equal(wrapped[0.0][0][0][0], wrapped[0.0][1][0][0])  # (another epoch, other crops)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: torch.cuda.is_available() is False")
+def test_gpu_stages_run_on_the_gpu_the_batches_are_delivered_to(start):
+    """``device="cuda"``: the servers' and the client's stages arrive in GPU memory, the ``gpu``
+    stage runs there, and the batches equal every stage run here on the CPU (normalize within
+    1 ulp), whether the servers or the client ran the CPU stages."""
+    _, client, photos = start(servers=2)
+    pipeline = placed_pipeline()
+    spec = DatasetSpec(name="photos-cuda", uri=str(photos.root), labels="dirname", pipeline=pipeline)
+    n = len(photos.keys)
+    for offload in (1.0, 0.0):
+        with opened(client, spec, offload, shuffle=True, seed=SEED, device="cuda") as ds:
+            for epoch in range(2):
+                ds.set_epoch(epoch)
+                want = expected(pipeline, photos, shuffled(n, epoch), epoch)
+                for (images, labels), (ref_images, ref_labels) in zip(ds, want, strict=True):
+                    assert images.is_cuda and images.dtype == torch.float32, offload
+                    assert images.shape == (BATCH, 3, SIDE, SIDE), offload
+                    assert torch.equal(labels.cpu(), ref_labels), offload
+                    np.testing.assert_array_max_ulp(images.cpu().numpy(), ref_images.numpy(), maxulp=1)
 
 
 def test_a_batch_split_between_the_servers_and_the_client_is_the_whole_pipelines_batch(start):
