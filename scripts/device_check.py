@@ -33,6 +33,7 @@ are named) and lists what it would run.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import datetime
 import importlib.metadata
@@ -57,8 +58,9 @@ GPU_MARK = re.compile(r"pytest\.mark\.gpu\b")
 
 #: What the project needs beside what a GPU machine's image brings: every runtime dependency except
 #: numpy (the machine's torch, torchvision and cupy are built against its own), at the versions the
-#: CPU machines test, the build backend of the editable install, and what the benchmarks import
-#: beside them (``bench/_peers.py`` imports the Redis client).
+#: CPU machines test, the build backend of the editable install, and what the benchmarks and the
+#: ``gpu`` tests' modules import beside them (``bench/_peers.py`` the Redis client,
+#: ``tests/client/test_wrap.py`` simplejpeg).
 CARRIED = (
     "grpcio",
     "grpcio-health-checking",
@@ -71,9 +73,21 @@ CARRIED = (
     "setuptools",
     "pytest-timeout",
     "redis",
+    "simplejpeg",
 )
 #: What the parts import from the machine's own image.
-FROM_THE_IMAGE = ("torch", "torchvision", "numpy", "cupy", "cuda.bindings", "pynvml", "matplotlib", "pytest", "PIL")
+FROM_THE_IMAGE = (
+    "torch",
+    "torchvision",
+    "numpy",
+    "cupy",
+    "cuda.bindings",
+    "pynvml",
+    "matplotlib",
+    "pytest",
+    "PIL",
+    "sklearn",
+)
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 
 #: The delivery benchmark's systems: the shm rail into host memory (its rate is a limit), into the
@@ -129,6 +143,7 @@ def parts(results: Path, quick: bool, python: str) -> list[Part]:
         "-o",
         "addopts=",
         "-rA",
+        "--continue-on-collection-errors",
         f"--junitxml={results / 'gpu-tests.xml'}",
         *gpu_test_files(),
     ]
@@ -569,6 +584,11 @@ def dry_run(args: argparse.Namespace) -> int:
         if script is not None and script.name in ("client.py", "gpu_prep.py"):
             problems += _check_arguments(script, part.argv[part.argv.index(str(script)) + 1 :])
     files = gpu_test_files()
+    problems += [
+        f"{module} is imported by the gpu tests' modules but is neither in the GPU machine's image "
+        "(FROM_THE_IMAGE) nor carried (CARRIED)"
+        for module in sorted(missing_on_the_machine(files))
+    ]
     collected = _collect_gpu_tests(files)
     if not collected:
         problems.append(f"no gpu-marked test was collected from {files}")
@@ -593,6 +613,39 @@ def dry_run(args: argparse.Namespace) -> int:
     }
     print(json.dumps(report, indent=1))
     return 1 if problems else 0
+
+
+def missing_on_the_machine(files: list[str]) -> set[str]:
+    """Top-level modules the ``gpu`` test files import (through the tests' own modules too) that
+    neither the standard library, the project, the GPU machine's image nor the carried wheels give."""
+    given = {m.split(".")[0] for m in FROM_THE_IMAGE} | {"kspeed", "tests"}
+    distributions = importlib.metadata.packages_distributions()
+    carried = {_distribution(name) for name in CARRIED}
+    given |= {module for module, dists in distributions.items() if any(_distribution(d) in carried for d in dists)}
+    seen: set[Path] = set()
+    imported: set[str] = set()
+    queue = [ROOT / f for f in files]
+    while queue:
+        path = queue.pop()
+        if path in seen or not path.exists():
+            continue
+        seen.add(path)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                if name.split(".")[0] == "tests":  # follow the tests' own modules
+                    queue.append(ROOT / (name.replace(".", "/") + ".py"))
+                imported.add(name.split(".")[0])
+    return {m for m in imported if m not in given and m not in sys.stdlib_module_names}
+
+
+def _distribution(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def _check_arguments(script: Path, argv: list[str]) -> list[str]:

@@ -54,6 +54,13 @@ def test_a_dry_run_names_arguments_a_benchmark_refuses(monkeypatch, capsys):
     assert len(problems) == 1 and "client.py refuses the arguments" in problems[0]
 
 
+def test_a_module_the_gpu_tests_import_but_the_machine_lacks_is_named(monkeypatch):
+    files = check.gpu_test_files()
+    assert check.missing_on_the_machine(files) == set()
+    monkeypatch.setattr(check, "CARRIED", tuple(c for c in check.CARRIED if c != "simplejpeg"))
+    assert check.missing_on_the_machine(files) == {"simplejpeg"}  # tests/client/test_wrap.py imports it
+
+
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 <testsuites><testsuite name="pytest" tests="4">
 <testcase classname="tests.a" name="test_ok" time="0.1"/>
