@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import default_collate
 
 from kspeed.client.dataset import KSpeedDataset
+from kspeed.client.delivery.device import parse_device
 from kspeed.client.feeding.builder import build_feed
 from kspeed.client.feeding.links import ServerLink
 from kspeed.client.feeding.rail_choice import ServerPlace
@@ -36,6 +37,7 @@ from kspeed.client.spec import DatasetSpec
 from kspeed.config import ClientConfig, load_config, parse_address
 from kspeed.control.manager_client import ManagerClient
 from kspeed.errors import AccessDeniedError, ConfigError, DatasetError, KSpeedError, StateError, UnavailableError
+from kspeed.preprocess.pipeline import Pipeline
 
 __all__ = ["KSpeedClient"]
 
@@ -171,7 +173,10 @@ class KSpeedClient:
             model=model,
             on_error=on_error,
         )
-        ds = self.open(spec, options)
+        # Stages on this client's CPU read the bytes in host memory: the feed delivers there, and the
+        # prepared batches move to the device (a raw dataset's batches are delivered to it directly).
+        host = str(device) != "cpu" and (transform is not None or self._pipeline_of(spec) is not None)
+        ds = self.open(spec, options, host=host)
         if ds.pipeline is None and transform is None:
             self._datasets.append(ds)
             return ds
@@ -183,6 +188,7 @@ class KSpeedClient:
                 collate_fn=collate_fn if collate_fn is not None else default_collate,
                 num_workers=num_workers,
                 prefetch=prefetch,
+                device=device,
             )
         except BaseException:
             ds.close()
@@ -190,14 +196,32 @@ class KSpeedClient:
         self._datasets.append(prepared)
         return prepared
 
-    def open(self, spec: DatasetSpec | str, options: FeedOptions) -> KSpeedDataset:
+    def _pipeline_of(self, spec: DatasetSpec | str) -> Pipeline | None:
+        """The pipeline ``spec`` declares (a registered dataset's, for a name)."""
+        if isinstance(spec, DatasetSpec):
+            return spec.pipeline
+        if isinstance(spec, str):
+            return attached_pipeline(self._manager.dataset(spec).spec.pipeline)
+        return None  # open() names the wrong type
+
+    def open(self, spec: DatasetSpec | str, options: FeedOptions, *, host: bool = False) -> KSpeedDataset:
         """:meth:`dataset` with its options as one object (the caller closes the dataset).
+
+        Args:
+            spec: as :meth:`dataset`.
+            options: the feed's options.
+            host: deliver into host memory whatever ``options.device`` (for a
+                :class:`PreparedDataset`, whose CPU stages read the bytes there and which moves
+                its batches to the device itself).
 
         Raises:
             as :meth:`dataset`.
         """
         if self._closed:
             raise StateError("KSpeedClient is closed; create a new one")
+        if host:
+            parse_device(options.device)  # the device the batches go to later is checked now all the same
+            options = dataclasses.replace(options, device="cpu")
         if isinstance(spec, str):
             proto = self._manager.dataset(spec).spec
         elif isinstance(spec, DatasetSpec):
@@ -315,7 +339,7 @@ class KSpeedClient:
             if pipeline is not None:
                 spec = folder_spec(paths, list_dir=list_dir, name=name, pipeline=pipeline, cache=cache)
                 try:
-                    inner = self.open(spec, feed_options)
+                    inner = self.open(spec, feed_options, host=True)
                     stages = dataclasses.replace(stages, loader=None, transform=None)
                     log.debug(
                         "dataset %s: loader and transforms run as a pipeline (%s), its server stages on the servers "
@@ -332,7 +356,7 @@ class KSpeedClient:
             if inner is None:
                 log.log(level, "wrapped dataset: its loader and transforms run in client workers (%s)", why)
                 spec = folder_spec(paths, list_dir=list_dir, name=name)
-                inner = self.open(spec, feed_options)
+                inner = self.open(spec, feed_options, host=True)
             if inner.num_samples != len(paths):
                 raise DatasetError(
                     f"dataset {spec.name!r} ({spec.uri}) lists {inner.num_samples} files on the servers, "
@@ -348,6 +372,7 @@ class KSpeedClient:
                 num_workers=num_workers,
                 prefetch=prefetch,
                 transform_workers=workers,
+                device=feed_options.device,
                 **stages.named(),
             )
         except BaseException:

@@ -20,9 +20,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
 from kspeed.client.dataset import KSpeedDataset
+from kspeed.client.delivery.device import parse_device
 from kspeed.client.prep.gpu_stages import GpuStages
 from kspeed.client.prep.interleave import interleave
 from kspeed.client.prep.workers import (
@@ -134,6 +136,9 @@ class PreparedDataset(IterableDataset):
         transform_workers: workers already started (:func:`start_workers`, e.g. while the dataset
             registered), used instead of ``num_workers`` new ones; they get this dataset's stages
             and it closes them. Otherwise the workers start with the first batch that needs them.
+        device: where the collated samples go and the ``gpu`` stages run (default: ``inner``'s
+            device). The stages before read the bytes in host memory, so ``inner`` should deliver
+            there (:meth:`kspeed.KSpeedClient.dataset` and ``wrap`` open it so).
 
     Raises:
         ConfigError: a bad worker or prefetch count, or ``paths``/``targets`` not one per sample.
@@ -152,6 +157,7 @@ class PreparedDataset(IterableDataset):
         num_workers: int | None = None,
         prefetch: int | None = None,
         transform_workers: TransformWorkers | None = None,
+        device: str | torch.device | None = None,
     ) -> None:
         super().__init__()
         self._closed = True
@@ -188,7 +194,7 @@ class PreparedDataset(IterableDataset):
         self._skipped = 0
         if pipeline is None and loader is None:
             raise ConfigError(f"dataset {inner.name!r}: a loader or a pipeline is needed", field="loader")
-        self._gpu = GpuStages(pipeline, inner.seed, inner.device) if pipeline is not None else None
+        self._gpu = GpuStages(pipeline, inner.seed, parse_device(device) if device is not None else inner.device)
         self._seconds: dict[str, float] = {}
         self.num_workers = workers
         self.prefetch = prefetch if prefetch is not None else max(PREFETCH_PER_WORKER * workers, 1)
@@ -442,9 +448,7 @@ class PreparedDataset(IterableDataset):
                 self._auto.batch_done(there.seconds, there.cpu_s, there.wall_s, local, 0, task.inline)
             else:
                 self._auto.batch_done(result.seconds, result.cpu_s, result.wall_s, local, task.remote, task.inline)
-        if self._gpu is not None:
-            return self._gpu.apply(result.value, task.epoch, task.ids)
-        return result.value
+        return self._gpu.apply(result.value, task.epoch, task.ids)
 
     @staticmethod
     def _result(task: _Task) -> Delivered:
@@ -522,8 +526,7 @@ class PreparedDataset(IterableDataset):
         client-side stage took (summed over workers; ``receive``: decoding the servers' output) and
         each server stage (:meth:`KSpeedDataset.server_stage_seconds`, from the manager)."""
         seconds = dict(self._seconds)
-        if self._gpu is not None:
-            seconds.update(self._gpu.seconds)
+        seconds.update(self._gpu.seconds)
         return {
             **self._inner.stats(),
             "workers": len(self.worker_pids()),

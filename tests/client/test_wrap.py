@@ -333,7 +333,8 @@ def test_wrap_starts_the_workers_before_registering_and_closes_them_on_an_error(
         def close(self):
             closed.append(True)
 
-    def register(spec, options):
+    def register(spec, options, *, host=False):
+        assert host, "a wrapped dataset's feed delivers into host memory: its stages read the bytes there"
         assert started, "the workers start before the dataset registers"
         pids.extend(started[0].wait_ready())  # they get ready while it registers
         if failure == "registering":

@@ -38,6 +38,8 @@ from torchvision.transforms import (
     ToTensor,
 )
 
+import kspeed.client.client as client_module
+import kspeed.client.prepared as prepared_module
 from kspeed import DatasetSpec, KSpeedClient
 from kspeed.cli.cluster import LocalCluster, wait_for
 from kspeed.errors import AccessDeniedError, CapacityError, ConfigError, DatasetError, NotFoundError
@@ -301,6 +303,23 @@ def test_batches_are_the_same_wherever_the_server_stages_run(start):
     for epoch in range(2):
         assert_same_batches(wrapped[0.0][epoch], wrapped[1.0][epoch])
     assert not torch.equal(wrapped[0.0][0][0][0], wrapped[0.0][1][0][0])  # (another epoch, other crops)
+
+
+def test_a_prepared_dataset_is_fed_in_host_memory_and_moves_its_batches_to_the_device(start, monkeypatch):
+    """``device="cuda"`` on a prepared dataset: the client's stages read the delivered bytes on the
+    CPU, so its feed delivers into host memory, and the collated samples then move to the device
+    (labels stay in host memory, as every KSpeed batch's do). PyTorch's ``meta`` device stands in
+    for the GPU here; ``test_gpu_stages_run_on_the_gpu_the_batches_are_delivered_to`` is the same on one."""
+    _, client, photos = start(servers=2)
+    meta = torch.device("meta")
+    monkeypatch.setattr(client_module, "parse_device", lambda device: meta)
+    monkeypatch.setattr(prepared_module, "parse_device", lambda device: meta)
+    spec = DatasetSpec(name="photos-meta", uri=str(photos.root), labels="dirname", pipeline=placed_pipeline())
+    with opened(client, spec, 1.0, device="cuda") as ds:
+        assert ds.dataset.device == torch.device("cpu")
+        images, labels = next(iter(ds))
+        assert images.device == meta and images.dtype == torch.float32 and images.shape == (BATCH, 3, SIDE, SIDE)
+        assert labels.device == torch.device("cpu") and len(labels) == BATCH
 
 
 @pytest.mark.gpu

@@ -1,9 +1,11 @@
 """A pipeline's ``gpu`` stages: torch ops on the collated batch, on the dataset's device.
 
-They run in the training process after delivery (the CPU stages ran in workers), one op at a
-time over the whole batch (:func:`kspeed.preprocess.gpu.apply_batch`), with each sample's random
-decisions drawn exactly as the CPU op draws them, from ``(seed, epoch, sample, stage)``. On a
-``cpu`` device they run on CPU tensors (how CI runs them).
+The CPU stages of a prepared dataset read the delivered bytes in host memory, so its feed delivers
+there whatever the device; the collated batch's samples then move to the device here (with or
+without ``gpu`` stages) and the ``gpu`` stages run on them, one op at a time over the whole batch
+(:func:`kspeed.preprocess.gpu.apply_batch`), with each sample's random decisions drawn exactly as
+the CPU op draws them, from ``(seed, epoch, sample, stage)``. On a ``cpu`` device they run on CPU
+tensors (how CI runs them).
 """
 
 from __future__ import annotations
@@ -22,16 +24,17 @@ __all__ = ["GpuStages"]
 
 
 class GpuStages:
-    """The ``gpu`` stages of ``pipeline`` for a job seeded ``seed``, run on ``device``.
+    """The ``gpu`` stages of ``pipeline`` (none without one) for a job seeded ``seed``, run on ``device``.
 
     Raises:
         ConfigError: a ``gpu`` stage is not a built-in op with a torch version.
     """
 
-    def __init__(self, pipeline: Pipeline, seed: int, device: torch.device | str) -> None:
+    def __init__(self, pipeline: Pipeline | None, seed: int, device: torch.device | str) -> None:
         self.device = torch.device(device)
         self.seed = seed
-        self.stages = [(k, s) for k, s in enumerate(pipeline.stages) if s.place == "gpu"]
+        stages = pipeline.stages if pipeline is not None else []
+        self.stages = [(k, s) for k, s in enumerate(stages) if s.place == "gpu"]
         for k, stage in self.stages:
             if stage.module or stage.op not in gpu.OPS:
                 raise ConfigError(
@@ -43,15 +46,22 @@ class GpuStages:
         self.seconds: dict[str, float] = {}
 
     def apply(self, value: Any, epoch: int, ids: Sequence[int]) -> Any:
-        """The batch after the ``gpu`` stages: its samples tensor (the first of a pair) moved and transformed."""
-        if not self.stages:
+        """The batch after the ``gpu`` stages: its samples tensor (the first of a pair) moved to the
+        device and transformed (the targets stay in host memory, as every KSpeed batch's labels do).
+
+        Raises:
+            ConfigError: the samples are not one tensor, and there are ``gpu`` stages or a device
+                other than the CPU to move them to.
+        """
+        if not self.stages and self.device.type == "cpu":
             return value
         paired = isinstance(value, list | tuple)
         samples = value[0] if paired else value
         if not isinstance(samples, torch.Tensor):
             raise ConfigError(
-                "GPU stages need the collated samples as one tensor (a fixed-shape output and default collation)",
-                field="pipeline.place",
+                f"GPU stages and device={str(self.device)!r} need the collated samples as one tensor "
+                "(a fixed-shape output and default collation); use device='cpu' and move them yourself",
+                field="pipeline.place" if self.stages else "device",
             )
         tensor = samples.to(self.device, non_blocking=True)
         for k, stage in self.stages:
