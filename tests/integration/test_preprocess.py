@@ -45,7 +45,7 @@ from kspeed.cli.cluster import LocalCluster, wait_for
 from kspeed.errors import AccessDeniedError, CapacityError, ConfigError, DatasetError, NotFoundError
 from kspeed.preprocess import Output, Pipeline, Stage
 from kspeed.preprocess.runner import Runner
-from tests.client.test_wrap import assert_same_batches
+from tests.client.test_wrap import alive, assert_same_batches
 from tests.conftest import FAST_MANAGER
 from tests.helpers import http_get
 from tests.integration.test_client import config_for
@@ -303,6 +303,34 @@ def test_batches_are_the_same_wherever_the_server_stages_run(start):
     for epoch in range(2):
         assert_same_batches(wrapped[0.0][epoch], wrapped[1.0][epoch])
     assert not torch.equal(wrapped[0.0][0][0][0], wrapped[0.0][1][0][0])  # (another epoch, other crops)
+
+
+def test_a_transform_worker_killed_during_split_batches_is_named_and_nothing_is_left(start):
+    """A split (``offload=0.5``) sends each batch's client samples to a worker process: one killed
+    while batches are in flight is a DatasetError that says so, the next epoch runs on a new worker,
+    and closing leaves no process."""
+    _, client, photos = start(servers=2)
+    spec = DatasetSpec(name="photos-killed", uri=str(photos.root), labels="dirname", pipeline=placed_pipeline())
+    with opened(client, spec, 0.5, num_workers=1, shuffle=True, seed=SEED) as ds:
+        batches = iter(ds)
+        next(batches)  # the worker has prepared its part of the first batch
+        pids = ds._workers.pids()
+        assert len(pids) == 1
+        os.kill(pids[0], signal.SIGKILL)
+        with pytest.raises(DatasetError, match="a transform worker process died during"):
+            for epoch in range(1, 3):  # whatever was prepared before the kill, the next epoch needs it
+                list(batches)
+                ds.set_epoch(epoch)
+                batches = iter(ds)
+        # The next epoch starts a new worker and delivers what it would have delivered anyway.
+        ds.set_epoch(3)
+        want = expected(ds.dataset.pipeline, photos, shuffled(len(photos.keys), 3), 3)
+        for (images, labels), (ref_images, ref_labels) in zip(ds, want, strict=True):
+            assert torch.equal(labels, ref_labels)
+            np.testing.assert_array_max_ulp(images.numpy(), ref_images.numpy(), maxulp=1)
+        assert ds._workers.pids() != pids
+    assert not alive(pids[0])
+    assert multiprocessing.active_children() == []
 
 
 def test_a_prepared_dataset_is_fed_in_host_memory_and_moves_its_batches_to_the_device(start, monkeypatch):
