@@ -33,14 +33,11 @@ are named) and lists what it would run.
 from __future__ import annotations
 
 import argparse
-import ast
-import contextlib
 import datetime
 import importlib.metadata
 import importlib.util
 import json
 import os
-import platform
 import re
 import shutil
 import subprocess
@@ -48,7 +45,6 @@ import sys
 import tempfile
 import time
 import traceback
-import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,46 +52,16 @@ ROOT = Path(__file__).resolve().parent.parent
 WHEELS = ROOT / ".device-wheels"
 GPU_MARK = re.compile(r"pytest\.mark\.gpu\b")
 
-#: What the project needs beside what a GPU machine's image brings: every runtime dependency except
-#: numpy (the machine's torch, torchvision and cupy are built against its own), at the versions the
-#: CPU machines test, the build backend of the editable install, and what the benchmarks and the
-#: ``gpu`` tests' modules import beside them (``bench/_peers.py`` the Redis client,
-#: ``tests/client/test_wrap.py`` simplejpeg).
-CARRIED = (
-    "grpcio",
-    "grpcio-health-checking",
-    "protobuf",
-    "prometheus-client",
-    "PyYAML",
-    "fsspec",
-    "google-crc32c",
-    "tqdm",
-    "setuptools",
-    "pytest-timeout",
-    "redis",
-    "simplejpeg",
-)
-#: What the parts import from the machine's own image.
-FROM_THE_IMAGE = (
-    "torch",
-    "torchvision",
-    "numpy",
-    "cupy",
-    "cuda.bindings",
-    "pynvml",
-    "matplotlib",
-    "pytest",
-    "PIL",
-    "sklearn",
-)
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its helper modules beside it
+
+from _device_probes import FAILED, PASSED, PROBES, SKIPPED  # noqa: E402
+from _device_report import chart, judge, targets  # noqa: E402
+from _device_wheels import FROM_THE_IMAGE, download_wheels, missing_on_the_machine, requirements  # noqa: E402
 
 #: The delivery benchmark's systems: the shm rail into host memory (its rate is a limit), into the
 #: GPU, and the DataLoader as a user would feed a GPU, at every sensible worker count.
 DELIVERY_SYSTEMS = "kspeed-shm,kspeed-shm-cuda," + ",".join(f"dataloader-pin-w{n}" for n in (0, 2, 4, 8, 16))
 DELIVERY_SIZES = "32K,256K,1M"
-
-PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
 
 
 @dataclass
@@ -214,258 +180,6 @@ def _run(argv: list[str], env: dict | None, limit_s: float, log, title: str) -> 
         log.flush()
 
 
-# ---- the probes (run as parts, in their own process) --------------------------------------------
-
-
-def probe_env() -> dict:
-    """The GPU, driver and link, the runtime and the versions of what the parts use."""
-    import torch
-
-    found: dict = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "python": sys.version.split()[0],
-        "kernel": platform.release(),
-        "cores": os.cpu_count(),
-        "torch": torch.__version__,
-        "torch_cuda": torch.version.cuda,
-        "cuda_available": torch.cuda.is_available(),
-        "runtime": runtime(),
-        "dev_shm_bytes": shutil.disk_usage("/dev/shm").total if os.path.isdir("/dev/shm") else None,
-        "memlock": _memlock(),
-    }
-    for name in ("torchvision", "numpy", "cupy", "cuda.bindings", "pynvml", "grpc", "google.protobuf"):
-        found[name] = _version(name)
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        found["gpu"] = {
-            "name": props.name,
-            "memory_bytes": props.total_memory,
-            "capability": f"{props.major}.{props.minor}",
-            "multiprocessors": props.multi_processor_count,
-        }
-    found["nvml"] = _nvml()
-    return found
-
-
-def runtime() -> dict:
-    """What the machine runs in, with the evidence (kernel, virtualisation, container)."""
-    evidence = {"kernel": platform.release()}
-    for name, path in (("hypervisor", "/sys/hypervisor/type"), ("product", "/sys/class/dmi/id/product_name")):
-        with contextlib.suppress(OSError):
-            evidence[name] = Path(path).read_text().strip()
-    if shutil.which("systemd-detect-virt"):
-        out = subprocess.run(["systemd-detect-virt"], capture_output=True, text=True, check=False)
-        evidence["systemd-detect-virt"] = out.stdout.strip() or out.stderr.strip()
-    kernel = evidence["kernel"]
-    if "-fc-" in kernel:
-        kind = "Firecracker microVM (its kernel's name)"
-    elif kernel == "4.4.0":
-        kind = "gVisor (the kernel version it reports)"
-    else:
-        kind = evidence.get("systemd-detect-virt") or "not recognised"
-    return {"kind": kind, "evidence": evidence}
-
-
-def _memlock() -> str:
-    import resource
-
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    return "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
-
-
-def _version(module: str) -> str | None:
-    try:
-        imported = __import__(module, fromlist=["_"])
-    except Exception as exc:  # a missing or broken module is a finding, not a crash
-        return f"not importable: {type(exc).__name__}: {exc}"
-    return str(getattr(imported, "__version__", "present"))
-
-
-def _nvml() -> dict:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-            return {
-                "driver": _text(pynvml.nvmlSystemGetDriverVersion()),
-                "name": _text(pynvml.nvmlDeviceGetName(handle)),
-                "pcie_gen": pynvml.nvmlDeviceGetCurrPcieLinkGeneration(handle),
-                "pcie_width": pynvml.nvmlDeviceGetCurrPcieLinkWidth(handle),
-                "pcie_max_gen": pynvml.nvmlDeviceGetMaxPcieLinkGeneration(handle),
-            }
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception as exc:  # NVML may be refused in a sandbox: recorded
-        return {"error": f"{type(exc).__name__}: {exc}"}
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def probe_dmabuf() -> dict:
-    """Export a device ring's memory as a dma-buf, view it through cupy, write, flush and read it back."""
-    import torch
-
-    from kspeed.client.delivery.device_ring import CupyRingViews
-    from kspeed.rdma.device_memory import DeviceMemory, gpudirect_unavailable
-
-    found: dict = {"runtime": runtime()}
-    why = gpudirect_unavailable(0)
-    if why:
-        return {**found, "status": SKIPPED, "reason": why}
-    t0 = time.perf_counter()
-    memory = DeviceMemory.allocate(0, 3 << 20)
-    try:
-        found["allocated_bytes"] = memory.nbytes
-        found["dmabuf_fd_size"] = os.fstat(memory.fd).st_size
-        found["flush_calls_driver"] = memory.flushes
-        views = CupyRingViews(memory)
-        tensor, lease = views.view(4096, 1 << 20)
-        pattern = torch.arange(1 << 20, device=tensor.device).remainder(251).to(torch.uint8)
-        tensor.copy_(pattern)
-        t1 = time.perf_counter()
-        views.flush()
-        found["flush_us"] = round((time.perf_counter() - t1) * 1e6, 1)
-        again, _ = views.view(4096, 1 << 20)
-        found["bytes_equal_after_flush"] = bool(torch.equal(again, pattern))
-        del tensor, again, lease
-        torch.cuda.synchronize()
-    finally:
-        memory.close()
-    found["seconds"] = round(time.perf_counter() - t0, 3)
-    found["status"] = PASSED if found["bytes_equal_after_flush"] else FAILED
-    return found
-
-
-PROBES = {"env": probe_env, "dmabuf": probe_dmabuf}
-
-
-# ---- reading the parts' results ----------------------------------------------------------------
-
-
-def read_junit(path: Path) -> dict:
-    """Counts and the failed and skipped tests (with their messages) of a JUnit XML report."""
-    root = ElementTree.parse(path).getroot()
-    cases = list(root.iter("testcase"))
-    summary: dict = {"tests": len(cases), "passed": 0, "failed": [], "skipped": []}
-    for case in cases:
-        name = f"{case.get('classname', '')}::{case.get('name', '')}"
-        bad = case.find("failure")
-        if bad is None:
-            bad = case.find("error")
-        skipped = case.find("skipped")
-        if bad is not None:
-            summary["failed"].append({"test": name, "message": (bad.get("message") or "")[:500]})
-        elif skipped is not None:
-            summary["skipped"].append({"test": name, "reason": (skipped.get("message") or "")[:500]})
-        else:
-            summary["passed"] += 1
-    return summary
-
-
-def judge(name: str, rc: int, results: Path, probe: dict | None) -> tuple[str, dict]:
-    """A part's status and figures from its exit code and what it wrote."""
-    if rc == 124:
-        return FAILED, {"error": "ran past its time limit"}
-    if name in PROBES:
-        if probe is None:
-            return FAILED, {"error": f"the probe exited with {rc} and wrote nothing"}
-        return probe.pop("status", PASSED if rc == 0 else FAILED), probe
-    if name == "tests":
-        report = results / "gpu-tests.xml"
-        if not report.exists():
-            return FAILED, {"error": f"pytest exited with {rc} and wrote no report"}
-        summary = read_junit(report)
-        ok = rc == 0 and not summary["failed"] and summary["passed"] > 0
-        return (PASSED if ok else FAILED), summary
-    out = results / ("delivery.json" if name == "delivery" else "gpu_prep.json")
-    if not out.exists():
-        return FAILED, {"error": f"exited with {rc} and wrote no {out.name}"}
-    doc = json.loads(out.read_text())
-    figures = {"results": doc.get("results"), "targets": doc.get("targets"), "limits": doc.get("limits")}
-    figures = {k: v for k, v in figures.items() if v is not None}
-    if name == "gpu-prep":
-        figures["ratios"] = doc.get("ratios")
-    errors = _row_errors(doc.get("results"))
-    if errors:
-        figures["errors"] = errors
-    return (PASSED if rc == 0 and not errors else FAILED), figures
-
-
-def _row_errors(rows) -> list[str]:
-    if isinstance(rows, dict):
-        rows = [{"system": k, **v} for k, v in rows.items() if isinstance(v, dict)]
-    return [f"{r.get('system')} {r.get('size', '')}: {r['error']}".strip() for r in rows or [] if "error" in r]
-
-
-def targets(doc: dict) -> dict:
-    """The issue's targets, each with its figure and whether it was met (``None``: not measured)."""
-    got: dict = {}
-    tests = doc["parts"].get("tests", {})
-    figures = tests.get("figures", {})
-    if "tests" in figures:
-        got["every_gpu_test_passes"] = {
-            "passed": figures["passed"],
-            "of": figures["tests"],
-            "met": figures["passed"] == figures["tests"],
-        }
-    delivery = doc["parts"].get("delivery", {}).get("figures", {}).get("targets") or []
-    for row in delivery:  # bench/client.py's targets: the CPU ones are another issue's
-        if row["target"].startswith("cuda_"):
-            got[f"delivery:{row['target']}@{row['size']}"] = row
-    for key, met in (doc["parts"].get("gpu-prep", {}).get("figures", {}).get("targets") or {}).items():
-        got[f"gpu-prep:{key}"] = met
-    return got
-
-
-# ---- the chart ---------------------------------------------------------------------------------
-
-
-def chart(doc: dict, path: Path) -> None:
-    """Delivery GB/s per size and system (with the limits), GPU vs CPU preprocessing samples/s."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
-    delivery = doc["parts"].get("delivery", {}).get("figures", {})
-    rows = [r for r in delivery.get("results") or [] if "gbps" in r]
-    sizes = list(dict.fromkeys(r["size"] for r in rows))
-    systems = list(dict.fromkeys(r["system"] for r in rows))
-    width = 0.8 / max(1, len(systems))
-    for k, system in enumerate(systems):
-        values = [next((r["gbps"] for r in rows if r["system"] == system and r["size"] == s), 0) for s in sizes]
-        left.bar([i + k * width for i in range(len(sizes))], values, width, label=system)
-    limits = delivery.get("limits") or {}
-    if "h2d_gbps" in limits:
-        left.axhline(limits["h2d_gbps"], color="black", linestyle="--", label="host-to-device copy")
-    labels = [f"{s // 2**20} MiB" if s >= 2**20 else f"{s // 2**10} KiB" for s in sizes]
-    left.set_xticks([i + 0.4 - width / 2 for i in range(len(sizes))], labels)
-    left.set_ylabel("GB/s into the training loop")
-    left.set_title("delivery")
-    if systems:
-        left.legend(fontsize=7)
-    prep = doc["parts"].get("gpu-prep", {}).get("figures", {}).get("results") or {}
-    arms = [a for a, r in prep.items() if isinstance(r, dict) and "samples_per_s" in r]
-    right.bar(arms, [prep[a]["samples_per_s"] for a in arms], color="tab:green")
-    for i, arm in enumerate(arms):
-        cpu = prep[arm].get("cpu_s_per_sample")
-        if cpu is not None:
-            label = f"{cpu * 1e3:.2f} ms CPU/sample"
-            right.annotate(label, (i, prep[arm]["samples_per_s"]), ha="center", va="bottom", fontsize=8)
-    right.set_ylabel("samples/s")
-    right.set_title("decode + RandomResizedCrop + flip + normalize")
-    device = doc.get("device") or "?"
-    fig.suptitle(f"scripts/device-check on {device}, {doc.get('date', '')}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 # ---- the run -----------------------------------------------------------------------------------
 
 
@@ -546,32 +260,6 @@ def save(doc: dict, path: Path) -> None:
     tmp.replace(path)
 
 
-# ---- the dry run and the wheels ----------------------------------------------------------------
-
-
-def requirements() -> list[str]:
-    """``name==version`` of every carried wheel, at the version installed here."""
-    pinned = []
-    for name in CARRIED:
-        try:
-            pinned.append(f"{name}=={importlib.metadata.version(name)}")
-        except importlib.metadata.PackageNotFoundError as exc:
-            raise SystemExit(f"device-check: {name} is not installed here, so its version is unknown") from exc
-    return pinned
-
-
-def download_wheels(dest: Path, python: str) -> int:
-    """Download the carried wheels for CPython 3.12 on x86-64 Linux into ``dest`` (replacing it)."""
-    shutil.rmtree(dest, ignore_errors=True)
-    dest.mkdir(parents=True)
-    argv = [python, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", "3.12"]
-    argv += ["--implementation", "cp", *[f"--platform={p}" for p in PLATFORMS], "-d", str(dest), *requirements()]
-    done = subprocess.run(argv, check=False)
-    size = sum(p.stat().st_size for p in dest.glob("*.whl"))
-    print(f"device-check: {len(list(dest.glob('*.whl')))} wheels, {size / 2**20:.1f} MiB in {dest}", file=sys.stderr)
-    return done.returncode
-
-
 def dry_run(args: argparse.Namespace) -> int:
     """Check that the real run has what it needs (no GPU needed) and list what it would run."""
     problems: list[str] = []
@@ -613,39 +301,6 @@ def dry_run(args: argparse.Namespace) -> int:
     }
     print(json.dumps(report, indent=1))
     return 1 if problems else 0
-
-
-def missing_on_the_machine(files: list[str]) -> set[str]:
-    """Top-level modules the ``gpu`` test files import (through the tests' own modules too) that
-    neither the standard library, the project, the GPU machine's image nor the carried wheels give."""
-    given = {m.split(".")[0] for m in FROM_THE_IMAGE} | {"kspeed", "tests"}
-    distributions = importlib.metadata.packages_distributions()
-    carried = {_distribution(name) for name in CARRIED}
-    given |= {module for module, dists in distributions.items() if any(_distribution(d) in carried for d in dists)}
-    seen: set[Path] = set()
-    imported: set[str] = set()
-    queue = [ROOT / f for f in files]
-    while queue:
-        path = queue.pop()
-        if path in seen or not path.exists():
-            continue
-        seen.add(path)
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names = [node.module]
-            else:
-                continue
-            for name in names:
-                if name.split(".")[0] == "tests":  # follow the tests' own modules
-                    queue.append(ROOT / (name.replace(".", "/") + ".py"))
-                imported.add(name.split(".")[0])
-    return {m for m in imported if m not in given and m not in sys.stdlib_module_names}
-
-
-def _distribution(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def _check_arguments(script: Path, argv: list[str]) -> list[str]:
