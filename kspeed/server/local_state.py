@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from kspeed.config import ServerConfig
 from kspeed.errors import ConfigError, StateError
 from kspeed.server import inventory as inv
-from kspeed.server.hosting.datasets import ASSIGNMENTS_FILE
+from kspeed.server.hosting.records import ASSIGNMENTS_FILE
 from kspeed.server.memory.pool import discard_pool
 
 log = logging.getLogger(__name__)

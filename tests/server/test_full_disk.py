@@ -15,8 +15,9 @@ import pytest
 
 from kspeed.errors import StateFileError
 from kspeed.server.backend.sources import open_source
-from kspeed.server.hosting.datasets import ASSIGNMENTS_FILE, DatasetHost
+from kspeed.server.hosting.datasets import DatasetHost
 from kspeed.server.hosting.preload import Preloader
+from kspeed.server.hosting.records import ASSIGNMENTS_FILE
 from kspeed.server.memory.pool import MANIFEST_NAME, WINDOW_OWNER, MemoryPool, RegionState
 from tests.fulldisk import fill, small_disk
 from tests.server.datasets import REGION, write_tree

@@ -3,6 +3,7 @@ assignments whose backend listing takes long."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -12,9 +13,11 @@ import pytest
 from kspeed.errors import DatasetError, NotFoundError, NotHeldError, ProtocolError
 from kspeed.proto import kspeed_pb2
 from kspeed.server.backend.sources import open_source
-from kspeed.server.hosting import datasets
+from kspeed.server.hosting import datasets, records
 from kspeed.server.hosting.datasets import DatasetHost, fingerprint_pb
+from kspeed.server.hosting.records import ASSIGNMENTS_FILE
 from kspeed.server.memory.pool import MemoryPool, RegionState
+from kspeed.server.memory.statefile import write_atomic as real_write_atomic
 from tests.server.datasets import REGION, write_tree
 
 SIZES = [300_000] * 12  # three samples a region: shares of 6 samples take 2 regions each
@@ -192,6 +195,54 @@ def test_a_slow_listing_leaves_heartbeats_and_status_calls_answered(tmp_path, ba
     assert used == 2 * REGION and read.data == tree[sorted(tree)[1]]
     assert assigned and assigned[0].first_id == 6 and host.keys() == [("ds", 0), ("ds", 6)]
     assert held(pool) == [0, 1, 2, 3]
+
+
+class BlockedWrite:
+    """Stands in for the durable write of a state file, held until the test lets it go (a sync on a
+    busy disk)."""
+
+    def __init__(self) -> None:
+        self.started, self.go = threading.Event(), threading.Event()
+        self.paths: list[str] = []
+
+    def __call__(self, path, data) -> None:
+        self.paths.append(str(path))
+        self.started.set()
+        assert self.go.wait(60), "the test never let the write go"
+        real_write_atomic(path, data)
+
+
+def test_a_slow_record_of_an_assignment_leaves_heartbeats_answered(tmp_path, backend, pool, tree, monkeypatch):
+    host = DatasetHost(pool, backend, str(tmp_path))
+    host.assign(request(backend, tmp_path, 0, 6))
+    writing = BlockedWrite()
+    monkeypatch.setattr(records, "write_atomic", writing)
+
+    assigning, assigned = in_thread(lambda: host.assign(request(backend, tmp_path, 6, 12)))
+    assert writing.started.wait(30)
+    asking, answers = in_thread(lambda: (host.statuses(), host.keys(), host.memory_used()))
+    asking.join(30)
+    still_writing = not writing.go.is_set() and assigning.is_alive()
+    writing.go.set()
+    assigning.join(30)
+    assert still_writing and answers, "a heartbeat's calls waited for the assignments file to be written"
+    statuses, keys, _ = answers[0]
+    assert [s.first_id for s in statuses] == [0] and keys == [("ds", 0)]  # recorded ahead, not held yet
+    assert assigned and assigned[0].first_id == 6 and host.keys() == [("ds", 0), ("ds", 6)]
+    assert writing.paths == [str(tmp_path / ASSIGNMENTS_FILE)]  # written once, before the share was held
+    assert sorted(json.loads((tmp_path / ASSIGNMENTS_FILE).read_text())) == ["ds@0", "ds@6"]
+
+
+def test_a_record_taken_before_a_newer_one_was_written_is_not_written_over_it(tmp_path):
+    recs = records.AssignmentRecords(str(tmp_path))
+    share = kspeed_pb2.AssignShareRequest(spec=kspeed_pb2.DatasetSpec(name="ds"), share=kspeed_pb2.Share(first_id=6))
+    older = recs.snapshot([])
+    newer = recs.snapshot([share])
+    recs.write(newer)
+    recs.write(older)  # the thread that took it was slower to the file: what it says is out of date
+    assert [(r.spec.name, r.share.first_id) for r in recs.load()] == [("ds", 6)]
+    recs.write(recs.snapshot([]))
+    assert recs.load() == []
 
 
 def test_two_assignments_of_one_share_at_once_take_it_once(tmp_path, backend, pool, tree, monkeypatch):

@@ -17,11 +17,8 @@ directory so that a restarted server re-adopts its sealed regions before the man
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -38,7 +35,6 @@ from kspeed.errors import (
     NotFoundError,
     NotHeldError,
     ProtocolError,
-    StateFileError,
 )
 from kspeed.layout import region_bounds
 from kspeed.preprocess.pipeline import Pipeline
@@ -52,16 +48,15 @@ from kspeed.server.hosting.cached_source import CachedSource
 from kspeed.server.hosting.integrity import SampleStore
 from kspeed.server.hosting.listings import Listings, fetch_failed
 from kspeed.server.hosting.preload import Preloader
+from kspeed.server.hosting.records import AssignmentRecords, Snapshot
 from kspeed.server.memory.pool import WINDOW_OWNER, MemoryPool, RegionState
 from kspeed.server.memory.slices import SharedRegions, Slice
-from kspeed.server.memory.statefile import write_atomic
 from kspeed.server.prep.workers import PrepWorkers
 from kspeed.server.production.policies import MemoryPolicy, share_policy
 from kspeed.server.production.state import EpochFigures
 
 log = logging.getLogger(__name__)
 
-ASSIGNMENTS_FILE = "assignments.json"
 MAX_REPORTED_ERRORS = 5
 REMEMBERED_DROPS = 256  # dropped datasets whose reason is kept for later calls about them
 RETAKE_INTERVAL = 30.0  # seconds between attempts to take again a share this server failed to take
@@ -240,12 +235,13 @@ class DatasetHost:
         self.preprocess_allow = preprocess_allow
         self.prep = prep
         self.backend = backend
-        self._path = os.path.join(state_dir, ASSIGNMENTS_FILE)
+        self._records = AssignmentRecords(state_dir)
         self._threads = preload_threads
         self._scrub_interval = scrub_interval
         self._lock = threading.RLock()  # never held over backend I/O: heartbeats and status calls take it
         self._taking = _ShareLocks()
         self._hosted: dict[ShareKey, Hosted] = {}
+        self._recording: dict[ShareKey, kspeed_pb2.AssignShareRequest] = {}  # recorded ahead of being held
         self._dropped: dict[str, str] = {}  # recently dropped datasets and why, to answer with the reason
         self.on_drop: Callable[[str, int, str], None] = lambda name, first, reason: None  # e.g. close its feeds
         self.on_changed: Callable[[str, list[Change]], None] = lambda name, changes: None  # e.g. tell the feeders
@@ -322,7 +318,7 @@ class DatasetHost:
     def restore(self) -> None:
         """Re-adopt the shares recorded before a restart (errors are logged, not fatal: a server
         whose state disk is full starts with what it can re-adopt, and says what it cannot write)."""
-        requests = self._load_assignments()
+        requests = self._records.load()
         keep = frozenset((r.spec.name, v) for r in requests if _known(r.share) for v in _vindices(r.share))
         for request in requests:
             try:
@@ -523,8 +519,13 @@ class DatasetHost:
         key = (name, int(share.first_id))
         with self._taking.hold(key):
             with self._lock:
-                if self._again(key, request):
-                    return self.status(name, key[1])
+                again, newer = self._again(key, request)
+                held = self.status(name, key[1]) if again else None
+                record = self._snapshot() if newer else None
+            if record is not None:
+                self._records.record(record)
+            if held is not None:
+                return held
             if request.region_size != self.pool.region_size:
                 raise ConfigError(
                     f"dataset {name!r}: assigned with region size {request.region_size}, this "
@@ -546,13 +547,43 @@ class DatasetHost:
                     f"{source.fingerprint}); remove the dataset and register it again",
                     dataset=name,
                 )
+            recorded = False
             try:
+                if save:
+                    self._record_ahead(key, request)
+                    recorded = True
                 with self._lock:
-                    return self._install(request, source, keep, save, watch)
+                    status, replaced = self._install(request, source, keep, watch)
             except BaseException:
                 if watch is not None:
                     watch.close()
+                if save:
+                    self._record_after(key, recorded)
                 raise
+            if save:
+                self._record_after(key, replaced)
+            return status
+
+    def _record_ahead(self, key: ShareKey, request: kspeed_pb2.AssignShareRequest) -> None:
+        """Record ``request`` as held before it is: a restart then re-adopts it (or, when taking it
+        fails, what the file lists at worst is one share too many). Written outside the lock.
+
+        Raises:
+            StateFileError: it cannot be recorded (nothing is allocated yet).
+        """
+        with self._lock:
+            self._recording[key] = request
+            snapshot = self._snapshot()
+        self._records.write(snapshot)
+
+    def _record_after(self, key: ShareKey, changed: bool = True) -> None:
+        """The share at ``key`` is held now, or failed to be: record what is held where that
+        ``changed`` from what :meth:`_record_ahead` wrote."""
+        with self._lock:
+            self._recording.pop(key, None)
+            snapshot = self._snapshot() if changed else None
+        if snapshot is not None:
+            self._records.record(snapshot)
 
     def _watch(self, source: Source, share: kspeed_pb2.Share) -> ShareWatch | None:
         """A watch of the share's folders, where its samples are files of a local tree (started
@@ -567,33 +598,34 @@ class DatasetHost:
                 self._events.start()
         return watch
 
-    def _again(self, key: ShareKey, request: kspeed_pb2.AssignShareRequest) -> bool:
+    def _again(self, key: ShareKey, request: kspeed_pb2.AssignShareRequest) -> tuple[bool, bool]:
         """Whether ``request`` is the share held at ``key`` already; if so, it counts as assigned now
-        (the manager's word again: as new as a fresh assignment). Called under the lock."""
+        (the manager's word again: as new as a fresh assignment), and whether it carries a newer
+        record of the dataset (kept, to be recorded). Called under the lock."""
         current = self._hosted.get(key)
         if current is None or not _same_share(current.request, request):
-            return False
+            return False, False
         self.assignments += 1
         self._assigned[key] = self.assignments
-        if current.request.dataset.revision < request.dataset.revision:  # a newer record of the dataset: keep it
+        if current.request.dataset.revision < request.dataset.revision:
             current.request = request
-            self._record()
-        return True
+            return True, True
+        return True, False
 
     def _install(
         self,
         request: kspeed_pb2.AssignShareRequest,
         source: Source,
         keep: frozenset[tuple[str, int]],
-        save: bool,
         watch: ShareWatch | None = None,
-    ) -> kspeed_pb2.ShareStatus:
+    ) -> tuple[kspeed_pb2.ShareStatus, bool]:
         """Hold the share of ``request`` over its listing ``source``: replace the shares it overlaps,
-        allocate its regions, record it; on an error nothing of it is left. Called under the lock."""
+        allocate its regions; on an error nothing of it is left. Returns its status and whether it
+        replaced shares. Called under the lock."""
         name, share = request.spec.name, request.share
         key = (name, int(share.first_id))
         policy = _policy(share)
-        missing = self._claim_regions(name, key, share, keep)
+        replaced, missing = self._claim_regions(name, key, share, keep)
         sliced = bool(share.slice_bytes) and not share.on_demand
         try:
             slot = self.slices.take(key, int(share.slice_bytes)) if sliced else None
@@ -612,8 +644,6 @@ class DatasetHost:
             )
             store = SampleStore(preloader)
             self._hosted[key] = Hosted(request, source, preloader, store, watch)
-            if save:
-                self._save_assignments()
         except KSpeedError:
             self._hosted.pop(key, None)
             if missing:
@@ -628,17 +658,20 @@ class DatasetHost:
         self._assigned[key] = self.assignments
         self._dropped.pop(name, None)
         _say_held(name, share, policy, slot)
-        return self.status(name, key[1])
+        return self.status(name, key[1]), replaced
 
     def _claim_regions(
         self, name: str, key: ShareKey, share: kspeed_pb2.Share, keep: frozenset[tuple[str, int]]
-    ) -> list[int]:
-        """Drop the shares ``share`` overlaps, release the regions no share (nor ``keep``) claims, and
-        allocate the ones it lacks; returns those newly allocated (released again on a failure)."""
+    ) -> tuple[bool, list[int]]:
+        """Drop the shares ``share`` overlaps (not recorded: the caller records), release the
+        regions no share (nor ``keep``) claims, and allocate the ones it lacks; returns whether
+        shares were dropped, and the regions newly allocated (released again on a failure)."""
+        replaced = False
         for other in self.shares(name, missing_ok=True):
             s = other.request.share
             if other.key == key or (s.first_id < share.end_id and share.first_id < s.end_id):
-                self.drop(name, "its share changed", final=False, first=other.key[1])
+                self.drop(name, "its share changed", final=False, first=other.key[1], record=False)
+                replaced = True
         wanted = set(_vindices(share))
         claimed = {v for h in self.shares(name, missing_ok=True) for v in _vindices(h.request.share)}
         held = {r.vindex for r in self.pool.regions(name) if r.vindex is not None}
@@ -648,9 +681,11 @@ class DatasetHost:
         missing = sorted(wanted - held)
         if missing:
             self.pool.allocate(name, missing)
-        return missing
+        return replaced, missing
 
-    def drop(self, name: str, reason: str = "", *, final: bool = True, first: int | None = None) -> None:
+    def drop(
+        self, name: str, reason: str = "", *, final: bool = True, first: int | None = None, record: bool = True
+    ) -> None:
         """Stop serving ``name`` (every share of it here, or only the one starting at ``first``) and
         free the regions (waits for a running preload to finish).
 
@@ -692,7 +727,9 @@ class DatasetHost:
                 for hosted in dropping:
                     self.pool.release(name, _vindices(hosted.request.share))
                     hosted.preloader.forget_index()
-            self._record()
+            snapshot = self._snapshot() if record else None
+        if snapshot is not None:
+            self._records.record(snapshot)
         for hosted in dropping:
             log.info("dataset %s: share %s dropped", name, _span(hosted.request.share))
 
@@ -751,8 +788,9 @@ class DatasetHost:
                 if record is not None and record.revision > hosted.request.dataset.revision:
                     hosted.request.dataset.CopyFrom(record)
                     changed = True
-            if changed:
-                self._record()
+            snapshot = self._snapshot() if changed else None
+        if snapshot is not None:
+            self._records.record(snapshot)
 
     def held(self) -> list[kspeed_pb2.AssignShareRequest]:
         """The assignments of every hosted share, as the manager sent them (a manager that lost its
@@ -921,37 +959,19 @@ class DatasetHost:
 
     # -- persistence -----------------------------------------------------------------------------
 
-    def _save_assignments(self) -> None:
-        """Record the hosted shares in :data:`ASSIGNMENTS_FILE`.
-
-        Raises:
-            StateFileError: it cannot be written (the previous version stays).
-        """
-        data = {
-            f"{name}@{first}": base64.b64encode(h.request.SerializeToString()).decode()
-            for (name, first), h in self._hosted.items()
-        }
-        write_atomic(self._path, json.dumps(data).encode())
+    def _snapshot(self) -> Snapshot:
+        """The record of the hosted shares and of those being recorded ahead. Called under the lock
+        (written after it: :mod:`~kspeed.server.hosting.records`)."""
+        requests = {key: h.request for key, h in self._hosted.items()}
+        requests.update(self._recording)
+        return self._records.snapshot(requests.values())
 
     def _record(self) -> None:
-        """Record the hosted shares after some were let go: a file that cannot be written still
-        lists them, which costs a restart nothing but re-adopting them until the manager says
-        otherwise, so the failure is logged, not raised."""
-        try:
-            self._save_assignments()
-        except StateFileError as exc:
-            log.error("%s; it still lists shares this server has let go", exc)
-
-    def _load_assignments(self) -> list[kspeed_pb2.AssignShareRequest]:
-        try:
-            with open(self._path, encoding="utf-8") as fh:
-                data = json.load(fh)
-        except FileNotFoundError:
-            return []
-        except (OSError, ValueError) as exc:
-            log.error("ignoring unreadable %s: %s", self._path, exc)
-            return []
-        return [kspeed_pb2.AssignShareRequest.FromString(base64.b64decode(v)) for v in data.values()]
+        """Record the hosted shares after some were let go (a failure is logged: see
+        :meth:`AssignmentRecords.record`). Not called under the lock."""
+        with self._lock:
+            snapshot = self._snapshot()
+        self._records.record(snapshot)
 
 
 def _say_held(name: str, share: kspeed_pb2.Share, policy: MemoryPolicy, slot: Slice | None) -> None:
