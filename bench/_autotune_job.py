@@ -149,8 +149,8 @@ def _stepped(step, images) -> float:
     return time.thread_time() - began
 
 
-def _timed(batches, waits: list[float]):
-    """``batches``, adding the seconds each ``next()`` took to ``waits[0]``."""
+def _timed(batches, waits: list[float], each: list[float] | None = None):
+    """``batches``, adding the seconds each ``next()`` took to ``waits[0]`` (and each to ``each``)."""
     it = iter(batches)
     while True:
         began = time.perf_counter()
@@ -158,7 +158,10 @@ def _timed(batches, waits: list[float]):
             batch = next(it)
         except StopIteration:
             return
-        waits[0] += time.perf_counter() - began
+        waited = time.perf_counter() - began
+        waits[0] += waited
+        if each is not None:
+            each.append(waited)
         yield batch
 
 
@@ -175,10 +178,12 @@ def _loop(ds, step, job: dict) -> dict:
     print(f"warm {warm:.6f} {ds.name}", flush=True)
     cpu0, step_cpu, samples, waits = tree_cpu_seconds(os.getpid()), 0.0, 0, [0.0]
     began = time.perf_counter()
+    per_batch: list[list[float]] = []  # each timed epoch's waits, batch by batch
     if job["mode"] == "epochs":
         for _ in range(job["epochs"]):
             ds.set_epoch(epoch)
-            for images, _labels in _timed(ds, waits):
+            per_batch.append([])
+            for images, _labels in _timed(ds, waits, per_batch[-1]):
                 assert images.shape[1:] == (3, 224, 224), images.shape
                 step_cpu += _stepped(step, images)
                 samples += len(images)
@@ -216,6 +221,7 @@ def _loop(ds, step, job: dict) -> dict:
         "client_cpu_s_per_sample_beyond_step": max(used - step_cpu, 0.0) / samples,
         "client_core_busy": used / elapsed,
         "loop_wait_s": waits[0],
+        "batch_waits_ms": [[round(w * 1e3, 2) for w in epoch_waits] for epoch_waits in per_batch],
         "ratio_per_epoch": ratios,
         "epochs_run": epoch,
     }

@@ -94,7 +94,8 @@ class Bench:
     def sweep(self, name: str, step_s: float, config: dict, prefix: list[str] | None = None) -> dict:
         """Every fixed ratio, then auto, each in a fresh job."""
         configs: dict[str, dict] = {}
-        for offload in [*ratios(self.args.step), "auto"]:
+        fixed = [float(r) for r in self.args.ratios.split(",")] if self.args.ratios else ratios(self.args.step)
+        for offload in [*fixed, "auto"]:
             label = offload if offload == "auto" else f"{offload:.2f}"
             result = run_job(self.job(offload, step_s, config), self.logs, f"{name}-{label}", prefix=prefix)
             configs[label] = result
@@ -312,6 +313,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--epochs", type=int, default=4, help="timed epochs per configuration")
     parser.add_argument("--step", type=float, default=0.1, help="the sweep's step of fixed ratios")
+    parser.add_argument("--ratios", default="", help="the sweep's fixed ratios, comma-separated (instead of --step)")
     parser.add_argument("--rate", default=DEFAULT_RATE, help="the narrow rail's rate towards the job (tc units)")
     parser.add_argument("--before-s", type=float, default=20.0, help="a mid-run change's seconds before it")
     parser.add_argument("--after-s", type=float, default=25.0, help="and after it")

@@ -24,22 +24,36 @@ __all__ = ["interleave"]
 def interleave(first: Any, second: Any, first_at: Sequence[int], second_at: Sequence[int]) -> Any:
     """The batch whose rows ``first_at`` are ``first``'s rows and rows ``second_at`` ``second``'s.
 
-    ``first_at`` and ``second_at`` together are ``0..n-1`` for a batch of ``n`` samples.
+    ``first_at`` and ``second_at`` together are ``0..n-1`` for a batch of ``n`` samples, each in
+    increasing order. A tensor's rows are copied in runs of consecutive positions: a few slice
+    copies, one pass over the batch's bytes (indexed copies, ``out[index] = rows``, run an order of
+    magnitude slower on CPU tensors of images).
 
     Raises:
         TypeError: the parts are not ``default_collate`` outputs of the same structure.
     """
-    n = len(first_at) + len(second_at)
-    return _walk(
-        first,
-        second,
-        torch.as_tensor(list(first_at), dtype=torch.long),
-        torch.as_tensor(list(second_at), dtype=torch.long),
-        n,
-    )
+    return _walk(first, second, _Rows(first_at), _Rows(second_at), len(first_at) + len(second_at))
 
 
-def _walk(first: Any, second: Any, first_at: torch.Tensor, second_at: torch.Tensor, n: int) -> Any:
+class _Rows:
+    """Where one part's rows go: each position, and runs ``(to, start, count)`` of consecutive ones."""
+
+    def __init__(self, positions: Sequence[int]) -> None:
+        self.positions = list(positions)
+        self.runs: list[tuple[int, int, int]] = []
+        for k, position in enumerate(self.positions):
+            if self.runs and self.runs[-1][0] + self.runs[-1][2] == position:
+                to, start, count = self.runs[-1]
+                self.runs[-1] = (to, start, count + 1)
+            else:
+                self.runs.append((position, k, 1))
+
+    def copy_into(self, out: torch.Tensor, part: torch.Tensor) -> None:
+        for to, start, count in self.runs:
+            out[to : to + count].copy_(part[start : start + count])
+
+
+def _walk(first: Any, second: Any, first_at: _Rows, second_at: _Rows, n: int) -> Any:
     if isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor):
         if first.shape[1:] != second.shape[1:] or first.dtype != second.dtype:
             raise TypeError(
@@ -47,8 +61,8 @@ def _walk(first: Any, second: Any, first_at: torch.Tensor, second_at: torch.Tens
                 f"{tuple(second.shape[1:])} {second.dtype}"
             )
         out = first.new_empty((n, *first.shape[1:]))
-        out[first_at] = first
-        out[second_at] = second
+        first_at.copy_into(out, first)
+        second_at.copy_into(out, second)
         return out
     if isinstance(first, Mapping) and isinstance(second, Mapping):
         if first.keys() != second.keys():
@@ -58,9 +72,9 @@ def _walk(first: Any, second: Any, first_at: torch.Tensor, second_at: torch.Tens
     if isinstance(first, (list, tuple)) and type(first) is type(second):
         if _per_sample(first) and _per_sample(second):  # strings or bytes, one per sample
             rows: list[Any] = [None] * n
-            for at, value in zip(first_at.tolist(), first, strict=True):
+            for at, value in zip(first_at.positions, first, strict=True):
                 rows[at] = value
-            for at, value in zip(second_at.tolist(), second, strict=True):
+            for at, value in zip(second_at.positions, second, strict=True):
                 rows[at] = value
             return rows if isinstance(first, list) else type(first)(rows)
         if len(first) != len(second):
