@@ -23,6 +23,17 @@ WITHIN = 0.05
 VS_BEST, VS_LOCAL, RECOVER_S, MAX_CHANGES = 0.95, 0.98, 10.0, 2
 
 
+def median_run(results: list[dict]) -> dict:
+    """A configuration's runs as one: the run of median samples/s (the lower middle of an even
+    count: a figure one run reached, never an average of two), with every run's samples/s beside
+    it; a configuration with a failed run keeps the failure."""
+    failed = [r for r in results if not r.get("ok")]
+    if failed or len(results) == 1:
+        return failed[0] if failed else results[0]
+    ordered = sorted(results, key=lambda r: r["samples_per_s"])
+    return {**ordered[(len(ordered) - 1) // 2], "runs_samples_per_s": [r["samples_per_s"] for r in results]}
+
+
 def best_fixed(configs: dict[str, dict]) -> tuple[str, float] | None:
     """The fixed ratio (label) with the most samples/s, and that figure."""
     fixed = [(k, c["samples_per_s"]) for k, c in configs.items() if k != "auto" and c.get("ok")]

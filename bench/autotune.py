@@ -42,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _autotune_report import best_fixed, chart, recovery, targets
+from _autotune_report import best_fixed, chart, median_run, recovery, targets
 from _autotune_setup import lab_cluster, loopback_cluster, on_core, run_job
 from _common import machine_info, write_json
 
@@ -92,15 +92,19 @@ class Bench:
         }
 
     def sweep(self, name: str, step_s: float, config: dict, prefix: list[str] | None = None) -> dict:
-        """Every fixed ratio, then auto, each in a fresh job."""
-        configs: dict[str, dict] = {}
+        """Every fixed ratio, then auto, each in a fresh job; with ``--repeat N``, N rounds of the
+        whole sweep (so that a slow spell of the machine falls on every configuration alike), each
+        configuration then standing for its median run (:func:`median_run`)."""
+        runs: dict[str, list[dict]] = {}
         fixed = [float(r) for r in self.args.ratios.split(",")] if self.args.ratios else ratios(self.args.step)
-        for offload in [*fixed, "auto"]:
-            label = offload if offload == "auto" else f"{offload:.2f}"
-            result = run_job(self.job(offload, step_s, config), self.logs, f"{name}-{label}", prefix=prefix)
-            configs[label] = result
-            print(f"  {name} offload={label}: {_describe(result)}", flush=True)
-        return configs
+        for round_ in range(self.args.repeat):
+            for offload in [*fixed, "auto"]:
+                label = offload if offload == "auto" else f"{offload:.2f}"
+                tag = f"{name}-{label}" + (f"-r{round_}" if self.args.repeat > 1 else "")
+                result = run_job(self.job(offload, step_s, config), self.logs, tag, prefix=prefix)
+                runs.setdefault(label, []).append(result)
+                print(f"  {name} offload={label}: {_describe(result)}", flush=True)
+        return {label: median_run(results) for label, results in runs.items()}
 
 
 def _describe(result: dict) -> str:
@@ -313,6 +317,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--epochs", type=int, default=4, help="timed epochs per configuration")
     parser.add_argument("--step", type=float, default=0.1, help="the sweep's step of fixed ratios")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="rounds of each sweep; a configuration's figure is its median run"
+    )
     parser.add_argument("--ratios", default="", help="the sweep's fixed ratios, comma-separated (instead of --step)")
     parser.add_argument("--rate", default=DEFAULT_RATE, help="the narrow rail's rate towards the job (tc units)")
     parser.add_argument("--before-s", type=float, default=20.0, help="a mid-run change's seconds before it")
@@ -331,6 +338,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", default=None)
     parser.add_argument("--png", default=None)
     args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error(f"--repeat must be at least 1, got {args.repeat}")
     if args.quick:
         args.images, args.epochs, args.step, args.before_s, args.after_s = 160, 1, 0.25, 10.0, 12.0
         args.warmup_s = min(args.warmup_s, 5.0)
@@ -395,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
             "batch_size": args.batch,
             "warmup_epochs": args.warmup,
             "timed_epochs": args.epochs,
-            "sweep": ratios(args.step),
+            "sweep": [float(r) for r in args.ratios.split(",")] if args.ratios else ratios(args.step),
+            "rounds": args.repeat,
             "pipeline": "decode (PIL), RandomResizedCrop(224), RandomHorizontalFlip, PILToTensor",
             "training_core": sorted(bench.train_core),
             "server_core": sorted(bench.server_core),
