@@ -12,6 +12,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
@@ -124,6 +125,51 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> None:
         return
     if os.getppid() != parent_pid:  # the parent died before we asked
         os.kill(os.getpid(), sig)
+
+
+def exit_with(pid: int, before: Callable[[], object] | None = None) -> None:
+    """End this process when process ``pid`` ends, whichever process is our parent.
+
+    ``PR_SET_PDEATHSIG`` follows the parent, and a forkserver's children have the forkserver for
+    one, not the process that asked for them: a training process killed outright would leave
+    them (and so the forkserver, which lives while they do) running for good. A daemon thread
+    waits on ``pid``'s pidfd (or, where there is none, looks each second), then runs ``before``
+    (its error ignored) and ends the process at once, whatever its other threads are doing.
+    """
+    try:
+        fd: int | None = os.pidfd_open(pid)
+    except ProcessLookupError:
+        _end_now(before)  # gone before we asked
+        return
+    except (AttributeError, OSError):  # no pidfd here (an old kernel, another system)
+        fd = None
+    threading.Thread(target=_await_end, args=(pid, fd, before), name="kspeed-exit-with", daemon=True).start()
+
+
+def _await_end(pid: int, fd: int | None, before: Callable[[], object] | None) -> None:
+    if fd is not None:
+        select.select([fd], [], [])  # readable once the process has ended
+    else:
+        while _running(pid):
+            time.sleep(1.0)
+    _end_now(before)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _end_now(before: Callable[[], object] | None) -> None:
+    if before is not None:
+        with contextlib.suppress(Exception):
+            before()
+    os._exit(0)
 
 
 def run_main(prog: str, body: Callable[[], int | None]) -> int:

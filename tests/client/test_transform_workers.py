@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -121,3 +125,54 @@ def test_closing_leaves_no_process_or_thread(stages, wait):
         while children_of(server) and time.monotonic() < deadline:  # the server reaps them
             time.sleep(0.05)
         assert children_of(server) == set()
+
+
+OWNER = """
+import json, multiprocessing.forkserver, os, sys, time
+from kspeed.client.prep.workers import Stages, TransformWorkers, sample_bytes
+
+if __name__ == "__main__":
+    workers = TransformWorkers(2, Stages(loader=sample_bytes))
+    pids = workers.wait_ready()
+    assert workers.submit(b"abc", [0, 3], [None], ["a"]).result(timeout=60).value.tolist() == [[97, 98, 99]]
+    server = multiprocessing.forkserver._forkserver._forkserver_pid
+    print(json.dumps({"workers": pids, "server": server}), flush=True)
+    time.sleep(600)
+"""
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, ended but not reaped by an init that does not reap, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.timeout(120)
+def test_a_training_process_killed_outright_leaves_no_worker_or_forkserver(tmp_path):
+    script = tmp_path / "owner.py"
+    script.write_text(OWNER)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]),
+    }
+    owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        line = owner.stdout.readline()
+        assert line, f"the training process ended first (status {owner.wait()})"
+        started = json.loads(line)
+        left = [*started["workers"], *([started["server"]] if started["server"] else [])]
+        assert len(started["workers"]) == 2 and all(running(pid) for pid in left)
+    finally:
+        owner.kill()  # SIGKILL: no atexit, no finalizer, no close()
+        owner.wait()
+        owner.stdout.close()
+    deadline = time.monotonic() + 30
+    while any(running(pid) for pid in left) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    still = [pid for pid in left if running(pid)]
+    for pid in still:  # (the test fails; it leaves nothing running all the same)
+        os.kill(pid, signal.SIGKILL)
+    assert still == [], "processes of a killed training process still run"

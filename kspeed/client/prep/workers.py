@@ -46,6 +46,7 @@ from torch.utils.data import default_collate
 
 from kspeed.client.main_guard import check_main_guarded
 from kspeed.client.prep.start_method import FORKSERVER, modules_of, worker_context
+from kspeed.control.daemon import exit_with
 from kspeed.errors import ConfigError, PreprocessError, StateError
 from kspeed.preprocess import rng
 from kspeed.preprocess.pipeline import STATUS, Pipeline, read_status
@@ -332,16 +333,23 @@ def preload_of(stages: Stages) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _init(modules: Sequence[str], ready: Any) -> None:
-    """A worker's start: one thread for torch, ``modules`` imported (a forkserver's worker has them
-    already), and the pool's barrier kept for :func:`_warm`."""
+def _init(modules: Sequence[str], ready: Any, owner: int) -> None:
+    """A worker's start: it ends with ``owner`` (the training process, however that ends), one
+    thread for torch, ``modules`` imported (a forkserver's worker has them already), and the pool's
+    barrier kept for :func:`_warm`."""
     global _READY
+    exit_with(owner, before=_close_scratch)
     torch.set_num_threads(1)  # as DataLoader workers: one thread each, the pool gives the parallelism
     _READY = ready
     for name in modules:
         # Only a head start: loading the stages imports what they need, and says what fails.
         with contextlib.suppress(Exception):
             importlib.import_module(name)
+
+
+def _close_scratch() -> None:
+    if _SCRATCH is not None:
+        _SCRATCH.close()
 
 
 def _warm(timeout: float) -> int:
@@ -624,7 +632,7 @@ class TransformWorkers(_Workers):
         self.start_method = context.get_start_method()
         self._ready = context.Barrier(workers)
         self._executor: ProcessPoolExecutor | None = ProcessPoolExecutor(
-            workers, mp_context=context, initializer=_init, initargs=(modules, self._ready)
+            workers, mp_context=context, initializer=_init, initargs=(modules, self._ready, os.getpid())
         )
         self._warm: list[Future] = []
         self._start_error: BaseException | None = None
