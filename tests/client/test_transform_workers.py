@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kspeed.client.prep.start_method import FORKSERVER, start_method
-from kspeed.client.prep.workers import Stages, StartFailure, TransformWorkers, sample_bytes
+from kspeed.client.prep.workers import Stages, StartFailure, TransformWorkers, _stages_file, sample_bytes
 from kspeed.errors import StateError
 
 needs_forkserver = pytest.mark.skipif(start_method() != FORKSERVER, reason="this platform has no forkserver")
@@ -136,7 +136,7 @@ if __name__ == "__main__":
     pids = workers.wait_ready()
     assert workers.submit(b"abc", [0, 3], [None], ["a"]).result(timeout=60).value.tolist() == [[97, 98, 99]]
     server = multiprocessing.forkserver._forkserver._forkserver_pid
-    print(json.dumps({"workers": pids, "server": server}), flush=True)
+    print(json.dumps({"workers": pids, "server": server, "stages": workers._stages_file}), flush=True)
     time.sleep(600)
 """
 
@@ -176,3 +176,8 @@ def test_a_training_process_killed_outright_leaves_no_worker_or_forkserver(tmp_p
     for pid in still:  # (the test fails; it leaves nothing running all the same)
         os.kill(pid, signal.SIGKILL)
     assert still == [], "processes of a killed training process still run"
+    # The file of its stages stays until the next process that makes one (no process is left to remove it).
+    assert os.path.exists(started["stages"])
+    mine = _stages_file(Stages(loader=sample_bytes))
+    os.unlink(mine)
+    assert not os.path.exists(started["stages"]) and os.path.basename(mine).startswith(f"kspeed-stages-{os.getpid()}-")

@@ -86,6 +86,7 @@ _SCRATCH: ScratchFiles | None = None
 _RUNNER: Runner | None = None
 #: Scratch directories are named ``<prefix><pid>-<random>``.
 SCRATCH_PREFIX = "kspeed-loader-"
+STAGES_PREFIX = "kspeed-stages-"
 
 
 class SampleFailure(Exception):
@@ -276,7 +277,7 @@ class ScratchFiles:
 
     def __init__(self) -> None:
         root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        _remove_orphans(root)
+        _remove_orphans(root, SCRATCH_PREFIX)
         self.dir = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-", dir=root)
         self._made: set[int] = set()
         self._finalizer = weakref.finalize(self, shutil.rmtree, self.dir, True)
@@ -297,18 +298,24 @@ class ScratchFiles:
         self._finalizer()
 
 
-def _remove_orphans(root: str) -> None:
-    """Remove the scratch directories of processes that no longer exist."""
+def _remove_orphans(root: str, prefix: str) -> None:
+    """Remove the files and directories ``<prefix><pid>-...`` in ``root`` of processes that no
+    longer exist (a training process killed outright leaves them)."""
     try:
         names = os.listdir(root)
     except OSError:
         return
     for name in names:
-        if not name.startswith(SCRATCH_PREFIX):
+        if not name.startswith(prefix):
             continue
-        pid = name[len(SCRATCH_PREFIX) :].split("-", 1)[0]
+        pid = name[len(prefix) :].split("-", 1)[0]
         if pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            path = os.path.join(root, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
 
 
 def _alive(pid: int) -> bool:
@@ -756,13 +763,15 @@ class TransformWorkers(_Workers):
 
 
 def _stages_file(stages: Stages) -> str:
-    """The stages pickled into a new file that only this user can read; its path.
+    """The stages pickled into a new file that only this user can read, named after this process
+    (the files of processes gone are removed first); its path.
 
     Raises:
         ConfigError: a stage cannot be pickled (named).
     """
     data = _pickled(stages)
-    fd, path = tempfile.mkstemp(prefix="kspeed-stages-", suffix=".pickle")
+    _remove_orphans(tempfile.gettempdir(), STAGES_PREFIX)
+    fd, path = tempfile.mkstemp(prefix=f"{STAGES_PREFIX}{os.getpid()}-", suffix=".pickle")
     with os.fdopen(fd, "wb") as fh:
         fh.write(data)
     return path
