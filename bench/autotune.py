@@ -26,6 +26,11 @@ within 10 s with at most two ratio changes. Writes JSON and, with matplotlib, a 
 
     python bench/autotune.py --json bench/results/autotune.json --png bench/results/autotune.png
     python bench/autotune.py --quick          # 160 images, 1 timed epoch, ratios 0, 0.25, ..., 1
+    python bench/autotune.py --repeat 3       # each configuration three times: its median run
+
+A single run per configuration makes "the best fixed ratio" the luckiest of eleven on a noisy
+machine; ``--repeat`` runs the sweep in rounds (a slow spell falls on every configuration alike).
+Every job's JSON holds each timed batch's wait (``batch_waits_ms``).
 """
 
 from __future__ import annotations
