@@ -150,12 +150,13 @@ def _await_end(pid: int, fd: int | None, before: Callable[[], object] | None) ->
     if fd is not None:
         select.select([fd], [], [])  # readable once the process has ended
     else:
-        while _running(pid):
+        while process_running(pid):
             time.sleep(1.0)
     _end_now(before)
 
 
-def _running(pid: int) -> bool:
+def process_running(pid: int) -> bool:
+    """Whether a process ``pid`` exists (one of another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -46,7 +46,7 @@ from torch.utils.data import default_collate
 
 from kspeed.client.main_guard import check_main_guarded
 from kspeed.client.prep.start_method import FORKSERVER, modules_of, worker_context
-from kspeed.control.daemon import exit_with
+from kspeed.control.daemon import exit_with, process_running
 from kspeed.errors import ConfigError, PreprocessError, StateError
 from kspeed.preprocess import rng
 from kspeed.preprocess.pipeline import STATUS, Pipeline, read_status
@@ -309,23 +309,13 @@ def _remove_orphans(root: str, prefix: str) -> None:
         if not name.startswith(prefix):
             continue
         pid = name[len(prefix) :].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not process_running(int(pid)):
             path = os.path.join(root, name)
             if os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path, ignore_errors=True)
             else:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def preload_of(stages: Stages) -> list[str]:
