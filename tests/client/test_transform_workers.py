@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import pytest
@@ -181,3 +182,20 @@ def test_a_training_process_killed_outright_leaves_no_worker_or_forkserver(tmp_p
     mine = _stages_file(Stages(loader=sample_bytes))
     os.unlink(mine)
     assert not os.path.exists(started["stages"]) and os.path.basename(mine).startswith(f"kspeed-stages-{os.getpid()}-")
+
+
+@pytest.mark.timeout(120)
+def test_a_batch_given_after_a_worker_died_fails_as_its_result_not_at_the_hand_over(stages):
+    workers = TransformWorkers(1, stages)
+    try:
+        assert one_batch(workers) == [[97, 98, 99]]
+        os.kill(workers.pids()[0], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not workers._executor._broken and time.monotonic() < deadline:  # the pool has seen it die
+            time.sleep(0.02)
+        assert workers._executor._broken
+        future = workers.submit(b"abc", [0, 3], [None], ["a"])  # no raise here: the caller reads it
+        with pytest.raises(BrokenProcessPool):
+            future.result(timeout=10)
+    finally:
+        workers.close()

@@ -712,7 +712,12 @@ class TransformWorkers(_Workers):
         assert self._executor is not None  # (submit checked closed)
         if self._stages_file is None:
             raise StateError("the transform workers were given no stages to run")
-        return self._executor.submit(_run, self._stages_file, task)
+        try:
+            return self._executor.submit(_run, self._stages_file, task)
+        except BrokenProcessPool as exc:  # a worker died since the last batch: this one fails as theirs do
+            failed: Future = Future()
+            failed.set_exception(exc)
+            return failed
 
     def pids(self) -> list[int]:
         """Process IDs of the running workers."""
