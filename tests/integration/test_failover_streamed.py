@@ -1,11 +1,12 @@
 """A holder killed while a dataset larger than its memory streams: every memory policy, every source kind.
 
 Real daemons on loopback: two servers over a backend that takes a few milliseconds a read
-(``slowfile``, or moto's S3), a dataset about three times the memory it is given, not preloaded,
-so grants wait on production and a kill finds them in flight. A holder is SIGKILLed while epoch 0
-streams; its share moves to a spare, or to the survivor; the client fences the dead path and
-grants again, on every server, each batch it had not delivered, so the survivor must make
-resident again samples it had written and let go. Both epochs arrive whole: every sample exactly
+(``slowfile``, or moto's S3 read through ``throttled``), a dataset about three times the memory
+it is given, not preloaded, so grants wait on production. A holder is SIGKILLed while epoch 0
+streams, at a batch that finds grants to it in flight; its share moves to a spare, or to the
+survivor; the client fences the dead path and grants again, on every server, each batch it had
+not delivered, so the survivor must make resident again samples it had written and let go. Both
+epochs arrive whole: every sample exactly
 once, in the sampler's order, bytes intact.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -51,37 +53,61 @@ def dataset(kind: str, root, s3=None) -> tuple[dict[str, bytes], str, str]:
     if kind == "tar":
         write_shards(root / "shards", files, 4)
         return files, f"slowfile://{root / 'shards'}", "tar"
-    fs = s3[1]
+    fs = s3[1]  # read through ``throttled``: a bucket as slow as ``slowfile``, whatever moto's speed
     fs.mkdir("train-bucket")
     if kind == "s3dir":
         for key, data in files.items():
             fs.pipe_file(f"train-bucket/imgs/{key}", data)
-        return files, "s3://train-bucket/imgs", "dir"
+        return files, "throttled://train-bucket/imgs", "dir"
     assert kind == "s3tar", kind
     for path in write_shards(root / "shards", files, 4):
         fs.put_file(path, f"train-bucket/shards/{path.rsplit('/', 1)[-1]}")
-    return files, "s3://train-bucket/shards", "tar"
+    return files, "throttled://train-bucket/shards", "tar"
 
 
 def slow_servers(cluster_factory, tmp_path, s3=None, manager_args=()):
-    """Two servers reading ``tmp_path`` through ``slowfile`` (and the bucket of the moto endpoint ``s3``);
-    ``manager_args``: more flags for the manager."""
-    options = {"slowfile": SLOW}
+    """Two servers reading ``tmp_path`` through ``slowfile`` (and the bucket of the moto endpoint ``s3``
+    through ``throttled``, as slow: moto alone can answer fast enough that a kill finds no grant in
+    flight); ``manager_args``: more flags for the manager."""
+    options: dict = {"slowfile": SLOW}
     allow = f"slowfile://{tmp_path}"
     if s3 is not None:
-        options["s3"] = {"key": S3_KEY, "secret": S3_SECRET, "client_kwargs": {"endpoint_url": s3[0]}}
-        allow += ",s3://train-bucket"
+        bucket = {"key": S3_KEY, "secret": S3_SECRET, "client_kwargs": {"endpoint_url": s3[0]}}
+        options["throttled"] = {**SLOW, "target_protocol": "s3", "target_options": bucket}
+        allow += ",throttled://train-bucket"
     args = ["--backend-allow", allow, "--backend-options", json.dumps(options), "--production-threads", "2"]
     return cluster_factory(2, server_args=[*MEMORY, *args], manager_args=manager_args)
+
+
+class GrantedKill:
+    """An ``on_batch`` for :func:`check_epoch` that SIGKILLs ``victim`` after a batch at which ``ds``'s
+    feed has grants outstanding on it (waiting up to 0.2 s for one, then trying at the next batch),
+    checked and sent under the feed's lock so that no completion is taken meanwhile. A kill right
+    after a given batch can find every grant to the victim answered (the ring full of samples not
+    yet consumed), and then no failover has anything in flight to fence."""
+
+    def __init__(self, ds, victim) -> None:
+        self.feed, self.victim, self.killed_after = ds._feed, victim, -1
+        self.paths = {p.index for p in self.feed.paths if p.link.server_id == victim.ready["id"]}
+
+    def __call__(self, k: int) -> None:
+        deadline = time.monotonic() + 0.2
+        while self.killed_after < 0 and time.monotonic() < deadline:
+            with self.feed.lock:
+                if any(entry.path in self.paths for entry in self.feed.outstanding.values()):
+                    self.victim.signal(signal.SIGKILL)
+                    self.killed_after = k
+            time.sleep(0.002)
 
 
 def kill_while_streaming(
     cluster_factory, tmp_path, policy: str, kind: str, spare: bool, s3=None
 ) -> tuple[dict, str, set[str]]:
-    """Two servers, a dataset of ``kind`` held under ``policy``; a holder killed after the first batch
-    of epoch 0 (with a ``spare`` registered, or not); epochs 0 and 1 checked whole (every sample once,
-    in order, intact). Returns the job's stats after epoch 0, the killed server's id and the dataset's
-    holders after epoch 1, for the caller to check the failover."""
+    """Two servers, a dataset of ``kind`` held under ``policy``; a holder killed at the first batch
+    of epoch 0 with grants to it in flight (with a ``spare`` registered, or not); epochs 0 and 1
+    checked whole (every sample once, in order, intact). Returns the job's stats after epoch 0,
+    the killed server's id and the dataset's holders after epoch 1, for the caller to check the
+    failover."""
     files, uri, source = dataset(kind, tmp_path, s3)
     cluster = slow_servers(cluster_factory, tmp_path, s3)
     quota = 0 if policy == "cache" else QUOTA
@@ -96,7 +122,9 @@ def kill_while_streaming(
             cluster.add_server()  # registered after the dataset: it holds nothing
         victim = next(s for s in cluster.servers if s.ready["id"] == shares[0].server_id)
 
-        check_epoch(ds, files, 0, lambda k: k == 0 and victim.signal(signal.SIGKILL))
+        kill = GrantedKill(ds, victim)
+        check_epoch(ds, files, 0, kill)
+        assert kill.killed_after >= 0, "no batch of epoch 0 found a grant in flight on the victim"
         stats = ds.stats()
         check_epoch(ds, files, 1)  # the moved share, held by its new server, for a whole epoch
         holders = {s.server_id for s in client.manager.dataset("big").shares}
