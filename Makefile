@@ -12,12 +12,12 @@ TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml scripts/system-deps.sh
+$(STAMP): pyproject.toml setup.py kspeed/preprocess/_jpegregion.c scripts/system-deps.sh
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
 	@$(VPY) -m pip install -q --upgrade pip
 	@$(VPY) -m pip install -q $(TORCH_SPEC) numpy
-	@$(VPY) -m pip install -q -e '.[dev,gpu]'
 	@bash scripts/system-deps.sh $(VENV)
+	@$(VPY) -m pip install -q -e '.[dev,gpu]'
 	@touch $(STAMP)
 
 deps: venv

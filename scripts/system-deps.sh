@@ -8,6 +8,8 @@ want=()
 dpkg -s python3-pyverbs >/dev/null 2>&1 || want+=(python3-pyverbs)
 command -v redis-server >/dev/null 2>&1 || want+=(redis-server)
 command -v ip >/dev/null 2>&1 || want+=(iproute2)
+# libjpeg-turbo's headers, for the region decoder (kspeed/preprocess/_jpegregion.c, built at install)
+[ -f /usr/include/jpeglib.h ] || want+=(libjpeg62-turbo-dev)
 if [ ${#want[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "installing Debian packages: ${want[*]}"

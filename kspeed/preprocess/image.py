@@ -23,6 +23,8 @@ __all__ = [
     "center_crop",
     "decode_image",
     "flip",
+    "pair",
+    "pil_filter",
     "planes_shape",
     "random_resized_crop",
     "resize",
@@ -131,7 +133,7 @@ def resize(
     out_h, out_w = _output_size(height, width, size, max_size)
     if (out_h, out_w) == (height, width):
         return x
-    return _from_pil(_to_pil(x).resize((out_w, out_h), _filter(interpolation)), x)
+    return _from_pil(_to_pil(x).resize((out_w, out_h), pil_filter(interpolation)), x)
 
 
 def center_crop(x: np.ndarray, *, size: int | Sequence[int]) -> np.ndarray:
@@ -148,7 +150,7 @@ def center_crop(x: np.ndarray, *, size: int | Sequence[int]) -> np.ndarray:
     Returns:
         A contiguous array of ``size``.
     """
-    crop_h, crop_w = _pair(size, "size")
+    crop_h, crop_w = pair(size, "size")
     height, width = x.shape[:2]
     if crop_h > height or crop_w > width:
         pad_top = (crop_h - height) // 2 if crop_h > height else 0
@@ -234,11 +236,11 @@ def random_resized_crop(
         antialias: accepted for torchvision compatibility; no effect (see :func:`resize`).
     """
     del antialias
-    out_h, out_w = _pair(size, "size")
+    out_h, out_w = pair(size, "size")
     top, left, h, w = resized_crop_params(x.shape[0], x.shape[1], rng, scale, ratio)
     img = _to_pil(x).crop((left, top, left + w, top + h))
     if (h, w) != (out_h, out_w):
-        img = img.resize((out_w, out_h), _filter(interpolation))
+        img = img.resize((out_w, out_h), pil_filter(interpolation))
     return _from_pil(img, x)
 
 
@@ -311,7 +313,7 @@ def _output_size(height: int, width: int, size: int | Sequence[int], max_size: i
     return (new_long, new_short) if width <= height else (new_short, new_long)
 
 
-def _pair(size: int | Sequence[int], name: str) -> tuple[int, int]:
+def pair(size: int | Sequence[int], name: str) -> tuple[int, int]:
     """``size`` as ``(height, width)``: an int or one element means a square."""
     if isinstance(size, (int, np.integer)):
         return int(size), int(size)
@@ -322,7 +324,8 @@ def _pair(size: int | Sequence[int], name: str) -> tuple[int, int]:
     raise ValueError(f"{name} must be an int or have 1 or 2 elements, got {list(size)}")
 
 
-def _filter(interpolation: str) -> Image.Resampling:
+def pil_filter(interpolation: str) -> Image.Resampling:
+    """The Pillow filter of an interpolation name of :data:`INTERPOLATIONS`."""
     try:
         return INTERPOLATIONS[interpolation]
     except KeyError:

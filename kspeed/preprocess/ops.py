@@ -19,7 +19,7 @@ from typing import Any, NoReturn, TypeGuard
 import numpy as np
 
 from kspeed.errors import ConfigError
-from kspeed.preprocess import audio, image, tensor, volume
+from kspeed.preprocess import audio, image, jpeg_region, tensor, volume
 
 __all__ = ["OPS", "Op", "apply", "check_params", "get"]
 
@@ -53,6 +53,7 @@ OPS: Mapping[str, Op] = types.MappingProxyType(
             _op(image.resize),
             _op(image.center_crop),
             _op(image.random_resized_crop, random=True),
+            _op(jpeg_region.decode_random_resized_crop, random=True, takes_bytes=True),
             _op(image.flip, random=True),
             _op(image.to_chw),
             _op(tensor.cast),
@@ -254,6 +255,12 @@ _CHECKS: dict[str, dict[str, _Check]] = {
         "interpolation": _choice(image.INTERPOLATIONS),
         "antialias": _bool,
     },
+    "decode_random_resized_crop": {
+        "size": _size(1, 2),
+        "scale": _interval,
+        "ratio": _interval,
+        "interpolation": _choice(image.INTERPOLATIONS),
+    },
     "flip": {"p": _probability, "layout": _choice(image.LAYOUTS)},
     "cast": {"dtype": _choice(tensor.DTYPES), "scale": _bool},
     "normalize": {"mean": _means, "std": _stds, "layout": _choice(tensor.NORMALIZE_LAYOUTS)},
@@ -264,6 +271,7 @@ _CHECKS: dict[str, dict[str, _Check]] = {
 
 # Checks of parameters against each other, run after each value passed its own check.
 _CROSS_CHECKS: dict[str, Callable[[Mapping[str, object]], None]] = {
+    "decode_random_resized_crop": lambda params: jpeg_region.require(),
     "resize": _check_resize,
     "normalize": _check_normalize,
 }

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from kspeed.errors import AccessDeniedError, ConfigError, PreprocessError
-from kspeed.preprocess import image, ops, rng
+from kspeed.preprocess import image, jpeg_region, ops, rng
 from kspeed.preprocess.pipeline import TORCHVISION, Output, Pipeline, Stage
 
 __all__ = ["Runner", "allowed", "check_allowed", "to_array"]
@@ -58,6 +58,13 @@ def _check_allowed(index: int, stage: Stage, allow: Sequence[str] | None, datase
             f"preprocess allow-list ({', '.join(allow) or 'empty'}); the operator adds it to server.preprocess_allow",
             dataset=dataset or None,
         )
+
+
+#: Decoders whose result is kept as the PIL image a following torchvision transform takes.
+_PIL_DECODERS: dict[str, Callable[..., Any]] = {
+    "decode_image": image.decode_pil,
+    "decode_random_resized_crop": jpeg_region.decode_random_resized_crop_pil,
+}
 
 
 def to_array(value: Any) -> np.ndarray:
@@ -159,12 +166,14 @@ class Runner:
             return _Step(index, stage, call_user)
         op = ops.get(stage.op)
         following = self.pipeline.stages[index + 1] if index + 1 < len(self.pipeline.stages) else None
-        if stage.op == "decode_image" and following is not None and following.module.startswith(TORCHVISION):
+        if stage.op in _PIL_DECODERS and following is not None and following.module.startswith(TORCHVISION):
             # The same decode, kept as the PIL image the torchvision transform takes (no array round trip).
-            from kspeed.preprocess.image import decode_pil
+            decode_pil = _PIL_DECODERS[stage.op]
 
             def call_decode(value: Any, seed: int, epoch: int, sample: int) -> Any:
-                return decode_pil(value, **params)
+                if not op.random:
+                    return decode_pil(value, **params)
+                return decode_pil(value, rng.sample_rng(seed, epoch, sample, index), **params)
 
             return _Step(index, stage, call_decode)
 

@@ -18,7 +18,8 @@ LIBRARIES = ("numpy", "Pillow", "torch", "torchvision", "scipy")
 
 @functools.cache
 def libraries() -> dict[str, str]:
-    """Installed versions of :data:`LIBRARIES` and of Pillow's JPEG and zlib codecs (absent ones left out)."""
+    """Installed versions of :data:`LIBRARIES`, of Pillow's JPEG and zlib codecs and of the libjpeg-turbo
+    the region decoder (:mod:`kspeed.preprocess.jpeg_region`) was built against (absent ones left out)."""
     found = {}
     for name in LIBRARIES:
         with contextlib.suppress(metadata.PackageNotFoundError):
@@ -30,6 +31,11 @@ def libraries() -> dict[str, str]:
             version = features.version(codec)
             if version:
                 found[key] = str(version)
+        from kspeed.preprocess import jpeg_region
+
+        region = jpeg_region.version()
+        if region:
+            found["jpeg_region"] = region
     return found
 
 

@@ -23,6 +23,7 @@ EXPECTED = {
     "resize": (False, False),
     "center_crop": (False, False),
     "random_resized_crop": (True, False),
+    "decode_random_resized_crop": (True, True),
     "flip": (True, False),
     "to_chw": (False, False),
     "cast": (False, False),
@@ -94,6 +95,8 @@ def test_good_parameters_pass(name, params):
 
 BAD = [
     ("resize", {"size": 256, "sizes": 3}, "resize.sizes", "no parameter 'sizes'"),
+    ("decode_random_resized_crop", {}, "decode_random_resized_crop.size", "needs parameter 'size'"),
+    ("decode_random_resized_crop", {"size": 8, "ratio": [2, 1]}, "decode_random_resized_crop.ratio", "low <= high"),
     ("resize", {}, "resize.size", "needs parameter 'size'"),
     ("resample", {"orig_rate": 16000}, "resample.new_rate", "needs parameter 'new_rate'"),
     ("to_chw", {"layout": "chw"}, "to_chw.layout", "no parameter 'layout'"),
