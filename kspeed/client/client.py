@@ -286,6 +286,7 @@ class KSpeedClient:
         name: str | None = None,
         preload: bool = True,
         cache: str = "",
+        region_decode: bool = False,
         **options: Any,
     ) -> PreparedDataset:
         """Serve a torchvision-style folder dataset (``.samples``, ``.loader``, transforms) from the servers.
@@ -312,12 +313,16 @@ class KSpeedClient:
             cache: ``"preprocessed"``: the servers keep each image after the leading transforms
                 that are not random and give a fixed size (``Resize``, ``CenterCrop``), applied
                 once at preload, and run the rest every epoch; ``""``: they keep the files.
+            region_decode: decode only the region a leading ``RandomResizedCrop`` keeps, with
+                libjpeg-turbo, in one stage (:mod:`kspeed.preprocess.jpeg_region`): the same boxes,
+                resampled differently (a different but equally distributed augmentation), faster.
             **options: the other options of :meth:`dataset` (``seed``, ``shuffle``, ``drop_last``,
                 ``rank``, ``world_size``, ``rail``, ``ring_bytes``, ``quiet``).
 
         Raises:
             ConfigError: the dataset lacks ``.samples``/``.loader``, a stage cannot be pickled, the
-                loader needs a path, an option is unknown, or the list file cannot be written (named).
+                loader needs a path, an option is unknown, the list file cannot be written, or
+                ``cache``/``region_decode`` cannot apply or the servers refuse it (named).
             StateError: called with workers from a top-level line of the main script outside
                 ``if __name__ == "__main__":``, which each worker would run again (named).
             DatasetError, AccessDeniedError: the servers cannot list or read the files.
@@ -327,7 +332,9 @@ class KSpeedClient:
         stages = folder_stages(dataset, loader, collate_fn)
         feed_options = FeedOptions.from_kwargs(batch_size, sampler, **options)
         offload = feed_options.fixed_offload
-        pipeline, why = folder_pipeline_choice(stages, offload=offload, cache=cache, workers=num_workers)
+        pipeline, why = folder_pipeline_choice(
+            stages, offload=offload, cache=cache, workers=num_workers, region_decode=region_decode
+        )
         workers = None
         # with offload="auto" the split may leave samples to this client: its workers are made ready
         if client_workers_needed(stages, pipeline, offload=0.0 if feed_options.auto_offload else offload):
@@ -349,7 +356,7 @@ class KSpeedClient:
                         1.0 if feed_options.offload is None else feed_options.offload,
                     )
                 except (AccessDeniedError, ConfigError) as exc:
-                    if cache:
+                    if cache or region_decode:  # asked for: not kept silently from the user
                         raise
                     why = f"the servers refused its pipeline: {exc}"
                     level = logging.WARNING  # the servers' preprocess_allow or workers, not the dataset: worth a word

@@ -196,26 +196,30 @@ def folder_stages(dataset: Any, loader: Callable[..., Any] | None, collate_fn: C
 
 
 def folder_pipeline_choice(
-    stages: Stages, *, offload: float | None, cache: str, workers: int | None
+    stages: Stages, *, offload: float | None, cache: str, workers: int | None, region_decode: bool = False
 ) -> tuple[Pipeline | None, str]:
     """The pipeline the servers may run for ``stages``, or ``None`` and why not; kept with
     ``offload=0`` too (the client then runs all its stages, seeded per sample as on the servers).
+    ``region_decode``: decode only the region of a leading ``RandomResizedCrop``
+    (:mod:`kspeed.preprocess.jpeg_region`).
 
     Raises:
         ConfigError: a stage cannot be pickled for the workers, ``cache`` is unknown, or
-            ``cache="preprocessed"`` while the stages cannot run on the servers (named).
+            ``cache="preprocessed"`` or ``region_decode`` while the stages cannot run as a pipeline
+            (named).
     """
     if workers != 0:  # the stages travel to worker processes
         check_picklable(stages)
     if cache not in CACHES:
         raise ConfigError(f"cache {cache!r} is not one of '', 'preprocessed'", field="cache", value=cache)
-    pipeline, why = folder_pipeline(stages.loader, stages.transform, cache=bool(cache))
-    if cache and pipeline is None:
-        raise ConfigError(
-            f"cache={cache!r} needs the loader and transforms to run on the servers, and {why}",
-            field="cache",
-            value=cache,
-        )
+    pipeline, why = folder_pipeline(stages.loader, stages.transform, cache=bool(cache), region_decode=region_decode)
+    for asked, field, value in ((cache, "cache", cache), (region_decode, "region_decode", region_decode)):
+        if asked and pipeline is None:
+            raise ConfigError(
+                f"{field}={value!r} needs the loader and transforms to run as a pipeline, and {why}",
+                field=field,
+                value=value,
+            )
     return pipeline, why
 
 

@@ -43,7 +43,7 @@ import kspeed.client.prepared as prepared_module
 from kspeed import DatasetSpec, KSpeedClient
 from kspeed.cli.cluster import LocalCluster, wait_for
 from kspeed.errors import AccessDeniedError, CapacityError, ConfigError, DatasetError, NotFoundError
-from kspeed.preprocess import Output, Pipeline, Stage
+from kspeed.preprocess import Output, Pipeline, Stage, jpeg_region
 from kspeed.preprocess.runner import Runner
 from tests.client.test_wrap import alive, assert_same_batches
 from tests.conftest import FAST_MANAGER
@@ -426,6 +426,42 @@ def test_wrap_runs_a_folders_uint8_transforms_on_the_servers(start):
         # (a dataset's stage times go with it: asked while the job holds it)
         assert server_stages_ran(cluster, "3:torchvision.transforms:PILToTensor")
     assert total(cluster, PREPROCESSED) - before >= 2 * len(folder)
+
+
+@pytest.mark.skipif(not jpeg_region.available(), reason="this install has no region decoder")
+def test_wrap_with_region_decode_crops_alike_wherever_the_crop_runs(start):
+    # The opt-in fast path: one stage decodes only each crop's region; the servers (under another
+    # CPU capability) and this client give the same bytes, those of the stages run in this process.
+    cluster, client, photos = start()
+    folder = ImageFolder(str(photos.root), transform=Compose([RandomResizedCrop(SIDE), PILToTensor()]))
+    sampler = SequentialSampler(folder)
+    got = {}
+    for offload in (1.0, 0.0):
+        with client.wrap(
+            folder,
+            BATCH,
+            sampler=sampler,
+            num_workers=0,
+            ring_bytes=RING,
+            quiet=True,
+            offload=offload,
+            seed=SEED,
+            region_decode=True,
+        ) as wrapped:
+            pipeline = wrapped.dataset.pipeline
+            assert pipeline is not None and pipeline.stages[0].op == "decode_random_resized_crop"
+            wrapped.set_epoch(1)
+            got[offload] = list(wrapped)
+            ran_here = set(wrapped.stats()["client_stage_seconds"])
+            if offload == 1.0:  # (a dataset's stage times go with it: asked while the job holds it)
+                assert server_stages_ran(cluster, "0:decode_random_resized_crop")
+        assert ("0:decode_random_resized_crop" in ran_here) == (offload == 0.0)
+    assert_same_batches(got[0.0], got[1.0])
+    runner = Runner(pipeline)
+    for k, (images, labels) in enumerate(got[1.0]):
+        ids = range(k * BATCH, (k + 1) * BATCH)
+        want = [runner.run(photos.data(i), seed=SEED, epoch=1, sample=i) for i in ids]
+        assert torch.equal(images, torch.stack(want)) and labels.tolist() == [photos.label(i) for i in ids]
 
 
 def test_wrap_keeps_float_transforms_on_the_client(start):

@@ -96,7 +96,9 @@ def plan_prep(
     return PrepSplit(stages, fraction, options.seed, nbytes, skip, adjustable=auto)
 
 
-def folder_pipeline(loader: Any, transform: Any, *, cache: bool = False) -> tuple[Pipeline | None, str]:
+def folder_pipeline(
+    loader: Any, transform: Any, *, cache: bool = False, region_decode: bool = False
+) -> tuple[Pipeline | None, str]:
     """The pipeline that runs a folder dataset's loader and transforms on the servers, or why not.
 
     Possible when the loader is torchvision's PIL loader (an exact ``decode_image`` to RGB) and
@@ -106,7 +108,14 @@ def folder_pipeline(loader: Any, transform: Any, *, cache: bool = False) -> tupl
     a fixed size so the ring can be laid out before the bytes exist. With ``cache`` the last of the
     leading transforms that are not random and give a fixed size declares its output too, so a
     dataset cached preprocessed keeps the samples as they leave it (e.g. after ``Resize`` and
-    ``CenterCrop``); none such is a reason not to offload.
+    ``CenterCrop``); none such is a reason not to offload. With ``region_decode`` the decode and a
+    leading ``RandomResizedCrop`` become one ``decode_random_resized_crop`` stage
+    (:mod:`kspeed.preprocess.jpeg_region`: only the crop's region is decoded).
+
+    Raises:
+        ConfigError: ``region_decode`` where it cannot apply (no pipeline, a first transform that is
+            not ``RandomResizedCrop``, ``cache``, an interpolation Pillow lacks, or no region decoder
+            in this install), named.
     """
     from kspeed.client.prep.workers import pil_file_loader
     from kspeed.preprocess import transforms
@@ -136,7 +145,35 @@ def folder_pipeline(loader: Any, transform: Any, *, cache: bool = False) -> tupl
     stages = [Stage("decode_image", {"mode": "RGB"}, "server")]
     for k, (op, params) in enumerate(described):
         stages.append(Stage(op, params, "server" if k < cut else "client", outputs.get(k)))
+    if region_decode:
+        stages[:2] = [_region_decode(described[0], cache, outputs.get(0))]
     return Pipeline(stages), ""
+
+
+def _region_decode(first: tuple[str, Mapping[str, Any]], cache: bool, output: Output | None) -> Stage:
+    """The ``decode_random_resized_crop`` stage that stands for the decode and ``first``, a
+    ``RandomResizedCrop``; ``output``: the crop's declared output, when the cut is after it.
+
+    Raises:
+        ConfigError: it cannot (named).
+    """
+    from kspeed.preprocess import image, jpeg_region
+
+    op, params = first
+    why = ""
+    if op.partition(":")[2] != "RandomResizedCrop":
+        why = f"the first transform is {op.partition(':')[2]}, not RandomResizedCrop"
+    elif cache:
+        why = "cache='preprocessed' keeps a sample before its random stages, and the crop is the first"
+    elif params["interpolation"] not in image.INTERPOLATIONS:
+        why = (
+            f"its interpolation {params['interpolation']!r} is not one of Pillow's ({', '.join(image.INTERPOLATIONS)})"
+        )
+    if why:
+        raise ConfigError(f"region_decode=True: {why}", field="region_decode", value=True)
+    jpeg_region.require()
+    fused = {name: params[name] for name in ("size", "scale", "ratio", "interpolation")}
+    return Stage("decode_random_resized_crop", fused, "server", output)
 
 
 def _declared(produced: Any) -> Output:
