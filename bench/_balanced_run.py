@@ -1,10 +1,10 @@
 """One configuration of ``bench/balanced.py``, run in a fresh process: ``python bench/_balanced_run.py SPEC OUT``.
 
 ``SPEC`` is a JSON file naming the configuration (``calibrate``, ``dataloader`` with its worker count,
-or ``kspeed``), the workload, its folder and the cores; the figures go to ``OUT`` as JSON. The
-process pins itself (and so the DataLoader's or KSpeed client's worker processes) to the training
-core; for ``kspeed`` it starts a fresh local cluster (one manager, one server) pinned to the server
-core first, and stops it after.
+or ``kspeed``, opted in to ``region_decode`` or not), the workload, its folder and the cores; the
+figures go to ``OUT`` as JSON. The process pins itself (and so the DataLoader's or KSpeed client's
+worker processes) to the training core; for ``kspeed`` it starts a fresh local cluster (one
+manager, one server) pinned to the server core first, and stops it after.
 """
 
 from __future__ import annotations
@@ -165,8 +165,11 @@ def dataloader(root: Path, workload: Workload, workers: int, step: TrainStep, co
     return run_timed(lambda: loader, workload, step, loader_pids, cores)
 
 
-def kspeed(root: Path, workload: Workload, step: TrainStep, cores: dict, log_dir: Path) -> dict:
-    """A user's ``client.wrap(folder, batch_size, sampler)`` served by a fresh local cluster on the server core."""
+def kspeed(
+    root: Path, workload: Workload, step: TrainStep, cores: dict, log_dir: Path, region_decode: bool = False
+) -> dict:
+    """A user's ``client.wrap(folder, batch_size, sampler)`` served by a fresh local cluster on the server core
+    (with ``region_decode``, the opt-in ``wrap(..., region_decode=True)``)."""
     import torch
     from torchvision.datasets import ImageFolder
 
@@ -189,7 +192,8 @@ def kspeed(root: Path, workload: Workload, step: TrainStep, cores: dict, log_dir
             wait_for(lambda: len(client.manager.servers()) == 1, 30, "the server to register")
             folder = ImageFolder(str(root), transform=transform())
             began = time.perf_counter()
-            ds = client.wrap(folder, batch_size=workload.batch_size, sampler=sampler_of(folder, workload))
+            opt_in = {"region_decode": True} if region_decode else {}
+            ds = client.wrap(folder, batch_size=workload.batch_size, sampler=sampler_of(folder, workload), **opt_in)
             wrap_s = time.perf_counter() - began
             ratios: list[float] = []
 
@@ -256,7 +260,7 @@ def main() -> int:
         if spec["mode"] == "dataloader":
             figures = dataloader(root, workload, spec["workers"], step, cores)
         else:
-            figures = kspeed(root, workload, step, cores, Path(spec["log_dir"]))
+            figures = kspeed(root, workload, step, cores, Path(spec["log_dir"]), spec.get("region_decode", False))
         figures["train_step_op_ms"] = step.op_seconds * 1e3
     figures["load_average_at_start"] = list(load)
     Path(sys.argv[2]).write_text(json.dumps(figures, indent=2) + "\n")

@@ -27,6 +27,7 @@ MISSED when missed, never asserted).
     python bench/balanced.py --json bench/results/balanced.json --png bench/results/balanced.png
     python bench/balanced.py --quick                       # small sets, one timed epoch: does it run
     python bench/balanced.py --workload crops600           # one workload (repeatable)
+    python bench/balanced.py --region-decode               # also KSpeed opted in to region_decode=True
 
 The photographs are written once under ``/var/tmp/kspeed-balanced`` and reused; the logs of each
 run (each configuration's output, the daemons' logs) go to ``/var/tmp/kspeed-balanced/logs/<time>``.
@@ -83,8 +84,9 @@ def run_config(spec: dict, log: Path, timeout: float) -> dict:
         return figures
 
 
-def run_workload(workload: Workload, cores: dict, log_dir: Path, timeout: float) -> dict:
-    """Every configuration of one workload, and its ceiling."""
+def run_workload(workload: Workload, cores: dict, log_dir: Path, timeout: float, region_decode: bool = False) -> dict:
+    """Every configuration of one workload, and its ceiling; with ``region_decode``, also KSpeed
+    opted in to ``wrap(..., region_decode=True)`` (``kspeed_region``, beside the target, not in it)."""
     root, record = ensure_data(workload)
     base = {"workload": asdict(workload), "root": str(root), "cores": cores, "log_dir": str(log_dir / workload.name)}
     calibration = run_config({**base, "mode": "calibrate"}, log_dir / f"{workload.name}-calibrate.log", timeout)
@@ -94,7 +96,10 @@ def run_workload(workload: Workload, cores: dict, log_dir: Path, timeout: float)
     print(f"{workload.name}: local preprocessing {cost * 1e3:.2f} ms of CPU per sample; the step costs the same")
     results: dict[str, dict] = {}
     configs = [(f"dataloader_w{k}", {"mode": "dataloader", "workers": k}) for k in WORKERS]
-    for label, extra in [*configs, ("kspeed", {"mode": "kspeed"})]:
+    configs.append(("kspeed", {"mode": "kspeed"}))
+    if region_decode:
+        configs.append(("kspeed_region", {"mode": "kspeed", "region_decode": True}))
+    for label, extra in configs:
         spec = {**base, **extra, "step_s_per_sample": cost}
         figures = run_config(spec, log_dir / f"{workload.name}-{label}.log", timeout)
         results[label] = figures
@@ -105,7 +110,7 @@ def run_workload(workload: Workload, cores: dict, log_dir: Path, timeout: float)
         line = f"  {label}: {figures['samples_per_s']:.1f} samples/s, client {client_ms:.2f} ms/sample beyond the step"
         others = figures["training_core"]["others"], figures["server_core"]["others"]
         line += f"; other work took {others[0]:.0%} of core 0, {others[1]:.0%} of core 1"
-        if label == "kspeed":
+        if label.startswith("kspeed"):
             offload = figures["offload"]
             line += f", offload {offload.get('ratio')} ({offload.get('reason') or offload.get('last_decision')})"
         print(line)
@@ -132,6 +137,9 @@ def summary(results: dict) -> dict:
         return {"best_dataloader": None, "kspeed_vs_best": math.nan, "ceiling_samples_per_s": math.nan}
     best = max(loaders, key=loaders.get)
     out = {"best_dataloader": best, "best_dataloader_samples_per_s": loaders[best]}
+    region = results.get("kspeed_region", {})
+    if region and "error" not in region:
+        out["kspeed_region_vs_best"] = region["samples_per_s"] / loaders[best]
     if "error" in kspeed or not kspeed:
         return {**out, "kspeed_vs_best": math.nan, "ceiling_samples_per_s": math.nan}
     receive = kspeed["client_cpu_s_per_sample"]
@@ -157,6 +165,11 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="small sets and one timed epoch: checks that it runs")
     parser.add_argument("--workload", action="append", choices=list(WORKLOADS), help="run only this workload")
     parser.add_argument("--timeout", type=float, default=CONFIG_TIMEOUT, help="seconds per configuration")
+    parser.add_argument(
+        "--region-decode",
+        action="store_true",
+        help="also run KSpeed opted in to wrap(..., region_decode=True) (kspeed_region; not in the target)",
+    )
     args = parser.parse_args()
 
     usable = sorted(os.sched_getaffinity(0))
@@ -173,7 +186,7 @@ def main() -> int:
     if args.quick:
         workloads = [quick(w) for w in workloads]
 
-    figures = {w.name: run_workload(w, cores, log_dir, args.timeout) for w in workloads}
+    figures = {w.name: run_workload(w, cores, log_dir, args.timeout, args.region_decode) for w in workloads}
     targets = []
     for name, doc in figures.items():
         value = doc.get("kspeed_vs_best", math.nan)
@@ -224,8 +237,14 @@ def chart(doc: dict, path: str) -> None:
     if plt is None:
         return
     labels = [*(f"dataloader_w{k}" for k in WORKERS), "kspeed"]
-    names = {"kspeed": "KSpeed (auto)", **{f"dataloader_w{k}": f"DataLoader w{k}" for k in WORKERS}}
-    colours = ["lightgrey", "darkgrey", "dimgrey", "tab:blue"]
+    names = {
+        "kspeed": "KSpeed (auto)",
+        "kspeed_region": "KSpeed, region_decode=True",
+        **{f"dataloader_w{k}": f"DataLoader w{k}" for k in WORKERS},
+    }
+    colours = ["lightgrey", "darkgrey", "dimgrey", "tab:blue", "tab:green"]
+    if any("kspeed_region" in doc["workloads"][w].get("results", {}) for w in doc["workloads"]):
+        labels.append("kspeed_region")
     workloads = list(doc["workloads"])
     width = 0.8 / len(labels)
     fig, ax = plt.subplots(figsize=(9, 4.5))

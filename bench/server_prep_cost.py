@@ -14,7 +14,14 @@ machine is shared, and a neighbour changes the wall clock far more than the work
   the worker process's CPU and the calling thread's;
 - **cluster**: a real server producing for a client (``client.wrap(..., offload=1.0)``), the
   server pinned to one core and the client to the other; the CPU of the server's main process,
-  its feeder and its preprocessing workers per sample delivered.
+  its feeder and its preprocessing workers per sample delivered; then, loader-bound, the samples/s
+  of two epochs back to back (the server's core the bound) beside ``DataLoader(num_workers=0)``'s
+  on the client's core.
+
+``--region-decode`` has the server run ``wrap(..., region_decode=True)`` (the decode and the crop
+as one stage decoding only the crop's region), ``--workload imagenet2048`` takes the photographs of
+``bench/balanced.py``'s workload, and ``--dali-python PY`` also times DALI's CPU pipeline on the
+server's core (``bench/_dali_rate.py``, run by a Python that has ``nvidia-dali``).
 
 The in-process figures are interleaved (``--rounds`` rounds of imagefolder, runner, worker, each
 over every photograph) and reported as the median and the minimum over rounds; the cluster's
@@ -23,16 +30,19 @@ produces ahead of the client), with ImageFolder measured again between epochs (o
 core, the server's being busy), so that a ratio compares figures taken moments apart.
 
     python bench/server_prep_cost.py --json bench/results/server_prep_cost.json
+    python bench/server_prep_cost.py --workload imagenet2048 --region-decode --dali-python /opt/dali/bin/python
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import re
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -42,6 +52,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from _balanced_data import WORKLOADS, ensure_data
 from _common import machine_info, write_json
 from preprocess import transform, write_photos
 
@@ -99,7 +110,7 @@ def role(pid: int) -> str:
 class Photos:
     """The photographs: their folder, their bytes, and the offloaded pipeline's server stages."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, region_decode: bool = False) -> None:
         from torchvision.datasets import ImageFolder
 
         from kspeed.client.prep.offload import folder_pipeline
@@ -107,7 +118,8 @@ class Photos:
 
         self.folder = ImageFolder(str(root), transform=transform())
         self.data = [Path(path).read_bytes() for path, _ in self.folder.samples]
-        pipeline, why = folder_pipeline(pil_file_loader, transform())
+        self.region_decode = region_decode
+        pipeline, why = folder_pipeline(pil_file_loader, transform(), region_decode=region_decode)
         if pipeline is None:
             raise SystemExit(f"the pipeline is not offloaded: {why}")
         self.pipeline = pipeline
@@ -224,7 +236,15 @@ def cluster(photos: Photos, root: Path, work: Path, epochs: int, batch: int) -> 
         client = KSpeedClient(config=config)
         wait_for(lambda: len(client.manager.servers()) == 1, 30, "the server to register")
         server = int(local.servers[0].ready["pid"])
-        wrapped = client.wrap(photos.folder, batch_size=batch, seed=0, offload=1.0, num_workers=0, quiet=True)
+        wrapped = client.wrap(
+            photos.folder,
+            batch_size=batch,
+            seed=0,
+            offload=1.0,
+            num_workers=0,
+            quiet=True,
+            region_decode=photos.region_decode,
+        )
         wrapped.set_epoch(0)
         for _ in wrapped:  # warm-up: the preload, the workers' imports
             pass
@@ -249,10 +269,30 @@ def cluster(photos: Photos, root: Path, work: Path, epochs: int, batch: int) -> 
         for pid in pids:
             spent[role(pid)] = spent.get(role(pid), 0.0) + process_cpu(pid) - before[pid]
         produced = preprocessed(http) - produced
+        # Loader-bound: epochs back to back, the client only receiving and collating, so that the
+        # server's one core is the bound (the window full of the next epoch's samples is drained
+        # first: its first seconds are not counted).
+        wrapped.set_epoch(epochs + 1)
+        for _ in wrapped:
+            pass
+        bound, began = 0, time.perf_counter()
+        for epoch in range(epochs + 2, epochs + 4):
+            wrapped.set_epoch(epoch)
+            for images, _ in wrapped:
+                bound += len(images)
+        loader_bound = bound / (time.perf_counter() - began)
         wrapped.close()
         client.close()
     finally:
         local.stop()
+    # The same, loader-bound, from one client core: DataLoader(num_workers=0) over ImageFolder.
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(photos.folder, batch_size=batch, shuffle=True, num_workers=0)
+    began, count = time.perf_counter(), 0
+    for images, _ in loader:
+        count += len(images)
+    dataloader = count / (time.perf_counter() - began)
     per_sample = {k: v / produced for k, v in sorted(spent.items()) if k != "other"}
     total = sum(per_sample.values())
     folder = statistics.median(local_cost)
@@ -260,6 +300,8 @@ def cluster(photos: Photos, root: Path, work: Path, epochs: int, batch: int) -> 
         "samples": samples,
         "preprocessed": produced,
         "samples_per_s_wall": samples / seconds,
+        "loader_bound_samples_per_s": loader_bound,
+        "dataloader_one_core_samples_per_s": dataloader,
         "cpu_s_per_sample": per_sample,
         "total_cpu_s_per_sample": total,
         "imagefolder_cpu_s_per_sample": folder,
@@ -278,6 +320,16 @@ def preprocessed(http: str) -> int:
     return int(float(match.group(1)))
 
 
+def dali_rate(python: str, root: Path, core: int, rounds: int, batch: int) -> dict:
+    """DALI's CPU pipeline over the photographs on ``core`` (``bench/_dali_rate.py`` run by ``python``)."""
+    script = Path(__file__).resolve().parent / "_dali_rate.py"
+    argv = [python, str(script), str(root), "--core", str(core), "--epochs", str(rounds), "--batch", str(batch)]
+    done = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=1800)
+    if done.returncode != 0:
+        raise SystemExit(f"DALI's pipeline failed ({done.returncode}): {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def summary(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "rounds": values}
 
@@ -289,6 +341,22 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, default=4, help="timed cluster epochs (after a warm-up)")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--no-cluster", action="store_true", help="in-process figures only")
+    parser.add_argument(
+        "--workload",
+        choices=list(WORKLOADS),
+        default=None,
+        help="the photographs of a bench/balanced.py workload (kept under /var/tmp) instead of --images crops",
+    )
+    parser.add_argument(
+        "--region-decode",
+        action="store_true",
+        help="the server runs wrap(..., region_decode=True): the decode and the crop as one stage",
+    )
+    parser.add_argument(
+        "--dali-python",
+        default=None,
+        help="a Python with nvidia-dali: also time DALI's CPU pipeline on the server's core (bench/_dali_rate.py)",
+    )
     parser.add_argument("--label", default="", help="a note stored with the results (e.g. the commit)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -301,9 +369,13 @@ def main() -> int:
     cores = sorted(os.sched_getaffinity(0))
     work = Path(tempfile.mkdtemp(prefix="kspeed-bench-prepcost-"))
     try:
-        root = work / "photos"
-        dataset_bytes = write_photos(root, args.images)
-        photos = Photos(root)
+        if args.workload:
+            root, record = ensure_data(WORKLOADS[args.workload])
+            dataset_bytes, args.images = record["bytes"], record["images"]
+        else:
+            root = work / "photos"
+            dataset_bytes = write_photos(root, args.images)
+        photos = Photos(root, region_decode=args.region_decode)
         os.sched_setaffinity(0, {cores[-1]})  # every in-process figure on the core the server gets
         worker = Worker(photos, PREP_TASK_SAMPLES)
         from kspeed.preprocess.runner import Runner
@@ -329,6 +401,12 @@ def main() -> int:
         results["imagefolder_over_runner"] = summary(
             [f / r for f, r in zip(figures["imagefolder"], figures["runner"], strict=True)]
         )
+        if args.dali_python:
+            results["dali"] = dali_rate(args.dali_python, root, cores[-1], args.rounds, args.batch)
+            print(
+                f"DALI CPU pipeline on one core: {results['dali']['cpu_s_per_sample'] * 1e3:.3f} ms of CPU per sample, "
+                f"{results['dali']['samples_per_s']:.0f} samples/s"
+            )
         if not args.no_cluster and len(cores) >= 2:
             results["cluster"] = cluster(photos, root, work, args.epochs, args.batch)
             c = results["cluster"]
@@ -336,7 +414,9 @@ def main() -> int:
                 f"cluster: {c['total_cpu_s_per_sample'] * 1e3:.3f} ms of server CPU per sample "
                 f"({', '.join(f'{k} {v * 1e3:.3f}' for k, v in c['cpu_s_per_sample'].items())}); "
                 f"ImageFolder {c['imagefolder_cpu_s_per_sample'] * 1e3:.3f} ms: "
-                f"{c['imagefolder_over_server']:.3f} of a client core's samples per server core"
+                f"{c['imagefolder_over_server']:.3f} of a client core's samples per server core; loader-bound "
+                f"{c['loader_bound_samples_per_s']:.0f} samples/s from the server's core, "
+                f"{c['dataloader_one_core_samples_per_s']:.0f} from DataLoader(num_workers=0) on the client's"
             )
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -348,6 +428,9 @@ def main() -> int:
             "images": args.images,
             "dataset_bytes": dataset_bytes,
             "pipeline": "decode (PIL), RandomResizedCrop(224), RandomHorizontalFlip, PILToTensor",
+            "workload": args.workload or f"{args.images} crops",
+            "region_decode": args.region_decode,
+            "server_stages": [stage.op for stage in photos.pipeline.stages[: photos.stages]],
             "task_samples": PREP_TASK_SAMPLES,
             "rounds": args.rounds,
             "cluster_epochs": args.epochs,
