@@ -12,6 +12,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import signal
 import socket
 import sys
 import time
@@ -225,3 +226,14 @@ def write_json(path: str | None, doc: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         f.write(text + "\n")
+
+
+def stop_on_sigterm() -> None:
+    """Make SIGTERM (a scheduler's, ``timeout``'s) unwind like Ctrl-C: every ``finally`` and context
+    manager on the way out stops its daemons and removes its files, where the default would end the
+    process with them left behind."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, stop)

@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _autotune_report import best_fixed, chart, median_run, recovery, targets
 from _autotune_setup import lab_cluster, loopback_cluster, on_core, run_job
-from _common import machine_info, write_json
+from _common import machine_info, stop_on_sigterm, write_json
 
 from tests.netlab import parse_rate
 
@@ -355,6 +355,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    stop_on_sigterm()  # a kill unwinds: the daemons stop, the work directory goes
     if len(os.sched_getaffinity(0)) < 2:
         print("needs two cores: one for training, one for the servers", file=sys.stderr)
         return 2

@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _balanced_data import CACHE, WORKLOADS, Workload, ensure_data, quick
 from _balanced_run import SERVER_ARGS
-from _common import machine_info, pyplot, write_json
+from _common import machine_info, pyplot, stop_on_sigterm, write_json
 
 TARGET = 1.7
 WORKERS = (0, 1, 2)
@@ -171,6 +171,7 @@ def main() -> int:
         help="also run KSpeed opted in to wrap(..., region_decode=True) (kspeed_region; not in the target)",
     )
     args = parser.parse_args()
+    stop_on_sigterm()  # a kill unwinds: the daemons stop, the work directory goes
 
     usable = sorted(os.sched_getaffinity(0))
     if len(usable) < 2:

@@ -35,7 +35,6 @@ import argparse
 import contextlib
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -47,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _cluster import BenchCluster, KSpeedSource
-from _common import GIB, MIB, h2d_gbps, machine_info, memcpy_gbps, socket_gbps, write_json
+from _common import GIB, MIB, h2d_gbps, machine_info, memcpy_gbps, socket_gbps, stop_on_sigterm, write_json
 from _datasets import SampleSet, SizeSpec, batch_size_for, make_sample_set, parse_sizes, sample_count, warm_page_cache
 from _loop import measure
 from _peers import DataLoaderSource, GrpcPullSource, RedisServer, RedisSource
@@ -213,10 +212,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _stop_on_sigterm(signum, frame) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def default_systems() -> list[str]:
     """Every system, less the CUDA ones where no CUDA device is available."""
     cuda = torch.cuda.is_available()
@@ -225,7 +220,7 @@ def default_systems() -> list[str]:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    stop_on_sigterm()
     requested = args.systems.split(",") if args.systems is not None else default_systems()
     systems = [s for s in SYSTEMS if s in requested]
     specs = parse_sizes(args.sizes)

@@ -36,7 +36,6 @@ import multiprocessing as mp
 import os
 import queue
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -53,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
 from _balanced_data import write_imagenet_like
-from _common import machine_info, pyplot, write_json
+from _common import machine_info, pyplot, stop_on_sigterm, write_json
 
 from kspeed.preprocess.image import resized_crop_params
 
@@ -440,10 +439,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _stop_on_sigterm(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
@@ -456,7 +451,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    stop_on_sigterm()
     started = time.perf_counter()
     cores = sorted(os.sched_getaffinity(0))
     root = Path(tempfile.mkdtemp(prefix="kspeed-gpu-prep-"))

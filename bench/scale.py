@@ -26,7 +26,6 @@ import argparse
 import importlib
 import json
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from _common import machine_info, write_json  # noqa: E402
+from _common import machine_info, stop_on_sigterm, write_json  # noqa: E402
 
 PARTS = ("plan", "control", "index")
 
@@ -63,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     every.add_argument("--quick", action="store_true", help="small sizes only (minutes)")
     args = parser.parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so every part stops its daemons and removes its files.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    stop_on_sigterm()
 
     doc: dict = {}
     if args.json and os.path.exists(args.json):

@@ -53,7 +53,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _balanced_data import WORKLOADS, ensure_data
-from _common import machine_info, write_json
+from _common import machine_info, stop_on_sigterm, write_json
 from preprocess import transform, write_photos
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -360,6 +360,7 @@ def main() -> int:
     parser.add_argument("--label", default="", help="a note stored with the results (e.g. the commit)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    stop_on_sigterm()  # a kill unwinds: the daemons stop, the work directory goes
 
     import torch
 
