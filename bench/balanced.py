@@ -270,7 +270,7 @@ def chart(doc: dict, path: str) -> None:
     ax.set_xticks(range(len(workloads)), workloads)
     ax.set_ylabel("samples/s")
     ax.set_title("Balanced CPU-starved node: training on core 0, KSpeed daemons on core 1")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=4)  # below: no bar hidden
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
