@@ -16,6 +16,7 @@ from kspeed.server.backend.sources import open_source
 from kspeed.server.hosting import datasets, records
 from kspeed.server.hosting.datasets import DatasetHost, fingerprint_pb
 from kspeed.server.hosting.records import ASSIGNMENTS_FILE
+from kspeed.server.memory import statefile
 from kspeed.server.memory.pool import MemoryPool, RegionState
 from kspeed.server.memory.statefile import write_atomic as real_write_atomic
 from tests.server.datasets import REGION, write_tree
@@ -198,14 +199,18 @@ def test_a_slow_listing_leaves_heartbeats_and_status_calls_answered(tmp_path, ba
 
 
 class BlockedWrite:
-    """Stands in for the durable write of a state file, held until the test lets it go (a sync on a
-    busy disk)."""
+    """Stands in for the durable write of the state file ``only``, held until the test lets it go (a
+    sync on a busy disk); other state files are written at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, only) -> None:
+        self.only = str(only)
         self.started, self.go = threading.Event(), threading.Event()
         self.paths: list[str] = []
 
     def __call__(self, path, data) -> None:
+        if str(path) != self.only:
+            real_write_atomic(path, data)
+            return
         self.paths.append(str(path))
         self.started.set()
         assert self.go.wait(60), "the test never let the write go"
@@ -215,8 +220,8 @@ class BlockedWrite:
 def test_a_slow_record_of_an_assignment_leaves_heartbeats_answered(tmp_path, backend, pool, tree, monkeypatch):
     host = DatasetHost(pool, backend, str(tmp_path))
     host.assign(request(backend, tmp_path, 0, 6))
-    writing = BlockedWrite()
-    monkeypatch.setattr(records, "write_atomic", writing)
+    writing = BlockedWrite(tmp_path / ASSIGNMENTS_FILE)
+    monkeypatch.setattr(statefile, "write_atomic", writing)
 
     assigning, assigned = in_thread(lambda: host.assign(request(backend, tmp_path, 6, 12)))
     assert writing.started.wait(30)

@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 
 from kspeed.errors import CapacityError, ConfigError, DatasetError, StateError
+from kspeed.server.memory import statefile
 from kspeed.server.memory.pool import MANIFEST_NAME, MemoryPool, RegionState, map_region
 from tests.server.datasets import REGION
+from tests.server.test_host import BlockedWrite, in_thread
 
 
 def test_carve_creates_region_files_of_region_size(pool):
@@ -154,3 +156,35 @@ def test_release_removes_side_files_and_destroy_removes_everything(tmp_path):
     assert not p.side_path("ds", "index.npz").exists()
     p.destroy()
     assert not (tmp_path / "pool").exists()
+
+
+def test_a_slow_manifest_write_leaves_the_pools_counts_answered(pool, monkeypatch):
+    # A seal writes the manifest, which syncs it: seconds on a busy disk. A heartbeat's region
+    # counts wait for the pool's lock, so the write happens after the lock is let go.
+    (region,) = [info.index for info in pool.allocate("ds", [0])]
+    pool.begin_fill(region)
+    writing = BlockedWrite(pool.directory / MANIFEST_NAME)
+    monkeypatch.setattr(statefile, "write_atomic", writing)
+    sealing, sealed = in_thread(lambda: pool.seal(region))
+    assert writing.started.wait(30)
+    asking, answers = in_thread(lambda: (pool.counts(), pool.regions("ds"), pool.region(region)))
+    asking.join(30)
+    still_writing = not writing.go.is_set() and sealing.is_alive()
+    writing.go.set()
+    sealing.join(30)
+    assert still_writing and answers, "the pool's counts waited for the manifest to be written"
+    counts, _, info = answers[0]
+    assert counts[RegionState.SEALED] == 1 and info.state is RegionState.SEALED  # the change, before its write
+    assert sealed == [None] and writing.paths == [str(pool.directory / MANIFEST_NAME)]
+    states = [entry["state"] for entry in json.loads((pool.directory / MANIFEST_NAME).read_text())["regions"]]
+    assert states.count("sealed") == 1
+
+
+def test_a_manifest_snapshot_taken_before_a_newer_one_was_written_is_not_written_over_it(tmp_path):
+    manifest = statefile.OrderedFile(tmp_path / "state.json")
+    older, newer = manifest.snapshot(b"older"), manifest.snapshot(b"newer")
+    manifest.write(newer)
+    manifest.write(older)  # the thread that took it was slower to the file: what it says is out of date
+    assert (tmp_path / "state.json").read_bytes() == b"newer" and manifest.written == newer.number
+    manifest.write(manifest.snapshot(b"newest"))
+    assert (tmp_path / "state.json").read_bytes() == b"newest"

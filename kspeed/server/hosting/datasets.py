@@ -48,9 +48,10 @@ from kspeed.server.hosting.cached_source import CachedSource
 from kspeed.server.hosting.integrity import SampleStore
 from kspeed.server.hosting.listings import Listings, fetch_failed
 from kspeed.server.hosting.preload import Preloader
-from kspeed.server.hosting.records import AssignmentRecords, Snapshot
+from kspeed.server.hosting.records import AssignmentRecords
 from kspeed.server.memory.pool import WINDOW_OWNER, MemoryPool, RegionState
 from kspeed.server.memory.slices import SharedRegions, Slice
+from kspeed.server.memory.statefile import Snapshot
 from kspeed.server.prep.workers import PrepWorkers
 from kspeed.server.production.policies import MemoryPolicy, share_policy
 from kspeed.server.production.state import EpochFigures

@@ -1,10 +1,9 @@
 """The shares a server holds, recorded in its state directory for a restart to re-adopt.
 
-A record is taken as a :class:`Snapshot` under the host's lock (serializing a few requests) and
-written outside it: a write syncs the file, which takes seconds on a busy disk, and the host's lock
-is what heartbeats, health and status calls need meanwhile. Snapshots are numbered as they are
-taken and written in that order: one older than the file's is skipped, as the newer one already
-says everything it would.
+A record is taken as a :class:`~kspeed.server.memory.statefile.Snapshot` under the host's lock
+(serializing a few requests) and written outside it, in the order taken
+(:class:`~kspeed.server.memory.statefile.OrderedFile`): a write syncs the file, and the host's lock
+is what heartbeats, health and status calls need meanwhile.
 """
 
 from __future__ import annotations
@@ -13,27 +12,17 @@ import base64
 import json
 import logging
 import os
-import threading
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from kspeed.errors import StateFileError
 from kspeed.proto import kspeed_pb2
-from kspeed.server.memory.statefile import write_atomic
+from kspeed.server.memory.statefile import OrderedFile, Snapshot
 
-__all__ = ["ASSIGNMENTS_FILE", "AssignmentRecords", "Snapshot"]
+__all__ = ["ASSIGNMENTS_FILE", "AssignmentRecords"]
 
 log = logging.getLogger(__name__)
 
 ASSIGNMENTS_FILE = "assignments.json"
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """The hosted shares at one moment, ready to write."""
-
-    number: int
-    data: bytes
 
 
 class AssignmentRecords:
@@ -41,15 +30,12 @@ class AssignmentRecords:
 
     def __init__(self, state_dir: str) -> None:
         self.path = os.path.join(state_dir, ASSIGNMENTS_FILE)
-        self._writing = threading.Lock()
-        self._taken = 0  # snapshots taken (the caller's lock orders them)
-        self._written = 0  # the newest snapshot in the file
+        self._file = OrderedFile(self.path)
 
     def snapshot(self, requests: Iterable[kspeed_pb2.AssignShareRequest]) -> Snapshot:
         """The record of ``requests``; called under the lock that guards what they are."""
-        self._taken += 1
         data = {f"{r.spec.name}@{r.share.first_id}": base64.b64encode(r.SerializeToString()).decode() for r in requests}
-        return Snapshot(self._taken, json.dumps(data).encode())
+        return self._file.snapshot(json.dumps(data).encode())
 
     def write(self, snapshot: Snapshot) -> None:
         """Make ``snapshot`` (or a newer one) what the file says, durably.
@@ -57,11 +43,7 @@ class AssignmentRecords:
         Raises:
             StateFileError: it cannot be written (the previous version stays).
         """
-        with self._writing:
-            if snapshot.number <= self._written:
-                return
-            write_atomic(self.path, snapshot.data)
-            self._written = snapshot.number
+        self._file.write(snapshot)
 
     def record(self, snapshot: Snapshot) -> None:
         """:meth:`write`, where a file that cannot be written still lists shares let go since, which

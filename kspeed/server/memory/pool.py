@@ -11,12 +11,15 @@ On-disk layout of a pool directory::
     region-00000.bin ...      one file per region, exactly ``region_size`` bytes
     ds-<dataset>.<name>       side files of a dataset (e.g. its sample index), removed on release
 
-The manifest is rewritten whole at every change. When it cannot be written (a full disk) the pool
-goes on as this process knows it and the manifest keeps its last version: a restart then reloads
-what was filled since, and finds the regions released since still given to their dataset (whose
-saved index went with them, so they are reloaded if it is assigned here again, never served as
-they are). Only a dataset's allocation is refused (:class:`~kspeed.errors.StateFileError`): its
-regions would not be re-adopted. The next change that can be written brings the manifest up to date.
+The manifest is rewritten whole at every change, from a snapshot taken under the pool's lock and
+written after it is let go, in order (:class:`~kspeed.server.memory.statefile.OrderedFile`): the
+sync of a write can take seconds on a disk, and a heartbeat's region counts need that lock. When
+it cannot be written (a full disk) the pool goes on as this process knows it and the manifest
+keeps its last version: a restart then reloads what was filled since, and finds the regions
+released since still given to their dataset (whose saved index went with them, so they are
+reloaded if it is assigned here again, never served as they are). Only a dataset's allocation is
+refused (:class:`~kspeed.errors.StateFileError`): its regions would not be re-adopted. The next
+change that can be written brings the manifest up to date.
 
 Region lifecycle (:class:`RegionState`)::
 
@@ -44,7 +47,7 @@ import numpy as np
 
 from kspeed import names
 from kspeed.errors import CapacityError, ConfigError, DatasetError, StateError, StateFileError
-from kspeed.server.memory.statefile import write_atomic
+from kspeed.server.memory.statefile import OrderedFile, Snapshot
 
 __all__ = [
     "DEFAULT_REGION_SIZE",
@@ -137,7 +140,7 @@ class MemoryPool:
 
     Create with :meth:`open` (adopt what the directory holds, carve the rest), :meth:`create`
     (always start empty) or :meth:`adopt`. All methods are thread-safe; every state change is
-    persisted atomically to the manifest before the call returns.
+    persisted atomically to the manifest before the call returns (its sync outside the lock).
 
     Args:
         directory: the pool directory (created if missing).
@@ -155,6 +158,8 @@ class MemoryPool:
         self._maps: list[mmap.mmap | None] = [None] * region_count
         self._arrays: list[np.ndarray | None] = [None] * region_count
         self._closed = False
+        self._manifest = OrderedFile(self.directory / MANIFEST_NAME)
+        self._saving = threading.Lock()  # a write of the manifest and what it says of the outcome
         self._unsaved: StateFileError | None = None
 
     # ------------------------------------------------------------------ construction
@@ -187,7 +192,7 @@ class MemoryPool:
         _remove_pool_files(directory)
         pool = cls(directory, count, region_size, huge_pages=huge_pages)
         pool._materialize(range(count))
-        pool._save()
+        pool._save(pool._snapshot())
         log.info("pool %s: carved %d regions of %d bytes", directory, count, region_size)
         return pool
 
@@ -239,7 +244,7 @@ class MemoryPool:
                 child.unlink()
         pool._shrink_to(count)
         pool._materialize(range(len(pool._regions)))
-        pool._save()
+        pool._save(pool._snapshot())
         log.info("pool %s: adopted %s", directory, pool.counts())
         return pool
 
@@ -330,17 +335,24 @@ class MemoryPool:
                     f"dataset {dataset!r}: requested {len(wanted)} regions of {self.region_size} bytes, "
                     f"{len(free)} free of {len(self._regions)} in pool {self.directory}"
                 )
-            for i, v in zip(free, wanted, strict=False):
+            taken = free[: len(wanted)]
+            for i, v in zip(taken, wanted, strict=True):
                 self._regions[i] = _Region(RegionState.ALLOCATED, dataset, v)
-            try:
-                # A dataset's regions are re-adopted after a restart only if the manifest says whose
-                # they are; the window's and the shared regions never outlive this process.
-                self._save(strict=dataset not in (WINDOW_OWNER, SHARED_OWNER))
-            except StateFileError:
-                for i in free[: len(wanted)]:
-                    self._regions[i] = _Region()
-                raise
-            return [self.region(i) for i in free[: len(wanted)]]
+            snapshot = self._snapshot()
+        try:
+            # A dataset's regions are re-adopted after a restart only if the manifest says whose
+            # they are; the window's and the shared regions never outlive this process.
+            self._save(snapshot, strict=dataset not in (WINDOW_OWNER, SHARED_OWNER))
+        except StateFileError:
+            with self._lock:
+                for i, v in zip(taken, wanted, strict=True):
+                    if self._regions[i] == _Region(RegionState.ALLOCATED, dataset, v):
+                        self._regions[i] = _Region()
+                undone = self._snapshot()
+            if self._manifest.written > snapshot.number:  # a change made meanwhile wrote the allocation
+                self._save(undone)
+            raise
+        return [self.region(i) for i in taken]
 
     def begin_fill(self, index: int) -> None:
         """ALLOCATED -> FILLING: the preloader starts writing the region."""
@@ -370,10 +382,13 @@ class MemoryPool:
                 if r.dataset == dataset and (only is None or r.vindex in only):
                     self._regions[i] = _Region()
                     n += 1
-            self._save()
-            if only is None:
-                for child in self.directory.glob(f"ds-{dataset}.*"):
-                    child.unlink(missing_ok=True)
+            snapshot = self._snapshot()
+        self._save(snapshot)
+        if only is None:
+            with self._lock:
+                if not any(r.dataset == dataset for r in self._regions):  # (not given to it again meanwhile)
+                    for child in self.directory.glob(f"ds-{dataset}.*"):
+                        child.unlink(missing_ok=True)
         log.info("pool %s: released %d regions of dataset %s", self.directory, n, dataset)
         return n
 
@@ -417,7 +432,8 @@ class MemoryPool:
                     f"region {index} (dataset {r.dataset!r}) is {r.state.value}, cannot become {target.value}; {hint}"
                 )
             r.state = target
-            self._save()
+            snapshot = self._snapshot()
+        self._save(snapshot)
 
     def _materialize(self, indices: Iterable[int]) -> None:
         """Create (if needed), allocate and map the region files; all or nothing."""
@@ -467,32 +483,39 @@ class MemoryPool:
         """Why the last write of the manifest failed (``None``: the manifest is up to date)."""
         return self._unsaved
 
-    def _save(self, *, strict: bool = False) -> None:
-        """Write the manifest; a failure is logged and the pool goes on (see the module docstring),
-        or with ``strict`` raised.
-
-        Raises:
-            StateFileError: with ``strict``, the manifest cannot be written.
-        """
+    def _snapshot(self) -> Snapshot:
+        """The manifest as the regions are now; taken under the lock."""
         doc = {
             "version": _MANIFEST_VERSION,
             "region_size": self.region_size,
             "regions": [{"state": r.state.value, "dataset": r.dataset, "vindex": r.vindex} for r in self._regions],
         }
-        try:
-            write_atomic(self.directory / MANIFEST_NAME, json.dumps(doc).encode())
-        except StateFileError as exc:
-            if strict:
-                raise
-            if self._unsaved is None:
-                log.error(
-                    "pool %s: %s; the manifest keeps its last version until it can be written", self.directory, exc
-                )
-            self._unsaved = exc
-            return
-        if self._unsaved is not None:
-            log.info("pool %s: manifest written again", self.directory)
-            self._unsaved = None
+        return self._manifest.snapshot(json.dumps(doc).encode())
+
+    def _save(self, snapshot: Snapshot, *, strict: bool = False) -> None:
+        """Write ``snapshot`` (or a newer one) as the manifest, outside the lock; a failure is logged
+        and the pool goes on (see the module docstring), or with ``strict`` raised.
+
+        Raises:
+            StateFileError: with ``strict``, the manifest cannot be written.
+        """
+        with self._saving:
+            try:
+                self._manifest.write(snapshot)
+            except StateFileError as exc:
+                if strict:
+                    raise
+                if self._unsaved is None:
+                    log.error(
+                        "pool %s: %s; the manifest keeps its last version until it can be written",
+                        self.directory,
+                        exc,
+                    )
+                self._unsaved = exc
+                return
+            if self._unsaved is not None:
+                log.info("pool %s: manifest written again", self.directory)
+                self._unsaved = None
 
 
 def _region_count(memory_bytes: int, region_size: int) -> int:
