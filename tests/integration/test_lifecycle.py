@@ -211,8 +211,11 @@ def test_a_manager_that_lost_its_state_file_gets_its_registry_back_from_the_serv
 def test_a_damaged_state_file_stops_the_manager_with_the_command_that_rebuilds_it(cluster_factory, tmp_path):
     cluster, _, spec = lifecycle_cluster(cluster_factory, tmp_path, grace="30s")
     with KSpeedClient(config=config_for(cluster)) as client:
-        client.dataset(spec, batch_size=BATCH, seed=SEED, ring_bytes=1 << 20, quiet=True).close()
+        # An operator's registration: held with no job, so the manager cannot free it on the way
+        # down (a job's dataset closed just before the stop could be, and then nothing is rebuilt).
+        client.manager.create_dataset(spec.to_proto(), operator=True)
         before = holders_of(client)
+        assert before, "the dataset has no holder to rebuild it from"
     assert cluster.manager.stop() == 0
     state = os.path.join(cluster.state_dir, "manager", "manager.sqlite3")
     with open(state, "r+b") as fh:

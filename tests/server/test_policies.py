@@ -45,15 +45,24 @@ def serve(production: Production, feeders: Feeders, feed: str, epoch: int, pool,
     """Act as a client reading a plan (``batches`` of it, or all): each batch once it is resident,
     byte-checked."""
     plan = feeders.plans[feed, epoch]
-    keys = sorted(files)
     for b in range(len(plan.starts) - 1) if batches is None else batches:
         lo, hi = int(plan.starts[b]), int(plan.starts[b + 1])
         wait(lambda lo=lo, hi=hi: (plan.region[lo:hi] >= 0).all())
+        check_batch(feeders, plan, lo, hi, pool, files, (feed, epoch))
+        production.progress(0, FeedProgress(feed, np.array([[epoch, b, 0, 1 << 30]]), 0))
+
+
+def check_batch(feeders: Feeders, plan, lo: int, hi: int, pool, files, where: tuple) -> None:
+    """Positions ``lo..hi`` of ``plan`` hold their samples' bytes. Read under the feeders' lock, as a
+    feeder holds its read: these stand-ins answer every ``Locate`` at once with no slot still read,
+    so a sample moved while it is read (its place and offset changing apart, its old slot given to
+    another) would otherwise show bytes that no feeder could have written."""
+    keys = sorted(files)
+    with feeders.lock:
         for k in range(lo, hi):
             start, n = int(plan.src[k]), int(plan.length[k])
             got = pool.array(int(plan.region[k]))[start : start + n].tobytes()
-            assert got == files[keys[int(plan.ids[k])]], (feed, epoch, k)
-        production.progress(0, FeedProgress(feed, np.array([[epoch, b, 0, 1 << 30]]), 0))
+            assert got == files[keys[int(plan.ids[k])]], (*where, k)
 
 
 def epochs_of(production: Production, host: PolicyHost, feeders: Feeders, pool, orders: list[np.ndarray]) -> list:
@@ -173,7 +182,6 @@ def serve_ready(production: Production, feeders: Feeders, feed: str, epoch: int,
     """Act as a feeder with ``grants`` (batches, a batch granted twice listed twice) waiting: write
     whichever is resident, the oldest first, byte-checked, until none is left."""
     plan = feeders.plans[feed, epoch]
-    keys = sorted(files)
     starts = plan.starts.tolist()
 
     def ready() -> int | None:
@@ -182,9 +190,7 @@ def serve_ready(production: Production, feeders: Feeders, feed: str, epoch: int,
     while grants:
         wait(lambda: ready() is not None)
         b = ready()
-        for k in range(starts[b], starts[b + 1]):
-            start, n = int(plan.src[k]), int(plan.length[k])
-            assert pool.array(int(plan.region[k]))[start : start + n].tobytes() == files[keys[int(plan.ids[k])]]
+        check_batch(feeders, plan, starts[b], starts[b + 1], pool, files, (feed, epoch))
         production.progress(0, FeedProgress(feed, np.array([[epoch, b, 0, 1 << 30]]), len(grants) - 1))
         grants.remove(b)
 
