@@ -142,6 +142,7 @@ def decode_random_resized_crop_pil(
         whole = np.array(image.decode_pil(data, mode="RGB"))  # writable, as torch wants
         top, left, h, w = image.resized_crop_params(whole.shape[0], whole.shape[1], rng, scale, ratio)
         return _resample(whole, (left, top, left + w, top + h), (out_h, out_w), interpolation)
+    _check_size(height, width)
     top, left, h, w = image.resized_crop_params(height, width, rng, scale, ratio)
     denom = next(d for d in DENOMINATORS if d == 1 or (h // d >= out_h and w // d >= out_w))
     # The box in the image scaled by 1/denom (libjpeg rounds the scaled size up), and the whole
@@ -157,6 +158,22 @@ def decode_random_resized_crop_pil(
         return _resample(whole, (left, top, left + w, top + h), (out_h, out_w), interpolation)
     block = np.frombuffer(pixels, np.uint8).reshape(rows, columns, 3)
     return _resample(block, (x0 - kept, y0 - first_row, x1 - kept, y1 - first_row), (out_h, out_w), interpolation)
+
+
+def _check_size(height: int, width: int) -> None:
+    """Refuse a header that declares more than twice Pillow's ``Image.MAX_IMAGE_PIXELS``, as Pillow's
+    whole decode does (a decompression bomb: libjpeg would allocate for the declared size, a
+    progressive image's coefficients for all of it, before any data is read).
+
+    Raises:
+        ValueError: naming the size and the limit.
+    """
+    limit = Image.MAX_IMAGE_PIXELS
+    if limit is not None and height * width > 2 * limit:
+        raise ValueError(
+            f"cannot decode image: its header declares {width}x{height} = {height * width} pixels, over twice "
+            f"PIL.Image.MAX_IMAGE_PIXELS ({limit}): a decompression bomb (raise that limit for larger images)"
+        )
 
 
 #: Filters resampled by torch's antialiased uint8 kernel; the others by Pillow's.

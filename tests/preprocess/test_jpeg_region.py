@@ -172,6 +172,26 @@ def test_broken_bytes_raise_what_the_decoder_says():
 
 
 @needs_decoder
+def test_a_header_declaring_a_decompression_bomb_is_refused_before_anything_is_decoded(monkeypatch):
+    data = bytearray(encoded(0, (64, 48)))
+    sof = data.index(b"\xff\xc0")  # baseline frame header: length, precision, height, width
+    data[sof + 5 : sof + 9] = (60000).to_bytes(2, "big") + (60000).to_bytes(2, "big")
+    native = jpeg_region._NATIVE
+    assert native is not None and native.header(bytes(data))[:2] == (60000, 60000)
+
+    class NoDecode:
+        header = staticmethod(native.header)
+
+        @staticmethod
+        def decode(*args):
+            raise AssertionError("decoded a bomb")
+
+    monkeypatch.setattr(jpeg_region, "_NATIVE", NoDecode)
+    with pytest.raises(ValueError, match=r"declares 60000x60000 .* a decompression bomb"):
+        jpeg_region.decode_random_resized_crop(bytes(data), np.random.default_rng(0), size=32)
+
+
+@needs_decoder
 def test_the_native_decoder_refuses_a_region_outside_the_image_or_a_scale_it_lacks():
     native = jpeg_region._NATIVE
     assert native is not None
