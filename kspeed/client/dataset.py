@@ -282,6 +282,23 @@ class KSpeedDataset(IterableDataset):
                 spent[stage] = spent.get(stage, 0.0) + seconds
         return spent
 
+    def server_prep_figures(self) -> dict[str, kspeed_pb2.PrepFigures]:
+        """Each server's preprocessing counters now, this job's samples among them, by server id
+        (a server that does not report them, or cannot be reached, is left out): what
+        ``offload="auto"`` and ``kspeed analyze`` read the servers' capacity from."""
+        manager = self._manager
+        job = (manager.config.job if manager is not None else "") or default_job()
+        out: dict[str, kspeed_pb2.PrepFigures] = {}
+        for link in {path.link.server_id: path.link for path in self._feed.paths}.values():
+            try:
+                figures = link.prep_figures(job[:200])
+            except KSpeedError as exc:
+                log.debug("dataset %s: no preprocessing figures from %s: %s", self.name, link.name, exc)
+                continue
+            if figures is not None:
+                out[link.server_id] = figures
+        return out
+
     @property
     def rail(self) -> str:
         """The rail of the receive ring."""

@@ -235,17 +235,7 @@ class AutoOffload:
                 continue
             if figures is None:
                 continue
-            total_cpu = figures.cpu_seconds + figures.daemon_cpu_seconds if figures.daemon_cpu_seconds > 0 else 0.0
-            reading = Reading(
-                figures.workers,
-                figures.busy_seconds,
-                figures.samples,
-                total_cpu,
-                figures.cores,
-                figures.cpu_group,
-                figures.job_samples if self._job and figures.HasField("job_samples") else None,
-            )
-            self.servers.read(link.server_id, reading, self._clock())
+            self.servers.read(link.server_id, Reading.of(figures, counts_job=bool(self._job)), self._clock())
             busy += figures.busy_seconds
             cpu += figures.cpu_seconds
             ran += figures.samples

@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["LoopMeter", "PrepMeter", "Reading", "ServerMeter", "Window", "run_queue_wait"]
 
@@ -207,6 +208,21 @@ class Reading:
     cores: int = 0
     group: str = ""
     job_samples: int | None = None
+
+    @classmethod
+    def of(cls, figures: Any, *, counts_job: bool) -> Reading:
+        """A server's :class:`~kspeed.proto.kspeed_pb2.PrepFigures` as a reading (``counts_job``:
+        they were asked for with a job, whose samples they then count where the server does)."""
+        total_cpu = figures.cpu_seconds + figures.daemon_cpu_seconds if figures.daemon_cpu_seconds > 0 else 0.0
+        return cls(
+            figures.workers,
+            figures.busy_seconds,
+            figures.samples,
+            total_cpu,
+            figures.cores,
+            figures.cpu_group,
+            figures.job_samples if counts_job and figures.HasField("job_samples") else None,
+        )
 
 
 class ServerMeter:
