@@ -7,6 +7,7 @@ kspeed dataset list [--json] | show NAME | rm NAME [--force]
 kspeed preload NAME
 kspeed server drain ID [--wait] [--allow-degraded] | purge [--config FILE]
 kspeed doctor server|client [--config FILE] [--json]
+kspeed analyze --dataset NAME --batch-size N --step PKG.MOD:FUNC|--step-ms MS|--step-cpu-ms MS [--report DIR]
 kspeed demo [--servers N]
 """
 
@@ -21,7 +22,7 @@ import tempfile
 import time
 
 from kspeed._version import version_line
-from kspeed.cli import doctor, servers
+from kspeed.cli import analyze, doctor, servers
 from kspeed.cli.args import say, subcommand
 from kspeed.cli.cluster import LocalCluster
 from kspeed.cli.tables import dataset_table, job_table, status_table
@@ -218,6 +219,7 @@ examples:
   kspeed dataset rm imgs --force                 remove it even while a job holds it
   kspeed server drain srv-1a2b3c4d --wait        retire a server: its shares move first, jobs only switch
   kspeed doctor server --config /etc/kspeed/kspeed.yaml   what in a server's configuration will bite
+  kspeed analyze --dataset imgs --batch-size 256 --step train:step --report out/   why a job waits
 
 Every command that talks to a manager reads the `client` and `security` sections of --config
 (or KSPEED_CONFIG) and KSPEED_* variables; see deploy/config/kspeed.yaml.
@@ -334,6 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     servers.add_commands(sub)
     doctor.add_commands(sub)
+    analyze.add_commands(sub)
 
     demo = subcommand(sub, "demo", "a short tour of a local cluster (make demo)", manager=False)
     demo.add_argument("--servers", type=int, default=2, metavar="N", help="number of servers (default 2)")
