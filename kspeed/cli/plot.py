@@ -3,7 +3,9 @@
 Drawn from the history the manager keeps per rank (:data:`kspeed.manager.jobs.HISTORY` reports of
 cumulative figures): between two reports, each cause's seconds over the wall seconds between them
 is the share of the loop's time it cost; the step's share is drawn above them, so a rank that
-never waits shows a band of step alone. One panel per rank, the ranks that waited most first.
+never waits shows a band of step alone. A wait is counted when its ``next()`` returns, so an
+interval spent inside one long ``next()`` shows nothing and the next one shows it all. One panel
+per rank, the ranks that waited most first.
 matplotlib is optional (``pip install 'kspeed[plot]'``).
 """
 
@@ -89,6 +91,7 @@ def plot_job(job: dict, path: str | Path, panels: int = MAX_PANELS) -> int:
             steps,
             labels=[*drawn, "step"],
             colors=[*(_COLOURS[c] for c in drawn), "#dddddd"],
+            step="pre",  # each value is the interval's that ends there
         )
         ax.set_ylim(0, 1)
         ax.set_ylabel("share of time")
