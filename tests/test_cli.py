@@ -134,6 +134,80 @@ def test_the_job_table_shows_each_ranks_split_of_preprocessing():
     assert ranks[1]["offload_ratio"] is None
 
 
+def _attributed_job():
+    from kspeed.proto import kspeed_pb2
+
+    job = kspeed_pb2.JobStats(job="j")
+    for rank, (prep, link, step) in enumerate(((9.0, 1.0, 10.0), (0.1, 0.1, 19.8), (2.0, 3.0, 15.0))):
+        r = job.ranks.add(rank=rank, world_size=3, host=f"h{rank}", dataset="d", step_s=step)
+        r.blocked.add(cause="prep", server="srv-a", stage="1:resize", seconds=prep)
+        r.blocked.add(cause="link", server="srv-b", seconds=link)
+        h = job.history.add(rank=rank, dataset="d")
+        for k in range(5):
+            h.samples.add(
+                report_unix=100.0 + 5 * k,
+                wait_total_s=k * (prep + link) / 4,
+                step_s=k * step / 4,
+                blocked=[
+                    kspeed_pb2.BlockedSeconds(cause="prep", seconds=k * prep / 4),
+                    kspeed_pb2.BlockedSeconds(cause="link", seconds=k * link / 4),
+                ],
+            )
+    job.blocked.add(cause="prep", server="srv-a", seconds=11.1)
+    return job
+
+
+def test_the_job_table_names_the_slowest_ranks_and_their_top_cause():
+    from kspeed.cli.tables import job_table
+    from kspeed.control.status import job_dict
+
+    job = _attributed_job()
+    shown = job_dict(job)
+    ranks = {r["rank"]: r for r in shown["ranks"]}
+    assert ranks[0]["wait_share"] == pytest.approx(0.5) and ranks[0]["blocked_s"] == pytest.approx(10.0)
+    assert ranks[0]["top_cause"] == {"cause": "prep", "server": "srv-a", "stage": "1:resize", "seconds": 9.0}
+    assert ranks[2]["top_cause"]["cause"] == "link"
+    assert shown["blocked"] == [{"cause": "prep", "server": "srv-a", "seconds": 11.1}]
+    assert len(shown["history"]) == 3 and shown["history"][0]["samples"][-1]["blocked"]["prep"] == 9.0
+    table = job_table(job)
+    slowest = table[table.index("SLOWEST RANKS") :].splitlines()
+    assert [line.split()[0] for line in slowest[1:]] == ["0/3", "2/3", "1/3"]  # by wait share
+    assert "prep (1:resize)" in slowest[1] and "srv-a" in slowest[1] and "90%" in slowest[1]
+
+
+def test_the_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from kspeed.cli.plot import plot_job, rank_series
+    from kspeed.control.status import job_dict
+
+    shown = job_dict(_attributed_job())
+    times, shares, steps = rank_series(shown["history"][0]["samples"])
+    assert times == [5.0, 10.0, 15.0, 20.0]
+    assert shares["prep"][0] == pytest.approx(9.0 / 4 / 5) and steps[0] == pytest.approx(10.0 / 4 / 5)
+    out = tmp_path / "waits.png"
+    assert plot_job(shown, out, panels=2) == 2
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_plot_names_the_extra_to_install_without_matplotlib(monkeypatch, tmp_path):
+    import builtins
+
+    from kspeed.cli.plot import plot_job
+    from kspeed.control.status import job_dict
+    from kspeed.errors import ConfigError
+
+    real = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    with pytest.raises(ConfigError, match=r"pip install 'kspeed\[plot\]'"):
+        plot_job(job_dict(_attributed_job()), tmp_path / "x.png")
+
+
 def test_the_status_table_shows_each_servers_preprocessing_workers_and_jobs():
     from kspeed.cli.tables import status_table
     from kspeed.control.status import server_dict

@@ -32,7 +32,7 @@ from kspeed.control.daemon import StopSignals
 from kspeed.control.manager_client import ManagerClient
 from kspeed.control.progress import follow_preload
 from kspeed.control.status import dataset_dict, human_bytes, job_dict, status_dict
-from kspeed.errors import KSpeedError
+from kspeed.errors import ConfigError, KSpeedError
 from kspeed.policies import POLICIES
 from kspeed.proto import kspeed_pb2
 
@@ -138,9 +138,16 @@ def cmd_status(args: argparse.Namespace) -> int:
     config = load_config(ClientConfig, args)
     with ManagerClient(config, peer_name="kspeed-cli") as client:
         if args.job:
-            job = client.call("GetJobStats", kspeed_pb2.JobRequest(job=args.job))
+            job = client.call("GetJobStats", kspeed_pb2.JobRequest(job=args.job, history=bool(args.plot)))
             say(json.dumps(job_dict(job), indent=2, sort_keys=True) if args.json else job_table(job))
+            if args.plot:
+                from kspeed.cli.plot import plot_job  # (matplotlib, optional, only for this)
+
+                drawn = plot_job(job_dict(job), args.plot)
+                print(f"kspeed: wrote {args.plot} ({drawn} rank(s))", file=sys.stderr)
             return 0
+        if args.plot:
+            raise ConfigError("--plot draws a job's ranks: give --job NAME too", field="plot")
         status = client.status()
         # The status lists the live servers; the ones that left stay known, with why they left.
         shown = {record.id for record in status.servers}
@@ -273,9 +280,16 @@ def build_parser() -> argparse.ArgumentParser:
         "print the cluster: servers, pooled memory, datasets (or one job's ranks)",
         "  kspeed status --manager 10.0.0.5:7070\n"
         "  kspeed status --json                  GET /v1/status, and the servers that left\n"
-        "  kspeed status --job resnet50          data wait and throughput per rank, and their spread\n",
+        "  kspeed status --job resnet50          data wait and throughput per rank, and their spread\n"
+        "  kspeed status --job resnet50 --plot waits.png   each rank's wait over time, by cause\n",
     )
     status.add_argument("--job", default="", metavar="NAME", help="show this training job's ranks instead")
+    status.add_argument(
+        "--plot",
+        default="",
+        metavar="FILE",
+        help="with --job: draw each rank's wait over time by cause (pip install 'kspeed[plot]')",
+    )
     status.add_argument("--json", action="store_true", help="print JSON")
     status.set_defaults(func=cmd_status)
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from kspeed.control.status import dataset_dict, human_bytes, job_dict, state_name
 from kspeed.proto import kspeed_pb2
 
-__all__ = ["dataset_table", "job_table", "status_table"]
+__all__ = ["dataset_table", "job_table", "slowest_ranks_table", "status_table"]
 
 READY, LEFT = kspeed_pb2.ServerState.SERVER_STATE_READY, kspeed_pb2.ServerState.SERVER_STATE_LEFT
 
@@ -152,4 +152,36 @@ def job_table(job: kspeed_pb2.JobStats) -> str:
         ("samples/s", job.samples_per_s, ""),
     ):
         lines.append(f"{name:<20}" + "".join(f"{v:>10.2f}{unit:<1}" for v in (sp.min, sp.p50, sp.p99, sp.max)))
+    slowest = slowest_ranks_table(job_dict(job)["ranks"])
+    if slowest:
+        lines += ["", slowest]
     return "\n".join(lines)
+
+
+SLOWEST = 5  # ranks shown by their wait's top cause
+
+
+def slowest_ranks_table(ranks: list[dict], count: int = SLOWEST) -> str:
+    """The ``count`` ranks with the largest share of their loop's time waiting, with the cause
+    most of it went to ("" when no rank reports causes)."""
+    attributed = [r for r in ranks if r["top_cause"] is not None]
+    if not attributed:
+        return ""
+    attributed.sort(key=lambda r: r["wait_share"], reverse=True)
+    rows = []
+    for r in attributed[:count]:
+        top = r["top_cause"]
+        cause = top["cause"] + (f" ({top['stage']})" if top["stage"] else "")
+        rows.append(
+            (
+                f"{r['rank']}/{r['world_size']}",
+                r["dataset"],
+                f"{100 * r['wait_share']:.1f}%",
+                f"{r['blocked_s']:.2f}s",
+                cause,
+                top["server"] or "-",
+                f"{100 * top['seconds'] / r['blocked_s']:.0f}%" if r["blocked_s"] > 0 else "-",
+            )
+        )
+    header = ("SLOWEST RANKS", "DATASET", "WAIT/TIME", "WAITED", "TOP CAUSE", "SERVER", "OF WAIT")
+    return _table(header, rows)

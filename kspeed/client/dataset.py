@@ -350,6 +350,7 @@ class KSpeedDataset(IterableDataset):
             record=lambda r, d: record_of(self.name, model, r, prep.server_stages, d),
             kept=dict(kept.rates) if kept is not None else None,
             job=job[:200],
+            loop=self._parts.attribution.loop,
         )
 
     def _check_open(self) -> None:
@@ -388,6 +389,21 @@ class _EpochIterator:
         return max(self._plan.num_batches - self._next, 0)
 
     def __next__(self) -> Batch:
+        attribution = self._ds._parts.attribution  # (the time in here is the rank's data wait)
+        attribution.enter()
+        try:
+            batch = self._advance()
+        except StopIteration:
+            attribution.leave(0)
+            attribution.forget_step()  # until the next epoch's first batch is no training step
+            raise
+        except BaseException:
+            attribution.leave(0)
+            raise
+        attribution.leave(len(batch.ids))
+        return batch
+
+    def _advance(self) -> Batch:
         ds = self._ds
         if ds._closed:
             raise StateError(f"dataset {ds.name!r} was closed during iteration")

@@ -202,6 +202,8 @@ class PreparedDataset(IterableDataset):
             transform_workers.install(self._stages)
         self._workers: TransformWorkers | InlineWorkers | None = transform_workers
         self._delivered = 0
+        #: where the rank's wait goes; its loop meter is the tuner's too
+        self._attribution = inner._parts.attribution
         #: the self-tuned split (offload="auto"), fed by the batches and the calls of next()
         self._auto = inner.offload_tuner()
         inner.report_also(self._offload)
@@ -239,9 +241,9 @@ class PreparedDataset(IterableDataset):
 
     def _deliver(self, batches: Iterator[Any]) -> Iterator[Any]:
         pending: deque[_Task] = deque()
-        auto = self._auto
-        if auto is not None:
-            auto.loop.forget_step()  # the time since the last epoch's batch was no training step
+        attribution = self._attribution
+        attribution.forget_step()  # the time since the last epoch's batch was no training step
+        attribution.enter()  # the first next(): the wait until a batch is handed over (see _hand)
         try:
             for batch in batches:
                 pending.append(self._submit(batch))
@@ -252,24 +254,26 @@ class PreparedDataset(IterableDataset):
         except GeneratorExit:  # the loop stopped early: drop the batches in flight, keep the workers
             for task in pending:
                 task.future.cancel()
+            attribution.enter()  # (left when the batch was handed over: the wait was counted)
             raise
         except BaseException:
             for task in pending:
                 task.future.cancel()
             self._stop_workers()
             raise
+        finally:
+            attribution.leave(0)
+            attribution.forget_step()
 
     def _hand(self, task: _Task) -> Iterator[Any]:
-        """Yield ``task``'s batch; the tuner sees when it was handed over and when the next was asked for."""
+        """Yield ``task``'s batch; the time from the loop asking for it to its hand-over is the
+        rank's wait (the loop meter, shared with the tuner, sees both ends)."""
         value = self._collect(task)
-        auto = self._auto
-        if auto is None:
-            yield value
-            return
-        auto.loop.handed(len(task.ids))
+        self._attribution.leave(len(task.ids))
         yield value
-        auto.loop.asked()
-        auto.tick()
+        self._attribution.enter()
+        if self._auto is not None:
+            self._auto.tick()
 
     def _ready_workers(self) -> TransformWorkers | InlineWorkers:
         """The workers, started by the first batch that needs them unless they were given started,
@@ -402,6 +406,7 @@ class PreparedDataset(IterableDataset):
 
     def _collect(self, task: _Task) -> Any:
         where = f"batch {task.index} of epoch {task.epoch} of dataset {self.name!r}"
+        waited = time.monotonic()
         try:
             result = self._result(task)
         except SampleFailure as exc:
@@ -426,6 +431,8 @@ class PreparedDataset(IterableDataset):
             raise DatasetError(
                 f"{where} failed in a transform worker: {type(exc).__name__}: {exc}", dataset=self.name
             ) from exc
+        finally:
+            self._attribution.client_prep(time.monotonic() - waited)
         if len(result.skipped) == len(task.ids):
             raise DatasetError(
                 f"every sample of {where} failed and was left out (on_error='skip'): {result.skipped[0][1]}",

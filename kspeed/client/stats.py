@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
+from kspeed.client.attribution import blocked_messages
 from kspeed.control.manager_client import ManagerClient
 from kspeed.errors import KSpeedError
 from kspeed.histogram import Histogram
@@ -125,12 +126,14 @@ class StatsReporter:
         dataset: str,
         collect: Callable[[], dict],
         interval: float,
+        refresh: Callable[[], None] | None = None,
     ) -> None:
         self._manager = manager
         self._base = kspeed_pb2.RankStats(
             job=job, rank=rank, world_size=world_size, dataset=dataset, host=socket.gethostname(), pid=os.getpid()
         )
         self._collect = collect
+        self._refresh = refresh
         self._interval = interval
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kspeed-stats-{dataset}", daemon=True)
@@ -157,6 +160,10 @@ class StatsReporter:
                 stale_completions=s.get("stale_completions", 0),
             )
         )
+        attribution = s.get("attribution")
+        if attribution:
+            report.blocked.extend(blocked_messages(attribution))
+            report.step_s = attribution["step_s"]
         offload = s.get("offload")
         if offload:
             report.offload_ratio = float(offload.get("ratio", 0.0))
@@ -173,6 +180,11 @@ class StatsReporter:
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
+            if self._refresh is not None:  # the servers' figures, one small call each, off the data path
+                try:
+                    self._refresh()
+                except KSpeedError as exc:
+                    log.debug("reading the servers' figures failed (will retry): %s", exc)
             self.send()
 
     def close(self) -> None:
@@ -218,6 +230,9 @@ class PrometheusCollector:
         for server, value in s["server_bytes"].items():
             per_server.add_metric([self._dataset.name, server], value)
         yield per_server
+        attribution = s.get("attribution")
+        if attribution:
+            yield from _attribution_metrics(self._dataset.name, attribution)
         pacing = s.get("pacing")
         if pacing:
             yield from _pacing_metrics(self._dataset.name, pacing)
@@ -253,6 +268,26 @@ def _offload_metrics(dataset: str, offload: dict) -> Iterator:
             family = GaugeMetricFamily(metric, doc, labels=["dataset"])
             family.add_metric([dataset], float(value))
             yield family
+
+
+def _attribution_metrics(dataset: str, attribution: dict) -> Iterator:
+    """The wait by cause beside the step (docs/analyze.md, Attribution while a job runs), named as
+    Ray Data names its blocked and user seconds."""
+    from prometheus_client.core import CounterMetricFamily
+
+    blocked = CounterMetricFamily(
+        "kspeed_client_blocked_seconds",
+        "Seconds the training loop waited in next(), by cause, server and stage",
+        labels=["dataset", "cause", "server", "stage"],
+    )
+    for row in attribution["rows"]:
+        blocked.add_metric([dataset, row["cause"], row["server"], row["stage"]], row["seconds"])
+    yield blocked
+    step = CounterMetricFamily(
+        "kspeed_client_step_seconds", "Seconds the training loop spent outside next() (its step)", labels=["dataset"]
+    )
+    step.add_metric([dataset], attribution["step_s"])
+    yield step
 
 
 def _pacing_metrics(dataset: str, pacing: dict) -> Iterator:

@@ -6,11 +6,13 @@ facts.
 
 from __future__ import annotations
 
+from typing import Any
+
 from kspeed.control.lifecycle import state_name
 from kspeed.proto import kspeed_pb2
 from kspeed.uris import redact
 
-__all__ = ["dataset_dict", "human_bytes", "job_dict", "server_dict", "state_name", "status_dict"]
+__all__ = ["dataset_dict", "human_bytes", "job_dict", "rank_attribution", "server_dict", "state_name", "status_dict"]
 
 
 def server_dict(record: kspeed_pb2.ServerRecord) -> dict:
@@ -148,6 +150,7 @@ def job_dict(job: kspeed_pb2.JobStats) -> dict:
                 "report_unix": r.report_unix,
                 "offload_ratio": r.offload_ratio if r.HasField("offload_ratio") else None,
                 "offload_reason": r.offload_reason,
+                **rank_attribution(r),
             }
             for r in job.ranks
         ],
@@ -156,6 +159,40 @@ def job_dict(job: kspeed_pb2.JobStats) -> dict:
             "wait_p99_ms": spread(job.wait_p99_ms),
             "samples_per_s": spread(job.samples_per_s),
         },
+        "blocked": [{"cause": b.cause, "server": b.server, "seconds": b.seconds} for b in job.blocked],
+        "history": [
+            {
+                "rank": h.rank,
+                "dataset": h.dataset,
+                "samples": [
+                    {
+                        "report_unix": x.report_unix,
+                        "wait_total_s": x.wait_total_s,
+                        "step_s": x.step_s,
+                        "blocked": {b.cause: b.seconds for b in x.blocked},
+                    }
+                    for x in h.samples
+                ],
+            }
+            for h in job.history
+        ],
+    }
+
+
+def rank_attribution(r: kspeed_pb2.RankStats) -> dict:
+    """A rank's wait by cause: every row, its total, its share of the loop's time (wait over wait
+    plus step) and its top cause (``None`` from a rank that reports no causes)."""
+    rows: list[dict[str, Any]] = [
+        {"cause": b.cause, "server": b.server, "stage": b.stage, "seconds": b.seconds} for b in r.blocked
+    ]
+    blocked = sum(b.seconds for b in r.blocked)
+    top = max(rows, key=lambda row: float(row["seconds"]), default=None)
+    return {
+        "blocked": rows,
+        "blocked_s": blocked,
+        "step_s": r.step_s,
+        "wait_share": blocked / (blocked + r.step_s) if blocked + r.step_s > 0 else 0.0,
+        "top_cause": top if top is not None and top["seconds"] > 0 else None,
     }
 
 

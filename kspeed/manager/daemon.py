@@ -70,7 +70,7 @@ class Manager:
             config.heartbeat_interval,
             probe=lambda address: self.calls.probe(address, config.probe_timeout),
         )
-        self.metrics = ManagerMetrics(self.membership, self.catalog)
+        self.metrics = ManagerMetrics(self.membership, self.catalog, self.service.jobs)
         self.health = HealthServicer()
         self._stopping = asyncio.Event()
         self._ready = False

@@ -10,6 +10,7 @@ from prometheus_client.registry import Collector
 
 from kspeed.control.lifecycle import state_name
 from kspeed.manager.datasets import DatasetCatalog
+from kspeed.manager.jobs import JobBoard
 from kspeed.manager.membership import Membership
 from kspeed.proto import kspeed_pb2
 
@@ -75,14 +76,42 @@ class _CatalogCollector(Collector):
         )
 
 
+class _JobCollector(Collector):
+    """The jobs' data waits by cause and server, and their steps, summed over the ranks reporting
+    now (a rank that stops reporting leaves the sums: they are gauges of counters' sums)."""
+
+    def __init__(self, jobs: JobBoard) -> None:
+        self._jobs = jobs
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        blocked = CounterMetricFamily(
+            "kspeed_job_blocked_seconds",
+            "Seconds the job's ranks waited for data, by cause and server (docs/analyze.md)",
+            labels=["job", "cause", "server"],
+        )
+        for (job, cause, server), seconds in sorted(self._jobs.blocked().items()):
+            blocked.add_metric([job, cause, server], seconds)
+        yield blocked
+        step = CounterMetricFamily(
+            "kspeed_job_step_seconds", "Seconds the job's ranks spent in their training steps", labels=["job"]
+        )
+        for job, seconds in sorted(self._jobs.steps().items()):
+            step.add_metric([job], seconds)
+        yield step
+
+
 class ManagerMetrics:
     """Every metric the manager exports."""
 
-    def __init__(self, membership: Membership, catalog: DatasetCatalog | None = None) -> None:
+    def __init__(
+        self, membership: Membership, catalog: DatasetCatalog | None = None, jobs: JobBoard | None = None
+    ) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_MembershipCollector(membership))
         if catalog is not None:
             self.registry.register(_CatalogCollector(catalog))
+        if jobs is not None:
+            self.registry.register(_JobCollector(jobs))
         self.probes = Counter(
             "kspeed_manager_health_probes", "Active health probes of servers", ["result"], registry=self.registry
         )

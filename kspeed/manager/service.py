@@ -276,7 +276,7 @@ class ManagerService:
     async def GetJobStats(
         self, request: kspeed_pb2.JobRequest, context: grpc.aio.ServicerContext
     ) -> kspeed_pb2.JobStats:
-        return self.jobs.job(request.job)
+        return self.jobs.job(request.job, history=request.history)
 
     async def GetTuning(
         self, request: kspeed_pb2.TuningRequest, context: grpc.aio.ServicerContext

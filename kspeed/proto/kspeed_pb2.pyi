@@ -832,7 +832,7 @@ class CloseFeedReply(_message.Message):
     def __init__(self) -> None: ...
 
 class RankStats(_message.Message):
-    __slots__ = ("job", "rank", "world_size", "host", "pid", "dataset", "batches", "samples", "bytes", "elapsed_s", "wait_total_s", "wait_mean_ms", "wait_p50_ms", "wait_p99_ms", "wait_max_ms", "server_bytes", "stale_completions", "report_unix", "offload_ratio", "offload_reason")
+    __slots__ = ("job", "rank", "world_size", "host", "pid", "dataset", "batches", "samples", "bytes", "elapsed_s", "wait_total_s", "wait_mean_ms", "wait_p50_ms", "wait_p99_ms", "wait_max_ms", "server_bytes", "stale_completions", "report_unix", "offload_ratio", "offload_reason", "blocked", "step_s")
     class ServerBytesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -860,6 +860,8 @@ class RankStats(_message.Message):
     REPORT_UNIX_FIELD_NUMBER: _ClassVar[int]
     OFFLOAD_RATIO_FIELD_NUMBER: _ClassVar[int]
     OFFLOAD_REASON_FIELD_NUMBER: _ClassVar[int]
+    BLOCKED_FIELD_NUMBER: _ClassVar[int]
+    STEP_S_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     world_size: int
@@ -880,17 +882,65 @@ class RankStats(_message.Message):
     report_unix: float
     offload_ratio: float
     offload_reason: str
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., dataset: _Optional[str] = ..., batches: _Optional[int] = ..., samples: _Optional[int] = ..., bytes: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., wait_total_s: _Optional[float] = ..., wait_mean_ms: _Optional[float] = ..., wait_p50_ms: _Optional[float] = ..., wait_p99_ms: _Optional[float] = ..., wait_max_ms: _Optional[float] = ..., server_bytes: _Optional[_Mapping[str, int]] = ..., stale_completions: _Optional[int] = ..., report_unix: _Optional[float] = ..., offload_ratio: _Optional[float] = ..., offload_reason: _Optional[str] = ...) -> None: ...
+    blocked: _containers.RepeatedCompositeFieldContainer[BlockedSeconds]
+    step_s: float
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., dataset: _Optional[str] = ..., batches: _Optional[int] = ..., samples: _Optional[int] = ..., bytes: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., wait_total_s: _Optional[float] = ..., wait_mean_ms: _Optional[float] = ..., wait_p50_ms: _Optional[float] = ..., wait_p99_ms: _Optional[float] = ..., wait_max_ms: _Optional[float] = ..., server_bytes: _Optional[_Mapping[str, int]] = ..., stale_completions: _Optional[int] = ..., report_unix: _Optional[float] = ..., offload_ratio: _Optional[float] = ..., offload_reason: _Optional[str] = ..., blocked: _Optional[_Iterable[_Union[BlockedSeconds, _Mapping]]] = ..., step_s: _Optional[float] = ...) -> None: ...
+
+class BlockedSeconds(_message.Message):
+    __slots__ = ("cause", "server", "stage", "seconds")
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    SERVER_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    cause: str
+    server: str
+    stage: str
+    seconds: float
+    def __init__(self, cause: _Optional[str] = ..., server: _Optional[str] = ..., stage: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class ReportStatsReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class JobRequest(_message.Message):
-    __slots__ = ("job",)
+    __slots__ = ("job", "history")
     JOB_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
     job: str
-    def __init__(self, job: _Optional[str] = ...) -> None: ...
+    history: bool
+    def __init__(self, job: _Optional[str] = ..., history: _Optional[bool] = ...) -> None: ...
+
+class RankSample(_message.Message):
+    __slots__ = ("report_unix", "wait_total_s", "step_s", "blocked")
+    REPORT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    WAIT_TOTAL_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_S_FIELD_NUMBER: _ClassVar[int]
+    BLOCKED_FIELD_NUMBER: _ClassVar[int]
+    report_unix: float
+    wait_total_s: float
+    step_s: float
+    blocked: _containers.RepeatedCompositeFieldContainer[BlockedSeconds]
+    def __init__(self, report_unix: _Optional[float] = ..., wait_total_s: _Optional[float] = ..., step_s: _Optional[float] = ..., blocked: _Optional[_Iterable[_Union[BlockedSeconds, _Mapping]]] = ...) -> None: ...
+
+class RankHistory(_message.Message):
+    __slots__ = ("rank", "dataset", "samples")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    dataset: str
+    samples: _containers.RepeatedCompositeFieldContainer[RankSample]
+    def __init__(self, rank: _Optional[int] = ..., dataset: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[RankSample, _Mapping]]] = ...) -> None: ...
+
+class JobBlocked(_message.Message):
+    __slots__ = ("cause", "server", "seconds")
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    SERVER_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    cause: str
+    server: str
+    seconds: float
+    def __init__(self, cause: _Optional[str] = ..., server: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class Spread(_message.Message):
     __slots__ = ("min", "max", "p50", "p99")
@@ -905,18 +955,22 @@ class Spread(_message.Message):
     def __init__(self, min: _Optional[float] = ..., max: _Optional[float] = ..., p50: _Optional[float] = ..., p99: _Optional[float] = ...) -> None: ...
 
 class JobStats(_message.Message):
-    __slots__ = ("job", "ranks", "wait_mean_ms", "wait_p99_ms", "samples_per_s")
+    __slots__ = ("job", "ranks", "wait_mean_ms", "wait_p99_ms", "samples_per_s", "blocked", "history")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     WAIT_MEAN_MS_FIELD_NUMBER: _ClassVar[int]
     WAIT_P99_MS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    BLOCKED_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
     job: str
     ranks: _containers.RepeatedCompositeFieldContainer[RankStats]
     wait_mean_ms: Spread
     wait_p99_ms: Spread
     samples_per_s: Spread
-    def __init__(self, job: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankStats, _Mapping]]] = ..., wait_mean_ms: _Optional[_Union[Spread, _Mapping]] = ..., wait_p99_ms: _Optional[_Union[Spread, _Mapping]] = ..., samples_per_s: _Optional[_Union[Spread, _Mapping]] = ...) -> None: ...
+    blocked: _containers.RepeatedCompositeFieldContainer[JobBlocked]
+    history: _containers.RepeatedCompositeFieldContainer[RankHistory]
+    def __init__(self, job: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankStats, _Mapping]]] = ..., wait_mean_ms: _Optional[_Union[Spread, _Mapping]] = ..., wait_p99_ms: _Optional[_Union[Spread, _Mapping]] = ..., samples_per_s: _Optional[_Union[Spread, _Mapping]] = ..., blocked: _Optional[_Iterable[_Union[JobBlocked, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[RankHistory, _Mapping]]] = ...) -> None: ...
 
 class ListJobsRequest(_message.Message):
     __slots__ = ()
@@ -988,13 +1042,15 @@ class ClusterStatus(_message.Message):
     def __init__(self, cluster_id: _Optional[str] = ..., manager_version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., servers: _Optional[_Iterable[_Union[ServerRecord, _Mapping]]] = ..., revision: _Optional[int] = ..., datasets: _Optional[_Iterable[_Union[DatasetInfo, _Mapping]]] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
-    __slots__ = ("job",)
+    __slots__ = ("job", "dataset")
     JOB_FIELD_NUMBER: _ClassVar[int]
+    DATASET_FIELD_NUMBER: _ClassVar[int]
     job: str
-    def __init__(self, job: _Optional[str] = ...) -> None: ...
+    dataset: str
+    def __init__(self, job: _Optional[str] = ..., dataset: _Optional[str] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("id", "inventory", "software_version", "protocol_versions", "manager_address", "registered", "incarnation", "prep")
+    __slots__ = ("id", "inventory", "software_version", "protocol_versions", "manager_address", "registered", "incarnation", "prep", "production")
     ID_FIELD_NUMBER: _ClassVar[int]
     INVENTORY_FIELD_NUMBER: _ClassVar[int]
     SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -1003,6 +1059,7 @@ class ServerInfo(_message.Message):
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     PREP_FIELD_NUMBER: _ClassVar[int]
+    PRODUCTION_FIELD_NUMBER: _ClassVar[int]
     id: str
     inventory: ServerInventory
     software_version: str
@@ -1011,7 +1068,23 @@ class ServerInfo(_message.Message):
     registered: bool
     incarnation: int
     prep: PrepFigures
-    def __init__(self, id: _Optional[str] = ..., inventory: _Optional[_Union[ServerInventory, _Mapping]] = ..., software_version: _Optional[str] = ..., protocol_versions: _Optional[_Iterable[int]] = ..., manager_address: _Optional[str] = ..., registered: _Optional[bool] = ..., incarnation: _Optional[int] = ..., prep: _Optional[_Union[PrepFigures, _Mapping]] = ...) -> None: ...
+    production: ProductionFigures
+    def __init__(self, id: _Optional[str] = ..., inventory: _Optional[_Union[ServerInventory, _Mapping]] = ..., software_version: _Optional[str] = ..., protocol_versions: _Optional[_Iterable[int]] = ..., manager_address: _Optional[str] = ..., registered: _Optional[bool] = ..., incarnation: _Optional[int] = ..., prep: _Optional[_Union[PrepFigures, _Mapping]] = ..., production: _Optional[_Union[ProductionFigures, _Mapping]] = ...) -> None: ...
+
+class ProductionFigures(_message.Message):
+    __slots__ = ("fetch_seconds", "stage_seconds")
+    class StageSecondsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    FETCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STAGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    fetch_seconds: float
+    stage_seconds: _containers.ScalarMap[str, float]
+    def __init__(self, fetch_seconds: _Optional[float] = ..., stage_seconds: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class PrepFigures(_message.Message):
     __slots__ = ("workers", "busy_seconds", "samples", "cpu_seconds", "daemon_cpu_seconds", "cores", "cpu_group", "job_samples")

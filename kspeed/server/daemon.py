@@ -232,6 +232,7 @@ class Server:
             self._registration,
             max_plan_bytes=cfg.max_plan_bytes,
             prep_figures=self._prep_figures,
+            production_figures=feeders.production.production_figures,
         )
         server.add_generic_rpc_handlers(
             (rpc.service_handler("Server", service, max_request_bytes=cfg.max_request_bytes),)

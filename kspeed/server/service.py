@@ -35,6 +35,7 @@ class ServerService:
         *,
         max_plan_bytes: int,
         prep_figures: Callable[[str], kspeed_pb2.PrepFigures | None] = lambda job: None,
+        production_figures: Callable[[str], kspeed_pb2.ProductionFigures | None] = lambda dataset: None,
     ) -> None:
         self._id = server_id
         self._max_plan_bytes = max_plan_bytes
@@ -44,6 +45,7 @@ class ServerService:
         self._inventory = inventory
         self._registration = registration
         self._prep_figures = prep_figures
+        self._production_figures = production_figures
 
     def GetInfo(self, request: kspeed_pb2.GetInfoRequest, context: grpc.ServicerContext) -> kspeed_pb2.ServerInfo:
         registered, incarnation = self._registration()
@@ -56,6 +58,7 @@ class ServerService:
             registered=registered,
             incarnation=incarnation,
             prep=self._prep_figures(request.job),
+            production=self._production_figures(request.dataset) if request.dataset else None,
         )
 
     def DescribeDataset(

@@ -116,6 +116,9 @@ class FakeServer:
     def prep_figures(self, job: str = "") -> kspeed_pb2.PrepFigures | None:
         return None  # runs no pipeline stages
 
+    def production_figures(self, dataset: str) -> kspeed_pb2.ProductionFigures | None:
+        return None  # like a server that predates them
+
     def close_feed(self, feed_id: str) -> None:
         self.closed_feeds += 1
         self._close_writer()

@@ -6,7 +6,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from kspeed import KSpeedClient
+from kspeed.causes import CAUSES
 from kspeed.cli.cluster import wait_for
 from kspeed.proto import kspeed_pb2
 from tests.integration.test_client import config_for, fed  # noqa: F401  (the fixture)
@@ -58,6 +61,17 @@ def test_two_ranks_report_and_status_shows_spread(fed):  # noqa: F811
         shown = json.loads(out.stdout)
         assert [r["rank"] for r in shown["ranks"]] == [0, 1]
         assert set(shown["spread"]) == {"wait_mean_ms", "wait_p99_ms", "samples_per_s"}
+        # each rank's wait by cause: the servers' shares name them, and the rows sum to the rank's wait
+        servers = {s.ready["id"] for s in cluster.servers}
+        for rank in shown["ranks"]:
+            assert rank["blocked"] and rank["top_cause"] is not None and 0 < rank["wait_share"] <= 1
+            assert {b["cause"] for b in rank["blocked"]} <= set(CAUSES)
+            assert {b["server"] for b in rank["blocked"]} <= servers | {""}
+            assert sum(b["seconds"] for b in rank["blocked"]) == pytest.approx(rank["blocked_s"], rel=1e-6)
+        assert {(b["cause"], b["server"]) for b in shown["blocked"]} >= {("client", "")}
+        attribution = local["attribution"]
+        assert attribution["blocked_s"] >= local["wait_total_s"] * 0.9 and attribution["step_s"] >= 0
+        assert set(attribution["by_server"]) <= servers
         table = subprocess.run(
             [
                 sys.executable,

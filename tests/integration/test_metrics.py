@@ -11,6 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kspeed import DatasetSpec, KSpeedClient
+from kspeed.cli.cluster import wait_for
 from kspeed.client.stats import PrometheusCollector
 from tests.helpers import http_get
 from tests.integration.test_client import config_for
@@ -35,14 +36,22 @@ def lint(text: str) -> str:
 def test_promtool_passes_manager_server_and_client_metrics(cluster_factory, tmp_path):
     files = make_tree(tmp_path / "imgs", per_class=8, max_size=8000)
     cluster = cluster_factory(1, server_args=["--backend-allow", str(tmp_path)])
-    client = KSpeedClient(config=config_for(cluster, pacing="on", stats_interval="100ms"))
+    client = KSpeedClient(config=config_for(cluster, job="metrics-job", pacing="on", stats_interval="100ms"))
     try:
         ds = client.dataset(DatasetSpec(name="imgs", uri=str(tmp_path / "imgs")), batch_size=4, quiet=True)
         batches = len(list(ds))
         registry = CollectorRegistry()
         registry.register(PrometheusCollector(ds))
+        # the rank's wait by cause reaches the manager with its next report
+        manager = wait_for(
+            lambda: (lambda text: text if 'kspeed_job_blocked_seconds_total{cause="' in text else None)(
+                http_get(cluster.http_address, "/metrics")[1]
+            ),
+            10,
+            "the job's wait by cause in the manager's metrics",
+        )
         exposed = {
-            "manager": http_get(cluster.http_address, "/metrics")[1],
+            "manager": manager,
             "server": http_get(cluster.servers[0].ready["http"], "/metrics")[1],
             "client": generate_latest(registry).decode(),
         }
@@ -54,6 +63,10 @@ def test_promtool_passes_manager_server_and_client_metrics(cluster_factory, tmp_
     assert f'kspeed_client_batch_wait_seconds_count{{dataset="imgs"}} {float(batches)}' in exposed["client"]
     assert 'kspeed_client_pacing_sub_batch_latency_seconds_bucket{dataset="imgs",le="+Inf"}' in exposed["client"]
     assert "kspeed_server_preload_samples" in exposed["server"] and "kspeed_manager_servers" in exposed["manager"]
+    # the wait by cause beside the step, in seconds, in the training process and summed per job
+    assert 'kspeed_client_blocked_seconds_total{cause="client",dataset="imgs",server="",stage=""}' in exposed["client"]
+    assert 'kspeed_client_step_seconds_total{dataset="imgs"}' in exposed["client"]
+    assert 'job="metrics-job"' in exposed["manager"] and "kspeed_job_step_seconds_total" in exposed["manager"]
     complaints = {name: lint(text) for name, text in exposed.items()}
     assert complaints == {"manager": "", "server": "", "client": ""}
 

@@ -93,3 +93,62 @@ def test_malformed_reports_are_refused(bad):
     with pytest.raises(ProtocolError):
         board.report(bad)
     assert board.jobs() == []
+
+
+def blocked(rows, step=10.0, **kw):
+    stats = report(**kw)
+    stats.step_s = step
+    stats.blocked.extend(kspeed_pb2.BlockedSeconds(cause=c, server=s, stage=st, seconds=v) for c, s, st, v in rows)
+    return stats
+
+
+def test_waits_by_cause_sum_per_job_and_feed_the_metrics():
+    board = JobBoard(wall=Clock())
+    board.report(blocked([("prep", "srv-a", "0:decode", 3.0), ("link", "srv-b", "", 1.0)], rank=0, wait=1.0))
+    board.report(blocked([("prep", "srv-a", "1:resize", 2.0), ("client", "", "", 0.5)], rank=1, wait=1.0))
+    job = board.job("train")
+    assert {(b.cause, b.server): b.seconds for b in job.blocked} == {
+        ("prep", "srv-a"): 5.0,
+        ("link", "srv-b"): 1.0,
+        ("client", ""): 0.5,
+    }
+    assert board.blocked()[("train", "prep", "srv-a")] == 5.0
+    assert board.steps() == {"train": 20.0}
+    assert not job.history  # only when asked for
+
+
+def test_history_is_kept_per_rank_and_bounded():
+    from kspeed.manager.jobs import HISTORY
+
+    clock = Clock()
+    board = JobBoard(wall=clock)
+    for n in range(HISTORY + 10):
+        clock.now += 1
+        board.report(blocked([("prep", "srv-a", "0:decode", float(n)), ("fetch", "srv-a", "", 1.0)], rank=0, wait=1.0))
+    (history,) = board.job("train", history=True).history
+    assert history.rank == 0 and len(history.samples) == HISTORY
+    first, last = history.samples[0], history.samples[-1]
+    assert last.report_unix - first.report_unix == HISTORY - 1  # the oldest went, in order
+    assert {b.cause: b.seconds for b in last.blocked} == {"prep": HISTORY + 9.0, "fetch": 1.0}
+    assert last.step_s == 10.0
+
+
+@pytest.mark.parametrize(
+    ("rows", "why"),
+    [
+        ([("sleeping", "", "", 1.0)], "unknown cause"),
+        ([("prep", "srv a\n", "", 1.0)], "server id"),
+        ([("prep", "srv-a", "x" * 65, 1.0)], "stage"),
+        ([("prep", "srv-a", "0:de\x1bcode", 1.0)], "stage"),
+        ([("link", "srv-a", "", float("nan"))], "finite"),
+        ([("link", "srv-a", "", -1.0)], "finite"),
+        ([("client", "", "", 0.1)] * 1025, "blocked rows"),
+    ],
+)
+def test_malformed_causes_are_refused_with_a_clear_error(rows, why):
+    board = JobBoard(wall=Clock())
+    with pytest.raises(ProtocolError, match=why):
+        board.report(blocked(rows, rank=0, wait=1.0))
+    with pytest.raises(ProtocolError, match="step_s"):
+        board.report(blocked([], step=float("inf"), rank=0, wait=1.0))
+    assert board.jobs() == []

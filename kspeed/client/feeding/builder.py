@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kspeed import wire
+from kspeed.client.attribution import Attribution
 from kspeed.client.delivery.device import Delivery, make_delivery
 from kspeed.client.delivery.device_ring import CupyRingViews, DeviceRingDelivery, device_ring
 from kspeed.client.feeding.failover import Failover
@@ -86,6 +87,8 @@ class FeedParts:
     reporter: StatsReporter | None
     ring_bytes: int
     planner: EpochPlanner
+    #: where the rank's data wait goes (the pump attributes each batch's)
+    attribution: Attribution = field(default_factory=lambda: Attribution([]))
     #: more figures for :meth:`figures` (the prepared dataset's split of preprocessing)
     more: list[Callable[[], dict[str, Any]]] = field(default_factory=list)
 
@@ -113,8 +116,15 @@ class FeedParts:
             "wait_s": self.pump.wait_s,
             "last_wait_s": self.pump.last_wait_s,
             "rail": self.feed.rail,
+            "attribution": self.attribution.figures(self.feed.held_s, self.feed.latency_s),
             **{k: v for more in self.more for k, v in more().items()},
         }
+
+    def production_figures(self, server: str) -> kspeed_pb2.ProductionFigures | None:
+        """``server``'s production figures for this dataset (``None``: not one of its servers now,
+        or one that does not report them)."""
+        link = next((p.link for p in self.feed.paths if p.link.server_id == server), None)
+        return link.production_figures(self.feed.dataset) if link is not None else None
 
 
 def available_memory() -> int:
@@ -321,8 +331,22 @@ def build_feed(
                 dataset=name, info=info, feed=feed, planner=planner, manager=manager, config=config
             )
         stats = RankStats([link.server_id for link in links])
+        pump.attribution = Attribution([link.server_id for link in links])
         undo.pop_all()
-    parts = FeedParts(list(links), orders, delivery, placement, io, feed, pump, stats, None, ring_bytes, planner)
+    parts = FeedParts(
+        list(links),
+        orders,
+        delivery,
+        placement,
+        io,
+        feed,
+        pump,
+        stats,
+        None,
+        ring_bytes,
+        planner,
+        attribution=pump.attribution,
+    )
     if manager is not None:  # the rank's statistics, reported to the manager
         parts.reporter = _reporter(manager, config, options, name, parts)
     return parts
@@ -340,6 +364,7 @@ def _reporter(
         dataset=name,
         collect=parts.figures,
         interval=config.stats_interval,
+        refresh=lambda: parts.attribution.refresh(parts.production_figures),
     )
 
 

@@ -130,6 +130,10 @@ class Feed:
             self.paths.append(ServerPath(i, link, reasons.get(link.server_id, "")))
             self.paths[i].feed_id = self.feed_id_for(i, link.server_id)
         self._by_conn: dict[int, ServerPath] = {}
+        #: per path: seconds its grants waited at the server for production (its HELDs), and seconds
+        #: from grant to completion, since the feed opened (the attribution's production/link split)
+        self.held_s = [0.0] * len(self.paths)
+        self.latency_s = [0.0] * len(self.paths)
         self.outstanding: dict[int, Outstanding] = {}
         self._seq = 0
         self._fenced: list[tuple[GrantedBatch, int | None]] = []  # quarantined slots and the connection cut from them
@@ -218,7 +222,7 @@ class Feed:
             if offset is None:
                 return None
             now = time.monotonic()
-            slot = GrantedBatch(plan, batch, offset, {}, now)
+            slot = GrantedBatch(plan, batch, offset, {}, now, now)
             self.granting.queue(self, slot, owed)
             for index in owed:
                 path = self.paths[index]
@@ -346,16 +350,20 @@ class Feed:
                 path.last_heard = now
                 self.counters["completions"] += 1
                 self.progress += 1
-                self._owed_one(entry.slot, entry.path)
+                self.latency_s[path.index] += now - (
+                    entry.sub.sent_at if entry.sub is not None else entry.slot.granted_at
+                )
+                self._owed_one(entry.slot, entry.path, now)
                 self._settle(entry.slot)  # a batch given up is released with its last completion
 
     @staticmethod
-    def _owed_one(slot: GrantedBatch, index: int) -> None:
+    def _owed_one(slot: GrantedBatch, index: int, now: float) -> None:
         left = slot.owed.get(index, 0) - 1
         if left > 0:
             slot.owed[index] = left
         else:
             slot.owed.pop(index, None)
+            slot.finished[index] = now
 
     def take_messages(self) -> None:
         """Handle the HELLOs, ERRORs, CLOSINGs and HELDs that arrived."""
@@ -372,6 +380,9 @@ class Feed:
             elif isinstance(decoded, grants.Closing):
                 self._closing(conn, decoded.reason)
             elif isinstance(decoded, grants.Held):
+                path = self._by_conn.get(conn)
+                if path is not None:
+                    self.held_s[path.index] += float(decoded.seconds.sum())
                 self.granting.held(decoded)
 
     def _hello(self, conn: int, hello: grants.Hello) -> None:
@@ -404,7 +415,8 @@ class Feed:
         if path is None or entry is None:
             self.counters["stale_completions"] += 1
             return
-        self.granting.completed(entry, time.monotonic())
+        now = time.monotonic()
+        self.granting.completed(entry, now)
         self.counters["server_errors"] += 1
         self.progress += 1
         slot = entry.slot
@@ -412,7 +424,7 @@ class Feed:
             slot.error = error.text
             slot.error_sample = error.sample if error.sample >= 0 else None
         slot.errors_from.append(path.link.name)
-        self._owed_one(slot, entry.path)
+        self._owed_one(slot, entry.path, now)
         self._settle(slot)
 
     def _settle(self, slot: GrantedBatch) -> None:

@@ -46,6 +46,8 @@ class GrantedBatch:
     offset: int
     owed: dict[int, int]  # server index -> completions still owed (one per sub-batch it writes in)
     granted_at: float
+    sent_at: float = 0.0  # when its last grant went out (paced: its last sub-batch left the window)
+    finished: dict[int, float] = field(default_factory=dict)  # server index -> its last completion's time
     discarded: bool = False
     fenced: bool = False
     error: str = ""

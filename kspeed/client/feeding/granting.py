@@ -312,6 +312,9 @@ class Paced(Granting):
         rows: dict[int, list[grants.Grant]] = {}
         for sub in self.pacer.release():
             rows.setdefault(sub.path, []).append(sub.grant)
+            entry = feed.outstanding.get(sub.grant.tag)
+            if entry is not None:  # the batch waited for the window until its last sub-batch left
+                entry.slot.sent_at = max(entry.slot.sent_at, sub.sent_at)
         for index, batch in rows.items():
             feed.send_grants(feed.paths[index], batch)
 

@@ -127,6 +127,8 @@ class Link(Protocol):
 
     def prep_figures(self, job: str = "") -> kspeed_pb2.PrepFigures | None: ...
 
+    def production_figures(self, dataset: str) -> kspeed_pb2.ProductionFigures | None: ...
+
     def close(self) -> None: ...
 
 
@@ -250,6 +252,18 @@ class ServerLink:
                 kspeed_pb2.GetInfoRequest(job=job), timeout=self._timeout, metadata=self._metadata
             )
         return info.prep if info.HasField("prep") else None
+
+    def production_figures(self, dataset: str) -> kspeed_pb2.ProductionFigures | None:
+        """What producing ``dataset``'s samples took on the server (``None``: it does not say).
+
+        Raises:
+            UnavailableError: the server is unreachable.
+        """
+        with rpc.map_rpc_errors(self.name):
+            info = self._stub.GetInfo(
+                kspeed_pb2.GetInfoRequest(dataset=dataset), timeout=self._timeout, metadata=self._metadata
+            )
+        return info.production if info.HasField("production") else None
 
     def close(self) -> None:
         """Close the channel."""

@@ -39,6 +39,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from kspeed.client.attribution import Attribution
 from kspeed.client.batch import Batch, BatchMeta
 from kspeed.client.delivery.device import CpuDelivery, Delivery
 from kspeed.client.delivery.ring import RingAllocator
@@ -130,6 +131,10 @@ class Pump:
         self.delivered = 0
         #: carries the feed over a lost server (``None``: a lost server is an error)
         self.failover: Failover | None = None
+        #: where each batch's wait goes (``None``: not attributed)
+        self.attribution: Attribution | None = None
+        self._waited_from = 0.0  # when the feed last began waiting for a batch's completions
+        self._recovered: tuple[float, str] | None = None  # the end of the last recovery and the server lost
 
     # -- plans -----------------------------------------------------------------------------------
 
@@ -270,7 +275,12 @@ class Pump:
             CapacityError: the ring is full of batches the caller still holds.
         """
         started = time.monotonic()
+        self._recovered = None
         slot = self._surviving(lambda: self._wait_for(plan, batch))
+        if self.attribution is not None:
+            self.attribution.batch(
+                started, self._waited_from, slot.sent_at, slot.finished, time.monotonic(), self._recovered
+            )
         self._queue.popleft()
         plan.slots -= 1
         layout = plan.layout
@@ -296,7 +306,12 @@ class Pump:
             for number in plan.passes_before(batch + 1):
                 self.feed.drop_plan(number)
         self._retire()  # a plan given up part way goes once its batches still granted have settled
+        topped = time.monotonic()
+        self._recovered = None
         self._surviving(self.top_up)
+        if self._recovered is not None and self.attribution is not None:  # a server lost while granting ahead
+            until = self._recovered[0]
+            self.attribution.batch(topped, until, until, {}, until, self._recovered)
         return result
 
     def _wait_for(self, plan: EpochPlan, batch: int) -> GrantedBatch:
@@ -317,6 +332,7 @@ class Pump:
                 f"dataset {self.feed.dataset!r}: expected batch {batch} of epoch {plan.epoch} next, "
                 f"but batch {slot.batch} of epoch {slot.plan.epoch} was granted; start a new iteration"
             )
+        self._waited_from = time.monotonic()
         self.feed.wait(slot, self._tick)
         return slot
 
@@ -335,9 +351,13 @@ class Pump:
         """Recover from ``cause``; a server lost while another is being replaced is carried over too."""
         assert self.failover is not None
         give_up = time.monotonic() + self.failover.timeout  # one wait in all, however many are lost
+        lost = next((p.link.server_id for p in self.feed.paths if p.lost), "")
         for _ in range(MAX_CARRIES):
             try:
                 self._grant_again(self.failover.recover(cause))
+                self._recovered = (time.monotonic(), lost)
+                if self.attribution is not None:
+                    self.attribution.rename([p.link.server_id for p in self.feed.paths])
                 return
             except TransportError as again:
                 cause = again

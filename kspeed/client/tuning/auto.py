@@ -62,6 +62,8 @@ class AutoOffload:
         kept: the rates of the decision kept from a previous run, if any (its Pcycle is the prior).
         job: the job's name as its feeds gave it to the servers (each server then says how many
             of its samples were this job's: the others' use is the rest).
+        loop: the meter of the loop's step, fed by the dataset's calls of ``next()`` (the one the
+            wait's attribution keeps: the step is measured once).
     """
 
     def __init__(
@@ -83,10 +85,11 @@ class AutoOffload:
         record: Callable[[float, Decision | None], Any] | None = None,
         kept: Mapping[str, float] | None = None,
         job: str = "",
+        loop: LoopMeter | None = None,
     ) -> None:
         self.dataset = dataset
         self._job = job
-        self.loop = LoopMeter()
+        self.loop = loop if loop is not None else LoopMeter()
         self.prep = PrepMeter(server_stages)
         self.servers = ServerMeter()
         self._links = links

@@ -85,6 +85,7 @@ class LoopMeter:
         self._asked: tuple[float, float, float] | None = None
         self._step: tuple[float, float, float] = (0.0, 0.0, 0.0)
         self.consumed = 0  # samples handed over so far
+        self.step_total_s = 0.0  # wall seconds of every step so far (kspeed_client_step_seconds_total)
 
     @staticmethod
     def _now() -> tuple[float, float, float]:
@@ -96,6 +97,7 @@ class LoopMeter:
         if self._handed is not None:
             wall, cpu, queued = (a - b for a, b in zip(now, self._handed, strict=True))
             self._step = (wall, max(queued, 0.0), cpu)
+            self.step_total_s += wall
         else:
             self._step = (0.0, 0.0, 0.0)
         self._asked = now

@@ -65,6 +65,7 @@ import numpy as np
 
 from kspeed.errors import DatasetError, KSpeedError, StateError
 from kspeed.histogram import Histogram
+from kspeed.proto import kspeed_pb2
 from kspeed.server.feeder.columns import CrcColumn, SparseColumn
 from kspeed.server.feeder.plan_part import PlanPart
 from kspeed.server.feeder.protocol import Command, Failed, FeedProgress, InstallPlan, Locate, Reply
@@ -154,6 +155,8 @@ class Production(ProcessedProduction):
         self.window_full = 0  # times a producer found the window full
         self.preempted = 0  # samples let go before use so that a first grant could complete
         self.waits = Histogram()
+        #: per dataset: seconds producers spent reading samples for feeds (ProductionFigures)
+        self.fetch_seconds: dict[str, float] = {}
         self._recent: deque[tuple[float, int]] = deque()
         self._threads = [
             threading.Thread(target=self._produce_loop, name=f"producer-{n}", daemon=True)
@@ -926,6 +929,18 @@ class Production(ProcessedProduction):
                     return
                 log.exception("dataset %s: producing samples %s failed", work.share.dataset, work.ids[:4].tolist())
 
+    def _fetched(self, dataset: str, seconds: float) -> None:
+        """Producers read samples of ``dataset`` for ``seconds``; under the lock."""
+        self.fetch_seconds[dataset] = self.fetch_seconds.get(dataset, 0.0) + seconds
+
+    def production_figures(self, dataset: str) -> kspeed_pb2.ProductionFigures:
+        """What producing ``dataset``'s samples took so far: reads, and preprocessing per stage (a
+        client splits the time its grants waited for production in these proportions)."""
+        with self._lock:
+            fetch = self.fetch_seconds.get(dataset, 0.0)
+        stages = self.prep.seconds_of(dataset) if self.prep is not None else {}
+        return kspeed_pb2.ProductionFigures(fetch_seconds=fetch, stage_seconds=stages)
+
     def _produce(self, share: ShareState, feed_id: str, ids: np.ndarray, epoch: int = -1, plan: int = -1) -> None:
         """Read ``ids`` (claimed, for plan ``plan`` of sampler epoch ``epoch``) from the backend
         into window slots and tell the feeders where they are.
@@ -955,8 +970,10 @@ class Production(ProcessedProduction):
                 if not slots:
                     window.wait_for_room(0.05)
                     return
+            started = time.perf_counter()
             crcs, bad = self.producer.produce(share.preloader, ids, slots, window)
             with self._lock:
+                self._fetched(share.dataset, time.perf_counter() - started)
                 if self._shares.get(share.key) is not share:  # dropped meanwhile
                     return
                 self._settle(share, feed_id, ids, lengths, slots, crcs, bad, epoch, plan)

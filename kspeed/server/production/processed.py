@@ -48,6 +48,7 @@ class ProcessedProduction:
     _draining: dict[int, Draining]
     _recent: deque[tuple[float, int]]
     _came_home: Callable[[ShareState, np.ndarray], None]
+    _fetched: Callable[[str, float], None]
 
     def _forget_plan(self, feed: FeedState, plan: PlanState | None) -> None:
         """Free the processed slots of a plan no longer followed (its feeder dropped it too); under the lock."""
@@ -104,7 +105,10 @@ class ProcessedProduction:
                     self.window.wait_for_room(0.05)
                     placed = True
                     return
+            started = time.perf_counter()
             inputs, bad = self._raw_inputs(share, ids)
+            with self._lock:
+                self._fetched(share.dataset, time.perf_counter() - started)
             keep = [k for k in range(len(ids)) if int(ids[k]) not in bad]
             results: dict[int, int | str] = {int(ids[k]): bad[int(ids[k])] for k in range(len(ids)) if k not in keep}
             if keep:
