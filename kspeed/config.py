@@ -18,6 +18,7 @@ import math
 import os
 import re
 from collections.abc import Callable, Collection, Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
@@ -41,6 +42,7 @@ __all__ = [
     "parse_bytes",
     "parse_duration",
     "preprocess_environment",
+    "process_cpu_seconds",
     "setting",
     "usable_cores",
 ]
@@ -1041,6 +1043,15 @@ def usable_cores() -> int:
         return max(len(os.sched_getaffinity(0)), 1)
     except (AttributeError, OSError):  # a platform without affinity (macOS)
         return os.cpu_count() or 1
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """CPU seconds (user and system) another process has used, from ``/proc``; 0 for one that is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 #: What every preprocessing worker is started with from the server's environment (when set).

@@ -267,6 +267,10 @@ def _model_inputs(
             ranks=options.ranks,
             server_memory=min(memory, default=0),
             dataset_bytes=int(info.fingerprint.total_bytes),
+            step_cpu=measure.cpu_per_sample(phases["step"]),
+            local_cpu=measure.cpu_per_sample(phases["client"]) if "client" in phases else 0.0,
+            remote_cpu=measure.cpu_per_sample(phases["server" if "server" in phases else "memory"]),
+            client_cpus=min((f.cpus for f in phases["as_is"]), default=0),
         )
     except ConfigError as exc:
         raise StateError(f"analyze: dataset {spec.name!r}: a phase measured nothing usable: {exc}") from exc

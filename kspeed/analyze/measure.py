@@ -32,7 +32,7 @@ from typing import Any
 
 from kspeed.analyze.steps import resolve, samples_of
 from kspeed.client.spec import DatasetSpec
-from kspeed.config import ClientConfig
+from kspeed.config import ClientConfig, process_cpu_seconds, usable_cores
 from kspeed.errors import ConfigError, KSpeedError, StateError
 from kspeed.preprocess.pipeline import Pipeline
 
@@ -114,6 +114,8 @@ class RankFigures:
             phase ``server`` only; ``None`` elsewhere or where the servers do not report it).
         server_workers: preprocessing workers per server (rank 0 of phase ``server``).
         offload: the split in force at the phase's end (``None``: no pipeline).
+        cpu_s: CPU seconds the rank's process and its preprocessing workers used while measured.
+        cpus: CPUs the rank may run on.
     """
 
     rank: int
@@ -125,6 +127,8 @@ class RankFigures:
     server_capacity: float | None = None
     server_workers: int = 0
     offload: float | None = None
+    cpu_s: float = 0.0
+    cpus: int = 0
 
     @property
     def rate(self) -> float:
@@ -180,18 +184,25 @@ def _delivered(ds: Any) -> tuple[int, int]:
     return int(stats.get("samples", 0)), int(stats.get("bytes", 0))
 
 
+def _cpu(ds: Any) -> float:
+    """CPU seconds of this process and of the dataset's preprocessing workers so far."""
+    workers: list[int] = getattr(ds, "worker_pids", list)()
+    return time.process_time() + sum(process_cpu_seconds(pid) for pid in workers)
+
+
 def _measure_step(ds: Any, step: Callable[[Any], Any], options: Options, figures: RankFigures) -> None:
     batch = next(iter(ds))
     n = samples_of(batch)
     for _ in range(min(options.warmup_batches, 3)):
         step(batch)
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.thread_time()
     while True:
         step(batch)
         figures.samples += n
         figures.seconds = time.perf_counter() - started
         if figures.seconds >= options.seconds:
             break
+    figures.cpu_s = time.thread_time() - cpu  # the step's own (the feed's threads idle meanwhile)
     del batch
 
 
@@ -202,6 +213,7 @@ def _measure_run(ds: Any, step: Callable[[Any], Any] | None, options: Options, f
     started = 0.0
     before_bytes = 0
     before = None
+    cpu = 0.0
     while True:
         asked = time.perf_counter()
         try:
@@ -218,6 +230,7 @@ def _measure_run(ds: Any, step: Callable[[Any], Any] | None, options: Options, f
                 started = time.perf_counter()
                 before_bytes = _delivered(ds)[1]
                 before = read()
+                cpu = _cpu(ds)
         else:
             figures.samples += samples_of(batch)
             figures.wait_s += waited
@@ -230,6 +243,7 @@ def _measure_run(ds: Any, step: Callable[[Any], Any] | None, options: Options, f
         if warm == 0 and time.perf_counter() - started >= options.seconds:
             break
     figures.seconds = time.perf_counter() - started
+    figures.cpu_s = _cpu(ds) - cpu
     stats = ds.stats()
     figures.bytes = int(stats.get("bytes", 0)) - before_bytes
     if "offload" in stats:
@@ -260,7 +274,7 @@ def rank_main(config: ClientConfig, phase: Phase, options: Options, rank: int) -
     """One rank of one phase (in its own process when there are several ranks)."""
     from kspeed.client.client import KSpeedClient
 
-    figures = RankFigures(rank)
+    figures = RankFigures(rank, cpus=usable_cores())
     step = resolve(options.step)
     with KSpeedClient(config=config) as client:
         ds = _open(client, phase, options, rank)
@@ -340,6 +354,12 @@ def mean_rate(figures: list[RankFigures]) -> float:
     """A rank's samples/s (the mean over ranks)."""
     rates = [f.rate for f in figures]
     return sum(rates) / len(rates) if rates else math.nan
+
+
+def cpu_per_sample(figures: list[RankFigures]) -> float:
+    """The ranks' CPU seconds per sample delivered (or stepped)."""
+    samples = sum(f.samples for f in figures)
+    return sum(f.cpu_s for f in figures) / samples if samples else 0.0
 
 
 def bytes_per_sample(figures: list[RankFigures]) -> float:

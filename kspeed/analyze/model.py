@@ -8,6 +8,10 @@ pipeline. A rank is fed at the slowest of:
   batch they preprocess (the offload ratio): ``P_s * servers/servers0 * cores/cores0 / (ranks * r)``;
 - ``client_prep``: the rank's own workers, over the share ``1 - r`` they preprocess:
   ``P_c * client_cores/client_cores0 / (1 - r)``;
+- ``client_cpu``: the rank's CPUs, which run its step, its workers and the receiving of every
+  sample (FastFlow's ``cores / (step + Pcycle + common)``):
+  ``cpus * client_cores/client_cores0 / (step_cpu + (1 - r) * local_cpu + r * remote_cpu)``, with
+  the CPU seconds per sample measured with everything preprocessed here and everything there;
 - ``memory``: the fetch from the servers' memory over the rail, C measured raw and scaled by the
   bytes a sample then carries (``r * out_bytes + (1 - r) * raw_bytes``) and the rail's bandwidth;
 - ``backend``: the misses read from the backend: a share ``1 - f`` of the samples when a fraction
@@ -63,7 +67,12 @@ class Measured:
         ranks: ranks measured at once.
         server_memory: bytes each server may pool (0: unknown).
         dataset_bytes: the dataset's stored bytes (0: unknown).
-        rail_bytes_per_s: bytes/s of the raw fetch (``memory_fetch * raw_bytes``).
+        step_cpu: CPU seconds the step takes per sample (0 for a step that waits on a GPU).
+        local_cpu: the rank's CPU seconds per sample (its process and workers) with every sample
+            preprocessed here (0: unknown; without a pipeline, unused).
+        remote_cpu: the same with every sample preprocessed on the servers, or received raw
+            without a pipeline (0: unknown).
+        client_cpus: CPUs the rank may run on (0: unknown, no ``client_cpu`` limit).
     """
 
     step: float
@@ -79,6 +88,10 @@ class Measured:
     ranks: int = 1
     server_memory: int = 0
     dataset_bytes: int = 0
+    step_cpu: float = 0.0
+    local_cpu: float = 0.0
+    remote_cpu: float = 0.0
+    client_cpus: int = 0
 
     def __post_init__(self) -> None:
         for name in ("step", "memory_fetch", "backend_fetch", "raw_bytes", "out_bytes"):
@@ -206,13 +219,14 @@ def predict(m: Measured, s: Setup) -> Prediction:
         terms["client_prep"] = m.client_prep * (s.client_cores / m.client_cores) / (1.0 - r)
     else:
         terms["client_prep"] = math.inf
+    terms["client_cpu"] = _client_cpu(m, s, r, pipeline)
     carried = r * m.out_bytes + (1.0 - r) * m.raw_bytes if pipeline else m.raw_bytes
     terms["memory"] = s.rail_bytes_per_s / carried
     misses = 1.0 - s.cache_fraction
     terms["backend"] = m.backend_fetch * (s.servers / m.servers) / (s.ranks * misses) if misses > 0 else math.inf
     rate = min(terms.values())
     bound = min(terms, key=lambda k: (terms[k], k != "step"))
-    prep = min(m.step, terms["server_prep"], terms["client_prep"])
+    prep = min(m.step, terms["server_prep"], terms["client_prep"], terms["client_cpu"])
     per_sample = 1.0 / rate
     return Prediction(
         samples_per_s=rate,
@@ -221,6 +235,16 @@ def predict(m: Measured, s: Setup) -> Prediction:
         prep_stall=_share(1.0 / prep - 1.0 / m.step, per_sample),
         fetch_stall=_share(per_sample - 1.0 / prep, per_sample),
     )
+
+
+def _client_cpu(m: Measured, s: Setup, r: float, pipeline: bool) -> float:
+    """Samples/s the rank's CPUs run its step, preprocessing and receiving at split ``r``."""
+    if m.client_cpus <= 0:
+        return math.inf
+    per_sample = m.step_cpu + ((1.0 - r) * m.local_cpu + r * m.remote_cpu if pipeline else m.remote_cpu)
+    if per_sample <= 0:
+        return math.inf
+    return m.client_cpus * (s.client_cores / m.client_cores) / per_sample
 
 
 def best_offload(m: Measured, s: Setup) -> float:
@@ -288,6 +312,7 @@ def smallest_cluster(m: Measured, base: Setup) -> dict:
 def _remedy(bound: str) -> str:
     return {
         "client_prep": "more client cores, or a pipeline whose stages can run on the servers",
+        "client_cpu": "more client cores, or less client work per sample (offload more, a cheaper step)",
         "memory": "a faster rail, or smaller samples on the wire (offload the stages that shrink them)",
         "backend": "a faster backend, or more memory per server",
         "server_prep": "more cores per server",

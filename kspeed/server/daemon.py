@@ -22,7 +22,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kspeed._version import __version__
-from kspeed.config import ServerConfig
+from kspeed.config import ServerConfig, process_cpu_seconds
 from kspeed.control import rpc
 from kspeed.control.arrivals import ArrivalGuard
 from kspeed.control.daemon import StopSignals, daemon_main, ensure_state_dir, write_ready_file
@@ -259,7 +259,7 @@ class Server:
     def _daemon_cpu(self) -> float:
         """CPU seconds of this process and its feeder processes (the preprocessing workers count theirs)."""
         feeders = self.feeders.pids() if self.feeders is not None else []
-        return time.process_time() + sum(inv.process_cpu_seconds(pid) for pid in feeders)
+        return time.process_time() + sum(process_cpu_seconds(pid) for pid in feeders)
 
     def _start_agent(self, host: DatasetHost, http_announced: str) -> None:
         """Start registering with the manager (and heartbeats, assignments, drops from it)."""

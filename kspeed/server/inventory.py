@@ -14,7 +14,6 @@ from kspeed.proto import kspeed_pb2
 from kspeed.rdma.rails import available_rails
 
 ID_FILE = "server_id"
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def server_id(config: ServerConfig, state_dir: str) -> str:
@@ -48,15 +47,6 @@ def usable_cores(configured: int) -> int:
     """Cores this process may run on, capped by the operator's setting."""
     allowed = len(os.sched_getaffinity(0))
     return min(configured, allowed) if configured else allowed
-
-
-def process_cpu_seconds(pid: int) -> float:
-    """CPU seconds (user and system) another process has used; 0 for one that is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
 
 
 def cpu_group() -> str:

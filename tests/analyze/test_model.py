@@ -59,6 +59,17 @@ def test_client_cores_scale_the_clients_part_only():
     assert p.terms["memory"] == pytest.approx(2000.0)  # raw bytes on the wire
 
 
+def test_the_ranks_cpus_are_shared_by_its_step_its_workers_and_receiving():
+    m = measured(step_cpu=1e-3, local_cpu=4e-3, remote_cpu=0.5e-3, client_cpus=2)
+    p = predict(m, setup(m, offload=0.5))
+    assert p.terms["client_cpu"] == pytest.approx(2 / (1e-3 + 0.5 * 4e-3 + 0.5 * 0.5e-3))
+    assert predict(m, setup(m, offload=0.0)).terms["client_cpu"] == pytest.approx(2 / 5e-3)
+    assert predict(m, setup(m, offload=0.0, client_cores=2)).terms["client_cpu"] == pytest.approx(4 / 5e-3)
+    assert math.isinf(predict(measured(), setup(m)).terms["client_cpu"])  # not measured: no limit
+    raw = measured(server_prep=None, client_prep=None, remote_cpu=1e-3, client_cpus=1)
+    assert predict(raw, setup(raw, offload=0.3)).terms["client_cpu"] == pytest.approx(1000.0)  # receiving only
+
+
 def test_a_step_faster_than_everything_leaves_stalls_that_add_up():
     m = measured(step=1000.0, backend_fetch=50.0)
     p = predict(m, setup(m, cache_fraction=0.0))
