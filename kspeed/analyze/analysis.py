@@ -216,12 +216,28 @@ def _run_phases(
     )
     plan.append(Phase("backend", stream, False, None, with_step=False))
     plan.append(Phase("as_is", name, pipeline, options.offload, with_step=True))
+    gpu = (
+        [f"{k}:{stage.op}" for k, stage in enumerate(spec.pipeline.stages) if stage.place == "gpu"]
+        if spec.pipeline
+        else []
+    )
+    if gpu:
+        notes.append(
+            f"stages {', '.join(gpu)} are placed on the GPU: they run on the rank's device ({options.device}) in every "
+            "phase that preprocesses on the client, so P_c includes them; there is no separate GPU rate"
+            + (
+                ""
+                if options.device.startswith("cuda")
+                else " (measured on the CPU here: the rates say nothing of a GPU)"
+            )
+        )
     if not cached:
         notes.append(
             "the dataset is not held whole in the servers' memory: phases 'server' and 'client' read "
             "part of it from the backend, so P may be understated where the backend is the slower"
         )
-    return {phase.name: measure.run_phase(config, phase, options) for phase in plan}
+    with measure.Ranks(config, options) as ranks:
+        return {phase.name: ranks.run(phase) for phase in plan}
 
 
 def _model_inputs(

@@ -36,7 +36,7 @@ from kspeed.config import ClientConfig, process_cpu_seconds, usable_cores
 from kspeed.errors import ConfigError, KSpeedError, StateError
 from kspeed.preprocess.pipeline import Pipeline
 
-__all__ = ["PHASES", "Options", "Phase", "RankFigures", "run_phase", "spec_of", "twin"]
+__all__ = ["PHASES", "Options", "Phase", "RankFigures", "Ranks", "spec_of", "twin"]
 
 log = logging.getLogger(__name__)
 
@@ -297,52 +297,80 @@ def rank_main(config: ClientConfig, phase: Phase, options: Options, rank: int) -
     return figures
 
 
-def _rank_process(config: ClientConfig, phase: Phase, options: Options, rank: int, out: Any) -> None:
-    try:
-        out.put((rank, rank_main(config, phase, options, rank)))
-    except BaseException as exc:  # reported to the analyzing process, which raises it
-        out.put((rank, f"{type(exc).__name__}: {exc}"))
-
-
-def run_phase(config: ClientConfig, phase: Phase, options: Options) -> list[RankFigures]:
-    """Run ``phase`` on every rank at once; the ranks' figures, by rank.
-
-    Raises:
-        StateError: a rank failed (its error named) or did not finish in time.
-    """
-    log.info("analyze: phase %s (%d rank(s), %.1fs)", phase.name, options.ranks, options.seconds)
-    if options.ranks == 1:
+def _rank_loop(config: ClientConfig, options: Options, rank: int, inbox: Any, out: Any) -> None:
+    """A rank process: run each phase it is given until it is given ``None``."""
+    while (phase := inbox.get()) is not None:
         try:
-            return [rank_main(config, phase, options, 0)]
-        except KSpeedError as exc:
-            raise StateError(f"analyze: phase {phase.name!r} failed: {exc}") from exc
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_rank_process, args=(config, phase, options, r, out)) for r in range(options.ranks)]
-    for p in procs:
-        p.start()
-    results: dict[int, RankFigures | str] = {}
-    try:
-        deadline = time.monotonic() + RANK_TIMEOUT_S + options.seconds
-        while len(results) < len(procs):
+            out.put((rank, rank_main(config, phase, options, rank)))
+        except BaseException as exc:  # reported to the analyzing process, which raises it
+            out.put((rank, f"{type(exc).__name__}: {exc}"))
+
+
+class Ranks:
+    """The ranks that run the phases: this process for one rank, else one process per rank,
+    started once and given each phase in turn (a rank's start, torch's import among it, costs
+    seconds). Use as a context manager: the processes stop with it.
+    """
+
+    def __init__(self, config: ClientConfig, options: Options) -> None:
+        self._config, self._options = config, options
+        self._procs: list[Any] = []
+        self._inboxes: list[Any] = []
+        if options.ranks > 1:
+            ctx = mp.get_context("spawn")
+            self._out = ctx.Queue()
+            for rank in range(options.ranks):
+                inbox = ctx.Queue()
+                proc = ctx.Process(target=_rank_loop, args=(config, options, rank, inbox, self._out))
+                proc.start()
+                self._inboxes.append(inbox)
+                self._procs.append(proc)
+
+    def __enter__(self) -> Ranks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the rank processes (killed where one does not stop in time)."""
+        for inbox in self._inboxes:
+            inbox.put(None)
+        for proc in self._procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        self._procs, self._inboxes = [], []
+
+    def run(self, phase: Phase) -> list[RankFigures]:
+        """Run ``phase`` on every rank at once; the ranks' figures, by rank.
+
+        Raises:
+            StateError: a rank failed (its error named) or did not finish in time.
+        """
+        options = self._options
+        log.info("analyze: phase %s (%d rank(s), %.1fs)", phase.name, options.ranks, options.seconds)
+        if not self._procs:
             try:
-                rank, value = out.get(timeout=max(deadline - time.monotonic(), 0.1))
+                return [rank_main(self._config, phase, options, 0)]
+            except KSpeedError as exc:
+                raise StateError(f"analyze: phase {phase.name!r} failed: {exc}") from exc
+        for inbox in self._inboxes:
+            inbox.put(phase)
+        results: dict[int, RankFigures | str] = {}
+        deadline = time.monotonic() + RANK_TIMEOUT_S + options.seconds
+        while len(results) < len(self._procs):
+            try:
+                rank, value = self._out.get(timeout=max(deadline - time.monotonic(), 0.1))
             except queue.Empty:
-                raise StateError(
-                    f"analyze: phase {phase.name!r}: ranks {sorted(set(range(len(procs))) - set(results))} "
-                    "did not finish in time"
-                ) from None
+                missing = sorted(set(range(len(self._procs))) - set(results))
+                raise StateError(f"analyze: phase {phase.name!r}: ranks {missing} did not finish in time") from None
             results[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    failed = {r: v for r, v in results.items() if isinstance(v, str)}
-    if failed:
-        raise StateError(f"analyze: phase {phase.name!r} failed on rank(s) {failed}")
-    return [v for _, v in sorted(results.items()) if isinstance(v, RankFigures)]
+        failed = {r: v for r, v in results.items() if isinstance(v, str)}
+        if failed:
+            raise StateError(f"analyze: phase {phase.name!r} failed on rank(s) {failed}")
+        return [v for _, v in sorted(results.items()) if isinstance(v, RankFigures)]
 
 
 def summed(figures: list[RankFigures]) -> float:
