@@ -551,6 +551,11 @@ class EpochPlanner:
         self._feed_ids[index] = feed_id
 
     @property
+    def links(self) -> list[Link]:
+        """The links planned with now (a failover's in place of the ones it replaced)."""
+        return list(self._links)
+
+    @property
     def prep(self) -> PrepSplit | None:
         """How the next plans split preprocessing."""
         return self._prep
