@@ -26,7 +26,7 @@ from kspeed.errors import (
 from kspeed.rdma.base import Completions
 from kspeed.rdma.rails import available_rails, capabilities
 from tests.client.conftest import N_SAMPLES
-from tests.client.fakes import client_config, open_dataset
+from tests.client.fakes import FakeServer, client_config, open_dataset
 
 
 def test_stale_generation_completions_are_ignored(make_ds, samples):
@@ -224,6 +224,46 @@ def test_a_plan_committed_to_some_servers_only_is_let_go_there(make_ds, monkeypa
         ds._pump._plan_epoch(3)
     assert len(committed) == 1
     wait_for(lambda: committed[0] not in fakes[0].plans, 10, "the pass let go on the server that took it")
+
+
+class Unanswering(FakeServer):
+    """A server that took a share over and never answers a lookup: the call ends only when the
+    link is closed, as closing a gRPC channel ends the calls in flight on it."""
+
+    def __init__(self, like: FakeServer) -> None:
+        super().__init__(like.server_id, like.samples, like.lo, like.hi)
+        self.asked, self.closed = threading.Event(), threading.Event()
+
+    def lookup(self, dataset, ids):
+        self.asked.set()
+        self.closed.wait(60)
+        raise UnavailableError(f"{self.name}: the call was cancelled, its channel closed")
+
+    def close(self) -> None:
+        self.closed.set()
+        super().close()
+
+
+def test_a_closed_dataset_leaves_no_planning_thread_behind(make_ds):
+    # A plan made ahead on the server that took a share over (a failover's link, not one the
+    # dataset opened with) that never answers: closing the dataset closes every link it uses,
+    # which ends the call, and waits for the planner thread. Left running, a non-daemon thread
+    # held the interpreter's exit until the call's deadline, or for good.
+    ds, fakes = make_ds(ring_bytes=128 << 10)
+    next(iter(ds))
+    pump = ds._pump
+    pump._future.result(timeout=10)  # (the next epoch's plan, made early)
+    stuck = Unanswering(fakes[0])
+    ds._parts.planner.replace_link(0, stuck, ds._parts.feed.paths[0].feed_id)
+    pump._prefetch(2)  # planned ahead, on the planner thread
+    try:
+        assert stuck.asked.wait(10)
+        planners = list(pump._planner._threads)
+        ds.close()
+        assert stuck.closed.is_set()
+        assert not [t.name for t in planners if t.is_alive()]
+    finally:
+        stuck.close()
 
 
 def test_rail_choice_and_forced_rails():

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import mmap
+import threading
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -52,7 +54,7 @@ def shares(n, servers, sizes, labels=None, ranges=True):
     return [Share(k, int(cuts[k]), int(cuts[k + 1]), sizes, labels, known=ranges) for k in range(servers)]
 
 
-def plan_of(links, ids, batch_size=8, labelled=True, prep=None, ring_bytes=1 << 60):
+def plan_of(links, ids, batch_size=8, labelled=True, prep=None, ring_bytes=1 << 60, pool=None):
     return make_plan(
         links,
         dataset="d",
@@ -65,6 +67,7 @@ def plan_of(links, ids, batch_size=8, labelled=True, prep=None, ring_bytes=1 << 
         deterministic=True,
         ring_bytes=ring_bytes,
         prep=prep,
+        pool=pool,
     )
 
 
@@ -153,6 +156,35 @@ def test_lookups_are_asked_a_message_at_a_time(monkeypatch):
     idle = shares(n, 2, sizes)
     plan_of(idle, np.arange(10))  # nothing of s1's: it still hears one (empty) lookup
     assert idle[1].asked == [0]
+
+
+def test_a_plan_whose_lookups_are_cancelled_ends_at_once():
+    # The dataset closed while a plan's lookups wait in the pool's queue: the pool shut down with
+    # cancel_futures. concurrent.futures.wait never wakes for a future cancelled so, and the
+    # planner thread waiting in it (non-daemon) held the interpreter's exit for good.
+    links = shares(10, 2, np.ones(10, np.int64))
+    pool = ThreadPoolExecutor(1)
+    busy = threading.Event()
+    pool.submit(busy.wait, 30)  # the pool's one thread busy: the lookups wait in its queue
+    errors = []
+
+    def plan() -> None:
+        with pytest.raises(CancelledError) as raised:
+            plan_of(links, np.arange(10), pool=pool)
+        errors.append(raised.value)
+
+    planner = threading.Thread(target=plan, daemon=True)  # (daemon: left waiting when the test fails)
+    planner.start()
+    try:
+        while pool._work_queue.qsize() < 2:
+            planner.join(0.01)
+        pool.shutdown(wait=False, cancel_futures=True)
+        planner.join(5)
+        assert not planner.is_alive(), "the plan still waits for lookups cancelled in the queue"
+        assert errors
+    finally:
+        busy.set()
+        pool.shutdown(wait=True)
 
 
 def test_a_server_part_reads_its_samples_from_the_plan():

@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 
 MIN_RING = 256 << 20
 RING_BATCHES = 4
+PLANNER_JOIN_S = 10.0  # longest wait at close for a plan in progress to end (its links closed, it ends at once)
 RING_MEMORY_SHARE = 0.25  # of the memory available when a ring is made: the default cap of one ring
 MAX_IO_THREADS = 8  # threads that talk to the servers at once (lookups, commits)
 
@@ -102,8 +103,14 @@ class FeedParts:
             except KSpeedError as exc:
                 log.warning("dataset %s: error while closing: %s", self.feed.dataset, exc)
         self.io.shutdown(wait=False, cancel_futures=True)
-        for link in self.links:
+        # Every link in use, a failover's too: closing its channel ends the calls in flight on
+        # it, so a plan being made (ahead, on the planner thread) ends now, not at its deadline.
+        for link in {id(link): link for link in [*self.links, *self.planner.links]}.values():
             link.close()
+        if not self.pump.join(PLANNER_JOIN_S):
+            log.warning(
+                "dataset %s: the planner thread has not ended %gs after close", self.feed.dataset, PLANNER_JOIN_S
+            )
 
     def figures(self) -> dict[str, Any]:
         """This rank's delivery figures: the feed's counters, the rank's statistics, its data wait and

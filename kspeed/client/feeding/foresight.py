@@ -15,6 +15,7 @@ the prediction's:
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import MappingProxyType
@@ -165,5 +166,15 @@ class Foresight:
         return {"orders_predicted": p.predicted, "predictions_used": p.used, "predictions_missed": p.missed}
 
     def close(self) -> None:
-        """Stop the planner thread (a plan in progress finishes on its own)."""
+        """Stop the planner thread: the plans queued are cancelled; one in progress ends when its
+        calls do, :meth:`join` waits for it."""
         self._planner.shutdown(wait=False, cancel_futures=True)
+
+    def join(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds for the planner thread to end, after :meth:`close`;
+        whether it has."""
+        give_up = time.monotonic() + timeout
+        threads = list(self._planner._threads)
+        for thread in threads:
+            thread.join(max(give_up - time.monotonic(), 0.0))
+        return not any(thread.is_alive() for thread in threads)

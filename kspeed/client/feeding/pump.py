@@ -551,9 +551,20 @@ class Pump:
             )
 
     def close(self) -> None:
-        """Stop the planner thread (a plan in progress finishes on its own)."""
+        """Stop the planner thread: the plans queued are cancelled; one in progress ends when its
+        calls do (closing the links ends them), :meth:`join` waits for it."""
         if self._planner is not None:
             self._planner.shutdown(wait=False, cancel_futures=True)
         if self.foresight is not None:
             self.foresight.close()
         self._queue.clear()
+
+    def join(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds for the planner threads to end, after :meth:`close`;
+        whether they have (a thread left running would hold the interpreter's exit)."""
+        give_up = time.monotonic() + timeout
+        threads = list(self._planner._threads) if self._planner is not None else []
+        for thread in threads:
+            thread.join(max(give_up - time.monotonic(), 0.0))
+        ended = self.foresight.join(max(give_up - time.monotonic(), 0.0)) if self.foresight is not None else True
+        return ended and not any(thread.is_alive() for thread in threads)

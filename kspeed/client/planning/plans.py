@@ -16,6 +16,7 @@ made a block of batches at a time.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -23,7 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -268,6 +269,23 @@ def _asked(ids: np.ndarray, link: Link) -> Iterator[np.ndarray]:
         yield pending
 
 
+def _settle(futures: Sequence[Future[None]]) -> None:
+    """Wait for every one of ``futures`` to end, then raise the first one's error.
+
+    Each is waited for by its own ``exception()``, not :func:`concurrent.futures.wait`: that one
+    never wakes for a future cancelled while queued (the pool shut down with ``cancel_futures``
+    when the dataset closes), and the planner thread waiting in it held the interpreter's exit.
+
+    Raises:
+        CancelledError: one was cancelled (the pool was shut down).
+    """
+    for future in futures:
+        with contextlib.suppress(CancelledError):
+            future.exception()  # ends with the call's deadline, or at once when cancelled
+    for future in futures:
+        future.result()
+
+
 def _lookup_all(
     links: Sequence[Link], dataset: str, ids: np.ndarray, labelled: bool, pool: ThreadPoolExecutor | None
 ) -> _Answers:
@@ -283,10 +301,7 @@ def _lookup_all(
         for index, link in enumerate(links):
             one(index, link)
     else:
-        futures = [pool.submit(one, index, link) for index, link in enumerate(links)]
-        wait(futures)  # all answered before one's error is raised
-        for future in futures:
-            future.result()
+        _settle([pool.submit(one, index, link) for index, link in enumerate(links)])
     answers.check_owned()
     return answers
 
@@ -474,10 +489,8 @@ def _commit_all(
         for index, (link, feed_id) in targets:
             one(index, link, feed_id)
         return
-    futures = [pool.submit(one, index, link, feed_id) for index, (link, feed_id) in targets]
-    wait(futures)  # all answered before one's error is raised: a pass dropped then is dropped wherever it went
-    for future in futures:
-        future.result()
+    # all answered before one's error is raised: a pass dropped then is dropped wherever it went
+    _settle([pool.submit(one, index, link, feed_id) for index, (link, feed_id) in targets])
 
 
 class EpochPlanner:
@@ -536,6 +549,11 @@ class EpochPlanner:
         on (its share moved there)."""
         self._links[index] = link
         self._feed_ids[index] = feed_id
+
+    @property
+    def links(self) -> list[Link]:
+        """The links planned with now (a failover's in place of the ones it replaced)."""
+        return list(self._links)
 
     @property
     def prep(self) -> PrepSplit | None:
