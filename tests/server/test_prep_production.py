@@ -33,13 +33,15 @@ def test_samples_read_for_their_server_stages_come_home_and_are_not_read_again(b
     producer = Producer()
     keys = sorted(files)  # sample IDs follow the sorted paths
 
-    inputs, failed = producer._raw_inputs(share, np.array([3, 5, 7]))
+    inputs, failed, read = producer._raw_inputs(share, np.array([3, 5, 7]))
     assert failed == {} and [bytes(x) for x in inputs] == [files[keys[k]] for k in (3, 5, 7)]
+    assert read.tolist() == [3, 5, 7]
     assert producer.came == [3, 5, 7] and (share.residency.of(np.array([3, 5, 7])) == HOME).all()
     # Now they are home: their input is a view of it (the server copies it to a worker), and the
     # preload reads only the rest.
     region, offsets = preloader.home(np.array([5]))
-    (again,), _ = producer._raw_inputs(share, np.array([5]))
+    (again,), _, read = producer._raw_inputs(share, np.array([5]))
+    assert not len(read)
     assert isinstance(again, np.ndarray) and again.tobytes() == files[keys[5]]
     assert np.shares_memory(again, pool.array(int(region[0])))
     assert preloader.preload(timeout=30).complete

@@ -41,6 +41,10 @@ class Feeders:
             elif isinstance(command, Locate):
                 for plan in self.plans.values():
                     plan.locate(command.ids, command.region, command.src, command.ticket, command.crc)
+            elif isinstance(command, Place) and not command.reasons and (command.feed_id, command.epoch) in self.plans:
+                self.plans[command.feed_id, command.epoch].place(
+                    command.at, command.region, command.src, command.ticket
+                )
         return Reply(True)
 
     def located(self) -> list[Locate]:

@@ -106,9 +106,15 @@ class ProcessedProduction:
                     placed = True
                     return
             started = time.perf_counter()
-            inputs, bad = self._raw_inputs(share, ids)
+            inputs, bad, read = self._raw_inputs(share, ids)
             with self._lock:
                 self._fetched(share.dataset, time.perf_counter() - started)
+                if share.own_window and len(read):  # the reads are counted for the plan they were made for
+                    figures = share.figures_of(plan.user_epoch)
+                    ok = read[~np.isin(read, np.fromiter(bad, np.int64, len(bad)))]
+                    figures.backend_requests += len(read)
+                    figures.backend_bytes += int(share.preloader.index.length[ok - share.lo].sum())
+                    figures.misses += len(ok)
             keep = [k for k in range(len(ids)) if int(ids[k]) not in bad]
             results: dict[int, int | str] = {int(ids[k]): bad[int(ids[k])] for k in range(len(ids)) if k not in keep}
             if keep:
@@ -144,10 +150,13 @@ class ProcessedProduction:
                 with self._lock:
                     plan.state[at[plan.state[at] == READING]] = ABSENT
 
-    def _raw_inputs(self, share: ShareState, ids: np.ndarray) -> tuple[list[bytes | np.ndarray], dict[int, str]]:
+    def _raw_inputs(
+        self, share: ShareState, ids: np.ndarray
+    ) -> tuple[list[bytes | np.ndarray], dict[int, str], np.ndarray]:
         """Each sample's stored bytes for a worker: a view of its home (the server copies it to the
         worker, which maps no pool memory) or read from the backend now (and then brought home,
-        unless the preload is reading it too)."""
+        unless the preload is reading it too, or the share has no home). Returns the inputs, the
+        samples that could not be read with why, and the samples read from the backend."""
         index = share.preloader.index
         lengths = index.length[ids - share.lo]
         inputs: list[bytes | np.ndarray] = [b""] * len(ids)
@@ -158,12 +167,16 @@ class ProcessedProduction:
             inputs[k] = share.preloader.region_array(int(index.region[pos]))[at : at + int(lengths[k])]
         away = np.flatnonzero(~home)
         if not len(away):
-            return inputs, {}
+            return inputs, {}, ids[away]
         offsets = np.zeros(len(away) + 1, dtype=np.int64)
         np.cumsum(lengths[away], out=offsets[1:])
         buffer = np.empty(max(int(offsets[-1]), 1), dtype=np.uint8)
-        # Those no one else is reading come home too, so the preload does not read them again.
-        claimed = set(share.residency.claim(ids[away]).tolist())
+        # Those no one else is reading come home too, so the preload does not read them again. A
+        # share with no home (a memory policy, or on demand) keeps no raw copy of a processed
+        # position: claiming one there left it claimed for good, and adopting it failed the task
+        # after its read, so every sample was read twice.
+        homeless = share.preloader.on_demand
+        claimed = set() if homeless else set(share.residency.claim(ids[away]).tolist())
         crcs, errors = share.preloader.source.read_run(
             [int(ids[k]) for k in away], buffer, offsets[:-1].tolist(), lengths[away].tolist()
         )
@@ -181,7 +194,7 @@ class ProcessedProduction:
         unread = np.array([i for i in claimed if i in failed], dtype=np.int64)
         if len(unread):
             share.residency.fail(unread, [failed[int(i)] for i in unread.tolist()])
-        return inputs, failed
+        return inputs, failed, ids[away]
 
     def _settle_processed(
         self,

@@ -1,0 +1,99 @@
+"""Processed positions of a share held under a memory policy: each read from the backend once per
+plan and counted in the share's figures.
+
+Production runs against the feeders' stand-ins and a counting source (:mod:`tests.server.test_policies`),
+with preprocessing workers that stand in for the real ones (no worker processes).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kspeed.server.feeder.protocol import FeedProgress
+from kspeed.server.memory.residency import READING
+from kspeed.server.memory.window import ProductionWindow
+from kspeed.server.prep.workers import PrepTask
+from kspeed.server.production.core import Production
+from kspeed.server.production.state import PrepSpec
+from tests.server.datasets import REGION
+from tests.server.test_policies import ORDERS, SIZE, N, PolicyHost
+from tests.server.test_production import Feeders, plan_of, wait
+
+OUT = 4096  # bytes of a processed sample: the first OUT bytes of its stored bytes, reversed
+
+
+class Prep:
+    """Stands in for the preprocessing workers: writes each sample's output into its slot."""
+
+    def __init__(self) -> None:
+        self.samples = 0
+
+    def run(self, task: PrepTask, job: str = "") -> list[int | str | bytes]:
+        assert task.outputs is not None
+        for data, out in zip(task.inputs, task.outputs, strict=True):
+            out[:OUT] = np.frombuffer(bytes(data[:OUT])[::-1], np.uint8)
+        self.samples += len(task.samples)
+        return [OUT] * len(task.samples)
+
+    def close(self) -> None:
+        pass
+
+
+def processed_plan(order: np.ndarray):
+    part = plan_of(order, np.full(len(order), OUT), 10)
+    part.processed = np.ones(len(order), dtype=bool)  # every position run through the server stages here
+    return part
+
+
+@pytest.fixture
+def run(tmp_path, backend, pool):
+    made = []
+
+    def start(policy: str, threads: int = 3):
+        host = PolicyHost(tmp_path, backend, pool, policy)
+        feeders = Feeders()
+        production = Production(
+            ProductionWindow(pool, REGION), host, feeders.tell, depth=64, threads=threads, prep=Prep()
+        )
+        made.append(production)
+        return host, feeders, production
+
+    yield start
+    for production in made:
+        production.stop()
+
+
+def serve(production: Production, feeders: Feeders, feed: str, epoch: int, pool, files) -> None:
+    """Act as a client reading a processed plan: each batch once produced, byte-checked."""
+    plan = feeders.plans[feed, epoch]
+    keys = sorted(files)
+    for b in range(len(plan.starts) - 1):
+        lo, hi = int(plan.starts[b]), int(plan.starts[b + 1])
+        wait(lambda lo=lo, hi=hi: (plan.region[lo:hi] >= 0).all())
+        with feeders.lock:
+            for k in range(lo, hi):
+                start = int(plan.src[k])
+                got = pool.array(int(plan.region[k]))[start : start + OUT].tobytes()
+                assert got == files[keys[int(plan.ids[k])]][:OUT][::-1], (epoch, k)
+        production.progress(0, FeedProgress(feed, np.array([[epoch, b, 0, 1 << 30]]), 0))
+
+
+@pytest.mark.parametrize("policy", ["stream", "minio"])
+def test_processed_positions_read_each_sample_once_per_plan_and_count_the_reads(run, pool, policy):
+    # A share with no home keeps no raw copy of a processed position. Its producers used to claim
+    # and adopt one all the same: the adoption failed after the read, so each sample was read a
+    # second time (half the backend's rate) and left claimed; and the figures counted no read.
+    host, feeders, production = run(policy)
+    for epoch in (0, 1):
+        production.install(
+            "f", 0, ("ds", 0), epoch, processed_plan(ORDERS[epoch]), PrepSpec(b"", 1, 0, epoch, OUT), user_epoch=epoch
+        )
+        serve(production, feeders, "f", epoch, pool, host.files)
+    assert host.source.reads.tolist() == [2] * N  # once per epoch: nothing raw is kept
+    share = production._shares["ds", 0]
+    assert not (share.residency.state == READING).any()
+    figures = production.figures(("ds", 0))
+    assert [(f.epoch, f.planned, f.written) for f in figures] == [(0, N, N), (1, N, N)]
+    assert [(f.misses, f.backend_requests, f.backend_bytes) for f in figures] == [(N, N, N * SIZE)] * 2
+    wait(lambda: production.window.used == 0)
