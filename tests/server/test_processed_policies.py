@@ -1,5 +1,5 @@
 """Processed positions of a share held under a memory policy: each read from the backend once per
-plan and counted in the share's figures.
+plan, counted in the share's figures, and produced for a feed's first grant even at its fair share.
 
 Production runs against the feeders' stand-ins and a counting source (:mod:`tests.server.test_policies`),
 with preprocessing workers that stand in for the real ones (no worker processes).
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kspeed.server.feeder.protocol import FeedProgress
-from kspeed.server.memory.residency import READING
+from kspeed.server.memory.residency import ABSENT, READING
 from kspeed.server.memory.window import ProductionWindow
 from kspeed.server.prep.workers import PrepTask
 from kspeed.server.production.core import Production
@@ -97,3 +97,24 @@ def test_processed_positions_read_each_sample_once_per_plan_and_count_the_reads(
     assert [(f.epoch, f.planned, f.written) for f in figures] == [(0, N, N), (1, N, N)]
     assert [(f.misses, f.backend_requests, f.backend_bytes) for f in figures] == [(N, N, N * SIZE)] * 2
     wait(lambda: production.window.used == 0)
+
+
+def test_a_feed_at_its_fair_share_still_gets_the_processed_positions_of_its_first_grant(run, pool):
+    # Positions of the first batch were given back (their task found the window full) while
+    # later ones were made: the feed holds its fair share, so only its first grant may be produced.
+    # That path looked only for raw samples, so the batch waited until the grant timed out.
+    _host, _feeders, production = run("minio", threads=1)
+    production.stop()  # (this test plays the producer)
+    production.install("f", 0, ("ds", 0), 0, processed_plan(ORDERS[0]), PrepSpec(b"", 1, 0, 0, OUT))
+    feed, share = production._feeds["f"], production._shares["ds", 0]
+    plan = feed.plans[0]
+    fair = production._fair(share)
+    with production._lock:
+        made = np.arange(10, 10 + fair // OUT + 1)
+        slots = [production.window.place(OUT, "f") for _ in made]
+        plan.state[made] = READING
+        production._settle_processed(share, feed, plan, made, plan.ids[made], slots, [OUT] * len(made))
+        assert feed.held >= fair and (plan.state[:10] == ABSENT).all()
+        work = production._next_work()
+    assert work is not None and work.plan is plan and work.at is not None
+    assert work.at.tolist() == list(range(10)) and (plan.state[:10] == READING).all()

@@ -853,8 +853,14 @@ class Production(ProcessedProduction):
                 continue
             if feed.held >= self._fair(share):
                 # A feed at its fair share still gets the samples of its first grant not written:
-                # it may hold part of that grant, which could otherwise never complete.
+                # it may hold part of that grant, which could otherwise never complete. (That goes
+                # for its processed positions too: one given back when the window was full, while
+                # later ones were made, held the feed at its share until the grant timed out.)
                 plan = self._current(share, feed)
+                at = plan.first_processed()[:PREP_TASK_SAMPLES] if plan is not None else np.zeros(0, np.int64)
+                if plan is not None and plan.state is not None and len(at):
+                    plan.state[at] = READING
+                    return Work(share, feed.feed_id, plan.ids[at].astype(np.int64), plan.epoch, at, plan)
                 first = plan.first_grant() if plan is not None else np.zeros(0, np.int64)
                 state = share.residency.of(first)
                 taken = share.residency.claim(

@@ -13,6 +13,7 @@ import numpy as np
 from kspeed.server.feeder.plan_part import search
 from kspeed.server.hosting.preload import Preloader
 from kspeed.server.memory.flags import Flags
+from kspeed.server.memory.residency import ABSENT
 from kspeed.server.memory.window import ProductionWindow, Slot
 from kspeed.server.production.policies import WHOLE, CacheState, MemoryPolicy, policy_for
 
@@ -182,15 +183,28 @@ class PlanState:
             return np.ones(len(self.ids[span]), dtype=bool)
         return ~self.processed[span]
 
-    def first_grant(self) -> np.ndarray:
-        """The unwritten raw samples of the batch holding the first unwritten position (a grant
-        never spans two batches, so the feeder's next grant needs at most these)."""
+    def first_span(self) -> slice:
+        """The owned positions from the first unwritten one to the end of its batch (a grant never
+        spans two batches, so the feeder's next grant needs at most these); empty when all are written."""
         if self.next >= len(self.ids):
-            return np.zeros(0, np.int64)
+            return slice(len(self.ids), len(self.ids))
         batch = int(np.searchsorted(self.starts, int(self.positions[self.next]), side="right")) - 1
         end = int(search(self.positions, int(self.starts[min(batch + 1, len(self.starts) - 1)])))
-        span = slice(self.next, max(end, self.next + 1))
+        return slice(self.next, max(end, self.next + 1))
+
+    def first_grant(self) -> np.ndarray:
+        """The unwritten raw samples of the batch holding the first unwritten position."""
+        span = self.first_span()
         return self.ids[span][~self.written[span] & self.raw(span)].astype(np.int64)
+
+    def first_processed(self) -> np.ndarray:
+        """The processed positions of the batch holding the first unwritten position that are
+        unwritten and not produced (nor being produced)."""
+        if self.processed is None or self.state is None:
+            return np.zeros(0, np.int64)
+        span = self.first_span()
+        todo = self.processed[span] & (self.state[span] == ABSENT) & ~self.written[span]
+        return np.flatnonzero(todo) + span.start
 
     def ahead(self, budget: int) -> np.ndarray:
         """The unwritten raw samples among the next ``budget`` positions from :attr:`next`."""
