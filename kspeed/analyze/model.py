@@ -16,7 +16,8 @@ pipeline. A rank is fed at the slowest of:
   bytes a sample then carries (``r * out_bytes + (1 - r) * raw_bytes``) and the rail's bandwidth;
 - ``backend``: the misses read from the backend: a share ``1 - f`` of the samples when a fraction
   ``f`` of the dataset stays in the servers' memory, at S (all servers' reads) scaled by the
-  servers and shared by the ranks: ``S * servers/servers0 / (ranks * (1 - f))``.
+  servers and shared by the ranks: ``S * servers/servers0 / (ranks * misses)``; a dataset held in
+  part keeps raw copies only of what the client preprocesses, so there ``misses = 1 - f (1 - r)``.
 
 As DS-Analyzer, fetch stall and prep stall are the time a sample takes beyond the step: the prep
 stall is ``1/min(G, P) - 1/G`` (preprocessing alone, data already in memory) and the fetch stall
@@ -222,7 +223,9 @@ def predict(m: Measured, s: Setup) -> Prediction:
     terms["client_cpu"] = _client_cpu(m, s, r, pipeline)
     carried = r * m.out_bytes + (1.0 - r) * m.raw_bytes if pipeline else m.raw_bytes
     terms["memory"] = s.rail_bytes_per_s / carried
-    misses = 1.0 - s.cache_fraction
+    # A dataset held in part keeps raw copies only of what the client preprocesses: a sample the
+    # servers preprocess is read from the backend each epoch (docs/policies.md), cached or not.
+    misses = 0.0 if s.cache_fraction >= 1.0 else 1.0 - s.cache_fraction * (1.0 - (r if pipeline else 0.0))
     terms["backend"] = m.backend_fetch * (s.servers / m.servers) / (s.ranks * misses) if misses > 0 else math.inf
     rate = min(terms.values())
     bound = min(terms, key=lambda k: (terms[k], k != "step"))

@@ -39,8 +39,18 @@ def test_each_term_is_its_rate_scaled_by_the_setup():
     assert p.terms["client_prep"] == pytest.approx(150.0 / 0.5)
     # C was measured raw: 2000 samples/s of 50 kB is 100 MB/s; half the samples now carry 75 kB
     assert p.terms["memory"] == pytest.approx(100e6 / (0.5 * 75_000 + 0.5 * 50_000))
-    assert p.terms["backend"] == pytest.approx(100.0 / 0.5)
-    assert p.samples_per_s == pytest.approx(200.0) and p.bound == "backend"
+    # held in part, the servers' half of the samples is read each epoch: 1 - 0.5 * (1 - 0.5) missed
+    assert p.terms["backend"] == pytest.approx(100.0 / 0.75)
+    assert p.samples_per_s == pytest.approx(100.0 / 0.75) and p.bound == "backend"
+
+
+def test_a_dataset_held_in_part_caches_only_what_the_client_preprocesses():
+    m = measured(step=10_000.0, server_prep=1e6, client_prep=1e6)
+    assert predict(m, setup(m, offload=0.0, cache_fraction=0.6)).terms["backend"] == pytest.approx(100.0 / 0.4)
+    assert predict(m, setup(m, offload=1.0, cache_fraction=0.6)).terms["backend"] == pytest.approx(100.0)
+    assert math.isinf(predict(m, setup(m, offload=1.0, cache_fraction=1.0)).terms["backend"])  # held whole
+    raw = measured(server_prep=None, client_prep=None)
+    assert predict(raw, setup(raw, offload=1.0, cache_fraction=0.6)).terms["backend"] == pytest.approx(100.0 / 0.4)
 
 
 def test_servers_cores_and_ranks_scale_what_they_share():
@@ -111,16 +121,18 @@ def test_the_smallest_cluster_is_the_first_that_clears_the_step():
 
 
 def test_memory_per_server_makes_more_servers_cache_more():
-    m = measured(step=300.0, client_prep=None, memory_fetch=1e5, server_memory=100, dataset_bytes=400)
+    m = measured(step=300.0, memory_fetch=1e5, server_memory=100, dataset_bytes=400)
     assert (m.cache_fraction(1), m.cache_fraction(2), m.cache_fraction(4), m.cache_fraction(9)) == (0.25, 0.5, 1.0, 1.0)
-    curve = sweep(m, setup(m), "servers", [1, 2, 4])
+    curve = sweep(m, setup(m, offload=0.0), "servers", [1, 2, 4])  # the client preprocesses: raw copies cached
     assert [p["cache_fraction"] for p in curve] == [0.25, 0.5, 1.0]
     assert curve[0]["terms"]["backend"] == pytest.approx(100.0 * 0.5 / 0.75)  # half the readers, 3/4 missed
     assert curve[1]["terms"]["backend"] == pytest.approx(100.0 / 0.5)
     assert curve[2]["terms"]["backend"] is None  # all in memory: no limit
-    assert [p["bound"] for p in curve] == ["backend", "server_prep", "step"]
-    answer = smallest_cluster(m, setup(m))
-    assert answer["servers"] == 3 and answer["cache_fraction"] == 0.75
+    assert [p["bound"] for p in curve] == ["backend", "client_prep", "client_prep"]
+    # the servers alone preprocess: only a dataset held whole escapes the backend
+    servers_only = replace(m, client_prep=None)
+    answer = smallest_cluster(servers_only, setup(servers_only))
+    assert answer["servers"] == 4 and answer["cache_fraction"] == 1.0 and answer["offload"] == 1.0
 
 
 def test_a_bound_no_server_count_lifts_is_named():
