@@ -41,7 +41,7 @@ from _common import MIB, machine_info, pyplot, stop_on_sigterm, write_json
 
 from kspeed import DatasetSpec, KSpeedClient
 from kspeed.analyze import Options, Setup, analyze, predict
-from kspeed.analyze.analysis import cache_fraction_of
+from kspeed.analyze.analysis import cache_fraction_of, shares_of
 from kspeed.analyze.report import finite, plot
 from kspeed.cli.cluster import LocalCluster, wait_for
 from kspeed.config import ClientConfig, load_config
@@ -208,6 +208,7 @@ def held_out(root: Path, dataset_bytes: int, shape: Shape, analysis, args: argpa
             cache_fraction=cache_fraction_of(info),
             rail_bytes_per_s=m.rail_bytes_per_s,
             ranks=1,
+            shares=shares_of(info),
         )
         prediction = predict(m, setup)
         run = timed_run(cluster.address, shape, args)

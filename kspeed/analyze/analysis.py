@@ -23,7 +23,7 @@ from kspeed.client.spec import DatasetSpec
 from kspeed.config import ClientConfig
 from kspeed.errors import ConfigError, StateError
 
-__all__ = ["Analysis", "analyze", "cache_fraction_of", "curves"]
+__all__ = ["Analysis", "analyze", "cache_fraction_of", "curves", "shares_of"]
 
 log = logging.getLogger(__name__)
 
@@ -81,21 +81,31 @@ class Analysis:
         }
 
 
-def cache_fraction_of(info: Any) -> float:
-    """The share of a registered dataset its servers keep in memory: 1 held whole, 0 streamed
-    (``stream`` reads every sample each epoch), a caching policy's window over its bytes otherwise."""
-    total = sum(share.bytes for share in info.shares)
-    if total <= 0:
-        return 1.0
-    kept = 0.0
+def shares_of(info: Any) -> tuple[tuple[float, float], ...]:
+    """Per server holding a registered dataset, the bytes of it it holds and the bytes of those
+    it keeps in memory: all, held whole; none, streamed (``stream`` reads every sample each epoch)
+    or served on demand; three quarters of the window, for a caching policy (``minio``, ``reuse``,
+    ``lru``: a quarter of the window prefetches), at most the share."""
+    held: dict[str, list[float]] = {}
     for share in info.shares:
-        if share.on_demand or share.policy == "stream":
-            continue
-        if not share.policy:
-            kept += share.bytes
-        else:  # minio/reuse/lru: a quarter of the window prefetches, the rest keeps
-            kept += min(share.bytes, 0.75 * share.memory_regions * info.region_size)
-    return min(1.0, kept / total)
+        kept = 0.0
+        if not share.on_demand and share.policy != "stream":
+            kept = (
+                float(share.bytes)
+                if not share.policy
+                else min(share.bytes, 0.75 * share.memory_regions * info.region_size)
+            )
+        row = held.setdefault(share.server_id, [0.0, 0.0])
+        row[0] += share.bytes
+        row[1] += kept
+    return tuple((b, k) for b, k in held.values())
+
+
+def cache_fraction_of(info: Any) -> float:
+    """The share of a registered dataset its servers keep in memory (:func:`shares_of`; 1 for an empty one)."""
+    shares = shares_of(info)
+    total = sum(b for b, _ in shares)
+    return min(1.0, sum(k for _, k in shares) / total) if total > 0 else 1.0
 
 
 def _rank_rows(m: Measured, setup: Setup, phases: dict[str, list[RankFigures]]) -> list[dict[str, Any]]:
@@ -201,7 +211,7 @@ def _run_phases(
     region = info.region_size or max((s.inventory.region_size for s in status.servers), default=0)
     plan = [Phase("step", name, pipeline, options.offload, with_step=True)]
     if split:
-        plan.append(Phase("server", name, True, 1.0, with_step=False, read_servers=True))
+        plan.append(Phase("server", name, True, 1.0, with_step=False, read_servers="prep"))
         plan.append(Phase("client", name, True, 0.0, with_step=False))
     elif pipeline:
         plan.append(Phase("client", name, True, None, with_step=False))
@@ -214,7 +224,7 @@ def _run_phases(
     stream = measure.twin(
         spec, "analyze-stream", policy="stream", quota_bytes=measure.STREAM_REGIONS * region * len(servers)
     )
-    plan.append(Phase("backend", stream, False, None, with_step=False))
+    plan.append(Phase("backend", stream, False, None, with_step=False, read_servers="production"))
     plan.append(Phase("as_is", name, pipeline, options.offload, with_step=True))
     gpu = (
         [f"{k}:{stage.op}" for k, stage in enumerate(spec.pipeline.stages) if stage.place == "gpu"]
@@ -287,11 +297,12 @@ def _model_inputs(
             local_cpu=measure.cpu_per_sample(phases["client"]) if "client" in phases else 0.0,
             remote_cpu=measure.cpu_per_sample(phases["server" if "server" in phases else "memory"]),
             client_cpus=min((f.cpus for f in phases["as_is"]), default=0),
+            server_read_bytes_per_s=max((b for _, b in phases["backend"][0].backend_reads.values()), default=0.0),
         )
     except ConfigError as exc:
         raise StateError(f"analyze: dataset {spec.name!r}: a phase measured nothing usable: {exc}") from exc
     ratio = _ratio_in_force(phases["as_is"], options, spec)
-    as_is = Setup.measured(m, offload=ratio, cache_fraction=cache_fraction_of(info))
+    as_is = replace(Setup.measured(m, offload=ratio, cache_fraction=cache_fraction_of(info)), shares=shares_of(info))
     return m, as_is, measure.mean_rate(phases["as_is"])
 
 

@@ -96,7 +96,7 @@ class Phase:
     offload: float | str | None
     with_step: bool
     preload: bool = False
-    read_servers: bool = False
+    read_servers: str = ""  # "prep" or "production": the servers' counters read over the phase (rank 0)
 
 
 @dataclass
@@ -113,6 +113,8 @@ class RankFigures:
         server_capacity: the servers' preprocessing capacity for the job, samples/s (rank 0 of
             phase ``server`` only; ``None`` elsewhere or where the servers do not report it).
         server_workers: preprocessing workers per server (rank 0 of phase ``server``).
+        backend_reads: per server, the samples/s and bytes/s its producers read from the backend
+            for the phase's dataset (rank 0 of phase ``backend``).
         offload: the split in force at the phase's end (``None``: no pipeline).
         cpu_s: CPU seconds the rank's process and its preprocessing workers used while measured.
         cpus: CPUs the rank may run on.
@@ -126,6 +128,7 @@ class RankFigures:
     workers: int = 0
     server_capacity: float | None = None
     server_workers: int = 0
+    backend_reads: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
     offload: float | None = None
     cpu_s: float = 0.0
     cpus: int = 0
@@ -206,7 +209,9 @@ def _measure_step(ds: Any, step: Callable[[Any], Any], options: Options, figures
     del batch
 
 
-def _measure_run(ds: Any, step: Callable[[Any], Any] | None, options: Options, figures: RankFigures, read) -> None:
+def _measure_run(
+    ds: Any, step: Callable[[Any], Any] | None, options: Options, figures: RankFigures, read, phase: str
+) -> None:
     epoch = 0
     batches = iter(ds)
     warm = options.warmup_batches
@@ -250,10 +255,29 @@ def _measure_run(ds: Any, step: Callable[[Any], Any] | None, options: Options, f
         figures.offload = float(stats["offload"].get("ratio", 0.0))
     after = read()
     if before is not None and after is not None:
-        figures.server_capacity, figures.server_workers = _capacity(before, after, figures.seconds)
+        if phase == "prep":
+            figures.server_capacity, figures.server_workers = _capacity(before, after)
+        else:
+            figures.backend_reads = _reads(before, after)
 
 
-def _capacity(before: tuple[float, dict], after: tuple[float, dict], seconds: float) -> tuple[float | None, int]:
+def _reads(before: tuple[float, dict], after: tuple[float, dict]) -> dict[str, tuple[float, float]]:
+    """Each server's backend reads for the dataset, samples/s and bytes/s, between two readings of
+    its production figures."""
+    (t0, first), (t1, last) = before, after
+    if t1 <= t0:
+        return {}
+    return {
+        server: (
+            (last[server].fetch_samples - figures.fetch_samples) / (t1 - t0),
+            (last[server].fetch_bytes - figures.fetch_bytes) / (t1 - t0),
+        )
+        for server, figures in first.items()
+        if server in last
+    }
+
+
+def _capacity(before: tuple[float, dict], after: tuple[float, dict]) -> tuple[float | None, int]:
     """The servers' preprocessing capacity from two readings of their counters (ServerMeter's rule)."""
     from kspeed.client.tuning.meters import Reading, ServerMeter
 
@@ -287,11 +311,13 @@ def rank_main(config: ClientConfig, phase: Phase, options: Options, rank: int) -
             else:
 
                 def read() -> tuple[float, dict] | None:
-                    if not (phase.read_servers and rank == 0):
+                    if not phase.read_servers or rank != 0:
                         return None
-                    return time.monotonic(), _inner(ds).server_prep_figures()
+                    inner = _inner(ds)
+                    ask = inner.server_prep_figures if phase.read_servers == "prep" else inner.server_production_figures
+                    return time.monotonic(), ask()
 
-                _measure_run(ds, step if phase.with_step else None, options, figures, read)
+                _measure_run(ds, step if phase.with_step else None, options, figures, read, phase.read_servers)
         finally:
             ds.close()
     return figures

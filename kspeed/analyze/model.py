@@ -74,6 +74,8 @@ class Measured:
         remote_cpu: the same with every sample preprocessed on the servers, or received raw
             without a pipeline (0: unknown).
         client_cpus: CPUs the rank may run on (0: unknown, no ``client_cpu`` limit).
+        server_read_bytes_per_s: bytes/s a server reads from the backend (the fastest reader's
+            rate while the backend was read for the job; 0: unknown, S is scaled instead).
     """
 
     step: float
@@ -93,6 +95,7 @@ class Measured:
     local_cpu: float = 0.0
     remote_cpu: float = 0.0
     client_cpus: int = 0
+    server_read_bytes_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("step", "memory_fetch", "backend_fetch", "raw_bytes", "out_bytes"):
@@ -133,6 +136,8 @@ class Setup:
         cache_fraction: share of the dataset in the servers' memory (0..1).
         rail_bytes_per_s: the rail's bandwidth to a rank.
         ranks: ranks fed at once.
+        shares: per server, the dataset's bytes it holds and the bytes of them it keeps in memory
+            (the allocation as it is; empty: ``servers`` equal shares keeping ``cache_fraction``).
     """
 
     servers: int
@@ -142,6 +147,7 @@ class Setup:
     cache_fraction: float
     rail_bytes_per_s: float
     ranks: int = 1
+    shares: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.offload <= 1.0:
@@ -225,8 +231,7 @@ def predict(m: Measured, s: Setup) -> Prediction:
     terms["memory"] = s.rail_bytes_per_s / carried
     # A dataset held in part keeps raw copies only of what the client preprocesses: a sample the
     # servers preprocess is read from the backend each epoch (docs/policies.md), cached or not.
-    misses = 0.0 if s.cache_fraction >= 1.0 else 1.0 - s.cache_fraction * (1.0 - (r if pipeline else 0.0))
-    terms["backend"] = m.backend_fetch * (s.servers / m.servers) / (s.ranks * misses) if misses > 0 else math.inf
+    terms["backend"] = _backend(m, s, r if pipeline else 0.0)
     rate = min(terms.values())
     bound = min(terms, key=lambda k: (terms[k], k != "step"))
     prep = min(m.step, terms["server_prep"], terms["client_prep"], terms["client_cpu"])
@@ -238,6 +243,25 @@ def predict(m: Measured, s: Setup) -> Prediction:
         prep_stall=_share(1.0 / prep - 1.0 / m.step, per_sample),
         fetch_stall=_share(per_sample - 1.0 / prep, per_sample),
     )
+
+
+def _backend(m: Measured, s: Setup, r: float) -> float:
+    """Samples/s the servers' backend reads feed a rank: each server reads its share's misses at
+    the bytes/s a server reads (the share with most to read sets an epoch's pace); S scaled by the
+    servers where that rate was not measured."""
+    # A dataset held in part keeps raw copies only of what the client preprocesses: a sample the
+    # servers preprocess is read from the backend each epoch (docs/policies.md), cached or not.
+    if m.server_read_bytes_per_s <= 0 or m.dataset_bytes <= 0:
+        misses = 0.0 if s.cache_fraction >= 1.0 else 1.0 - s.cache_fraction * (1.0 - r)
+        return m.backend_fetch * (s.servers / m.servers) / (s.ranks * misses) if misses > 0 else math.inf
+    shares = s.shares or tuple(
+        (m.dataset_bytes / s.servers, s.cache_fraction * m.dataset_bytes / s.servers) for _ in range(s.servers)
+    )
+    most = max((held - kept * (1.0 - r) if kept < held else 0.0) for held, kept in shares)
+    if most <= 0:
+        return math.inf
+    epoch_s = most / m.server_read_bytes_per_s
+    return (m.dataset_bytes / m.raw_bytes) / (epoch_s * s.ranks)
 
 
 def _client_cpu(m: Measured, s: Setup, r: float, pipeline: bool) -> float:
@@ -265,8 +289,10 @@ def sweep(m: Measured, base: Setup, field: str, values: list[float]) -> list[dic
         kind = int if field in ("servers", "server_cores", "client_cores", "ranks") else float
         changes: dict[str, Any] = {field: kind(value)}
         setup = replace(base, **changes)
-        if field == "servers" and m.server_memory > 0:
-            setup = replace(setup, cache_fraction=m.cache_fraction(setup.servers))
+        if field == "servers" and setup.servers != base.servers:  # another allocation: equal shares
+            setup = replace(setup, shares=(), cache_fraction=m.cache_fraction(setup.servers))
+        elif field == "cache_fraction":
+            setup = replace(setup, shares=tuple((held, setup.cache_fraction * held) for held, _ in base.shares))
         point = {field: kind(value), **predict(m, setup).as_dict()}
         if field == "servers":
             point["cache_fraction"] = setup.cache_fraction
@@ -279,7 +305,11 @@ def smallest_cluster(m: Measured, base: Setup) -> dict:
     predicted rate reaches :data:`CLEAR` of the step's: the one-line answer to "what removes the
     stall", or what bounds the rate however many servers there are."""
     for servers in range(1, MAX_SERVERS + 1):
-        setup = replace(base, servers=servers, cache_fraction=m.cache_fraction(servers))
+        setup = (
+            base
+            if servers == base.servers
+            else replace(base, servers=servers, shares=(), cache_fraction=m.cache_fraction(servers))
+        )
         setup = replace(setup, offload=best_offload(m, setup))
         prediction = predict(m, setup)
         if prediction.samples_per_s >= CLEAR * m.step:
@@ -295,7 +325,7 @@ def smallest_cluster(m: Measured, base: Setup) -> dict:
                     f"(offload {setup.offload:.2f}, {setup.cache_fraction:.0%} of the dataset in memory)"
                 ),
             }
-    setup = replace(base, servers=MAX_SERVERS, cache_fraction=m.cache_fraction(MAX_SERVERS))
+    setup = replace(base, servers=MAX_SERVERS, shares=(), cache_fraction=m.cache_fraction(MAX_SERVERS))
     setup = replace(setup, offload=best_offload(m, setup))
     prediction = predict(m, setup)
     return {

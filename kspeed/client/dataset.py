@@ -30,7 +30,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -51,6 +51,8 @@ from kspeed.proto import kspeed_pb2
 __all__ = ["KSpeedDataset"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 STATE_VERSION = 1
 NO_WORKERS = (
@@ -288,12 +290,21 @@ class KSpeedDataset(IterableDataset):
         ``offload="auto"`` and ``kspeed analyze`` read the servers' capacity from."""
         manager = self._manager
         job = (manager.config.job if manager is not None else "") or default_job()
-        out: dict[str, kspeed_pb2.PrepFigures] = {}
+        return self._ask_servers("preprocessing", lambda link: link.prep_figures(job[:200]))
+
+    def server_production_figures(self) -> dict[str, kspeed_pb2.ProductionFigures]:
+        """Each server's production figures for this dataset now (its reads from the backend and
+        its preprocessing per stage), by server id: what ``kspeed analyze`` reads the backend's
+        rate from."""
+        return self._ask_servers("production", lambda link: link.production_figures(self.name))
+
+    def _ask_servers(self, what: str, ask: Callable[[Any], T | None]) -> dict[str, T]:
+        out: dict[str, T] = {}
         for link in {path.link.server_id: path.link for path in self._feed.paths}.values():
             try:
-                figures = link.prep_figures(job[:200])
+                figures = ask(link)
             except KSpeedError as exc:
-                log.debug("dataset %s: no preprocessing figures from %s: %s", self.name, link.name, exc)
+                log.debug("dataset %s: no %s figures from %s: %s", self.name, what, link.name, exc)
                 continue
             if figures is not None:
                 out[link.server_id] = figures

@@ -1072,7 +1072,7 @@ class ServerInfo(_message.Message):
     def __init__(self, id: _Optional[str] = ..., inventory: _Optional[_Union[ServerInventory, _Mapping]] = ..., software_version: _Optional[str] = ..., protocol_versions: _Optional[_Iterable[int]] = ..., manager_address: _Optional[str] = ..., registered: _Optional[bool] = ..., incarnation: _Optional[int] = ..., prep: _Optional[_Union[PrepFigures, _Mapping]] = ..., production: _Optional[_Union[ProductionFigures, _Mapping]] = ...) -> None: ...
 
 class ProductionFigures(_message.Message):
-    __slots__ = ("fetch_seconds", "stage_seconds")
+    __slots__ = ("fetch_seconds", "stage_seconds", "fetch_samples", "fetch_bytes")
     class StageSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -1082,9 +1082,13 @@ class ProductionFigures(_message.Message):
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     FETCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STAGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FETCH_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    FETCH_BYTES_FIELD_NUMBER: _ClassVar[int]
     fetch_seconds: float
     stage_seconds: _containers.ScalarMap[str, float]
-    def __init__(self, fetch_seconds: _Optional[float] = ..., stage_seconds: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    fetch_samples: int
+    fetch_bytes: int
+    def __init__(self, fetch_seconds: _Optional[float] = ..., stage_seconds: _Optional[_Mapping[str, float]] = ..., fetch_samples: _Optional[int] = ..., fetch_bytes: _Optional[int] = ...) -> None: ...
 
 class PrepFigures(_message.Message):
     __slots__ = ("workers", "busy_seconds", "samples", "cpu_seconds", "daemon_cpu_seconds", "cores", "cpu_group", "job_samples")

@@ -69,6 +69,25 @@ def test_client_cores_scale_the_clients_part_only():
     assert p.terms["memory"] == pytest.approx(2000.0)  # raw bytes on the wire
 
 
+def test_with_the_servers_read_rate_the_share_with_most_to_read_sets_the_pace():
+    # 600 samples of 50 kB (30 MB); a server reads 3 MB/s from the backend
+    m = measured(server_prep=None, client_prep=None, dataset_bytes=30_000_000, server_read_bytes_per_s=3e6)
+    streamed = setup(m, cache_fraction=0.0, shares=((18e6, 0.0), (12e6, 0.0)))
+    assert predict(m, streamed).terms["backend"] == pytest.approx(600 / (18e6 / 3e6))  # the larger share: 6 s
+    balanced = setup(m, cache_fraction=0.0)
+    assert predict(m, balanced).terms["backend"] == pytest.approx(600 / 5.0)  # two shares of 15 MB
+    one = setup(m, servers=1, cache_fraction=0.0)
+    assert predict(m, one).terms["backend"] == pytest.approx(600 / 10.0)
+    cached = setup(m, cache_fraction=0.5, shares=((18e6, 6e6), (12e6, 9e6)))
+    assert predict(m, cached).terms["backend"] == pytest.approx(600 / (12e6 / 3e6))  # 12 MB left to read on the first
+    whole = setup(m, cache_fraction=1.0, shares=((18e6, 18e6), (12e6, 12e6)))
+    assert math.isinf(predict(m, whole).terms["backend"])
+    with_prep = replace(m, server_prep=1e6, client_prep=1e6)
+    # a share held in part re-reads what the servers preprocess: at offload 1, everything
+    assert predict(with_prep, replace(cached, offload=1.0)).terms["backend"] == pytest.approx(600 / 6.0)
+    assert predict(with_prep, replace(whole, offload=1.0)).terms["backend"] == math.inf
+
+
 def test_the_ranks_cpus_are_shared_by_its_step_its_workers_and_receiving():
     m = measured(step_cpu=1e-3, local_cpu=4e-3, remote_cpu=0.5e-3, client_cpus=2)
     p = predict(m, setup(m, offload=0.5))
@@ -123,7 +142,7 @@ def test_the_smallest_cluster_is_the_first_that_clears_the_step():
 def test_memory_per_server_makes_more_servers_cache_more():
     m = measured(step=300.0, memory_fetch=1e5, server_memory=100, dataset_bytes=400)
     assert (m.cache_fraction(1), m.cache_fraction(2), m.cache_fraction(4), m.cache_fraction(9)) == (0.25, 0.5, 1.0, 1.0)
-    curve = sweep(m, setup(m, offload=0.0), "servers", [1, 2, 4])  # the client preprocesses: raw copies cached
+    curve = sweep(m, setup(m, offload=0.0, cache_fraction=0.5), "servers", [1, 2, 4])  # raw copies cached
     assert [p["cache_fraction"] for p in curve] == [0.25, 0.5, 1.0]
     assert curve[0]["terms"]["backend"] == pytest.approx(100.0 * 0.5 / 0.75)  # half the readers, 3/4 missed
     assert curve[1]["terms"]["backend"] == pytest.approx(100.0 / 0.5)
@@ -131,7 +150,7 @@ def test_memory_per_server_makes_more_servers_cache_more():
     assert [p["bound"] for p in curve] == ["backend", "client_prep", "client_prep"]
     # the servers alone preprocess: only a dataset held whole escapes the backend
     servers_only = replace(m, client_prep=None)
-    answer = smallest_cluster(servers_only, setup(servers_only))
+    answer = smallest_cluster(servers_only, setup(servers_only, cache_fraction=0.5))
     assert answer["servers"] == 4 and answer["cache_fraction"] == 1.0 and answer["offload"] == 1.0
 
 

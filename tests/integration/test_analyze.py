@@ -102,6 +102,8 @@ def test_analyze_measures_every_rate_and_reports_them(cluster_factory, tmp_path,
     assert 0 <= m["step_cpu"] < 0.5e-3  # the step sleeps: its CPU per sample is tiny
     assert m["local_cpu"] > m["remote_cpu"] > 0  # decoding here costs more than receiving the servers' output
     assert m["client_cpus"] == len(os.sched_getaffinity(0))
+    assert m["server_read_bytes_per_s"] > 0  # the stream twin's reads, from the servers' own figures
+    assert set(doc["phases"]["backend"][0]["backend_reads"]) <= holders
     assert set(doc["phases"]) == set(PHASES)
     for name, ranks in doc["phases"].items():
         (rank,) = ranks
@@ -118,7 +120,12 @@ def test_analyze_measures_every_rate_and_reports_them(cluster_factory, tmp_path,
         "cache_fraction": 1.0,
         "rail_bytes_per_s": pytest.approx(m["rail_bytes_per_s"]),
         "ranks": 1,
+        "shares": doc["as_is"]["shares"],
     }
+    per_server: dict[str, float] = {}
+    for share in info.shares:
+        per_server[share.server_id] = per_server.get(share.server_id, 0.0) + share.bytes
+    assert sorted(doc["as_is"]["shares"]) == sorted([held, held] for held in per_server.values())  # held whole
     assert doc["observed_samples_per_s"] == pytest.approx(doc["phases"]["as_is"][0]["samples_per_s"])
     _check_prediction(doc["prediction"])
     assert doc["prediction_error"] == pytest.approx(

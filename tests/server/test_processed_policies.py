@@ -96,6 +96,8 @@ def test_processed_positions_read_each_sample_once_per_plan_and_count_the_reads(
     figures = production.figures(("ds", 0))
     assert [(f.epoch, f.planned, f.written) for f in figures] == [(0, N, N), (1, N, N)]
     assert [(f.misses, f.backend_requests, f.backend_bytes) for f in figures] == [(N, N, N * SIZE)] * 2
+    # what GetInfo's ProductionFigures says, and the analyzer reads the backend's rate from
+    assert production.fetch_reads["ds"] == (2 * N, 2 * N * SIZE) and production.fetch_seconds["ds"] > 0
     wait(lambda: production.window.used == 0)
 
 

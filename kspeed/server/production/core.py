@@ -157,6 +157,8 @@ class Production(ProcessedProduction):
         self.waits = Histogram()
         #: per dataset: seconds producers spent reading samples for feeds (ProductionFigures)
         self.fetch_seconds: dict[str, float] = {}
+        #: per dataset: samples and bytes producers read from the backend for feeds
+        self.fetch_reads: dict[str, tuple[int, int]] = {}
         self._recent: deque[tuple[float, int]] = deque()
         self._threads = [
             threading.Thread(target=self._produce_loop, name=f"producer-{n}", daemon=True)
@@ -935,17 +937,23 @@ class Production(ProcessedProduction):
                     return
                 log.exception("dataset %s: producing samples %s failed", work.share.dataset, work.ids[:4].tolist())
 
-    def _fetched(self, dataset: str, seconds: float) -> None:
-        """Producers read samples of ``dataset`` for ``seconds``; under the lock."""
+    def _fetched(self, dataset: str, seconds: float, samples: int = 0, nbytes: int = 0) -> None:
+        """Producers read ``samples`` samples (``nbytes`` bytes) of ``dataset`` from the backend
+        in ``seconds``; under the lock."""
         self.fetch_seconds[dataset] = self.fetch_seconds.get(dataset, 0.0) + seconds
+        done, read = self.fetch_reads.get(dataset, (0, 0))
+        self.fetch_reads[dataset] = (done + samples, read + nbytes)
 
     def production_figures(self, dataset: str) -> kspeed_pb2.ProductionFigures:
         """What producing ``dataset``'s samples took so far: reads, and preprocessing per stage (a
         client splits the time its grants waited for production in these proportions)."""
         with self._lock:
             fetch = self.fetch_seconds.get(dataset, 0.0)
+            samples, nbytes = self.fetch_reads.get(dataset, (0, 0))
         stages = self.prep.seconds_of(dataset) if self.prep is not None else {}
-        return kspeed_pb2.ProductionFigures(fetch_seconds=fetch, stage_seconds=stages)
+        return kspeed_pb2.ProductionFigures(
+            fetch_seconds=fetch, stage_seconds=stages, fetch_samples=samples, fetch_bytes=nbytes
+        )
 
     def _produce(self, share: ShareState, feed_id: str, ids: np.ndarray, epoch: int = -1, plan: int = -1) -> None:
         """Read ``ids`` (claimed, for plan ``plan`` of sampler epoch ``epoch``) from the backend
@@ -979,7 +987,8 @@ class Production(ProcessedProduction):
             started = time.perf_counter()
             crcs, bad = self.producer.produce(share.preloader, ids, slots, window)
             with self._lock:
-                self._fetched(share.dataset, time.perf_counter() - started)
+                ok = np.array([int(i) not in bad for i in ids.tolist()], dtype=bool)
+                self._fetched(share.dataset, time.perf_counter() - started, int(ok.sum()), int(lengths[ok].sum()))
                 if self._shares.get(share.key) is not share:  # dropped meanwhile
                     return
                 self._settle(share, feed_id, ids, lengths, slots, crcs, bad, epoch, plan)

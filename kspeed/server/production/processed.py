@@ -48,7 +48,7 @@ class ProcessedProduction:
     _draining: dict[int, Draining]
     _recent: deque[tuple[float, int]]
     _came_home: Callable[[ShareState, np.ndarray], None]
-    _fetched: Callable[[str, float], None]
+    _fetched: Callable[[str, float, int, int], None]
 
     def _forget_plan(self, feed: FeedState, plan: PlanState | None) -> None:
         """Free the processed slots of a plan no longer followed (its feeder dropped it too); under the lock."""
@@ -108,12 +108,13 @@ class ProcessedProduction:
             started = time.perf_counter()
             inputs, bad, read = self._raw_inputs(share, ids)
             with self._lock:
-                self._fetched(share.dataset, time.perf_counter() - started)
+                ok = read[~np.isin(read, np.fromiter(bad, np.int64, len(bad)))]
+                nbytes = int(share.preloader.index.length[ok - share.lo].sum())
+                self._fetched(share.dataset, time.perf_counter() - started, len(ok), nbytes)
                 if share.own_window and len(read):  # the reads are counted for the plan they were made for
                     figures = share.figures_of(plan.user_epoch)
-                    ok = read[~np.isin(read, np.fromiter(bad, np.int64, len(bad)))]
                     figures.backend_requests += len(read)
-                    figures.backend_bytes += int(share.preloader.index.length[ok - share.lo].sum())
+                    figures.backend_bytes += nbytes
                     figures.misses += len(ok)
             keep = [k for k in range(len(ids)) if int(ids[k]) not in bad]
             results: dict[int, int | str] = {int(ids[k]): bad[int(ids[k])] for k in range(len(ids)) if k not in keep}
