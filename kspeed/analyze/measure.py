@@ -56,7 +56,9 @@ class Options:
             ``"sleep:<ms>"`` or ``"cpu:<ms>"``.
         batch_size: samples per batch.
         seconds: how long each phase is measured, after its warm-up.
-        warmup_batches: batches each phase delivers before it is measured.
+        warmup_batches: batches each phase delivers before it is measured, at least.
+        warmup_s: seconds each phase runs before it is measured, at least (workers starting,
+            caches and windows filling: a phase measured from its first batches understates).
         ranks: ranks measured at once.
         offload: the job's own split (``None``: the client's default), for the ``as_is`` phase.
         num_workers: client preprocessing workers per rank (``None``: the client's default).
@@ -68,6 +70,7 @@ class Options:
     batch_size: int
     seconds: float = 5.0
     warmup_batches: int = 3
+    warmup_s: float = 2.0
     ranks: int = 1
     offload: float | str | None = None
     num_workers: int | None = None
@@ -80,6 +83,8 @@ class Options:
             raise ConfigError(f"batch_size must be at least 1, got {self.batch_size}", field="batch_size")
         if not 0.5 <= self.seconds <= 3600:
             raise ConfigError(f"seconds per phase must be 0.5..3600, got {self.seconds:g}", field="seconds")
+        if not 0 <= self.warmup_s <= 600:
+            raise ConfigError(f"warmup_s must be 0..600 seconds, got {self.warmup_s:g}", field="warmup_s")
         if not 1 <= self.warmup_batches <= 10_000:
             raise ConfigError(f"warmup_batches must be 1..10000, got {self.warmup_batches}", field="warmup_batches")
         if not 1 <= self.ranks <= MAX_RANKS:
@@ -215,6 +220,7 @@ def _measure_run(
     epoch = 0
     batches = iter(ds)
     warm = options.warmup_batches
+    warm_until = time.perf_counter() + options.warmup_s
     started = 0.0
     before_bytes = 0
     before = None
@@ -230,7 +236,7 @@ def _measure_run(
             continue
         waited = time.perf_counter() - asked
         if warm > 0:
-            warm -= 1
+            warm -= 1 if warm > 1 or time.perf_counter() >= warm_until else 0
             if warm == 0:
                 started = time.perf_counter()
                 before_bytes = _delivered(ds)[1]

@@ -38,6 +38,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         step=_step(args),
         batch_size=args.batch_size,
         seconds=args.seconds,
+        warmup_s=args.warmup,
         ranks=args.ranks,
         offload=args.offload,
         num_workers=args.workers,
@@ -73,6 +74,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--seconds", type=float, default=5.0, metavar="S", help="each phase's measured time (default 5)"
+    )
+    parser.add_argument(
+        "--warmup", type=float, default=2.0, metavar="S", help="each phase's run before it is measured (default 2)"
     )
     parser.add_argument("--ranks", type=int, default=1, metavar="N", help="ranks measured at once (default 1)")
     parser.add_argument(
