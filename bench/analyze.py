@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _balanced_data import WORKLOADS, ensure_data
 from _common import MIB, machine_info, pyplot, stop_on_sigterm, write_json
+from _throttled import split_cores, throttled_cluster
 
 from kspeed import DatasetSpec, KSpeedClient
 from kspeed.analyze import Options, Setup, analyze, predict
@@ -66,6 +67,7 @@ class Shape:
 HELD_OUT = (
     Shape("1 server, streamed, offload 0", 1, "stream", 0.0),
     Shape("2 servers, streamed, offload 0", 2, "stream", 0.0),
+    Shape("4 servers, streamed, offload 0", 4, "stream", 0.0),
     Shape("2 servers, minio at 60%, offload 0", 2, "minio", 0.0, 0.6),
     Shape("2 servers, cached, offload 0", 2, "cache", 0.0),
     Shape("2 servers, cached, offload 0.5", 2, "cache", 0.5),
@@ -85,42 +87,21 @@ def pipeline() -> Pipeline:
     )
 
 
-def cores(pin: bool) -> tuple[set[int], set[int]]:
-    usable = sorted(os.sched_getaffinity(0))
-    if not pin or len(usable) < 2:
-        return set(usable), set(usable)
-    half = len(usable) // 2
-    return set(usable[:half]), set(usable[half:])
-
-
 def config_for(address: str) -> ClientConfig:
     return load_config(ClientConfig, environ={}, overrides={"manager": address, "security.auth": "none"})
 
 
 def start_cluster(state: Path, root: Path, servers: int, args: argparse.Namespace) -> LocalCluster:
-    options = {"throttled": {"latency": args.latency, "bandwidth": args.bandwidth, "target_protocol": "file"}}
-    daemons = ",".join(str(c) for c in sorted(cores(args.pin)[1]))
-    cluster = LocalCluster(
-        str(state),
+    return throttled_cluster(
+        state,
+        root,
         servers=servers,
-        launch_prefix=lambda name: ["taskset", "-c", daemons],
-        server_args=[
-            "--backend-allow",
-            f"throttled://{root}",
-            "--backend-options",
-            json.dumps(options),
-            "--memory",
-            str(args.memory_mib * MIB),
-            "--region-size",
-            str(args.region_mib * MIB),
-            "--preprocess-workers",
-            str(args.server_workers),
-            "--keep-pool-on-exit",
-            "false",
-        ],
+        store={"latency": args.latency, "bandwidth": args.bandwidth},
+        memory=args.memory_mib * MIB,
+        region=args.region_mib * MIB,
+        pin=args.pin,
+        extra=["--preprocess-workers", str(args.server_workers)],
     )
-    cluster.start()
-    return cluster
 
 
 def register(client: KSpeedClient, root: Path, policy: str, quota: int) -> object:
@@ -282,7 +263,7 @@ def main() -> None:
     parser.add_argument("--png", default=None)
     args = parser.parse_args()
     stop_on_sigterm()
-    os.sched_setaffinity(0, cores(args.pin)[0])
+    os.sched_setaffinity(0, split_cores(args.pin)[0])
     # torch sized its intra-op threads by the CPUs it saw at import: two threads on the one pinned
     # core made each batch's collation (16 crops of 160 px) take 130-190 ms instead of 0.2 ms,
     # which capped the rank at about 85 samples/s whatever the servers fed

@@ -44,6 +44,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _common import MIB, machine_info, write_files, write_json
+from _throttled import split_cores, throttled_cluster
 
 from kspeed import DatasetSpec, KSpeedClient
 from kspeed.cli.cluster import LocalCluster, wait_for
@@ -60,14 +61,8 @@ def config_for(address: str) -> ClientConfig:
 
 
 def cores(args: argparse.Namespace) -> tuple[set[int], set[int]]:
-    """``(the ranks' cores, the daemons' cores)``: with ``--pin``, the usable cores split in two
-    halves, as the training nodes and the spare nodes are apart in a cluster (the servers' reads
-    then cost the ranks no CPU); without it, all of them for both."""
-    usable = sorted(os.sched_getaffinity(0))
-    if not args.pin or len(usable) < 2:
-        return set(usable), set(usable)
-    half = len(usable) // 2
-    return set(usable[:half]), set(usable[half:])
+    """``(the ranks' cores, the daemons' cores)`` (``--pin``: apart, :func:`_throttled.split_cores`)."""
+    return split_cores(args.pin)
 
 
 def pin_rank(args: argparse.Namespace) -> None:
@@ -188,29 +183,16 @@ def run_ranks(target, rank_args: tuple, args: argparse.Namespace) -> list[list[d
 
 
 def start_cluster(state: Path, root: Path, args: argparse.Namespace, memory: int) -> LocalCluster:
-    options = {"throttled": {**store(args), "target_protocol": "file"}}
-    daemons = ",".join(str(c) for c in sorted(cores(args)[1]))
-    cluster = LocalCluster(
-        str(state),
+    return throttled_cluster(
+        state,
+        root,
         servers=2,
-        launch_prefix=lambda name: ["taskset", "-c", daemons],
-        server_args=[
-            "--backend-allow",
-            f"throttled://{root}",
-            "--backend-options",
-            json.dumps(options),
-            "--memory",
-            str(memory),
-            "--region-size",
-            str(args.region_mib * MIB),
-            "--production-threads",
-            str(args.threads),
-            "--keep-pool-on-exit",
-            "false",
-        ],
+        store=store(args),
+        memory=memory,
+        region=args.region_mib * MIB,
+        pin=args.pin,
+        extra=["--production-threads", str(args.threads)],
     )
-    cluster.start()
-    return cluster
 
 
 def kspeed_run(policy: str, root: Path, total: int, args: argparse.Namespace) -> dict:
