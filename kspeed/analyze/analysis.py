@@ -23,7 +23,7 @@ from kspeed.client.spec import DatasetSpec
 from kspeed.config import ClientConfig
 from kspeed.errors import ConfigError, StateError
 
-__all__ = ["Analysis", "analyze", "cache_fraction_of", "curves", "shares_of"]
+__all__ = ["Analysis", "analyze", "cache_fraction_of", "crowded_split_note", "curves", "shares_of"]
 
 log = logging.getLogger(__name__)
 
@@ -301,9 +301,24 @@ def _model_inputs(
         )
     except ConfigError as exc:
         raise StateError(f"analyze: dataset {spec.name!r}: a phase measured nothing usable: {exc}") from exc
+    notes.extend(crowded_split_note(m))
     ratio = _ratio_in_force(phases["as_is"], options, spec)
     as_is = replace(Setup.measured(m, offload=ratio, cache_fraction=cache_fraction_of(info)), shares=shares_of(info))
     return m, as_is, measure.mean_rate(phases["as_is"])
+
+
+def crowded_split_note(m: Measured) -> list[str]:
+    """A warning where the model's splits are optimistic: a rank whose preprocessing workers have
+    no CPU beside its training thread (``docs/analyze.md``: on such a rank a split measured at
+    half the model's rate, the hand-offs between the thread and a worker on its core costing)."""
+    if m.server_prep is None or m.client_prep is None or not 0 < m.client_cpus <= m.client_cores:
+        return []
+    return [
+        f"the rank has {m.client_cpus} CPU(s) for its training thread and {m.client_cores} preprocessing "
+        "worker(s): predictions that split preprocessing between the servers and this client are "
+        "optimistic (on a one-CPU rank a split ran at half its predicted rate); give the rank a CPU "
+        "beside its workers, or read the offload 0 and 1 predictions"
+    ]
 
 
 def _ratio_in_force(run: list[RankFigures], options: Options, spec: DatasetSpec) -> float:

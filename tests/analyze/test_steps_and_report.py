@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
-from kspeed.analyze.analysis import Analysis, cache_fraction_of, curves
+from kspeed.analyze.analysis import Analysis, cache_fraction_of, crowded_split_note, curves
 from kspeed.analyze.measure import Options, RankFigures, twin
 from kspeed.analyze.model import Measured, Setup, predict, smallest_cluster
 from kspeed.analyze.report import finite, summary, table, write_report
@@ -103,6 +104,27 @@ def test_the_cache_fraction_of_a_registration():
     info.shares.add(server_id="a", bytes=400, policy="minio", memory_regions=2)
     assert cache_fraction_of(info) == pytest.approx(0.75 * 200 / 400)  # a quarter of the window prefetches
     assert cache_fraction_of(kspeed_pb2.DatasetInfo()) == 1.0
+
+
+def test_a_rank_whose_workers_crowd_its_cpus_is_told_splits_are_optimistic():
+    base = Measured(
+        step=400.0,
+        memory_fetch=3000.0,
+        backend_fetch=150.0,
+        server_prep=180.0,
+        client_prep=90.0,
+        raw_bytes=40_000.0,
+        out_bytes=60_000.0,
+        servers=2,
+        server_cores=1,
+        client_cores=1,
+        client_cpus=1,
+    )
+    (note,) = crowded_split_note(base)
+    assert "1 CPU(s)" in note and "1 preprocessing worker(s)" in note and "optimistic" in note
+    assert crowded_split_note(replace(base, client_cpus=2)) == []  # a CPU beside the worker
+    assert crowded_split_note(replace(base, client_cpus=0)) == []  # not known
+    assert crowded_split_note(replace(base, server_prep=None)) == []  # nothing to split
 
 
 def synthetic() -> Analysis:
