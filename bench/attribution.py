@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import os
 import shutil
 import sys
@@ -35,34 +34,15 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import machine_info, stop_on_sigterm, write_json
+from preprocess import write_photos
 
 CGROUP_ROOT = Path("/sys/fs/cgroup/cpu")
 PERIOD_US = 100_000
 PRODUCTION = ("production", "prep", "fetch")
-
-
-def write_photos(root: Path, count: int, seed: int = 0) -> None:
-    """``count`` JPEG crops (320-480 px) of scikit-learn's sample photographs in two class folders."""
-    from PIL import Image
-    from sklearn.datasets import load_sample_images
-
-    photos = load_sample_images().images
-    rng = np.random.default_rng(seed)
-    for i in range(count):
-        photo = photos[i % len(photos)]
-        h, w = (int(min(v, side)) for v, side in zip(rng.integers(320, 481, size=2), photo.shape[:2], strict=True))
-        y, x = int(rng.integers(0, photo.shape[0] - h + 1)), int(rng.integers(0, photo.shape[1] - w + 1))
-        folder = root / f"class{i % 2}"
-        folder.mkdir(parents=True, exist_ok=True)
-        buffer = io.BytesIO()
-        Image.fromarray(photo[y : y + h, x : x + w]).save(buffer, format="JPEG", quality=90)
-        (folder / f"{i:05d}.jpg").write_bytes(buffer.getvalue())
 
 
 class CpuQuota:
@@ -268,7 +248,7 @@ def main() -> int:
     cluster = None
     try:
         root = work / "photos"
-        write_photos(root, args.samples)
+        write_photos(root, args.samples, sides=(320, 480))  # as the recorded runs
         cluster = LocalCluster(
             str(work / "cluster"),
             servers=2,

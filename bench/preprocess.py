@@ -49,8 +49,9 @@ SPLITS = (0.25, 0.5, 0.75)
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
-def write_photos(root: Path, count: int, seed: int = 0) -> int:
-    """``count`` JPEG crops (300-500 px) of scikit-learn's sample photographs in two class folders; total bytes."""
+def write_photos(root: Path, count: int, seed: int = 0, sides: tuple[int, int] = (300, 500)) -> int:
+    """``count`` JPEG crops (``sides`` px, 300-500 by default) of scikit-learn's sample photographs in
+    two class folders; total bytes."""
     from PIL import Image
     from sklearn.datasets import load_sample_images
 
@@ -59,7 +60,10 @@ def write_photos(root: Path, count: int, seed: int = 0) -> int:
     total = 0
     for i in range(count):
         photo = photos[i % len(photos)]
-        h, w = (int(min(v, side)) for v, side in zip(rng.integers(300, 501, size=2), photo.shape[:2], strict=True))
+        h, w = (
+            int(min(v, side))
+            for v, side in zip(rng.integers(sides[0], sides[1] + 1, size=2), photo.shape[:2], strict=True)
+        )
         y, x = int(rng.integers(0, photo.shape[0] - h + 1)), int(rng.integers(0, photo.shape[1] - w + 1))
         folder = root / f"class{i % 2}"
         folder.mkdir(parents=True, exist_ok=True)

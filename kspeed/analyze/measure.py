@@ -215,7 +215,12 @@ def _measure_step(ds: Any, step: Callable[[Any], Any], options: Options, figures
 
 
 def _measure_run(
-    ds: Any, step: Callable[[Any], Any] | None, options: Options, figures: RankFigures, read, phase: str
+    ds: Any,
+    step: Callable[[Any], Any] | None,
+    options: Options,
+    figures: RankFigures,
+    read: Callable[[], tuple[float, dict] | None],
+    reads: str,
 ) -> None:
     epoch = 0
     batches = iter(ds)
@@ -261,7 +266,7 @@ def _measure_run(
         figures.offload = float(stats["offload"].get("ratio", 0.0))
     after = read()
     if before is not None and after is not None:
-        if phase == "prep":
+        if reads == "prep":
             figures.server_capacity, figures.server_workers = _capacity(before, after)
         else:
             figures.backend_reads = _reads(before, after)

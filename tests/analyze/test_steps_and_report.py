@@ -14,7 +14,7 @@ import torch
 
 from kspeed.analyze.analysis import Analysis, cache_fraction_of, crowded_split_note, curves
 from kspeed.analyze.measure import Options, RankFigures, twin
-from kspeed.analyze.model import Measured, Setup, predict, smallest_cluster
+from kspeed.analyze.model import Setup, predict, smallest_cluster
 from kspeed.analyze.report import finite, summary, table, write_report
 from kspeed.analyze.steps import resolve, samples_of
 from kspeed.cli.main import main
@@ -22,6 +22,7 @@ from kspeed.client.spec import DatasetSpec
 from kspeed.errors import ConfigError
 from kspeed.preprocess import Output, Pipeline, Stage
 from kspeed.proto import kspeed_pb2
+from tests.analyze.test_model import measured
 
 
 def test_a_sleeping_step_waits_and_a_cpu_step_spins():
@@ -107,19 +108,7 @@ def test_the_cache_fraction_of_a_registration():
 
 
 def test_a_rank_whose_workers_crowd_its_cpus_is_told_splits_are_optimistic():
-    base = Measured(
-        step=400.0,
-        memory_fetch=3000.0,
-        backend_fetch=150.0,
-        server_prep=180.0,
-        client_prep=90.0,
-        raw_bytes=40_000.0,
-        out_bytes=60_000.0,
-        servers=2,
-        server_cores=1,
-        client_cores=1,
-        client_cpus=1,
-    )
+    base = measured(client_cpus=1)
     (note,) = crowded_split_note(base)
     assert "1 CPU(s)" in note and "1 preprocessing worker(s)" in note and "optimistic" in note
     assert crowded_split_note(replace(base, client_cpus=2)) == []  # a CPU beside the worker
@@ -128,20 +117,7 @@ def test_a_rank_whose_workers_crowd_its_cpus_is_told_splits_are_optimistic():
 
 
 def synthetic() -> Analysis:
-    m = Measured(
-        step=400.0,
-        memory_fetch=3000.0,
-        backend_fetch=150.0,
-        server_prep=180.0,
-        client_prep=90.0,
-        raw_bytes=40_000.0,
-        out_bytes=60_000.0,
-        servers=2,
-        server_cores=1,
-        client_cores=1,
-        server_memory=1 << 20,
-        dataset_bytes=4 << 20,
-    )
+    m = measured(server_memory=1 << 20, dataset_bytes=4 << 20)
     setup = Setup.measured(m, offload=1.0, cache_fraction=0.5)
     options = Options(step="sleep:40", batch_size=16, seconds=1.0)
     figures = {name: [RankFigures(0, samples=100, seconds=1.0, wait_s=0.2)] for name in ("step", "as_is")}
