@@ -123,6 +123,7 @@ class RankFigures:
         offload: the split in force at the phase's end (``None``: no pipeline).
         cpu_s: CPU seconds the rank's process and its preprocessing workers used while measured.
         cpus: CPUs the rank may run on.
+        fed: samples the feed delivered while measured, whose are ``bytes``.
     """
 
     rank: int
@@ -137,6 +138,7 @@ class RankFigures:
     offload: float | None = None
     cpu_s: float = 0.0
     cpus: int = 0
+    fed: int = 0
 
     @property
     def rate(self) -> float:
@@ -227,7 +229,7 @@ def _measure_run(
     warm = options.warmup_batches
     warm_until = time.perf_counter() + options.warmup_s
     started = 0.0
-    before_bytes = 0
+    before_samples = before_bytes = 0
     before = None
     cpu = 0.0
     while True:
@@ -244,7 +246,7 @@ def _measure_run(
             warm -= 1 if warm > 1 or time.perf_counter() >= warm_until else 0
             if warm == 0:
                 started = time.perf_counter()
-                before_bytes = _delivered(ds)[1]
+                before_samples, before_bytes = _delivered(ds)
                 before = read()
                 cpu = _cpu(ds)
         else:
@@ -262,6 +264,8 @@ def _measure_run(
     figures.cpu_s = _cpu(ds) - cpu
     stats = ds.stats()
     figures.bytes = int(stats.get("bytes", 0)) - before_bytes
+    # (the feed's own count: a prepared dataset's feed runs a few batches ahead of the hand-overs)
+    figures.fed = int(stats.get("samples", 0)) - before_samples
     if "offload" in stats:
         figures.offload = float(stats["offload"].get("ratio", 0.0))
     after = read()
@@ -428,7 +432,8 @@ def cpu_per_sample(figures: list[RankFigures]) -> float:
 
 
 def bytes_per_sample(figures: list[RankFigures]) -> float:
-    samples = sum(f.samples for f in figures)
+    """Bytes per sample the ranks' feeds delivered."""
+    samples = sum(f.fed for f in figures)
     return sum(f.bytes for f in figures) / samples if samples else 0.0
 
 
