@@ -72,6 +72,11 @@ JOB = NameRule(
     r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}",
     "1-128 letters, digits, '.', '_', ':', '@' or '-', starting with a letter or digit",
 )
+GROUP = NameRule(
+    "group name",
+    r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}",
+    "1-128 letters, digits, '.', '_', ':', '@' or '-', starting with a letter or digit",
+)
 #: Free text naming who holds a lease (``pid 4242 on node7 rank 0``), shown by status and in logs:
 #: no control character (C0, DEL, C1), line separator or bidirectional override, which would forge
 #: log lines or disguise what a terminal shows.

@@ -104,6 +104,9 @@ class KSpeedClient:
         num_workers: int | None = None,
         prefetch: int | None = None,
         on_error: str = "raise",
+        group: str | None = None,
+        share: str = "samples",
+        group_lag: int | None = None,
     ) -> KSpeedDataset | PreparedDataset:
         """Register (or attach to) a dataset under a job lease and open this rank's feed.
 
@@ -149,9 +152,18 @@ class KSpeedClient:
             prefetch: batches in flight in the workers (default: 2 per worker).
             on_error: ``"raise"`` (default) or ``"skip"``: a sample whose preparation fails is
                 left out of its batch, logged with its ID and counted in ``stats()["skipped"]``.
+            group: shared preparation (docs/groups.md): the jobs that name the same group share the
+                servers' preprocessing (and, streamed, their reads) of each sample per epoch, each
+                still receiving its own epochs exactly once in its own order.
+            share: in a group, ``"samples"`` (default: each sample's server-stage output is made
+                once for the group; every job of it uses the same ``seed``) or ``"decoded"``
+                (the stored form of a dataset with ``cache="preprocessed"``; random stages per job).
+            group_lag: in a group, samples the fastest job may lead the slowest by before the
+                slowest is served alone for the samples it lags on (default: the servers').
 
         Raises:
             ConfigError: a bad argument (named).
+            ConflictError: a job of ``group`` with ``share="samples"`` draws from another seed.
             NotFoundError: ``spec`` names a dataset that is not registered.
             DatasetError, AccessDeniedError: the dataset cannot be listed or read by the servers.
             UnavailableError: the manager or a server cannot be reached (named).
@@ -172,6 +184,9 @@ class KSpeedClient:
             offload=offload,
             model=model,
             on_error=on_error,
+            group=group,
+            share=share,
+            group_lag=group_lag,
         )
         # Stages on this client's CPU read the bytes in host memory: the feed delivers there, and the
         # prepared batches move to the device (a raw dataset's batches are delivered to it directly).

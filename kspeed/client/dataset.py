@@ -298,6 +298,32 @@ class KSpeedDataset(IterableDataset):
         rate from."""
         return self._ask_servers("production", lambda link: link.production_figures(self.name))
 
+    def group_figures(self) -> dict[str, Any] | None:
+        """What this job's group shared on the servers (docs/groups.md), summed over them, or
+        ``None`` outside a group: outputs ``produced`` to be shared, positions ``shared`` (served
+        an output made for another plan) and ``alone`` (made for one job alone while the group
+        had others: it lagged beyond the bound), outputs ``evicted`` by the lag bound, the window
+        bytes held (``kept_bytes`` for jobs that lag, within ``cap_bytes``), and ``mine``: this
+        job's own shared and alone positions."""
+        group, member = self._feed.group.get("group"), self._feed.group.get("member")
+        if not group:
+            return None
+        out: dict[str, Any] = {"group": group, "member": member, "members": 0}
+        fields = ("produced", "shared", "alone", "evicted", "held_bytes", "kept_bytes", "cap_bytes")
+        out.update(dict.fromkeys(fields, 0))
+        mine = {"shared": 0, "alone": 0}
+        for figures in self.server_production_figures().values():
+            for g in figures.groups:
+                if g.group != group:
+                    continue
+                for name in fields:
+                    out[name] += getattr(g, name)
+                out["members"] = max(out["members"], g.members)
+                mine["shared"] += g.member_shared.get(str(member), 0)
+                mine["alone"] += g.member_alone.get(str(member), 0)
+        out["mine"] = mine
+        return out
+
     def _ask_servers(self, what: str, ask: Callable[[Any], T | None]) -> dict[str, T]:
         out: dict[str, T] = {}
         for link in {path.link.server_id: path.link for path in self._feed.paths}.values():

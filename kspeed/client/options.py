@@ -13,12 +13,15 @@ from typing import Any
 
 import torch
 
+from kspeed import names
 from kspeed.errors import ConfigError
 
 __all__ = ["AUTO_OFFLOAD", "FeedOptions"]
 
 #: The ``offload`` setting that lets the client decide the split while the job runs.
 AUTO_OFFLOAD = "auto"
+#: What a group shares (``docs/groups.md``): each sample's server-stage output, or its stored form.
+SHARE_MODES = ("samples", "decoded")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +58,15 @@ class FeedOptions:
             image, a stage that raises, an output unlike its declaration) does: ``"raise"`` ends
             the iteration with an error naming it; ``"skip"`` leaves it out of its batch, logged
             and counted (``stats()["skipped"]``).
+        group: shared preparation (``docs/groups.md``): the jobs that name the same group share
+            the servers' work on the dataset; ``None``: none.
+        share: in a group, what is shared: ``"samples"`` (the default: each sample's server-stage
+            output per epoch, made once for every job of the group, which must then use the same
+            ``seed``) or ``"decoded"`` (the dataset's stored, deterministic form, with
+            ``cache="preprocessed"``; each job's random stages draw from its own ``seed``).
+        group_lag: in a group, samples of the dataset the fastest job may lead the slowest by
+            before the slowest is served alone for the samples it lags on (``None``: the servers'
+            default, a quarter of their production window).
 
     Raises:
         ConfigError: a field is invalid (named), or an unknown option was given to
@@ -76,8 +88,19 @@ class FeedOptions:
     offload: float | str | None = None
     model: Any = None
     on_error: str = "raise"
+    group: str | None = None
+    share: str = "samples"
+    group_lag: int | None = None
 
     def __post_init__(self) -> None:
+        if self.group is not None:
+            names.GROUP.check(self.group, ConfigError, field="group", value=self.group)
+        if self.share not in SHARE_MODES:
+            raise ConfigError(
+                f"share must be one of {', '.join(SHARE_MODES)}, got {self.share!r}", field="share", value=self.share
+            )
+        if self.group_lag is not None:
+            _positive_int("group_lag", self.group_lag)
         if self.on_error not in ("raise", "skip"):
             raise ConfigError(
                 f"on_error must be 'raise' or 'skip', got {self.on_error!r}", field="on_error", value=self.on_error

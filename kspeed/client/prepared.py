@@ -528,6 +528,10 @@ class PreparedDataset(IterableDataset):
         """Start (or join) the servers' preload of the files and wait for it (see :meth:`KSpeedDataset.preload`)."""
         return self._inner.preload(quiet=quiet, timeout=timeout)
 
+    def group_figures(self) -> dict[str, Any] | None:
+        """What this job's group shared on the servers (:meth:`KSpeedDataset.group_figures`)."""
+        return self._inner.group_figures()
+
     def stats(self) -> dict[str, Any]:
         """The KSpeed dataset's delivery figures, the transform workers in use, the seconds each
         client-side stage took (summed over workers; ``receive``: decoding the servers' output) and

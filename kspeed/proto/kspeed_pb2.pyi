@@ -750,7 +750,7 @@ class ReadReply(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., lengths: _Optional[bytes] = ...) -> None: ...
 
 class OpenFeedRequest(_message.Message):
-    __slots__ = ("dataset", "feed_id", "rail", "material", "ring_key", "generation", "holder", "first_id", "ranks", "job")
+    __slots__ = ("dataset", "feed_id", "rail", "material", "ring_key", "generation", "holder", "first_id", "ranks", "job", "group", "member", "share", "group_lag")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     FEED_ID_FIELD_NUMBER: _ClassVar[int]
     RAIL_FIELD_NUMBER: _ClassVar[int]
@@ -761,6 +761,10 @@ class OpenFeedRequest(_message.Message):
     FIRST_ID_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_LAG_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     feed_id: str
     rail: str
@@ -771,7 +775,11 @@ class OpenFeedRequest(_message.Message):
     first_id: int
     ranks: int
     job: str
-    def __init__(self, dataset: _Optional[str] = ..., feed_id: _Optional[str] = ..., rail: _Optional[str] = ..., material: _Optional[bytes] = ..., ring_key: _Optional[bytes] = ..., generation: _Optional[int] = ..., holder: _Optional[str] = ..., first_id: _Optional[int] = ..., ranks: _Optional[int] = ..., job: _Optional[str] = ...) -> None: ...
+    group: str
+    member: str
+    share: str
+    group_lag: int
+    def __init__(self, dataset: _Optional[str] = ..., feed_id: _Optional[str] = ..., rail: _Optional[str] = ..., material: _Optional[bytes] = ..., ring_key: _Optional[bytes] = ..., generation: _Optional[int] = ..., holder: _Optional[str] = ..., first_id: _Optional[int] = ..., ranks: _Optional[int] = ..., job: _Optional[str] = ..., group: _Optional[str] = ..., member: _Optional[str] = ..., share: _Optional[str] = ..., group_lag: _Optional[int] = ...) -> None: ...
 
 class OpenFeedReply(_message.Message):
     __slots__ = ("server_id", "feeder")
@@ -1072,7 +1080,7 @@ class ServerInfo(_message.Message):
     def __init__(self, id: _Optional[str] = ..., inventory: _Optional[_Union[ServerInventory, _Mapping]] = ..., software_version: _Optional[str] = ..., protocol_versions: _Optional[_Iterable[int]] = ..., manager_address: _Optional[str] = ..., registered: _Optional[bool] = ..., incarnation: _Optional[int] = ..., prep: _Optional[_Union[PrepFigures, _Mapping]] = ..., production: _Optional[_Union[ProductionFigures, _Mapping]] = ...) -> None: ...
 
 class ProductionFigures(_message.Message):
-    __slots__ = ("fetch_seconds", "stage_seconds", "fetch_samples", "fetch_bytes")
+    __slots__ = ("fetch_seconds", "stage_seconds", "fetch_samples", "fetch_bytes", "groups")
     class StageSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -1084,11 +1092,53 @@ class ProductionFigures(_message.Message):
     STAGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FETCH_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     FETCH_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
     fetch_seconds: float
     stage_seconds: _containers.ScalarMap[str, float]
     fetch_samples: int
     fetch_bytes: int
-    def __init__(self, fetch_seconds: _Optional[float] = ..., stage_seconds: _Optional[_Mapping[str, float]] = ..., fetch_samples: _Optional[int] = ..., fetch_bytes: _Optional[int] = ...) -> None: ...
+    groups: _containers.RepeatedCompositeFieldContainer[GroupFigures]
+    def __init__(self, fetch_seconds: _Optional[float] = ..., stage_seconds: _Optional[_Mapping[str, float]] = ..., fetch_samples: _Optional[int] = ..., fetch_bytes: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupFigures, _Mapping]]] = ...) -> None: ...
+
+class GroupFigures(_message.Message):
+    __slots__ = ("group", "produced", "shared", "alone", "evicted", "held_bytes", "kept_bytes", "cap_bytes", "members", "member_shared", "member_alone")
+    class MemberSharedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class MemberAloneEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    PRODUCED_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
+    ALONE_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KEPT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAP_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_SHARED_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ALONE_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    produced: int
+    shared: int
+    alone: int
+    evicted: int
+    held_bytes: int
+    kept_bytes: int
+    cap_bytes: int
+    members: int
+    member_shared: _containers.ScalarMap[str, int]
+    member_alone: _containers.ScalarMap[str, int]
+    def __init__(self, group: _Optional[str] = ..., produced: _Optional[int] = ..., shared: _Optional[int] = ..., alone: _Optional[int] = ..., evicted: _Optional[int] = ..., held_bytes: _Optional[int] = ..., kept_bytes: _Optional[int] = ..., cap_bytes: _Optional[int] = ..., members: _Optional[int] = ..., member_shared: _Optional[_Mapping[str, int]] = ..., member_alone: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class PrepFigures(_message.Message):
     __slots__ = ("workers", "busy_seconds", "samples", "cpu_seconds", "daemon_cpu_seconds", "cores", "cpu_group", "job_samples")

@@ -30,6 +30,7 @@ from kspeed.client.feeding.feed import Feed
 from kspeed.client.feeding.foresight import Foresight
 from kspeed.client.feeding.granting import Granting, Paced, Unpaced
 from kspeed.client.feeding.links import Link
+from kspeed.client.feeding.membership import group_fields
 from kspeed.client.feeding.pacing import Pacer
 from kspeed.client.feeding.pump import Pump
 from kspeed.client.feeding.rail_choice import ServerPlace, choose_rail, local_address_towards, needs_pacing
@@ -259,6 +260,7 @@ def build_feed(
     """
     name = info.spec.name
     options = _with_job_rank(name, options)
+    group = group_fields(info, options, config.job)
     places = {link.server_id: (places or {}).get(link.server_id) or ServerPlace(link.address) for link in links}
     requested = options.ring_bytes if options.ring_bytes is not None else config.ring_bytes
     if requested < 0:
@@ -303,6 +305,7 @@ def build_feed(
             ranks=int(getattr(options.sampler, "num_replicas", options.world_size or 1)),
             device_memory=device_memory,
             job=(config.job or default_job())[:200],
+            group=group,
         )
         undo.callback(feed.close)
         delivery.attach(feed.ring)

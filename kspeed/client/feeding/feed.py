@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -100,8 +100,10 @@ class Feed:
         ranks: int = 0,
         device_memory: DeviceMemory | None = None,
         job: str = "",
+        group: Mapping[str, object] | None = None,
     ) -> None:
         self.dataset = dataset
+        self.group = dict(group or {})  # OpenFeedRequest fields naming the job's group (feeding/membership.py)
         self.feed_id = feed_id
         self.rail = rail
         self.completion_timeout = completion_timeout
@@ -187,6 +189,7 @@ class Feed:
             holder=self._holder,
             ranks=self._ranks,
             job=self._job,
+            **self.group,  # type: ignore[arg-type]
         )
         path.link.open_feed(request)
         path.last_heard = time.monotonic()

@@ -60,6 +60,7 @@ from kspeed.server.memory import heap
 from kspeed.server.memory.window import ProductionWindow
 from kspeed.server.prep.workers import PrepWorkers
 from kspeed.server.production.core import PrepSpec, Production
+from kspeed.server.production.groups import SAMPLES, SHARE_MODES, Membership
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,7 @@ class _FeedInfo:
     generation: int = 0
     ranks: int = 0  # the job's ranks, as its client told (0: not told)
     job: str = ""  # the job's name, as its client told
+    membership: Membership | None = None  # the job's group, as its client told
 
 
 class FeederSupervisor:
@@ -268,6 +270,7 @@ class FeederSupervisor:
                 f"feed {request.feed_id}: rail {request.rail!r} is not offered here "
                 f"(available: {', '.join(available_rails())})"
             )
+        membership = _membership(request)
         first = self._host.get(request.dataset, request.first_id if request.HasField("first_id") else None).key[1]
         with self._lock:
             current = self._feeds.get(request.feed_id)
@@ -288,7 +291,13 @@ class FeederSupervisor:
             if current is None:
                 self._feeders[index].feeds += 1
             self._feeds[request.feed_id] = _FeedInfo(
-                request.dataset, first, index, request.generation, min(request.ranks, MAX_RANKS), request.job[:200]
+                request.dataset,
+                first,
+                index,
+                request.generation,
+                min(request.ranks, MAX_RANKS),
+                request.job[:200],
+                membership,
             )
         log.info(
             "feed %s (%s) open on feeder %d over %s", request.feed_id, request.holder or "unnamed", index, request.rail
@@ -394,6 +403,7 @@ class FeederSupervisor:
                 seed_epoch,
                 ranks=info.ranks,
                 job=info.job,
+                membership=info.membership,
             )
         except errors.PeerLostError:
             self._feed(feed_id)  # ended meanwhile (its dataset removed)? say so rather than "not connected"
@@ -554,3 +564,19 @@ def check_offer(feed_id: str, batch_size: int, offer: PlanOffer) -> None:
         raise ProtocolError(f"feed {feed_id}: plan positions must increase within the plan's {offer.count} positions")
     if n and int(offsets.min()) < 0:
         raise ProtocolError(f"feed {feed_id}: a plan offset is negative")
+
+
+def _membership(request: kspeed_pb2.OpenFeedRequest) -> Membership | None:
+    """The group a feed's job is in, as its request says (None: none).
+
+    Raises:
+        ProtocolError: a malformed group or member name, or an unknown share mode.
+    """
+    if not request.group:
+        return None
+    names.GROUP.check(request.group)
+    names.GROUP.check(request.member, what="group member")
+    share = request.share or SAMPLES
+    if share not in SHARE_MODES:
+        raise ProtocolError(f"feed {request.feed_id}: share mode {share!r} is not one of {', '.join(SHARE_MODES)}")
+    return Membership(request.group, request.member, share, int(request.group_lag))

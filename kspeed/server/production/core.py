@@ -77,6 +77,7 @@ from kspeed.server.memory.flags import CHUNK, Flags
 from kspeed.server.memory.residency import ABSENT, FAILED, HOME, READING, WINDOW
 from kspeed.server.memory.window import ProductionWindow, Slot, chunk_size_for_samples
 from kspeed.server.prep.workers import PrepWorkers
+from kspeed.server.production.groups import GroupState, Membership, Output
 from kspeed.server.production.policies import farthest_first
 from kspeed.server.production.processed import ProcessedProduction
 from kspeed.server.production.state import (
@@ -146,6 +147,8 @@ class Production(ProcessedProduction):
         self._shares: dict[ShareKey, ShareState] = {}
         self._feeds: dict[str, FeedState] = {}
         self._draining: dict[int, Draining] = {}
+        self._groups: dict[tuple[ShareKey, str], GroupState] = {}  # (share, group name) -> its sharing
+        self._output_tickets: dict[int, Output] = {}  # window ticket -> a group output feeders still read
         self._told: dict[int, set[int]] = {}  # per feeder: the pool regions whose files it was told
         self._turn = itertools.count()
         self._stop = threading.Event()
@@ -181,27 +184,33 @@ class Production(ProcessedProduction):
         user_epoch: int = 0,
         ranks: int = 0,
         job: str = "",
+        membership: Membership | None = None,
     ) -> None:
         """Follow a newly committed plan and hand it to its feeder with the samples' current places
         (the positions before batch ``first_batch`` count as written: they were delivered).
         ``user_epoch`` is the sampler's epoch (a memory policy keeps its figures by it); ``ranks``
-        the feed's job's ranks, as its client told (0: not told), and ``job`` its name.
+        the feed's job's ranks, as its client told (0: not told), ``job`` its name and
+        ``membership`` its group (:mod:`kspeed.server.production.groups`).
 
         ``plan.processed`` marks the positions that go through ``prep`` (the server stages of the
         dataset's pipeline) here: they are produced into the window per epoch, never at home.
 
         Raises:
             KSpeedError: the feeder refused the plan (its feed is gone); nothing is followed.
+            ConflictError: the plan's server stages draw from another seed than its group's.
         """
         share = self._share(key)
         processed = plan.processed if plan.processed is not None and plan.processed.any() else None
         with self._lock:
+            if membership is not None:
+                self._join(share, feed_id, membership, prep if processed is not None else None, self.host.count(key[0]))
             feed = self._feeds.get(feed_id)
             if feed is None or feed.share != key:
                 feed = self._feeds[feed_id] = FeedState(feed_id, key, feeder)
             feed.feeder = feeder
             feed.ranks = ranks
             feed.job = job
+            feed.membership = membership
             replaced = feed.plans.pop(epoch, None)
             self._unfollow(share, feed, replaced)
             follow = PlanState(
@@ -246,7 +255,7 @@ class Production(ProcessedProduction):
     def drop_feed(self, feed_id: str) -> None:
         """Stop following a closed feed (its samples in the window are retired when nobody else needs them)."""
         with self._lock:
-            feed = self._feeds.pop(feed_id, None)
+            feed = self._feeds.get(feed_id)
             share = self._shares.get(feed.share) if feed else None
             if feed is not None:
                 for plan in feed.plans.values():
@@ -254,6 +263,8 @@ class Production(ProcessedProduction):
                         self._unfollow(share, feed, plan)
                     else:
                         self._forget_plan(feed, plan)
+                self._leave(feed)
+                del self._feeds[feed_id]
             self.window.forget(feed_id)
             if feed is not None and share is not None:
                 self._sweep(share)
@@ -263,6 +274,7 @@ class Production(ProcessedProduction):
         """Forget a dropped share (its feeds are closed): free its window slots."""
         with self._lock:
             share = self._shares.pop(key, None)
+            self._drop_groups(key)
             for feed_id in [f for f, feed in self._feeds.items() if feed.share == key]:
                 for plan in self._feeds[feed_id].plans.values():
                     self._forget_plan(self._feeds[feed_id], plan)
@@ -360,6 +372,7 @@ class Production(ProcessedProduction):
             for ticket in tickets:
                 entry = self._draining.get(ticket)
                 if entry is None:
+                    self._output_freed(feeder, ticket)
                     continue
                 entry.feeders.discard(feeder)
                 if not entry.feeders:
@@ -859,10 +872,10 @@ class Production(ProcessedProduction):
                 # for its processed positions too: one given back when the window was full, while
                 # later ones were made, held the feed at its share until the grant timed out.)
                 plan = self._current(share, feed)
-                at = plan.first_processed()[:PREP_TASK_SAMPLES] if plan is not None else np.zeros(0, np.int64)
-                if plan is not None and plan.state is not None and len(at):
-                    plan.state[at] = READING
-                    return Work(share, feed.feed_id, plan.ids[at].astype(np.int64), plan.epoch, at, plan)
+                if plan is not None and plan.state is not None:
+                    work = self._claim_processed(share, feed, plan, plan.first_processed())
+                    if work is not None:
+                        return work
                 first = plan.first_grant() if plan is not None else np.zeros(0, np.int64)
                 state = share.residency.of(first)
                 taken = share.residency.claim(
@@ -880,10 +893,9 @@ class Production(ProcessedProduction):
                 budget -= len(span)
                 if plan.processed is not None and plan.state is not None:
                     todo = plan.processed[window] & (plan.state[window] == ABSENT) & ~plan.written[window]
-                    at = np.flatnonzero(todo)[:PREP_TASK_SAMPLES] + plan.next
-                    if len(at):
-                        plan.state[at] = READING
-                        return Work(share, feed.feed_id, plan.ids[at].astype(np.int64), epoch, at, plan)
+                    work = self._claim_processed(share, feed, plan, np.flatnonzero(todo) + plan.next)
+                    if work is not None:
+                        return work
                     span = span[plan.raw(window)]
                 if not share.policy.home:
                     span = ahead.get(epoch, span[:0])
@@ -895,6 +907,19 @@ class Production(ProcessedProduction):
                         return Work(share, feed.feed_id, taken, epoch, user_epoch=plan.user_epoch)
                 if budget <= 0:
                     break
+        return None
+
+    def _claim_processed(self, share: ShareState, feed: FeedState, plan: PlanState, todo: np.ndarray) -> Work | None:
+        """Work for processed positions ``todo`` of ``plan`` (not made, not written), a task's worth:
+        a group member's positions whose output is made or being made are placed at it (or wait
+        for it) instead, and the task is of the next ones to make; None when none is."""
+        for a in range(0, len(todo), PREP_TASK_SAMPLES):
+            at, keys = self._share_out(share, feed, plan, todo[a : a + PREP_TASK_SAMPLES])
+            if len(at):
+                assert plan.state is not None
+                plan.state[at] = READING
+                ids = plan.ids[at].astype(np.int64)
+                return Work(share, feed.feed_id, ids, plan.epoch, at, plan, outputs=keys)
         return None
 
     def _stir(self) -> None:
@@ -952,7 +977,11 @@ class Production(ProcessedProduction):
             samples, nbytes = self.fetch_reads.get(dataset, (0, 0))
         stages = self.prep.seconds_of(dataset) if self.prep is not None else {}
         return kspeed_pb2.ProductionFigures(
-            fetch_seconds=fetch, stage_seconds=stages, fetch_samples=samples, fetch_bytes=nbytes
+            fetch_seconds=fetch,
+            stage_seconds=stages,
+            fetch_samples=samples,
+            fetch_bytes=nbytes,
+            groups=self.group_figures(dataset),
         )
 
     def _produce(self, share: ShareState, feed_id: str, ids: np.ndarray, epoch: int = -1, plan: int = -1) -> None:

@@ -26,6 +26,8 @@ from kspeed.server.feeder.protocol import Command, Place, Reply
 from kspeed.server.memory.residency import ABSENT, FAILED, HOME, READING, WINDOW
 from kspeed.server.memory.window import ProductionWindow, Slot
 from kspeed.server.prep.workers import PrepTask, PrepWorkers
+from kspeed.server.production.groups import OutputKey
+from kspeed.server.production.sharing import SharedProduction
 from kspeed.server.production.state import Draining, FeedState, PlanState, ShareState, Work
 
 __all__ = ["ProcessedProduction"]
@@ -33,8 +35,9 @@ __all__ = ["ProcessedProduction"]
 log = logging.getLogger(__name__)
 
 
-class ProcessedProduction:
-    """Processed positions of plans: produced by the preprocessing workers, placed per plan."""
+class ProcessedProduction(SharedProduction):
+    """Processed positions of plans: produced by the preprocessing workers, placed per plan (or,
+    for a group's members, at the group's shared outputs: :class:`SharedProduction`)."""
 
     window: ProductionWindow
     prep: PrepWorkers | None
@@ -54,6 +57,9 @@ class ProcessedProduction:
         """Free the processed slots of a plan no longer followed (its feeder dropped it too); under the lock."""
         if plan is None:
             return
+        for k in list(plan.shared):
+            plan.slots.pop(k, None)
+            self._unshare(feed, plan, k, set(), written=False)
         for slot in plan.slots.values():
             feed.held -= slot.nbytes
             self.window.free(slot)
@@ -76,6 +82,11 @@ class ProcessedProduction:
             )
         except KSpeedError:
             busy = set()  # the feed is gone: nothing reads its slots any more
+        if plan.shared:  # (the group's outputs: released when no member needs them)
+            own = [k not in plan.shared for k in at]
+            for k in [k for k, mine in zip(at, own, strict=True) if not mine]:
+                self._unshare(feed, plan, k, busy, written=True)
+            slots = [slot for slot, mine in zip(slots, own, strict=True) if mine]
         for slot in slots:
             feed.held -= slot.nbytes
             if slot.ticket in busy:
@@ -88,19 +99,24 @@ class ProcessedProduction:
         plan, at, ids, share = work.plan, work.at, work.ids, work.share
         assert plan is not None and at is not None and plan.prep is not None and plan.state is not None
         prep = plan.prep
+        keys: list[OutputKey | None] = list(work.outputs) if work.outputs is not None else [None] * len(at)
+        group_owner = self._output_owner(work.feed_id)
         slots: list[Slot] = []
         placed = False
         try:
-            for _ in range(len(at)):
-                slot = self.window.place(prep.nbytes, work.feed_id)
+            for key in keys:
+                slot = self.window.place(prep.nbytes, group_owner if key is not None else work.feed_id)
+                while slot is None and self._let_kept_go():
+                    slot = self.window.place(prep.nbytes, group_owner if key is not None else work.feed_id)
                 if slot is None:
                     break
                 slots.append(slot)
             if len(slots) < len(at):
                 with self._lock:
                     plan.state[at[len(slots) :]] = ABSENT
+                    self._abandon_outputs(work.feed_id, keys[len(slots) :])
                     self.window_full += 1
-                at, ids = at[: len(slots)], ids[: len(slots)]
+                at, ids, keys = at[: len(slots)], ids[: len(slots)], keys[: len(slots)]
                 if not slots:
                     self.window.wait_for_room(0.05)
                     placed = True
@@ -139,17 +155,39 @@ class ProcessedProduction:
                 for k, result in zip(keep, self.prep.run(task, job=job), strict=True):
                     results[int(ids[k])] = result if not isinstance(result, bytes) else len(result)
             with self._lock:
+                shared = [n for n, key in enumerate(keys) if key is not None]
+                if shared:  # (whoever still waits for them is placed, this plan's position or not)
+                    self._settle_outputs(
+                        share,
+                        work.feed_id,
+                        [keys[n] for n in shared],  # type: ignore[misc]
+                        [slots[n] for n in shared],
+                        [results[int(ids[n])] for n in shared],
+                    )
+                    mine = [n for n, key in enumerate(keys) if key is None]
+                    at, ids, slots = at[mine], ids[mine], [slots[n] for n in mine]
+                placed = True
                 feed = self._feeds.get(work.feed_id)
                 if feed is None or feed.plans.get(work.epoch) is not plan:  # dropped meanwhile
+                    for slot in slots:
+                        self.window.free(slot)
                     return
-                self._settle_processed(share, feed, plan, at, ids, slots, [results[int(i)] for i in ids])
-                placed = True
+                if len(at):
+                    self._settle_processed(share, feed, plan, at, ids, slots, [results[int(i)] for i in ids])
         finally:
             if not placed:
                 for slot in slots:
                     self.window.free(slot)
                 with self._lock:
+                    self._abandon_outputs(work.feed_id, keys)
                     plan.state[at[plan.state[at] == READING]] = ABSENT
+
+    def _output_owner(self, feed_id: str) -> str:
+        """The window owner a feed's group outputs are placed under."""
+        with self._lock:
+            feed = self._feeds.get(feed_id)
+            group = self._group_of(feed) if feed is not None else None
+            return group.owner if group is not None else feed_id
 
     def _raw_inputs(
         self, share: ShareState, ids: np.ndarray

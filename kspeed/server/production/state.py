@@ -15,6 +15,7 @@ from kspeed.server.hosting.preload import Preloader
 from kspeed.server.memory.flags import Flags
 from kspeed.server.memory.residency import ABSENT
 from kspeed.server.memory.window import ProductionWindow, Slot
+from kspeed.server.production.groups import Membership, OutputKey, plan_lookup
 from kspeed.server.production.policies import WHOLE, CacheState, MemoryPolicy, policy_for
 
 __all__ = [
@@ -95,6 +96,9 @@ class PlanState:
     extra: np.ndarray | None = None
     cut: int = -1  # first owned position the client no longer wants (-1 given: none, the plan's length)
     truncated: int = 0  # positions from cut on that were not written when cut off
+    # processed positions placed at (or due) a group's shared output, by owned index
+    shared: dict[int, OutputKey] = dataclasses.field(default_factory=dict)
+    _order: np.ndarray | None = None  # argsort of ids, made when a group first asks (:meth:`locate`)
 
     def __post_init__(self) -> None:
         if not isinstance(self.written, Flags):  # (given as a bool per position)
@@ -177,6 +181,12 @@ class PlanState:
         self.next = self.written.first(self.next, False)
         return off
 
+    def locate(self, wanted: np.ndarray) -> np.ndarray:
+        """Owned indices of samples ``wanted`` in this plan (-1: not in it)."""
+        if self._order is None:
+            self._order = np.argsort(self.ids, kind="stable")
+        return plan_lookup(self.ids, self._order, np.asarray(wanted, dtype=self.ids.dtype))
+
     def raw(self, span: slice) -> np.ndarray:
         """Mask of the positions of ``span`` served as raw samples (not processed here)."""
         if self.processed is None:
@@ -236,6 +246,7 @@ class Work:
     at: np.ndarray | None = None
     plan: PlanState | None = None
     user_epoch: int = -1  # raw samples read for a plan: its sampler epoch
+    outputs: list[OutputKey | None] | None = None  # per processed position: the group output it makes (None: alone)
 
 
 @dataclasses.dataclass
@@ -250,6 +261,7 @@ class FeedState:
     counted: int | None = None  # with its share's own window: the plan whose unwritten uses are counted
     ranks: int = 0  # its job's ranks, as its client told (0: not told)
     job: str = ""  # its job's name, as its client told (the preprocessing workers are shared by job)
+    membership: Membership | None = None  # its job's group, as its client told
 
 
 @dataclasses.dataclass

@@ -1,0 +1,186 @@
+"""Shared preparation: the jobs of a group share what the server stages make of each sample.
+
+Jobs that name the same group when they open their feeds (``client.dataset(..., group="hp-17")``)
+are its **members** (one per job, whatever its ranks). In ``share="samples"`` mode the output of
+the server stages for a sample in an epoch depends only on the pipeline's cut, the seed and the
+epoch, and every member draws from the same seed (a plan that draws from another is refused), so
+one output serves every member: production makes it once, places it in each member's plan where
+that plan reaches it, and keeps it in the production window until every member that needs it has
+been written it (its **waiting** members, a use counter per sample and job), then frees it.
+
+Members at different speeds: an output no plan is about to write but some member still waits for
+is **kept**; the kept outputs of a group are bounded (its lag bound, :meth:`GroupState.cap`), and
+the oldest go first. A member that falls further behind than that finds the outputs gone and has
+its samples produced again for it alone, counted (:attr:`GroupFigures.alone`); the others never
+wait for it. A member that joins later shares from wherever its plans meet the outputs kept, and
+one that leaves (or dies: its feeds close) stops being waited for.
+
+``share="decoded"`` members draw from seeds of their own and share no outputs; their dataset keeps
+the deterministic prefix of the pipeline at home (``cache="preprocessed"``), which every job
+already shares.
+
+The records here are kept under :class:`~kspeed.server.production.core.Production`'s lock;
+:class:`~kspeed.server.production.processed.ProcessedProduction` does the producing and placing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+
+import numpy as np
+
+from kspeed.server.memory.window import Slot
+
+__all__ = ["SAMPLES", "SHARE_MODES", "GroupFigures", "GroupState", "Membership", "Output", "OutputKey", "Use"]
+
+SAMPLES = "samples"
+DECODED = "decoded"
+SHARE_MODES = (SAMPLES, DECODED)
+DEFAULT_CAP_FRACTION = 4  # with no lag asked for, a group keeps at most 1/4 of the window for laggards
+MAX_CAP_FRACTION = 2  # and never more than half of it
+
+#: (server stages, the stages stored already, skip records, output bytes), user epoch, sample
+OutputKey = tuple[tuple[int, int, bool, int], int, int]
+#: a position an output is placed (or due) at: (feed, plan number, owned index)
+Use = tuple[str, int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Membership:
+    """A feed's job in a group, as its client told when it opened the feed."""
+
+    group: str
+    member: str
+    share: str = SAMPLES
+    lag: int = 0  # samples of the dataset the fastest member may lead the slowest by (0: default)
+
+
+@dataclasses.dataclass
+class Output:
+    """One shared output: a sample after the server stages, for one epoch."""
+
+    key: OutputKey
+    nbytes: int
+    creator: str  # the feed it was made for, whose window share it counts in until written there
+    waiting: set[str]  # members not written it yet that will need it
+    users: set[Use]  # positions it is placed (or, while made, due) at
+    slot: Slot | None = None  # None while it is being made
+    busy: set[int] = dataclasses.field(default_factory=set)  # feeders still reading it after an un-place
+    charged: int = 0  # bytes counted in the creator feed's window share
+
+
+@dataclasses.dataclass
+class GroupFigures:
+    """What a group's sharing did on one server, counted since the group began here."""
+
+    produced: int = 0  # outputs made to be shared
+    shared: int = 0  # positions served an output made for another member's plan
+    alone: int = 0  # positions of a member made for it alone while the group had others
+    evicted: int = 0  # outputs the lag bound let go while members still waited for them
+    member_shared: dict[str, int] = dataclasses.field(default_factory=dict)
+    member_alone: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def count(self, member: str, *, shared: int = 0, alone: int = 0) -> None:
+        self.shared += shared
+        self.alone += alone
+        if shared:
+            self.member_shared[member] = self.member_shared.get(member, 0) + shared
+        if alone:
+            self.member_alone[member] = self.member_alone.get(member, 0) + alone
+
+
+class GroupState:
+    """One group on one share of a server: its members' feeds, seed and outputs.
+
+    Args:
+        name: the group's name.
+        share_size: samples of the share.
+        dataset_size: samples of the whole dataset (the lag is asked for in those).
+    """
+
+    def __init__(self, name: str, share_size: int, dataset_size: int) -> None:
+        self.name = name
+        self.share_size = share_size
+        self.dataset_size = max(dataset_size, share_size, 1)
+        self.seed: int | None = None  # the seed its samples-mode plans draw from (set by the first)
+        self.members: dict[str, set[str]] = {}  # member -> its feeds here
+        self.lags: dict[str, int] = {}  # member -> the lag it asked for
+        self.outputs: dict[OutputKey, Output] = {}
+        self.kept: OrderedDict[OutputKey, None] = OrderedDict()  # outputs no position uses, oldest first
+        self.kept_bytes = 0
+        self.figures = GroupFigures()
+
+    @property
+    def owner(self) -> str:
+        """The window owner its outputs are placed under (they fill chunks of their own)."""
+        return f"group/{self.name}"
+
+    def join(self, member: str, feed_id: str, lag: int) -> None:
+        self.members.setdefault(member, set()).add(feed_id)
+        self.lags[member] = max(int(lag), 0)
+
+    def leave(self, member: str, feed_id: str) -> bool:
+        """A feed of ``member`` closed; returns whether the member has none left here (it left)."""
+        feeds = self.members.get(member)
+        if feeds is None:
+            return False
+        feeds.discard(feed_id)
+        if feeds:
+            return False
+        del self.members[member]
+        self.lags.pop(member, None)
+        return True
+
+    def cap(self, capacity: int, nbytes: int) -> int:
+        """Bytes the outputs kept for members that lag behind may hold in a window of
+        ``capacity``: the largest lag its members asked for, as this share's part of it, in
+        outputs of ``nbytes``; a quarter of the window when none asked; never over half."""
+        lag = max(self.lags.values(), default=0)
+        if lag <= 0:
+            return capacity // DEFAULT_CAP_FRACTION
+        here = -(-lag * self.share_size // self.dataset_size)
+        return min(here * max(nbytes, 1), capacity // MAX_CAP_FRACTION)
+
+    def keep(self, output: Output) -> None:
+        """``output`` is no longer placed anywhere but members wait for it: kept, newest last."""
+        if output.key not in self.kept:
+            self.kept[output.key] = None
+            self.kept_bytes += output.nbytes
+
+    def unkeep(self, output: Output) -> None:
+        if self.kept.pop(output.key, 0) is None:
+            self.kept_bytes -= output.nbytes
+
+    def over_cap(self, capacity: int) -> list[Output]:
+        """The oldest kept outputs to let go so that the kept ones fit the cap."""
+        out = []
+        excess = self.kept_bytes - self.cap(capacity, self._typical())
+        for key in self.kept:
+            if excess <= 0:
+                break
+            output = self.outputs[key]
+            out.append(output)
+            excess -= output.nbytes
+        return out
+
+    def _typical(self) -> int:
+        for key in self.kept:
+            return self.outputs[key].nbytes
+        return 1
+
+    def forget(self, output: Output) -> None:
+        self.unkeep(output)
+        self.outputs.pop(output.key, None)
+
+
+def plan_lookup(ids: np.ndarray, order: np.ndarray, wanted: np.ndarray) -> np.ndarray:
+    """Owned indices of ``wanted`` samples in a plan whose IDs are ``ids`` and ``order`` their
+    argsort (-1 where the plan does not hold one; the first where it holds one twice)."""
+    if not len(ids):
+        return np.full(len(wanted), -1, np.int64)
+    sorted_ids = ids[order]
+    at = np.searchsorted(sorted_ids, wanted)
+    at = np.minimum(at, len(ids) - 1)
+    found = sorted_ids[at] == wanted
+    return np.where(found, order[at], -1).astype(np.int64)

@@ -1,0 +1,377 @@
+"""Production's side of shared preparation (:mod:`kspeed.server.production.groups`): processed
+positions of a group member's plan are placed at the group's outputs, made once for every member
+that will need them, and released once each of those was written them or the lag bound let them go.
+
+:class:`SharedProduction` is the part of :class:`kspeed.server.production.core.Production` that
+does this; it uses its lock, window, feeds and feeder commands, and everything here runs under the lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from kspeed.errors import ConflictError, KSpeedError
+from kspeed.proto import kspeed_pb2
+from kspeed.server.feeder.protocol import Command, Place, Reply
+from kspeed.server.memory.residency import ABSENT, FAILED, READING, WINDOW
+from kspeed.server.memory.window import ProductionWindow, Slot
+from kspeed.server.production.groups import SAMPLES, GroupState, Membership, Output, OutputKey, Use
+from kspeed.server.production.state import Draining, FeedState, PlanState, PrepSpec, ShareState
+
+__all__ = ["SharedProduction"]
+
+log = logging.getLogger(__name__)
+
+ShareKey = tuple[str, int]
+
+
+def signature(prep: PrepSpec) -> tuple[int, int, bool, int]:
+    """What, beside the seed and the epoch, decides a processed output's bytes (the pipeline is the dataset's)."""
+    return prep.stages, prep.start, prep.skip, prep.nbytes
+
+
+class SharedProduction:
+    """Group members' processed positions, placed at shared outputs."""
+
+    window: ProductionWindow
+    _lock: threading.RLock
+    _tell: Callable[[int, Command], Reply]
+    _feeds: dict[str, FeedState]
+    _draining: dict[int, Draining]
+    _groups: dict[tuple[ShareKey, str], GroupState]
+    _output_tickets: dict[int, Output]
+
+    # -- members ---------------------------------------------------------------------------------
+
+    def _join(
+        self, share: ShareState, feed_id: str, membership: Membership, prep: PrepSpec | None, dataset_size: int
+    ) -> None:
+        """Before a plan of ``feed_id`` is followed: a samples-mode member joins its group here.
+
+        Raises:
+            ConflictError: the plan's server stages draw from another seed than the group's.
+        """
+        if membership.share != SAMPLES:
+            return
+        key = (share.key, membership.group)
+        group = self._groups.get(key)
+        if group is None:
+            group = self._groups[key] = GroupState(membership.group, share.size, dataset_size)
+        if prep is not None:
+            if group.seed is not None and group.seed != prep.seed and set(group.members) - {membership.member}:
+                raise ConflictError(
+                    f"group {membership.group!r} shares the samples of dataset {share.dataset!r} drawn with seed "
+                    f"{group.seed}; this job's plan draws from seed {prep.seed}: give every job of a group with "
+                    "share='samples' the same seed, or use share='decoded' for augmentations of its own"
+                )
+            group.seed = prep.seed
+        group.join(membership.member, feed_id, membership.lag)
+
+    def _group_of(self, feed: FeedState) -> GroupState | None:
+        m = feed.membership
+        if m is None or m.share != SAMPLES:
+            return None
+        return self._groups.get((feed.share, m.group))
+
+    def _leave(self, feed: FeedState) -> None:
+        """A member's feed closed: a member with none left here is waited for no more."""
+        group = self._group_of(feed)
+        if group is None or feed.membership is None:
+            return
+        if group.leave(feed.membership.member, feed.feed_id):
+            for output in list(group.outputs.values()):
+                output.waiting.discard(feed.membership.member)
+                self._settle_output(group, output)
+        if not group.members:
+            for output in list(group.outputs.values()):
+                self._free_output(group, output)
+            self._groups.pop((feed.share, feed.membership.group), None)
+            self.window.forget(group.owner)
+
+    def _drop_groups(self, key: ShareKey) -> None:
+        """The share is dropped: its groups' outputs go."""
+        for gk in [gk for gk in self._groups if gk[0] == key]:
+            group = self._groups.pop(gk)
+            for output in list(group.outputs.values()):
+                self._free_output(group, output)
+            self.window.forget(group.owner)
+
+    # -- sharing out -----------------------------------------------------------------------------
+
+    def _share_out(
+        self, share: ShareState, feed: FeedState, plan: PlanState, at: np.ndarray
+    ) -> tuple[np.ndarray, list[OutputKey | None]]:
+        """Of processed positions ``at`` of ``feed``'s plan (not made, not written): place those
+        whose group output is made, have those whose output is being made wait for it, and return
+        the rest, to make: each as an output of the group when another member will need it too
+        (its key), else for this plan alone (None)."""
+        group = self._group_of(feed)
+        if group is None or plan.prep is None or plan.state is None or feed.membership is None:
+            return at, [None] * len(at)
+        sig = signature(plan.prep)
+        member = feed.membership.member
+        ids = plan.ids[at].astype(np.int64)
+        others = [m for m in group.members if m != member]
+        wanted = self._wanted(others, group, sig, plan.user_epoch, ids)
+        make: list[int] = []
+        keys: list[OutputKey | None] = []
+        placed: list[tuple[int, Slot]] = []
+        for k, sample, wanting in zip(at.tolist(), ids.tolist(), wanted, strict=True):
+            key: OutputKey = (sig, plan.user_epoch, sample)
+            use: Use = (feed.feed_id, plan.epoch, k)
+            output = group.outputs.get(key)
+            if output is not None:
+                output.users.add(use)
+                group.unkeep(output)
+                plan.shared[k] = key
+                group.figures.count(member, shared=1)
+                if output.slot is None:
+                    plan.state[k] = READING
+                else:
+                    plan.state[k] = WINDOW
+                    plan.slots[k] = output.slot
+                    placed.append((k, output.slot))
+                continue
+            make.append(k)
+            if wanting:
+                group.outputs[key] = Output(key, plan.prep.nbytes, feed.feed_id, wanting | {member}, {use})
+                plan.shared[k] = key
+                group.figures.produced += 1
+                keys.append(key)
+            else:
+                keys.append(None)
+                if others:
+                    group.figures.count(member, alone=1)
+        if placed:
+            self._place_at(feed, plan, placed)
+        return np.array(make, dtype=np.int64), keys
+
+    def _wanted(
+        self, members: list[str], group: GroupState, sig: tuple[int, int, bool, int], epoch: int, ids: np.ndarray
+    ) -> list[set[str]]:
+        """Per sample of ``ids``, the ``members`` that will need its output of ``epoch``: those
+        whose plan of that epoch holds it unwritten (or that have a rank whose feed is not open
+        here yet), and those whose plans are all of earlier epochs (they are behind, or have not
+        begun)."""
+        out: list[set[str]] = [set() for _ in range(len(ids))]
+        for member in members:
+            feeds = [self._feeds[f] for f in group.members.get(member, ()) if f in self._feeds]
+            plans = [p for f in feeds for p in f.plans.values()]
+            now = [p for p in plans if p.user_epoch == epoch and p.prep is not None and signature(p.prep) == sig]
+            if now:
+                found = np.zeros(len(ids), dtype=bool)
+                due = np.zeros(len(ids), dtype=bool)
+                for p in now:
+                    k = p.locate(ids)
+                    hit = np.flatnonzero(k >= 0)
+                    found[hit] = True
+                    if p.processed is not None and len(hit):
+                        kk = k[hit]
+                        due[hit] |= ~p.written[kk] & p.processed[kk]
+                unopened = max((f.ranks for f in feeds), default=0) > len(feeds)
+                wants = due | (~found & unopened)
+            elif not plans or max(p.user_epoch for p in plans) < epoch:
+                wants = np.ones(len(ids), dtype=bool)
+            else:
+                continue  # past this epoch
+            for i in np.flatnonzero(wants).tolist():
+                out[i].add(member)
+        return out
+
+    def _place_at(self, feed: FeedState, plan: PlanState, placed: list[tuple[int, Slot]]) -> None:
+        at = np.array([k for k, _ in placed], dtype=np.int64)
+        slots = [s for _, s in placed]
+        with contextlib.suppress(KSpeedError):  # the feed is gone; its plans are forgotten with it
+            self._tell(
+                feed.feeder,
+                Place(
+                    feed.feed_id,
+                    plan.epoch,
+                    at,
+                    np.array([s.region for s in slots], np.int64),
+                    np.array([s.offset for s in slots], np.int64),
+                    np.array([s.ticket for s in slots], np.int64),
+                ),
+            )
+
+    # -- made, written, let go -------------------------------------------------------------------
+
+    def _settle_outputs(
+        self, share: ShareState, work_feed: str, keys: list[OutputKey], slots: list[Slot], results: list[int | str]
+    ) -> None:
+        """Outputs made (or failed): placed at every position waiting for them."""
+        feed = self._feeds.get(work_feed)
+        group = self._group_of(feed) if feed is not None else None
+        for key, slot, result in zip(keys, slots, results, strict=True):
+            output = group.outputs.get(key) if group is not None else None
+            if output is None or group is None:  # the group went meanwhile: nobody waits for it
+                self.window.free(slot)
+                continue
+            if isinstance(result, str) and not key[0][2]:  # (skipping: the slot holds its failure record)
+                self.window.free(slot)
+                group.forget(output)
+                self._fail_users(output, result)
+                continue
+            output.slot = slot
+            by_feed: dict[str, list[tuple[PlanState, int]]] = {}
+            for use in list(output.users):
+                user = self._feeds.get(use[0])
+                plan = user.plans.get(use[1]) if user is not None else None
+                if (
+                    plan is None
+                    or plan.state is None
+                    or use[2] >= plan.cut
+                    or plan.state[use[2]] != READING
+                    or plan.shared.get(use[2]) != key
+                ):
+                    output.users.discard(use)
+                    if plan is not None and plan.shared.get(use[2]) == key:
+                        del plan.shared[use[2]]
+                    continue
+                plan.state[use[2]] = WINDOW
+                plan.slots[use[2]] = slot
+                by_feed.setdefault(use[0], []).append((plan, use[2]))
+            creator = self._feeds.get(output.creator)
+            if creator is not None:
+                creator.held += output.nbytes
+                output.charged = output.nbytes
+            for feed_id, spots in by_feed.items():
+                user = self._feeds[feed_id]
+                for plan in {id(p): p for p, _ in spots}.values():
+                    self._place_at(user, plan, [(k, slot) for p, k in spots if p is plan])
+            self._settle_output(group, output)
+
+    def _fail_users(self, output: Output, reason: str) -> None:
+        """Output ``output`` could not be made: the grants of every position waiting for it fail."""
+        for feed_id, epoch, k in output.users:
+            user = self._feeds.get(feed_id)
+            plan = user.plans.get(epoch) if user is not None else None
+            if plan is None or plan.state is None or user is None:
+                continue
+            plan.shared.pop(k, None)
+            plan.state[k] = FAILED
+            one = np.array([k], dtype=np.int64)
+            with contextlib.suppress(KSpeedError):
+                self._tell(user.feeder, Place(feed_id, epoch, one, one * 0 - 1, one * 0, one * 0, (reason,)))
+        output.users.clear()
+
+    def _abandon_outputs(self, feed_id: str, keys: list[OutputKey | None]) -> None:
+        """Outputs this producer was making and did not (it failed or the window was full): the
+        positions waiting for them are to be made again."""
+        feed = self._feeds.get(feed_id)
+        group = self._group_of(feed) if feed is not None else None
+        if group is None:
+            return
+        for key in keys:
+            output = group.outputs.get(key) if key is not None else None
+            if output is None or output.slot is not None:
+                continue
+            group.forget(output)
+            for fid, epoch, k in output.users:
+                user = self._feeds.get(fid)
+                plan = user.plans.get(epoch) if user is not None else None
+                if plan is not None and plan.state is not None and plan.shared.get(k) == key:
+                    del plan.shared[k]
+                    if plan.state[k] == READING:
+                        plan.state[k] = ABSENT
+
+    def _unshare(self, feed: FeedState, plan: PlanState, k: int, busy: set[int], written: bool) -> None:
+        """Position ``k`` of ``feed``'s plan no longer uses its output (written, or its plan
+        dropped); the output is released when nobody uses or waits for it."""
+        key = plan.shared.pop(k, None)
+        group = self._group_of(feed)
+        output = group.outputs.get(key) if group is not None and key is not None else None
+        if output is None or group is None:
+            return
+        output.users.discard((feed.feed_id, plan.epoch, k))
+        if written and feed.membership is not None:
+            output.waiting.discard(feed.membership.member)
+        if output.slot is not None and output.slot.ticket in busy:
+            output.busy.add(feed.feeder)
+            self._output_tickets[output.slot.ticket] = output
+        if output.creator == feed.feed_id and output.charged:
+            feed.held -= output.charged
+            output.charged = 0
+        self._settle_output(group, output)
+
+    def _settle_output(self, group: GroupState, output: Output) -> None:
+        """An output no position uses: kept while a member waits for it (within the lag bound,
+        the oldest going first), else freed."""
+        if output.users or output.slot is None or group.outputs.get(output.key) is not output:
+            return
+        if not output.waiting:
+            self._free_output(group, output)
+            return
+        if output.charged:
+            creator = self._feeds.get(output.creator)
+            if creator is not None:
+                creator.held -= output.charged
+            output.charged = 0
+        group.keep(output)
+        for victim in group.over_cap(self.window.capacity):
+            group.figures.evicted += 1
+            self._free_output(group, victim)
+
+    def _free_output(self, group: GroupState, output: Output) -> None:
+        group.forget(output)
+        if output.charged:
+            creator = self._feeds.get(output.creator)
+            if creator is not None:
+                creator.held -= output.charged
+            output.charged = 0
+        slot, output.slot = output.slot, None
+        if slot is None:
+            return
+        self._output_tickets.pop(slot.ticket, None)
+        if output.busy:
+            self._draining[slot.ticket] = Draining(slot, set(output.busy), self.window)
+        else:
+            self.window.free(slot)
+
+    def _output_freed(self, feeder: int, ticket: int) -> None:
+        """A feeder no longer reads ``ticket`` of an output it was un-placed from."""
+        output = self._output_tickets.get(ticket)
+        if output is not None:
+            output.busy.discard(feeder)
+
+    def _let_kept_go(self) -> bool:
+        """The window is full: let the oldest outputs kept for lagging members go. Returns whether any went."""
+        with self._lock:
+            for group in self._groups.values():
+                if group.kept:
+                    for key in list(group.kept)[:16]:
+                        group.figures.evicted += 1
+                        self._free_output(group, group.outputs[key])
+                    return True
+        return False
+
+    # -- figures ---------------------------------------------------------------------------------
+
+    def group_figures(self, dataset: str) -> list[kspeed_pb2.GroupFigures]:
+        """Per group of ``dataset`` on this server, what its sharing did (its shares summed)."""
+        merged: dict[str, kspeed_pb2.GroupFigures] = {}
+        with self._lock:
+            for (key, name), group in sorted(self._groups.items()):
+                if key[0] != dataset:
+                    continue
+                out = merged.setdefault(name, kspeed_pb2.GroupFigures(group=name))
+                f = group.figures
+                out.produced += f.produced
+                out.shared += f.shared
+                out.alone += f.alone
+                out.evicted += f.evicted
+                out.held_bytes += sum(o.nbytes for o in group.outputs.values() if o.slot is not None)
+                out.kept_bytes += group.kept_bytes
+                typical = next(iter(group.outputs.values())).nbytes if group.outputs else 1
+                out.cap_bytes += group.cap(self.window.capacity, typical)
+                out.members = max(out.members, len(group.members))
+                for m, n in f.member_shared.items():
+                    out.member_shared[m] += n
+                for m, n in f.member_alone.items():
+                    out.member_alone[m] += n
+        return list(merged.values())
