@@ -109,6 +109,15 @@ class _ProductionCollector(Collector):
             "Grants waiting for their samples to be produced",
             value=production.waiting(),
         )
+        fetched = CounterMetricFamily(
+            "kspeed_server_fetched_bytes",
+            "Bytes producers read from the backend for feeds (beside the preload)",
+            labels=["dataset"],
+        )
+        for dataset, (_, nbytes) in sorted(production.fetch_reads.items()):
+            fetched.add_metric([dataset], nbytes)
+        yield fetched
+        yield from _group_metrics(production)
         waits = production.waits.as_dict()
         family = HistogramMetricFamily(
             "kspeed_server_grant_wait_seconds", "How long grants that had to wait for production waited"
@@ -142,6 +151,39 @@ class _ProductionCollector(Collector):
             for stage, seconds in sorted(spent.items()):
                 stages.add_metric([dataset, stage], seconds)
         yield stages
+
+
+def _group_metrics(production: Production) -> Iterator[Metric]:
+    """Shared preparation per group (docs/groups.md)."""
+    outputs = CounterMetricFamily(
+        "kspeed_server_group_outputs",
+        "Outputs a group's members share: made (produced), or let go by the lag bound while awaited (evicted)",
+        labels=["dataset", "group", "kind"],
+    )
+    positions = CounterMetricFamily(
+        "kspeed_server_group_positions",
+        "A member's positions served a shared output (shared) or made for it alone while it had company (alone)",
+        labels=["dataset", "group", "member", "served"],
+    )
+    window = GaugeMetricFamily(
+        "kspeed_server_group_window_bytes",
+        "Window bytes a group's outputs hold (held), of them kept for lagging members (kept), and its bound (cap)",
+        labels=["dataset", "group", "kind"],
+    )
+    members = GaugeMetricFamily("kspeed_server_group_members", "Jobs in a group here", labels=["dataset", "group"])
+    for dataset in production.group_datasets():
+        for g in production.group_figures(dataset):
+            outputs.add_metric([dataset, g.group, "produced"], g.produced)
+            outputs.add_metric([dataset, g.group, "evicted"], g.evicted)
+            for member, n in sorted(g.member_shared.items()):
+                positions.add_metric([dataset, g.group, member, "shared"], n)
+            for member, n in sorted(g.member_alone.items()):
+                positions.add_metric([dataset, g.group, member, "alone"], n)
+            window.add_metric([dataset, g.group, "held"], g.held_bytes)
+            window.add_metric([dataset, g.group, "kept"], g.kept_bytes)
+            window.add_metric([dataset, g.group, "cap"], g.cap_bytes)
+            members.add_metric([dataset, g.group], g.members)
+    yield from (outputs, positions, window, members)
 
 
 class ServerMetrics:

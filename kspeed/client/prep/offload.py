@@ -60,6 +60,11 @@ def plan_prep(
         return None
     auto = options.auto_offload
     fraction = AUTO_START if auto else float(options.fixed_offload or 0.0)
+    if auto and options.group is not None and options.share == "samples":
+        # A group's server stages run once for all its jobs (docs/groups.md): the servers' capacity
+        # is shared, not divided, and a sample prepared here would be prepared once per job.
+        log.info("dataset %s: offload='auto' in group %s runs the server stages on the servers", dataset, options.group)
+        auto, fraction = False, 1.0
     if fraction <= 0.0 and not auto:
         return None
     problems = []

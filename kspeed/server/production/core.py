@@ -157,6 +157,7 @@ class Production(ProcessedProduction):
         self.failed_samples = 0
         self.window_full = 0  # times a producer found the window full
         self.preempted = 0  # samples let go before use so that a first grant could complete
+        self._warned_window = False  # warned that the window cannot hold each feed's next processed batch
         self.waits = Histogram()
         #: per dataset: seconds producers spent reading samples for feeds (ProductionFigures)
         self.fetch_seconds: dict[str, float] = {}
@@ -873,7 +874,7 @@ class Production(ProcessedProduction):
                 # later ones were made, held the feed at its share until the grant timed out.)
                 plan = self._current(share, feed)
                 if plan is not None and plan.state is not None:
-                    work = self._claim_processed(share, feed, plan, plan.first_processed())
+                    work = self._claim_processed(share, feed, plan, plan.first_processed(), first=True)
                     if work is not None:
                         return work
                 first = plan.first_grant() if plan is not None else np.zeros(0, np.int64)
@@ -909,17 +910,22 @@ class Production(ProcessedProduction):
                     break
         return None
 
-    def _claim_processed(self, share: ShareState, feed: FeedState, plan: PlanState, todo: np.ndarray) -> Work | None:
+    def _claim_processed(
+        self, share: ShareState, feed: FeedState, plan: PlanState, todo: np.ndarray, *, first: bool = False
+    ) -> Work | None:
         """Work for processed positions ``todo`` of ``plan`` (not made, not written), a task's worth:
         a group member's positions whose output is made or being made are placed at it (or wait
-        for it) instead, and the task is of the next ones to make; None when none is."""
+        for it) instead, and the task is of the next ones to make; None when none is. Placing
+        counts in the feed's window share as making does: beyond it, only the ``first`` grant's."""
         for a in range(0, len(todo), PREP_TASK_SAMPLES):
+            if not first and a and feed.held >= self._fair(share):
+                break
             at, keys = self._share_out(share, feed, plan, todo[a : a + PREP_TASK_SAMPLES])
             if len(at):
                 assert plan.state is not None
                 plan.state[at] = READING
                 ids = plan.ids[at].astype(np.int64)
-                return Work(share, feed.feed_id, ids, plan.epoch, at, plan, outputs=keys)
+                return Work(share, feed.feed_id, ids, plan.epoch, at, plan, outputs=keys, group=self._group_of(feed))
         return None
 
     def _stir(self) -> None:

@@ -62,12 +62,12 @@ class Output:
 
     key: OutputKey
     nbytes: int
-    creator: str  # the feed it was made for, whose window share it counts in until written there
     waiting: set[str]  # members not written it yet that will need it
-    users: set[Use]  # positions it is placed (or, while made, due) at
+    # positions it is placed (or, while made, due) at; each counts its bytes in its feed's window
+    # share, so that a member placing outputs far ahead of where it reads holds no more than its share
+    users: set[Use] = dataclasses.field(default_factory=set)
     slot: Slot | None = None  # None while it is being made
     busy: set[int] = dataclasses.field(default_factory=set)  # feeders still reading it after an un-place
-    charged: int = 0  # bytes counted in the creator feed's window share
 
 
 @dataclasses.dataclass

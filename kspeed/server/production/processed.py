@@ -34,6 +34,8 @@ __all__ = ["ProcessedProduction"]
 
 log = logging.getLogger(__name__)
 
+LATER = 1 << 40  # how far past a feed's first grant a position of a later plan than its current one counts
+
 
 class ProcessedProduction(SharedProduction):
     """Processed positions of plans: produced by the preprocessing workers, placed per plan (or,
@@ -43,6 +45,8 @@ class ProcessedProduction(SharedProduction):
     prep: PrepWorkers | None
     failed_samples: int
     window_full: int
+    preempted: int
+    _warned_window: bool
     produced_samples: int
     produced_bytes: int
     _lock: threading.RLock
@@ -94,19 +98,117 @@ class ProcessedProduction(SharedProduction):
             else:
                 self.window.free(slot)
 
+    def _preempt(self, feed_id: str, count: int = 4) -> bool:
+        """The window is full while processed positions of ``feed_id``'s first grant wait to be
+        made: un-place up to ``count`` processed samples (a feed's own, or a group's output from
+        every plan it is placed in) that no first grant uses, those needed last first; they are
+        made again when their turn comes. When every one belongs to some first grant (the window
+        cannot hold the next batch of each feed), the senior feed's grant (the feed served least)
+        takes the room of the others', so that one grant at a time completes. Without this, feeds
+        that each hold part of their first grant wait forever for room the others hold. Returns
+        whether any went."""
+        with self._lock:
+            firsts: dict[str, tuple[int, int]] = {}
+            for feed in self._feeds.values():
+                plan = next((p for _, p in sorted(feed.plans.items()) if p.next < len(p.ids)), None)
+                if plan is not None and plan.processed is not None:
+                    firsts[feed.feed_id] = (plan.epoch, plan.first_span().stop)
+
+            def ahead(fid: str, epoch: int, k: int) -> int:
+                """How far past ``fid``'s first grant position ``k`` of its plan ``epoch`` is (< 0: within it)."""
+                first = firsts.get(fid)
+                if first is None or epoch > first[0]:
+                    return LATER
+                return k - first[1] if epoch == first[0] else -1
+
+            own = [
+                (ahead(f.feed_id, p.epoch, k), f, p, k)
+                for f in self._feeds.values()
+                for p in f.plans.values()
+                for k in p.slots
+                if k not in p.shared
+            ]
+            outputs = [
+                (min((ahead(*use) for use in o.users), default=LATER), g, o)
+                for g in self._groups.values()
+                for o in g.outputs.values()
+                if o.slot is not None and o.users
+            ]
+            victims: list[tuple[int, object, object, object]] = [v for v in own if v[0] >= 0]
+            victims += [(d, g, o, None) for d, g, o in outputs if d >= 0]
+            if not victims:
+                senior = min(
+                    (f for f in self._feeds.values() if f.feed_id in firsts),
+                    key=lambda f: (f.served, f.feed_id),
+                    default=None,
+                )
+                if senior is None or senior.feed_id != feed_id:
+                    return False
+                victims = [(0, f, p, k) for _, f, p, k in own if f.feed_id != feed_id]
+                victims += [
+                    (0, g, o, None)
+                    for _, g, o in outputs
+                    if not any(use[0] == feed_id and ahead(*use) < 0 for use in o.users)
+                ]
+                if victims:
+                    self._warn_window(len(firsts))
+            victims.sort(key=lambda v: -v[0])
+            for _, a, b, k in victims[:count]:
+                if k is None:
+                    self._unplace(b)  # type: ignore[arg-type]
+                    self._free_output(a, b)  # type: ignore[arg-type]
+                else:
+                    self._unplace_own(a, b, k)  # type: ignore[arg-type]
+            self.preempted += min(len(victims), count)
+            return bool(victims)
+
+    def _unplace_own(self, feed: FeedState, plan: PlanState, k: int) -> None:
+        """Take the processed sample at position ``k`` out of ``feed``'s plan: it is made again."""
+        slot = plan.slots.pop(k)
+        feed.held -= slot.nbytes
+        if plan.state is not None:
+            plan.state[k] = ABSENT
+        none = np.zeros(1, dtype=np.int64)
+        try:
+            busy = set(
+                self._tell(
+                    feed.feeder, Place(feed.feed_id, plan.epoch, np.array([k], np.int64), none - 1, none, none)
+                ).busy
+            )
+        except KSpeedError:
+            busy = set()
+        if slot.ticket in busy:
+            self._draining[slot.ticket] = Draining(slot, {feed.feeder}, self.window)
+        else:
+            self.window.free(slot)
+
+    def _warn_window(self, feeds: int) -> None:
+        if not self._warned_window:
+            self._warned_window = True
+            log.warning(
+                "the production window (%d bytes) cannot hold the next batch of each of its %d feeds' preprocessed "
+                "samples at once; they are served one grant at a time (give the server a larger production_window, "
+                "or use smaller batches)",
+                self.window.capacity,
+                feeds,
+            )
+
     def _produce_processed(self, work: Work) -> None:
         """Run claimed positions of a plan through the server stages into window slots; tell the feeder."""
         plan, at, ids, share = work.plan, work.at, work.ids, work.share
         assert plan is not None and at is not None and plan.prep is not None and plan.state is not None
         prep = plan.prep
         keys: list[OutputKey | None] = list(work.outputs) if work.outputs is not None else [None] * len(at)
-        group_owner = self._output_owner(work.feed_id)
+        group_owner = work.group.owner if work.group is not None else work.feed_id
         slots: list[Slot] = []
         placed = False
         try:
+            with self._lock:
+                span = plan.first_span()
+                urgent = bool(((at >= span.start) & (at < span.stop)).any())
             for key in keys:
                 slot = self.window.place(prep.nbytes, group_owner if key is not None else work.feed_id)
-                while slot is None and self._let_kept_go():
+                while slot is None and (self._let_kept_go() or (urgent and self._preempt(work.feed_id))):
                     slot = self.window.place(prep.nbytes, group_owner if key is not None else work.feed_id)
                 if slot is None:
                     break
@@ -114,7 +216,7 @@ class ProcessedProduction(SharedProduction):
             if len(slots) < len(at):
                 with self._lock:
                     plan.state[at[len(slots) :]] = ABSENT
-                    self._abandon_outputs(work.feed_id, keys[len(slots) :])
+                    self._abandon_outputs(work.group, keys[len(slots) :])
                     self.window_full += 1
                 at, ids, keys = at[: len(slots)], ids[: len(slots)], keys[: len(slots)]
                 if not slots:
@@ -158,8 +260,7 @@ class ProcessedProduction(SharedProduction):
                 shared = [n for n, key in enumerate(keys) if key is not None]
                 if shared:  # (whoever still waits for them is placed, this plan's position or not)
                     self._settle_outputs(
-                        share,
-                        work.feed_id,
+                        work.group,
                         [keys[n] for n in shared],  # type: ignore[misc]
                         [slots[n] for n in shared],
                         [results[int(ids[n])] for n in shared],
@@ -179,15 +280,8 @@ class ProcessedProduction(SharedProduction):
                 for slot in slots:
                     self.window.free(slot)
                 with self._lock:
-                    self._abandon_outputs(work.feed_id, keys)
+                    self._abandon_outputs(work.group, keys)
                     plan.state[at[plan.state[at] == READING]] = ABSENT
-
-    def _output_owner(self, feed_id: str) -> str:
-        """The window owner a feed's group outputs are placed under."""
-        with self._lock:
-            feed = self._feeds.get(feed_id)
-            group = self._group_of(feed) if feed is not None else None
-            return group.owner if group is not None else feed_id
 
     def _raw_inputs(
         self, share: ShareState, ids: np.ndarray

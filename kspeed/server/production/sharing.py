@@ -126,7 +126,7 @@ class SharedProduction:
             use: Use = (feed.feed_id, plan.epoch, k)
             output = group.outputs.get(key)
             if output is not None:
-                output.users.add(use)
+                self._add_use(output, feed, use)
                 group.unkeep(output)
                 plan.shared[k] = key
                 group.figures.count(member, shared=1)
@@ -139,7 +139,8 @@ class SharedProduction:
                 continue
             make.append(k)
             if wanting:
-                group.outputs[key] = Output(key, plan.prep.nbytes, feed.feed_id, wanting | {member}, {use})
+                output = group.outputs[key] = Output(key, plan.prep.nbytes, wanting | {member})
+                self._add_use(output, feed, use)
                 plan.shared[k] = key
                 group.figures.produced += 1
                 keys.append(key)
@@ -183,6 +184,17 @@ class SharedProduction:
                 out[i].add(member)
         return out
 
+    def _add_use(self, output: Output, feed: FeedState, use: Use) -> None:
+        output.users.add(use)
+        feed.held += output.nbytes
+
+    def _drop_use(self, output: Output, use: Use) -> None:
+        if use in output.users:
+            output.users.discard(use)
+            feed = self._feeds.get(use[0])
+            if feed is not None:
+                feed.held -= output.nbytes
+
     def _place_at(self, feed: FeedState, plan: PlanState, placed: list[tuple[int, Slot]]) -> None:
         at = np.array([k for k, _ in placed], dtype=np.int64)
         slots = [s for _, s in placed]
@@ -202,11 +214,9 @@ class SharedProduction:
     # -- made, written, let go -------------------------------------------------------------------
 
     def _settle_outputs(
-        self, share: ShareState, work_feed: str, keys: list[OutputKey], slots: list[Slot], results: list[int | str]
+        self, group: GroupState | None, keys: list[OutputKey], slots: list[Slot], results: list[int | str]
     ) -> None:
-        """Outputs made (or failed): placed at every position waiting for them."""
-        feed = self._feeds.get(work_feed)
-        group = self._group_of(feed) if feed is not None else None
+        """Outputs of ``group`` made (or failed): placed at every position waiting for them."""
         for key, slot, result in zip(keys, slots, results, strict=True):
             output = group.outputs.get(key) if group is not None else None
             if output is None or group is None:  # the group went meanwhile: nobody waits for it
@@ -229,17 +239,13 @@ class SharedProduction:
                     or plan.state[use[2]] != READING
                     or plan.shared.get(use[2]) != key
                 ):
-                    output.users.discard(use)
+                    self._drop_use(output, use)
                     if plan is not None and plan.shared.get(use[2]) == key:
                         del plan.shared[use[2]]
                     continue
                 plan.state[use[2]] = WINDOW
                 plan.slots[use[2]] = slot
                 by_feed.setdefault(use[0], []).append((plan, use[2]))
-            creator = self._feeds.get(output.creator)
-            if creator is not None:
-                creator.held += output.nbytes
-                output.charged = output.nbytes
             for feed_id, spots in by_feed.items():
                 user = self._feeds[feed_id]
                 for plan in {id(p): p for p, _ in spots}.values():
@@ -248,7 +254,8 @@ class SharedProduction:
 
     def _fail_users(self, output: Output, reason: str) -> None:
         """Output ``output`` could not be made: the grants of every position waiting for it fail."""
-        for feed_id, epoch, k in output.users:
+        for feed_id, epoch, k in list(output.users):
+            self._drop_use(output, (feed_id, epoch, k))
             user = self._feeds.get(feed_id)
             plan = user.plans.get(epoch) if user is not None else None
             if plan is None or plan.state is None or user is None:
@@ -258,13 +265,10 @@ class SharedProduction:
             one = np.array([k], dtype=np.int64)
             with contextlib.suppress(KSpeedError):
                 self._tell(user.feeder, Place(feed_id, epoch, one, one * 0 - 1, one * 0, one * 0, (reason,)))
-        output.users.clear()
 
-    def _abandon_outputs(self, feed_id: str, keys: list[OutputKey | None]) -> None:
-        """Outputs this producer was making and did not (it failed or the window was full): the
-        positions waiting for them are to be made again."""
-        feed = self._feeds.get(feed_id)
-        group = self._group_of(feed) if feed is not None else None
+    def _abandon_outputs(self, group: GroupState | None, keys: list[OutputKey | None]) -> None:
+        """Outputs of ``group`` a producer was making and did not (it failed or the window was
+        full): the positions waiting for them are to be made again."""
         if group is None:
             return
         for key in keys:
@@ -272,7 +276,8 @@ class SharedProduction:
             if output is None or output.slot is not None:
                 continue
             group.forget(output)
-            for fid, epoch, k in output.users:
+            for fid, epoch, k in list(output.users):
+                self._drop_use(output, (fid, epoch, k))
                 user = self._feeds.get(fid)
                 plan = user.plans.get(epoch) if user is not None else None
                 if plan is not None and plan.state is not None and plan.shared.get(k) == key:
@@ -288,15 +293,12 @@ class SharedProduction:
         output = group.outputs.get(key) if group is not None and key is not None else None
         if output is None or group is None:
             return
-        output.users.discard((feed.feed_id, plan.epoch, k))
+        self._drop_use(output, (feed.feed_id, plan.epoch, k))
         if written and feed.membership is not None:
             output.waiting.discard(feed.membership.member)
         if output.slot is not None and output.slot.ticket in busy:
             output.busy.add(feed.feeder)
             self._output_tickets[output.slot.ticket] = output
-        if output.creator == feed.feed_id and output.charged:
-            feed.held -= output.charged
-            output.charged = 0
         self._settle_output(group, output)
 
     def _settle_output(self, group: GroupState, output: Output) -> None:
@@ -307,11 +309,6 @@ class SharedProduction:
         if not output.waiting:
             self._free_output(group, output)
             return
-        if output.charged:
-            creator = self._feeds.get(output.creator)
-            if creator is not None:
-                creator.held -= output.charged
-            output.charged = 0
         group.keep(output)
         for victim in group.over_cap(self.window.capacity):
             group.figures.evicted += 1
@@ -319,11 +316,8 @@ class SharedProduction:
 
     def _free_output(self, group: GroupState, output: Output) -> None:
         group.forget(output)
-        if output.charged:
-            creator = self._feeds.get(output.creator)
-            if creator is not None:
-                creator.held -= output.charged
-            output.charged = 0
+        for use in list(output.users):
+            self._drop_use(output, use)
         slot, output.slot = output.slot, None
         if slot is None:
             return
@@ -350,7 +344,31 @@ class SharedProduction:
                     return True
         return False
 
+    def _unplace(self, output: Output) -> None:
+        """Take ``output`` out of every plan it is placed in: those positions are to be made again."""
+        for feed_id, epoch, k in list(output.users):
+            self._drop_use(output, (feed_id, epoch, k))
+            user = self._feeds.get(feed_id)
+            plan = user.plans.get(epoch) if user is not None else None
+            if user is None or plan is None or plan.state is None:
+                continue
+            plan.shared.pop(k, None)
+            plan.slots.pop(k, None)
+            plan.state[k] = ABSENT
+            none = np.zeros(1, dtype=np.int64)
+            try:
+                reply = self._tell(user.feeder, Place(feed_id, epoch, np.array([k], np.int64), none - 1, none, none))
+            except KSpeedError:
+                continue
+            if output.slot is not None and output.slot.ticket in reply.busy:
+                output.busy.add(user.feeder)
+
     # -- figures ---------------------------------------------------------------------------------
+
+    def group_datasets(self) -> list[str]:
+        """The datasets some group shares preparation of here."""
+        with self._lock:
+            return sorted({key[0] for key, _ in self._groups})
 
     def group_figures(self, dataset: str) -> list[kspeed_pb2.GroupFigures]:
         """Per group of ``dataset`` on this server, what its sharing did (its shares summed)."""

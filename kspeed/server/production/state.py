@@ -15,7 +15,7 @@ from kspeed.server.hosting.preload import Preloader
 from kspeed.server.memory.flags import Flags
 from kspeed.server.memory.residency import ABSENT
 from kspeed.server.memory.window import ProductionWindow, Slot
-from kspeed.server.production.groups import Membership, OutputKey, plan_lookup
+from kspeed.server.production.groups import GroupState, Membership, OutputKey, plan_lookup
 from kspeed.server.production.policies import WHOLE, CacheState, MemoryPolicy, policy_for
 
 __all__ = [
@@ -247,6 +247,7 @@ class Work:
     plan: PlanState | None = None
     user_epoch: int = -1  # raw samples read for a plan: its sampler epoch
     outputs: list[OutputKey | None] | None = None  # per processed position: the group output it makes (None: alone)
+    group: GroupState | None = None  # the group whose outputs those are
 
 
 @dataclasses.dataclass
