@@ -1101,7 +1101,7 @@ class ProductionFigures(_message.Message):
     def __init__(self, fetch_seconds: _Optional[float] = ..., stage_seconds: _Optional[_Mapping[str, float]] = ..., fetch_samples: _Optional[int] = ..., fetch_bytes: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupFigures, _Mapping]]] = ...) -> None: ...
 
 class GroupFigures(_message.Message):
-    __slots__ = ("group", "produced", "shared", "alone", "evicted", "held_bytes", "kept_bytes", "cap_bytes", "members", "member_shared", "member_alone")
+    __slots__ = ("group", "produced", "shared", "alone", "evicted", "held_bytes", "kept_bytes", "cap_bytes", "members", "member_shared", "member_alone", "member_produced")
     class MemberSharedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -1110,6 +1110,13 @@ class GroupFigures(_message.Message):
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     class MemberAloneEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class MemberProducedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -1127,6 +1134,7 @@ class GroupFigures(_message.Message):
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     MEMBER_SHARED_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ALONE_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_PRODUCED_FIELD_NUMBER: _ClassVar[int]
     group: str
     produced: int
     shared: int
@@ -1138,7 +1146,8 @@ class GroupFigures(_message.Message):
     members: int
     member_shared: _containers.ScalarMap[str, int]
     member_alone: _containers.ScalarMap[str, int]
-    def __init__(self, group: _Optional[str] = ..., produced: _Optional[int] = ..., shared: _Optional[int] = ..., alone: _Optional[int] = ..., evicted: _Optional[int] = ..., held_bytes: _Optional[int] = ..., kept_bytes: _Optional[int] = ..., cap_bytes: _Optional[int] = ..., members: _Optional[int] = ..., member_shared: _Optional[_Mapping[str, int]] = ..., member_alone: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    member_produced: _containers.ScalarMap[str, int]
+    def __init__(self, group: _Optional[str] = ..., produced: _Optional[int] = ..., shared: _Optional[int] = ..., alone: _Optional[int] = ..., evicted: _Optional[int] = ..., held_bytes: _Optional[int] = ..., kept_bytes: _Optional[int] = ..., cap_bytes: _Optional[int] = ..., members: _Optional[int] = ..., member_shared: _Optional[_Mapping[str, int]] = ..., member_alone: _Optional[_Mapping[str, int]] = ..., member_produced: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class PrepFigures(_message.Message):
     __slots__ = ("workers", "busy_seconds", "samples", "cpu_seconds", "daemon_cpu_seconds", "cores", "cpu_group", "job_samples")

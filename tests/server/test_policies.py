@@ -40,6 +40,9 @@ class PolicyHost:
     def window_regions(self) -> list[int]:
         return self._regions
 
+    def count(self, name: str) -> int:
+        return N
+
 
 def serve(production: Production, feeders: Feeders, feed: str, epoch: int, pool, files, batches=None) -> None:
     """Act as a client reading a plan (``batches`` of it, or all): each batch once it is resident,

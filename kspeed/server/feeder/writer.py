@@ -471,7 +471,7 @@ class FeedWriter:
             late = int(missing[0]) if len(missing) else int(ids[np.flatnonzero(plan.region[i:j] < 0)[0]])
             why = (
                 f"dataset {self.dataset!r} sample {late} was not produced within "
-                f"{self.production_timeout:g}s (the server is still reading it from the backend)"
+                f"{self.production_timeout:g}s (the server is still reading it from the backend, or preprocessing it)"
             )
             return why, late
         return "", -1

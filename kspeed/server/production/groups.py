@@ -80,10 +80,14 @@ class GroupFigures:
     evicted: int = 0  # outputs the lag bound let go while members still waited for them
     member_shared: dict[str, int] = dataclasses.field(default_factory=dict)
     member_alone: dict[str, int] = dataclasses.field(default_factory=dict)
+    member_produced: dict[str, int] = dataclasses.field(default_factory=dict)
 
-    def count(self, member: str, *, shared: int = 0, alone: int = 0) -> None:
+    def count(self, member: str, *, produced: int = 0, shared: int = 0, alone: int = 0) -> None:
+        self.produced += produced
         self.shared += shared
         self.alone += alone
+        if produced:
+            self.member_produced[member] = self.member_produced.get(member, 0) + produced
         if shared:
             self.member_shared[member] = self.member_shared.get(member, 0) + shared
         if alone:

@@ -109,10 +109,15 @@ class ProcessedProduction(SharedProduction):
         whether any went."""
         with self._lock:
             firsts: dict[str, tuple[int, int]] = {}
+            short: set[str] = set()  # feeds whose first grant is not all made yet
             for feed in self._feeds.values():
                 plan = next((p for _, p in sorted(feed.plans.items()) if p.next < len(p.ids)), None)
-                if plan is not None and plan.processed is not None:
-                    firsts[feed.feed_id] = (plan.epoch, plan.first_span().stop)
+                if plan is not None and plan.processed is not None and plan.state is not None:
+                    span = plan.first_span()
+                    firsts[feed.feed_id] = (plan.epoch, span.stop)
+                    todo = plan.processed[span] & ~plan.written[span] & (plan.state[span] != WINDOW)
+                    if todo.any():
+                        short.add(feed.feed_id)
 
             def ahead(fid: str, epoch: int, k: int) -> int:
                 """How far past ``fid``'s first grant position ``k`` of its plan ``epoch`` is (< 0: within it)."""
@@ -137,18 +142,20 @@ class ProcessedProduction(SharedProduction):
             victims: list[tuple[int, object, object, object]] = [v for v in own if v[0] >= 0]
             victims += [(d, g, o, None) for d, g, o in outputs if d >= 0]
             if not victims:
+                # Every one is in a first grant. Those made whole are written soon (their clients
+                # read them): the room of the others goes to the senior of those still short.
                 senior = min(
-                    (f for f in self._feeds.values() if f.feed_id in firsts),
+                    (f for f in self._feeds.values() if f.feed_id in short),
                     key=lambda f: (f.served, f.feed_id),
                     default=None,
                 )
                 if senior is None or senior.feed_id != feed_id:
                     return False
-                victims = [(0, f, p, k) for _, f, p, k in own if f.feed_id != feed_id]
+                victims = [(0, f, p, k) for _, f, p, k in own if f.feed_id != feed_id and f.feed_id in short]
                 victims += [
                     (0, g, o, None)
                     for _, g, o in outputs
-                    if not any(use[0] == feed_id and ahead(*use) < 0 for use in o.users)
+                    if all(use[0] in short and use[0] != feed_id for use in o.users if ahead(*use) < 0)
                 ]
                 if victims:
                     self._warn_window(len(firsts))

@@ -70,6 +70,9 @@ class SharedProduction:
                     "share='samples' the same seed, or use share='decoded' for augmentations of its own"
                 )
             group.seed = prep.seed
+        if membership.member not in group.members:  # a new member will want what is made (bounded: kept)
+            for output in group.outputs.values():
+                output.waiting.add(membership.member)
         group.join(membership.member, feed_id, membership.lag)
 
     def _group_of(self, feed: FeedState) -> GroupState | None:
@@ -108,8 +111,7 @@ class SharedProduction:
     ) -> tuple[np.ndarray, list[OutputKey | None]]:
         """Of processed positions ``at`` of ``feed``'s plan (not made, not written): place those
         whose group output is made, have those whose output is being made wait for it, and return
-        the rest, to make: each as an output of the group when another member will need it too
-        (its key), else for this plan alone (None)."""
+        the rest, to make as outputs of the group (their keys; None outside a group)."""
         group = self._group_of(feed)
         if group is None or plan.prep is None or plan.state is None or feed.membership is None:
             return at, [None] * len(at)
@@ -137,17 +139,18 @@ class SharedProduction:
                     plan.slots[k] = output.slot
                     placed.append((k, output.slot))
                 continue
+            # Made as an output even when no other member is to need it (one that joins while it is
+            # placed here finds it); it is held only while a member waits for it. Made while
+            # every other member is past it, it is this member's alone: it lags behind them.
             make.append(k)
-            if wanting:
-                output = group.outputs[key] = Output(key, plan.prep.nbytes, wanting | {member})
-                self._add_use(output, feed, use)
-                plan.shared[k] = key
-                group.figures.produced += 1
-                keys.append(key)
+            output = group.outputs[key] = Output(key, plan.prep.nbytes, wanting | {member})
+            self._add_use(output, feed, use)
+            plan.shared[k] = key
+            keys.append(key)
+            if others and not wanting:
+                group.figures.count(member, alone=1)
             else:
-                keys.append(None)
-                if others:
-                    group.figures.count(member, alone=1)
+                group.figures.count(member, produced=1)
         if placed:
             self._place_at(feed, plan, placed)
         return np.array(make, dtype=np.int64), keys
@@ -171,9 +174,9 @@ class SharedProduction:
                     k = p.locate(ids)
                     hit = np.flatnonzero(k >= 0)
                     found[hit] = True
-                    if p.processed is not None and len(hit):
-                        kk = k[hit]
-                        due[hit] |= ~p.written[kk] & p.processed[kk]
+                    if p.processed is not None and p.state is not None and len(hit):
+                        kk = k[hit]  # (a position made, or placed at another output, needs none)
+                        due[hit] |= ~p.written[kk] & p.processed[kk] & (p.state[kk] == ABSENT)
                 unopened = max((f.ranks for f in feeds), default=0) > len(feeds)
                 wants = due | (~found & unopened)
             elif not plans or max(p.user_epoch for p in plans) < epoch:
@@ -392,4 +395,6 @@ class SharedProduction:
                     out.member_shared[m] += n
                 for m, n in f.member_alone.items():
                     out.member_alone[m] += n
+                for m, n in f.member_produced.items():
+                    out.member_produced[m] += n
         return list(merged.values())
