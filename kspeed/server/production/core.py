@@ -315,6 +315,8 @@ class Production(ProcessedProduction):
                 plan = feed.plans.get(epoch)
                 if plan is not None:
                     i, j, fresh = plan.mark(batch, first, end)
+                    if len(fresh) and feed.membership is not None and (group := self._group_of(feed)) is not None:
+                        group.wrote(feed.membership.member, len(fresh), time.monotonic())
                     if len(fresh) and share.own_window:
                         share.figures_of(plan.user_epoch).written += len(fresh)
                     if len(fresh) and feed.counted == epoch:
@@ -917,10 +919,11 @@ class Production(ProcessedProduction):
         a group member's positions whose output is made or being made are placed at it (or wait
         for it) instead, and the task is of the next ones to make; None when none is. Placing
         counts in the feed's window share as making does: beyond it, only the ``first`` grant's."""
+        hold = self._held(feed, plan) if len(todo) else False
         for a in range(0, len(todo), PREP_TASK_SAMPLES):
             if not first and a and feed.held >= self._fair(share):
                 break
-            at, keys = self._share_out(share, feed, plan, todo[a : a + PREP_TASK_SAMPLES])
+            at, keys = self._share_out(share, feed, plan, todo[a : a + PREP_TASK_SAMPLES], hold=hold)
             if len(at):
                 assert plan.state is not None
                 plan.state[at] = READING

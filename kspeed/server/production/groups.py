@@ -26,19 +26,21 @@ The records here are kept under :class:`~kspeed.server.production.core.Productio
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import numpy as np
 
 from kspeed.server.memory.window import Slot
 
-__all__ = ["SAMPLES", "SHARE_MODES", "GroupFigures", "GroupState", "Membership", "Output", "OutputKey", "Use"]
+__all__ = ["PEER", "SAMPLES", "SHARE_MODES", "GroupFigures", "GroupState", "Membership", "Output", "OutputKey", "Use"]
 
 SAMPLES = "samples"
 DECODED = "decoded"
 SHARE_MODES = (SAMPLES, DECODED)
 DEFAULT_CAP_FRACTION = 4  # with no lag asked for, a group keeps at most 1/4 of the window for laggards
 MAX_CAP_FRACTION = 2  # and never more than half of it
+RATE_SPAN_S = 5.0  # a member's rate is measured over about this long
+PEER = 0.5  # a member lagging beyond the bound at least this fraction of the leader's rate is waited for
 
 #: (server stages, the stages stored already, skip records, output bytes), user epoch, sample
 OutputKey = tuple[tuple[int, int, bool, int], int, int]
@@ -114,6 +116,19 @@ class GroupState:
         self.kept: OrderedDict[OutputKey, None] = OrderedDict()  # outputs no position uses, oldest first
         self.kept_bytes = 0
         self.figures = GroupFigures()
+        self._written: dict[str, deque[tuple[float, int]]] = {}  # member -> (when, positions written)
+
+    def wrote(self, member: str, positions: int, now: float) -> None:
+        """``member``'s feeds here were written ``positions`` more positions."""
+        recent = self._written.setdefault(member, deque())
+        recent.append((now, positions))
+        while recent and now - recent[0][0] > RATE_SPAN_S:
+            recent.popleft()
+
+    def rate(self, member: str, now: float) -> float:
+        """Positions per second ``member`` was written lately here."""
+        recent = self._written.get(member, ())
+        return sum(n for t, n in recent if now - t <= RATE_SPAN_S) / RATE_SPAN_S
 
     @property
     def owner(self) -> str:
@@ -134,6 +149,7 @@ class GroupState:
             return False
         del self.members[member]
         self.lags.pop(member, None)
+        self._written.pop(member, None)
         return True
 
     def cap(self, capacity: int, nbytes: int) -> int:

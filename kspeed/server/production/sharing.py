@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -20,7 +21,7 @@ from kspeed.proto import kspeed_pb2
 from kspeed.server.feeder.protocol import Command, Place, Reply
 from kspeed.server.memory.residency import ABSENT, FAILED, READING, WINDOW
 from kspeed.server.memory.window import ProductionWindow, Slot
-from kspeed.server.production.groups import SAMPLES, GroupState, Membership, Output, OutputKey, Use
+from kspeed.server.production.groups import PEER, SAMPLES, GroupState, Membership, Output, OutputKey, Use
 from kspeed.server.production.state import Draining, FeedState, PlanState, PrepSpec, ShareState
 
 __all__ = ["SharedProduction"]
@@ -107,53 +108,97 @@ class SharedProduction:
     # -- sharing out -----------------------------------------------------------------------------
 
     def _share_out(
-        self, share: ShareState, feed: FeedState, plan: PlanState, at: np.ndarray
+        self, share: ShareState, feed: FeedState, plan: PlanState, at: np.ndarray, *, hold: bool = False
     ) -> tuple[np.ndarray, list[OutputKey | None]]:
         """Of processed positions ``at`` of ``feed``'s plan (not made, not written): place those
         whose group output is made, have those whose output is being made wait for it, and return
-        the rest, to make as outputs of the group (their keys; None outside a group)."""
+        the rest, to make as outputs of the group (their keys; None outside a group); with
+        ``hold`` (the member leads a peer by more than the bound: :meth:`_ahead_of_peers`), none."""
         group = self._group_of(feed)
         if group is None or plan.prep is None or plan.state is None or feed.membership is None:
             return at, [None] * len(at)
         sig = signature(plan.prep)
         member = feed.membership.member
-        ids = plan.ids[at].astype(np.int64)
-        others = [m for m in group.members if m != member]
-        wanted = self._wanted(others, group, sig, plan.user_epoch, ids)
+        rest: list[tuple[int, int]] = []
+        placed: list[tuple[int, Slot]] = []
+        for k, sample in zip(at.tolist(), plan.ids[at].tolist(), strict=True):
+            key: OutputKey = (sig, plan.user_epoch, sample)
+            output = group.outputs.get(key)
+            if output is None:
+                rest.append((k, sample))
+                continue
+            self._add_use(output, feed, (feed.feed_id, plan.epoch, k))
+            group.unkeep(output)
+            plan.shared[k] = key
+            group.figures.count(member, shared=1)
+            if output.slot is None:
+                plan.state[k] = READING
+            else:
+                plan.state[k] = WINDOW
+                plan.slots[k] = output.slot
+                placed.append((k, output.slot))
         make: list[int] = []
         keys: list[OutputKey | None] = []
-        placed: list[tuple[int, Slot]] = []
-        for k, sample, wanting in zip(at.tolist(), ids.tolist(), wanted, strict=True):
-            key: OutputKey = (sig, plan.user_epoch, sample)
-            use: Use = (feed.feed_id, plan.epoch, k)
-            output = group.outputs.get(key)
-            if output is not None:
-                self._add_use(output, feed, use)
-                group.unkeep(output)
+        # Made as an output even when no other member is to need it (one that joins while it is
+        # placed here finds it); it is held only while a member waits for it. Made while every
+        # other member is past it, it is this member's alone: it lags behind them.
+        if rest and not hold:
+            others = [m for m in group.members if m != member]
+            ids = np.array([sample for _, sample in rest], dtype=np.int64)
+            for (k, sample), wanting in zip(rest, self._wanted(others, group, sig, plan.user_epoch, ids), strict=True):
+                key = (sig, plan.user_epoch, sample)
+                output = group.outputs[key] = Output(key, plan.prep.nbytes, wanting | {member})
+                self._add_use(output, feed, (feed.feed_id, plan.epoch, k))
                 plan.shared[k] = key
-                group.figures.count(member, shared=1)
-                if output.slot is None:
-                    plan.state[k] = READING
-                else:
-                    plan.state[k] = WINDOW
-                    plan.slots[k] = output.slot
-                    placed.append((k, output.slot))
-                continue
-            # Made as an output even when no other member is to need it (one that joins while it is
-            # placed here finds it); it is held only while a member waits for it. Made while
-            # every other member is past it, it is this member's alone: it lags behind them.
-            make.append(k)
-            output = group.outputs[key] = Output(key, plan.prep.nbytes, wanting | {member})
-            self._add_use(output, feed, use)
-            plan.shared[k] = key
-            keys.append(key)
-            if others and not wanting:
-                group.figures.count(member, alone=1)
-            else:
-                group.figures.count(member, produced=1)
+                make.append(k)
+                keys.append(key)
+                group.figures.count(member, **({"alone": 1} if others and not wanting else {"produced": 1}))
         if placed:
             self._place_at(feed, plan, placed)
         return np.array(make, dtype=np.int64), keys
+
+    def _held(self, feed: FeedState, plan: PlanState) -> bool:
+        """Whether ``feed``'s member makes nothing for now: it leads a peer by more than the bound."""
+        group = self._group_of(feed)
+        if group is None or feed.membership is None:
+            return False
+        return self._ahead_of_peers(group, feed.membership.member, plan)
+
+    def _ahead_of_peers(self, group: GroupState, member: str, plan: PlanState) -> bool:
+        """Whether ``member`` (reading ``plan``) leads another member by more than the lag bound
+        while that one is a **peer**: written lately, at least :data:`PEER` of this one's rate.
+
+        Two jobs that run at the servers' pace but started apart would otherwise stay apart for
+        good, each served alone at half the servers' rate; holding the leader back lets the
+        other's samples be made alone at the whole rate until it is within the bound, and both
+        share from then on. A straggler (a job whose own step is slower) is no peer: it is served
+        alone for what it lags on, at its turn among the feeds, and holds nobody."""
+        if len(group.members) < 2 or not len(plan.ids):
+            return False
+        mine = plan.user_epoch + plan.next / len(plan.ids)
+        bound = group.cap(self.window.capacity, plan.prep.nbytes if plan.prep else 1) / max(
+            plan.prep.nbytes if plan.prep else 1, 1
+        )
+        now = time.monotonic()
+        rate = group.rate(member, now)
+        for other, feed_ids in group.members.items():
+            if other == member:
+                continue
+            places = []
+            for feed_id in feed_ids:
+                feed = self._feeds.get(feed_id)
+                current = (
+                    next((p for _, p in sorted(feed.plans.items()) if p.next < len(p.ids)), None) if feed else None
+                )
+                if current is not None and len(current.ids):
+                    places.append(current.user_epoch + current.next / len(current.ids))
+            if not places:
+                continue
+            behind = (mine - min(places)) * group.share_size
+            theirs = group.rate(other, now)
+            if behind > bound and theirs > 0 and theirs >= PEER * rate:  # (one that stopped reading is none)
+                return True
+        return False
 
     def _wanted(
         self, members: list[str], group: GroupState, sig: tuple[int, int, bool, int], epoch: int, ids: np.ndarray
@@ -219,7 +264,10 @@ class SharedProduction:
     def _settle_outputs(
         self, group: GroupState | None, keys: list[OutputKey], slots: list[Slot], results: list[int | str]
     ) -> None:
-        """Outputs of ``group`` made (or failed): placed at every position waiting for them."""
+        """Outputs of ``group`` made (or failed): placed at every position waiting for them (one
+        command per feed's plan for all of them: a command is a round trip to the feeder)."""
+        places: dict[tuple[str, int], list[tuple[int, Slot]]] = {}
+        settled: list[Output] = []
         for key, slot, result in zip(keys, slots, results, strict=True):
             output = group.outputs.get(key) if group is not None else None
             if output is None or group is None:  # the group went meanwhile: nobody waits for it
@@ -231,7 +279,6 @@ class SharedProduction:
                 self._fail_users(output, result)
                 continue
             output.slot = slot
-            by_feed: dict[str, list[tuple[PlanState, int]]] = {}
             for use in list(output.users):
                 user = self._feeds.get(use[0])
                 plan = user.plans.get(use[1]) if user is not None else None
@@ -248,12 +295,13 @@ class SharedProduction:
                     continue
                 plan.state[use[2]] = WINDOW
                 plan.slots[use[2]] = slot
-                by_feed.setdefault(use[0], []).append((plan, use[2]))
-            for feed_id, spots in by_feed.items():
-                user = self._feeds[feed_id]
-                for plan in {id(p): p for p, _ in spots}.values():
-                    self._place_at(user, plan, [(k, slot) for p, k in spots if p is plan])
-            self._settle_output(group, output)
+                places.setdefault((use[0], use[1]), []).append((use[2], slot))
+            settled.append(output)
+        for (feed_id, epoch), spots in places.items():
+            self._place_at(self._feeds[feed_id], self._feeds[feed_id].plans[epoch], spots)
+        for output in settled:
+            if group is not None:
+                self._settle_output(group, output)
 
     def _fail_users(self, output: Output, reason: str) -> None:
         """Output ``output`` could not be made: the grants of every position waiting for it fail."""
