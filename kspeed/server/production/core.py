@@ -311,6 +311,8 @@ class Production(ProcessedProduction):
                 if plan is not None:
                     self._granted_again(share, feed, plan, at)
             feed.served += len(event.written)
+            if len(event.written):
+                feed.progressed = time.monotonic()
             for epoch, batch, first, end in event.written.tolist():
                 plan = feed.plans.get(epoch)
                 if plan is not None:

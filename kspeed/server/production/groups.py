@@ -40,7 +40,8 @@ SHARE_MODES = (SAMPLES, DECODED)
 DEFAULT_CAP_FRACTION = 4  # with no lag asked for, a group keeps at most 1/4 of the window for laggards
 MAX_CAP_FRACTION = 2  # and never more than half of it
 RATE_SPAN_S = 5.0  # a member's rate is measured over about this long
-PEER = 0.5  # a member lagging beyond the bound at least this fraction of the leader's rate is waited for
+PEAK_SPAN_S = 30.0  # a member's peak rate is the highest over about this long
+PEER = 0.75  # a member lagging beyond the bound at this fraction of the leader's peak rate is waited for
 
 #: (server stages, the stages stored already, skip records, output bytes), user epoch, sample
 OutputKey = tuple[tuple[int, int, bool, int], int, int]
@@ -117,6 +118,7 @@ class GroupState:
         self.kept_bytes = 0
         self.figures = GroupFigures()
         self._written: dict[str, deque[tuple[float, int]]] = {}  # member -> (when, positions written)
+        self._rates: dict[str, deque[tuple[float, float]]] = {}  # member -> (when, its rate then)
 
     def wrote(self, member: str, positions: int, now: float) -> None:
         """``member``'s feeds here were written ``positions`` more positions."""
@@ -124,6 +126,15 @@ class GroupState:
         recent.append((now, positions))
         while recent and now - recent[0][0] > RATE_SPAN_S:
             recent.popleft()
+        rates = self._rates.setdefault(member, deque())
+        rates.append((now, self.rate(member, now)))
+        while rates and now - rates[0][0] > PEAK_SPAN_S:
+            rates.popleft()
+
+    def peak(self, member: str, now: float) -> float:
+        """The highest rate ``member`` was written at lately (over :data:`PEAK_SPAN_S`): what it
+        runs at when nothing holds it back."""
+        return max((r for t, r in self._rates.get(member, ()) if now - t <= PEAK_SPAN_S), default=0.0)
 
     def rate(self, member: str, now: float) -> float:
         """Positions per second ``member`` was written lately here."""
@@ -150,6 +161,7 @@ class GroupState:
         del self.members[member]
         self.lags.pop(member, None)
         self._written.pop(member, None)
+        self._rates.pop(member, None)
         return True
 
     def cap(self, capacity: int, nbytes: int) -> int:

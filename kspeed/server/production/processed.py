@@ -103,10 +103,12 @@ class ProcessedProduction(SharedProduction):
         made: un-place up to ``count`` processed samples (a feed's own, or a group's output from
         every plan it is placed in) that no first grant uses, those needed last first; they are
         made again when their turn comes. When every one belongs to some first grant (the window
-        cannot hold the next batch of each feed), the senior feed's grant (the feed served least)
-        takes the room of the others', so that one grant at a time completes. Without this, feeds
-        that each hold part of their first grant wait forever for room the others hold. Returns
-        whether any went."""
+        cannot hold the next batch of each feed), the senior feed's grant (of the feeds whose next
+        batch is not made whole, the one written last longest ago) takes the room of the others',
+        so that one grant at a time completes. Without this, feeds that each hold part of their
+        first grant wait forever for room the others hold; and a senior chosen as the feed served
+        least (the one with the fewest grants written) let a feed of larger batches wait over a
+        minute while the others took each freed chunk first. Returns whether any went."""
         with self._lock:
             firsts: dict[str, tuple[int, int]] = {}
             short: set[str] = set()  # feeds whose first grant is not all made yet
@@ -146,7 +148,7 @@ class ProcessedProduction(SharedProduction):
                 # read them): the room of the others goes to the senior of those still short.
                 senior = min(
                     (f for f in self._feeds.values() if f.feed_id in short),
-                    key=lambda f: (f.served, f.feed_id),
+                    key=lambda f: (f.progressed, f.feed_id),
                     default=None,
                 )
                 if senior is None or senior.feed_id != feed_id:

@@ -166,7 +166,7 @@ class SharedProduction:
 
     def _ahead_of_peers(self, group: GroupState, member: str, plan: PlanState) -> bool:
         """Whether ``member`` (reading ``plan``) leads another member by more than the lag bound
-        while that one is a **peer**: written lately, at least :data:`PEER` of this one's rate.
+        while that one is a **peer**: written lately, at least :data:`PEER` of this one's peak rate.
 
         Two jobs that run at the servers' pace but started apart would otherwise stay apart for
         good, each served alone at half the servers' rate; holding the leader back lets the
@@ -180,7 +180,7 @@ class SharedProduction:
             plan.prep.nbytes if plan.prep else 1, 1
         )
         now = time.monotonic()
-        rate = group.rate(member, now)
+        rate = group.peak(member, now)  # (not its rate now: held back, a leader slows to the laggard's pace)
         for other, feed_ids in group.members.items():
             if other == member:
                 continue

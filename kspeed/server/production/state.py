@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Protocol
 
 import numpy as np
@@ -263,6 +264,7 @@ class FeedState:
     ranks: int = 0  # its job's ranks, as its client told (0: not told)
     job: str = ""  # its job's name, as its client told (the preprocessing workers are shared by job)
     membership: Membership | None = None  # its job's group, as its client told
+    progressed: float = dataclasses.field(default_factory=time.monotonic)  # when a grant of it was last written
 
 
 @dataclasses.dataclass
