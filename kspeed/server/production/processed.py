@@ -13,6 +13,7 @@ feeder commands.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -141,8 +142,11 @@ class ProcessedProduction(SharedProduction):
                 for o in g.outputs.values()
                 if o.slot is not None and o.users
             ]
-            victims: list[tuple[int, object, object, object]] = [v for v in own if v[0] >= 0]
-            victims += [(d, g, o, None) for d, g, o in outputs if d >= 0]
+            # (how far past a first grant, and how to let it go)
+            victims: list[tuple[int, Callable[[], None]]] = [
+                (d, functools.partial(self._unplace_own, f, p, k)) for d, f, p, k in own if d >= 0
+            ]
+            victims += [(d, functools.partial(self._let_output_go, g, o)) for d, g, o in outputs if d >= 0]
             if not victims:
                 # Every one is in a first grant. Those made whole are written soon (their clients
                 # read them): the room of the others goes to the senior of those still short.
@@ -153,21 +157,21 @@ class ProcessedProduction(SharedProduction):
                 )
                 if senior is None or senior.feed_id != feed_id:
                     return False
-                victims = [(0, f, p, k) for _, f, p, k in own if f.feed_id != feed_id and f.feed_id in short]
+                victims = [
+                    (0, functools.partial(self._unplace_own, f, p, k))
+                    for _, f, p, k in own
+                    if f.feed_id != feed_id and f.feed_id in short
+                ]
                 victims += [
-                    (0, g, o, None)
+                    (0, functools.partial(self._let_output_go, g, o))
                     for _, g, o in outputs
                     if all(use[0] in short and use[0] != feed_id for use in o.users if ahead(*use) < 0)
                 ]
                 if victims:
                     self._warn_window(len(firsts))
             victims.sort(key=lambda v: -v[0])
-            for _, a, b, k in victims[:count]:
-                if k is None:
-                    self._unplace(b)  # type: ignore[arg-type]
-                    self._free_output(a, b)  # type: ignore[arg-type]
-                else:
-                    self._unplace_own(a, b, k)  # type: ignore[arg-type]
+            for _, let_go in victims[:count]:
+                let_go()
             self.preempted += min(len(victims), count)
             return bool(victims)
 

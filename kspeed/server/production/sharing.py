@@ -395,6 +395,11 @@ class SharedProduction:
                     return True
         return False
 
+    def _let_output_go(self, group: GroupState, output: Output) -> None:
+        """Take ``output`` out of every plan and free it (it is made again when needed)."""
+        self._unplace(output)
+        self._free_output(group, output)
+
     def _unplace(self, output: Output) -> None:
         """Take ``output`` out of every plan it is placed in: those positions are to be made again."""
         for feed_id, epoch, k in list(output.users):
