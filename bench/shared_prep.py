@@ -115,15 +115,15 @@ def job_main(address: str, k: int, job: dict, cores: list[int], begin, stop, out
             # (the servers produced ahead while the jobs waited for each other: an untimed epoch
             # takes what that left in the window, so the timed ones run at the servers' pace)
             epoch(1, False)
-            began = time.perf_counter()
+            began, cpu0 = time.perf_counter(), time.process_time()
             samples = 0
             for e in range(2, job["epochs"] + 2):
                 n, whole = epoch(e, job["stoppable"])
                 samples += n
                 if not whole:
                     break
-            seconds = time.perf_counter() - began
-            out.put(("done", k, {"samples": samples, "seconds": seconds, "digests": digests}))
+            seconds, cpu = time.perf_counter() - began, time.process_time() - cpu0
+            out.put(("done", k, {"samples": samples, "seconds": seconds, "cpu_s": cpu, "digests": digests}))
             group = ds.group_figures()
             stop.wait()  # open until every job is measured (the group and its figures stay)
             out.put(("figures", k, group))
@@ -136,8 +136,9 @@ def job_main(address: str, k: int, job: dict, cores: list[int], begin, stop, out
 # -- the server's figures --------------------------------------------------------------------------
 
 
-def tree_cpu(root: int) -> float:
-    """CPU seconds of process ``root`` and every process under it."""
+def tree_cpu(root: int) -> dict[str, float]:
+    """CPU seconds of process ``root`` and every process under it, by role: ``main`` (``root``),
+    ``feeders`` (the processes that write to the clients), ``prep`` (the preprocessing workers)."""
     parents: dict[int, int] = {}
     times: dict[int, float] = {}
     for entry in os.listdir("/proc"):
@@ -149,15 +150,33 @@ def tree_cpu(root: int) -> float:
             continue
         parents[int(entry)] = int(fields[1])
         times[int(entry)] = (int(fields[11]) + int(fields[12])) / CLK_TCK
-    total = 0.0
+    roles = {"main": 0.0, "feeders": 0.0, "prep": 0.0}
     for pid, t in times.items():
         p = pid
         while p > 1:
             if p == root:
-                total += t
+                roles[role(pid, root)] += t
                 break
             p = parents.get(p, 0)
-    return total
+    return roles
+
+
+def role(pid: int, root: int) -> str:
+    if pid == root:
+        return "main"
+    try:
+        line = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return "feeders"
+    return "prep" if b"prep.worker" in line else "feeders"
+
+
+def server_cpu(pids: list[int]) -> dict[str, float]:
+    out = {"main": 0.0, "feeders": 0.0, "prep": 0.0}
+    for pid in pids:
+        for k, v in tree_cpu(pid).items():
+            out[k] += v
+    return out
 
 
 def fetched_bytes(cluster: LocalCluster) -> float:
@@ -199,14 +218,15 @@ def run(cluster: LocalCluster, jobs: list[dict], ranks_cores: list[int]) -> dict
                 {"ready": ready, "done": results, "figures": figures}[what][k] = value
 
         until(lambda: len(ready) == len(jobs), 600)
-        cpu0, read0 = sum(tree_cpu(pid) for pid in servers), fetched_bytes(cluster)
+        cpu0, read0 = server_cpu(servers), fetched_bytes(cluster)
         began = time.perf_counter()
         begin.set()
         timed = [k for k, job in enumerate(jobs) if not job["stoppable"]]
         until(lambda: all(k in results for k in timed), 900)
         stop.set()
         seconds = time.perf_counter() - began
-        cpu, read = sum(tree_cpu(pid) for pid in servers) - cpu0, fetched_bytes(cluster) - read0
+        roles = {k: v - cpu0[k] for k, v in server_cpu(servers).items()}
+        cpu, read = sum(roles.values()), fetched_bytes(cluster) - read0
         until(lambda: len(results) == len(jobs) and len(figures) == len(jobs), 120)
     finally:
         stop.set()
@@ -218,11 +238,21 @@ def run(cluster: LocalCluster, jobs: list[dict], ranks_cores: list[int]) -> dict
     samples = sum(r["samples"] for r in results.values())
     return {
         "jobs": [
-            {**job, **results[k], "samples_per_s": results[k]["samples"] / results[k]["seconds"]}
+            {
+                **job,
+                **results[k],
+                "samples_per_s": results[k]["samples"] / results[k]["seconds"],
+                # (the job's own process, every thread: what it costs the training core per sample)
+                "client_cpu_s_per_sample": results[k]["cpu_s"] / max(results[k]["samples"], 1),
+            }
             for k, job in enumerate(jobs)
         ],
+        # (the most each job could take if the training cores did nothing but its own work)
+        "client_core_bound_per_job": len(ranks_cores)
+        / max(sum(results[k]["cpu_s"] / max(results[k]["samples"], 1) for k in results), 1e-9),
         "seconds": seconds,
         "server_cpu_s": cpu,
+        "server_cpu_s_by_role": roles,
         "backend_bytes": read,
         "samples": samples,
         # (the measured span holds the untimed epoch after the barrier too: as many samples per epoch)

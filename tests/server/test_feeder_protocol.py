@@ -11,12 +11,14 @@ import dataclasses
 import inspect
 import logging
 import multiprocessing as mp
+import socket
 import threading
 
 import numpy as np
 import pytest
 
 from kspeed.errors import KSpeedError, PeerLostError, ProtocolError
+from kspeed.rdma.base import RegionKey
 from kspeed.rdma.options import RailOptions
 from kspeed.server.feeder import process, protocol, supervisor
 from kspeed.server.feeder.plan_part import PlanPart
@@ -43,7 +45,8 @@ from kspeed.server.feeder.protocol import (
     wants_reply,
 )
 from kspeed.server.feeder.supervisor import EVENT_HANDLERS, FeederSupervisor, PlanOffer, check_offer
-from kspeed.server.feeder.writer import FeederShared
+from kspeed.server.feeder.writer import FeederShared, FeedWriter
+from tests.server.test_doorbell import SocketWriter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +83,7 @@ SAMPLES: dict[type, object] = {
     CloseFeed: CloseFeed("feed-1", "dataset removed", 17),
     MarkChanged: MarkChanged("imagenet", i64(3, 9), {3: "mtime changed", 9: "size changed"}),
     Locate: Locate("imagenet", i64(1, 2), i64(0, -1), i64(64, 0), i64(5, 0), quiet=True, crc=i64(77, -1)),
-    Place: Place("feed-1", 4, i64(0, 2), i64(-1, -1), i64(0, 0), i64(0, 0), ("timeout", "bad image")),
+    Place: Place("feed-1", 4, i64(0, 2), i64(-1, -1), i64(0, 0), i64(0, 0), ("timeout", "bad image"), quiet=True),
     Failed: Failed("imagenet", i64(8), ("backend said 404",)),
     Stop: Stop(),
     Reply: Reply(False, "PeerLostError", "the client left", (4, 9)),
@@ -240,7 +243,6 @@ def test_commands_reach_their_handlers(feeder):
     assert not state.stopped
     state.obey(Stop())
     assert state.stopped
-    assert state.shared.moves == 8  # every command counts as a move (the failed ones too)
 
 
 def test_a_stray_command_fails_across_the_pipe_as_a_protocol_error(feeder):
@@ -263,10 +265,40 @@ def test_errors_cross_the_pipe_by_class_name():
     assert type(not_ours) is KSpeedError
 
 
-def test_only_quiet_locates_and_stop_go_unanswered():
+def test_only_quiet_locates_and_places_and_stop_go_unanswered():
     unanswered = {cls for cls in COMMANDS if not wants_reply(SAMPLES[cls])}
-    assert unanswered == {Locate, Stop}  # the sample Locate is quiet
+    assert unanswered == {Locate, Place, Stop}  # the sample Locate and Place are quiet
     assert wants_reply(dataclasses.replace(SAMPLES[Locate], quiet=False))
+    assert wants_reply(dataclasses.replace(SAMPLES[Place], quiet=False))
+
+
+def test_a_command_wakes_only_the_feeds_it_concerns(feeder):
+    """A place wakes its own feed; a location, a failure or a change wakes the feeds of its dataset;
+    anything else every feed (a feeder woke every waiting feed for every command: each feed scanned
+    its grants once per other feed's placement)."""
+    state, _ = feeder
+    pairs = [socket.socketpair() for _ in range(3)]
+    try:
+        for (name, dataset), (a, _b) in zip((("a", "imagenet"), ("b", "imagenet"), ("c", "coco")), pairs, strict=True):
+            state.feeds[name] = FeedWriter(
+                name, dataset, SocketWriter(a), RegionKey("shm", "here", 1, 0, 1 << 20), None, state.shared
+            )
+        moves = lambda: {name: feed.moves for name, feed in state.feeds.items()}  # noqa: E731
+        state.obey(Place("a", 4, i64(0), i64(1), i64(0), i64(3), quiet=True))  # (no plan of epoch 4: nothing to place)
+        assert moves() == {"a": 1, "b": 0, "c": 0}
+        state.obey(SAMPLES[Locate])
+        state.obey(SAMPLES[Failed])
+        assert moves() == {"a": 3, "b": 2, "c": 0}
+        state.obey(MarkChanged("coco", i64(1), {1: "size changed"}))
+        assert moves() == {"a": 3, "b": 2, "c": 1}
+        with pytest.raises(PeerLostError):
+            state.obey(Place("gone", 4, i64(0), i64(1), i64(0), i64(3)))
+        assert moves() == {"a": 3, "b": 2, "c": 1}
+    finally:
+        state.feeds.clear()
+        for a, b in pairs:
+            a.close()
+            b.close()
 
 
 def test_the_main_process_takes_events_from_the_pipe_and_logs_a_stray_one(caplog):

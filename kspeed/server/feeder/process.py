@@ -72,11 +72,20 @@ class Feeder:
             KSpeedError: the command failed (the caller turns it into a reply).
             ProtocolError: ``command`` is no command this process takes.
         """
-        self.shared.moves += 1  # whatever changed, waiting grants are worth another look
         try:
             return COMMAND_HANDLERS(self, command)
         finally:
-            self.shared.moved()  # feeds whose grants wait look again now, not at their next poll
+            for feed in self._concerned(command):  # (the failed ones too: what they changed, they changed)
+                feed.moved()
+
+    def _concerned(self, command: object) -> list[FeedWriter]:
+        """The feeds whose waiting grants ``command`` may have made ready."""
+        feed_id = getattr(command, "feed_id", None)
+        if feed_id is not None:
+            feed = self.feeds.get(feed_id)
+            return [feed] if feed is not None else []
+        dataset = getattr(command, "dataset", None)
+        return [f for f in self.feeds.values() if dataset is None or f.dataset == dataset]
 
     @COMMAND_HANDLERS.handles(OpenFeed)
     def _open_feed(self, command: OpenFeed) -> Reply:
@@ -227,8 +236,9 @@ def serve(
         if feeder.stopped:
             break
         if not wants_reply(command):
-            if not reply.ok:
-                log.warning("%s failed: %s: %s", type(command).__name__, reply.error, reply.message)
+            if not reply.ok:  # (a feed that left meanwhile is no news: its plans went with it)
+                level = logging.DEBUG if reply.error == PeerLostError.__name__ else logging.WARNING
+                log.log(level, "%s failed: %s: %s", type(command).__name__, reply.error, reply.message)
             continue
         conn.send(reply)
     feeder.close()

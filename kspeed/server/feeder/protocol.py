@@ -210,7 +210,9 @@ class Place:
     """Processed positions ``at`` (owned indices) of a feed's plan of ``epoch`` are now at
     ``region``/``src``/``ticket`` (``region`` -1: released), or, with ``reasons``, failed for
     those reasons (their grants fail at once). The reply's ``busy`` lists the window tickets they
-    left that a read still uses."""
+    left that a read still uses. A ``quiet`` one gets no reply: the places of positions just made
+    or shared, which had no slot to leave (a producer that waited for the feeder's answer to each
+    waited, under production's lock, for a round trip per task and per group member)."""
 
     feed_id: str
     epoch: int
@@ -219,6 +221,7 @@ class Place:
     src: Int64s
     ticket: Int64s
     reasons: tuple[str, ...] = ()
+    quiet: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,8 +267,8 @@ class Reply:
 
 
 def wants_reply(command: object) -> bool:
-    """Whether the sender of ``command`` waits for a :class:`Reply` (a quiet :class:`Locate` gets none;
-    neither does :class:`Stop`, which the feeder obeys by exiting)."""
+    """Whether the sender of ``command`` waits for a :class:`Reply` (a quiet :class:`Locate` or
+    :class:`Place` gets none; neither does :class:`Stop`, which the feeder obeys by exiting)."""
     return not (isinstance(command, Stop) or getattr(command, "quiet", False))
 
 

@@ -102,27 +102,9 @@ class FeederShared:
         self.in_use: dict[int, int] = {}
         self.draining: set[int] = set()  # tickets to report freed once no read uses them
         self.failed: dict[str, dict[int, str]] = {}  # per dataset, samples whose production failed
-        self.moves = 0  # bumped whenever a location, a plan or a failure changes: waiting grants may be ready
-        self._waiting: set[threading.Event] = set()  # bells of feeds whose grants wait for samples
         self._send = send_event
         self._send_lock = threading.Lock()
         self.doorbell = Doorbell()
-
-    def moved(self) -> None:
-        """Something moved (a command, counted in :attr:`moves`, was carried out): wake every feed
-        whose grants wait."""
-        for bell in list(self._waiting):
-            bell.set()
-
-    def wait_for_moves(self, bell: threading.Event, seen: int, timeout: float) -> None:
-        """Sleep on ``bell`` until something moves after ``seen`` (:attr:`moves`), the bell rings
-        otherwise (a message, a close) or ``timeout`` passes."""
-        self._waiting.add(bell)
-        try:
-            if self.moves == seen:
-                bell.wait(timeout)
-        finally:
-            self._waiting.discard(bell)
 
     def checked(self, dataset: str, ids: np.ndarray) -> np.ndarray:
         """Which of ``ids`` were checked at home since they were placed there (all False with ``recheck``)."""
@@ -222,6 +204,7 @@ class FeedWriter:
         self._last_report = time.monotonic()
         self._last_waiting = 0
         self._reason = ""
+        self.moves = 0  # bumped by every command that may make this feed's waiting grants ready
         self._seen_moves = -1
         self._last_scan = 0.0
         self._stop = threading.Event()
@@ -235,6 +218,14 @@ class FeedWriter:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    def moved(self) -> None:
+        """A command may have made this feed's waiting grants ready (a place of its plan, a location,
+        a failure of its dataset): they are looked at again now, not at the next poll. Only the
+        feeds a command concerns are woken: waking every feed of the feeder for every command cost
+        each feed a scan per other feed's placement, a feeder's CPU growing with the square of its feeds."""
+        self.moves += 1
+        self._bell.set()
 
     def mark_changed(self, what: dict[int, str]) -> None:
         """Refuse from now on the grants that need these samples (ID -> what changed)."""
@@ -264,7 +255,7 @@ class FeedWriter:
                 )
                 if self._pending:
                     message = self.writer.recv(0)
-                    if message is None and self.shared.moves == self._seen_moves:
+                    if message is None and self.moves == self._seen_moves:
                         due = REPORT_EVERY - (time.monotonic() - self._last_report) if unreported else PENDING_WAIT
                         self._sleep_pending(min(max(due, 0.001), PENDING_WAIT))
                         message = self.writer.recv(0)
@@ -325,8 +316,8 @@ class FeedWriter:
         offloaded sample while production was the bottleneck)."""
         self._bell.clear()
         self.shared.doorbell.watch(self._fd, self._bell)
-        if not self._stop.is_set():
-            self.shared.wait_for_moves(self._bell, self._seen_moves, timeout)
+        if not self._stop.is_set() and self.moves == self._seen_moves:  # (a move rings the bell: see moved())
+            self._bell.wait(timeout)
 
     def _idle(self) -> None:
         """Sleep until the connection is readable or the feed is closed (nothing to serve, nothing
@@ -342,7 +333,7 @@ class FeedWriter:
         Looking only then keeps a feed whose grants wait on production from burning the server's
         CPU."""
         now = time.monotonic()
-        moves = self.shared.moves
+        moves = self.moves
         if arrived or now - self._last_scan > RESCAN_EVERY:
             self._seen_moves, self._last_scan = moves, now
             return "all"

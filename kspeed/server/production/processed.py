@@ -402,7 +402,8 @@ class ProcessedProduction(SharedProduction):
                     np.array([s.region for s in placed], np.int64),
                     np.array([s.offset for s in placed], np.int64),
                     np.array([s.ticket for s in placed], np.int64),
+                    quiet=True,  # (positions being made: no slot of theirs to leave)
                 ),
             )
-        except KSpeedError as exc:  # the feed is gone; its plans are forgotten with it
+        except KSpeedError as exc:  # the feeder is gone
             log.debug("feed %s: cannot place processed samples: %s", feed.feed_id, exc)

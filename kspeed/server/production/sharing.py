@@ -246,7 +246,7 @@ class SharedProduction:
     def _place_at(self, feed: FeedState, plan: PlanState, placed: list[tuple[int, Slot]]) -> None:
         at = np.array([k for k, _ in placed], dtype=np.int64)
         slots = [s for _, s in placed]
-        with contextlib.suppress(KSpeedError):  # the feed is gone; its plans are forgotten with it
+        with contextlib.suppress(KSpeedError):  # the feeder is gone
             self._tell(
                 feed.feeder,
                 Place(
@@ -256,6 +256,7 @@ class SharedProduction:
                     np.array([s.region for s in slots], np.int64),
                     np.array([s.offset for s in slots], np.int64),
                     np.array([s.ticket for s in slots], np.int64),
+                    quiet=True,  # (positions not made, not placed: no slot of theirs to leave)
                 ),
             )
 
