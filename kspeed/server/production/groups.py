@@ -174,6 +174,10 @@ class GroupState:
         here = -(-lag * self.share_size // self.dataset_size)
         return min(here * max(nbytes, 1), capacity // MAX_CAP_FRACTION)
 
+    def bound(self, capacity: int, nbytes: int) -> int:
+        """The lag bound in this share's samples: how many outputs of ``nbytes`` the cap holds."""
+        return self.cap(capacity, nbytes) // max(nbytes, 1)
+
     def keep(self, output: Output) -> None:
         """``output`` is no longer placed anywhere but members wait for it: kept, newest last."""
         if output.key not in self.kept:

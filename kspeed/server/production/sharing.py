@@ -145,7 +145,9 @@ class SharedProduction:
         if rest and not hold:
             others = [m for m in group.members if m != member]
             ids = np.array([sample for _, sample in rest], dtype=np.int64)
-            for (k, sample), wanting in zip(rest, self._wanted(others, group, sig, plan.user_epoch, ids), strict=True):
+            bound = group.bound(self.window.capacity, plan.prep.nbytes)
+            wanted = self._wanted(others, group, sig, plan.user_epoch, ids, bound)
+            for (k, sample), wanting in zip(rest, wanted, strict=True):
                 key = (sig, plan.user_epoch, sample)
                 output = group.outputs[key] = Output(key, plan.prep.nbytes, wanting | {member})
                 self._add_use(output, feed, (feed.feed_id, plan.epoch, k))
@@ -176,9 +178,7 @@ class SharedProduction:
         if len(group.members) < 2 or not len(plan.ids):
             return False
         mine = plan.user_epoch + plan.next / len(plan.ids)
-        bound = group.cap(self.window.capacity, plan.prep.nbytes if plan.prep else 1) / max(
-            plan.prep.nbytes if plan.prep else 1, 1
-        )
+        bound = group.bound(self.window.capacity, plan.prep.nbytes if plan.prep else 1)
         now = time.monotonic()
         rate = group.peak(member, now)  # (not its rate now: held back, a leader slows to the laggard's pace)
         for other, feed_ids in group.members.items():
@@ -201,12 +201,24 @@ class SharedProduction:
         return False
 
     def _wanted(
-        self, members: list[str], group: GroupState, sig: tuple[int, int, bool, int], epoch: int, ids: np.ndarray
+        self,
+        members: list[str],
+        group: GroupState,
+        sig: tuple[int, int, bool, int],
+        epoch: int,
+        ids: np.ndarray,
+        bound: int,
     ) -> list[set[str]]:
-        """Per sample of ``ids``, the ``members`` that will need its output of ``epoch``: those
-        whose plan of that epoch holds it unwritten (or that have a rank whose feed is not open
-        here yet), and those whose plans are all of earlier epochs (they are behind, or have not
-        begun)."""
+        """Per sample of ``ids``, the ``members`` that will need its output of ``epoch`` within
+        the lag ``bound`` (in this share's samples): those whose plan of that epoch holds it
+        unwritten at most ``bound`` positions past where they read (or that have a rank whose
+        feed is not open here yet), and those whose plans are all of earlier epochs with at most
+        ``bound`` positions left (about to begin it), or that have none (not begun).
+
+        A member further behind is served alone when it gets there: keeping the output for it
+        would only fill the kept outputs' cap with what it never reaches in time, pushing out
+        what the members within the bound are about to read (a job three times slower than its
+        group kept the cap full and had the others' outputs evicted and made again)."""
         out: list[set[str]] = [set() for _ in range(len(ids))]
         for member in members:
             feeds = [self._feeds[f] for f in group.members.get(member, ()) if f in self._feeds]
@@ -221,11 +233,15 @@ class SharedProduction:
                     found[hit] = True
                     if p.processed is not None and p.state is not None and len(hit):
                         kk = k[hit]  # (a position made, or placed at another output, needs none)
-                        due[hit] |= ~p.written[kk] & p.processed[kk] & (p.state[kk] == ABSENT)
+                        soon = kk - p.next <= bound
+                        due[hit] |= ~p.written[kk] & p.processed[kk] & (p.state[kk] == ABSENT) & soon
                 unopened = max((f.ranks for f in feeds), default=0) > len(feeds)
                 wants = due | (~found & unopened)
-            elif not plans or max(p.user_epoch for p in plans) < epoch:
+            elif not plans:
                 wants = np.ones(len(ids), dtype=bool)
+            elif max(p.user_epoch for p in plans) < epoch:
+                left = min(len(p.ids) - p.next for p in plans if p.user_epoch == max(q.user_epoch for q in plans))
+                wants = np.full(len(ids), left <= bound, dtype=bool)
             else:
                 continue  # past this epoch
             for i in np.flatnonzero(wants).tolist():
