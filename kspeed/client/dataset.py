@@ -304,14 +304,14 @@ class KSpeedDataset(IterableDataset):
         an output made for another plan) and ``alone`` (made for one job alone while the group
         had others: it lagged beyond the bound), outputs ``evicted`` by the lag bound, the window
         bytes held (``kept_bytes`` for jobs that lag, within ``cap_bytes``), and ``mine``: this
-        job's own shared and alone positions."""
+        job's own produced, shared and alone positions (each position it was written is one of the three)."""
         group, member = self._feed.group.get("group"), self._feed.group.get("member")
         if not group:
             return None
         out: dict[str, Any] = {"group": group, "member": member, "members": 0}
         fields = ("produced", "shared", "alone", "evicted", "held_bytes", "kept_bytes", "cap_bytes")
         out.update(dict.fromkeys(fields, 0))
-        mine = {"shared": 0, "alone": 0}
+        mine = {"produced": 0, "shared": 0, "alone": 0}
         for figures in self.server_production_figures().values():
             for g in figures.groups:
                 if g.group != group:
@@ -319,8 +319,12 @@ class KSpeedDataset(IterableDataset):
                 for name in fields:
                     out[name] += getattr(g, name)
                 out["members"] = max(out["members"], g.members)
-                mine["shared"] += g.member_shared.get(str(member), 0)
-                mine["alone"] += g.member_alone.get(str(member), 0)
+                for name, counts in (
+                    ("produced", g.member_produced),
+                    ("shared", g.member_shared),
+                    ("alone", g.member_alone),
+                ):
+                    mine[name] += counts.get(str(member), 0)
         out["mine"] = mine
         return out
 

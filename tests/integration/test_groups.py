@@ -252,7 +252,8 @@ def test_three_jobs_interleaved_share_each_sample_once_per_epoch(served, jobs):
     assert {f["member"] for f in figures.values()} == {"a", "b", "c"}, figures
     # Positions served an output made for another job's plan: two of every three, near enough.
     assert a["shared"] >= epochs * n, a
-    assert sum(f["mine"]["shared"] for f in figures.values()) == a["shared"], figures
+    for kind in ("produced", "shared", "alone"):  # each job's own counts add up to the group's
+        assert sum(f["mine"][kind] for f in figures.values()) == a[kind], figures
     # Each sample made about once per epoch, as the group counts it and as the server's workers
     # ran it. Each job's next epoch is planned (and made) ahead, so up to one more epoch's worth
     # may have been made; three jobs alone make 3 x 2 x 48 = 288 and more.
