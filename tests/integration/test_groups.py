@@ -556,3 +556,42 @@ def test_a_job_lagging_beyond_the_bound_is_served_alone(served, jobs):
     a.close()
     b.close()
     assert_window_empties(cluster)
+
+
+def test_a_member_resumes_from_its_state_in_the_group_or_alone(served, jobs):
+    """A member's ``state_dict()`` taken mid-epoch resumes it in the group (a new process of the
+    same job) or alone (no group): the rest of its epoch exactly, with the bytes the seed gives
+    (those of the group's outputs), while the other member reads on; and the next epoch whole."""
+    cluster, photos, _ = served
+    n = len(photos.keys)
+    spec = spec_of(photos, "photos-resume")
+    batches = {"a": 8, "b": 6}
+    feeds = {name: open_feed(jobs(name), spec, batch, "resume") for name, batch in batches.items()}
+    got: dict[str, list] = {name: [] for name in feeds}
+    its = {name: iter(ds) for name, ds in feeds.items()}
+    for _ in range(3):
+        for name in feeds:
+            got[name].append(next(its[name]))
+    states = {name: ds.state_dict() for name, ds in feeds.items()}
+    assert all(state["batches"] == 3 for state in states.values()), states
+    for name, ds in feeds.items():
+        del its[name]
+        ds.close()
+    # a comes back in the group (its job's member name again), b alone
+    resumed = {
+        "a": open_feed(jobs("a"), spec, batches["a"], "resume"),
+        "b": open_feed(jobs("b"), spec, batches["b"], None),
+    }
+    for name, ds in resumed.items():
+        ds.load_state_dict(states[name])
+    round_robin({name: iter(ds) for name, ds in resumed.items()}, got)
+    for name, batch in batches.items():
+        check(got[name], expected(photos, shuffled(n, 0), batch, 0), f"job {name} epoch 0, resumed after 3 batches")
+    for name, ds in resumed.items():
+        ds.set_epoch(1)
+        check(list(ds), expected(photos, shuffled(n, 1), batches[name], 1), f"job {name} epoch 1")
+    assert resumed["a"].group_figures()["members"] == 1  # (b left the group when it resumed alone)
+    assert resumed["b"].group_figures() is None
+    for ds in resumed.values():
+        ds.close()
+    assert_window_empties(cluster)
