@@ -131,10 +131,10 @@ def test_a_member_beyond_the_lag_bound_is_served_alone_and_counted(run, pool):
         )
     Reader(production, feeders, "a", 0, pool, host.files).all()
     got = figures(production)
-    # kept for b: only what b reads within the bound (beside what b's plan, produced ahead, is
-    # placed at); what b would not reach before the cap let it go, a made alone, and none was evicted
+    # kept for b: only what a made before it led b by the bound (beside what b's plan, produced
+    # ahead, is placed at); from then on a made its outputs alone, and nothing was kept for b
     assert got.kept_bytes <= got.cap_bytes == lag * OUT
-    assert got.member_alone["a"] > N // 2 and got.evicted == 0
+    assert got.member_alone["a"] > N // 2 and got.evicted < N // 4
     Reader(production, feeders, "b", 0, pool, host.files).all()  # the bytes are right either way
     got = figures(production)
     assert got.member_shared["b"] > 0 and got.member_alone["b"] > 0

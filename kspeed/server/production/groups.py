@@ -41,7 +41,7 @@ DEFAULT_CAP_FRACTION = 4  # with no lag asked for, a group keeps at most 1/4 of 
 MAX_CAP_FRACTION = 2  # and never more than half of it
 RATE_SPAN_S = 5.0  # a member's rate is measured over about this long
 PEAK_SPAN_S = 30.0  # a member's peak rate is the highest over about this long
-PEER = 0.75  # a member lagging beyond the bound at this fraction of the group's peak rate is waited for
+PEER = 0.75  # a member lagging beyond the bound at this fraction of the leader's peak rate is waited for
 
 #: (server stages, the stages stored already, skip records, output bytes), user epoch, sample
 OutputKey = tuple[tuple[int, int, bool, int], int, int]
@@ -131,10 +131,10 @@ class GroupState:
         while rates and now - rates[0][0] > PEAK_SPAN_S:
             rates.popleft()
 
-    def peak(self, now: float) -> float:
-        """The highest rate any member was written at lately (over :data:`PEAK_SPAN_S`): what a
-        member of the group runs at when nothing holds it back."""
-        return max((r for rates in self._rates.values() for t, r in rates if now - t <= PEAK_SPAN_S), default=0.0)
+    def peak(self, member: str, now: float) -> float:
+        """The highest rate ``member`` was written at lately (over :data:`PEAK_SPAN_S`): what it
+        runs at when nothing holds it back."""
+        return max((r for t, r in self._rates.get(member, ()) if now - t <= PEAK_SPAN_S), default=0.0)
 
     def rate(self, member: str, now: float) -> float:
         """Positions per second ``member`` was written lately here."""

@@ -169,24 +169,21 @@ class SharedProduction:
 
     def _ahead_of_peers(self, group: GroupState, member: str, plan: PlanState) -> bool:
         """Whether ``member`` (reading ``plan``) leads another member by more than the lag bound
-        while that one is a **peer**: written lately, at least :data:`PEER` of the group's peak
-        rate (the highest any member was written at lately).
+        while that one is a **peer**: written lately, at least :data:`PEER` of this one's peak rate.
 
         Two jobs that run at the servers' pace but started apart would otherwise stay apart for
         good, each served alone at half the servers' rate; holding the leader back lets the
         other's samples be made alone at the whole rate until it is within the bound, and both
         share from then on. A straggler (a job whose own step is slower) is no peer: it is served
-        alone for what it lags on, at its turn among the feeds, and holds nobody. Judged against
-        the leader's own peak instead, a leader held back from the start never ran faster than
-        twice a straggler's pace, took the straggler for a peer, and was held to its pace for good
-        (measured: three of seven jobs at 120 samples/s beside a job stepping at 120, the other
-        four at 186)."""
+        alone for what it lags on, at its turn among the feeds, and holds nobody. (A leader held
+        back from the start never runs faster than a straggler's pace by much, and may take it
+        for a peer: docs/groups.md, limits.)"""
         if len(group.members) < 2 or not len(plan.ids):
             return False
         mine = plan.user_epoch + plan.next / len(plan.ids)
         bound = group.bound(self.window.capacity, plan.prep.nbytes if plan.prep else 1)
         now = time.monotonic()
-        rate = group.peak(now)  # (not the rates now: held back, a leader slows to the laggard's pace)
+        rate = group.peak(member, now)  # (not its rate now: held back, a leader slows to the laggard's pace)
         for other, feed_ids in group.members.items():
             if other == member:
                 continue
