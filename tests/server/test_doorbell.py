@@ -128,6 +128,23 @@ def idle_feed(sock: socket.socket, events: list) -> tuple[FeedWriter, SocketWrit
     return feed, writer
 
 
+def test_an_idle_feed_sleeps_through_the_commands_that_concern_it(pair):
+    """A feed with no grants waiting is not woken by a location or a placement of its dataset: it
+    has nothing they could make ready (only feeds whose grants wait look again)."""
+    a, _b = pair
+    feed, writer = idle_feed(a, [])
+    try:
+        time.sleep(0.5)
+        before = writer.reads
+        for _ in range(50):
+            feed.moved()
+        time.sleep(0.5)
+        assert writer.reads == before and feed.moves == 50
+    finally:
+        feed.close()
+        feed.shared.doorbell.close()
+
+
 def test_an_idle_feed_sleeps_until_closed_and_closes_at_once_without_interrupting_its_io(pair):
     a, _b = pair
     feed, writer = idle_feed(a, [])

@@ -205,6 +205,7 @@ class FeedWriter:
         self._last_waiting = 0
         self._reason = ""
         self.moves = 0  # bumped by every command that may make this feed's waiting grants ready
+        self._awaiting_moves = False  # asleep in _sleep_pending: a move rings the bell
         self._seen_moves = -1
         self._last_scan = 0.0
         self._stop = threading.Event()
@@ -223,9 +224,11 @@ class FeedWriter:
         """A command may have made this feed's waiting grants ready (a place of its plan, a location,
         a failure of its dataset): they are looked at again now, not at the next poll. Only the
         feeds a command concerns are woken: waking every feed of the feeder for every command cost
-        each feed a scan per other feed's placement, a feeder's CPU growing with the square of its feeds."""
+        each feed a scan per other feed's placement, a feeder's CPU growing with the square of its feeds.
+        A feed with no grants waiting is not woken (it sleeps until its connection has something)."""
         self.moves += 1
-        self._bell.set()
+        if self._awaiting_moves:
+            self._bell.set()
 
     def mark_changed(self, what: dict[int, str]) -> None:
         """Refuse from now on the grants that need these samples (ID -> what changed)."""
@@ -316,8 +319,12 @@ class FeedWriter:
         offloaded sample while production was the bottleneck)."""
         self._bell.clear()
         self.shared.doorbell.watch(self._fd, self._bell)
-        if not self._stop.is_set() and self.moves == self._seen_moves:  # (a move rings the bell: see moved())
-            self._bell.wait(timeout)
+        self._awaiting_moves = True  # (before the check: a move after it rings the bell, see moved())
+        try:
+            if not self._stop.is_set() and self.moves == self._seen_moves:
+                self._bell.wait(timeout)
+        finally:
+            self._awaiting_moves = False
 
     def _idle(self) -> None:
         """Sleep until the connection is readable or the feed is closed (nothing to serve, nothing
