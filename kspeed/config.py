@@ -676,7 +676,8 @@ class ServerConfig(DaemonConfig):
     )
     production_timeout: float = option(
         60.0,
-        "longest a grant waits for its samples to be produced before the client gets an error naming them",
+        "longest a feed may go without writing a grant while a grant of it waits for samples to be "
+        "produced, before the client gets an error naming them",
         parse=parse_duration,
         env="KSPEED_PRODUCTION_TIMEOUT",
     )

@@ -126,7 +126,7 @@ class FeederSupervisor:
         options: data-plane options (token, timeouts) for every feed.
         host: the datasets this server holds.
         window: the production window.
-        production_timeout: longest a grant waits for its samples to be produced.
+        production_timeout: longest a feed goes without writing a grant while a grant of it waits for samples.
         production_depth: samples made resident ahead of each feed's next one.
         production_threads: producer threads.
         prep: the preprocessing workers (server stages of pipelines).

@@ -1,18 +1,20 @@
 """One feed in a feeder process: the thread that answers a client's grants when their samples are ready.
 
-A grant names plan positions (docs/feeding.md). Each owned position has a location the main
-process keeps current (:mod:`kspeed.server.production.core`): a pool region and offset (the sample's
-home, or a slot of the production window), or none yet. A grant whose samples all have one is
-written at once, up to :data:`GRANTS_PER_WRITE` grants with one vectorized write per region, the
-last op of each carrying the grant's tag; a grant that needs a sample not produced yet waits
-(grants behind it that are ready do not), up to ``production_timeout`` seconds, after which the
-client gets an ERROR naming the sample; a sample whose production failed fails its grants at once
-with the reason. What was written is reported to the main process (window slots are reclaimed
-from those reports), with how long grants waited, and so are positions granted a second time (the
-client fenced a server and grants again what it had not delivered): production then holds them,
-or makes them resident again, for the new grant. A plan the client truncated (it re-split the rest
-into a new pass) is served up to the batch it named; a grant of a batch from there on is refused,
-like one of an epoch with no plan, and production is told to produce nothing more for them.
+A grant names plan positions (docs/feeding.md). Each owned position has a location the main process
+keeps current (:mod:`kspeed.server.production.core`): a pool region and offset (the sample's home,
+or a slot of the production window), or none yet. A grant whose samples all have one is written at
+once, up to :data:`GRANTS_PER_WRITE` grants with one vectorized write per region, the last op of
+each carrying the grant's tag; a grant that needs a sample not produced yet waits (grants behind it
+that are ready do not), until ``production_timeout`` seconds pass in which no grant of the feed was
+written (a grant queued behind its feed's earlier ones waits its turn while they are served), after
+which the client gets an ERROR naming the sample; a sample whose production failed fails its grants
+at once with the reason. What was written is reported to the main process (window slots are
+reclaimed from those reports), with how long grants waited, and so are positions granted a second
+time (the client fenced a server and grants again what it had not delivered): production then holds
+them, or makes them resident again, for the new grant. A plan the client truncated (it re-split the
+rest into a new pass) is served up to the batch it named; a grant of a batch from there on is
+refused, like one of an epoch with no plan, and production is told to produce nothing more for
+them.
 
 Before a write, every sample whose crc32c the main process gave with its place (a stored sample,
 at home or in the window as the backend's bytes) is checked against it, per write of up to
@@ -203,6 +205,10 @@ class FeedWriter:
         self._truncated: list[tuple[int, int]] = []
         self._last_report = time.monotonic()
         self._last_waiting = 0
+        # when a grant of this feed was last written (or the feed opened): production_timeout counts
+        # from here, not from a grant's arrival (a client grants far ahead: a grant behind its
+        # feed's earlier ones waits its turn, as long as the feed moves)
+        self._progressed = time.monotonic()
         self._reason = ""
         self.moves = 0  # bumped by every command that may make this feed's waiting grants ready
         self._awaiting_moves = False  # asleep in _sleep_pending: a move rings the bell
@@ -422,7 +428,7 @@ class FeedWriter:
                 self._refuse(epoch, index, tag, why)
                 continue
             i, j = plan.span(index, int(grant["first"]), int(grant["end"]))
-            why, sample = self._hopeless(plan, i, j, now - arrival)
+            why, sample = self._hopeless(plan, i, j, now - max(arrival, self._progressed))
             if why:
                 self._refuse(epoch, index, tag, why, sample)
                 continue
@@ -441,8 +447,9 @@ class FeedWriter:
         for start in range(0, len(ready), GRANTS_PER_WRITE):
             self._write(ready[start : start + GRANTS_PER_WRITE])
 
-    def _hopeless(self, plan: PlanPart, i: int, j: int, waited: float) -> tuple[str, int]:
-        """Why a grant of positions ``i:j`` can never be served and the sample at fault, or ``("", -1)``."""
+    def _hopeless(self, plan: PlanPart, i: int, j: int, stalled: float) -> tuple[str, int]:
+        """Why a grant of positions ``i:j`` can never be served and the sample at fault, or ``("", -1)``;
+        ``stalled``: seconds it has waited with no grant of the feed written meanwhile."""
         ids = plan.ids[i:j]
         if len(self._changed_ids):
             hit = np.flatnonzero(np.isin(ids, self._changed_ids))
@@ -465,7 +472,7 @@ class FeedWriter:
             for sample in missing.tolist():
                 if sample in failed:
                     return f"dataset {self.dataset!r} sample {sample} could not be produced: {failed[sample]}", sample
-        if waited > self.production_timeout:
+        if stalled > self.production_timeout:
             late = int(missing[0]) if len(missing) else int(ids[np.flatnonzero(plan.region[i:j] < 0)[0]])
             why = (
                 f"dataset {self.dataset!r} sample {late} was not produced within "
@@ -549,6 +556,7 @@ class FeedWriter:
             if freed:
                 self.shared.send(Freed(tuple(freed)))
         self.served += len(tags)
+        self._progressed = time.monotonic()
         for grant in served:
             self._written.append((int(grant["epoch"]), int(grant["batch"]), int(grant["first"]), int(grant["end"])))
 
