@@ -239,15 +239,21 @@ class FeederSupervisor:
     def _command(self, index: int, command: Command) -> Reply:
         worker = self._feeders[index]
         what = type(command).__name__
+        # (a feeder that exited closed its end: the send or the receive fails, and only then is it
+        # asked whether it lives; asking first cost a wait system call per command, 8% of the main
+        # process's CPU with four jobs in a group)
         with worker.lock:
-            if not worker.process.is_alive():
-                raise UnavailableError(f"feeder process {index} exited (status {worker.process.exitcode})")
-            worker.conn.send(command)
-            if not wants_reply(command):  # a quiet Locate
-                return Reply(True)
-            if not worker.conn.poll(COMMAND_TIMEOUT):
-                raise UnavailableError(f"feeder process {index} did not answer {what} in {COMMAND_TIMEOUT}s")
-            reply: Reply = worker.conn.recv()
+            try:
+                worker.conn.send(command)
+                if not wants_reply(command):  # a quiet Locate or Place
+                    return Reply(True)
+                if not worker.conn.poll(COMMAND_TIMEOUT):
+                    raise UnavailableError(f"feeder process {index} did not answer {what} in {COMMAND_TIMEOUT}s")
+                reply: Reply = worker.conn.recv()
+            except (OSError, EOFError) as exc:
+                worker.process.join(1.0)
+                state = "is alive" if worker.process.is_alive() else f"exited (status {worker.process.exitcode})"
+                raise UnavailableError(f"feeder process {index} {state}: {what} not delivered ({exc})") from None
         if not reply.ok:
             raise error_of(reply, f"feeder process {index} failed {what}")
         return reply
