@@ -50,11 +50,11 @@ def processed_plan(order: np.ndarray):
 def run(tmp_path, backend, pool):
     made = []
 
-    def start(policy: str, threads: int = 3):
+    def start(policy: str, threads: int = 3, window: int = REGION):
         host = PolicyHost(tmp_path, backend, pool, policy)
         feeders = Feeders()
         production = Production(
-            ProductionWindow(pool, REGION), host, feeders.tell, depth=64, threads=threads, prep=Prep()
+            ProductionWindow(pool, window), host, feeders.tell, depth=64, threads=threads, prep=Prep()
         )
         made.append(production)
         return host, feeders, production
@@ -105,18 +105,58 @@ def test_a_feed_at_its_fair_share_still_gets_the_processed_positions_of_its_firs
     # Positions of the first batch were given back (their task found the window full) while
     # later ones were made: the feed holds its fair share, so only its first grant may be produced.
     # That path looked only for raw samples, so the batch waited until the grant timed out.
-    _host, _feeders, production = run("minio", threads=1)
+    _host, _feeders, production = run("minio", threads=1, window=4 * REGION)
     production.stop()  # (this test plays the producer)
     production.install("f", 0, ("ds", 0), 0, processed_plan(ORDERS[0]), PrepSpec(b"", 1, 0, 0, OUT))
     feed, share = production._feeds["f"], production._shares["ds", 0]
     plan = feed.plans[0]
-    fair = production._fair(share)
+    fair = production._fair(share, processed=True)  # (of the production window, where they are made)
+    nbytes = 64 << 10
     with production._lock:
-        made = np.arange(10, 10 + fair // OUT + 1)
-        slots = [production.window.place(OUT, "f") for _ in made]
+        made = np.arange(10, 10 - (-fair // nbytes))
+        slots = [production.window.place(nbytes, "f") for _ in made]
+        assert None not in slots
         plan.state[made] = READING
         production._settle_processed(share, feed, plan, made, plan.ids[made], slots, [OUT] * len(made))
-        assert feed.held >= fair and (plan.state[:10] == ABSENT).all()
+        assert feed.made >= fair and (plan.state[:10] == ABSENT).all()
         work = production._next_work()
     assert work is not None and work.plan is plan and work.at is not None
     assert work.at.tolist() == list(range(10)) and (plan.state[:10] == READING).all()
+
+
+def test_a_streamed_shares_processed_positions_take_their_fair_share_of_the_production_window(tmp_path, backend, pool):
+    # Processed positions are made in the server's production window, not in a streamed share's
+    # own window (which holds its raw samples). Measured against the own window's fair share, the
+    # feeds of a streamed dataset were held to about one batch ahead each, and eight jobs apart
+    # were served one first grant at a time while the production window stood two thirds empty.
+    host = PolicyHost(tmp_path, backend, pool, "stream")  # its own window: one region
+    production = Production(ProductionWindow(pool, 4 * REGION), host, Feeders().tell, depth=64, threads=1, prep=Prep())
+    production.stop()  # (this test plays the producer)
+    production.install("f", 0, ("ds", 0), 0, processed_plan(ORDERS[0]), PrepSpec(b"", 1, 0, 0, OUT))
+    feed, share = production._feeds["f"], production._shares["ds", 0]
+    plan = feed.plans[0]
+    assert share.window is not None and share.window is not production.window
+    nbytes = 32 << 10
+    raw, made = production._fair(share), production._fair(share, processed=True)
+    at = np.arange(raw // nbytes + 1)  # the first grant and more: beyond the own window's share
+    assert len(at) * nbytes < made and len(at) < 64  # within the production window's, and the depth
+    with production._lock:
+        slots = [production.window.place(nbytes, "f") for _ in at]
+        plan.state[at] = READING
+        production._settle_processed(share, feed, plan, at, plan.ids[at], slots, [OUT] * len(at))
+        assert (feed.made, feed.held) == (len(at) * nbytes, 0)
+        work = production._next_work()
+    assert work is not None and work.plan is plan and work.at is not None
+    assert work.at[0] == len(at)  # the next positions, not only a first grant's
+
+
+@pytest.mark.parametrize("policy", ["stream", "minio"])
+def test_a_batch_larger_than_the_production_depth_is_made_whole(run, pool, policy):
+    # Producers look ``depth`` positions past a feed's first unwritten one (64 here); the positions
+    # of a larger first batch beyond that waited for good unless the feed held its whole share.
+    host, feeders, production = run(policy, threads=1, window=4 * REGION)
+    part = plan_of(ORDERS[0], np.full(N, OUT), 100)
+    part.processed = np.ones(N, dtype=bool)
+    production.install("f", 0, ("ds", 0), 0, part, PrepSpec(b"", 1, 0, 0, OUT))
+    serve(production, feeders, "f", 0, pool, host.files)
+    assert production._feeds["f"].plans[0].written.all()

@@ -577,34 +577,45 @@ class Production(ProcessedProduction):
                 break
         return out
 
-    def _fair(self, share: ShareState) -> int:
-        """Sample bytes each feed may hold ahead of it: its share of the window it produces into.
+    def _fair(self, share: ShareState, *, processed: bool = False) -> int:
+        """Bytes each feed of ``share`` may hold ahead of it: its share of the window it produces
+        into, the share's window for raw samples, or (``processed``) the server's production window,
+        where every processed position is made.
 
-        The server's window is shared by the feeds with work there. A share's own window is
+        The server's window is shared by the feeds with work there: those of shares it holds the
+        raw samples of, and those with processed positions to make. A share's own window is
         shared by all of the share's feeds, or by as many as the job's ranks its clients told (a
         rank that has not begun yet, or not opened its feed yet, gets its part kept for it), as
         many sample bytes as it holds at the packing its chunks reach, less the chunks each feed
         fills at once; under a caching policy only its prefetch part counts. Every feed
         may hold at least one chunk.
         """
-        window = self._window_of(share)
+        own = share.own_window and not processed
+        window = self._window_of(share) if own else self.window
         feeds = 0
         ranks = 0
         for f in self._feeds.values():
-            if share.own_window:
+            if own:
                 feeds += f.share == share.key
                 ranks = max(ranks, f.ranks if f.share == share.key else 0)
                 continue
             other = self._shares.get(f.share)
-            if other is not None and self._window_of(other) is window:
-                feeds += any(p.next < len(p.ids) for p in f.plans.values())
+            busy = [p for p in f.plans.values() if p.next < len(p.ids)]
+            if other is not None and busy:
+                feeds += self._window_of(other) is window or any(p.processed is not None for p in busy)
         # the ranks whose feeds are not open yet keep their part: the first rank to open does not
         # fill the window with samples the others' first grants would have to push out again
         feeds = max(feeds, ranks)
-        room = share.policy.prefetch_room(window.capacity)
-        if share.own_window:
+        room = share.policy.prefetch_room(window.capacity) if window is self._window_of(share) else window.capacity
+        if own:
             room = int(room * window.packing())
         return max(room // max(feeds, 1) - window.chunk * window.open_chunks, window.chunk)
+
+    def _holds(self, share: ShareState, feed: FeedState, *, processed: bool = False) -> int:
+        """Bytes ``feed`` holds in the window :meth:`_fair` (with the same ``processed``) shares out."""
+        if share.own_window:
+            return feed.made if processed else feed.held
+        return feed.held + feed.made  # (both in the production window)
 
     @staticmethod
     def _followed(share: ShareState, feed: FeedState) -> list[PlanState]:
@@ -871,16 +882,18 @@ class Production(ProcessedProduction):
             share = self._shares.get(feed.share)
             if share is None:
                 continue
-            if feed.held >= self._fair(share):
-                # A feed at its fair share still gets the samples of its first grant not written:
-                # it may hold part of that grant, which could otherwise never complete. (That goes
-                # for its processed positions too: one given back when the window was full, while
-                # later ones were made, held the feed at its share until the grant timed out.)
-                plan = self._current(share, feed)
-                if plan is not None and plan.state is not None:
-                    work = self._claim_processed(share, feed, plan, plan.first_processed(), first=True)
-                    if work is not None:
-                        return work
+            full = self._holds(share, feed) >= self._fair(share)
+            made_full = self._holds(share, feed, processed=True) >= self._fair(share, processed=True)
+            # A feed at its fair share of a window still gets the samples of its first grant not
+            # written: it may hold part of that grant, which could otherwise never complete. (That
+            # goes for its processed positions too: one given back when the window was full, while
+            # later ones were made, held the feed at its share until the grant timed out.)
+            plan = self._current(share, feed) if full or made_full else None
+            if made_full and plan is not None and plan.state is not None:
+                work = self._claim_processed(share, feed, plan, plan.first_processed(), first=True)
+                if work is not None:
+                    return work
+            if full:
                 first = plan.first_grant() if plan is not None else np.zeros(0, np.int64)
                 state = share.residency.of(first)
                 taken = share.residency.claim(
@@ -888,21 +901,30 @@ class Production(ProcessedProduction):
                 )
                 if plan is not None and len(taken):
                     return Work(share, feed.feed_id, taken, plan.epoch, user_epoch=plan.user_epoch)
+            if full and made_full:
                 continue
-            ahead = {} if share.policy.home else self._ahead(share, feed)
+            ahead = {} if share.policy.home or full else self._ahead(share, feed)
             budget = self.depth
             for plan in self._followed(share, feed):
                 epoch = plan.epoch
-                window = slice(plan.next, min(plan.next + budget, plan.cut))  # (nothing from a truncation's cut)
+                # (nothing from a truncation's cut; the whole first grant, however large its batch: its
+                # positions beyond the depth waited for good while the feed held less than its share)
+                window = slice(plan.next, min(max(plan.next + budget, plan.first_span().stop), plan.cut))
                 span = plan.ids[window]
                 budget -= len(span)
                 if plan.processed is not None and plan.state is not None:
                     todo = plan.processed[window] & (plan.state[window] == ABSENT) & ~plan.written[window]
-                    work = self._claim_processed(share, feed, plan, np.flatnonzero(todo) + plan.next)
+                    work = (
+                        None
+                        if made_full
+                        else self._claim_processed(share, feed, plan, np.flatnonzero(todo) + plan.next)
+                    )
                     if work is not None:
                         return work
                     span = span[plan.raw(window)]
-                if not share.policy.home:
+                if full:
+                    span = span[:0]
+                elif not share.policy.home:
                     span = ahead.get(epoch, span[:0])
                 state = share.residency.of(span)
                 wanted = span[(state == ABSENT) | (state == FAILED)]
@@ -923,7 +945,7 @@ class Production(ProcessedProduction):
         counts in the feed's window share as making does: beyond it, only the ``first`` grant's."""
         hold = self._held(feed, plan) if len(todo) else False
         for a in range(0, len(todo), PREP_TASK_SAMPLES):
-            if not first and a and feed.held >= self._fair(share):
+            if not first and a and self._holds(share, feed, processed=True) >= self._fair(share, processed=True):
                 break
             at, keys = self._share_out(share, feed, plan, todo[a : a + PREP_TASK_SAMPLES], hold=hold)
             if len(at):

@@ -66,7 +66,7 @@ class ProcessedProduction(SharedProduction):
             plan.slots.pop(k, None)
             self._unshare(feed, plan, k, set(), written=False)
         for slot in plan.slots.values():
-            feed.held -= slot.nbytes
+            feed.made -= slot.nbytes
             self.window.free(slot)
         plan.slots.clear()
 
@@ -93,7 +93,7 @@ class ProcessedProduction(SharedProduction):
                 self._unshare(feed, plan, k, busy, written=True)
             slots = [slot for slot, mine in zip(slots, own, strict=True) if mine]
         for slot in slots:
-            feed.held -= slot.nbytes
+            feed.made -= slot.nbytes
             if slot.ticket in busy:
                 self._draining[slot.ticket] = Draining(slot, {feed.feeder}, self.window)
             else:
@@ -178,7 +178,7 @@ class ProcessedProduction(SharedProduction):
     def _unplace_own(self, feed: FeedState, plan: PlanState, k: int) -> None:
         """Take the processed sample at position ``k`` out of ``feed``'s plan: it is made again."""
         slot = plan.slots.pop(k)
-        feed.held -= slot.nbytes
+        feed.made -= slot.nbytes
         if plan.state is not None:
             plan.state[k] = ABSENT
         none = np.zeros(1, dtype=np.int64)
@@ -386,7 +386,7 @@ class ProcessedProduction(SharedProduction):
         placed = [slots[k] for k in good.tolist()]
         for k, slot in zip(at[good].tolist(), placed, strict=True):
             plan.slots[k] = slot
-            feed.held += slot.nbytes
+            feed.made += slot.nbytes
         plan.state[at[good]] = WINDOW
         nbytes = int(sum(int(results[k]) for k in good.tolist()))
         self.produced_samples += len(good)

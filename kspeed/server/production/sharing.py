@@ -258,14 +258,14 @@ class SharedProduction:
 
     def _add_use(self, output: Output, feed: FeedState, use: Use) -> None:
         output.users.add(use)
-        feed.held += output.nbytes
+        feed.made += output.nbytes
 
     def _drop_use(self, output: Output, use: Use) -> None:
         if use in output.users:
             output.users.discard(use)
             feed = self._feeds.get(use[0])
             if feed is not None:
-                feed.held -= output.nbytes
+                feed.made -= output.nbytes
 
     def _place_at(self, feed: FeedState, plan: PlanState, placed: list[tuple[int, Slot]]) -> None:
         at = np.array([k for k, _ in placed], dtype=np.int64)

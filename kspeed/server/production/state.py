@@ -257,7 +257,8 @@ class FeedState:
     share: tuple[str, int]  # (dataset, first sample of the share it serves)
     feeder: int
     plans: dict[int, PlanState] = dataclasses.field(default_factory=dict)
-    held: int = 0  # window bytes produced for this feed and not retired
+    held: int = 0  # bytes of raw samples produced for this feed into its share's window, not retired
+    made: int = 0  # production-window bytes of its processed positions (its own slots and its uses of group outputs)
     waiting: int = 0  # grants its feeder reported waiting on production
     served: int = 0  # grants its feeder reported written
     counted: int | None = None  # with its share's own window: the plan whose unwritten uses are counted
