@@ -212,3 +212,22 @@ def test_plan_lookup_finds_each_sample_or_says_none():
     order = np.argsort(ids, kind="stable")
     assert plan_lookup(ids, order, np.array([3, 9, 4, 1, 10], dtype=np.int32)).tolist() == [1, 2, -1, 4, -1]
     assert plan_lookup(ids[:0], order[:0], np.array([1])).tolist() == [-1]
+
+
+def test_a_lag_bound_under_two_of_a_members_batches_is_warned_once(run, caplog):
+    # outputs of 4 KiB in a 1 MiB window: a bound of 64 samples (a quarter of the window)
+    _, _, production, _ = run()
+    production.stop()  # (this test plays the producer)
+    production.install("a", 0, KEY, 0, processed(ORDERS[0], 20), spec(0), membership=Membership("g", "a"))
+    production.install("b", 0, KEY, 0, processed(ORDERS[0], 40), spec(0), membership=Membership("g", "b"))
+    with caplog.at_level("WARNING", logger="kspeed.server.production.sharing"):
+        for _ in range(4):  # (each feed's turn comes)
+            with production._lock:
+                assert production._next_work() is not None
+        narrow = [r.getMessage() for r in caplog.records if "lag bound" in r.getMessage()]
+        # b's batches of 40: two of them are 80 samples, more than the bound; a's 40 are not
+        assert len(narrow) == 1 and "lag bound (64 samples" in narrow[0] and "member b's batches of 40" in narrow[0]
+        assert "production_window" in narrow[0]
+        with production._lock:
+            production._next_work()
+        assert len([r for r in caplog.records if "lag bound" in r.getMessage()]) == 1  # once per group

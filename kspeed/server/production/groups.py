@@ -41,6 +41,7 @@ DEFAULT_CAP_FRACTION = 4  # with no lag asked for, a group keeps at most 1/4 of 
 MAX_CAP_FRACTION = 2  # and never more than half of it
 RATE_SPAN_S = 5.0  # a member's rate is measured over about this long
 PEAK_SPAN_S = 30.0  # a member's peak rate is the highest over about this long
+NARROW_BATCHES = 2  # a lag bound under this many of a member's batches is warned about (members a batch apart go alone)
 PEER = 0.75  # a member lagging beyond the bound at this fraction of the leader's peak rate is waited for
 
 #: (server stages, the stages stored already, skip records, output bytes), user epoch, sample
@@ -117,6 +118,7 @@ class GroupState:
         self.kept: OrderedDict[OutputKey, None] = OrderedDict()  # outputs no position uses, oldest first
         self.kept_bytes = 0
         self.figures = GroupFigures()
+        self.narrow = False  # warned that its lag bound is under :data:`NARROW_BATCHES` of a member's batches
         self._written: dict[str, deque[tuple[float, int]]] = {}  # member -> (when, positions written)
         self._rates: dict[str, deque[tuple[float, float]]] = {}  # member -> (when, its rate then)
 
@@ -173,6 +175,13 @@ class GroupState:
             return capacity // DEFAULT_CAP_FRACTION
         here = -(-lag * self.share_size // self.dataset_size)
         return min(here * max(nbytes, 1), capacity // MAX_CAP_FRACTION)
+
+    def narrow_for(self, bound: int, batch: int) -> bool:
+        """Whether a lag bound of ``bound`` of this share's samples is under :data:`NARROW_BATCHES`
+        of a member's batches of ``batch`` positions (this share's part of them): two members a
+        batch apart then lag each other by about the bound, and are served alone."""
+        here = -(-batch * self.share_size // self.dataset_size)
+        return bound < NARROW_BATCHES * here
 
     def bound(self, capacity: int, nbytes: int) -> int:
         """The lag bound in this share's samples: how many outputs of ``nbytes`` the cap holds."""

@@ -21,7 +21,16 @@ from kspeed.proto import kspeed_pb2
 from kspeed.server.feeder.protocol import Command, Place, Reply
 from kspeed.server.memory.residency import ABSENT, FAILED, READING, WINDOW
 from kspeed.server.memory.window import ProductionWindow, Slot
-from kspeed.server.production.groups import PEER, SAMPLES, GroupState, Membership, Output, OutputKey, Use
+from kspeed.server.production.groups import (
+    NARROW_BATCHES,
+    PEER,
+    SAMPLES,
+    GroupState,
+    Membership,
+    Output,
+    OutputKey,
+    Use,
+)
 from kspeed.server.production.state import Draining, FeedState, PlanState, PrepSpec, ShareState
 
 __all__ = ["SharedProduction"]
@@ -146,6 +155,8 @@ class SharedProduction:
             others = [m for m in group.members if m != member]
             ids = np.array([sample for _, sample in rest], dtype=np.int64)
             bound = group.bound(self.window.capacity, plan.prep.nbytes)
+            if not group.narrow:
+                self._warn_narrow(share, group, member, plan, bound)
             ahead = np.array([k for k, _ in rest], dtype=np.int64) - plan.next  # (made ahead of where it reads)
             wanted = self._wanted(others, group, sig, plan.user_epoch, ids, bound, ahead, plan.next)
             for (k, sample), wanting in zip(rest, wanted, strict=True):
@@ -159,6 +170,28 @@ class SharedProduction:
         if placed:
             self._place_at(feed, plan, placed)
         return np.array(make, dtype=np.int64), keys
+
+    def _warn_narrow(self, share: ShareState, group: GroupState, member: str, plan: PlanState, bound: int) -> None:
+        """Warn once per group when its lag bound is under two of ``member``'s batches: the group
+        then shares little (measured: four jobs made 2.15x one job's outputs, docs/groups.md)."""
+        batch = int(np.diff(plan.starts).max()) if len(plan.starts) > 1 else 0
+        if not group.narrow_for(bound, batch):
+            return
+        group.narrow = True
+        log.warning(
+            "dataset %s, group %s: its lag bound (%d samples here, outputs of %d bytes in a production window "
+            "of %d bytes) is under %d of member %s's batches of %d samples: members a batch apart are served "
+            "alone and their outputs made again; give the server a larger production_window, or the jobs a "
+            "larger group_lag (up to half the window)",
+            share.dataset,
+            group.name,
+            bound,
+            plan.prep.nbytes if plan.prep is not None else 0,
+            self.window.capacity,
+            NARROW_BATCHES,
+            member,
+            batch,
+        )
 
     def _held(self, feed: FeedState, plan: PlanState) -> bool:
         """Whether ``feed``'s member makes nothing for now: it leads a peer by more than the bound."""
