@@ -5,19 +5,16 @@ epoch's grants failed while every feed moved). No daemon."""
 
 from __future__ import annotations
 
-import socket
 import time
 
 import numpy as np
 import pytest
 
 from kspeed import grants
-from kspeed.rdma.base import RegionKey
-from kspeed.server.feeder.writer import FeederShared, FeedWriter
-from tests.server.test_feeder_truncation import OneRegion, RecordingWriter, until
+from kspeed.server.feeder.writer import FeedWriter
+from tests.server.test_feeder_truncation import EPOCH, RecordingWriter, serving, until
 from tests.server.test_production import plan_of
 
-EPOCH = 2
 BATCH = 10
 BATCHES = 6
 TIMEOUT = 0.6
@@ -27,19 +24,9 @@ TIMEOUT = 0.6
 def feed():
     """A feed with ``production_timeout`` :data:`TIMEOUT` serving a plan of :data:`BATCHES`
     batches, nothing resident yet; yields it, its plan, its writer and the client's end."""
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    writer = RecordingWriter(a)
-    shared = FeederShared(lambda event: None)
-    key = RegionKey("shm", "here", 1, 0, 1 << 20)
-    feed = FeedWriter("f", "ds", writer, key, OneRegion(), shared, production_timeout=TIMEOUT)
     part = plan_of(np.arange(BATCH * BATCHES), np.full(BATCH * BATCHES, 8), BATCH)
-    feed.install(EPOCH, part)
-    feed.start()
-    yield feed, part, writer, b
-    feed.close()
-    shared.doorbell.close()
-    a.close()
-    b.close()
+    with serving(part, [], production_timeout=TIMEOUT) as (feed, writer, client):
+        yield feed, part, writer, client
 
 
 def grant(batch: int) -> grants.Grant:

@@ -3,8 +3,10 @@ grant from the cut on is refused like any invalid grant, and production is told 
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -37,24 +39,35 @@ class OneRegion:
         return np.zeros(1 << 16, dtype=np.uint8)
 
 
+@contextlib.contextmanager
+def serving(part, events: list, **options) -> Iterator[tuple[FeedWriter, RecordingWriter, socket.socket]]:
+    """A started feed serving ``part`` as plan ``EPOCH`` over a socket pair, reporting into
+    ``events`` (``options``: the feed's keyword arguments); yields it, its writer and the client's
+    end, and closes them."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # (one message per recv)
+    writer = RecordingWriter(a)
+    shared = FeederShared(events.append)
+    feed = FeedWriter("f", "ds", writer, RegionKey("shm", "here", 1, 0, 1 << 20), OneRegion(), shared, **options)
+    feed.install(EPOCH, part)
+    feed.start()
+    try:
+        yield feed, writer, b
+    finally:
+        feed.close()
+        shared.doorbell.close()
+        a.close()
+        b.close()
+
+
 @pytest.fixture
 def feed():
     """A feed serving plan ``EPOCH`` (4 batches of 10 positions, every sample resident); yields it,
     its writer, the client's end and the events it reports."""
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # (one message per recv)
     events: list = []
-    writer = RecordingWriter(a)
-    shared = FeederShared(events.append)
-    feed = FeedWriter("f", "ds", writer, RegionKey("shm", "here", 1, 0, 1 << 20), OneRegion(), shared)
     part = plan_of(np.arange(40), np.full(40, 8), 10)
     part.region[:] = 0
-    feed.install(EPOCH, part)
-    feed.start()
-    yield feed, writer, b, events
-    feed.close()
-    shared.doorbell.close()
-    a.close()
-    b.close()
+    with serving(part, events) as (feed, writer, client):
+        yield feed, writer, client, events
 
 
 def grant(batch: int) -> grants.Grant:
