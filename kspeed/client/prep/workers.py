@@ -21,6 +21,7 @@ process, ``num_workers=0``, the loop's own random streams are not touched).
 from __future__ import annotations
 
 import contextlib
+import glob
 import importlib
 import io
 import logging
@@ -69,6 +70,7 @@ __all__ = [
     "run_batch",
     "run_samples",
     "sample_bytes",
+    "sweep_shared_memory",
 ]
 
 log = logging.getLogger(__name__)
@@ -754,7 +756,29 @@ class TransformWorkers(_Workers):
         if self._stages_file is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._stages_file)
+        sweep_shared_memory({p.pid for p in processes if p.pid is not None} | set(self._ready_pids or ()))
         log.debug("%d transform workers closed", self.workers)
+
+
+SHM_DIR = "/dev/shm"
+
+
+def sweep_shared_memory(pids: set[int], directory: str = SHM_DIR) -> list[str]:
+    """Remove the files torch's multiprocessing left in ``directory`` for processes ``pids``, which
+    have exited: a worker sending a batch names each tensor's file ``torch_<its pid>_...`` and
+    unlinks it once the file is open, so one killed in between left the file for good. Returns the
+    paths removed."""
+    removed = []
+    for pid in sorted(pids):
+        if process_running(pid):
+            continue
+        for path in glob.glob(os.path.join(directory, f"torch_{pid}_*")):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                removed.append(path)
+    if removed:
+        log.debug("removed %d shared-memory file(s) of transform workers that died", len(removed))
+    return removed
 
 
 def _stages_file(stages: Stages) -> str:
