@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import socket
+import threading
+import time
 
 import pytest
 
-from kspeed.admission import Gate
+from kspeed.admission import WIND_DOWN, Gate
 from kspeed.cli.cluster import wait_for
 
 
@@ -81,3 +83,32 @@ def test_bad_caps_are_refused():
         Gate("test", total=0, per_peer=1, deadline=1)
     with pytest.raises(ValueError):
         Gate("test", total=1, per_peer=1, deadline=0)
+
+
+def test_shut_connections_not_yet_left_hold_newcomers_back_and_past_the_wait_refuse_them(pairs):
+    gate = Gate("test", total=1, per_peer=1, deadline=60, room_wait=0.2)
+    # Each newcomer shuts the one before; their owners never leave, so the shut ones pile up.
+    tickets = [gate.enter(pairs()[0], "a") for _ in range(WIND_DOWN + 1)]
+    assert all(tickets) and gate.displaced == WIND_DOWN and gate.refused == 0
+    begun = time.monotonic()
+    assert gate.enter(pairs()[0], "a") is None  # one more shut than WIND_DOWN, and nobody left
+    assert time.monotonic() - begun >= 0.2 and gate.refused == 1
+    for ticket in tickets[:2]:
+        gate.leave(ticket)
+    gate.leave(tickets[0])  # (a second leave changes nothing)
+    assert gate.enter(pairs()[0], "a") is not None
+    gate.close()
+
+
+def test_a_newcomer_waits_for_an_owner_to_leave_and_then_enters(pairs):
+    gate = Gate("test", total=1, per_peer=1, deadline=60, room_wait=30)
+    tickets = [gate.enter(pairs()[0], "a") for _ in range(WIND_DOWN + 1)]
+    assert all(tickets)
+    leaver = threading.Timer(0.2, gate.leave, args=(tickets[0],))
+    leaver.start()
+    begun = time.monotonic()
+    late = gate.enter(pairs()[0], "a")  # WIND_DOWN + 1 shut until the first owner leaves
+    assert late is not None and gate.refused == 0
+    assert 0.1 <= time.monotonic() - begun < 20
+    leaver.join()
+    gate.close()

@@ -6,7 +6,8 @@ event loop; route handlers read snapshots and must not block. Each connection is
 for the TLS handshake, the request and the answer, at most ``http_connections`` at once and
 ``http_connections_per_peer`` from one address, the oldest closed to make room at a cap. Idle or
 slow clients (951 idle connections gave a manager 961 threads) cost a bounded number of threads
-and descriptors, and never keep a probe out. With TLS configured for the daemon (``tls_cert``,
+and descriptors (``http_connections`` plus the gate's :data:`~kspeed.admission.WIND_DOWN` shut
+ones not yet gone), and never keep a probe out. With TLS configured for the daemon (``tls_cert``,
 ``tls_key``) it serves HTTPS with the same certificate, so the bearer token of ``/v1/status``
 never crosses the network in clear text.
 """
@@ -112,6 +113,9 @@ class _GatedServer(HTTPServer):
 
     def process_request(self, request: socket.socket, client_address: tuple) -> None:  # type: ignore[override]
         ticket = self.gate.enter(request, str(client_address[0]))
+        if ticket is None:  # (the gate logged it)
+            request.close()
+            return
         threading.Thread(
             target=self._serve, args=(request, client_address, ticket), name="kspeed-http-conn", daemon=True
         ).start()

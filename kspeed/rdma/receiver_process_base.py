@@ -345,7 +345,11 @@ class ReceiverProcessBase(ABC, Generic[RegionT, WriterT]):
                 )
             sock.close()
             return
+        # (waits, in this loop, only while a flood's shut handshakes outnumber WIND_DOWN: a second at most)
         ticket = self.gate.enter(sock, origin)
+        if ticket is None:  # (the gate logged it)
+            sock.close()
+            return
         threading.Thread(target=self._handshake, args=(sock, addr, ticket), daemon=True).start()
 
     def _handshake(self, sock: socket.socket, addr: tuple, ticket: Ticket) -> None:

@@ -144,6 +144,9 @@ class ShmReceiver(Receiver):
                 sock.close()
                 continue
             ticket = self._gate.enter(sock, f"pid {pid}")
+            if ticket is None:  # (the gate logged it)
+                sock.close()
+                continue
             threading.Thread(
                 target=self._handshake, args=(sock, pid, ticket), name="kspeed-shm-handshake", daemon=True
             ).start()
