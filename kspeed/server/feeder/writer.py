@@ -37,7 +37,8 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -70,6 +71,18 @@ HEAD_GRANTS = 16  # when samples moved, the oldest waiting grants looked at
 
 
 @functools.cache
+@dataclass(slots=True)
+class _Waiting:
+    """A grant not written yet: when it arrived, and the owned positions ``i:j`` of ``plan`` it covers
+    (``plan`` None until its plan is here)."""
+
+    grant: np.void
+    arrival: float
+    plan: PlanPart | None = None
+    i: int = 0
+    j: int = 0
+
+
 def _filler() -> np.ndarray:
     """What probes write (allocated by the first probe)."""
     return np.zeros(grants.MAX_PROBE, dtype=np.uint8)
@@ -197,7 +210,7 @@ class FeedWriter:
         self.production_timeout = production_timeout
         self.plans: dict[int, PlanPart] = {}
         self.served = 0
-        self._pending: deque[tuple[np.void, float]] = deque()  # (grant, arrival)
+        self._pending: deque[_Waiting] = deque()  # grants not written yet, in arrival order
         self._written: list[tuple[int, int, int, int]] = []
         self._waited: list[float] = []
         self._again: list[tuple[int, np.ndarray]] = []
@@ -275,12 +288,12 @@ class FeedWriter:
                     if message is None:
                         self._idle()
                         continue
+                arrived = []
                 if message is not None:
                     decoded = grants.decode(message)
                     if isinstance(decoded, np.ndarray):
-                        now = time.monotonic()
-                        self._note(decoded)
-                        self._pending.extend((grant, now) for grant in decoded)
+                        arrived = self._note(decoded, time.monotonic())
+                        self._pending.extend(arrived)
                     elif isinstance(decoded, grants.DropPlan):
                         with self.shared.lock:  # the feeder's commands walk the plans under it
                             self.plans.pop(decoded.epoch, None)
@@ -288,9 +301,9 @@ class FeedWriter:
                     elif isinstance(decoded, grants.TruncatePlan):
                         self._truncate(decoded.epoch, decoded.batch)
                 if self._pending:
-                    look = self._worth_a_scan(message is not None)
+                    look = self._worth_a_scan(message is not None and not arrived, len(arrived))
                     if look:
-                        self._serve_pending(None if look == "all" else HEAD_GRANTS)
+                        self._serve_pending(None if look == "all" else HEAD_GRANTS, len(arrived))
                 self._report()
         except PeerLostError as exc:
             log.info("feed %s: client gone (%s)", self.feed_id, exc)
@@ -340,17 +353,19 @@ class FeedWriter:
         if not self._stop.is_set():  # (close() sets the stop before the bell: a ring is never lost)
             self._bell.wait()
 
-    def _worth_a_scan(self, arrived: bool) -> str:
+    def _worth_a_scan(self, other: bool, granted: int) -> str:
         """How much of the waiting grants to look at: ``"all"`` every :data:`RESCAN_EVERY` (what
-        became hopeless) or when grants arrived, ``"head"`` when samples moved, ``""`` otherwise.
-        Looking only then keeps a feed whose grants wait on production from burning the server's
-        CPU."""
+        became hopeless) or when a message other than grants arrived (a plan dropped or cut),
+        ``"head"`` when samples moved or grants arrived (those are looked at too), ``""``
+        otherwise. Looking only then keeps a feed whose grants wait on production from burning
+        the server's CPU. (Every arrival once looked at all of them: a client grants up to an
+        epoch ahead, and its feeder spent more on looking than on writing.)"""
         now = time.monotonic()
         moves = self.moves
-        if arrived or now - self._last_scan > RESCAN_EVERY:
+        if other or now - self._last_scan > RESCAN_EVERY:
             self._seen_moves, self._last_scan = moves, now
             return "all"
-        if moves != self._seen_moves:
+        if granted or moves != self._seen_moves:
             self._seen_moves = moves
             return "head"
         return ""
@@ -382,37 +397,75 @@ class FeedWriter:
         self._written, self._waited, self._again, self._dropped, self._truncated = [], [], [], [], []
         self._last_report, self._last_waiting = now, waiting
 
-    def _note(self, rows: np.ndarray) -> None:
+    def _note(self, rows: np.ndarray, now: float) -> list[_Waiting]:
         """Record the positions newly arrived grants ask for; those a grant asked for before are
         reported as granted again (a client that fenced a server grants again every batch it has
-        not delivered, on every server: production must make them resident once more)."""
+        not delivered, on every server: production must make them resident once more). Returns
+        the grants to wait, with the positions they cover where their plan is here."""
+        arrived = []
         for grant in rows:
+            entry = _Waiting(grant, now)
+            arrived.append(entry)
             plan = self.plans.get(int(grant["epoch"]))
             index = int(grant["batch"])
             if plan is None or not 0 <= index < plan.batches:  # (a probe, or refused when served)
                 continue
-            again = plan.grant(*plan.span(index, int(grant["first"]), int(grant["end"])))
+            entry.plan = plan
+            entry.i, entry.j = plan.span(index, int(grant["first"]), int(grant["end"]))
+            again = plan.grant(entry.i, entry.j)
             if len(again):
                 self._again.append((int(grant["epoch"]), again))
+        return arrived
 
-    def _serve_pending(self, head: int | None = None) -> None:
+    def _serve_pending(self, head: int | None = None, tail: int = 0) -> None:
         """Write every pending grant whose samples are ready (in arrival order); fail the hopeless.
 
-        With ``head``, only the first ``head`` pending grants are looked at (samples are produced
-        in plan order, so when some moved it is the oldest grants that became ready); the others
-        keep their place for the next full look.
+        With ``head``, only the first ``head`` pending grants (and the next ``head`` as long as
+        none of the last ones still waits) and the last ``tail`` (those just arrived) are looked
+        at: samples are produced in plan order, so when some moved it is the oldest grants that
+        became ready; the others keep their place for the next full look.
         """
         now = time.monotonic()
         ready: list[tuple[np.void, PlanPart | None, int, int]] = []
         held: list[tuple[int, float]] = []
-        keep: deque[tuple[np.void, float]] = deque()
         pending = self._pending
-        rest: deque[tuple[np.void, float]] = deque()
-        if head is not None and len(pending) > head:
-            rest = deque(itertools.islice(pending, head, None))
-            pending = deque(itertools.islice(pending, head))
-        for entry in pending:
-            grant, arrival = entry
+        if head is None or len(pending) <= head + tail:
+            keep = self._look(pending, now, ready, held, full=head is None)
+        else:  # the head, and the next as long as all of the last one went
+            end, start = len(pending) - tail, 0
+            keep = deque()
+            while start < end:
+                stop = min(start + head, end)
+                kept = self._look(itertools.islice(pending, start, stop), now, ready, held, full=False)
+                keep.extend(kept)
+                start = stop
+                if kept:
+                    break
+            keep.extend(itertools.islice(pending, start, end))
+            keep.extend(self._look(itertools.islice(pending, end, None), now, ready, held, full=False))
+        self._pending = keep
+        if held:  # before the writes: the client's pacing must not take these waits for the path's latency
+            tags, seconds = zip(*held, strict=True)
+            self.writer.send(grants.encode_held(tags, seconds))
+        for start in range(0, len(ready), GRANTS_PER_WRITE):
+            self._write(ready[start : start + GRANTS_PER_WRITE])
+
+    def _look(
+        self,
+        entries: Iterable[_Waiting],
+        now: float,
+        ready: list[tuple[np.void, PlanPart | None, int, int]],
+        held: list[tuple[int, float]],
+        *,
+        full: bool,
+    ) -> deque[_Waiting]:
+        """Sort waiting grants: the ready ones into ``ready`` (those that waited into ``held``),
+        the hopeless refused; returns those still to wait. Whether one still waiting is hopeless
+        is asked on a ``full`` look (every :data:`RESCAN_EVERY`), or when its plan has failed
+        positions; a grant with a sample changed at the backend is refused at once."""
+        keep: deque[_Waiting] = deque()
+        for entry in entries:
+            grant, arrival = entry.grant, entry.arrival
             epoch, index, tag = int(grant["epoch"]), int(grant["batch"]), int(grant["tag"])
             if epoch == grants.PROBE_EPOCH:
                 self._probe(grant)
@@ -427,29 +480,30 @@ class FeedWriter:
                     why = f"epoch {epoch} has no batch {index}"
                 self._refuse(epoch, index, tag, why)
                 continue
-            i, j = plan.span(index, int(grant["first"]), int(grant["end"]))
-            why, sample = self._hopeless(plan, i, j, now - max(arrival, self._progressed))
-            if why:
-                self._refuse(epoch, index, tag, why, sample)
-                continue
-            if (plan.region[i:j] < 0).any():
+            if entry.plan is not plan:  # (the span is found once per plan: a grant is looked at often)
+                entry.plan = plan
+                entry.i, entry.j = plan.span(index, int(grant["first"]), int(grant["end"]))
+            i, j = entry.i, entry.j
+            absent = plan.region[i:j] < 0
+            waits = bool(absent.any())
+            if (waits and (full or plan.failures)) or len(self._changed_ids):
+                why, sample = self._hopeless(plan, i, j, absent, now - max(arrival, self._progressed))
+                if why:
+                    self._refuse(epoch, index, tag, why, sample)
+                    continue
+            if waits:
                 keep.append(entry)
                 continue
             if now - arrival > WAIT_POLL:
                 self._waited.append(now - arrival)
                 held.append((tag, now - arrival))
             ready.append((grant, plan, i, j))
-        keep.extend(rest)
-        self._pending = keep
-        if held:  # before the writes: the client's pacing must not take these waits for the path's latency
-            tags, seconds = zip(*held, strict=True)
-            self.writer.send(grants.encode_held(tags, seconds))
-        for start in range(0, len(ready), GRANTS_PER_WRITE):
-            self._write(ready[start : start + GRANTS_PER_WRITE])
+        return keep
 
-    def _hopeless(self, plan: PlanPart, i: int, j: int, stalled: float) -> tuple[str, int]:
+    def _hopeless(self, plan: PlanPart, i: int, j: int, absent: np.ndarray, stalled: float) -> tuple[str, int]:
         """Why a grant of positions ``i:j`` can never be served and the sample at fault, or ``("", -1)``;
-        ``stalled``: seconds it has waited with no grant of the feed written meanwhile."""
+        ``absent``: which of them are not where the feed can write them from; ``stalled``: seconds
+        it has waited with no grant of the feed written meanwhile."""
         ids = plan.ids[i:j]
         if len(self._changed_ids):
             hit = np.flatnonzero(np.isin(ids, self._changed_ids))
@@ -457,9 +511,9 @@ class FeedWriter:
                 sample = int(ids[hit[0]])
                 why = f"dataset {self.dataset!r} sample {sample}: {self.changed[sample]}; its cached bytes are stale"
                 return why, sample
-        absent = plan.region[i:j] < 0
         if not absent.any():
             return "", -1
+        absent = absent.copy()
         if plan.failures:  # processed positions of this plan whose server stages failed
             for k in np.flatnonzero(absent).tolist():
                 if i + k in plan.failures:
@@ -507,7 +561,7 @@ class FeedWriter:
             for grant, plan, i, j in ready:
                 assert plan is not None
                 if (plan.region[i:j] < 0).any():  # moved away since it was found ready: wait again
-                    self._pending.appendleft((grant, time.monotonic()))
+                    self._pending.appendleft(_Waiting(grant, time.monotonic(), plan, i, j))
                     continue
                 served.append(grant)
                 parts.append(  # (int64 copies of the plan's compact columns)
@@ -532,7 +586,7 @@ class FeedWriter:
             if spoiled:
                 keep = [n for n in range(len(parts)) if n not in spoiled]
                 for n in sorted(spoiled, reverse=True):
-                    self._pending.appendleft((served[n], time.monotonic()))
+                    self._pending.appendleft(_Waiting(served[n], time.monotonic()))
                 parts, tags, served = [parts[n] for n in keep], [tags[n] for n in keep], [served[n] for n in keep]
                 if not parts:
                     return

@@ -944,8 +944,11 @@ class Production(ProcessedProduction):
         for it) instead, and the task is of the next ones to make; None when none is. Placing
         counts in the feed's window share as making does: beyond it, only the ``first`` grant's."""
         hold = self._held(feed, plan) if len(todo) else False
+        if hold:  # (makes nothing: only the positions whose output exists are placed, the rest stay)
+            todo = self._with_outputs(feed, plan, todo)
+        fair = self._fair(share, processed=True) if not first and len(todo) > PREP_TASK_SAMPLES else 0
         for a in range(0, len(todo), PREP_TASK_SAMPLES):
-            if not first and a and self._holds(share, feed, processed=True) >= self._fair(share, processed=True):
+            if not first and a and self._holds(share, feed, processed=True) >= fair:
                 break
             at, keys = self._share_out(share, feed, plan, todo[a : a + PREP_TASK_SAMPLES], hold=hold)
             if len(at):
