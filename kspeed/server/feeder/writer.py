@@ -460,9 +460,9 @@ class FeedWriter:
         full: bool,
     ) -> deque[_Waiting]:
         """Sort waiting grants: the ready ones into ``ready`` (those that waited into ``held``),
-        the hopeless refused; returns those still to wait. Whether one still waiting is hopeless
-        is asked on a ``full`` look (every :data:`RESCAN_EVERY`), or when its plan has failed
-        positions; a grant with a sample changed at the backend is refused at once."""
+        the hopeless refused; returns those still to wait. A grant with a sample changed at the
+        backend is refused at once; whether one still waiting is hopeless is asked only when it
+        may be (:meth:`_may_be_hopeless`)."""
         keep: deque[_Waiting] = deque()
         for entry in entries:
             grant, arrival = entry.grant, entry.arrival
@@ -486,7 +486,7 @@ class FeedWriter:
             i, j = entry.i, entry.j
             absent = plan.region[i:j] < 0
             waits = bool(absent.any())
-            if (waits and (full or plan.failures)) or len(self._changed_ids):
+            if (waits and self._may_be_hopeless(plan, full, now)) or len(self._changed_ids):
                 why, sample = self._hopeless(plan, i, j, absent, now - max(arrival, self._progressed))
                 if why:
                     self._refuse(epoch, index, tag, why, sample)
@@ -499,6 +499,16 @@ class FeedWriter:
                 held.append((tag, now - arrival))
             ready.append((grant, plan, i, j))
         return keep
+
+    def _may_be_hopeless(self, plan: PlanPart, full: bool, now: float) -> bool:
+        """Whether a waiting grant of ``plan`` may be hopeless: its plan has failed positions, or,
+        on a ``full`` look (every :data:`RESCAN_EVERY`), its dataset has samples that could not be
+        read or the feed wrote nothing for ``production_timeout``. Asking every waiting grant at
+        every full look took most of a feed's CPU while production was the bottleneck (a client
+        grants up to an epoch ahead)."""
+        if plan.failures:
+            return True
+        return full and (bool(self.shared.failed.get(self.dataset)) or now - self._progressed > self.production_timeout)
 
     def _hopeless(self, plan: PlanPart, i: int, j: int, absent: np.ndarray, stalled: float) -> tuple[str, int]:
         """Why a grant of positions ``i:j`` can never be served and the sample at fault, or ``("", -1)``;

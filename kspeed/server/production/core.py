@@ -878,12 +878,20 @@ class Production(ProcessedProduction):
         if not busy:
             return None
         start = next(self._turn) % len(busy)
+        fairs: dict[tuple[ShareKey, bool], int] = {}  # (the same for every feed of a share in this look)
+
+        def fair(share: ShareState, processed: bool) -> int:
+            key = (share.key, processed)
+            if key not in fairs:
+                fairs[key] = self._fair(share, processed=processed)
+            return fairs[key]
+
         for feed in busy[start:] + busy[:start]:
             share = self._shares.get(feed.share)
             if share is None:
                 continue
-            full = self._holds(share, feed) >= self._fair(share)
-            made_full = self._holds(share, feed, processed=True) >= self._fair(share, processed=True)
+            full = self._holds(share, feed) >= fair(share, False)
+            made_full = self._holds(share, feed, processed=True) >= fair(share, True)
             # A feed at its fair share of a window still gets the samples of its first grant not
             # written: it may hold part of that grant, which could otherwise never complete. (That
             # goes for its processed positions too: one given back when the window was full, while
@@ -917,7 +925,9 @@ class Production(ProcessedProduction):
                     work = (
                         None
                         if made_full
-                        else self._claim_processed(share, feed, plan, np.flatnonzero(todo) + plan.next)
+                        else self._claim_processed(
+                            share, feed, plan, np.flatnonzero(todo) + plan.next, fair=fair(share, True)
+                        )
                     )
                     if work is not None:
                         return work
@@ -937,18 +947,27 @@ class Production(ProcessedProduction):
         return None
 
     def _claim_processed(
-        self, share: ShareState, feed: FeedState, plan: PlanState, todo: np.ndarray, *, first: bool = False
+        self,
+        share: ShareState,
+        feed: FeedState,
+        plan: PlanState,
+        todo: np.ndarray,
+        *,
+        first: bool = False,
+        fair: int | None = None,
     ) -> Work | None:
         """Work for processed positions ``todo`` of ``plan`` (not made, not written), a task's worth:
         a group member's positions whose output is made or being made are placed at it (or wait
         for it) instead, and the task is of the next ones to make; None when none is. Placing
-        counts in the feed's window share as making does: beyond it, only the ``first`` grant's."""
+        counts in the feed's window share as making does: beyond it (``fair``, found here when not
+        given), only the ``first`` grant's."""
         hold = self._held(feed, plan) if len(todo) else False
         if hold:  # (makes nothing: only the positions whose output exists are placed, the rest stay)
             todo = self._with_outputs(feed, plan, todo)
-        fair = self._fair(share, processed=True) if not first and len(todo) > PREP_TASK_SAMPLES else 0
+        if fair is None and not first and len(todo) > PREP_TASK_SAMPLES:
+            fair = self._fair(share, processed=True)
         for a in range(0, len(todo), PREP_TASK_SAMPLES):
-            if not first and a and self._holds(share, feed, processed=True) >= fair:
+            if not first and a and fair is not None and self._holds(share, feed, processed=True) >= fair:
                 break
             at, keys = self._share_out(share, feed, plan, todo[a : a + PREP_TASK_SAMPLES], hold=hold)
             if len(at):
