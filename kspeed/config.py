@@ -1013,15 +1013,21 @@ def _rail_names() -> list[str]:
     return rail_names()
 
 
-def launcher_environment(environ: Mapping[str, str] | None = None) -> dict[str, int]:
-    """The rank and world size a launcher (torchrun, SLURM wrappers) gave this process, read here.
+#: The variables :func:`launcher_environment` reads.
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK")
 
-    Returns the valid ones of ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``
-    as integers (a value that is not a non-negative integer is left out).
+
+def launcher_environment(environ: Mapping[str, str] | None = None) -> dict[str, int]:
+    """The rank and world size a launcher (torchrun, PyTorch Lightning, SLURM wrappers) gave this
+    process, read here.
+
+    Returns the valid ones of ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+    ``GROUP_RANK`` (torchrun's node rank) and ``NODE_RANK`` (Lightning's) as integers (a value that
+    is not a non-negative integer is left out).
     """
     environ = os.environ if environ is None else environ
     out = {}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+    for name in LAUNCHER_VARIABLES:
         raw = environ.get(name, "").strip()
         if raw.isdigit():
             out[name] = int(raw)

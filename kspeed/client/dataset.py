@@ -39,6 +39,7 @@ from kspeed.client.feeding.builder import FeedParts
 from kspeed.client.lease import LeaseKeeper
 from kspeed.client.options import FeedOptions
 from kspeed.client.planning.plans import EpochPlan, PrepSplit
+from kspeed.client.sampler_view import SamplerView
 from kspeed.client.stats import default_job
 from kspeed.client.tuning.auto import AutoOffload
 from kspeed.client.tuning.store import model_signature, record_of
@@ -153,6 +154,13 @@ class KSpeedDataset(IterableDataset):
     def world_size(self) -> int | None:
         """Ranks sharing each epoch in the built-in sampler's split; None with a sampler of your own."""
         return self._orders.world_size
+
+    @property
+    def sampler(self) -> SamplerView:
+        """What a trainer takes for this loader's sampler: ``ds.sampler.set_epoch(e)`` is
+        :meth:`set_epoch` (PyTorch Lightning sets epochs only so); ``len()``: :attr:`samples_per_epoch`;
+        ``.sampler``: the torch sampler that draws each epoch's order."""
+        return SamplerView(self, lambda: self.samples_per_epoch, self._orders.sampler)
 
     @property
     def samples_per_epoch(self) -> int:

@@ -38,6 +38,7 @@ from kspeed.client.prep.workers import (
     check_loader,
     run_samples,
 )
+from kspeed.client.sampler_view import SamplerView
 from kspeed.config import usable_cores
 from kspeed.control.progress import PreloadSummary
 from kspeed.errors import ConfigError, DatasetError, KSpeedError, StateError
@@ -223,6 +224,12 @@ class PreparedDataset(IterableDataset):
     def epoch(self) -> int:
         """The current epoch."""
         return self._inner.epoch
+
+    @property
+    def sampler(self) -> SamplerView:
+        """What a trainer takes for this loader's sampler: ``set_epoch`` is :meth:`set_epoch` (see
+        :attr:`KSpeedDataset.sampler <kspeed.client.dataset.KSpeedDataset.sampler>`)."""
+        return SamplerView(self, lambda: self._inner.samples_per_epoch, self._inner.sampler.sampler)
 
     def __len__(self) -> int:
         """Batches per epoch for this rank."""

@@ -342,3 +342,45 @@ def test_rank_and_world_size_come_from_the_launcher_unless_given(monkeypatch):
     assert job_rank(None, None, {"RANK": 3, "WORLD_SIZE": 4})[:2] == (3, 4)
     assert job_rank(1, 2, {"RANK": 3, "WORLD_SIZE": 4}) == (1, 2, "given")
     assert job_rank(None, 8, {"RANK": 3, "WORLD_SIZE": 4})[:2] == (3, 8)  # what is given wins, per field
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        # torchrun (it sets RANK too; these alone say as much on nodes of equal size)
+        ({"GROUP_RANK": 1, "LOCAL_RANK": 2, "LOCAL_WORLD_SIZE": 4, "WORLD_SIZE": 8}, (6, 8)),
+        # PyTorch Lightning's NODE_RANK, with LOCAL_WORLD_SIZE from the cluster's environment
+        ({"NODE_RANK": 2, "LOCAL_RANK": 1, "LOCAL_WORLD_SIZE": 2, "WORLD_SIZE": 6}, (5, 6)),
+        ({"LOCAL_RANK": 1, "LOCAL_WORLD_SIZE": 2, "WORLD_SIZE": 2}, (1, 2)),  # one node
+        ({"RANK": 5, "WORLD_SIZE": 6, "LOCAL_RANK": 1, "LOCAL_WORLD_SIZE": 2}, (5, 6)),  # RANK first
+    ],
+)
+def test_a_rank_is_worked_out_from_a_launchers_node_and_local_ranks(env, expected):
+    from kspeed.client.planning.sampling import job_rank
+
+    assert job_rank(None, None, env)[:2] == expected
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"LOCAL_RANK": 1, "NODE_RANK": 0, "WORLD_SIZE": 2},  # PyTorch Lightning's rank 1 before its process group
+        {"LOCAL_RANK": 0, "NODE_RANK": 0, "WORLD_SIZE": 2},  # and its rank 0
+        {"WORLD_SIZE": 4},
+        {"LOCAL_RANK": 1, "LOCAL_WORLD_SIZE": 2, "WORLD_SIZE": 4},  # which node?
+    ],
+)
+def test_launcher_variables_that_say_several_ranks_but_not_which_are_refused(env):
+    from kspeed.client.planning.sampling import job_rank
+
+    with pytest.raises(ConfigError, match="one of several") as caught:
+        job_rank(None, None, env)
+    assert "WORLD_SIZE=" in str(caught.value) and "train_dataloader()" in str(caught.value)
+    assert job_rank(1, 2, env) == (1, 2, "given")  # given, nothing is asked of them
+
+
+def test_launcher_variables_are_read_from_the_environment():
+    from kspeed.config import launcher_environment
+
+    env = {"RANK": "3", "WORLD_SIZE": "4", "GROUP_RANK": "1", "NODE_RANK": "1", "LOCAL_RANK": "x", "OTHER": "1"}
+    assert launcher_environment(env) == {"RANK": 3, "WORLD_SIZE": 4, "GROUP_RANK": 1, "NODE_RANK": 1}

@@ -10,9 +10,25 @@ from pathlib import Path
 
 import pytest
 
+from kspeed.config import LAUNCHER_VARIABLES
 from tests.integration.test_datasets import make_tree
 
 JOB = Path(__file__).with_name("torchrun_job.py")
+
+
+def launcher_env(cluster) -> dict[str, str]:
+    """The environment of a job a launcher starts against ``cluster``: its manager, no token, this
+    checkout importable, and none of the launcher variables of whatever runs the tests."""
+    env = {
+        **os.environ,
+        "KSPEED_MANAGER": cluster.address,
+        "KSPEED_AUTH": "none",
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+        "OMP_NUM_THREADS": "1",
+    }
+    for name in (*LAUNCHER_VARIABLES, "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return env
 
 
 @pytest.mark.parametrize("mode", ["group", "env"])
@@ -21,21 +37,12 @@ def test_two_rank_torchrun_job_reads_each_sample_once(cluster_factory, tmp_path,
     cluster = cluster_factory(2, server_args=["--backend-allow", str(tmp_path)])
     out = tmp_path / "out"
     out.mkdir()
-    env = {
-        **os.environ,
-        "KSPEED_MANAGER": cluster.address,
-        "KSPEED_AUTH": "none",
-        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
-        "OMP_NUM_THREADS": "1",
-    }
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
     done = subprocess.run(
         [
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
             str(JOB), str(tmp_path / "imgs"), str(out), mode,
         ],
-        env=env,
+        env=launcher_env(cluster),
         capture_output=True,
         text=True,
         timeout=300,

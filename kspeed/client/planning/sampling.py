@@ -233,13 +233,18 @@ def job_rank(
     """This process's rank and the job's world size, and where they came from.
 
     Given values win; what is missing comes from the initialised ``torch.distributed`` process
-    group, else from the launcher's ``RANK``/``WORLD_SIZE`` (torchrun), else rank 0 of 1: the
+    group, else from the launcher's variables (:func:`launcher_rank`), else rank 0 of 1: the
     same sources ``DistributedSampler`` uses, so every rank reads its own part of each epoch.
 
     Args:
         rank: the rank the caller gave, if any.
         world_size: the world size the caller gave, if any.
         environ: the launcher's variables (default :func:`kspeed.config.launcher_environment`).
+
+    Raises:
+        ConfigError: the launcher's variables say this process is one of several but not which
+            (PyTorch Lightning's ranks before its process group exists): never read as rank 0 of
+            1, which would give every rank the whole epoch.
     """
     if rank is not None and world_size is not None:
         return rank, world_size, "given"
@@ -247,11 +252,48 @@ def job_rank(
         found, source = (dist.get_rank(), dist.get_world_size()), "the torch.distributed process group"
     else:
         env = launcher_environment() if environ is None else environ
-        if "RANK" in env and "WORLD_SIZE" in env:
-            found, source = (env["RANK"], env["WORLD_SIZE"]), "the launcher's RANK and WORLD_SIZE"
+        launched = launcher_rank(env)
+        if launched is not None:
+            found, source = launched
+        elif rank is None and _several(env):
+            named = ", ".join(f"{k}={v}" for k, v in sorted(env.items()))
+            raise ConfigError(
+                f"the launcher's variables ({named}) say this process is one of several, but neither they nor "
+                "an initialised torch.distributed process group say which rank it is; open the dataset after "
+                "torch.distributed.init_process_group() (with PyTorch Lightning: in train_dataloader(), not in "
+                "__init__), or pass rank= and world_size=",
+                field="rank",
+            )
         else:
             found, source = (0, 1), "no process group or launcher (a single process)"
     return (found[0] if rank is None else rank), (found[1] if world_size is None else world_size), source
+
+
+def launcher_rank(env: Mapping[str, int]) -> tuple[tuple[int, int], str] | None:
+    """``((rank, world size), source)`` from a launcher's variables (:func:`kspeed.config.launcher_environment`),
+    or None when they do not say: ``RANK`` and ``WORLD_SIZE`` (torchrun and the launchers built
+    on it); else ``WORLD_SIZE`` with ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``
+    and the node's rank (``GROUP_RANK``, or ``NODE_RANK``), every node running ``LOCAL_WORLD_SIZE``
+    ranks; else ``LOCAL_RANK`` where ``LOCAL_WORLD_SIZE`` is the whole ``WORLD_SIZE`` (one node)."""
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return (env["RANK"], env["WORLD_SIZE"]), "the launcher's RANK and WORLD_SIZE"
+    if not {"WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"} <= env.keys():
+        return None
+    world, local, per_node = env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]
+    node_name = next((k for k in ("GROUP_RANK", "NODE_RANK") if k in env), None)
+    if node_name is not None:
+        me = env[node_name] * per_node + local
+        return (me, world), f"the launcher's {node_name}, LOCAL_RANK and LOCAL_WORLD_SIZE"
+    if per_node == world:
+        return (local, world), "the launcher's LOCAL_RANK on its one node"
+    return None
+
+
+def _several(env: Mapping[str, int]) -> bool:
+    """Whether a launcher's variables say this process is one of several ranks."""
+    return any(env.get(k, 0) > 1 for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE")) or any(
+        env.get(k, 0) > 0 for k in ("LOCAL_RANK", "GROUP_RANK", "NODE_RANK")
+    )
 
 
 def _describe(sampler: object) -> str:
