@@ -1014,7 +1014,16 @@ def _rail_names() -> list[str]:
 
 
 #: The variables :func:`launcher_environment` reads.
-LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK")
+LAUNCHER_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "SLURM_PROCID",
+    "SLURM_STEP_NUM_TASKS",
+)
 
 
 def launcher_environment(environ: Mapping[str, str] | None = None) -> dict[str, int]:
@@ -1022,8 +1031,9 @@ def launcher_environment(environ: Mapping[str, str] | None = None) -> dict[str, 
     process, read here.
 
     Returns the valid ones of ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
-    ``GROUP_RANK`` (torchrun's node rank) and ``NODE_RANK`` (Lightning's) as integers (a value that
-    is not a non-negative integer is left out).
+    ``GROUP_RANK`` (torchrun's node rank), ``NODE_RANK`` (Lightning's), and Slurm's ``SLURM_PROCID``
+    and ``SLURM_STEP_NUM_TASKS`` (set in an ``srun`` step) as integers (a value that is not a
+    non-negative integer is left out).
     """
     environ = os.environ if environ is None else environ
     out = {}

@@ -353,6 +353,10 @@ def test_rank_and_world_size_come_from_the_launcher_unless_given(monkeypatch):
         ({"NODE_RANK": 2, "LOCAL_RANK": 1, "LOCAL_WORLD_SIZE": 2, "WORLD_SIZE": 6}, (5, 6)),
         ({"LOCAL_RANK": 1, "LOCAL_WORLD_SIZE": 2, "WORLD_SIZE": 2}, (1, 2)),  # one node
         ({"RANK": 5, "WORLD_SIZE": 6, "LOCAL_RANK": 1, "LOCAL_WORLD_SIZE": 2}, (5, 6)),  # RANK first
+        ({"SLURM_PROCID": 3, "SLURM_STEP_NUM_TASKS": 8}, (3, 8)),  # a task of an srun step
+        ({"SLURM_PROCID": 0}, (0, 1)),  # a batch script, without srun: one process
+        # torchrun in an srun step of one task per node: torchrun's ranks
+        ({"RANK": 5, "WORLD_SIZE": 16, "SLURM_PROCID": 0, "SLURM_STEP_NUM_TASKS": 2}, (5, 16)),
     ],
 )
 def test_a_rank_is_worked_out_from_a_launchers_node_and_local_ranks(env, expected):
@@ -368,6 +372,8 @@ def test_a_rank_is_worked_out_from_a_launchers_node_and_local_ranks(env, expecte
         {"LOCAL_RANK": 0, "NODE_RANK": 0, "WORLD_SIZE": 2},  # and its rank 0
         {"WORLD_SIZE": 4},
         {"LOCAL_RANK": 1, "LOCAL_WORLD_SIZE": 2, "WORLD_SIZE": 4},  # which node?
+        # Lightning's processes inside one srun task share its SLURM_PROCID: not taken for ranks
+        {"LOCAL_RANK": 1, "NODE_RANK": 0, "WORLD_SIZE": 4, "SLURM_PROCID": 0, "SLURM_STEP_NUM_TASKS": 1},
     ],
 )
 def test_launcher_variables_that_say_several_ranks_but_not_which_are_refused(env):
@@ -382,5 +388,13 @@ def test_launcher_variables_that_say_several_ranks_but_not_which_are_refused(env
 def test_launcher_variables_are_read_from_the_environment():
     from kspeed.config import launcher_environment
 
-    env = {"RANK": "3", "WORLD_SIZE": "4", "GROUP_RANK": "1", "NODE_RANK": "1", "LOCAL_RANK": "x", "OTHER": "1"}
-    assert launcher_environment(env) == {"RANK": 3, "WORLD_SIZE": 4, "GROUP_RANK": 1, "NODE_RANK": 1}
+    env = {"RANK": "3", "WORLD_SIZE": "4", "GROUP_RANK": "1", "LOCAL_RANK": "x", "SLURM_NTASKS": "4", "OTHER": "1"}
+    env |= {"NODE_RANK": "1", "SLURM_PROCID": "2", "SLURM_STEP_NUM_TASKS": "6"}
+    assert launcher_environment(env) == {
+        "RANK": 3,
+        "WORLD_SIZE": 4,
+        "GROUP_RANK": 1,
+        "NODE_RANK": 1,
+        "SLURM_PROCID": 2,
+        "SLURM_STEP_NUM_TASKS": 6,
+    }

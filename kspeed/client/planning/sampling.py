@@ -274,9 +274,16 @@ def launcher_rank(env: Mapping[str, int]) -> tuple[tuple[int, int], str] | None:
     or None when they do not say: ``RANK`` and ``WORLD_SIZE`` (torchrun and the launchers built
     on it); else ``WORLD_SIZE`` with ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``
     and the node's rank (``GROUP_RANK``, or ``NODE_RANK``), every node running ``LOCAL_WORLD_SIZE``
-    ranks; else ``LOCAL_RANK`` where ``LOCAL_WORLD_SIZE`` is the whole ``WORLD_SIZE`` (one node)."""
+    ranks; else ``LOCAL_RANK`` where ``LOCAL_WORLD_SIZE`` is the whole ``WORLD_SIZE`` (one node).
+
+    Slurm's ``SLURM_PROCID`` of ``SLURM_STEP_NUM_TASKS`` count, where none of the others is set:
+    each task of an ``srun`` step is then a rank. Not ``SLURM_NTASKS``: a batch script has it
+    without ``srun``, one process; and not with the others set: processes that a launcher started
+    inside one task (Lightning's, say) share its ``SLURM_PROCID``."""
     if "RANK" in env and "WORLD_SIZE" in env:
         return (env["RANK"], env["WORLD_SIZE"]), "the launcher's RANK and WORLD_SIZE"
+    if not env.keys() & _TORCH_LOCAL and {"SLURM_PROCID", "SLURM_STEP_NUM_TASKS"} <= env.keys():
+        return (env["SLURM_PROCID"], env["SLURM_STEP_NUM_TASKS"]), "Slurm's SLURM_PROCID and SLURM_STEP_NUM_TASKS"
     if not {"WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"} <= env.keys():
         return None
     world, local, per_node = env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]
@@ -287,6 +294,10 @@ def launcher_rank(env: Mapping[str, int]) -> tuple[tuple[int, int], str] | None:
     if per_node == world:
         return (local, world), "the launcher's LOCAL_RANK on its one node"
     return None
+
+
+#: A torch launcher's variables other than ``RANK``: present, they say more than Slurm's.
+_TORCH_LOCAL = frozenset({"WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK"})
 
 
 def _several(env: Mapping[str, int]) -> bool:
