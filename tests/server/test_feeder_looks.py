@@ -58,3 +58,12 @@ def test_a_waiting_grant_whose_plan_has_a_failed_position_is_refused_at_the_next
     assert (refused.batch, refused.tag, refused.sample) == (1, 101, BATCH + 1)
     assert "not a JPEG" in refused.text
     assert writer.tags == [] and len(feed._pending) == 1  # batch 0 still waits for its samples
+
+
+def test_each_arriving_grant_waits_as_an_entry_of_its_own(feed):
+    feed, part, writer, client = feed
+    rows = grants.decode(grants.encode_grants([grant(0), grant(0)]))  # the same grant twice, at once
+    first, second = feed._note(rows, 1.0)
+    assert first is not second and (first.i, first.j) == (second.i, second.j) == (0, BATCH)
+    first.i = 3  # (an entry is the feed's own record of one grant: nothing else changes with it)
+    assert second.i == 0 and feed._note(rows[:1], 1.0)[0].i == 0

@@ -70,7 +70,6 @@ RESCAN_EVERY = 0.25  # waiting grants are looked at again this often even when n
 HEAD_GRANTS = 16  # when samples moved, the oldest waiting grants looked at
 
 
-@functools.cache
 @dataclass(slots=True)
 class _Waiting:
     """A grant not written yet: when it arrived, and the owned positions ``i:j`` of ``plan`` it covers
@@ -83,6 +82,7 @@ class _Waiting:
     j: int = 0
 
 
+@functools.cache
 def _filler() -> np.ndarray:
     """What probes write (allocated by the first probe)."""
     return np.zeros(grants.MAX_PROBE, dtype=np.uint8)
