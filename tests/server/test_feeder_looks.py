@@ -61,7 +61,7 @@ def test_a_waiting_grant_whose_plan_has_a_failed_position_is_refused_at_the_next
 
 
 def test_each_arriving_grant_waits_as_an_entry_of_its_own(feed):
-    feed, part, writer, client = feed
+    feed = feed[0]
     rows = grants.decode(grants.encode_grants([grant(0), grant(0)]))  # the same grant twice, at once
     first, second = feed._note(rows, 1.0)
     assert first is not second and (first.i, first.j) == (second.i, second.j) == (0, BATCH)
