@@ -75,6 +75,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+#: Where torch's multiprocessing and the stages files put shared memory.
+SHM_DIR = "/dev/shm"
+
 #: Seconds a worker gets to finish its batch at close before it is terminated.
 JOIN_TIMEOUT = 10.0
 #: Seconds a started worker waits for the pool's others before it counts as ready on its own.
@@ -278,7 +281,7 @@ class ScratchFiles:
     """
 
     def __init__(self) -> None:
-        root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        root = SHM_DIR if os.path.isdir(SHM_DIR) else tempfile.gettempdir()
         _remove_orphans(root, SCRATCH_PREFIX)
         self.dir = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-", dir=root)
         self._made: set[int] = set()
@@ -758,9 +761,6 @@ class TransformWorkers(_Workers):
                 os.unlink(self._stages_file)
         sweep_shared_memory({p.pid for p in processes if p.pid is not None} | set(self._ready_pids or ()))
         log.debug("%d transform workers closed", self.workers)
-
-
-SHM_DIR = "/dev/shm"
 
 
 def sweep_shared_memory(pids: set[int], directory: str = SHM_DIR) -> list[str]:

@@ -186,7 +186,9 @@ class SharedProduction:
     def _warn_narrow(self, share: ShareState, group: GroupState, member: str, plan: PlanState, bound: int) -> None:
         """Warn once per group when its lag bound is under two of ``member``'s batches: the group
         then shares little (measured: four jobs made 2.15x one job's outputs, docs/groups.md)."""
-        batch = int(np.diff(plan.starts).max()) if len(plan.starts) > 1 else 0
+        # (every batch but a plan's last holds its batch size: the first two say it, with no pass
+        # over all of its batches at each task made)
+        batch = int(np.diff(plan.starts[:3]).max()) if len(plan.starts) > 1 else 0
         if not group.narrow_for(bound, batch):
             return
         group.narrow = True
