@@ -453,15 +453,34 @@ def test_a_job_killed_while_the_group_waits_on_its_outputs(served, jobs, tmp_pat
 @pytest.mark.timeout(120)
 def test_a_server_killed_mid_epoch_under_a_group(cluster_factory, jobs, tmp_path):
     """Two servers over a backend of 20 ms a file and a spare: the holder of the larger share is
-    killed while two jobs of a group read their epoch; its share moves to the spare and both jobs
-    get every epoch exactly once, in order, bytes intact."""
+    killed while two jobs of a group read their epoch, its preprocessing held mid-task (a gate), so
+    that its part of the epoch is in flight for both jobs; its share moves to the spare and both
+    jobs get every epoch exactly once, in order, bytes intact. (Killed after a job's first batch
+    instead, the victim had at times written all of both jobs' parts already: nothing to carry over.)"""
     photos = make_photos(tmp_path / "photos")
     n = len(photos.keys)
+    gates = tmp_path / "gates"
+    gates.mkdir()
+    os.chmod(gates, 0o777)  # (the sandboxed workers run as nobody when the tests run as root)
+    gate = gates / "failover"
     slow = ["--backend-allow", f"slowfile://{tmp_path}", "--backend-options", '{"slowfile": {"latency": 0.02}}']
     cluster = cluster_factory(
-        2, server_args=[*slow, "--preload-threads", "2", "--production-threads", "2", *SERVER_ARGS]
+        2,
+        server_args=[
+            *slow,
+            "--preload-threads",
+            "2",
+            "--production-threads",
+            "2",
+            *SERVER_ARGS,
+            "--preprocess-allow",
+            "tests",
+            "--preprocess-write-paths",
+            str(gates),
+        ],
+        env={"PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)},
     )
-    spec = spec_of(photos, "photos-failover", uri=f"slowfile://{photos.root}")
+    spec = spec_of(photos, "photos-failover", uri=f"slowfile://{photos.root}", gate=str(gate))
     feeds = {
         "a": open_feed(jobs("a", cluster, failover_timeout="60s"), spec, 8, "failover"),
         "b": open_feed(jobs("b", cluster, failover_timeout="60s"), spec, 12, "failover", sampler=other_sampler(n)),
@@ -472,25 +491,22 @@ def test_a_server_killed_mid_epoch_under_a_group(cluster_factory, jobs, tmp_path
     assert len({s.server_id for s in shares}) == 2 and spare.ready["id"] not in {s.server_id for s in shares}
     biggest = max(shares, key=lambda share: share.end_id - share.first_id)
     victim = next(s for s in cluster.servers if s.ready["id"] == biggest.server_id)
-
-    def kill(got: dict[str, list]) -> bool:
-        """After a's first batch of epoch 0: the victim dies with its feeders, as with its host."""
-        if len(got["a"]) == 1 and victim.running:
-            victim.signal(signal.SIGKILL)
-        return False
-
     for epoch in range(2):
         got: dict[str, list] = {"a": [], "b": []}
         for ds in feeds.values():
             ds.set_epoch(epoch)
-        round_robin({name: iter(ds) for name, ds in feeds.items()}, got, stop=functools.partial(kill, got))
+        iterators = {name: iter(ds) for name, ds in feeds.items()}
+        if epoch == 0:  # both servers' workers wait at the gate with epoch 0's samples: the victim dies
+            wait_for(lambda: len(list(gates.glob("failover.*"))) >= 2, 60, "both servers' workers at the gate")
+            victim.signal(signal.SIGKILL)
+            wait_for(lambda: not victim.running, 10, "the victim gone")
+            gate.touch()
+        round_robin(iterators, got)
         for name, (batch, order) in orders.items():
-            check(got[name], expected(photos, order(epoch), batch, epoch), f"job {name} epoch {epoch}")
-    assert not victim.running
-    # The kill cut work in flight: a job whose part the victim had all written before it died
-    # (its ring holds the epoch) had nothing to carry over.
+            check(got[name], expected(photos, order(epoch), batch, epoch, gate=str(gate)), f"job {name} epoch {epoch}")
+    # Neither job had any of the victim's part when it died: each carried it over once.
     replaced = {name: ds.stats()["replaced_servers"] for name, ds in feeds.items()}
-    assert max(replaced.values()) == 1, replaced
+    assert replaced == {"a": 1, "b": 1}, replaced
     figures = feeds["a"].group_figures()  # (the survivor's and the spare's)
     assert figures["members"] == 2 and figures["shared"] > 0, figures
     for ds in feeds.values():
