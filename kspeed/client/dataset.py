@@ -29,7 +29,7 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from torch.utils.data import IterableDataset, get_worker_info
@@ -39,6 +39,7 @@ from kspeed.client.feeding.builder import FeedParts
 from kspeed.client.lease import LeaseKeeper
 from kspeed.client.options import FeedOptions
 from kspeed.client.planning.plans import EpochPlan, PrepSplit
+from kspeed.client.planning.resize import Pass, part_of, remainder
 from kspeed.client.sampler_view import SamplerView
 from kspeed.client.stats import default_job
 from kspeed.client.tuning.auto import AutoOffload
@@ -55,7 +56,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # (1: no passes; still loaded)
 NO_WORKERS = (
     "KSpeedDataset cannot run in DataLoader worker processes (num_workers > 0): its gRPC channels and "
     "data-plane resources (the receive ring and the servers' connections to it) do not survive fork or "
@@ -122,6 +123,10 @@ class KSpeedDataset(IterableDataset):
         self._consumed = 0
         self._resume = 0
         self._loaded_epoch: int | None = None
+        # the passes over an epoch resumed at another world size before this rank's (docs/resume.md)
+        self._passes: list[Pass] = []
+        self._passes_epoch: int | None = None
+        self._resumed_iterations = 0
         self._iterations = 0
         self._closed = False
 
@@ -132,6 +137,11 @@ class KSpeedDataset(IterableDataset):
             raise StateError(NO_WORKERS)
         self._check_open()
         self._iterations += 1
+        if self._orders.resumed_epoch == self._epoch:
+            # (iterated again without set_epoch: the whole epoch, as a sampler repeats one)
+            self._resumed_iterations += 1
+            if self._resumed_iterations > 1:
+                self._forget_resume()
         first, self._resume, self._loaded_epoch = self._resume, 0, None
         plan = self._pump.start(self._epoch, first)
         self._consumed = first
@@ -183,6 +193,8 @@ class KSpeedDataset(IterableDataset):
             raise ConfigError(f"epoch must be a non-negative integer, got {epoch!r}", field="epoch", value=epoch)
         if self._loaded_epoch != epoch:
             self._resume, self._loaded_epoch = 0, None
+        if self._orders.resumed_epoch not in (None, epoch):
+            self._forget_resume()
         self._epoch = epoch
         self._consumed = self._resume
         self._orders.set_epoch(epoch)
@@ -195,44 +207,167 @@ class KSpeedDataset(IterableDataset):
     # -- resume ----------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Where training stands: epoch, batches consumed in it, seed and sampler identity (no buffers)."""
-        return {
+        """Where training stands: epoch, batches consumed in it, seed and sampler identity (no
+        buffers); for an order split over the ranks as ``DistributedSampler`` splits it, also
+        where in the epoch's global order each pass over it stands (docs/resume.md)."""
+        return self.state_at(self._consumed)
+
+    def state_at(self, batches: int) -> dict[str, Any]:
+        """:meth:`state_dict` as it reads once ``batches`` batches of the current epoch are consumed."""
+        state: dict[str, Any] = {
             "version": STATE_VERSION,
             "dataset": self.name,
             "epoch": self._epoch,
-            "batches": self._consumed,
+            "batches": batches,
             "seed": self._orders.seed,
             "sampler": self._orders.identity,
             "batch_size": self.batch_size,
             "drop_last": self._orders.drop_last,
             "num_samples": self.num_samples,
         }
+        split = self._orders.split()
+        if split is not None:
+            rank, world = split
+            # (a rank knows its own count; the ranks of a synchronous job consume alike: merge_states
+            # puts every rank's own in where they may differ)
+            mine = self._orders.samples_per_epoch() if batches >= len(self) else batches * self.batch_size
+            earlier = self._passes if self._passes_epoch == self._epoch else []
+            state.update(
+                order=self._orders.order_identity,
+                rank=rank,
+                world_size=world,
+                passes=[p.to_state() for p in [*earlier, Pass(world, (mine,) * world)]],
+            )
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue where :meth:`state_dict` was taken: the next iteration skips the consumed batches.
+        """Continue where :meth:`state_dict` was taken.
+
+        Saved with this world size, batch size and rank, the next iteration skips the consumed
+        batches. Saved otherwise, by an order split as ``DistributedSampler`` splits one (the
+        built-in sampler's), the next iteration delivers this rank's part of what no rank had
+        delivered of the epoch, split over this world size (docs/resume.md); the epochs after are
+        whole again.
 
         Raises:
-            ConfigError: the state belongs to another dataset, sampler, seed or batch size (named).
+            ConfigError: the state belongs to another dataset, seed or sampler; or it was saved at
+                another world size, batch size or rank by a sampler whose order cannot be split again
+                (named).
         """
-        if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
+        if not isinstance(state, Mapping) or state.get("version") not in (1, STATE_VERSION):
             raise ConfigError(f"not a KSpeedDataset state of version {STATE_VERSION}: {state!r:.200}", field="state")
         mine = self.state_dict()
-        for key in ("dataset", "seed", "sampler", "batch_size", "drop_last", "num_samples"):
-            if state.get(key) != mine[key]:
-                raise ConfigError(
-                    f"dataset {self.name!r}: the state was saved with {key}={state.get(key)!r}, this "
-                    f"dataset has {key}={mine[key]!r}",
-                    field=key,
-                    value=state.get(key),
-                )
+        for key in ("dataset", "seed", "num_samples", "drop_last"):
+            self._same(state, mine, key)
         epoch, batches = state.get("epoch"), state.get("batches")
         if not isinstance(epoch, int) or epoch < 0 or not isinstance(batches, int) or batches < 0:
             raise ConfigError(
                 f"dataset {self.name!r}: bad epoch/batches in state: {epoch!r}/{batches!r}", field="epoch"
             )
+        raw = state.get("passes", [])
+        if not isinstance(raw, list | tuple):
+            raise ConfigError(f"dataset {self.name!r}: bad passes in state: {raw!r:.200}", field="passes")
+        passes = [Pass.from_state(p) for p in raw]
+        if (
+            len(passes) <= 1
+            and all(len(set(p.positions)) == 1 for p in passes)  # (merged states may differ by rank)
+            and state.get("sampler") == mine["sampler"]
+            and state.get("batch_size") == self.batch_size
+            and state.get("rank") == mine.get("rank")
+        ):
+            self._forget_resume()
+            self.set_epoch(epoch)
+            self._resume = self._consumed = min(batches, len(self))
+            self._loaded_epoch = epoch
+            return
+        if not passes or mine.get("order") is None:  # (saved, or resumed, by a sampler that cannot resize)
+            for key in ("sampler", "batch_size"):
+                self._same(state, mine, key)
+            self._orders.global_order(epoch)  # raises, naming the sampler
+        self._same(state, mine, "order")
+        split = self._orders.split()
+        assert split is not None
+        rest = remainder(self._orders.global_order(epoch), passes)
+        part = part_of(rest, *split)
+        if self._orders.drop_last:
+            part = part[: len(part) - len(part) % self.batch_size]
+        self._forget_resume()
+        self._orders.resume(epoch, part)
+        self._pump.forget(epoch)
+        self._passes, self._passes_epoch, self._resumed_iterations = passes, epoch, 0
         self.set_epoch(epoch)
-        self._resume = self._consumed = min(batches, len(self))
+        self._resume = self._consumed = 0
         self._loaded_epoch = epoch
+        log.info(
+            "dataset %s: epoch %d resumed at world size %d: %d of its %d samples were delivered, this rank %d "
+            "gets %d of the rest",
+            self.name,
+            epoch,
+            split[1],
+            self.num_samples - len(rest),
+            self.num_samples,
+            split[0],
+            len(part),
+        )
+
+    @staticmethod
+    def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """One state for the whole job from every rank's :meth:`state_dict` (in any order), with
+        each rank's own position in the epoch: for ranks that consumed different numbers of
+        batches (a single rank's state takes every rank to be where it is).
+
+        Raises:
+            ConfigError: the states are not one of each rank of one job at one epoch (named).
+        """
+        if not states:
+            raise ConfigError("merge_states needs the states of every rank, got none", field="state")
+        first = states[0]
+        world = first.get("world_size")
+        if not isinstance(world, int) or not first.get("passes"):
+            raise ConfigError(
+                f"dataset {first.get('dataset')!r}: its sampler's states hold no per-rank positions to merge "
+                f"(sampler {first.get('sampler')!r})",
+                field="state",
+            )
+        ranks = sorted(int(s.get("rank", -1)) for s in states)
+        if ranks != list(range(world)):
+            raise ConfigError(
+                f"dataset {first.get('dataset')!r}: merge_states needs one state of each of the {world} ranks, "
+                f"got ranks {ranks}",
+                field="rank",
+            )
+        positions = [0] * world
+        for s in states:
+            for key in ("dataset", "epoch", "seed", "order", "world_size", "batch_size"):
+                if s.get(key) != first.get(key):
+                    raise ConfigError(
+                        f"dataset {first.get('dataset')!r}: the ranks' states differ in {key} "
+                        f"({first.get(key)!r} and {s.get(key)!r})",
+                        field=key,
+                    )
+            if s["passes"][:-1] != first["passes"][:-1]:
+                raise ConfigError(
+                    f"dataset {first.get('dataset')!r}: the ranks' states differ in earlier passes", field="passes"
+                )
+            positions[int(s["rank"])] = int(s["passes"][-1][1][int(s["rank"])])
+        return {**first, "passes": [*first["passes"][:-1], [world, positions]]}
+
+    def _same(self, state: Mapping[str, Any], mine: Mapping[str, Any], key: str) -> None:
+        if state.get(key) != mine.get(key):
+            raise ConfigError(
+                f"dataset {self.name!r}: the state was saved with {key}={state.get(key)!r}, this "
+                f"dataset has {key}={mine.get(key)!r}",
+                field=key,
+                value=state.get(key),
+            )
+
+    def _forget_resume(self) -> None:
+        """The order given to a resumed epoch is the sampler's again (its plan is made again)."""
+        epoch = self._orders.resumed_epoch
+        if epoch is not None:
+            self._orders.resume(epoch, None)
+            self._pump.forget(epoch)
+        self._passes, self._passes_epoch = [], None
 
     # -- operations ------------------------------------------------------------------------------
 

@@ -524,7 +524,7 @@ class PreparedDataset(IterableDataset):
 
     def state_dict(self) -> dict[str, Any]:
         """The position in batches handed to the caller (batches still in the workers do not count)."""
-        return {**self._inner.state_dict(), "batches": self._delivered}
+        return self._inner.state_at(self._delivered)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue where :meth:`state_dict` was taken (see :meth:`KSpeedDataset.load_state_dict`)."""

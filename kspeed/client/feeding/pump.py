@@ -150,6 +150,20 @@ class Pump:
             self._plans[epoch] = plan
         return plan
 
+    def forget(self, epoch: int) -> None:
+        """Let go of ``epoch``'s plan, made or being made (its order changed: a resume at another
+        world size); the servers are told to drop it, and the next start plans it again."""
+        if self._future is not None and self._future_epoch == epoch:
+            self._future.add_done_callback(self._drop_made)
+            self._future, self._future_epoch = None, None
+        plan = self._plans.pop(epoch, None)
+        if plan is None:
+            return
+        if self._current is plan or any(slot.plan is plan for slot in self._queue):
+            self._let_go()
+        for number in plan.pass_numbers():
+            self.feed.drop_plan(number)
+
     def _prefetch(self, epoch: int) -> None:
         if (
             self._planner is None

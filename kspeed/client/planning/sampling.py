@@ -409,13 +409,75 @@ class EpochOrders:
         self.deterministic = type(sampler) in _DETERMINISTIC
         self.identity = _describe(sampler)
         self._given = threading.local()  # per thread: the order given to :meth:`order` (see :meth:`given`)
+        self._epoch = 0
+        #: this rank's part of an epoch resumed at another world size (:meth:`resume`)
+        self._resumed: tuple[int, np.ndarray] | None = None
+
+    # -- resuming at another world size (:mod:`kspeed.client.planning.resize`) ---------------------
+
+    def split(self) -> tuple[int, int] | None:
+        """``(rank, world size)`` of an order split as ``DistributedSampler`` splits one global
+        order (the built-in sampler's, or a ``DistributedSampler`` of the caller's without
+        ``drop_last``): such an epoch can be resumed at another world size. None otherwise."""
+        s = self.sampler
+        if _own_iter(s, DistributedSampler) and not s.drop_last:  # type: ignore[attr-defined]
+            return s.rank, s.num_replicas  # type: ignore[attr-defined]
+        return None
+
+    @property
+    def order_identity(self) -> str | None:
+        """What decides the global order of every epoch, whatever the world size (None: the
+        order is not split from one; see :meth:`split`)."""
+        if self.split() is None:
+            return None
+        s = self.sampler
+        n = len(s.dataset)  # type: ignore[attr-defined]
+        return f"DistributedSampler(samples={n},shuffle={s.shuffle},seed={s.seed})"  # type: ignore[attr-defined]
+
+    def global_order(self, epoch: int) -> np.ndarray:
+        """Every sample of ``epoch`` in the order the ranks' parts are split from (see :meth:`split`).
+
+        Raises:
+            ConfigError: the sampler's order is not split from one global order (named).
+        """
+        if self.split() is None:
+            raise ConfigError(
+                f"dataset {self.dataset!r}: sampler {self.identity} does not split one global order over the "
+                "ranks as DistributedSampler does (without drop_last), so what is left of an epoch cannot be "
+                "split again over another number of ranks; resume with the world size and batch size it was "
+                "saved with, or from an epoch's start",
+                field="sampler",
+                value=self.identity,
+            )
+        s = self.sampler
+        whole: DistributedSampler = DistributedSampler(
+            s.dataset,  # type: ignore[attr-defined]
+            num_replicas=1,
+            rank=0,
+            shuffle=s.shuffle,  # type: ignore[attr-defined]
+            seed=s.seed,  # type: ignore[attr-defined]
+        )
+        whole.set_epoch(epoch)
+        return distributed_order(whole)
+
+    def resume(self, epoch: int, ids: np.ndarray | None) -> None:
+        """From now on ``epoch``'s order for this rank is ``ids`` (its part of what was left of the
+        epoch when the job was resized); None: the sampler's again."""
+        self._resumed = None if ids is None else (epoch, ids.astype(id_dtype(self.num_samples), copy=False))
+
+    @property
+    def resumed_epoch(self) -> int | None:
+        """The epoch :meth:`resume` gave an order of, if any."""
+        return None if self._resumed is None else self._resumed[0]
 
     def samples_per_epoch(self) -> int:
-        """IDs the sampler yields per epoch.
+        """IDs the sampler yields per epoch (of the current one, when it was resumed at another world size).
 
         Raises:
             ConfigError: the sampler has no length.
         """
+        if self._resumed is not None and self._resumed[0] == self._epoch:
+            return len(self._resumed[1])
         try:
             return len(self.sampler)  # type: ignore[arg-type]
         except TypeError as exc:
@@ -453,6 +515,7 @@ class EpochOrders:
 
     def set_epoch(self, epoch: int) -> None:
         """Keep the user's sampler in step (``set_epoch`` as a DataLoader user would call it)."""
+        self._epoch = epoch
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
 
@@ -469,6 +532,8 @@ class EpochOrders:
         given = getattr(self._given, "order", None)
         if given is not None and given[0] == epoch:
             return given[1]
+        if self._resumed is not None and self._resumed[0] == epoch:
+            return self._resumed[1]
         if self.deterministic:
             sampler = copy.copy(self.sampler)
             if hasattr(sampler, "set_epoch"):
