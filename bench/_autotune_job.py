@@ -133,7 +133,7 @@ def run(job: dict) -> dict:
             figures["stats_offload"] = stats.pop("offload")
             figures["stats"] = stats
             figures["workers"] = len(ds.worker_pids())
-            figures["rail"] = ds.dataset.rail
+            figures["rail"] = ds.kspeed_dataset.rail
             figures["changes_logged"] = changes.records
         finally:
             ds.close()

@@ -395,6 +395,7 @@ class KSpeedClient:
                 prefetch=prefetch,
                 transform_workers=workers,
                 device=feed_options.device,
+                source=dataset,
                 **stages.named(),
             )
         except BaseException:

@@ -140,6 +140,7 @@ class PreparedDataset(IterableDataset):
         device: where the collated samples go and the ``gpu`` stages run (default: ``inner``'s
             device). The stages before read the bytes in host memory, so ``inner`` should deliver
             there (:meth:`kspeed.KSpeedClient.dataset` and ``wrap`` open it so).
+        source: the dataset of the caller's this one serves (``wrap``'s), returned by :attr:`dataset`.
 
     Raises:
         ConfigError: a bad worker or prefetch count, or ``paths``/``targets`` not one per sample.
@@ -159,9 +160,11 @@ class PreparedDataset(IterableDataset):
         prefetch: int | None = None,
         transform_workers: TransformWorkers | None = None,
         device: str | torch.device | None = None,
+        source: Any = None,
     ) -> None:
         super().__init__()
         self._closed = True
+        self._source = source
         workers = transform_workers.workers if transform_workers is not None else worker_count(num_workers)
         if prefetch is not None and (isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch <= 0):
             raise ConfigError(
@@ -216,9 +219,31 @@ class PreparedDataset(IterableDataset):
         return self._inner.name
 
     @property
-    def dataset(self) -> KSpeedDataset:
+    def dataset(self) -> Any:
+        """The dataset of yours this one serves (what :meth:`kspeed.KSpeedClient.wrap` was given), as
+        ``DataLoader.dataset`` is: ``len(ds.dataset)`` counts its samples.
+
+        Raises:
+            StateError: it was opened from a spec (:meth:`kspeed.KSpeedClient.dataset`): there is no
+                dataset object of yours; the message says what to read instead.
+        """
+        if self._source is None:
+            raise StateError(
+                f"dataset {self._inner.name!r} was opened from a spec, not from a dataset object of yours: "
+                f"there is no .dataset; its samples: .num_samples ({self._inner.num_samples}); this rank's per "
+                "epoch: len(.sampler); KSpeed's dataset delivering the bytes: .kspeed_dataset"
+            )
+        return self._source
+
+    @property
+    def kspeed_dataset(self) -> KSpeedDataset:
         """The KSpeed dataset delivering the raw bytes."""
         return self._inner
+
+    @property
+    def num_samples(self) -> int:
+        """Samples in the dataset (this rank's per epoch: ``len(ds.sampler)``)."""
+        return self._inner.num_samples
 
     @property
     def epoch(self) -> int:

@@ -54,7 +54,7 @@ def test_a_split_changed_mid_epoch_changes_no_byte(cluster_factory, tmp_path):
         ds = client.dataset(spec, batch_size, shuffle=True, seed=SEED, num_workers=1, ring_bytes=400_000, quiet=True)
         with ds:
             assert ds.stats()["offload"]["mode"] == "auto" and ds.stats()["offload"]["ratio"] == 1.0
-            pump = ds.dataset._pump
+            pump = ds.kspeed_dataset._pump
             got = []
             for epoch in range(2):
                 ds.set_epoch(epoch)
@@ -143,7 +143,7 @@ def test_a_repeated_job_starts_from_the_decision_its_last_run_kept(cluster_facto
     with KSpeedClient(config=config_for(cluster)) as client:
         with client.dataset(spec, BATCH, shuffle=True, seed=SEED, num_workers=1, model="tiny", quiet=True) as ds:
             assert ds.stats()["offload"]["ratio"] == 1.0  # nothing kept yet: everything on the servers
-            stages = ds.dataset.prep.server_stages
+            stages = ds.kspeed_dataset.prep.server_stages
             next(iter(ds))
         # what a run that settled on 0.4 keeps (the tuner keeps its split this way after a change)
         client.manager.save_tuning(record_of("photos", "name:tiny/batch8", 0.4, stages, None))
@@ -151,7 +151,7 @@ def test_a_repeated_job_starts_from_the_decision_its_last_run_kept(cluster_facto
             assert ds.stats()["offload"]["ratio"] == 0.4
             first = next(iter(ds))
             assert first[0].shape[0] == BATCH
-            assert ds.dataset._pump._current.fraction == 0.4  # the first plan was made with it
+            assert ds.kspeed_dataset._pump._current.fraction == 0.4  # the first plan was made with it
         # another model starts from scratch
         with client.dataset(spec, BATCH, shuffle=True, seed=SEED, num_workers=1, model="other", quiet=True) as ds:
             assert ds.stats()["offload"]["ratio"] == 1.0
@@ -167,7 +167,7 @@ def test_a_split_changed_while_the_ring_holds_the_whole_epoch_takes_the_next_epo
     client = KSpeedClient(config=config_for(cluster))
     # the default ring, which holds the whole epoch
     with client, client.dataset(spec, BATCH, seed=SEED, num_workers=1, quiet=True, **options) as ds:
-        pump = ds.dataset._pump
+        pump = ds.kspeed_dataset._pump
         order = []
         for epoch in range(3):
             ds.set_epoch(epoch)

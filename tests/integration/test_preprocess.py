@@ -42,7 +42,7 @@ import kspeed.client.client as client_module
 import kspeed.client.prepared as prepared_module
 from kspeed import DatasetSpec, KSpeedClient
 from kspeed.cli.cluster import LocalCluster, wait_for
-from kspeed.errors import AccessDeniedError, CapacityError, ConfigError, DatasetError, NotFoundError
+from kspeed.errors import AccessDeniedError, CapacityError, ConfigError, DatasetError, NotFoundError, StateError
 from kspeed.preprocess import Output, Pipeline, Stage, jpeg_region
 from kspeed.preprocess.runner import Runner
 from tests.client.test_wrap import alive, assert_same_batches
@@ -291,14 +291,14 @@ def test_batches_are_the_same_wherever_the_server_stages_run(start):
     wrapped = {}
     for offload in (1.0, 0.0):
         with client.wrap(folder, BATCH, num_workers=0, ring_bytes=RING, quiet=True, offload=offload, seed=SEED) as ds:
-            assert ds.dataset.pipeline is not None
+            assert ds.kspeed_dataset.pipeline is not None
             wrapped[offload] = []
             for epoch in range(2):
                 ds.set_epoch(epoch)
                 wrapped[offload].append(list(ds))
             ran_here = set(ds.stats()["client_stage_seconds"])
         if offload == 0.0:
-            assert ds.dataset.prep is None  # no sample marked for the servers
+            assert ds.kspeed_dataset.prep is None  # no sample marked for the servers
             assert {"0:decode_image", "1:torchvision.transforms:RandomResizedCrop"} <= ran_here
     for epoch in range(2):
         assert_same_batches(wrapped[0.0][epoch], wrapped[1.0][epoch])
@@ -324,7 +324,7 @@ def test_a_transform_worker_killed_during_split_batches_is_named_and_nothing_is_
                 batches = iter(ds)
         # The next epoch starts a new worker and delivers what it would have delivered anyway.
         ds.set_epoch(3)
-        want = expected(ds.dataset.pipeline, photos, shuffled(len(photos.keys), 3), 3)
+        want = expected(ds.kspeed_dataset.pipeline, photos, shuffled(len(photos.keys), 3), 3)
         for (images, labels), (ref_images, ref_labels) in zip(ds, want, strict=True):
             assert torch.equal(labels, ref_labels)
             np.testing.assert_array_max_ulp(images.numpy(), ref_images.numpy(), maxulp=1)
@@ -344,7 +344,9 @@ def test_a_prepared_dataset_is_fed_in_host_memory_and_moves_its_batches_to_the_d
     monkeypatch.setattr(prepared_module, "parse_device", lambda device: meta)
     spec = DatasetSpec(name="photos-meta", uri=str(photos.root), labels="dirname", pipeline=placed_pipeline())
     with opened(client, spec, 1.0, device="cuda") as ds:
-        assert ds.dataset.device == torch.device("cpu")
+        assert ds.kspeed_dataset.device == torch.device("cpu")
+        with pytest.raises(StateError, match=r"opened from a spec.*len\(\.sampler\).*\.kspeed_dataset"):
+            _ = ds.dataset  # (no dataset object of the caller's: what to read instead is named)
         images, labels = next(iter(ds))
         assert images.device == meta and images.dtype == torch.float32 and images.shape == (BATCH, 3, SIDE, SIDE)
         assert labels.device == torch.device("cpu") and len(labels) == BATCH
@@ -407,7 +409,7 @@ def test_wrap_runs_a_folders_uint8_transforms_on_the_servers(start):
     want = list(DataLoader(folder, batch_size=BATCH, sampler=sampler))
     before = total(cluster, PREPROCESSED)
     with client.wrap(folder, BATCH, sampler=sampler, num_workers=0, ring_bytes=RING, quiet=True) as wrapped:
-        pipeline = wrapped.dataset.pipeline
+        pipeline = wrapped.kspeed_dataset.pipeline
         assert pipeline is not None
         assert [(s.op.rsplit(":", 1)[-1], s.place) for s in pipeline.stages] == [
             ("decode_image", "server"),
@@ -448,7 +450,7 @@ def test_wrap_with_region_decode_crops_alike_wherever_the_crop_runs(start):
             seed=SEED,
             region_decode=True,
         ) as wrapped:
-            pipeline = wrapped.dataset.pipeline
+            pipeline = wrapped.kspeed_dataset.pipeline
             assert pipeline is not None and pipeline.stages[0].op == "decode_random_resized_crop"
             wrapped.set_epoch(1)
             got[offload] = list(wrapped)
@@ -470,7 +472,7 @@ def test_wrap_keeps_float_transforms_on_the_client(start):
     folder = ImageFolder(str(photos.root), transform=transform)
     sampler = SequentialSampler(folder)
     with client.wrap(folder, BATCH, sampler=sampler, num_workers=0, ring_bytes=RING, quiet=True) as wrapped:
-        pipeline = wrapped.dataset.pipeline
+        pipeline = wrapped.kspeed_dataset.pipeline
         assert pipeline is not None
         # Cut after the last uint8 transform: the servers send 64x64x3 bytes, not four times as many as floats.
         assert [s.place for s in pipeline.stages] == ["server", "server", "server", "client", "client"]
@@ -489,7 +491,9 @@ def test_wrap_runs_a_transform_it_cannot_send_in_client_workers(start):
     folder = ImageFolder(str(photos.root), transform=transform)
     sampler = SequentialSampler(folder)
     with client.wrap(folder, BATCH, sampler=sampler, num_workers=1, ring_bytes=RING, quiet=True) as wrapped:
-        assert wrapped.dataset.pipeline is None and wrapped.dataset.prep is None  # the servers only serve bytes
+        assert (
+            wrapped.kspeed_dataset.pipeline is None and wrapped.kspeed_dataset.prep is None
+        )  # the servers only serve bytes
         assert_same_batches(list(wrapped), list(DataLoader(folder, batch_size=BATCH, sampler=sampler)))
         assert len(wrapped.worker_pids()) == 1
     assert multiprocessing.active_children() == []
@@ -648,7 +652,7 @@ def test_a_dataset_cached_preprocessed_gives_what_the_whole_pipeline_gives(start
     for offload, workers in ((1.0, 0), (0.0, 0), (0.5, 1)):
         with opened(client, spec, offload, num_workers=workers, shuffle=True, seed=SEED) as ds:
             # The servers keep each photograph as the 72x72x3 pixels stage 2 declares, not its JPEG.
-            assert ds.dataset.cached_stages == 3
+            assert ds.kspeed_dataset.cached_stages == 3
             assert ds.preload().bytes == n * CACHED_SIDE * CACHED_SIDE * 3
             for epoch in range(2):
                 ds.set_epoch(epoch)
@@ -672,7 +676,7 @@ def test_wrap_caches_a_folders_deterministic_transforms(start):
     with client.wrap(
         folder, BATCH, sampler=sampler, num_workers=0, ring_bytes=RING, quiet=True, cache="preprocessed"
     ) as wrapped:
-        assert wrapped.dataset.cached_stages == 4  # every stage: each epoch only receives and collates
+        assert wrapped.kspeed_dataset.cached_stages == 4  # every stage: each epoch only receives and collates
         assert wrapped.name.endswith("-preprocessed")
         for epoch in range(2):
             wrapped.set_epoch(epoch)

@@ -31,6 +31,9 @@ def test_wrap_caches_the_files_and_yields_what_a_dataloader_would(cluster_factor
         )
         info = client.manager.dataset(wrapped.name)
         assert (info.spec.kind, info.spec.uri) == ("dir", str(root))  # the samples are the tree, sorted
+        # What a script reads of a DataLoader: the dataset it was given, and the sampler's length.
+        assert wrapped.dataset is folder and len(wrapped.sampler) == wrapped.num_samples == len(folder)
+        assert wrapped.kspeed_dataset.num_samples == len(folder)
         assert info.fingerprint.count == len(folder) and info.leases >= 1
         want = list(DataLoader(folder, batch_size=8, sampler=SequentialSampler(folder)))
         for epoch in range(2):
