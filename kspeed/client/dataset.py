@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 
 from torch.utils.data import IterableDataset, get_worker_info
 
+from kspeed.client.accelerate_guard import check_not_resharded
 from kspeed.client.batch import Batch
 from kspeed.client.feeding.builder import FeedParts
 from kspeed.client.lease import LeaseKeeper
@@ -135,6 +136,7 @@ class KSpeedDataset(IterableDataset):
     def __iter__(self) -> Iterator[Batch]:
         if get_worker_info() is not None:
             raise StateError(NO_WORKERS)
+        check_not_resharded(self.name)
         self._check_open()
         self._iterations += 1
         if self._orders.resumed_epoch == self._epoch:
