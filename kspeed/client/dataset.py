@@ -41,6 +41,7 @@ from kspeed.client.lease import LeaseKeeper
 from kspeed.client.options import FeedOptions
 from kspeed.client.planning.plans import EpochPlan, PrepSplit
 from kspeed.client.planning.resize import Pass, part_of, remainder
+from kspeed.client.planning.sampling import job_rank
 from kspeed.client.sampler_view import SamplerView
 from kspeed.client.stats import default_job
 from kspeed.client.tuning.auto import AutoOffload
@@ -138,6 +139,7 @@ class KSpeedDataset(IterableDataset):
             raise StateError(NO_WORKERS)
         check_not_resharded(self.name)
         self._check_open()
+        self._settle_rank(strict=True)
         self._iterations += 1
         if self._orders.resumed_epoch == self._epoch:
             # (iterated again without set_epoch: the whole epoch, as a sampler repeats one)
@@ -154,17 +156,58 @@ class KSpeedDataset(IterableDataset):
 
         :attr:`samples_per_epoch` counts this rank's samples, :attr:`num_samples` the dataset's.
         """
+        self._settle_rank(strict=False)
         return self._orders.num_batches()
+
+    def _settle_rank(self, *, strict: bool) -> None:
+        """A dataset opened before its process group (in a Lightning module's ``__init__``, say) took
+        its rank as a guess: rank 0 of 1 where nothing said there were several, or rank 0 of 1 for now
+        where the launcher said there were several but not which this is. Asked again here (when
+        an epoch starts or a state loads, ``strict``: a rank still unknown then is a ``ConfigError``;
+        on ``len()``, only if known by now), the split follows the process group or launcher from
+        then on, its plans made again.
+
+        Raises:
+            ConfigError: ``strict``, and the launcher's variables still say there are several ranks
+                but nothing says which this is.
+        """
+        if self._orders.provisional is None:
+            return
+        try:
+            rank, world, source = job_rank(None, None)
+        except ConfigError:
+            if strict:
+                raise
+            return
+        self._orders.provisional = None
+        if (rank, world) == (self._orders.rank, self._orders.world_size):
+            return
+        log.info(
+            "dataset %s: rank %d of %d, from %s (opened before it was known, as rank %s of %s)",
+            self.name,
+            rank,
+            world,
+            source,
+            self._orders.rank,
+            self._orders.world_size,
+        )
+        self._forget_resume()
+        self._orders.resplit(rank, world)
+        self._pump.forget_all()
+        if self._parts.reporter is not None:
+            self._parts.reporter.set_rank(rank, world)
 
     @property
     def rank(self) -> int | None:
         """This process's rank in the built-in sampler's split (given, or from the process group or
         torchrun's ``RANK``); None with a sampler of your own."""
+        self._settle_rank(strict=False)
         return self._orders.rank
 
     @property
     def world_size(self) -> int | None:
         """Ranks sharing each epoch in the built-in sampler's split; None with a sampler of your own."""
+        self._settle_rank(strict=False)
         return self._orders.world_size
 
     @property
@@ -177,6 +220,7 @@ class KSpeedDataset(IterableDataset):
     @property
     def samples_per_epoch(self) -> int:
         """Samples this rank receives per epoch (with ``drop_last``, the dropped ones not counted)."""
+        self._settle_rank(strict=False)
         n = self._orders.samples_per_epoch()
         return n - n % self.batch_size if self._orders.drop_last else n
 
@@ -258,6 +302,7 @@ class KSpeedDataset(IterableDataset):
         """
         if not isinstance(state, Mapping) or state.get("version") not in (1, STATE_VERSION):
             raise ConfigError(f"not a KSpeedDataset state of version {STATE_VERSION}: {state!r:.200}", field="state")
+        self._settle_rank(strict=True)
         mine = self.state_dict()
         for key in ("dataset", "seed", "num_samples", "drop_last"):
             self._same(state, mine, key)

@@ -140,6 +140,10 @@ class StatsReporter:
         self._thread.start()
         self.sent = 0
 
+    def set_rank(self, rank: int, world_size: int) -> None:
+        """Report as ``rank`` of ``world_size`` from now on (a rank known once the process group exists)."""
+        self._base.rank, self._base.world_size = rank, world_size
+
     def message(self) -> kspeed_pb2.RankStats:
         """The report as it would be sent now."""
         s = self._collect()

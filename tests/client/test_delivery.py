@@ -403,3 +403,44 @@ def test_launcher_variables_are_read_from_the_environment():
         "SLURM_PROCID": 2,
         "SLURM_STEP_NUM_TASKS": 6,
     }
+
+
+def test_a_rank_unknown_when_opened_is_asked_again_when_the_epoch_starts(make_ds, monkeypatch):
+    from kspeed.config import LAUNCHER_VARIABLES
+
+    for name in LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    # PyTorch Lightning's second process before its process group: several ranks, but not which.
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("NODE_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    ds, _ = make_ds(seed=3)  # (opened: the rank is asked again when it is needed)
+    ds.set_epoch(1)
+    with pytest.raises(ConfigError, match="one of several"):
+        iter(ds)
+    monkeypatch.setenv("RANK", "1")  # (what the process group would say)
+    assert len(ds.sampler) == 102 and (ds.rank, ds.world_size) == (1, 2)
+    got = [i for batch in ds for i in batch.ids.tolist()]
+    sampler = DistributedSampler(range(N_SAMPLES), num_replicas=2, rank=1, shuffle=True, seed=3)
+    sampler.set_epoch(1)
+    assert got == list(sampler)
+
+
+def test_a_process_that_knew_of_no_other_rank_takes_the_split_its_process_group_gives(make_ds, monkeypatch):
+    from kspeed.config import LAUNCHER_VARIABLES
+
+    for name in LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    # Lightning's first process before its process group: nothing says there are other ranks.
+    late, _ = make_ds(seed=3)
+    alone, _ = make_ds(seed=3)
+    assert [i for batch in alone for i in batch.ids.tolist()] != []  # iterated: one process it stays
+    monkeypatch.setenv("RANK", "0")  # (what the process group says once it exists)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert len(late) == 7 and (late.rank, late.world_size) == (0, 2)  # (102 samples in batches of 16)
+    late.set_epoch(2)
+    got = [i for batch in late for i in batch.ids.tolist()]
+    sampler = DistributedSampler(range(N_SAMPLES), num_replicas=2, rank=0, shuffle=True, seed=3)
+    sampler.set_epoch(2)
+    assert got == list(sampler)
+    assert (alone.rank, alone.world_size) == (0, 1) and len(alone.sampler) == N_SAMPLES

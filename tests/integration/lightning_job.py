@@ -1,8 +1,9 @@
 """A PyTorch Lightning module over a KSpeed dataset opened in ``train_dataloader()``, where
-Lightning's process group exists (tests/integration/test_lightning.py trains it in the test's
-process, and runs this script as a ``ddp`` job of two CPU processes: Lightning starts the second
-by running the script again); each rank records the sample IDs of each epoch and, as a script,
-writes them to ``<out>/rank-<rank>.json``."""
+Lightning's process group exists, or in ``__init__``, before it does (its first process then
+knows of no other; the second has ``LOCAL_RANK`` and ``WORLD_SIZE`` but no ``RANK``).
+tests/integration/test_lightning.py trains it in the test's process, and runs this script as a
+``ddp`` job of two CPU processes (Lightning starts the second by running the script again); each
+rank records the sample IDs of each epoch and, as a script, writes them to ``<out>/rank-<rank>.json``."""
 
 from __future__ import annotations
 
@@ -20,15 +21,19 @@ from kspeed import DatasetSpec, KSpeedClient
 class Job(pl.LightningModule):
     """A model of one weight that records the sample IDs of each epoch's batches."""
 
-    def __init__(self, client: KSpeedClient, uri: str, name: str) -> None:
+    def __init__(self, client: KSpeedClient, uri: str, name: str, *, early: bool = False) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(1))
         self.client, self.uri, self.name = client, uri, name
-        self.ds: Any = None
+        self.ds: Any = self._open() if early else None
         self.seen: list[list[int]] = []
 
+    def _open(self) -> Any:
+        return self.client.dataset(DatasetSpec(name=self.name, uri=self.uri), batch_size=4, seed=7, quiet=True)
+
     def train_dataloader(self):
-        self.ds = self.client.dataset(DatasetSpec(name=self.name, uri=self.uri), batch_size=4, seed=7, quiet=True)
+        if self.ds is None:
+            self.ds = self._open()
         return self.ds
 
     def on_train_epoch_start(self) -> None:
@@ -57,9 +62,9 @@ def trainer(epochs: int, root: str, **options: Any) -> pl.Trainer:
     )
 
 
-def main(uri: str, out: str) -> None:
+def main(uri: str, out: str, where: str) -> None:
     with KSpeedClient() as client:  # KSPEED_MANAGER and KSPEED_AUTH from the environment
-        model = Job(client, uri, "lightning-ddp")
+        model = Job(client, uri, "lightning-ddp", early=where == "init")
         run = trainer(2, out, devices=2, strategy="ddp")
         run.fit(model)
         with open(os.path.join(out, f"rank-{run.global_rank}.json"), "w") as fh:
@@ -68,4 +73,4 @@ def main(uri: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])

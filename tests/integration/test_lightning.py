@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kspeed import KSpeedClient
 from tests.integration.lightning_job import Job, trainer
 from tests.integration.test_client import config_for
@@ -35,13 +37,14 @@ def test_a_lightning_trainer_sets_each_epoch_through_the_loaders_sampler(cluster
     assert len(ds.sampler) == len(files) and ds.sampler.sampler is not None
 
 
-def test_a_two_process_ddp_job_reads_disjoint_halves_in_a_new_order_each_epoch(cluster_factory, tmp_path):
+@pytest.mark.parametrize("where", ["init", "train_dataloader"])
+def test_a_two_process_ddp_job_reads_disjoint_halves_in_a_new_order_each_epoch(cluster_factory, tmp_path, where):
     files = make_tree(tmp_path / "imgs", per_class=10, max_size=2000)  # 30 samples
     cluster = cluster_factory(1, server_args=["--backend-allow", str(tmp_path)])
     out = tmp_path / "out"
     out.mkdir()
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tmp_path / "imgs"), str(out)],
+        [sys.executable, str(SCRIPT), str(tmp_path / "imgs"), str(out), where],
         env=launcher_env(cluster),
         capture_output=True,
         text=True,

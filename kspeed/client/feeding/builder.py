@@ -37,7 +37,7 @@ from kspeed.client.feeding.rail_choice import ServerPlace, choose_rail, local_ad
 from kspeed.client.options import FeedOptions
 from kspeed.client.planning.plans import EpochPlanner, PrepSplit
 from kspeed.client.planning.prediction import Predictor
-from kspeed.client.planning.sampling import EpochOrders, job_rank
+from kspeed.client.planning.sampling import SINGLE, EpochOrders, job_rank
 from kspeed.client.stats import RankStats, StatsReporter, default_job
 from kspeed.config import ClientConfig, gpu_environment
 from kspeed.control.manager_client import ManagerClient
@@ -259,13 +259,14 @@ def build_feed(
         UnavailableError: a server is unreachable (named).
     """
     name = info.spec.name
-    options = _with_job_rank(name, options)
+    options, provisional = _with_job_rank(name, options)
     group = group_fields(info, options, config.job)
     places = {link.server_id: (places or {}).get(link.server_id) or ServerPlace(link.address) for link in links}
     requested = options.ring_bytes if options.ring_bytes is not None else config.ring_bytes
     if requested < 0:
         raise ConfigError(f"dataset {name!r}: ring_bytes must not be negative, got {requested}", field="ring_bytes")
     orders = _epoch_orders(info, options)
+    orders.provisional = provisional
     delivery = make_delivery(options.device)
     ring_bytes = ring_size(
         info, orders.largest_batch(), requested, prep.nbytes if prep is not None else 0, ring_cap(config.ring_max_bytes)
@@ -378,15 +379,23 @@ def _reporter(
     )
 
 
-def _with_job_rank(name: str, options: FeedOptions) -> FeedOptions:
+def _with_job_rank(name: str, options: FeedOptions) -> tuple[FeedOptions, str | None]:
     """``options`` with this process's rank and world size when the built-in sampler splits each
-    epoch over the job's ranks (a given sampler splits it itself)."""
+    epoch over the job's ranks (a given sampler splits it itself), and, where that rank is a
+    guess (nothing says there are several ranks, or the launcher says there are but not which
+    this is: a dataset opened before the process group), why: it is checked again when the first
+    epoch starts."""
     if options.sampler is not None:
-        return options
-    rank, world_size, source = job_rank(options.rank, options.world_size)
+        return options, None
+    try:
+        rank, world_size, source = job_rank(options.rank, options.world_size)
+        provisional = source if source == SINGLE else None
+    except ConfigError as exc:  # (raised again when the epoch starts if nothing says more by then)
+        rank, world_size, source = options.rank or 0, options.world_size or 1, str(exc)
+        provisional = source
     if source != "given":
         log.debug("dataset %s: rank %d of %d, from %s", name, rank, world_size, source)
-    return dataclasses.replace(options, rank=rank, world_size=world_size)
+    return dataclasses.replace(options, rank=rank, world_size=world_size), provisional
 
 
 def _epoch_orders(info: kspeed_pb2.DatasetInfo, options: FeedOptions) -> EpochOrders:

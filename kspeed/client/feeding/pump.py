@@ -164,6 +164,11 @@ class Pump:
         for number in plan.pass_numbers():
             self.feed.drop_plan(number)
 
+    def forget_all(self) -> None:
+        """Let go of every plan made or being made (the rank's split of the epochs changed)."""
+        for epoch in [*self._plans, *([self._future_epoch] if self._future_epoch is not None else [])]:
+            self.forget(epoch)
+
     def _prefetch(self, epoch: int) -> None:
         if (
             self._planner is None

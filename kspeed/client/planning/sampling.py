@@ -227,6 +227,10 @@ class _IdRange(Dataset[int]):
         return index
 
 
+#: where :func:`job_rank` says a rank came from when nothing said there were several
+SINGLE = "no process group or launcher (a single process)"
+
+
 def job_rank(
     rank: int | None, world_size: int | None, environ: Mapping[str, int] | None = None
 ) -> tuple[int, int, str]:
@@ -259,13 +263,13 @@ def job_rank(
             named = ", ".join(f"{k}={v}" for k, v in sorted(env.items()))
             raise ConfigError(
                 f"the launcher's variables ({named}) say this process is one of several, but neither they nor "
-                "an initialised torch.distributed process group say which rank it is; open the dataset after "
-                "torch.distributed.init_process_group() (with PyTorch Lightning: in train_dataloader(), not in "
-                "__init__), or pass rank= and world_size=",
+                "an initialised torch.distributed process group say which rank it is; iterate the dataset after "
+                "torch.distributed.init_process_group() (PyTorch Lightning initialises it before its first epoch, "
+                "whether the dataset is opened in __init__ or in train_dataloader()), or pass rank= and world_size=",
                 field="rank",
             )
         else:
-            found, source = (0, 1), "no process group or launcher (a single process)"
+            found, source = (0, 1), SINGLE
     return (found[0] if rank is None else rank), (found[1] if world_size is None else world_size), source
 
 
@@ -383,6 +387,7 @@ class EpochOrders:
                 field="sampler",
                 value=type(sampler).__name__,
             )
+        self._shards, self._shuffle_buffer, self._shuffle = shard_starts, shuffle_buffer, shuffle
         if sampler is None:
             world = 1 if world_size is None else world_size
             me = 0 if rank is None else rank
@@ -392,26 +397,50 @@ class EpochOrders:
                 )
             if isinstance(me, bool) or not isinstance(me, int) or not 0 <= me < world:
                 raise ConfigError(f"rank must be in 0..{world - 1}, got {rank!r}", field="rank", value=rank)
-            if shuffle_buffer:
-                if shard_starts is None:
-                    raise ConfigError(
-                        f"dataset {dataset!r}: shuffle_buffer orders tar shards; this dataset has none",
-                        field="shuffle_buffer",
-                        value=shuffle_buffer,
-                    )
-                sampler = ShardOrder(shard_starts, shuffle_buffer, seed, me, world)
-            else:
-                sampler = DistributedSampler(
-                    _IdRange(num_samples), num_replicas=world, rank=me, shuffle=shuffle, seed=seed, drop_last=False
+            if shuffle_buffer and shard_starts is None:
+                raise ConfigError(
+                    f"dataset {dataset!r}: shuffle_buffer orders tar shards; this dataset has none",
+                    field="shuffle_buffer",
+                    value=shuffle_buffer,
                 )
+            sampler = self._builtin(me, world)
             self.rank, self.world_size = me, world
         self.sampler = sampler
+        #: where the built-in split's rank came from, while it is a guess to check when the epoch
+        #: starts (:meth:`KSpeedDataset._settle_rank <kspeed.client.dataset.KSpeedDataset>`); None once known
+        self.provisional: str | None = None
         self.deterministic = type(sampler) in _DETERMINISTIC
         self.identity = _describe(sampler)
         self._given = threading.local()  # per thread: the order given to :meth:`order` (see :meth:`given`)
         self._epoch = 0
         #: this rank's part of an epoch resumed at another world size (:meth:`resume`)
         self._resumed: tuple[int, np.ndarray] | None = None
+
+    def _builtin(self, rank: int, world: int) -> Iterable[int]:
+        """The built-in sampler of ``rank`` of ``world``."""
+        if self._shuffle_buffer:
+            assert self._shards is not None
+            return ShardOrder(self._shards, self._shuffle_buffer, self.seed, rank, world)
+        return DistributedSampler(
+            _IdRange(self.num_samples), num_replicas=world, rank=rank, shuffle=self._shuffle, seed=self.seed
+        )
+
+    def resplit(self, rank: int, world: int) -> None:
+        """Split the built-in sampler's epochs for ``rank`` of ``world`` from now on (a rank known
+        only once the process group exists); the epoch set is kept.
+
+        Raises:
+            ConfigError: the sampler is the caller's, or ``rank`` is outside ``0..world - 1``.
+        """
+        if self.rank is None:
+            raise ConfigError(f"dataset {self.dataset!r}: a sampler of yours splits the epochs itself", field="rank")
+        if not 0 <= rank < world:
+            raise ConfigError(f"rank must be in 0..{world - 1}, got {rank!r}", field="rank", value=rank)
+        self.sampler = self._builtin(rank, world)
+        self.set_epoch(self._epoch)
+        self.rank, self.world_size = rank, world
+        self.identity = _describe(self.sampler)
+        self._resumed = None
 
     # -- resuming at another world size (:mod:`kspeed.client.planning.resize`) ---------------------
 
