@@ -6,8 +6,12 @@ state saved: rank 0's, as a checkpoint of a synchronous job holds it)."""
 
 from __future__ import annotations
 
+import json
 import signal
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -16,8 +20,10 @@ from kspeed.client.dataset import KSpeedDataset
 from kspeed.errors import ConfigError
 from tests.integration.test_client import config_for, loader_order
 from tests.integration.test_datasets import make_tree
+from tests.integration.test_torchrun import launcher_env
 
 EPOCH, SEED = 3, 7
+DCP_JOB = Path(__file__).with_name("dcp_resize_job.py")
 
 
 def read(ds, files, keys, batches=None) -> list[int]:
@@ -132,3 +138,30 @@ def test_a_sampler_that_cannot_resize_is_refused_by_name(cluster_factory, tmp_pa
         larger = client.dataset(spec, batch_size=3, sampler=sampler, seed=SEED, quiet=True)
         with larger, pytest.raises(ConfigError, match="batch_size"):
             larger.load_state_dict(own)
+
+
+@pytest.mark.timeout(400)
+def test_a_torchrun_job_checkpointed_with_dcp_resumes_at_another_world_size(cluster_factory, tmp_path):
+    files = make_tree(tmp_path / "imgs", per_class=17, max_size=2000)  # 51 samples
+    cluster = cluster_factory(1, server_args=["--backend-allow", str(tmp_path)])
+    out, checkpoint = tmp_path / "out", tmp_path / "checkpoint"
+    out.mkdir()
+    seen = []
+    for mode, world in (("save", 2), ("load", 3)):
+        done = subprocess.run(
+            [
+                sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+                str(DCP_JOB), str(tmp_path / "imgs"), str(out), str(checkpoint), mode,
+            ],
+            env=launcher_env(cluster),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        parts = [json.loads((out / f"{mode}-rank-{r}.json").read_text())["ids"] for r in range(world)]
+        assert len({len(p) for p in parts}) == 1  # the ranks' parts are equal
+        seen += [i for p in parts for i in p]
+    counts = Counter(seen)
+    assert set(counts) == set(range(len(files)))
+    assert sum(c - 1 for c in counts.values()) < 3
