@@ -37,6 +37,7 @@ __all__ = [
     "format_duration",
     "gpu_environment",
     "launcher_environment",
+    "launcher_run_id",
     "load_config",
     "parse_address",
     "parse_bytes",
@@ -1024,6 +1025,13 @@ LAUNCHER_VARIABLES = (
     "SLURM_PROCID",
     "SLURM_STEP_NUM_TASKS",
 )
+
+
+def launcher_run_id(environ: Mapping[str, str] | None = None) -> str:
+    """torchrun's ID of this run (``TORCHELASTIC_RUN_ID``), the same for every rank and across its
+    restarts; empty outside torchrun."""
+    environ = os.environ if environ is None else environ
+    return environ.get("TORCHELASTIC_RUN_ID", "").strip()
 
 
 def launcher_environment(environ: Mapping[str, str] | None = None) -> dict[str, int]:

@@ -34,7 +34,7 @@ from kspeed.client.prep.offload import attached_pipeline, plan_prep
 from kspeed.client.prep.workers import preload_of, sample_bytes
 from kspeed.client.prepared import PreparedDataset, start_workers
 from kspeed.client.spec import DatasetSpec
-from kspeed.config import ClientConfig, load_config, parse_address
+from kspeed.config import ClientConfig, launcher_run_id, load_config, parse_address
 from kspeed.control.manager_client import ManagerClient
 from kspeed.errors import AccessDeniedError, ConfigError, DatasetError, KSpeedError, StateError, UnavailableError
 from kspeed.preprocess.pipeline import Pipeline
@@ -107,6 +107,7 @@ class KSpeedClient:
         group: str | None = None,
         share: str = "samples",
         group_lag: int | None = None,
+        resume: str = "",
     ) -> KSpeedDataset | PreparedDataset:
         """Register (or attach to) a dataset under a job lease and open this rank's feed.
 
@@ -160,6 +161,10 @@ class KSpeedClient:
                 (the stored form of a dataset with ``cache="preprocessed"``; random stages per job).
             group_lag: in a group, samples the fastest job may lead the slowest by before the
                 slowest is served alone for the samples it lags on (default: the servers').
+            resume: ``"live"``: the servers keep this rank's position with every batch it is handed,
+                and a job opened again under the same name (``KSPEED_JOB``, or torchrun's run ID,
+                which its restarts keep) continues each epoch from where its ranks had got, at
+                whatever world size, with no checkpoint (docs/resume.md); ``""`` (default): not.
 
         Raises:
             ConfigError: a bad argument (named).
@@ -190,26 +195,36 @@ class KSpeedClient:
         )
         # Stages on this client's CPU read the bytes in host memory: the feed delivers there, and the
         # prepared batches move to the device (a raw dataset's batches are delivered to it directly).
+        if resume not in ("", "live"):
+            raise ConfigError(f"resume must be '' or 'live', got {resume!r}", field="resume", value=resume)
+        job = (self.config.job or launcher_run_id()) if resume else ""
+        if resume and not job:
+            raise ConfigError(
+                "resume='live' finds a job's position by the job's name, the same for its ranks and its restarts: "
+                "set KSPEED_JOB (or the client's job setting), or run under torchrun (its run ID)",
+                field="resume",
+            )
         host = str(device) != "cpu" and (transform is not None or self._pipeline_of(spec) is not None)
         ds = self.open(spec, options, host=host)
-        if ds.pipeline is None and transform is None:
-            self._datasets.append(ds)
-            return ds
+        out: KSpeedDataset | PreparedDataset = ds
         try:
-            prepared = PreparedDataset(
-                ds,
-                loader=sample_bytes if ds.pipeline is None else None,
-                transform=transform,
-                collate_fn=collate_fn if collate_fn is not None else default_collate,
-                num_workers=num_workers,
-                prefetch=prefetch,
-                device=device,
-            )
+            if ds.pipeline is not None or transform is not None:
+                out = PreparedDataset(
+                    ds,
+                    loader=sample_bytes if ds.pipeline is None else None,
+                    transform=transform,
+                    collate_fn=collate_fn if collate_fn is not None else default_collate,
+                    num_workers=num_workers,
+                    prefetch=prefetch,
+                    device=device,
+                )
+            if job and out.resume_live(job):
+                log.info("dataset %s: resumed live as job %s at epoch %d", ds.name, job, out.epoch)
         except BaseException:
-            ds.close()
+            out.close()  # (a PreparedDataset closes its KSpeed dataset)
             raise
-        self._datasets.append(prepared)
-        return prepared
+        self._datasets.append(out)
+        return out
 
     def _pipeline_of(self, spec: DatasetSpec | str) -> Pipeline | None:
         """The pipeline ``spec`` declares (a registered dataset's, for a name)."""

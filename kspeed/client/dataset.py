@@ -38,6 +38,7 @@ from kspeed.client.accelerate_guard import check_not_resharded
 from kspeed.client.batch import Batch
 from kspeed.client.feeding.builder import FeedParts
 from kspeed.client.lease import LeaseKeeper
+from kspeed.client.live import LivePositions
 from kspeed.client.options import FeedOptions
 from kspeed.client.planning.plans import EpochPlan, PrepSplit
 from kspeed.client.planning.resize import Pass, part_of, remainder
@@ -129,6 +130,10 @@ class KSpeedDataset(IterableDataset):
         self._passes: list[Pass] = []
         self._passes_epoch: int | None = None
         self._resumed_iterations = 0
+        #: where the servers keep this rank's position (``resume="live"``); ``_live_here``: whether
+        #: this dataset reports it (not when a PreparedDataset hands the batches on: it does)
+        self._live: LivePositions | None = None
+        self._live_here = True
         self._iterations = 0
         self._closed = False
 
@@ -149,6 +154,8 @@ class KSpeedDataset(IterableDataset):
         first, self._resume, self._loaded_epoch = self._resume, 0, None
         plan = self._pump.start(self._epoch, first)
         self._consumed = first
+        if self._live_here:
+            self.keep_position(first)  # (a pass begun: a live resume finds it, not the one before)
         return _EpochIterator(self, plan, first, self._iterations)
 
     def __len__(self) -> int:
@@ -315,47 +322,94 @@ class KSpeedDataset(IterableDataset):
         if not isinstance(raw, list | tuple):
             raise ConfigError(f"dataset {self.name!r}: bad passes in state: {raw!r:.200}", field="passes")
         passes = [Pass.from_state(p) for p in raw]
-        if (
-            len(passes) <= 1
-            and all(len(set(p.positions)) == 1 for p in passes)  # (merged states may differ by rank)
-            and state.get("sampler") == mine["sampler"]
-            and state.get("batch_size") == self.batch_size
-            and state.get("rank") == mine.get("rank")
-        ):
+        split = self._orders.split()
+        if not passes or split is None:  # (saved, or resumed, by a sampler that cannot resize)
+            for key in ("sampler", "batch_size"):
+                self._same(state, mine, key)
+            if passes:
+                self._orders.global_order(epoch)  # raises, naming the sampler
             self._forget_resume()
             self.set_epoch(epoch)
             self._resume = self._consumed = min(batches, len(self))
             self._loaded_epoch = epoch
             return
-        if not passes or mine.get("order") is None:  # (saved, or resumed, by a sampler that cannot resize)
-            for key in ("sampler", "batch_size"):
-                self._same(state, mine, key)
-            self._orders.global_order(epoch)  # raises, naming the sampler
         self._same(state, mine, "order")
-        split = self._orders.split()
-        assert split is not None
-        rest = remainder(self._orders.global_order(epoch), passes)
-        part = part_of(rest, *split)
+        rank, world = split
+        last = passes[-1]
+        joins = last.world == world and state.get("batch_size") == self.batch_size
+        # Of the same world size and batch size, the rank continues its part of the last pass at its
+        # own position (ranks that load at different moments, while others read on, agree on it);
+        # otherwise the rest of the epoch is split anew over this world size.
+        earlier = passes[:-1] if joins else passes
+        rest = remainder(self._orders.global_order(epoch), earlier)
+        part = part_of(rest, rank, world)
         if self._orders.drop_last:
             part = part[: len(part) - len(part) % self.batch_size]
         self._forget_resume()
-        self._orders.resume(epoch, part)
-        self._pump.forget(epoch)
-        self._passes, self._passes_epoch, self._resumed_iterations = passes, epoch, 0
+        if earlier:
+            self._orders.resume(epoch, part)
+            self._pump.forget(epoch)
+            self._passes, self._passes_epoch, self._resumed_iterations = earlier, epoch, 0
         self.set_epoch(epoch)
-        self._resume = self._consumed = 0
+        if joins:
+            done = last.positions[rank]
+            skip = -(-len(part) // self.batch_size) if done >= len(part) else done // self.batch_size
+        else:
+            skip = 0
+        self._resume = self._consumed = min(skip, len(self))
         self._loaded_epoch = epoch
         log.info(
-            "dataset %s: epoch %d resumed at world size %d: %d of its %d samples were delivered, this rank %d "
-            "gets %d of the rest",
+            "dataset %s: epoch %d resumed as rank %d of %d: %d of its %d samples were delivered before %s; "
+            "this rank's part is %d, %d batches of it delivered",
             self.name,
             epoch,
-            split[1],
+            rank,
+            world,
             self.num_samples - len(rest),
             self.num_samples,
-            split[0],
+            "this pass" if joins else "this resize",
             len(part),
+            self._resume,
         )
+
+    def resume_live(self, job: str) -> bool:
+        """Keep this rank's position on the servers from now on, with every batch handed out, and
+        continue from the position the job's ranks had reached, if the servers keep one (a job
+        restarted under the same job name: docs/resume.md). Returns whether one was found.
+
+        Raises:
+            ConfigError: the sampler's order is not split from one global order (it cannot take
+                another rank's position), or a found position does not fit this dataset (named).
+        """
+        self._settle_rank(strict=True)
+        if self._orders.split() is None:
+            raise ConfigError(
+                f"dataset {self.name!r}: resume='live' needs the built-in sampler (or a DistributedSampler without "
+                f"drop_last), whose epochs split one global order over the ranks; sampler {self._orders.identity} "
+                "does not: resume from a state_dict() of each rank instead",
+                field="resume",
+            )
+        live = LivePositions(self.name, job, self._server_links)
+        state = live.load()
+        if state is not None:
+            self.load_state_dict(state)
+        self._live = live
+        return state is not None
+
+    def hand_positions_over(self) -> None:
+        """A dataset that hands this one's batches on (a PreparedDataset, after its transforms)
+        reports the positions itself, counting what it handed on (:meth:`keep_position`)."""
+        self._live_here = False
+
+    def _server_links(self) -> list[Any]:
+        """The dataset's servers now, one link each."""
+        return list({path.link.server_id: path.link for path in self._feed.paths}.values())
+
+    def keep_position(self, batches: int) -> None:
+        """With ``resume="live"``, have the servers keep this rank's position: ``batches`` of the
+        current epoch handed out (see :meth:`resume_live`)."""
+        if self._live is not None:
+            self._live.keep(self.state_at(batches))
 
     @staticmethod
     def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -520,7 +574,7 @@ class KSpeedDataset(IterableDataset):
 
     def _ask_servers(self, what: str, ask: Callable[[Any], T | None]) -> dict[str, T]:
         out: dict[str, T] = {}
-        for link in {path.link.server_id: path.link for path in self._feed.paths}.values():
+        for link in self._server_links():
             try:
                 figures = ask(link)
             except KSpeedError as exc:
@@ -653,4 +707,6 @@ class _EpochIterator:
         )
         self._next += 1
         ds._consumed = self._next
+        if ds._live_here:
+            ds.keep_position(self._next)
         return batch

@@ -178,6 +178,7 @@ class PreparedDataset(IterableDataset):
                     field="samples",
                 )
         self._inner = inner
+        inner.hand_positions_over()  # (the batches handed to the caller are counted here)
         self._paths = list(paths) if paths is not None else None
         self._targets = list(targets) if targets is not None else None
         pipeline = inner.pipeline
@@ -269,6 +270,7 @@ class PreparedDataset(IterableDataset):
         self._check_open()
         batches = iter(self._inner)
         self._delivered = self._inner.state_dict()["batches"]
+        self._inner.keep_position(self._delivered)
         return self._deliver(batches)
 
     def _deliver(self, batches: Iterator[Any]) -> Iterator[Any]:
@@ -471,6 +473,7 @@ class PreparedDataset(IterableDataset):
                 dataset=self.name,
             )
         self._delivered += 1
+        self._inner.keep_position(self._delivered)
         for position, why in result.skipped:
             sample = task.ids[position]
             named = f"sample {sample} ({self._paths[sample]})" if self._paths else f"sample {sample}"
@@ -555,6 +558,12 @@ class PreparedDataset(IterableDataset):
         """Continue where :meth:`state_dict` was taken (see :meth:`KSpeedDataset.load_state_dict`)."""
         self._inner.load_state_dict(state)
         self._delivered = self._inner.state_dict()["batches"]
+
+    def resume_live(self, job: str) -> bool:
+        """Keep the position on the servers and continue from the job's (see :meth:`KSpeedDataset.resume_live`)."""
+        found = self._inner.resume_live(job)
+        self._delivered = self._inner.state_dict()["batches"]
+        return found
 
     def preload(self, *, quiet: bool | None = None, timeout: float | None = None) -> PreloadSummary:
         """Start (or join) the servers' preload of the files and wait for it (see :meth:`KSpeedDataset.preload`)."""

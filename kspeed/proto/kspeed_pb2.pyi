@@ -781,6 +781,38 @@ class OpenFeedRequest(_message.Message):
     group_lag: int
     def __init__(self, dataset: _Optional[str] = ..., feed_id: _Optional[str] = ..., rail: _Optional[str] = ..., material: _Optional[bytes] = ..., ring_key: _Optional[bytes] = ..., generation: _Optional[int] = ..., holder: _Optional[str] = ..., first_id: _Optional[int] = ..., ranks: _Optional[int] = ..., job: _Optional[str] = ..., group: _Optional[str] = ..., member: _Optional[str] = ..., share: _Optional[str] = ..., group_lag: _Optional[int] = ...) -> None: ...
 
+class Position(_message.Message):
+    __slots__ = ("dataset", "job", "world_size", "rank", "state")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    job: str
+    world_size: int
+    rank: int
+    state: bytes
+    def __init__(self, dataset: _Optional[str] = ..., job: _Optional[str] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., state: _Optional[bytes] = ...) -> None: ...
+
+class KeepPositionReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PositionsRequest(_message.Message):
+    __slots__ = ("dataset", "job")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    job: str
+    def __init__(self, dataset: _Optional[str] = ..., job: _Optional[str] = ...) -> None: ...
+
+class PositionsReply(_message.Message):
+    __slots__ = ("positions",)
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    positions: _containers.RepeatedCompositeFieldContainer[Position]
+    def __init__(self, positions: _Optional[_Iterable[_Union[Position, _Mapping]]] = ...) -> None: ...
+
 class OpenFeedReply(_message.Message):
     __slots__ = ("server_id", "feeder")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]

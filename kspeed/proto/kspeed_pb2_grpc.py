@@ -1050,6 +1050,16 @@ class ServerStub:
                 request_serializer=kspeed__pb2.CloseFeedRequest.SerializeToString,
                 response_deserializer=kspeed__pb2.CloseFeedReply.FromString,
                 _registered_method=True)
+        self.KeepPosition = channel.unary_unary(
+                '/kspeed.v1.Server/KeepPosition',
+                request_serializer=kspeed__pb2.Position.SerializeToString,
+                response_deserializer=kspeed__pb2.KeepPositionReply.FromString,
+                _registered_method=True)
+        self.GetPositions = channel.unary_unary(
+                '/kspeed.v1.Server/GetPositions',
+                request_serializer=kspeed__pb2.PositionsRequest.SerializeToString,
+                response_deserializer=kspeed__pb2.PositionsReply.FromString,
+                _registered_method=True)
 
 
 class ServerServicer:
@@ -1143,6 +1153,21 @@ class ServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KeepPosition(self, request, context):
+        """A rank's position in its epoch, kept for a live resume (docs/resume.md): sent with every batch
+        the rank is handed; the newest per (dataset, job, world size, rank) is kept, within a byte cap.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetPositions(self, request, context):
+        """The positions kept of a job's ranks on a dataset.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -1210,6 +1235,16 @@ def add_ServerServicer_to_server(servicer, server):
                     servicer.CloseFeed,
                     request_deserializer=kspeed__pb2.CloseFeedRequest.FromString,
                     response_serializer=kspeed__pb2.CloseFeedReply.SerializeToString,
+            ),
+            'KeepPosition': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeepPosition,
+                    request_deserializer=kspeed__pb2.Position.FromString,
+                    response_serializer=kspeed__pb2.KeepPositionReply.SerializeToString,
+            ),
+            'GetPositions': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPositions,
+                    request_deserializer=kspeed__pb2.PositionsRequest.FromString,
+                    response_serializer=kspeed__pb2.PositionsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1563,6 +1598,60 @@ class Server:
             '/kspeed.v1.Server/CloseFeed',
             kspeed__pb2.CloseFeedRequest.SerializeToString,
             kspeed__pb2.CloseFeedReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeepPosition(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kspeed.v1.Server/KeepPosition',
+            kspeed__pb2.Position.SerializeToString,
+            kspeed__pb2.KeepPositionReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPositions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kspeed.v1.Server/GetPositions',
+            kspeed__pb2.PositionsRequest.SerializeToString,
+            kspeed__pb2.PositionsReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -15,6 +15,7 @@ from kspeed.errors import CapacityError, NotFoundError, ProtocolError
 from kspeed.proto import kspeed_pb2
 from kspeed.server.feeder.supervisor import MAX_PLAN, FeederSupervisor, PlanOffer
 from kspeed.server.hosting.datasets import DatasetHost, decode_ids
+from kspeed.server.positions import Positions
 
 MAX_LOOKUP_CHUNK = 1 << 20  # IDs per Lookup call
 MAX_READ_IDS = 1 << 16  # IDs per Read call
@@ -36,6 +37,7 @@ class ServerService:
         max_plan_bytes: int,
         prep_figures: Callable[[str], kspeed_pb2.PrepFigures | None] = lambda job: None,
         production_figures: Callable[[str], kspeed_pb2.ProductionFigures | None] = lambda dataset: None,
+        positions: Positions | None = None,
     ) -> None:
         self._id = server_id
         self._max_plan_bytes = max_plan_bytes
@@ -46,6 +48,7 @@ class ServerService:
         self._registration = registration
         self._prep_figures = prep_figures
         self._production_figures = production_figures
+        self._positions = positions if positions is not None else Positions()
 
     def GetInfo(self, request: kspeed_pb2.GetInfoRequest, context: grpc.ServicerContext) -> kspeed_pb2.ServerInfo:
         registered, incarnation = self._registration()
@@ -213,3 +216,12 @@ class ServerService:
     ) -> kspeed_pb2.CloseFeedReply:
         self._feeders.close(request.feed_id)
         return kspeed_pb2.CloseFeedReply()
+
+    def KeepPosition(self, request: kspeed_pb2.Position, context: grpc.ServicerContext) -> kspeed_pb2.KeepPositionReply:
+        self._positions.keep(request)
+        return kspeed_pb2.KeepPositionReply()
+
+    def GetPositions(
+        self, request: kspeed_pb2.PositionsRequest, context: grpc.ServicerContext
+    ) -> kspeed_pb2.PositionsReply:
+        return kspeed_pb2.PositionsReply(positions=self._positions.of(request.dataset, request.job))

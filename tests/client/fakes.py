@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +27,7 @@ from kspeed.proto import kspeed_pb2
 from kspeed.rdma.base import RegionKey
 from kspeed.rdma.options import RailOptions
 from kspeed.rdma.rails import get_rail
+from kspeed.server.positions import Positions
 
 
 def make_samples(n: int, seed: int = 0, max_size: int = 3000) -> list[bytes]:
@@ -66,6 +68,7 @@ class FakeServer:
         self.lo, self.hi = lo, hi
         self.silent = False
         self.moved = False
+        self.kept = Positions()  # live positions (kspeed/server/positions.py)
         self.stale_first = False
         self.refuse: set[int] = set()
         self.grant_log: list[tuple[int, int]] = []
@@ -122,6 +125,13 @@ class FakeServer:
     def close_feed(self, feed_id: str) -> None:
         self.closed_feeds += 1
         self._close_writer()
+
+    def keep_position(self, position: kspeed_pb2.Position) -> Callable[[], None]:
+        self.kept.keep(position)  # (the server's own store)
+        return lambda: None
+
+    def positions(self, dataset: str, job: str) -> list[kspeed_pb2.Position]:
+        return self.kept.of(dataset, job)
 
     def close(self) -> None:
         self._close_writer()

@@ -24,6 +24,7 @@ from tests.integration.test_torchrun import launcher_env
 
 EPOCH, SEED = 3, 7
 DCP_JOB = Path(__file__).with_name("dcp_resize_job.py")
+LIVE_JOB = Path(__file__).with_name("live_job.py")
 
 
 def read(ds, files, keys, batches=None) -> list[int]:
@@ -165,3 +166,32 @@ def test_a_torchrun_job_checkpointed_with_dcp_resumes_at_another_world_size(clus
     counts = Counter(seen)
     assert set(counts) == set(range(len(files)))
     assert sum(c - 1 for c in counts.values()) < 3
+
+
+@pytest.mark.timeout(400)
+def test_a_rank_killed_mid_epoch_under_torchrun_restarts_and_the_job_finishes_the_epoch_live(cluster_factory, tmp_path):
+    files = make_tree(tmp_path / "imgs", per_class=15, max_size=2000)  # 45 samples
+    cluster = cluster_factory(2, server_args=["--backend-allow", str(tmp_path)])
+    out = tmp_path / "out"
+    out.mkdir()
+    done = subprocess.run(
+        [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
+            "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
+            "--rdzv-conf", "last_call_timeout=1", "--monitor-interval", "0.2",
+            str(LIVE_JOB), str(tmp_path / "imgs"), str(out), "3",
+        ],
+        env=launcher_env(cluster),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    first = [json.loads((out / f"try0-rank-{r}.json").read_text()) for r in range(2)]
+    second = [json.loads((out / f"try1-rank-{r}.json").read_text()) for r in range(2)]
+    assert [len(r["ids"]) for r in first] == [9, 9]  # three batches each, then the kill
+    assert [r["epoch"] for r in second] == [2, 2]  # the restart took up the killed epoch
+    seen = Counter(i for r in first + second for i in r["ids"])
+    assert set(seen) == set(range(len(files)))  # every sample of the epoch once
+    assert sum(c - 1 for c in seen.values()) < 2  # (apart from a pad of the new pass)
+    assert not list(tmp_path.rglob("*.distcp"))  # no checkpoint anywhere

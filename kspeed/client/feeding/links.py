@@ -1,4 +1,4 @@
-"""The client's control-plane calls to one server: broadcast lookup, OpenFeed, CommitPlan, CloseFeed.
+"""The client's control-plane calls to one server: broadcast lookup, OpenFeed, CommitPlan, CloseFeed, positions.
 
 Every failure is converted to :mod:`kspeed.errors` naming the server and its address, so "server
 s2 at 10.0.0.7:7071 is unreachable" reaches the training script instead of a bare gRPC status.
@@ -125,6 +125,10 @@ class Link(Protocol):
 
     def close_feed(self, feed_id: str) -> None: ...
 
+    def keep_position(self, position: kspeed_pb2.Position) -> Callable[[], None]: ...
+
+    def positions(self, dataset: str, job: str) -> list[kspeed_pb2.Position]: ...
+
     def prep_figures(self, job: str = "") -> kspeed_pb2.PrepFigures | None: ...
 
     def production_figures(self, dataset: str) -> kspeed_pb2.ProductionFigures | None: ...
@@ -239,6 +243,33 @@ class ServerLink:
             self._stub.CloseFeed(
                 kspeed_pb2.CloseFeedRequest(feed_id=feed_id), timeout=self._timeout, metadata=self._metadata
             )
+
+    def keep_position(self, position: kspeed_pb2.Position) -> Callable[[], None]:
+        """Have the server keep a rank's position for a live resume (docs/resume.md): the call is
+        started, and the function returned waits for its answer (several servers' at once).
+
+        Raises (the function returned):
+            UnavailableError: the server is unreachable.
+        """
+        call = self._stub.KeepPosition.future(position, timeout=self._timeout, metadata=self._metadata)
+
+        def answered() -> None:
+            with rpc.map_rpc_errors(self.name):
+                call.result()
+
+        return answered
+
+    def positions(self, dataset: str, job: str) -> list[kspeed_pb2.Position]:
+        """The positions the server keeps of ``job``'s ranks on ``dataset``.
+
+        Raises:
+            UnavailableError: the server is unreachable.
+        """
+        with rpc.map_rpc_errors(self.name):
+            reply = self._stub.GetPositions(
+                kspeed_pb2.PositionsRequest(dataset=dataset, job=job), timeout=self._timeout, metadata=self._metadata
+            )
+        return list(reply.positions)
 
     def prep_figures(self, job: str = "") -> kspeed_pb2.PrepFigures | None:
         """The server's preprocessing workers' counters (``None``: it does not report them), with
