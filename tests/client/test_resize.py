@@ -151,3 +151,68 @@ def test_a_bad_pass_is_named():
         Pass(2, (1,))
     with pytest.raises(ConfigError, match="not a pass"):
         Pass.from_state("x")
+
+
+class BlockShuffle:
+    """A sampler of a user's that declares its global order: blocks of four samples, shuffled per
+    epoch, split over the ranks as DistributedSampler splits (written here without KSpeed's help)."""
+
+    def __init__(self, n: int, rank: int, num_replicas: int, seed: int = 0, lie: bool = False) -> None:
+        self.n, self.rank, self.num_replicas, self.seed, self.lie = n, rank, num_replicas, seed, lie
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def global_order(self, epoch: int) -> list[int]:
+        blocks = [list(range(i, min(i + 4, self.n))) for i in range(0, self.n, 4)]
+        np.random.default_rng([self.seed, epoch]).shuffle(blocks)
+        return [i for block in blocks for i in block]
+
+    def __iter__(self):
+        order = self.global_order(self.epoch + self.lie)
+        per_rank = -(-self.n // self.num_replicas)
+        padded = order + order[: per_rank * self.num_replicas - self.n]
+        return iter(padded[self.rank :: self.num_replicas])
+
+    def __len__(self) -> int:
+        return -(-self.n // self.num_replicas)
+
+
+def declared(sampler, batch: int = 4) -> EpochOrders:
+    return EpochOrders(
+        sampler, num_samples=sampler.n, batch_size=batch, drop_last=False, seed=0, shuffle=True,
+        rank=None, world_size=None, dataset="d",
+    )  # fmt: skip
+
+
+def test_a_sampler_that_declares_its_global_order_is_planned_from_it_and_checked():
+    sampler = BlockShuffle(37, 2, 3, seed=5)
+    o = declared(sampler)
+    o.check_declared()
+    assert o.declared and o.deterministic and o.split() == (2, 3)
+    assert o.order_identity == f"{__name__}.BlockShuffle(samples=37,seed=5)"
+    sampler.set_epoch(4)
+    assert o.order(4).tolist() == list(sampler) and o.global_order(4).tolist() == sampler.global_order(4)
+    with pytest.raises(ConfigError, match="yields something else than rank 1's part"):
+        declared(BlockShuffle(37, 1, 3, lie=True)).check_declared()
+
+
+def test_a_declared_order_resumes_at_another_world_size(make_ds, samples):
+    n = len(samples)
+    seen, states = [], []
+    for rank in range(3):
+        ds, _ = make_ds(sampler=BlockShuffle(n, rank, 3, seed=1), batch_size=8)
+        ds.set_epoch(2)
+        for k, batch in enumerate(ds):
+            seen += batch.ids.tolist()
+            if k == 2:
+                break
+        states.append(ds.state_dict())
+    for rank in range(2):
+        ds, _ = make_ds(sampler=BlockShuffle(n, rank, 2, seed=1), batch_size=5)
+        ds.load_state_dict(states[0])
+        ds.set_epoch(2)
+        seen += [i for batch in ds for i in batch.ids.tolist()]
+    counts = Counter(seen)
+    assert set(counts) == set(range(n)) and sum(c - 1 for c in counts.values()) < 2

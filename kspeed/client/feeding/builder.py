@@ -266,6 +266,7 @@ def build_feed(
     if requested < 0:
         raise ConfigError(f"dataset {name!r}: ring_bytes must not be negative, got {requested}", field="ring_bytes")
     orders = _epoch_orders(info, options)
+    orders.check_declared()
     orders.provisional = provisional
     delivery = make_delivery(options.device)
     ring_bytes = ring_size(

@@ -40,6 +40,7 @@ from torch.utils.data import (
 )
 
 from kspeed.client.planning.compact import id_dtype
+from kspeed.client.planning.resize import part_of
 from kspeed.config import launcher_environment
 from kspeed.errors import ConfigError, DatasetError
 
@@ -311,6 +312,20 @@ def _several(env: Mapping[str, int]) -> bool:
     )
 
 
+def declares_global_order(sampler: object) -> bool:
+    """Whether a sampler of the caller's declares its global order: it has integer ``rank`` and
+    ``num_replicas`` and a ``global_order(epoch)`` method giving every sample of an epoch in order,
+    and yields (for its ``set_epoch``) rank ``rank``'s part of it as ``DistributedSampler`` splits.
+    KSpeed then plans from the declared order and can resume it at another world size
+    (docs/resume.md); whether it yields that part is checked when the dataset opens."""
+    return (
+        callable(getattr(sampler, "global_order", None))
+        and isinstance(getattr(sampler, "rank", None), int)
+        and isinstance(getattr(sampler, "num_replicas", None), int)
+        and not isinstance(sampler, DistributedSampler)
+    )
+
+
 def _describe(sampler: object) -> str:
     cls = type(sampler)
     text = f"{cls.__module__}.{cls.__qualname__}"
@@ -409,7 +424,9 @@ class EpochOrders:
         #: where the built-in split's rank came from, while it is a guess to check when the epoch
         #: starts (:meth:`KSpeedDataset._settle_rank <kspeed.client.dataset.KSpeedDataset>`); None once known
         self.provisional: str | None = None
-        self.deterministic = type(sampler) in _DETERMINISTIC
+        #: a sampler of the caller's that declares its global order (:func:`declares_global_order`)
+        self.declared = sampler is not None and declares_global_order(sampler)
+        self.deterministic = type(sampler) in _DETERMINISTIC or self.declared
         self.identity = _describe(sampler)
         self._given = threading.local()  # per thread: the order given to :meth:`order` (see :meth:`given`)
         self._epoch = 0
@@ -449,8 +466,8 @@ class EpochOrders:
         order (the built-in sampler's, or a ``DistributedSampler`` of the caller's without
         ``drop_last``): such an epoch can be resumed at another world size. None otherwise."""
         s = self.sampler
-        if _own_iter(s, DistributedSampler) and not s.drop_last:  # type: ignore[attr-defined]
-            return s.rank, s.num_replicas  # type: ignore[attr-defined]
+        if (_own_iter(s, DistributedSampler) and not s.drop_last) or self.declared:  # type: ignore[attr-defined]
+            return int(s.rank), int(s.num_replicas)  # type: ignore[attr-defined]
         return None
 
     @property
@@ -460,6 +477,9 @@ class EpochOrders:
         if self.split() is None:
             return None
         s = self.sampler
+        if self.declared:
+            cls = type(s)
+            return f"{cls.__module__}.{cls.__qualname__}(samples={self.num_samples},seed={getattr(s, 'seed', None)})"
         n = len(s.dataset)  # type: ignore[attr-defined]
         return f"DistributedSampler(samples={n},shuffle={s.shuffle},seed={s.seed})"  # type: ignore[attr-defined]
 
@@ -479,6 +499,8 @@ class EpochOrders:
                 value=self.identity,
             )
         s = self.sampler
+        if self.declared:
+            return self._declared_order(epoch)
         whole: DistributedSampler = DistributedSampler(
             s.dataset,  # type: ignore[attr-defined]
             num_replicas=1,
@@ -563,6 +585,10 @@ class EpochOrders:
             return given[1]
         if self._resumed is not None and self._resumed[0] == epoch:
             return self._resumed[1]
+        if self.declared:
+            rank, world = self.split()  # type: ignore[misc]
+            ids = part_of(self._declared_order(epoch), rank, world)
+            return ids[: len(ids) - len(ids) % self.batch_size] if self.drop_last else ids
         if self.deterministic:
             sampler = copy.copy(self.sampler)
             if hasattr(sampler, "set_epoch"):
@@ -570,6 +596,52 @@ class EpochOrders:
         else:
             sampler = self.sampler
         return self.order_of(sampler)
+
+    def _declared_order(self, epoch: int) -> np.ndarray:
+        """The global order of ``epoch`` a sampler of the caller's declares, checked against the
+        dataset (named).
+
+        Raises:
+            ConfigError: it is not a sequence of sample IDs.
+            DatasetError: it names a sample outside the dataset.
+        """
+        raw = self.sampler.global_order(epoch)  # type: ignore[attr-defined]
+        ids = raw.numpy() if isinstance(raw, torch.Tensor) else np.asarray(raw)
+        if ids.ndim != 1 or (len(ids) and ids.dtype.kind not in "iu"):
+            raise ConfigError(
+                f"sampler {self.identity}: global_order({epoch}) must give one sample ID per position, got "
+                f"{type(raw).__name__} of shape {ids.shape} and dtype {ids.dtype}",
+                field="sampler",
+                value=self.identity,
+            )
+        return self._within(ids)
+
+    def check_declared(self) -> None:
+        """Establish that a sampler that declares its global order yields its rank's part of it,
+        split as ``DistributedSampler`` splits: its order of the current epoch is drawn once, from
+        a copy, and compared.
+
+        Raises:
+            ConfigError: it does not (named): its order could not be split again on a resume.
+        """
+        if not self.declared:
+            return
+        copied = copy.copy(self.sampler)
+        rank, world = self.split()  # type: ignore[misc]
+        epoch = 0
+        if hasattr(copied, "set_epoch"):
+            copied.set_epoch(epoch)
+        yielded = sampler_order(copied)
+        if self.drop_last:
+            yielded = yielded[: len(yielded) - len(yielded) % self.batch_size]
+        if not np.array_equal(yielded, self.order(epoch)):
+            raise ConfigError(
+                f"dataset {self.dataset!r}: sampler {self.identity} declares a global order (global_order, rank "
+                f"{rank}, num_replicas {world}) but yields something else than rank {rank}'s part of it, split as "
+                "DistributedSampler splits (every num_replicas-th sample from its rank, padded from the start)",
+                field="sampler",
+                value=self.identity,
+            )
 
     def order_of(self, sampler: Iterable[int]) -> np.ndarray:
         """The IDs ``sampler`` (this one's sampler, or a copy of it) yields as an epoch's order: cut with
@@ -590,6 +662,14 @@ class EpochOrders:
             ) from exc
         if self.drop_last:
             ids = ids[: len(ids) - len(ids) % self.batch_size]
+        return self._within(ids)
+
+    def _within(self, ids: np.ndarray) -> np.ndarray:
+        """``ids`` as narrow as they fit, checked against the dataset.
+
+        Raises:
+            DatasetError: an ID outside the dataset (named).
+        """
         if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.num_samples):
             sample = int(ids[np.flatnonzero((ids < 0) | (ids >= self.num_samples))[0]])
             raise DatasetError(
