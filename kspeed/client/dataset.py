@@ -25,6 +25,7 @@ draws only from copies, so the state saved is the one the training loop left.
 
 from __future__ import annotations
 
+import base64
 import logging
 import math
 import sys
@@ -279,6 +280,12 @@ class KSpeedDataset(IterableDataset):
             "num_samples": self.num_samples,
         }
         split = self._orders.split()
+        drawn = self._orders.drawn_from
+        if split is None and drawn is not None and drawn[0] == self._epoch:
+            # (drawn from its own generator: another batch size draws the epoch again from there)
+            skipped = self._orders.skipped[1] if self._orders.skipped[0] == self._epoch else 0
+            mine = self.samples_per_epoch if batches >= len(self) else batches * self.batch_size
+            state.update(generator=base64.b64encode(drawn[1]).decode(), position=skipped + mine)
         if split is not None:
             rank, world = split
             # (a rank knows its own count; the ranks of a synchronous job consume alike: merge_states
@@ -323,6 +330,22 @@ class KSpeedDataset(IterableDataset):
             raise ConfigError(f"dataset {self.name!r}: bad passes in state: {raw!r:.200}", field="passes")
         passes = [Pass.from_state(p) for p in raw]
         split = self._orders.split()
+        if not passes and split is None and "generator" in state and state.get("batch_size") != self.batch_size:
+            self._same(state, mine, "sampler")
+            try:
+                drawn, position = base64.b64decode(state["generator"], validate=True), state["position"]
+                if not isinstance(position, int) or position < 0:
+                    raise ValueError(f"position {position!r}")
+                self._forget_resume()
+                self._orders.skip_drawn(epoch, drawn, position)
+            except (ValueError, TypeError, RuntimeError) as exc:  # (torch refuses a state of another size)
+                raise ConfigError(
+                    f"dataset {self.name!r}: bad generator state or position in state: {exc}", field="state"
+                ) from exc
+            self.set_epoch(epoch)
+            self._resume = self._consumed = 0
+            self._loaded_epoch = epoch
+            return
         if not passes or split is None:  # (saved, or resumed, by a sampler that cannot resize)
             for key in ("sampler", "batch_size"):
                 self._same(state, mine, key)

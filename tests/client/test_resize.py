@@ -7,7 +7,8 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from torch.utils.data import DistributedSampler
+import torch
+from torch.utils.data import DistributedSampler, RandomSampler
 
 from kspeed.client.planning.resize import Pass, part_of, remainder
 from kspeed.client.planning.sampling import EpochOrders
@@ -216,3 +217,32 @@ def test_a_declared_order_resumes_at_another_world_size(make_ds, samples):
         seen += [i for batch in ds for i in batch.ids.tolist()]
     counts = Counter(seen)
     assert set(counts) == set(range(n)) and sum(c - 1 for c in counts.values()) < 2
+
+
+def test_a_random_sampler_with_its_own_generator_resumes_at_another_batch_size(make_ds, samples):
+    n = len(samples)
+    reference = RandomSampler(range(n), generator=torch.Generator().manual_seed(3))
+    whole = [list(reference), list(reference)]  # epochs 0 and 1 of an uninterrupted run
+    ds, _ = make_ds(sampler=RandomSampler(range(n), generator=torch.Generator().manual_seed(3)), batch_size=8)
+    got = []
+    for k, batch in enumerate(ds):
+        got += batch.ids.tolist()
+        if k == 2:
+            break
+    state = ds.state_dict()
+    assert state["position"] == 24 and "generator" in state
+    other = RandomSampler(range(n), generator=torch.Generator().manual_seed(99))  # (put back from the state)
+    again, _ = make_ds(sampler=other, batch_size=5)
+    again.load_state_dict(state)
+    again.set_epoch(0)
+    assert len(again) == -(-(n - 24) // 5)
+    rest = [i for batch in again for i in batch.ids.tolist()]
+    assert got + rest == whole[0]  # the epoch exactly once, in its order
+    again.set_epoch(1)
+    assert [i for batch in again for i in batch.ids.tolist()] == whole[1]  # and the run goes on as it would have
+    bad = dict(state, generator="not base64!")
+    with pytest.raises(ConfigError, match="bad generator state"):
+        make_ds(sampler=other, batch_size=5)[0].load_state_dict(bad)
+    unseeded, _ = make_ds(sampler=RandomSampler(range(n)), batch_size=5)
+    with pytest.raises(ConfigError, match="draws from torch's global generator"):
+        unseeded.load_state_dict(state)  # (no generator of its own: named)

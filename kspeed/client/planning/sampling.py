@@ -432,6 +432,11 @@ class EpochOrders:
         self._epoch = 0
         #: this rank's part of an epoch resumed at another world size (:meth:`resume`)
         self._resumed: tuple[int, np.ndarray] | None = None
+        #: the state of the sampler's own generator when the order of an epoch was drawn from it,
+        #: and samples to leave out of the next draw of an epoch (:meth:`skip_drawn`)
+        self.drawn_from: tuple[int, bytes] | None = None
+        self._skip: tuple[int, int] | None = None
+        self.skipped: tuple[int, int] = (0, 0)
 
     def _builtin(self, rank: int, world: int) -> Iterable[int]:
         """The built-in sampler of ``rank`` of ``world``."""
@@ -529,8 +534,12 @@ class EpochOrders:
         """
         if self._resumed is not None and self._resumed[0] == self._epoch:
             return len(self._resumed[1])
+        if self._skip is not None and self._skip[0] == self._epoch:
+            cut = self._skip[1]  # (the next draw's)
+        else:
+            cut = self.skipped[1] if self.skipped[0] == self._epoch else 0
         try:
-            return len(self.sampler)  # type: ignore[arg-type]
+            return max(len(self.sampler) - cut, 0)  # type: ignore[arg-type]
         except TypeError as exc:
             raise ConfigError(
                 f"sampler {self.identity} has no len(); KSpeed needs the epoch's length",
@@ -593,9 +602,35 @@ class EpochOrders:
             sampler = copy.copy(self.sampler)
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(epoch)
-        else:
-            sampler = self.sampler
-        return self.order_of(sampler)
+            return self.order_of(sampler)
+        own = getattr(self.sampler, "generator", None)
+        if isinstance(own, torch.Generator):
+            self.drawn_from = (epoch, bytes(own.get_state().numpy()))
+        ids = self.order_of(self.sampler)
+        skip = self._skip[1] if self._skip is not None and self._skip[0] == epoch else 0
+        if skip:
+            self._skip = None
+        self.skipped = (epoch, skip)  # (the samples of this draw left out: delivered before a resume)
+        return ids[skip:]
+
+    def skip_drawn(self, epoch: int, generator_state: bytes, samples: int) -> None:
+        """Draw ``epoch`` next from the sampler's own generator put back to ``generator_state`` (its
+        state when that epoch was drawn before), leaving out its first ``samples`` (delivered before
+        a resume at another batch size).
+
+        Raises:
+            ConfigError: the sampler has no generator of its own to put back (named).
+        """
+        own = getattr(self.sampler, "generator", None)
+        if not isinstance(own, torch.Generator):
+            raise ConfigError(
+                f"dataset {self.dataset!r}: sampler {self.identity} draws from torch's global generator: give it a "
+                "torch.Generator of its own (seeded) to resume it at another batch size",
+                field="sampler",
+                value=self.identity,
+            )
+        own.set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
+        self._skip = (epoch, samples)
 
     def _declared_order(self, epoch: int) -> np.ndarray:
         """The global order of ``epoch`` a sampler of the caller's declares, checked against the
