@@ -29,6 +29,14 @@ def orders(n: int, rank: int, world: int, *, seed: int = 3, drop_last: bool = Fa
     )
 
 
+def of_sampler(sampler, n: int, batch: int = 4) -> EpochOrders:
+    """The orders of a sampler of the caller's over ``n`` samples."""
+    return EpochOrders(
+        sampler, num_samples=n, batch_size=batch, drop_last=False, seed=0, shuffle=True,
+        rank=None, world_size=None, dataset="d",
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize(("n", "world"), [(36, 4), (37, 4), (37, 3), (5, 8)])
 def test_a_part_of_the_global_order_is_what_the_distributed_sampler_gives_that_rank(n, world):
     for rank in range(world):
@@ -106,30 +114,9 @@ def test_only_an_order_split_from_one_global_order_resizes():
     assert shard.split() is None and shard.order_identity is None
     with pytest.raises(ConfigError, match="does not split one global order"):
         shard.global_order(0)
-    mine = EpochOrders(
-        DistributedSampler(range(10), num_replicas=2, rank=1, seed=4, drop_last=True),
-        num_samples=10,
-        batch_size=2,
-        drop_last=False,
-        seed=0,
-        shuffle=True,
-        rank=None,
-        world_size=None,
-        dataset="d",
-    )
+    mine = of_sampler(DistributedSampler(range(10), num_replicas=2, rank=1, seed=4, drop_last=True), 10)
     assert mine.split() is None  # (drop_last: the tail it drops depends on the world size)
-    yours = DistributedSampler(range(10), num_replicas=2, rank=1, seed=4)
-    theirs = EpochOrders(
-        yours,
-        num_samples=10,
-        batch_size=2,
-        drop_last=False,
-        seed=0,
-        shuffle=True,
-        rank=None,
-        world_size=None,
-        dataset="d",
-    )
+    theirs = of_sampler(DistributedSampler(range(10), num_replicas=2, rank=1, seed=4), 10)
     assert theirs.split() == (1, 2)
     assert theirs.order_identity == "DistributedSampler(samples=10,shuffle=True,seed=4)"
 
@@ -180,11 +167,8 @@ class BlockShuffle:
         return -(-self.n // self.num_replicas)
 
 
-def declared(sampler, batch: int = 4) -> EpochOrders:
-    return EpochOrders(
-        sampler, num_samples=sampler.n, batch_size=batch, drop_last=False, seed=0, shuffle=True,
-        rank=None, world_size=None, dataset="d",
-    )  # fmt: skip
+def declared(sampler) -> EpochOrders:
+    return of_sampler(sampler, sampler.n)
 
 
 def test_a_sampler_that_declares_its_global_order_is_planned_from_it_and_checked():

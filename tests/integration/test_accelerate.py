@@ -5,14 +5,12 @@ once, a new order each epoch; a DataLoader over the dataset handed to ``prepare(
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.integration.test_datasets import make_tree
-from tests.integration.test_torchrun import launcher_env
+from tests.integration.test_torchrun import torchrun
 
 JOB = Path(__file__).with_name("accelerate_job.py")
 
@@ -20,17 +18,7 @@ JOB = Path(__file__).with_name("accelerate_job.py")
 def launch(cluster, tmp_path, mode: str, processes: int) -> list[dict]:
     out = tmp_path / mode
     out.mkdir()
-    done = subprocess.run(
-        [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
-            str(JOB), str(tmp_path / "imgs"), str(out), mode,
-        ],
-        env=launcher_env(cluster),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    torchrun(cluster, JOB, str(tmp_path / "imgs"), str(out), mode, processes=processes)
     return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(processes)]
 
 

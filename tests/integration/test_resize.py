@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -20,7 +18,7 @@ from kspeed.client.dataset import KSpeedDataset
 from kspeed.errors import ConfigError
 from tests.integration.test_client import config_for, loader_order
 from tests.integration.test_datasets import make_tree
-from tests.integration.test_torchrun import launcher_env
+from tests.integration.test_torchrun import torchrun
 
 EPOCH, SEED = 3, 7
 DCP_JOB = Path(__file__).with_name("dcp_resize_job.py")
@@ -149,17 +147,7 @@ def test_a_torchrun_job_checkpointed_with_dcp_resumes_at_another_world_size(clus
     out.mkdir()
     seen = []
     for mode, world in (("save", 2), ("load", 3)):
-        done = subprocess.run(
-            [
-                sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-                str(DCP_JOB), str(tmp_path / "imgs"), str(out), str(checkpoint), mode,
-            ],
-            env=launcher_env(cluster),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stderr[-3000:]
+        torchrun(cluster, DCP_JOB, str(tmp_path / "imgs"), str(out), str(checkpoint), mode, processes=world)
         parts = [json.loads((out / f"{mode}-rank-{r}.json").read_text())["ids"] for r in range(world)]
         assert len({len(p) for p in parts}) == 1  # the ranks' parts are equal
         seen += [i for p in parts for i in p]
@@ -174,19 +162,10 @@ def test_a_rank_killed_mid_epoch_under_torchrun_restarts_and_the_job_finishes_th
     cluster = cluster_factory(2, server_args=["--backend-allow", str(tmp_path)])
     out = tmp_path / "out"
     out.mkdir()
-    done = subprocess.run(
-        [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
-            "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
-            "--rdzv-conf", "last_call_timeout=1", "--monitor-interval", "0.2",
-            str(LIVE_JOB), str(tmp_path / "imgs"), str(out), "3",
-        ],
-        env=launcher_env(cluster),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    # (one node of at most two, a restart allowed; the rendezvous does not wait for a second node)
+    elastic = ("--nnodes", "1:2", "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0")
+    elastic += ("--rdzv-conf", "last_call_timeout=1", "--monitor-interval", "0.2")
+    torchrun(cluster, LIVE_JOB, str(tmp_path / "imgs"), str(out), "3", launcher=elastic)
     first = [json.loads((out / f"try0-rank-{r}.json").read_text()) for r in range(2)]
     second = [json.loads((out / f"try1-rank-{r}.json").read_text()) for r in range(2)]
     assert [len(r["ids"]) for r in first] == [9, 9]  # three batches each, then the kill

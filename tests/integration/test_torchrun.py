@@ -31,16 +31,13 @@ def launcher_env(cluster) -> dict[str, str]:
     return env
 
 
-@pytest.mark.parametrize("mode", ["group", "env"])
-def test_two_rank_torchrun_job_reads_each_sample_once(cluster_factory, tmp_path, mode):
-    files = make_tree(tmp_path / "imgs", per_class=50, max_size=4000)  # 150 samples
-    cluster = cluster_factory(2, server_args=["--backend-allow", str(tmp_path)])
-    out = tmp_path / "out"
-    out.mkdir()
+def torchrun(cluster, script: Path, *args: str, processes: int = 2, launcher: tuple[str, ...] = ("--standalone",)):
+    """Run ``script`` with ``args`` as a torchrun job of ``processes`` ranks against ``cluster`` (its
+    ``launcher`` options: ``--standalone`` unless given); asserts that it succeeded."""
     done = subprocess.run(
         [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            str(JOB), str(tmp_path / "imgs"), str(out), mode,
+            sys.executable, "-m", "torch.distributed.run", *launcher, "--nproc-per-node", str(processes),
+            str(script), *args,
         ],
         env=launcher_env(cluster),
         capture_output=True,
@@ -48,6 +45,15 @@ def test_two_rank_torchrun_job_reads_each_sample_once(cluster_factory, tmp_path,
         timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("mode", ["group", "env"])
+def test_two_rank_torchrun_job_reads_each_sample_once(cluster_factory, tmp_path, mode):
+    files = make_tree(tmp_path / "imgs", per_class=50, max_size=4000)  # 150 samples
+    cluster = cluster_factory(2, server_args=["--backend-allow", str(tmp_path)])
+    out = tmp_path / "out"
+    out.mkdir()
+    torchrun(cluster, JOB, str(tmp_path / "imgs"), str(out), mode)
     ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
     assert [(r["ds_rank"], r["ds_world_size"]) for r in ranks] == [(0, 2), (1, 2)]
     got = [r["ids"] for r in ranks]
