@@ -110,7 +110,7 @@ def pipeline():
 
 def figures(ds) -> dict:
     """The inner dataset's attribution figures."""
-    inner = getattr(ds, "dataset", ds)
+    inner = getattr(ds, "kspeed_dataset", ds)
     return inner.stats()["attribution"]
 
 

@@ -186,7 +186,7 @@ def _open(client: Any, phase: Phase, options: Options, rank: int) -> Any:
 
 def _inner(ds: Any) -> Any:
     """The KSpeed dataset under a prepared one (its feed and servers)."""
-    return getattr(ds, "dataset", ds)
+    return getattr(ds, "kspeed_dataset", ds)
 
 
 def _delivered(ds: Any) -> tuple[int, int]:

@@ -78,6 +78,32 @@ def test_resumed_at_another_world_size_every_sample_is_delivered_once(cluster_fa
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize(("before", "after"), [(4, 2), (2, 3), (3, 1)])
+def test_a_server_killed_during_the_resumed_part_loses_no_sample(cluster_factory, tmp_path, before, after):
+    files = make_tree(tmp_path / "imgs", max_size=128 * 1024)
+    n, keys = len(files), list(files)  # 120, more than one server holds
+    cluster = cluster_factory(2, server_args=["--backend-allow", str(tmp_path)])
+    spec = DatasetSpec(name="imgs", uri=str(tmp_path / "imgs"))
+    with KSpeedClient(config=config_for(cluster, failover_timeout="60s")) as client:
+        seen, states = run_before(client, spec, files, before, batch=3)
+        shares = client.manager.dataset("imgs").shares
+        assert len({s.server_id for s in shares}) == 2
+        victim = next(s for s in cluster.servers if s.ready["id"] == shares[0].server_id)
+        for rank in range(after):
+            ds = client.dataset(spec, batch_size=4, rank=rank, world_size=after, seed=SEED, quiet=True)
+            ds.load_state_dict(states[0])
+            last = rank == after - 1
+            if last:  # its feeds are open on both servers: one dies before it writes this rank a sample
+                victim.signal(signal.SIGKILL)
+            seen += read(ds, files, keys)
+            assert ds.stats()["replaced_servers"] == last
+            ds.close()
+    counts = Counter(seen)
+    assert set(counts) == set(range(n))
+    assert sum(c - 1 for c in counts.values()) < after
+
+
+@pytest.mark.timeout(180)
 def test_resumed_twice_with_ranks_apart_and_a_server_killed_during_the_resumed_part(cluster_factory, tmp_path):
     files = make_tree(tmp_path / "imgs", max_size=128 * 1024)
     n, keys = len(files), list(files)  # 120, more than one server holds
