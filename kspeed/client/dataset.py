@@ -301,13 +301,17 @@ class KSpeedDataset(IterableDataset):
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue where :meth:`state_dict` was taken.
+        """Continue where :meth:`state_dict` was taken (docs/resume.md).
 
-        Saved with this world size, batch size and rank, the next iteration skips the consumed
-        batches. Saved otherwise, by an order split as ``DistributedSampler`` splits one (the
-        built-in sampler's), the next iteration delivers this rank's part of what no rank had
-        delivered of the epoch, split over this world size (docs/resume.md); the epochs after are
-        whole again.
+        For an order split as ``DistributedSampler`` splits one global order (the built-in
+        sampler's, a ``DistributedSampler``'s, a sampler's that declares it): at the world size
+        and batch size of the state's last pass, this rank continues its own part of that pass
+        at its own position (the state may be another rank's, as a checkpoint keeps one copy);
+        otherwise the next iteration delivers this rank's part of what no rank had delivered of
+        the epoch, split anew over this world size. For any other sampler, at the state's batch
+        size the next iteration skips the consumed batches, and at another one a sampler with a
+        generator of its own draws the epoch again from the generator's saved state and
+        delivers the rest. The epochs after are whole again.
 
         Raises:
             ConfigError: the state belongs to another dataset, seed or sampler; or it was saved at
