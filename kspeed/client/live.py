@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -24,6 +25,7 @@ __all__ = ["REPLICAS", "LivePositions", "newest_state"]
 log = logging.getLogger(__name__)
 
 REPLICAS = 2  # servers that keep each rank's position: one may be lost without losing it
+DOWN_S = 10.0  # seconds a server that did not keep a position is passed over (the others keep it)
 
 
 class LivePositions:
@@ -38,6 +40,7 @@ class LivePositions:
     def __init__(self, dataset: str, job: str, links: Callable[[], list[Link]]) -> None:
         self.dataset, self.job = dataset, job
         self._links = links
+        self._down: dict[str, float] = {}  # server ID -> until when it is passed over
         self.kept = 0
         self.missed = 0
 
@@ -53,21 +56,22 @@ class LivePositions:
             rank=rank,
             state=json.dumps(state, separators=(",", ":")).encode(),
         )
-        links = sorted(self._links(), key=lambda link: link.server_id)
-        chosen = [links[(rank + k) % len(links)] for k in range(min(REPLICAS, len(links)))]
+        now = time.monotonic()
+        up = sorted((k for k in self._links() if self._down.get(k.server_id, 0.0) <= now), key=lambda k: k.server_id)
+        chosen = [up[(rank + k) % len(up)] for k in range(min(REPLICAS, len(up)))]
         took, failure = 0, ""
         calls = []
         for link in chosen:  # (sent to every one before waiting for any)
             try:
                 calls.append((link, link.keep_position(position)))
             except KSpeedError as exc:
-                failure = f"{link.name}: {exc}"
+                failure = self._failed(link, exc, now)
         for link, answered in calls:
             try:
                 answered()
                 took += 1
             except KSpeedError as exc:
-                failure = f"{link.name}: {exc}"
+                failure = self._failed(link, exc, now)
         if took:
             self.kept += 1
             return
@@ -81,6 +85,12 @@ class LivePositions:
                 self.missed,
                 failure or "no server",
             )
+
+    def _failed(self, link: Link, exc: KSpeedError, now: float) -> str:
+        """``link`` did not keep a position: it is passed over for :data:`DOWN_S` (a server that
+        hangs would otherwise hold every batch for the call's timeout until its failover)."""
+        self._down[link.server_id] = now + DOWN_S
+        return f"{link.name}: {exc}"
 
     def load(self) -> dict[str, Any] | None:
         """The job's state to resume from (:func:`newest_state`), or None where no server keeps any."""

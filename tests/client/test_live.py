@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-from kspeed.client.live import newest_state
+from kspeed.client.live import LivePositions, newest_state
+from kspeed.errors import UnavailableError
 from kspeed.proto import kspeed_pb2
+from kspeed.server.positions import Positions
 from tests.client.conftest import N_SAMPLES
 
 
@@ -72,3 +74,32 @@ def test_ranks_continue_the_epoch_from_the_servers_record_at_the_same_and_anothe
     counts = Counter(seen)
     assert set(counts) == set(range(N_SAMPLES))
     assert sum(c - 1 for c in counts.values()) < 2  # (a pad of the two ranks' pass)
+
+
+class Keeper:
+    """A server's link that keeps positions, or fails to (a server that is down)."""
+
+    def __init__(self, server_id: str, down: bool = False) -> None:
+        self.server_id, self.name, self.down, self.calls = server_id, f"server {server_id}", down, 0
+        self.kept = Positions()
+
+    def keep_position(self, position):
+        self.calls += 1
+        if self.down:
+            raise UnavailableError(f"{self.name} is unreachable")
+        self.kept.keep(position)
+        return lambda: None
+
+
+def test_a_server_that_does_not_keep_a_position_is_passed_over_and_the_others_keep_two_copies(caplog):
+    servers = [Keeper("a", down=True), Keeper("b"), Keeper("c")]
+    live = LivePositions("d", "j", lambda: servers)
+    for batch in range(5):
+        live.keep(state(0, 1, [[1, [batch * 4]]]))
+    assert servers[0].calls == 1  # (tried once, then passed over while the others keep it)
+    assert [len(s.kept.of("d", "j")) for s in servers[1:]] == [1, 1]  # (two copies from the second on)
+    assert live.kept == 5 and live.missed == 0
+    for s in servers:
+        s.down = True
+    live.keep(state(0, 1, [[1, [20]]]))
+    assert live.missed == 1 and "no server kept rank 0's position" in caplog.text

@@ -406,3 +406,23 @@ def test_default_workers_follow_the_cpus_the_process_may_use(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)))
     assert worker_count(None) == 4
     assert worker_count(7) == 7  # asked for: as asked
+
+
+def test_a_prepared_dataset_keeps_the_position_of_what_it_handed_on_not_of_what_it_prepared(folder, make_wrapped):
+    from kspeed.client.live import newest_state
+
+    whole = list(make_wrapped(batch_size=4, seed=1))
+    wrapped = make_wrapped(batch_size=4, seed=1)  # (two workers prepare batches ahead)
+    assert wrapped.resume_live("job") is False
+    it = iter(wrapped)
+    first = [next(it) for _ in range(2)]
+    servers = wrapped.kspeed_dataset._server_links()
+    kept = newest_state(p for s in servers for p in s.kept.of(wrapped.name, "job"))
+    assert kept is not None and kept["batches"] == 2 and kept["passes"][-1][1] == [8]
+    # one position per batch handed on (and one when the epoch began), none for those prepared ahead
+    assert wrapped.kspeed_dataset._live is not None and wrapped.kspeed_dataset._live.kept == 3
+    again = make_wrapped(batch_size=4, seed=1)
+    for fake, earlier in zip(again.kspeed_dataset._server_links(), servers, strict=True):
+        fake.kept = earlier.kept  # (the same servers)
+    assert again.resume_live("job") is True
+    assert_same_batches(first + list(again), whole)

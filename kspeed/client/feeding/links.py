@@ -26,6 +26,9 @@ LOOKUP_CHUNK = 1 << 16  # IDs per Lookup call (the server accepts up to 1 << 20)
 PLAN_CHUNK = 1 << 18  # IDs per PlanChunk (6 MiB per message); a larger plan part is streamed
 PLAN_DEADLINE = 120.0  # CommitPlan streams the whole plan; the server returns at once (it produces as it serves)
 BUSY_RETRY_S = 30.0  # how long a lookup or plan is tried again while the server has no stream free
+KEEP_POSITION_TIMEOUT_S = (
+    5.0  # a live position is awaited before each batch: a server that does not answer is passed over
+)
 
 T = TypeVar("T")
 
@@ -251,7 +254,9 @@ class ServerLink:
         Raises (the function returned):
             UnavailableError: the server is unreachable.
         """
-        call = self._stub.KeepPosition.future(position, timeout=self._timeout, metadata=self._metadata)
+        call = self._stub.KeepPosition.future(
+            position, timeout=min(self._timeout, KEEP_POSITION_TIMEOUT_S), metadata=self._metadata
+        )
 
         def answered() -> None:
             with rpc.map_rpc_errors(self.name):
