@@ -6,8 +6,6 @@ under Lightning's ``ddp`` each of two processes reads its own half."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,7 @@ from kspeed import KSpeedClient
 from tests.integration.lightning_job import Job, trainer
 from tests.integration.test_client import config_for
 from tests.integration.test_datasets import make_tree
-from tests.integration.test_torchrun import launcher_env
+from tests.integration.test_torchrun import run_job
 
 EPOCHS = 3
 SCRIPT = Path(__file__).with_name("lightning_job.py")
@@ -43,14 +41,7 @@ def test_a_two_process_ddp_job_reads_disjoint_halves_in_a_new_order_each_epoch(c
     cluster = cluster_factory(1, server_args=["--backend-allow", str(tmp_path)])
     out = tmp_path / "out"
     out.mkdir()
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tmp_path / "imgs"), str(out), where],
-        env=launcher_env(cluster),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_job(cluster, str(SCRIPT), str(tmp_path / "imgs"), str(out), where)
     ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
     assert [(r["rank"], r["world_size"]) for r in ranks] == [(0, 2), (1, 2)]
     for epoch in range(2):

@@ -31,20 +31,18 @@ def launcher_env(cluster) -> dict[str, str]:
     return env
 
 
+def run_job(cluster, *argv: str) -> None:
+    """Run ``python argv...`` as a job a launcher starts against ``cluster``; asserts that it succeeded."""
+    done = subprocess.run(
+        [sys.executable, *argv], env=launcher_env(cluster), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def torchrun(cluster, script: Path, *args: str, processes: int = 2, launcher: tuple[str, ...] = ("--standalone",)):
     """Run ``script`` with ``args`` as a torchrun job of ``processes`` ranks against ``cluster`` (its
     ``launcher`` options: ``--standalone`` unless given); asserts that it succeeded."""
-    done = subprocess.run(
-        [
-            sys.executable, "-m", "torch.distributed.run", *launcher, "--nproc-per-node", str(processes),
-            str(script), *args,
-        ],
-        env=launcher_env(cluster),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_job(cluster, "-m", "torch.distributed.run", *launcher, "--nproc-per-node", str(processes), str(script), *args)
 
 
 @pytest.mark.parametrize("mode", ["group", "env"])
